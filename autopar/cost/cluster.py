@@ -1,0 +1,102 @@
+"""Hardware description for the cost model: one device type, intra-node and inter-node links.
+
+Numbers are dense (no sparsity) peaks; bandwidths are unidirectional bytes/s per rank.
+Seed figures: /work/shared/reference/seed_figures.json "hardware" (copied into tests/test_seed_figures.py).
+"""
+from __future__ import annotations
+import json, math, os
+from dataclasses import dataclass, asdict
+import torch
+
+_DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp32"}
+for _n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+  if hasattr(torch, _n): _DTYPE_KEY[getattr(torch, _n)] = "fp8"
+
+@dataclass(frozen=True)
+class DeviceSpec:
+  name: str
+  peak_flops: dict[str, float]   # "bf16","fp16","fp32","tf32","fp8" -> dense FLOP/s
+  mem_bw: float                  # bytes/s HBM (or DRAM)
+  mem_bytes: float               # capacity per device, bytes
+  matmul_eff: float = 0.7        # achievable fraction of peak for large matmuls
+  mem_eff: float = 0.8           # achievable fraction of mem_bw
+
+  def flops_for(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
+    """Peak dense FLOP/s for matmuls in `dtype`. Missing keys fall back (fp8 -> bf16 -> fp32)."""
+    key = _DTYPE_KEY.get(dtype, "fp32")
+    if key == "fp32" and allow_tf32 and "tf32" in self.peak_flops: key = "tf32"
+    for k in (key, "bf16" if key == "fp8" else key, "fp32"):
+      if k in self.peak_flops: return float(self.peak_flops[k])
+    return float(max(self.peak_flops.values()))
+
+  def __hash__(self): return hash((self.name, tuple(sorted(self.peak_flops.items())), self.mem_bw, self.mem_bytes))
+
+@dataclass(frozen=True)
+class LinkSpec:
+  name: str
+  alpha: float   # seconds per message step (latency)
+  bw: float      # bytes/s, unidirectional per rank
+
+@dataclass(frozen=True)
+class ClusterSpec:
+  name: str
+  device: DeviceSpec
+  gpus_per_node: int
+  intra: LinkSpec
+  inter: LinkSpec
+
+  def link_for(self, mesh_shape: tuple[int, ...], dim: int) -> LinkSpec:
+    """Link used by the process group along mesh dim `dim`. Ranks are row-major over mesh_shape (last dim
+    fastest) and nodes hold consecutive ranks; the group along `dim` spans stride*size consecutive ranks
+    (stride = prod(mesh_shape[dim+1:])). It stays in one node iff that span tiles a node exactly."""
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    dim = dim % len(mesh_shape)
+    if mesh_shape[dim] <= 1 or math.prod(mesh_shape) <= self.gpus_per_node: return self.intra
+    span = math.prod(mesh_shape[dim:])
+    return self.intra if span <= self.gpus_per_node and self.gpus_per_node % span == 0 else self.inter
+
+  @property
+  def peak_bf16(self) -> float: return self.device.flops_for(torch.bfloat16)
+
+  def to_json(self) -> dict: return asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> ClusterSpec:
+    return cls(name=d["name"], device=DeviceSpec(**d["device"]), gpus_per_node=int(d["gpus_per_node"]),
+               intra=LinkSpec(**d["intra"]), inter=LinkSpec(**d["inter"]))
+
+  def save(self, path: str) -> None:
+    with open(path, "w") as f: json.dump(self.to_json(), f, indent=1)
+
+# ---- presets ----
+GB = 1e9
+_H100 = DeviceSpec("H100-SXM", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp32": 66.9e12},
+                   mem_bw=3.35e12, mem_bytes=80 * GB)
+_H200 = DeviceSpec("H200-SXM", dict(_H100.peak_flops), mem_bw=4.8e12, mem_bytes=141 * GB)
+_A100 = DeviceSpec("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+                   mem_bw=2.0e12, mem_bytes=80 * GB)
+_CPU = DeviceSpec("cpu", {"fp32": 1e11, "bf16": 1e11, "fp16": 1e11}, mem_bw=2e10, mem_bytes=16 * GB,
+                  matmul_eff=0.5, mem_eff=0.7)
+
+_NVLINK4 = LinkSpec("nvlink4", alpha=3e-6, bw=450 * GB)       # seed: 450 GB/s, alpha 2-5 us
+_NVLINK3 = LinkSpec("nvlink3", alpha=3e-6, bw=300 * GB)
+_IB_NDR = LinkSpec("ib-ndr400", alpha=15e-6, bw=40 * GB)      # seed: 40 GB/s effective, alpha 10-20 us
+_IB_HDR = LinkSpec("ib-hdr200", alpha=15e-6, bw=25 * GB)
+_LOOP = LinkSpec("loopback", alpha=5e-5, bw=2 * GB)
+
+CLUSTERS: dict[str, ClusterSpec] = {
+  "h100": ClusterSpec("h100", _H100, 8, _NVLINK4, _IB_NDR),
+  "h200": ClusterSpec("h200", _H200, 8, _NVLINK4, _IB_NDR),
+  "a100": ClusterSpec("a100", _A100, 8, _NVLINK3, _IB_HDR),
+  "cpu-gloo": ClusterSpec("cpu-gloo", _CPU, 1 << 20, _LOOP, _LOOP),
+}
+
+def get_cluster(name_or_path: str | ClusterSpec) -> ClusterSpec:
+  """A ClusterSpec, a preset name from CLUSTERS, or a path to a JSON file written by ClusterSpec.to_json."""
+  if isinstance(name_or_path, ClusterSpec): return name_or_path
+  key = str(name_or_path)
+  if key in CLUSTERS: return CLUSTERS[key]
+  if key.lower() in CLUSTERS: return CLUSTERS[key.lower()]
+  if os.path.isfile(key):
+    with open(key) as f: return ClusterSpec.from_json(json.load(f))
+  raise ValueError(f"unknown cluster {key!r}: not a file and not one of {sorted(CLUSTERS)}")

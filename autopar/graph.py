@@ -1,0 +1,130 @@
+"""autopar's IR: a flat, topologically ordered list of aten op nodes of the joint forward+backward graph.
+
+A node's tensor arguments are `Ref(node, out)` placeholders; everything else (ints, dtypes, shapes) is kept as is.
+Nodes of kind "param" / "buffer" / "input" are the graph's leaves; `Graph.outputs` names the loss and, per
+parameter FQN, the node holding its gradient.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ref:
+    node: int
+    out: int = 0
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass
+class Node:
+    idx: int
+    kind: str                      # "op" | "param" | "buffer" | "input" | "constant"
+    target: Any                    # OpOverload for ops; FQN / input position for leaves
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    outs: tuple[TensorMeta | None, ...] = ()
+    phase: str = "fw"              # "fw" | "bw" (bw: run by autograd's backward)
+    module: str = ""               # module path that produced the node, "" for the root
+    users: list[int] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        if self.kind != "op":
+            return f"{self.kind}:{self.target}"
+        return f"%{self.idx}:{op_name(self.target)}"
+
+    def inputs(self) -> list[Ref]:
+        """Tensor arguments in flatten order (the order DTensor's strategies list input specs)."""
+        return [a for a in _flat(self.args, self.kwargs) if isinstance(a, Ref)]
+
+    @property
+    def out(self) -> TensorMeta:
+        return self.outs[0]
+
+
+def op_name(target) -> str:
+    s = str(target)
+    return s[len("aten."):] if s.startswith("aten.") else s
+
+
+def _flat(args, kwargs):
+    out = []
+
+    def walk(a):
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                walk(x)
+        elif isinstance(a, dict):
+            for x in a.values():
+                walk(x)
+        else:
+            out.append(a)
+    walk(args)
+    walk(kwargs)
+    return out
+
+
+def map_refs(a, fn):
+    """Rebuild args/kwargs with every Ref replaced by fn(ref)."""
+    if isinstance(a, Ref):
+        return fn(a)
+    if isinstance(a, tuple):
+        return tuple(map_refs(x, fn) for x in a)
+    if isinstance(a, list):
+        return [map_refs(x, fn) for x in a]
+    if isinstance(a, dict):
+        return {k: map_refs(v, fn) for k, v in a.items()}
+    return a
+
+
+@dataclass
+class Graph:
+    nodes: list[Node]
+    params: dict[str, int]             # param FQN -> node idx
+    buffers: dict[str, int]            # buffer FQN -> node idx
+    inputs: list[int]                  # example input position -> node idx
+    loss: Ref
+    grads: dict[str, Ref]              # param FQN -> gradient ref
+    aliases: dict[str, str] = field(default_factory=dict)   # tied param FQN -> the FQN it shares storage with
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)   # tensors the model closed over
+
+    def __post_init__(self):
+        for n in self.nodes:
+            n.users = []
+        for n in self.nodes:
+            for r in n.inputs():
+                self.nodes[r.node].users.append(n.idx)
+
+    def meta(self, r: Ref) -> TensorMeta:
+        return self.nodes[r.node].outs[r.out]
+
+    def ops(self):
+        return (n for n in self.nodes if n.kind == "op")
+
+    def param_of(self, idx: int) -> str | None:
+        n = self.nodes[idx]
+        return n.target if n.kind == "param" else None
+
+    def num_params(self) -> int:
+        return sum(self.nodes[i].out.numel for i in self.params.values())
+
+    def __len__(self):
+        return len(self.nodes)

@@ -1,0 +1,174 @@
+"""Candidate placements per op: DTensor's strategy registry (through `_torch_adapter`) plus autopar's own rules.
+
+A `Strategy` gives, per mesh dim, the placement of every output and every tensor input of a node, as strings:
+"R" (replicate), "S<d>" (shard tensor dim d), "P" (partial sum), "Pm" (masked partial of a vocab-sharded
+embedding). Own rules are registered per op family with `@rule(op, ...)` and written like DTensor's per-mesh-dim
+strategies: a list of (outputs..., inputs...) placement tuples valid on ONE mesh dim; `expand` combines them
+over the mesh and drops combinations that do not divide a tensor evenly.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..graph import Node, Ref, TensorMeta
+from . import _torch_adapter as adapter
+
+aten = torch.ops.aten
+Placements = tuple[str, ...]          # one placement string per mesh dim
+
+
+@dataclass(frozen=True)
+class Strategy:
+    out: tuple[Placements | None, ...]   # per output (None: not a tensor)
+    ins: tuple[Placements, ...]          # per tensor input, in flatten order
+
+
+class NoStrategyError(RuntimeError):
+    """Ops with no placement rule and no decomposition; the message lists them."""
+
+
+RULES: dict[object, Callable] = {}
+
+
+def rule(*ops):
+    def deco(fn):
+        for op in ops:
+            RULES[op] = fn
+        return fn
+    return deco
+
+
+# ---- autopar's own rules -----------------------------------------------------------------------------------------
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def _attention_fw(args, kwargs, metas):
+    # q, k, v (B, H, S, D) -> out (B, H, S, D), logsumexp (B, H, S): shard batch or heads, never the sequence
+    return [("S0", "S0", "S0", "S0", "S0"), ("S1", "S1", "S1", "S1", "S1")]
+
+
+@rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def _attention_bw(args, kwargs, metas):
+    # grad_out, q, k, v, out, logsumexp -> grad_q, grad_k, grad_v
+    return [("S0",) * 9, ("S1",) * 9]
+
+
+@rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
+      aten.full.default, aten.scalar_tensor.default, aten.empty.memory_format, aten.randn.default)
+def _factory(args, kwargs, metas):
+    return []          # every rank builds the same tensor: only the all-Replicate strategy
+
+
+# ---- expansion over the mesh -------------------------------------------------------------------------------------
+
+def divides(meta: TensorMeta, pl: Placements, mesh_shape) -> bool:
+    if meta is None:
+        return True
+    split = [1] * len(meta.shape)
+    for p, n in zip(pl, mesh_shape):
+        if p[0] == "S":
+            d = int(p[1:])
+            if d >= len(meta.shape):
+                return False
+            split[d] *= n
+        elif p[0] == "P" and not meta.dtype.is_floating_point:
+            return False
+    return all(s % k == 0 for s, k in zip(meta.shape, split))
+
+
+def expand(rules, metas: list[TensorMeta | None], mesh_shape) -> list[tuple[Placements, ...]]:
+    """Combine per-mesh-dim rules over all mesh dims; metas = outputs then inputs, aligned with each rule."""
+    rules = list(dict.fromkeys([tuple(r) for r in rules]))
+    rep = tuple(None if m is None else "R" for m in metas)
+    if rep not in rules:
+        rules.insert(0, rep)
+    out = []
+    for combo in itertools.product(rules, repeat=len(mesh_shape)):
+        per_tensor = tuple(None if metas[t] is None else tuple(c[t] for c in combo) for t in range(len(metas)))
+        if all(pl is None or divides(m, pl, mesh_shape) for m, pl in zip(metas, per_tensor)):
+            out.append(per_tensor)
+    return out
+
+
+def leaf_strategies(meta: TensorMeta, mesh_shape, allow_partial=False) -> list[Strategy]:
+    """All placements of a parameter or input: Replicate or Shard(d) on each mesh dim (evenly dividing)."""
+    opts = ["R"] + [f"S{d}" for d in range(len(meta.shape))]
+    res = []
+    for pl in itertools.product(opts, repeat=len(mesh_shape)):
+        if divides(meta, pl, mesh_shape):
+            res.append(Strategy((pl,), ()))
+    return res
+
+
+def _sig(a, metas):
+    if isinstance(a, Ref):
+        m = metas(a)
+        return ("T", m.shape, m.dtype)
+    if isinstance(a, (list, tuple)):
+        return tuple(_sig(x, metas) for x in a)
+    if isinstance(a, dict):
+        return tuple(sorted((k, _sig(v, metas)) for k, v in a.items()))
+    return a
+
+
+_CACHE: dict = {}
+
+
+def node_strategies(node: Node, meta_of, mesh_shape: tuple[int, ...], in_cands: list[list[Placements]]):
+    """Candidate strategies of one op node and where they came from ("autopar", "dtensor", "dtensor-full",
+    "factory" or "fallback" when no rule exists)."""
+    op = node.target
+    ins = node.inputs()
+    key = (op, _sig(node.args, meta_of), _sig(node.kwargs, meta_of), mesh_shape)
+    if op not in RULES and not adapter.has_single_dim(op) and adapter.has_full(op):
+        key = key + (tuple(tuple(c) for c in in_cands),)
+    hit = _CACHE.get(key)
+    if hit is not None:
+        return hit
+    in_metas = [meta_of(r) for r in ins]
+    n_out = len(node.outs)
+    res, source = None, None
+    try:
+        if op in RULES or adapter.has_single_dim(op):
+            source = "autopar" if op in RULES else "dtensor"
+            rules = RULES[op](node.args, node.kwargs, in_metas) if op in RULES else \
+                adapter.single_dim_rules(op, node.args, node.kwargs, meta_of)
+            tensor_outs = [i for i, m in enumerate(node.outs) if m is not None]
+            width = len(tensor_outs) + len(ins)
+            rules = [r for r in rules if len(r) == width]
+            metas = [node.outs[i] for i in tensor_outs] + in_metas
+            res = []
+            for combo in expand(rules, metas, mesh_shape):
+                outs = [None] * n_out
+                for j, i in enumerate(tensor_outs):
+                    outs[i] = combo[j]
+                res.append(Strategy(tuple(outs), tuple(combo[len(tensor_outs):])))
+        elif adapter.has_full(op):
+            source = "dtensor-full"
+            res = []
+            for o, i in adapter.full_strategies(op, node.args, node.kwargs, meta_of, mesh_shape, in_cands):
+                o = tuple(o) + (None,) * (n_out - len(o))
+                if all(divides(m, p, mesh_shape) for m, p in zip(node.outs, o) if p is not None) and \
+                        all(divides(m, p, mesh_shape) for m, p in zip(in_metas, i)):
+                    res.append(Strategy(o[:n_out], i))
+    except Exception as e:  # a strategy function that cannot handle these args: report as no rule
+        res, source = None, f"error: {type(e).__name__}: {e}"
+    if not ins and res is None:
+        res, source = [], "factory"
+    rep = Strategy(tuple(None if m is None else ("R",) * len(mesh_shape) for m in node.outs),
+                   tuple(("R",) * len(mesh_shape) for _ in ins))
+    if res is None:
+        res, source = [rep], "fallback" if source is None else "fallback (" + source + ")"
+    elif rep not in res:
+        res.insert(0, rep)
+    res = list(dict.fromkeys(res))
+    _CACHE[key] = (res, source)
+    return res, source
+
+
+def num_shards(pl: Placements, mesh_shape) -> int:
+    return math.prod(n for p, n in zip(pl, mesh_shape) if p[0] == "S")

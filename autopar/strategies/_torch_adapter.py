@@ -1,0 +1,191 @@
+"""The one place autopar touches torch's private DTensor modules (`torch.distributed.tensor._*`).
+
+It asks DTensor's own strategy registry which placements an op accepts and turns the answer into autopar's
+placement strings ("R", "S<d>", "P", "Pm": the masked partial of a vocab-sharded embedding). Both registry
+flavours are served: the per-mesh-dim strategies (`op_single_dim_strategy_funcs`, expanded here over the mesh
+dims) and the older full-mesh strategy functions (`op_strategy_funcs`, called with the producers' candidates).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta as DTMeta
+from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+from torch.distributed.tensor.placement_types import _StridedShard
+
+_PROP = DTensor._op_dispatcher.sharding_propagator
+_COST_USERS = [importlib.import_module(f"torch.distributed.tensor._ops.{m}")
+               for m in ("utils", "_math_ops", "_matrix_ops", "_tensor_ops", "_view_ops", "single_dim_strategy")]
+
+
+@contextlib.contextmanager
+def _no_dtensor_costs():
+    """DTensor prices every (input candidate, strategy) pair with its own comm model while enumerating; autopar
+    prices redistributes with its cluster model instead, so skip that work (it was 80% of candidate time)."""
+    saved = [(m, m.__dict__.get("generate_redistribute_costs")) for m in _COST_USERS]
+    stub = lambda src, dst: [0.0] * len(src.strategies)
+    for m, f in saved:
+        if f is not None:
+            m.generate_redistribute_costs = stub
+    try:
+        yield
+    finally:
+        for m, f in saved:
+            if f is not None:
+                m.generate_redistribute_costs = f
+
+
+def has_single_dim(op) -> bool:
+    return op in _PROP.op_single_dim_strategy_funcs
+
+
+def has_full(op) -> bool:
+    return op in _PROP.op_strategy_funcs
+
+
+def has_decomposition(op) -> bool:
+    return op in torch._decomp.decomposition_table
+
+
+@functools.lru_cache(maxsize=64)
+def sim_mesh(shape: tuple[int, ...]) -> DeviceMesh:
+    """A DeviceMesh object of the given shape without a process group: strategies only read its shape."""
+    return DeviceMesh("cpu", torch.arange(int(torch.tensor(shape).prod())).view(shape), _init_backend=False, _rank=0)
+
+
+def to_str(p) -> str | None:
+    """torch Placement -> autopar placement string (None for placements autopar does not plan with)."""
+    if p is None:
+        return None
+    if isinstance(p, _ShardingPlaceholder):
+        return f"S{p.dim}"
+    if isinstance(p, _StridedShard):
+        return None
+    if isinstance(p, Shard):
+        return f"S{p.dim}"
+    if isinstance(p, Replicate):
+        return "R"
+    if type(p).__name__ == "_MaskPartial":
+        return "Pm"
+    if isinstance(p, Partial):
+        return {"sum": "P", "avg": "Pa"}.get(p.reduce_op)
+    return None
+
+
+def to_placement(s: str):
+    """autopar placement string -> torch Placement (the masked partial maps to Partial('sum') for users)."""
+    if s == "R":
+        return Replicate()
+    if s in ("P", "Pm"):
+        return Partial()
+    if s == "Pa":
+        return Partial("avg")
+    return Shard(int(s[1:]))
+
+
+def _dtmeta(m):
+    shape = torch.Size(m.shape)
+    return DTMeta(shape, torch.empty(shape, device="meta").stride() if len(shape) else (), m.dtype)
+
+
+def _schema_args(args, kwargs, meta_of, wrap):
+    """Replace autopar Refs by wrap(ref, meta) (tensor lists become tuples of wrapped items)."""
+    from ..graph import Ref
+
+    def conv(a):
+        if isinstance(a, Ref):
+            return wrap(a, _dtmeta(meta_of(a)))
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a)
+        return a
+    return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
+
+
+def single_dim_rules(op, args, kwargs, meta_of) -> list[tuple[str | None, ...]]:
+    """DTensor's per-mesh-dim rules for `op`: each a tuple (outputs..., tensor inputs...) of placement strings."""
+    a, k = _schema_args(args, kwargs, meta_of, lambda r, m: m)
+    info = _PROP.op_single_dim_strategy_funcs[op]
+    rules = info.func(op, a, k)
+    out = []
+    for r in rules:
+        s = tuple(to_str(p) for p in r)
+        if all(x is not None or p is None for x, p in zip(s, r)):
+            out.append(s)
+    return out
+
+
+def full_strategies(op, args, kwargs, meta_of, mesh_shape, in_cands) -> list[tuple[tuple, tuple]]:
+    """DTensor's full-mesh strategy function for `op`, given each tensor input's candidate placements.
+
+    Returns [(output placements per output, input placements per tensor input)], placements as tuples of strings.
+    Some of these functions assume each input holds one placement (as in eager dispatch) and index the inputs'
+    strategies in lockstep; for those, call once per candidate of the input with the most candidates.
+    """
+    try:
+        return _full_once(op, args, kwargs, meta_of, mesh_shape, in_cands)
+    except (IndexError, AssertionError, ValueError, RuntimeError):
+        if not in_cands:
+            raise
+        lead = max(range(len(in_cands)), key=lambda i: len(in_cands[i]))
+        rep = tuple("R" for _ in mesh_shape)
+        out = []
+        for c in in_cands[lead]:
+            cands = [[c] if i == lead else [rep] for i in range(len(in_cands))]
+            try:
+                out.extend(_full_once(op, args, kwargs, meta_of, mesh_shape, cands))
+            except (IndexError, AssertionError, ValueError, RuntimeError):
+                continue       # this input placement cannot propagate through the op (e.g. uneven unflatten)
+        return list(dict.fromkeys(out))
+
+
+def _full_once(op, args, kwargs, meta_of, mesh_shape, in_cands):
+    mesh = sim_mesh(mesh_shape)
+    it = iter(in_cands)
+
+    def wrap(ref, meta):
+        specs = [OpSpec(DTensorSpec(mesh, tuple(to_placement(p) for p in pl), tensor_meta=meta)) for pl in next(it)]
+        return OpStrategy(specs)
+
+    def tup(a):
+        if isinstance(a, (list, tuple)) and a and all(isinstance(x, OpStrategy) for x in a):
+            return TupleStrategy(tuple(a))
+        return a
+    a, k = _schema_args(args, kwargs, meta_of, wrap)
+    schema = OpSchema(op, tuple(tup(x) for x in a), {kk: tup(v) for kk, v in k.items()},
+                      schema_info=_PROP.op_to_schema_info.get(op))
+    with _no_dtensor_costs():
+        res = _PROP.op_strategy_funcs[op](schema)
+    children = res.children if isinstance(res, TupleStrategy) else None
+    if children is not None:   # e.g. split: one OpStrategy per output, zip them by index
+        if len({len(c.strategies) for c in children}) != 1:
+            return []
+        specs = [[c.strategies[i] for c in children] for i in range(len(children[0].strategies))]
+        items = [(tuple(s.output_spec for s in group), group[0].input_specs) for group in specs]
+    else:
+        items = []
+        for s in res.strategies:
+            outs = s.output_specs if isinstance(s.output_specs, tuple) else (s.output_specs,)
+            items.append((outs, s.input_specs if s.input_specs is not None else (s.output_spec,)))
+    result = []
+    for outs, ins in items:
+        o = tuple(None if sp is None else tuple(to_str(p) for p in sp.placements) for sp in outs)
+        i = tuple(tuple(to_str(p) for p in sp.placements) for sp in ins)
+        if any(x is not None and None in x for x in o) or any(None in x for x in i):
+            continue
+        result.append((o, i))
+    return result
+
+
+def redistribute_cost_dtensor(src: tuple[str, ...], dst: tuple[str, ...], meta, mesh_shape) -> float:
+    """DTensor's own redistribute cost estimate (for cross-checks; autopar's cost model uses the cluster spec)."""
+    from torch.distributed.tensor._collective_utils import redistribute_cost
+    mesh = sim_mesh(mesh_shape)
+    m = _dtmeta(meta)
+    return redistribute_cost(DTensorSpec(mesh, tuple(map(to_placement, src)), tensor_meta=m),
+                             DTensorSpec(mesh, tuple(map(to_placement, dst)), tensor_meta=m))

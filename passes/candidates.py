@@ -1,0 +1,49 @@
+"""Pass: candidate placements for every node (DTensor's registry + autopar's rules), in topological order.
+
+Leaves (parameters, inputs) may take any Replicate/Shard placement that divides them evenly; each op gets the
+strategies its rule admits given its producers' candidate output placements. Ops that fell back to
+Replicate-only are listed in `state.coverage`; by default they are an error (`allow_replicate=True` or
+`replicate_ops=[...]` accepts them).
+"""
+from __future__ import annotations
+
+from autopar.strategies import NoStrategyError, Strategy, leaf_strategies, node_strategies
+
+
+def run(state) -> None:
+    g, mesh_shape = state.graph, state.mesh.shape
+    strategies: list[list[Strategy]] = [None] * len(g.nodes)
+    sources: list[str] = [""] * len(g.nodes)
+    out_cands: dict[tuple[int, int], list] = {}
+    forced = state.options.get("force", {})
+    for n in g.nodes:
+        if n.kind == "op":
+            in_cands = [out_cands[(r.node, r.out)] for r in n.inputs()]
+            strats, src = node_strategies(n, g.meta, mesh_shape, in_cands)
+        elif n.kind in ("param", "input", "buffer"):
+            strats, src = leaf_strategies(n.out, mesh_shape), "leaf"
+            if n.kind == "param" and n.target in forced:
+                want = tuple(forced[n.target])
+                strats = [s for s in strats if s.out[0] == want]
+                if not strats:
+                    raise ValueError(f"placement {want} forced on parameter '{n.target}' of shape {n.out.shape} does "
+                                     f"not divide it evenly over mesh {dict(zip(state.mesh.names, mesh_shape))}")
+        else:
+            strats, src = [Strategy((("R",) * len(mesh_shape),), ())], "constant"
+        strategies[n.idx], sources[n.idx] = strats, src
+        for i in range(len(n.outs)):
+            out_cands[(n.idx, i)] = list(dict.fromkeys(s.out[i] for s in strats if s.out[i] is not None))
+    state.strategies, state.sources = strategies, sources
+    fallback = {}
+    for n in g.ops():
+        if sources[n.idx].startswith("fallback"):
+            fallback.setdefault(str(n.target), []).append((n.name, n.module, sources[n.idx]))
+    state.coverage = fallback
+    allowed = set(state.options.get("replicate_ops", ()))
+    bad = {op: v for op, v in fallback.items() if op not in allowed}
+    if bad and not state.options.get("allow_replicate", False):
+        lines = [f"  {op}: {len(v)} node(s), first {v[0][0]} in module '{v[0][1] or '<root>'}' [{v[0][2]}]"
+                 for op, v in sorted(bad.items())]
+        raise NoStrategyError("no placement rule (and no DTensor decomposition) for these ops; they could only run "
+                              "replicated:\n" + "\n".join(lines) +
+                              "\npass replicate_ops=[...] (or allow_replicate=True) to accept Replicate for them")

@@ -1,0 +1,205 @@
+"""Pass: the cost terms the solver minimizes, over decision groups.
+
+Decision groups: a node with one tensor input inside the same layer instance *follows* its producer (views,
+transposes, casts, unary pointwise ops): it takes the strategy that best matches its producer's output, so it
+needs no variable of its own. Every other node roots a group. Groups of repeated layers are shared (regions
+pass), so the model has one set of variables per distinct node of the representative layer.
+
+Per group strategy: compute time of its members (roofline on local shapes), the redistributes the followers
+need, model-state bytes (parameters, grads, optimizer state at the storage placement) and saved-activation
+bytes. Per edge between groups: a matrix of redistribute times (producer strategy x consumer strategy).
+Gradients flow into an optimizer-step edge whose required placement is the parameter's own: the data-parallel
+all-reduce / reduce-scatter falls out of it.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import torch
+
+from autopar.cost import op_flops, has_flop_formula, roofline_time
+from autopar.graph import Ref
+from autopar.redistribute import redistribute_time
+from autopar.strategies import num_shards
+
+
+def _meta_tensor(m):
+    return torch.empty(m.shape, dtype=m.dtype, device="meta")
+
+
+def global_flops(g, n, cache) -> float:
+    if n.kind != "op" or not has_flop_formula(n.target):
+        return 0.0
+    key = (n.target, tuple(g.meta(r).shape for r in n.inputs()), repr(_plain(n.args)), repr(_plain(n.kwargs)))
+    if key not in cache:
+        conv = lambda a: _meta_tensor(g.meta(a)) if isinstance(a, Ref) else \
+            type(a)(conv(x) for x in a) if isinstance(a, (list, tuple)) else a
+        args = conv(n.args)
+        kwargs = {k: conv(v) for k, v in n.kwargs.items()}
+        outs = [_meta_tensor(m) if m is not None else None for m in n.outs]
+        out = outs[0] if len(outs) == 1 else tuple(outs)
+        try:
+            cache[key] = float(op_flops(n.target, args, kwargs, out))
+        except Exception:
+            cache[key] = 0.0
+    return cache[key]
+
+
+def _plain(a):
+    if isinstance(a, Ref):
+        return "T"
+    if isinstance(a, (list, tuple)):
+        return tuple(_plain(x) for x in a)
+    return a
+
+
+def run(state) -> None:
+    g, mesh_shape, cluster = state.graph, state.mesh.shape, state.cluster
+    S, rep, region_of = state.strategies, state.rep, state.region_of
+    dev = cluster.device
+    prec = state.precision
+    nodes = g.nodes
+    ndev = 1
+    for x in mesh_shape:
+        ndev *= x
+    flop_cache: dict = {}
+    rt_cache: dict = {}
+
+    def rtime(src, dst, meta):
+        key = (src, dst, meta)
+        if key not in rt_cache:
+            rt_cache[key] = redistribute_time(src, dst, meta, mesh_shape, cluster)
+        return rt_cache[key]
+
+    def node_time(n, s):
+        """Roofline seconds of node n under strategy s (work split by the mesh dims its first output shards)."""
+        flops = global_flops(g, n, flop_cache)
+        if flops == 0.0 and n.kind != "op":
+            return 0.0
+        work = 1
+        o = next((p for p in s.out if p is not None), None)
+        if o is not None:
+            work = ndev // max(1, _replicated(o, mesh_shape))
+        nbytes = sum(m.nbytes / num_shards(p, mesh_shape) for m, p in zip(n.outs, s.out) if m is not None and p) + \
+            sum(g.meta(r).nbytes / num_shards(p, mesh_shape) for r, p in zip(n.inputs(), s.ins))
+        dtype = next((m.dtype for m in n.outs if m is not None and m.dtype.is_floating_point), torch.float32)
+        return roofline_time(flops / work, nbytes, dev, dtype)
+
+    # --- followers and groups, in representative space -------------------------------------------------------
+    reps = [i for i in range(len(nodes)) if rep[i] == i]
+    follow: dict[int, tuple[int, int]] = {}          # follower -> (producer, producer output index)
+    for i in reps:
+        n = nodes[i]
+        if n.kind != "op":
+            continue
+        ins = n.inputs()
+        if len(ins) == 1 and region_of[ins[0].node] == region_of[i] and nodes[ins[0].node].kind in ("op", "param"):
+            follow[i] = (ins[0].node, ins[0].out)
+    root = {}
+    for i in reps:                                    # topological order: producers first
+        root[i] = root[follow[i][0]] if i in follow else i
+    groups = [i for i in reps if root[i] == i]
+    gid = {r: k for k, r in enumerate(groups)}
+    K = [len(S[r]) for r in groups]
+    # choice[i][k]: strategy index of rep node i when its group root takes strategy k
+    choice: dict[int, np.ndarray] = {}
+    extra: dict[int, np.ndarray] = {}                 # follower redistribute time per root strategy
+    for i in reps:
+        if i not in follow:
+            choice[i] = np.arange(len(S[i])) if root[i] == i else None
+            continue
+        p, k_out = follow[i]
+        pc = choice[p]
+        best: dict = {}
+        for kk, s_p in enumerate(S[p]):
+            pl = s_p.out[k_out]
+            if pl in best:
+                continue
+            meta = nodes[p].outs[k_out]
+            cands = [(0.0 if s.ins[0] == pl else rtime(pl, s.ins[0], meta), j) for j, s in enumerate(S[i])]
+            best[pl] = min(cands)
+        ch = np.empty(len(pc), dtype=np.int64)
+        ex = np.empty(len(pc))
+        for r_k, pk in enumerate(pc):
+            t, j = best[S[p][pk].out[k_out]]
+            ch[r_k], ex[r_k] = j, t
+        choice[i], extra[i] = ch, ex
+
+    count = defaultdict(int)
+    for i in range(len(nodes)):
+        count[rep[i]] += 1
+
+    # --- per-group linear terms ------------------------------------------------------------------------------
+    compute = [np.zeros(k) for k in K]
+    comm_lin = [np.zeros(k) for k in K]
+    state_mem = [np.zeros(k) for k in K]
+    act_mem = [np.zeros(k) for k in K]
+    bpp = prec.bytes_per_param
+    for i in reps:
+        n, gi, c = nodes[i], gid[root[i]], count[i]
+        ch = choice[i]
+        t_by_s = {}
+        for k, j in enumerate(ch):
+            if j not in t_by_s:
+                t_by_s[j] = node_time(n, S[i][j])
+            compute[gi][k] += c * t_by_s[j]
+        if i in extra:
+            comm_lin[gi] += c * extra[i]
+        if n.kind == "param":
+            for k, j in enumerate(ch):
+                state_mem[gi][k] += c * n.out.numel * bpp / num_shards(S[i][j].out[0], mesh_shape)
+        elif n.kind == "op" and n.phase == "fw":
+            saved = [o for o, m in enumerate(n.outs) if m is not None]
+            if saved and any(nodes[u].phase == "bw" for u in n.users):
+                for k, j in enumerate(ch):
+                    s = S[i][j]
+                    act_mem[gi][k] += c * sum(n.outs[o].nbytes / num_shards(s.out[o], mesh_shape)
+                                              for o in saved if s.out[o] is not None)
+
+    # --- edges between groups --------------------------------------------------------------------------------
+    edge_count = defaultdict(int)
+    for v in range(len(nodes)):
+        rv = rep[v]
+        if nodes[v].kind != "op" or rv in follow:
+            continue
+        for j, r in enumerate(nodes[v].inputs()):
+            edge_count[(rep[r.node], r.out, rv, j)] += 1
+    for fqn, r in g.grads.items():                    # optimizer step: grad must match the parameter's placement
+        edge_count[(rep[r.node], r.out, rep[g.params[fqn]], "opt")] += 1
+    matrices: dict[tuple[int, int], np.ndarray] = {}
+    for (p, o, v, j), c in sorted(edge_count.items(), key=lambda kv: tuple(map(str, kv[0]))):
+        g1, g2 = gid[root[p]], gid[root[v]]
+        meta = nodes[p].outs[o]
+        src = [S[p][x].out[o] for x in choice[p]]
+        dst = [S[v][x].out[0] if j == "opt" else S[v][x].ins[j] for x in choice[v]]
+        us, ui = _uniq(src)
+        vs, vi = _uniq(dst)
+        small = np.array([[rtime(a, b, meta) for b in vs] for a in us])
+        C = c * small[np.ix_(ui, vi)]
+        if g1 == g2:
+            comm_lin[g1] += np.diag(C)
+        elif not C.any():
+            continue
+        else:
+            key = (g1, g2)
+            matrices[key] = matrices[key] + C if key in matrices else C
+    state.groups, state.group_of = groups, {i: gid[root[rep[i]]] for i in range(len(nodes))}
+    state.choice, state.follow = choice, follow
+    state.cost = {"compute": compute, "comm": comm_lin, "state_mem": state_mem, "act_mem": act_mem,
+                  "edges": matrices, "rtime": rtime, "node_time": node_time}
+
+
+def _uniq(items):
+    idx: dict = {}
+    inv = np.array([idx.setdefault(x, len(idx)) for x in items], dtype=np.int64)
+    return list(idx), inv
+
+
+def _replicated(pl, mesh_shape) -> int:
+    """How many ranks compute the same piece: product of mesh sizes where the placement is Replicate."""
+    r = 1
+    for p, n in zip(pl, mesh_shape):
+        if p == "R":
+            r *= n
+    return r

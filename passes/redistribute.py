@@ -1,0 +1,21 @@
+"""Pass: an explicit redistribute (its collectives, on which mesh dim, how many bytes) wherever a consumer needs
+a placement other than its producer's, including each gradient into its parameter's optimizer step."""
+from __future__ import annotations
+
+from autopar.redistribute import collectives
+
+
+def run(state) -> None:
+    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
+    red = {}
+    for n in g.ops():
+        for j, r in enumerate(n.inputs()):
+            src, dst = P[r.node].out[r.out], P[n.idx].ins[j]
+            if src != dst:
+                red[(n.idx, j)] = (src, dst, collectives(src, dst, g.meta(r), mesh_shape))
+    for fqn, r in g.grads.items():
+        p = g.params[fqn]
+        src, dst = P[r.node].out[r.out], P[p].out[0]
+        if src != dst:
+            red[(p, "opt")] = (src, dst, collectives(src, dst, g.meta(r), mesh_shape))
+    state.redistributes = red

@@ -1,0 +1,98 @@
+"""Pass: find repeated layers (the children of an nn.ModuleList whose fw+bw subgraphs are identical) so later
+passes decide once per region and share the decision across layers.
+
+A layer's nodes are those whose module path lies under `<list>.<i>`. Two layers are the same region when their
+node sequences match op for op, shape for shape, with internal edges at the same relative positions; networkx's
+Weisfeiler-Lehman hash of the labelled layer subgraph groups candidate layers first, the exact signature decides.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import warnings
+
+import networkx as nx
+
+from autopar.graph import Ref
+
+_LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def _layer_of(module: str):
+    m = _LAYER.match(module)
+    return (m.group(1), int(m.group(2))) if m else None
+
+
+def _signature(g, members: list[int]):
+    pos = {idx: i for i, idx in enumerate(members)}
+
+    def arg(a):
+        if isinstance(a, Ref):
+            if a.node in pos:
+                return ("in", pos[a.node], a.out)
+            n = g.nodes[a.node]
+            return ("ext", n.kind, tuple(n.outs[a.out].shape), a.out)
+        if isinstance(a, (list, tuple)):
+            return tuple(arg(x) for x in a)
+        if isinstance(a, dict):
+            return tuple(sorted((k, arg(v)) for k, v in a.items()))
+        return a
+    sig = []
+    for idx in members:
+        n = g.nodes[idx]
+        leaf_name = _LAYER.sub("", n.target) if n.kind == "param" else None
+        sig.append((n.kind, str(n.target) if n.kind == "op" else leaf_name, n.phase, n.outs, arg(n.args), arg(n.kwargs)))
+    return tuple(sig)
+
+
+def _wl_hash(g, members):
+    pos = set(members)
+    G = nx.DiGraph()
+    for idx in members:
+        n = g.nodes[idx]
+        G.add_node(idx, label=f"{n.kind}:{n.target if n.kind == 'op' else ''}:{n.outs}")
+        for r in n.inputs():
+            if r.node in pos:
+                G.add_edge(r.node, idx)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # networkx 3.5 notes that directed hashes changed; we only compare them
+        return nx.weisfeiler_lehman_graph_hash(G, node_attr="label", iterations=2)
+
+
+def run(state) -> None:
+    g = state.graph
+    layers: dict[tuple[str, int], list[int]] = defaultdict(list)
+    for n in g.nodes:
+        key = _layer_of(n.target if n.kind == "param" else n.module)
+        if key is not None:
+            layers[key].append(n.idx)
+    by_list = defaultdict(list)
+    for (prefix, i), members in sorted(layers.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        by_list[prefix].append((i, members))
+    rep = list(range(len(g.nodes)))
+    region_of = [None] * len(g.nodes)
+    regions = []
+    for prefix, items in sorted(by_list.items()):
+        groups: dict[str, list] = defaultdict(list)
+        for i, members in items:
+            groups[_wl_hash(g, members)].append((i, members))
+        for _, same in groups.items():
+            base_i, base = same[0]
+            base_sig = _signature(g, base)
+            copies = [(i, m) for i, m in same if _signature(g, m) == base_sig]
+            if len(copies) < 2:
+                for i, m in same:
+                    for idx in m:
+                        region_of[idx] = (prefix, i)
+                continue
+            regions.append({"prefix": prefix, "layers": [i for i, _ in copies], "nodes_per_layer": len(base)})
+            for i, m in copies:
+                for a, b in zip(base, m):
+                    rep[b] = a
+                    region_of[b] = (prefix, i)
+            for i, m in same:
+                if (i, m) not in copies:
+                    for idx in m:
+                        region_of[idx] = (prefix, i)
+    state.rep, state.region_of, state.regions = rep, region_of, regions
