@@ -41,7 +41,8 @@ class _Recorder(TorchDispatchMode):
         self.constants: dict[str, torch.Tensor] = {}
 
     def leaf(self, t: torch.Tensor, kind: str, target) -> int:
-        n = Node(len(self.nodes), kind, target, outs=(TensorMeta(tuple(t.shape), t.dtype),), phase="fw")
+        module = target.rsplit(".", 1)[0] if kind in ("param", "buffer") and "." in target else ""
+        n = Node(len(self.nodes), kind, target, outs=(TensorMeta(tuple(t.shape), t.dtype),), phase="fw", module=module)
         self.nodes.append(n)
         self.ref[id(t)] = Ref(n.idx)
         self.keep.append(t)
@@ -91,6 +92,8 @@ class _Recorder(TorchDispatchMode):
 
 def _to_refs(a, fn):
     if isinstance(a, (list, tuple)):
+        if a and not isinstance(a[0], (torch.Tensor, list, tuple)) and not any(isinstance(x, torch.Tensor) for x in a):
+            return a
         return type(a)(_to_refs(x, fn) for x in a)
     return fn(a)
 
@@ -197,33 +200,30 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
     if unused:
         raise CaptureError(f"parameters receive no gradient from the loss: {unused[:8]}"
                            f"{' ...' if len(unused) > 8 else ''}; freeze them (requires_grad=False) or use them")
-    g = Graph(rec.nodes, params, bufs, inputs, rec.ref[id(loss)],
-              {k: rec.ref[id(gr)] for k, gr in zip(train, grads)}, aliases, rec.constants)
-    _drop_dead(g)
-    return g
+    loss_ref, grad_refs = rec.ref[id(loss)], {k: rec.ref[id(gr)] for k, gr in zip(train, grads)}
+    nodes, fix = _drop_dead(rec.nodes, [loss_ref.node] + [r.node for r in grad_refs.values()])
+    remap = lambda d: {k: fix(Ref(v)).node for k, v in d.items()}
+    return Graph(nodes, remap(params), remap(bufs), [fix(Ref(i)).node for i in inputs], fix(loss_ref),
+                 {k: fix(r) for k, r in grad_refs.items()}, aliases, rec.constants)
 
 
-def _drop_dead(g: Graph) -> None:
-    """Keep nodes that reach the loss or a gradient (leaves always stay); renumber in place."""
-    live = set(g.params.values()) | set(g.buffers.values()) | set(g.inputs)
-    stack = [g.loss.node] + [r.node for r in g.grads.values()]
+def _drop_dead(nodes: list[Node], roots: list[int]):
+    """Keep nodes that reach a root (leaves always stay), renumbered; returns (nodes, old Ref -> new Ref)."""
+    live = {n.idx for n in nodes if n.kind != "op"}
+    stack = list(roots)
     while stack:
         i = stack.pop()
-        if i in live and g.nodes[i].kind == "op":
+        if i in live and nodes[i].kind == "op":
             continue
         live.add(i)
-        stack.extend(r.node for r in g.nodes[i].inputs())
+        stack.extend(r.node for r in nodes[i].inputs())
+    if len(live) == len(nodes):
+        return nodes, lambda r: r
     remap = {old: new for new, old in enumerate(sorted(live))}
     fix = lambda r: Ref(remap[r.node], r.out)
-    nodes = []
+    out = []
     for old in sorted(live):
-        n = g.nodes[old]
-        n.idx, n.args, n.kwargs = remap[old], map_refs(n.args, fix), map_refs(n.kwargs, fix)
-        nodes.append(n)
-    g.nodes = nodes
-    g.params = {k: remap[v] for k, v in g.params.items()}
-    g.buffers = {k: remap[v] for k, v in g.buffers.items()}
-    g.inputs = [remap[v] for v in g.inputs]
-    g.loss, g.grads = fix(g.loss), {k: fix(r) for k, r in g.grads.items()}
-    g.__post_init__()
-
+        n = nodes[old]
+        n.idx, n.args, n.kwargs, n._ins = remap[old], map_refs(n.args, fix), map_refs(n.kwargs, fix), None
+        out.append(n)
+    return out, fix

@@ -51,18 +51,28 @@ class Node:
             return f"{self.kind}:{self.target}"
         return f"%{self.idx}:{op_name(self.target)}"
 
+    _ins: list | None = field(default=None, repr=False, compare=False)
+
     def inputs(self) -> list[Ref]:
         """Tensor arguments in flatten order (the order DTensor's strategies list input specs)."""
-        return [a for a in _flat(self.args, self.kwargs) if isinstance(a, Ref)]
+        if self._ins is None:
+            self._ins = [a for a in _flat(self.args, self.kwargs) if isinstance(a, Ref)]
+        return self._ins
 
     @property
     def out(self) -> TensorMeta:
         return self.outs[0]
 
 
+_NAMES: dict = {}
+
+
 def op_name(target) -> str:
-    s = str(target)
-    return s[len("aten."):] if s.startswith("aten.") else s
+    s = _NAMES.get(target)
+    if s is None:
+        s = str(target)
+        s = _NAMES[target] = s[len("aten."):] if s.startswith("aten.") else s
+    return s
 
 
 def _flat(args, kwargs):

@@ -64,5 +64,11 @@ def _collectives(src, dst, shape, itemsize, mesh_shape):
 
 
 def redistribute_time(src, dst, meta: TensorMeta, mesh_shape, cluster) -> float:
-    return sum(collective_time(c.kind, c.nbytes, c.group, cluster.link_for(tuple(mesh_shape), c.mesh_dim))
+    links = _links(cluster, tuple(mesh_shape))
+    return sum(collective_time(c.kind, c.nbytes, c.group, links[c.mesh_dim])
                for c in collectives(src, dst, meta, mesh_shape))
+
+
+@functools.lru_cache(maxsize=256)
+def _links(cluster, mesh_shape):
+    return [cluster.link_for(mesh_shape, d) for d in range(len(mesh_shape))]

@@ -67,10 +67,13 @@ def run(state) -> None:
     rt_cache: dict = {}
 
     def rtime(src, dst, meta):
-        key = (src, dst, meta)
-        if key not in rt_cache:
-            rt_cache[key] = redistribute_time(src, dst, meta, mesh_shape, cluster)
-        return rt_cache[key]
+        if src == dst:
+            return 0.0
+        key = (src, dst, meta.shape, meta.dtype)
+        t = rt_cache.get(key)
+        if t is None:
+            t = rt_cache[key] = redistribute_time(src, dst, meta, mesh_shape, cluster)
+        return t
 
     def node_time(n, s):
         """Roofline seconds of node n under strategy s (work split by the mesh dims its first output shards)."""
@@ -168,6 +171,7 @@ def run(state) -> None:
     for fqn, r in g.grads.items():                    # optimizer step: grad must match the parameter's placement
         edge_count[(rep[r.node], r.out, rep[g.params[fqn]], "opt")] += 1
     matrices: dict[tuple[int, int], np.ndarray] = {}
+    mat_cache: dict = {}
     for (p, o, v, j), c in sorted(edge_count.items(), key=lambda kv: tuple(map(str, kv[0]))):
         g1, g2 = gid[root[p]], gid[root[v]]
         meta = nodes[p].outs[o]
@@ -175,7 +179,10 @@ def run(state) -> None:
         dst = [S[v][x].out[0] if j == "opt" else S[v][x].ins[j] for x in choice[v]]
         us, ui = _uniq(src)
         vs, vi = _uniq(dst)
-        small = np.array([[rtime(a, b, meta) for b in vs] for a in us])
+        mkey = (tuple(us), tuple(vs), meta.shape, meta.dtype)
+        small = mat_cache.get(mkey)
+        if small is None:
+            small = mat_cache[mkey] = np.array([[rtime(a, b, meta) for b in vs] for a in us])
         C = c * small[np.ix_(ui, vi)]
         if g1 == g2:
             comm_lin[g1] += np.diag(C)

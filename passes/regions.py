@@ -2,8 +2,8 @@
 passes decide once per region and share the decision across layers.
 
 A layer's nodes are those whose module path lies under `<list>.<i>`. Two layers are the same region when their
-node sequences match op for op, shape for shape, with internal edges at the same relative positions; networkx's
-Weisfeiler-Lehman hash of the labelled layer subgraph groups candidate layers first, the exact signature decides.
+node sequences match op for op, shape for shape, with internal edges at the same relative positions (an exact
+signature; `layer_hash` gives networkx's Weisfeiler-Lehman hash of a layer for reports and tests).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def _signature(g, members: list[int]):
     return tuple(sig)
 
 
-def _wl_hash(g, members):
+def layer_hash(g, members) -> str:
     pos = set(members)
     G = nx.DiGraph()
     for idx in members:
@@ -74,25 +74,20 @@ def run(state) -> None:
     region_of = [None] * len(g.nodes)
     regions = []
     for prefix, items in sorted(by_list.items()):
-        groups: dict[str, list] = defaultdict(list)
+        groups: dict[tuple, list] = defaultdict(list)
         for i, members in items:
-            groups[_wl_hash(g, members)].append((i, members))
-        for _, same in groups.items():
-            base_i, base = same[0]
-            base_sig = _signature(g, base)
-            copies = [(i, m) for i, m in same if _signature(g, m) == base_sig]
+            groups[_signature(g, members)].append((i, members))
+        for base_sig, same in groups.items():
+            copies = same
             if len(copies) < 2:
                 for i, m in same:
                     for idx in m:
                         region_of[idx] = (prefix, i)
                 continue
+            base = copies[0][1]
             regions.append({"prefix": prefix, "layers": [i for i, _ in copies], "nodes_per_layer": len(base)})
             for i, m in copies:
                 for a, b in zip(base, m):
                     rep[b] = a
                     region_of[b] = (prefix, i)
-            for i, m in same:
-                if (i, m) not in copies:
-                    for idx in m:
-                        region_of[idx] = (prefix, i)
     state.rep, state.region_of, state.regions = rep, region_of, regions

@@ -15,9 +15,12 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast"
 def _check(kind: str) -> None:
   if kind not in KINDS: raise ValueError(f"unknown collective {kind!r}; expected one of {KINDS}")
 
-def _is_sym(*xs) -> bool: return any(isinstance(x, sympy.Basic) and not x.is_number for x in xs)
+def _is_sym(*xs) -> bool:
+  for x in xs:
+    if isinstance(x, sympy.Basic) and not x.is_number: return True
+  return False
 
-def _trivial(n) -> bool: return not _is_sym(n) and n <= 1
+def _trivial(n) -> bool: return n <= 1 if type(n) is int else (not _is_sym(n) and n <= 1)
 
 def bytes_sent(kind: str, M, n):
   """Per-rank bytes put on the wire by a ring implementation."""
@@ -39,7 +42,7 @@ def collective_time(kind: str, M, n, link: LinkSpec):
   """Seconds for one collective over a group of n ranks on `link`; 0.0 for n == 1."""
   if _trivial(n): return 0.0
   t = ring_steps(kind, n) * link.alpha + bytes_sent(kind, M, n) / link.bw
-  return t if _is_sym(t) else float(t)
+  return float(t) if type(t) is float or not _is_sym(t) else t
 
 def collective_time_expr(kind: str, M, n, link: LinkSpec) -> sympy.Expr:
   """Same formula as collective_time, as a sympy expression (M, n may be symbols, e.g. M = k*batch)."""

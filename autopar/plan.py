@@ -1,0 +1,157 @@
+"""The Plan: what the passes decided, as plain data. `dump()` is deterministic text meant to be read and diffed;
+`save`/`load` round-trip it as JSON; `param_placements()` gives torch Placements per parameter FQN."""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from .graph import op_name
+
+_KIND_ORDER = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
+
+
+@dataclass
+class Plan:
+    mesh_shape: tuple
+    mesh_names: tuple
+    cluster: str
+    nodes: list[dict]
+    params: dict[str, list[str]]
+    predicted: dict
+    solver: dict
+    timings: list = field(default_factory=list)     # [pass, seconds] in run order
+    regions: list = field(default_factory=list)
+    coverage: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)
+    stages: list = field(default_factory=list)
+    schedule: dict = field(default_factory=dict)
+
+    # ---- queries --------------------------------------------------------------------------------------------
+    def param_placements(self) -> dict:
+        from .strategies._torch_adapter import to_placement
+        return {k: tuple(to_placement(p) for p in v) for k, v in self.params.items()}
+
+    def collectives(self) -> list[tuple[str, int, int]]:
+        """Every planned collective of one step as (kind, mesh_dim, bytes), in graph order."""
+        out = []
+        for n in self.nodes:
+            for r in n.get("redistribute", []):
+                out += [(c[0], c[1], c[2]) for c in r["collectives"]]
+        return out
+
+    def hash(self) -> str:
+        body = json.dumps({"mesh": self.mesh_shape, "params": self.params,
+                           "nodes": [[n["placement"], n.get("redistribute", [])] for n in self.nodes]},
+                          sort_keys=True)
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    # ---- persistence ----------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1, sort_keys=True)
+
+    @classmethod
+    def load(cls, path) -> "Plan":
+        with open(path) as f:
+            d = json.load(f)
+        d["mesh_shape"], d["mesh_names"] = tuple(d["mesh_shape"]), tuple(d["mesh_names"])
+        return cls(**d)
+
+    # ---- text -----------------------------------------------------------------------------------------------
+    def summary(self) -> str:
+        p = self.predicted
+        mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_names, self.mesh_shape))
+        lines = [f"autopar plan  mesh [{mesh}]  cluster {self.cluster}  plan {self.hash()}",
+                 f"predicted step {p['step_s'] * 1e3:.3f} ms = compute {p['compute_s'] * 1e3:.3f} ms + exposed comm "
+                 f"{p['exposed_comm_s'] * 1e3:.3f} ms (all comm {p['comm_s'] * 1e3:.3f} ms)",
+                 f"peak memory per rank {p['peak_mem_bytes'] / 2**30:.3f} GiB (model state "
+                 f"{p['state_mem_bytes'] / 2**30:.3f} GiB, activation peak {p['act_peak_bytes'] / 2**30:.3f} GiB)",
+                 "collectives per step: " + (", ".join(f"{k} x{v['count']} {v['bytes'] / 1e6:.3f} MB"
+                                                      for k, v in sorted(p["collectives"].items(),
+                                                                         key=lambda kv: _KIND_ORDER.index(kv[0])))
+                                             or "none"),
+                 f"solver {self.solver['status']}  objective {self.solver['objective'] * 1e3:.4f} ms  gap "
+                 f"{self.solver['gap']:.2e}  {self.solver['n_vars']} vars  {self.solver['seconds']:.2f} s",
+                 "pass times " + "  ".join(f"{k} {v:.2f}s" for k, v in self.timings)]
+        if self.stages:
+            lines.append(f"pipeline {len(self.stages)} stages, schedule {self.schedule}")
+        lines.append("")
+        lines.append("module placements (parameter: placement per mesh dim)")
+        lines += self.module_summary()
+        return "\n".join(lines)
+
+    def module_summary(self) -> list[str]:
+        """Module FQN (repeated layers folded to '*') -> a readable description of its parameters' placements."""
+        rows = defaultdict(set)
+        shapes = {n["target"]: n["shape"][0] for n in self.nodes if n["kind"] == "param"}
+        for fqn, pl in self.params.items():
+            key = re.sub(r"\.(\d+)\.", ".*.", fqn)
+            rows[key].add(tuple(pl))
+        out = []
+        for key in sorted(rows):
+            variants = sorted(rows[key])
+            shape = next(shapes[f] for f in self.params if re.sub(r"\.(\d+)\.", ".*.", f) == key)
+            desc = "; ".join(_describe(key, shape, v, self.mesh_names) for v in variants)
+            out.append(f"  {key:<44} {desc}")
+        return out
+
+    def dump(self) -> str:
+        lines = [self.summary(), "", "graph (one line per node: op, phase, module, output shapes, placement; "
+                                     "then the redistributes its inputs need)"]
+        for n in self.nodes:
+            outs = " ".join("x".join(map(str, s)) if s is not None else "-" for s in n["shape"])
+            pl = " ".join("[" + ",".join(p) + "]" if p is not None else "-" for p in n["placement"]["out"])
+            ins = " ".join("[" + ",".join(p) + "]" for p in n["placement"]["ins"])
+            where = n["module"] or "<root>"
+            lines.append(f"{n['name']:<44} {n['phase']} {where:<32} {outs:<18} out {pl} in {ins}"
+                         + (f"  t={n['time_s'] * 1e6:.2f}us" if n.get("time_s") else ""))
+            for r in n.get("redistribute", []):
+                cs = ", ".join(f"{c[0]}(dim {self.mesh_names[c[1]]}, {c[2] / 1e6:.3f} MB)" for c in r["collectives"])
+                lines.append(f"    input {r['input']}: [{','.join(r['src'])}] -> [{','.join(r['dst'])}]"
+                             + (f"  {cs}" if cs else "  (local)"))
+        return "\n".join(lines) + "\n"
+
+
+def _describe(key: str, shape, pl, names) -> str:
+    leaf = key.rsplit(".", 1)[-1]
+    parts = []
+    for p, name in zip(pl, names):
+        if p == "R":
+            parts.append(f"replicate on {name}")
+        elif len(shape) == 2 and leaf == "weight" and not key.endswith(("embeddings.weight", "wte.weight", "wpe.weight")):
+            parts.append(f"{'colwise' if p == 'S0' else 'rowwise'} on {name}")
+        elif key.endswith(("embeddings.weight", "wte.weight", "wpe.weight")):
+            parts.append(f"{'vocab-sharded' if p == 'S0' else 'dim-sharded'} on {name}")
+        else:
+            parts.append(f"sharded dim {p[1:]} on {name}")
+    return f"[{','.join(pl)}] " + ", ".join(parts)
+
+
+def dump_state(state) -> str:
+    """A short text view of a PlanState between passes (what exists so far)."""
+    g = state.graph
+    lines = [f"{len(g.nodes)} nodes"]
+    for n in g.nodes:
+        extra = ""
+        if state.strategies is not None:
+            extra += f" cands={len(state.strategies[n.idx])}"
+        if state.placement is not None:
+            s = state.placement[n.idx]
+            extra += " out=" + " ".join("[" + ",".join(p) + "]" if p else "-" for p in s.out)
+        lines.append(f"{n.name} {n.phase} {n.module}{extra}")
+    return "\n".join(lines)
+
+
+def node_record(n, s, red, time_s, source) -> dict:
+    return {"idx": n.idx, "name": n.name, "kind": n.kind, "target": n.target if n.kind != "op" else op_name(n.target),
+            "phase": n.phase, "module": n.module,
+            "shape": [list(m.shape) if m is not None else None for m in n.outs],
+            "dtype": [str(m.dtype).replace("torch.", "") if m is not None else None for m in n.outs],
+            "placement": {"out": [list(p) if p is not None else None for p in s.out], "ins": [list(p) for p in s.ins]},
+            "redistribute": red, "time_s": time_s, "source": source}

@@ -1,0 +1,108 @@
+"""Predicted step time and memory of a solved PlanState, and its conversion into a Plan.
+
+Step time = compute + exposed communication. Parameter gathers (FSDP-style) and gradient reductions can overlap
+with compute (prefetch, bucketing): exposed = activation comm + max(0, param/grad comm - compute). Memory per
+rank = model state at the storage placements (params, grads, optimizer state) + the activation liveness peak of
+the fw+bw order, with each redistributed input held while its consumer runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from .plan import Plan, node_record
+from .redistribute import redistribute_time
+from .strategies import num_shards
+
+
+def _param_rooted(g, idx, follow_of) -> bool:
+    seen = 0
+    while g.nodes[idx].kind == "op" and seen < 64:
+        ins = g.nodes[idx].inputs()
+        if len(ins) != 1:
+            return False
+        idx, seen = ins[0].node, seen + 1
+    return g.nodes[idx].kind == "param"
+
+
+def build_plan(state) -> Plan:
+    g, P, mesh_shape, cluster = state.graph, state.placement, state.mesh.shape, state.cluster
+    node_time = state.cost["node_time"]
+    nodes = g.nodes
+    red_by_node: dict[int, list] = {}
+    comm = {"act": 0.0, "param": 0.0, "grad": 0.0}
+    kinds: dict[str, dict] = {}
+    for (i, j), (src, dst, cs) in sorted(state.redistributes.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        if j == "opt":
+            meta, cls = g.meta(g.grads[nodes[i].target]), "grad"
+        else:
+            r = nodes[i].inputs()[j]
+            meta = g.meta(r)
+            cls = "param" if _param_rooted(g, r.node, None) else "act"
+        t = redistribute_time(src, dst, meta, mesh_shape, cluster)
+        comm[cls] += t
+        red_by_node.setdefault(i, []).append({"input": j, "src": list(src), "dst": list(dst), "time_s": t,
+                                              "collectives": [c.to_json() for c in cs], "class": cls})
+        for c in cs:
+            k = kinds.setdefault(c.kind, {"count": 0, "bytes": 0})
+            k["count"] += 1
+            k["bytes"] += c.nbytes
+    rep, tcache = state.rep, {}
+    times = []
+    for n in nodes:
+        key = (rep[n.idx], P[n.idx])
+        if key not in tcache:
+            tcache[key] = node_time(n, P[n.idx]) if n.kind == "op" else 0.0
+        times.append(tcache[key])
+    compute = sum(times)
+    overlappable = comm["param"] + comm["grad"]
+    exposed = comm["act"] + max(0.0, overlappable - compute)
+    state_mem = sum(nodes[i].out.numel * state.precision.bytes_per_param / num_shards(P[i].out[0], mesh_shape)
+                    for i in g.params.values())
+    act_peak = _liveness_peak(g, P, mesh_shape)
+    predicted = {"step_s": compute + exposed, "compute_s": compute, "comm_s": sum(comm.values()),
+                 "exposed_comm_s": exposed, "comm_by_class_s": comm, "state_mem_bytes": state_mem,
+                 "act_peak_bytes": act_peak, "peak_mem_bytes": state_mem + act_peak, "collectives": kinds,
+                 "budget_bytes": state.budget}
+    sol = state.solution
+    records = [node_record(n, P[n.idx], red_by_node.get(n.idx, []), times[n.idx], state.sources[n.idx])
+               for n in nodes]
+    params = {fqn: list(P[i].out[0]) for fqn, i in g.params.items()}
+    for alias, base in g.aliases.items():
+        params.setdefault(alias, params[base])
+    return Plan(state.mesh.shape, state.mesh.names, cluster.name, records, params, predicted,
+                {"status": sol.status, "objective": sol.objective, "bound": sol.bound, "gap": sol.gap,
+                 "seconds": sol.seconds, "n_vars": sol.n_vars, "n_constraints": sol.n_constraints},
+                [[k, v] for k, v in state.timings.items()], state.regions, {k: len(v) for k, v in (state.coverage or {}).items()},
+                {"torch": torch.__version__, "budget_bytes": state.budget, "precision": repr(state.precision)})
+
+
+def _liveness_peak(g, P, mesh_shape) -> float:
+    """Max over the fw+bw order of live activation bytes per rank (parameters are model state, not counted)."""
+    last = {}
+    for n in g.nodes:
+        for r in n.inputs():
+            last[(r.node, r.out)] = n.idx
+    last[(g.loss.node, g.loss.out)] = len(g.nodes)
+    grad_refs = {(r.node, r.out) for r in g.grads.values()}
+    frees: dict[int, list] = {}
+    live = peak = 0.0
+    size = {}
+    for n in g.nodes:
+        if n.kind == "op":
+            for o, m in enumerate(n.outs):
+                if m is None or P[n.idx].out[o] is None:
+                    continue
+                b = m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
+                size[(n.idx, o)] = b
+                live += b
+                end = n.idx if (n.idx, o) in grad_refs else last.get((n.idx, o), n.idx)
+                frees.setdefault(end, []).append((n.idx, o))
+        elif n.kind == "input":
+            b = n.out.nbytes / num_shards(P[n.idx].out[0], mesh_shape)
+            size[(n.idx, 0)] = b
+            live += b
+            frees.setdefault(last.get((n.idx, 0), n.idx), []).append((n.idx, 0))
+        peak = max(peak, live)
+        for key in frees.pop(n.idx, []):
+            live -= size[key]
+    return peak
