@@ -56,9 +56,8 @@ def build_plan(state) -> Plan:
     compute = sum(times)
     overlappable = comm["param"] + comm["grad"]
     exposed = comm["act"] + max(0.0, overlappable - compute)
-    state_mem = sum(nodes[i].out.numel * state.precision.bytes_per_param / num_shards(P[i].out[0], mesh_shape)
-                    for i in g.params.values())
-    act_peak = _liveness_peak(g, P, mesh_shape)
+    state_mem = state_bytes(g, P, mesh_shape, state.precision)
+    act_peak = liveness_peak(g, P, mesh_shape)
     predicted = {"step_s": compute + exposed, "compute_s": compute, "comm_s": sum(comm.values()),
                  "exposed_comm_s": exposed, "comm_by_class_s": comm, "state_mem_bytes": state_mem,
                  "act_peak_bytes": act_peak, "peak_mem_bytes": state_mem + act_peak, "collectives": kinds,
@@ -76,7 +75,13 @@ def build_plan(state) -> Plan:
                 {"torch": torch.__version__, "budget_bytes": state.budget, "precision": repr(state.precision)})
 
 
-def _liveness_peak(g, P, mesh_shape) -> float:
+def state_bytes(g, P, mesh_shape, precision) -> float:
+    """Parameters, gradients and optimizer state per rank at the parameters' storage placements."""
+    return sum(g.nodes[i].out.numel * precision.bytes_per_param / num_shards(P[i].out[0], mesh_shape)
+               for i in g.params.values())
+
+
+def liveness_peak(g, P, mesh_shape) -> float:
     """Max over the fw+bw order of live activation bytes per rank (parameters are model state, not counted)."""
     last = {}
     for n in g.nodes:

@@ -4,6 +4,12 @@ Mesh dims are visited in order; each dim whose placement changes costs one colle
 sub-group, sized by the tensor as it is split over the other mesh dims at that moment:
 S->R all_gather, P->R all_reduce, P->S reduce_scatter, S(i)->S(j) all_to_all, S->P all_gather;
 R->S, R->P and P(sum)<->P(avg) are local (chunk, zero, rescale).
+
+Nested sharding (two mesh dims sharding the same tensor dim, e.g. [S0,S0]) follows DTensor's layout: the
+lower mesh dim splits the tensor dim first, so only the innermost (highest) mesh dim sharding a tensor dim can
+be removed or added by one collective plus local reshuffles. When the in-order walk would violate that,
+`steps` falls back to an executable order: unshard from the innermost mesh dim outwards, then shard outer
+first (as DTensor does). The backends execute exactly these steps, so predicted == measured collectives.
 """
 from __future__ import annotations
 
@@ -33,6 +39,58 @@ def collectives(src: tuple[str, ...], dst: tuple[str, ...], meta: TensorMeta, me
     return _collectives(tuple(src), tuple(dst), meta.shape, meta.dtype.itemsize, tuple(mesh_shape))
 
 
+def _sharders(pl, d) -> list[int]:
+    return [m for m, p in enumerate(pl) if p == f"S{d}"]
+
+
+def _step_ok(cur, m, b) -> bool:
+    """Can mesh dim m go from cur[m] to b with one collective (standard DTensor layouts before and after)?"""
+    a = cur[m]
+    if a[0] == "S" and _sharders(cur, int(a[1:]))[-1] != m:
+        return False                       # m is not the innermost mesh dim sharding that tensor dim
+    if b[0] == "S" and any(k > m for k in _sharders(cur, int(b[1:])) if k != m):
+        return False                       # a mesh dim inside m already shards the target tensor dim
+    return True
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def steps(src: tuple[str, ...], dst: tuple[str, ...]) -> tuple[tuple[int, str, str], ...]:
+    """The ordered single-mesh-dim changes (mesh_dim, from, to) that turn `src` into `dst`."""
+    cur, out = list(src), []
+    for m in range(len(src)):              # the plain walk over mesh dims, when every step is legal
+        if cur[m] != dst[m]:
+            if not _step_ok(cur, m, dst[m]):
+                break
+            out.append((m, cur[m], dst[m]))
+            cur[m] = dst[m]
+    else:
+        return tuple(out)
+    cur, out = list(src), []
+    ndim = 1 + max([int(p[1:]) for p in src + dst if p[0] == "S"], default=0)
+    keep = set()                           # per tensor dim: mesh dims in the common prefix of src/dst sharders
+    for d in range(ndim):
+        for a, b in zip(_sharders(src, d), _sharders(dst, d)):
+            if a != b:
+                break
+            keep.add(a)
+    for m in reversed(range(len(src))):    # unshard innermost first (all_to_all straight to dst when legal)
+        if cur[m][0] == "S" and m not in keep:
+            b = dst[m]
+            if b[0] == "S":
+                e = int(b[1:])
+                later = [k for k in _sharders(dst, e) if k < m and cur[k] != b]
+                blocked = [k for k in _sharders(cur, e) if k not in keep]
+                b = b if not later and not blocked and _step_ok(cur, m, b) else "R"
+            out.append((m, cur[m], b))
+            cur[m] = b
+    for m in range(len(src)):              # then reduce / shard / rescale, outer first
+        if cur[m] != dst[m]:
+            assert _step_ok(cur, m, dst[m]), (src, dst, m, cur)
+            out.append((m, cur[m], dst[m]))
+            cur[m] = dst[m]
+    return tuple(out)
+
+
 @functools.lru_cache(maxsize=1 << 18)
 def _collectives(src, dst, shape, itemsize, mesh_shape):
     cur = list(src)
@@ -40,9 +98,7 @@ def _collectives(src, dst, shape, itemsize, mesh_shape):
     numel = 1
     for s in shape:
         numel *= s
-    for i, (a, b) in enumerate(zip(src, dst)):
-        if a == b:
-            continue
+    for i, a, b in steps(src, dst):
         others = 1
         for j, p in enumerate(cur):
             if j != i and p[0] == "S":

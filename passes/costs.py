@@ -1,8 +1,10 @@
 """Pass: the cost terms the solver minimizes, over decision groups.
 
 Decision groups: a node with one tensor input inside the same layer instance *follows* its producer (views,
-transposes, casts, unary pointwise ops): it takes the strategy that best matches its producer's output, so it
-needs no variable of its own. Every other node roots a group. Groups of repeated layers are shared (regions
+transposes, casts, unary pointwise ops), and a pointwise op follows its one largest input when the others are
+smaller broadcast operands (norm weights, RoPE tables, scalars; Alpa's "follow" merging): it takes the strategy that best matches that producer's output, so it needs no variable of its own;
+its other inputs stay priced edges. This restricts the search to plans where elementwise ops compute in their
+main input's layout; the MILP is exact over that space. Every other node roots a group. Groups of repeated layers are shared (regions
 pass), so the model has one set of variables per distinct node of the representative layer.
 
 Per group strategy: compute time of its members (roofline on local shapes), the redistributes the followers
@@ -91,14 +93,18 @@ def run(state) -> None:
 
     # --- followers and groups, in representative space -------------------------------------------------------
     reps = [i for i in range(len(nodes)) if rep[i] == i]
-    follow: dict[int, tuple[int, int]] = {}          # follower -> (producer, producer output index)
+    follow: dict[int, tuple[int, int, int]] = {}     # follower -> (producer, producer output, input position)
     for i in reps:
         n = nodes[i]
         if n.kind != "op":
             continue
         ins = n.inputs()
-        if len(ins) == 1 and region_of[ins[0].node] == region_of[i] and nodes[ins[0].node].kind in ("op", "param"):
-            follow[i] = (ins[0].node, ins[0].out)
+        lead = _lead_input(g, n, ins)
+        if lead is None:
+            continue
+        r = ins[lead]
+        if region_of[r.node] == region_of[i] and nodes[r.node].kind in ("op", "param"):
+            follow[i] = (r.node, r.out, lead)
     root = {}
     for i in reps:                                    # topological order: producers first
         root[i] = root[follow[i][0]] if i in follow else i
@@ -112,7 +118,7 @@ def run(state) -> None:
         if i not in follow:
             choice[i] = np.arange(len(S[i])) if root[i] == i else None
             continue
-        p, k_out = follow[i]
+        p, k_out, lead = follow[i]
         pc = choice[p]
         best: dict = {}
         for kk, s_p in enumerate(S[p]):
@@ -120,7 +126,7 @@ def run(state) -> None:
             if pl in best:
                 continue
             meta = nodes[p].outs[k_out]
-            cands = [(0.0 if s.ins[0] == pl else rtime(pl, s.ins[0], meta), j) for j, s in enumerate(S[i])]
+            cands = [(0.0 if s.ins[lead] == pl else rtime(pl, s.ins[lead], meta), j) for j, s in enumerate(S[i])]
             best[pl] = min(cands)
         ch = np.empty(len(pc), dtype=np.int64)
         ex = np.empty(len(pc))
@@ -164,10 +170,12 @@ def run(state) -> None:
     edge_count = defaultdict(int)
     for v in range(len(nodes)):
         rv = rep[v]
-        if nodes[v].kind != "op" or rv in follow:
+        if nodes[v].kind != "op":
             continue
+        lead = follow[rv][2] if rv in follow else None
         for j, r in enumerate(nodes[v].inputs()):
-            edge_count[(rep[r.node], r.out, rv, j)] += 1
+            if j != lead:
+                edge_count[(rep[r.node], r.out, rv, j)] += 1
     for fqn, r in g.grads.items():                    # optimizer step: grad must match the parameter's placement
         edge_count[(rep[r.node], r.out, rep[g.params[fqn]], "opt")] += 1
     matrices: dict[tuple[int, int], np.ndarray] = {}
@@ -195,6 +203,19 @@ def run(state) -> None:
     state.choice, state.follow = choice, follow
     state.cost = {"compute": compute, "comm": comm_lin, "state_mem": state_mem, "act_mem": act_mem,
                   "edges": matrices, "rtime": rtime, "node_time": node_time}
+
+
+def _lead_input(g, n, ins):
+    """The input a node follows: its only tensor input, or for pointwise ops the largest input (first on ties)."""
+    if len(ins) == 1:
+        return 0
+    if not ins or torch.Tag.pointwise not in getattr(n.target, "tags", ()):
+        return None
+    sizes = [g.meta(r).numel for r in ins]
+    big = max(sizes)
+    if sizes.count(big) > 1:
+        return None          # same-size operands (residual adds, gated products): a real decision, keep a root
+    return sizes.index(big)
 
 
 def _uniq(items):

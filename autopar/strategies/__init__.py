@@ -57,6 +57,13 @@ def _attention_bw(args, kwargs, metas):
     return [("S0",) * 9, ("S1",) * 9]
 
 
+@rule(aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default)
+def _pool_bw(args, kwargs, metas):
+    # grad_out, self (, indices) -> grad_in, all (N, C, H, W): shard batch or channels
+    n = 1 + len(metas)
+    return [("S0",) * n, ("S1",) * n]
+
+
 @rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
       aten.full.default, aten.scalar_tensor.default, aten.empty.memory_format, aten.randn.default)
 def _factory(args, kwargs, metas):

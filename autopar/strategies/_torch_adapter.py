@@ -189,3 +189,34 @@ def redistribute_cost_dtensor(src: tuple[str, ...], dst: tuple[str, ...], meta, 
     m = _dtmeta(meta)
     return redistribute_cost(DTensorSpec(mesh, tuple(map(to_placement, src)), tensor_meta=m),
                              DTensorSpec(mesh, tuple(map(to_placement, dst)), tensor_meta=m))
+
+
+# ---- pipelining: torch's own schedule generators (private module torch.distributed.pipelining._*) ----------------
+@functools.lru_cache(maxsize=512)
+def pipeline_actions(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int) -> tuple:
+    """The compute actions torch's schedule class `schedule` runs on each of `pp` ranks, in order, as tuples
+    (stage, kind, microbatch) with kind F (forward), B (full backward), I (input backward), W (weight backward).
+    OVERLAP_F_B actions (DualPipeV) are expanded into their sub-actions. Raises ValueError when torch rejects the
+    (schedule, pp, n_microbatches, stages_per_rank) combination."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    try:
+        ops = get_schedule_ops(schedule, pp, n_microbatches, num_stages_per_rank=stages_per_rank)
+    except (AssertionError, RuntimeError, IndexError, KeyError) as e:
+        raise ValueError(f"torch rejects schedule {schedule} with pp={pp}, {n_microbatches} micro-batches, "
+                         f"{stages_per_rank} stages per rank: {e}") from e
+
+    def flat(a):
+        if a is None:
+            return []
+        if a.sub_actions is not None:
+            return [x for s in a.sub_actions for x in flat(s)]
+        kind = a.computation_type.value
+        return [(a.stage_index, kind, a.microbatch_index)] if kind in ("F", "B", "I", "W") else []
+    return tuple(tuple(x for a in rank for x in flat(a)) for rank in ops)
+
+
+def pipeline_stage_to_rank(pp: int, num_stages: int, style: str) -> tuple[int, ...]:
+    """torch's stage -> pp rank mapping: style "loop" (stage k on rank k % pp) or "v" (V-shape, ZBV/DualPipeV)."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+    m = generate_stage_to_rank_mapping(pp, num_stages, style=style)
+    return tuple(m[k] for k in range(num_stages))

@@ -1,0 +1,273 @@
+"""Pipeline schedules as a cost model: which schedules exist, where their stages live, the closed-form step time
+the stage partitioner minimizes, and an exact simulation of torch's own action order (for the step time, the
+bubble, activation memory in flight and the text timeline that the plan reports).
+
+Notation: p pipeline ranks, v stages per rank (S = p*v stages), m micro-batches; per stage k and micro-batch:
+F_k forward, B_k backward for the input gradient, W_k backward for the weight gradients, c_k = F_k + B_k + W_k.
+
+Closed form the partitioner minimizes (Alpa's inter-op objective generalized):
+
+    T = (m*v - 1) * max_k c_k  +  sum_k (c_k + (p - 1) * b_k) / (p * v)
+
+* GPipe, 1F1B (v = 1, b_k = c_k): T = sum_k c_k + (m - 1) * max_k c_k, Alpa's eq. (2) (Zheng et al., OSDI'22:
+  one micro-batch crosses every stage, the other m-1 are paced by the slowest). Uniform stages: (m + p - 1) c,
+  bubble fraction (p - 1)/(m + p - 1) (GPipe, Huang et al. 2019; Narayanan et al. SC'21 eq. 1).
+* Interleaved1F1B (v chunks per rank, b_k = c_k): uniform stages give m*v*c + (p - 1)*c, i.e. bubble fraction
+  (p - 1)/(v*m) of the ideal time, Narayanan et al. SC'21 section 2.2.2 (t_pb = (p-1)(t_f+t_b)/v per rank).
+* Zero-bubble family (InterleavedZeroBubble, ZBVZeroBubble, DualPipeV; backward split into B and W): the
+  weight-gradient passes fill the drain, so a stage contributes b_k = max(0, F_k + B_k - 2 W_k) to the bubble
+  instead of c_k; uniform stages with v = 1 give m*c + (p - 1)(F + B - 2W), the ZB-H1 bubble of Qi et al.
+  ("Zero Bubble Pipeline Parallelism", ICLR'24, section 3).
+
+The closed form only ranks partitions. The reported step time is `simulate`: list scheduling of the exact per-rank
+action order torch's schedule class generates (`torch.distributed.pipelining`'s own generator, through the adapter),
+each action starting when its rank is free and its inputs arrived (F after the previous stage's F plus the p2p
+transfer; B/I after its own F and the next stage's B/I plus the transfer; W after its own I).
+
+Activation memory in flight: a micro-batch's saved activations of stage k live from its F until its backward is
+complete (B, or W when the backward is split). The count follows from each rank's action order alone, so it is
+exact for torch's schedules: GPipe holds m, 1F1B holds p - k on stage k (Narayanan et al.: "at most p in flight").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.strategies._torch_adapter import pipeline_actions, pipeline_stage_to_rank
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    name: str              # torch's name (torch.distributed.pipelining.schedules.get_schedule_class)
+    torch_class: str
+    stages_per_rank: tuple  # the v values autopar tries
+    style: str             # stage -> rank mapping: "loop" or "v"
+    split_backward: bool   # runs B (input grad) and W (weight grad) as separate actions
+
+    @property
+    def multi(self) -> bool:
+        return self.stages_per_rank != (1,)
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
+    ScheduleSpec("GPipe", "ScheduleGPipe", (1,), "loop", False),
+    ScheduleSpec("1F1B", "Schedule1F1B", (1,), "loop", False),
+    ScheduleSpec("Interleaved1F1B", "ScheduleInterleaved1F1B", (2, 4), "loop", False),
+    ScheduleSpec("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", (2, 4), "loop", True),
+    ScheduleSpec("ZBVZeroBubble", "ScheduleZBVZeroBubble", (2,), "v", True),
+    ScheduleSpec("DualPipeV", "ScheduleDualPipeV", (2,), "v", True),
+)}
+
+
+def get_schedule(name: str) -> ScheduleSpec:
+    for k, s in SCHEDULES.items():
+        if k.lower() == str(name).lower() or s.torch_class.lower() == str(name).lower():
+            return s
+    raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}")
+
+
+def stage_ranks(spec: ScheduleSpec, p: int, v: int) -> tuple[int, ...]:
+    """pp rank of each of the p*v stages, as torch maps them."""
+    if v == 1:
+        return tuple(range(p))
+    return pipeline_stage_to_rank(p, p * v, spec.style)
+
+
+def actions(spec: ScheduleSpec, p: int, m: int, v: int) -> tuple:
+    """Per rank, torch's compute actions in order: (stage, "F"|"B"|"I"|"W", micro-batch). ValueError if torch
+    rejects the combination (e.g. 1F1B needs m >= p)."""
+    if not spec.multi:
+        if v != 1:
+            raise ValueError(f"{spec.name} runs one stage per rank, not {v}")
+        return tuple(single_stage_order(spec.name, k, p, m) for k in range(p))
+    return pipeline_actions(spec.name, p, m, v)
+
+
+def single_stage_order(name: str, k: int, p: int, m: int) -> tuple:
+    """The order ScheduleGPipe / Schedule1F1B execute on stage k (their `_step_microbatches`; torch's
+    `_get_pipeline_order` for 1F1B is a drawing aid that mislabels the last rank's micro-batches, so it is not used).
+    GPipe: all forwards, then all backwards. 1F1B: min(m, p - k) warm-up forwards, then backward/forward pairs,
+    then the remaining backwards."""
+    if name == "GPipe" or p == 1:
+        return tuple((k, "F", i) for i in range(m)) + tuple((k, "B", i) for i in range(m))
+    if m < p:
+        raise ValueError(f"1F1B needs at least as many micro-batches as stages: {m} < {p} (torch raises too)")
+    warm = min(m, p - k)
+    out = [(k, "F", i) for i in range(warm)]
+    f, b = warm, 0
+    while True:
+        out.append((k, "B", b))
+        b += 1
+        if f == m:
+            break
+        out.append((k, "F", f))
+        f += 1
+    out += [(k, "B", i) for i in range(b, m)]
+    return tuple(out)
+
+
+# ---- closed form (what the stage DP minimizes) ----------------------------------------------------------------
+def proxy_coef(m: int, v: int) -> float:
+    """Weight of max_k c_k in the closed form."""
+    return m * v - 1
+
+
+def proxy_f(c: float, b: float, p: int, v: int) -> float:
+    """Additive per-stage term of the closed form."""
+    return (c + (p - 1) * b) / (p * v)
+
+
+def bubble_term(spec: ScheduleSpec, c: float, W: float) -> float:
+    """b_k: what a stage adds to the fill/drain bubble (see the module docstring); c = F + B + W (+ transfers)."""
+    return max(0.0, c - 3.0 * W) if spec.split_backward else c
+
+
+def proxy_step(spec: ScheduleSpec, p: int, v: int, m: int, c: list, b: list) -> float:
+    return proxy_coef(m, v) * max(c) + sum(proxy_f(ck, bk, p, v) for ck, bk in zip(c, b))
+
+
+# ---- in-flight activations ------------------------------------------------------------------------------------
+def inflight(order: tuple, S: int, split_backward: bool) -> list[int]:
+    """Per stage, the most micro-batches whose activations are held at once (from torch's action order)."""
+    live, peak = [0] * S, [0] * S
+    done = "W" if split_backward else "B"
+    for rank in order:
+        for s, kind, _ in rank:
+            if kind == "F":
+                live[s] += 1
+                peak[s] = max(peak[s], live[s])
+            elif kind == done or (kind == "B" and split_backward):
+                live[s] -= 1
+    return peak
+
+
+def rank_act_peak(order: tuple, act: list[float], split_backward: bool) -> list[float]:
+    """Per rank, the peak bytes of saved activations over its action order (act: bytes per micro-batch per stage)."""
+    out = []
+    done = "W" if split_backward else "B"
+    for rank in order:
+        cur = best = 0.0
+        for s, kind, _ in rank:
+            if kind == "F":
+                cur += act[s]
+                best = max(best, cur)
+            elif kind == done or (kind == "B" and split_backward):
+                cur -= act[s]
+        out.append(best)
+    return out
+
+
+# ---- simulation ----------------------------------------------------------------------------------------------
+@dataclass
+class Simulation:
+    step_s: float
+    busy_s: list            # per rank
+    events: list            # per rank: [(start, end, stage, kind, micro-batch)]
+
+    @property
+    def bubble_fraction(self) -> float:
+        p = len(self.busy_s)
+        return 0.0 if self.step_s <= 0 else 1.0 - sum(self.busy_s) / (p * self.step_s)
+
+
+def simulate(order: tuple, rank_of: tuple, F: list, B: list, W: list, p2p: list) -> Simulation:
+    """List-schedule torch's action order. F/B/W: seconds per stage per micro-batch (a full backward "B" costs
+    B+W); p2p[k]: seconds to move one micro-batch's activation (or its gradient) from stage k to k+1 when they sit
+    on different ranks."""
+    S = len(F)
+    p = len(order)
+    dur = {"F": F, "B": [b + w for b, w in zip(B, W)], "I": B, "W": W}
+    end: dict = {}
+    pos = [0] * p
+    free = [0.0] * p
+    events = [[] for _ in range(p)]
+    waiting: dict = {}
+    ready = list(range(p))
+
+    def deps(s, kind, i):
+        if kind == "F":
+            return [] if s == 0 else [(s - 1, "F", i, s - 1)]
+        if kind in ("B", "I"):
+            d = [(s, "F", i, None)]
+            if s < S - 1:
+                d.append((s + 1, "BI", i, s))
+            return d
+        return [(s, "I", i, None)]
+
+    def dep_time(s, kind, i, link):
+        if kind == "BI":
+            t = end.get((s, "B", i), end.get((s, "I", i)))
+        else:
+            t = end.get((s, kind, i))
+            if t is None and kind == "I":
+                t = end.get((s, "B", i))
+        if t is None:
+            return None
+        if link is not None and rank_of[link] != rank_of[link + 1]:
+            t += p2p[link]
+        return t
+
+    n_done, total = 0, sum(len(r) for r in order)
+    while ready:
+        r = ready.pop()
+        while pos[r] < len(order[r]):
+            s, kind, i = order[r][pos[r]]
+            start = free[r]
+            blocked = None
+            for ds, dk, di, link in deps(s, kind, i):
+                t = dep_time(ds, dk, di, link)
+                if t is None:
+                    blocked = (ds, "B" if dk == "BI" else dk, di)
+                    break
+                start = max(start, t)
+            if blocked is not None:
+                kinds = ("B", "I") if blocked[1] in ("B", "I") else (blocked[1],)
+                for k in kinds:
+                    waiting.setdefault((blocked[0], k, blocked[2]), []).append(r)
+                break
+            e = start + dur[kind][s]
+            end[(s, kind, i)] = e
+            free[r] = e
+            events[r].append((start, e, s, kind, i))
+            pos[r] += 1
+            n_done += 1
+            for w in waiting.pop((s, kind, i), []):
+                if w not in ready and w != r:
+                    ready.append(w)
+    if n_done != total:
+        stuck = {r: order[r][pos[r]] for r in range(p) if pos[r] < len(order[r])}
+        raise RuntimeError(f"pipeline simulation deadlocked; next actions per rank: {stuck}")
+    busy = [sum(e - s for s, e, *_ in ev) for ev in events]
+    return Simulation(max(free) if free else 0.0, busy, events)
+
+
+def timeline(sim: Simulation, width: int = 96) -> list[str]:
+    """One text row per pp rank: each character is step_s/width seconds, showing the action occupying most of it:
+    F forward, B full backward, I input backward, W weight backward, '.' idle. Lower case marks the rank's second
+    (or later) stage, so interleaved and V schedules show which chunk runs."""
+    T = sim.step_s or 1.0
+    rows = []
+    for r, ev in enumerate(sim.events):
+        first = min((s for *_, s, _, _ in ev), default=0)
+        cells = []
+        k = 0
+        for x in range(width):
+            a, b = x * T / width, (x + 1) * T / width
+            best, best_ov = ".", 0.0
+            while k < len(ev) and ev[k][1] <= a:
+                k += 1
+            j = k
+            while j < len(ev) and ev[j][0] < b:
+                ov = min(b, ev[j][1]) - max(a, ev[j][0])
+                if ov > best_ov:
+                    ch = ev[j][3]
+                    best, best_ov = (ch if ev[j][2] == first else ch.lower()), ov
+                j += 1
+            cells.append(best if best_ov >= 0.5 * (b - a) else ".")
+        rows.append(f"rank {r:>3} |{''.join(cells)}|")
+    return rows
+
+
+def first_events(sim: Simulation, n: int = 12) -> list[str]:
+    """The first n actions of each rank as torch names them (e.g. 0F0 1B3), with start times."""
+    return [f"rank {r:>3}: " + " ".join(f"{s}{k}{i}@{t0 * 1e3:.2f}ms" for t0, _, s, k, i in ev[:n])
+            for r, ev in enumerate(sim.events)]

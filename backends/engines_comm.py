@@ -1,0 +1,206 @@
+"""Count the collectives a real run issues, with bytes, in the plan's convention, and compare them with a plan.
+
+`CollectiveCounter` is a TorchDispatchMode over both collective paths: the c10d ops FSDP2 calls
+(`c10d._allgather_base_`, `c10d._reduce_scatter_base_`, `c10d.allreduce_`, ...) and the functional ops DTensor /
+tensor parallelism use (`_c10d_functional.all_gather_into_tensor`, `reduce_scatter_tensor`, `all_reduce`, ...).
+(CommDebugMode counts the same ops but records no bytes.)
+
+Byte convention (the plan's, see autopar/redistribute.py): the FULL tensor over the group: all_gather OUTPUT size,
+reduce_scatter INPUT size, all_reduce size, all_to_all size. Each record also names the process group's size and,
+when a DeviceMesh is given, the mesh dim whose group it ran on (a flattened or multi-dim group gets a tuple).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+_c10d = torch.ops.c10d
+_fn = torch.ops._c10d_functional
+
+# op packet -> (kind, how to size it)
+_C10D = {
+    "_allgather_base_": ("all_gather", "out0"),          # (output, input, pg, ...)
+    "allgather_into_tensor_coalesced_": ("all_gather", "out_list"),
+    "allgather_": ("all_gather", "nested_out"),          # ([[out per rank]], [in], pg)
+    "_reduce_scatter_base_": ("reduce_scatter", "in1"),   # (output, input, pg, op, ...)
+    "reduce_scatter_": ("reduce_scatter", "nested_in"),   # ([out], [[in per rank]], pg, ...)
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "in_list"),
+    "allreduce_": ("all_reduce", "list0"),                # ([tensors], pg, ...)
+    "allreduce_coalesced_": ("all_reduce", "list0"),
+    "alltoall_base_": ("all_to_all", "in1"),
+    "alltoall_": ("all_to_all", "nested_in0"),
+    "broadcast_": ("broadcast", "list0"),
+}
+_FUNC = {
+    "all_gather_into_tensor": ("all_gather", "func_ag"),  # (input, group_size, group_name)
+    "all_gather_into_tensor_coalesced": ("all_gather", "func_ag_list"),
+    "reduce_scatter_tensor": ("reduce_scatter", "func0"),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "func_list"),
+    "all_reduce": ("all_reduce", "func0"),
+    "all_reduce_coalesced": ("all_reduce", "func_list"),
+    "all_to_all_single": ("all_to_all", "func0"),
+    "broadcast": ("broadcast", "func0"),
+}
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return 0
+
+
+@dataclass
+class CommRecord:
+    kind: str
+    nbytes: int
+    group_size: int
+    mesh_dim: object          # int, tuple of ints (a group over several mesh dims) or None
+    path: str                 # "c10d" (FSDP2, eager c10d) or "functional" (DTensor / TP)
+    dtype: str
+
+    def to_json(self):
+        return [self.kind, self.mesh_dim, self.nbytes, self.group_size, self.path, self.dtype]
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """with CollectiveCounter(mesh) as cc: step(); cc.records, cc.summary()"""
+
+    def __init__(self, mesh=None):
+        super().__init__()
+        self.records: list[CommRecord] = []
+        self._by_name: dict[str, object] = {}
+        self._by_ranks: dict[tuple, object] = {}
+        if mesh is not None:
+            self._index_mesh(mesh)
+
+    # ---- group -> mesh dim ---------------------------------------------------------------------------------
+    def _index_mesh(self, mesh):
+        names = mesh.mesh_dim_names or tuple(str(i) for i in range(mesh.ndim))
+        for d in range(mesh.ndim):
+            g = mesh.get_group(d)
+            self._by_name[g.group_name] = d
+            self._by_ranks[tuple(sorted(dist.get_process_group_ranks(g)))] = d
+        if mesh.ndim > 1:   # the whole mesh (e.g. a flattened data-parallel group over every dim)
+            self._by_ranks.setdefault(tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist())),
+                                      tuple(range(mesh.ndim)))
+        self.mesh_dim_names = names
+
+    def _dim_of(self, group) -> object:
+        try:
+            if isinstance(group, str):
+                if group in self._by_name:
+                    return self._by_name[group]
+                group = dist.distributed_c10d._resolve_process_group(group)
+            elif not isinstance(group, dist.ProcessGroup):
+                group = dist.ProcessGroup.unbox(group)
+            if group.group_name in self._by_name:
+                return self._by_name[group.group_name]
+            return self._by_ranks.get(tuple(sorted(dist.get_process_group_ranks(group))))
+        except Exception:
+            return None
+
+    @staticmethod
+    def _size_of(group) -> int:
+        try:
+            if isinstance(group, str):
+                group = dist.distributed_c10d._resolve_process_group(group)
+            elif not isinstance(group, dist.ProcessGroup):
+                group = dist.ProcessGroup.unbox(group)
+            return group.size()
+        except Exception:
+            return -1
+
+    # ---- the mode ------------------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ns, name = func.namespace, func._schema.name.split("::")[-1]
+        rec = None
+        if ns == "c10d" and name in _C10D:
+            kind, how = _C10D[name]
+            rec = self._c10d(kind, how, args)
+        elif ns == "_c10d_functional" and name in _FUNC:
+            kind, how = _FUNC[name]
+            rec = self._functional(kind, how, args)
+        if rec is not None:
+            self.records.append(rec)
+        return func(*args, **kwargs)
+
+    def _c10d(self, kind, how, args):
+        pg = next((a for a in args if not isinstance(a, (torch.Tensor, list, tuple, int, float, bool))), None)
+        if how == "out0":
+            t, nb = args[0], _nbytes(args[0])
+        elif how == "in1":
+            t, nb = args[1], _nbytes(args[1])
+        elif how == "list0":
+            t, nb = args[0][0], _nbytes(args[0])
+        elif how == "out_list":
+            t, nb = args[0][0], _nbytes(args[0])
+        elif how == "in_list":
+            t, nb = args[1][0], _nbytes(args[1])
+        elif how == "nested_out":
+            t, nb = args[0][0][0], _nbytes(args[0][0])
+        elif how == "nested_in":
+            t, nb = args[1][0][0], _nbytes(args[1][0])
+        else:   # nested_in0: alltoall_(outputs, inputs, pg)
+            t, nb = args[1][0], _nbytes(args[1])
+        return CommRecord(kind, nb, self._size_of(pg), self._dim_of(pg), "c10d", str(t.dtype).replace("torch.", ""))
+
+    def _functional(self, kind, how, args):
+        group = args[-1] if isinstance(args[-1], str) else next((a for a in args if isinstance(a, str)), None)
+        n = self._size_of(group)
+        if how == "func_ag":
+            t, nb = args[0], _nbytes(args[0]) * n
+        elif how == "func_ag_list":
+            t, nb = args[0][0], _nbytes(args[0]) * n
+        elif how == "func_list":
+            t, nb = args[0][0], _nbytes(args[0])
+        else:
+            t, nb = args[0], _nbytes(args[0])
+        return CommRecord(kind, nb, n, self._dim_of(group), "functional", str(t.dtype).replace("torch.", ""))
+
+    # ---- views ---------------------------------------------------------------------------------------------
+    def summary(self) -> dict:
+        """{kind: {"count", "bytes"}} over every record with a group of more than one rank."""
+        out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+        for r in self.records:
+            if r.group_size > 1:
+                out[r.kind]["count"] += 1
+                out[r.kind]["bytes"] += r.nbytes
+        return dict(out)
+
+    def by_dim(self) -> dict:
+        """{(kind, mesh_dim): {"count", "bytes"}}"""
+        out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+        for r in self.records:
+            if r.group_size > 1:
+                out[(r.kind, r.mesh_dim)]["count"] += 1
+                out[(r.kind, r.mesh_dim)]["bytes"] += r.nbytes
+        return dict(out)
+
+
+def plan_by_dim(plan) -> dict:
+    """The plan's predicted collectives of one step as {(kind, mesh_dim): {"count", "bytes"}}."""
+    out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for kind, d, nb in plan.collectives():
+        out[(kind, d)]["count"] += 1
+        out[(kind, d)]["bytes"] += nb
+    return dict(out)
+
+
+def format_compare(expected: dict, measured: dict, mesh_names) -> str:
+    """A table of expected vs measured (count, bytes) per (kind, mesh dim)."""
+    keys = sorted(set(expected) | set(measured), key=lambda k: (k[0], str(k[1])))
+    lines = [f"{'collective':<16}{'dim':<10}{'expected':>22}{'measured':>22}"]
+    for k in keys:
+        e, m = expected.get(k, {"count": 0, "bytes": 0}), measured.get(k, {"count": 0, "bytes": 0})
+        d = k[1]
+        dn = mesh_names[d] if isinstance(d, int) else "+".join(mesh_names[i] for i in d) if isinstance(d, tuple) \
+            else "?"
+        lines.append(f"{k[0]:<16}{dn:<10}{e['count']:>6} x {e['bytes']:>12,d} B{m['count']:>6} x {m['bytes']:>12,d} B")
+    return "\n".join(lines)
