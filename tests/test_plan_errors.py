@@ -1,0 +1,121 @@
+"""Bad input to the planner gets a clear error naming what is at fault."""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar import models as M
+
+
+@torch.library.custom_op("autopar_test::mystery", mutates_args=())
+def mystery(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@mystery.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+mystery.register_autograd(lambda ctx, g: g * 2)
+
+
+class Mystery(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return mystery(self.lin(x)).sum()
+
+
+def test_op_without_rule_is_listed_and_can_be_forced_replicate():
+    m, x = Mystery(), torch.randn(4, 8)
+    with pytest.raises(autopar.NoStrategyError, match=r"autopar_test\.mystery.*module '<root>'"):
+        autopar.plan(m, (2,), (x,))
+    p = autopar.plan(m, (2,), (x,), replicate_ops=["autopar_test.mystery.default"])
+    assert p.coverage == {"autopar_test.mystery.default": 1}     # its backward is a plain mul
+    assert all(n["placement"]["out"][0] == ["R"] for n in p.nodes if "mystery" in n["name"])
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.gate = Gate()
+
+    def forward(self, x):
+        return self.gate(self.inner(x)).sum()
+
+
+class Gate(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:                 # data-dependent control flow
+            return x * 2
+        return x
+
+
+def test_data_dependent_control_flow_names_module():
+    with pytest.raises(autopar.CaptureError, match=r"data-dependent control flow.*module 'gate'"):
+        autopar.plan(Branchy(), (2,), (torch.randn(4, 8),))
+
+
+class Counter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return self.lin(x).sum()
+
+
+def test_buffer_mutation_is_rejected():
+    with pytest.raises(autopar.CaptureError, match=r"in-place op aten\.add_.*buffer"):
+        autopar.plan(Counter(), (2,), (torch.randn(4, 8),))
+
+
+def test_non_scalar_output_needs_loss_fn():
+    lin = nn.Linear(8, 8)
+    with pytest.raises(autopar.CaptureError, match="scalar loss"):
+        autopar.plan(lin, (2,), (torch.randn(4, 8),))
+    p = autopar.plan(lin, (2,), (torch.randn(4, 8),), loss_fn=lambda y: y.pow(2).mean())
+    assert set(p.params) == {"weight", "bias"}
+
+
+def test_forced_shard_that_does_not_divide_names_parameter():
+    m = M.build_model("mlp-tiny")        # hidden 128, dim 32, vocab 64
+    with pytest.raises(ValueError, match=r"layers\.0\.fc1\.bias.*\(128,\).*mesh"):
+        autopar.plan(m, (3,), M.example_inputs("mlp-tiny", device="meta"), force={"layers.0.fc1.bias": ("S0",)})
+    with pytest.raises(ValueError, match="unknown parameter 'nope'"):
+        autopar.plan(m, (2,), M.example_inputs("mlp-tiny", device="meta"), force={"nope": ("S0",)})
+    with pytest.raises(ValueError, match="one placement per mesh dim"):
+        autopar.plan(m, (2, 2), M.example_inputs("mlp-tiny", device="meta"), force={"layers.0.fc1.bias": ("S0",)})
+
+
+@pytest.mark.parametrize("shape,names,msg", [((0, 4), None, "positive ints"), ((2, 2), ("dp",), "2 dims"),
+                                             ((2, 2), ("dp", "dp"), "distinct"), ((2.5,), None, "positive ints")])
+def test_bad_mesh_spec(shape, names, msg):
+    with pytest.raises(ValueError, match=msg):
+        autopar.MeshSpec(shape, names)
+
+
+def test_bad_mesh_string_and_cluster():
+    with pytest.raises(ValueError, match="must look like"):
+        autopar.MeshSpec.parse("8by8")
+    with pytest.raises(ValueError, match="h100"):
+        autopar.get_cluster("tpu-v9")
+
+
+def test_unused_parameter_is_named():
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.a(x).sum()
+    with pytest.raises(autopar.CaptureError, match=r"b\.weight"):
+        autopar.plan(Unused(), (2,), (torch.randn(2, 4),))

@@ -1,0 +1,74 @@
+"""The MILP's optimum equals brute-force enumeration on small random placement problems, and on a real graph."""
+import itertools
+
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+import autopar
+from autopar import models as M
+from autopar.solver import InfeasibleMemoryError, solve
+
+
+@st.composite
+def problems(draw):
+    n = draw(st.integers(2, 5))
+    K = [draw(st.integers(1, 4)) for _ in range(n)]
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    lin = [np.round(rng.uniform(0, 10, k), 3) for k in K]
+    edges = {}
+    for a, b in itertools.combinations(range(n), 2):
+        if draw(st.booleans()):
+            C = np.round(rng.uniform(0, 10, (K[a], K[b])), 3)
+            if draw(st.booleans()):          # repeated rows/cols exercise the class compression
+                C[:, 0] = C[:, -1]
+                C[0] = C[-1]
+            edges[(a, b)] = C
+    mem = [np.round(rng.uniform(0, 5, k), 3) for k in K]
+    budget = float(sum(m.min() for m in mem) + draw(st.floats(0, 1)) * sum(m.max() - m.min() for m in mem))
+    return lin, edges, mem, budget
+
+
+def brute(lin, edges, mem, budget):
+    best = None
+    for combo in itertools.product(*[range(len(c)) for c in lin]):
+        if sum(m[k] for m, k in zip(mem, combo)) > budget + 1e-9:
+            continue
+        v = sum(c[k] for c, k in zip(lin, combo)) + sum(C[combo[a], combo[b]] for (a, b), C in edges.items())
+        best = v if best is None else min(best, v)
+    return best
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_solver_equals_brute_force(prob):
+    lin, edges, mem, budget = prob
+    want = brute(lin, edges, mem, budget)
+    try:
+        res = solve(lin, edges, [(mem, budget)])
+    except InfeasibleMemoryError:
+        assert want is None
+        return
+    assert want is not None
+    got = sum(c[k] for c, k in zip(lin, res.choice)) + sum(C[res.choice[a], res.choice[b]] for (a, b), C in edges.items())
+    assert sum(m[k] for m, k in zip(mem, res.choice)) <= budget + 1e-6
+    assert abs(got - want) <= 1e-6 * max(1.0, abs(want)), (got, want)
+    assert abs(res.objective - want) <= 1e-6 * max(1.0, abs(want))
+
+
+def test_real_graph_optimum_equals_brute_force():
+    """mlp-tiny on a 2-rank mesh, all but a few groups pinned to their optimum: enumerate the rest exhaustively."""
+    m = M.build_model("mlp-tiny", n_layers=1)
+    x = M.example_inputs("mlp-tiny", batch=8, device="meta", n_layers=1)
+    plan, st_ = autopar.plan(m, (2,), x, cluster="h100", return_state=True)
+    c = st_.cost
+    lin = [a + b for a, b in zip(c["compute"], c["comm"])]
+    free = [i for i in np.argsort([-len(v) for v in lin])[:4]]        # the 4 groups with most strategies
+    chosen = st_.solution.choice
+    lin2 = [v if i in free else np.array([v[chosen[i]]]) for i, v in enumerate(lin)]
+    edges2 = {}
+    for (a, b), C in c["edges"].items():
+        rows = range(len(lin[a])) if a in free else [chosen[a]]
+        cols = range(len(lin[b])) if b in free else [chosen[b]]
+        edges2[(a, b)] = C[np.ix_(list(rows), list(cols))]
+    want = brute(lin2, edges2, [np.zeros(len(v)) for v in lin2], 1.0)
+    assert abs(st_.solution.objective - want) <= 1e-9 + 1e-6 * want
