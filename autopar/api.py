@@ -10,11 +10,13 @@ from .mesh import as_mesh_spec
 from .pipeline import PASSES, PlanState, run_passes
 from .plan import Plan
 from .predict import build_plan
+from .solver import InfeasibleMemoryError
 
 
 def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None, memory_budget: float | None = None,
          precision: TrainingPrecision | None = None, force: dict | None = None, replicate_ops=(),
-         allow_replicate: bool = False, time_limit: float = 60.0, dump_after=(), return_state: bool = False) -> Plan:
+         allow_replicate: bool = False, time_limit: float = 60.0, dump_after=(), return_state: bool = False,
+         allow_bf16: bool = False, allow_checkpointing: bool = True, pipeline=None) -> Plan:
     """Plan how to run one training step of `model` on `mesh`.
 
     mesh: a DeviceMesh, a MeshSpec, 'AxB', or a shape tuple (meshes you do not have are fine).
@@ -23,6 +25,12 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
     precision: bytes per parameter for params/grads/master/optimizer (default from the model's dtype, AdamW).
     force: {param FQN: placements per mesh dim, e.g. ("S0", "R")} to pin parameters.
     replicate_ops / allow_replicate: accept Replicate-only for ops without a placement rule.
+    allow_bf16: let the planner choose FSDP2-style mixed precision (bf16 params, fp32 gradient reduction) for an
+        fp32 model; both precisions are planned and the faster one that fits wins (passes/precision.py).
+    allow_checkpointing: let the planner checkpoint repeated blocks when memory-bound (passes/checkpointing.py).
+    pipeline: "auto" (or a dict narrowing the search, see passes/stages.py) plans pipeline stages, submeshes,
+        schedule and micro-batch count jointly with each stage's per-op plan; a mesh with a dim named "pp" does
+        so too. The plan's `stages` and `schedule` are filled; `force` then names placements on the stage submesh.
     """
     mesh = as_mesh_spec(mesh)
     cl = get_cluster(cluster)
@@ -33,18 +41,41 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
     if budget <= 0:
         raise ValueError(f"memory_budget must be positive bytes per rank, got {memory_budget!r}")
     force = {k: tuple(v) for k, v in (force or {}).items()}
+    if pipeline or "pp" in mesh.names:
+        from .passes.stages import plan_pipeline
+        if return_state:
+            raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")
+        return plan_pipeline(model, mesh, example_inputs, cluster=cl, precision=precision, budget=budget,
+                             loss_fn=loss_fn, force=force, replicate_ops=replicate_ops,
+                             allow_replicate=allow_replicate, time_limit=time_limit, pipeline=pipeline or "auto")
     names = dict(model.named_parameters())
     for fqn, pl in force.items():
         if fqn not in names:
             raise ValueError(f"force names unknown parameter '{fqn}'")
         if len(pl) != mesh.ndim:
             raise ValueError(f"force['{fqn}'] = {pl} needs one placement per mesh dim {mesh.names}")
-    graph = capture(model, tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,),
-                    loss_fn)
-    state = PlanState(graph, mesh, cl, precision, budget,
-                      {"force": force, "replicate_ops": [str(o) for o in replicate_ops],
-                       "allow_replicate": allow_replicate, "time_limit": time_limit})
-    run_passes(state, PASSES, dump_after=dump_after)
-    p = build_plan(state)
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    from .passes.precision import MIXED_BF16, choose
+    variants = [None]
+    if allow_bf16 and any(p.dtype == torch.float32 for p in model.parameters()):
+        variants.append(MIXED_BF16)
+    results, infeasible = [], []
+    for mp in variants:
+        graph = capture(model, inputs, loss_fn, param_dtype=torch.bfloat16 if mp else None)
+        state = PlanState(graph, mesh, cl, precision, budget,
+                          {"force": force, "replicate_ops": [str(o) for o in replicate_ops],
+                           "allow_replicate": allow_replicate, "time_limit": time_limit, "mixed_precision": mp,
+                           "allow_checkpointing": allow_checkpointing})
+        try:
+            run_passes(state, PASSES, dump_after=dump_after)
+        except InfeasibleMemoryError as e:
+            if len(variants) == 1:
+                raise
+            infeasible.append((mp, e))
+            continue
+        results.append((mp, state, build_plan(state)))
+    if not results:
+        raise infeasible[-1][1]
+    _, state, p = choose(results, infeasible) if len(variants) > 1 else results[0]
     p.meta["dumps"] = state.dumps if dump_after else {}
     return (p, state) if return_state else p

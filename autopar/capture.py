@@ -68,34 +68,33 @@ class _Recorder(TorchDispatchMode):
             raise CaptureError(f"op {func} in module '{self.module_path() or '<root>'}' failed on meta tensors"
                                f" (data-dependent shape?): {e}") from e
 
-        def to_ref(a):
+        ins: list[Ref] = []
+
+        def conv(a):
             if isinstance(a, torch.Tensor):
                 r = self.ref.get(id(a))
                 if r is None:   # a tensor from outside the graph (e.g. a CPU constant): record it as a leaf
                     name = f"const{len(self.constants)}"
                     self.constants[name] = a
                     r = Ref(self.leaf(a, "constant", name))
+                ins.append(r)
                 return r
+            t = type(a)
+            if (t is list or t is tuple) and a and not isinstance(a[0], (int, float, bool, torch.SymInt)):
+                return t(conv(x) for x in a)    # aten lists are homogeneous: int[] / float[] stay as they are
             return a
-        rargs = tuple(_to_refs(args, to_ref))
-        rkwargs = {k: _to_refs(v, to_ref) for k, v in kwargs.items()}
+        rargs = tuple(conv(a) for a in args)
+        rkwargs = {k: conv(v) for k, v in kwargs.items()}
         flat, _ = tree_flatten(out)
         outs = tuple(TensorMeta(tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None for o in flat)
         n = Node(len(self.nodes), "op", func, rargs, rkwargs, outs, self.phase, self.module_path())
+        n._ins = ins
         self.nodes.append(n)
         for i, o in enumerate(flat):
             if isinstance(o, torch.Tensor):
                 self.ref[id(o)] = Ref(n.idx, i)
                 self.keep.append(o)
         return out
-
-
-def _to_refs(a, fn):
-    if isinstance(a, (list, tuple)):
-        if a and not isinstance(a[0], (torch.Tensor, list, tuple)) and not any(isinstance(x, torch.Tensor) for x in a):
-            return a
-        return type(a)(_to_refs(x, fn) for x in a)
-    return fn(a)
 
 
 class _FusedAttention(TorchFunctionMode):
@@ -141,13 +140,14 @@ def _next_seq() -> int:
     return t.grad_fn._sequence_nr()
 
 
-def to_meta(t: torch.Tensor, requires_grad: bool = False) -> torch.Tensor:
-    m = torch.empty(t.shape, dtype=t.dtype, device="meta")
+def to_meta(t: torch.Tensor, requires_grad: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
+    m = torch.empty(t.shape, dtype=dtype or t.dtype, device="meta")
     return m.requires_grad_(requires_grad) if requires_grad else m
 
 
-def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
-    """Record the joint fw+bw aten graph of `model` on meta tensors. The model itself is not changed or run."""
+def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, param_dtype: torch.dtype | None = None) -> Graph:
+    """Record the joint fw+bw aten graph of `model` on meta tensors. The model itself is not changed or run.
+    param_dtype: run with floating-point parameters in this dtype (the graph of FSDP2 mixed precision)."""
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     named = dict(model.named_parameters())
@@ -157,7 +157,8 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None) -> Graph:
             if q is p and k != fqn:
                 aliases[fqn] = k
     buffers = dict(model.named_buffers())
-    meta_params = {k: to_meta(p, p.requires_grad) for k, p in named.items()}
+    meta_params = {k: to_meta(p, p.requires_grad, param_dtype if p.is_floating_point() else None)
+                   for k, p in named.items()}
     meta_buffers = {k: to_meta(b) for k, b in buffers.items()}
     meta_inputs = [to_meta(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     module_fqn = {m: fqn for fqn, m in model.named_modules()}

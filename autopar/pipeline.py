@@ -11,7 +11,7 @@ from .cost import ClusterSpec, TrainingPrecision
 from .graph import Graph
 from .mesh import MeshSpec
 
-PASSES = ("regions", "candidates", "costs", "solve", "redistribute")
+PASSES = ("precision", "regions", "candidates", "costs", "checkpointing", "solve", "redistribute")
 
 
 @dataclass
@@ -39,6 +39,8 @@ class PlanState:
     solution: Any = None
     placement: Any = None         # per node: chosen Strategy
     redistributes: Any = None     # (consumer node, input index | "opt") -> (src, dst, collectives)
+    recompute: Any = None         # checkpointed blocks [{"block": FQN, "nodes": [idx]}] (checkpointing pass)
+    extras: dict = field(default_factory=dict)   # decisions copied into Plan.meta (precision, checkpointing)
 
 
 class VerificationError(AssertionError):

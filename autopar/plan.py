@@ -80,16 +80,50 @@ class Plan:
                  f"{self.solver['gap']:.2e}  {self.solver['n_vars']} vars  {self.solver['seconds']:.2f} s",
                  "pass times " + "  ".join(f"{k} {v:.2f}s" for k, v in self.timings)]
         if self.stages:
-            lines.append(f"pipeline {len(self.stages)} stages, schedule {self.schedule}")
+            lines += self.stage_summary()
         lines.append("")
         lines.append("module placements (parameter: placement per mesh dim)")
         lines += self.module_summary()
         return "\n".join(lines)
 
+    def stage_summary(self) -> list[str]:
+        """Pipeline plans: the schedule, one row per stage (clusters, modeled time and memory), the timeline."""
+        sc, gib = self.schedule, 2 ** 30
+        mb = " ".join("x".join(map(str, s)) for s in sc.get("microbatch_shapes", []))
+        ev = sc.get("even_split")
+        lines = [f"pipeline: {sc['num_stages']} stages on pp={sc['pp']} ({sc['stages_per_rank']} per rank), stage "
+                 f"submesh {'x'.join(map(str, sc['stage_mesh_shape']))}({','.join(sc['stage_mesh_names'])}), "
+                 f"schedule {sc['name']}, {sc['n_microbatches']} micro-batches of {mb}",
+                 f"  step {sc['step_s'] * 1e3:.3f} ms (pipeline {sc['pipeline_s'] * 1e3:.3f} ms + exposed dp comm "
+                 f"{sc['exposed_dp_s'] * 1e3:.3f} ms; closed form {sc['proxy_step_s'] * 1e3:.3f} ms), bubble "
+                 f"{sc['bubble_fraction'] * 100:.1f}%" + (f"; even layer split {ev['step_s'] * 1e3:.3f} ms, bubble "
+                                                           f"{ev['bubble'] * 100:.1f}%" if ev else ""),
+                 f"  {'stage':>5} {'rank':>4} {'clusters':<30} {'params':>9} {'F ms':>9} {'B ms':>9} {'W ms':>9} "
+                 f"{'dp ms':>8} {'state GiB':>9} {'act/mb GiB':>10} {'in-flight':>9} {'rank GiB':>9}  send"]
+        for st in self.stages:
+            cl = st["clusters"]
+            where = cl[0] if len(cl) == 1 else f"{cl[0]}..{cl[-1]} ({len(cl)})"
+            t, m = st["time"], st["memory"]
+            send = f"{st['send']['bytes'] / 1e6:.2f} MB {st['send']['link']} {st['send']['time_s'] * 1e3:.3f} ms" \
+                if "send" in st else "-"
+            lines.append(f"  {st['index']:>5} {st['pp_rank']:>4} {where:<30} {st['n_params'] / 1e6:>8.2f}M "
+                         f"{t['F_s'] * 1e3:>9.3f} {t['B_s'] * 1e3:>9.3f} {t['W_s'] * 1e3:>9.3f} "
+                         f"{t['dp_comm_s'] * 1e3:>8.3f} {m['state_bytes'] / gib:>9.3f} "
+                         f"{m['act_bytes_per_microbatch'] / gib:>10.4f} {m['inflight_microbatches']:>9} "
+                         f"{m['rank_peak_bytes'] / gib:>9.3f}  {send}")
+        lines.append("  timeline (one row per pp rank; F forward, B backward, I input-grad, W weight-grad, lower case: "
+                     "the rank's later stage, '.' idle)")
+        lines += ["  " + r for r in sc.get("timeline", [])]
+        return lines
+
     def module_summary(self) -> list[str]:
         """Module FQN (repeated layers folded to '*') -> a readable description of its parameters' placements."""
         rows = defaultdict(set)
         shapes = {n["target"]: n["shape"][0] for n in self.nodes if n["kind"] == "param"}
+        if self.stages:     # pipeline plans: placements are on the stage submesh; nodes hold representative blocks
+            folded = {re.sub(r"\.(\d+)\.", ".*.", g): s for g, s in shapes.items()}
+            for f in self.params:
+                shapes.setdefault(f, folded.get(re.sub(r"\.(\d+)\.", ".*.", f)))
         for fqn, pl in self.params.items():
             key = re.sub(r"\.(\d+)\.", ".*.", fqn)
             rows[key].add(tuple(pl))
@@ -97,9 +131,12 @@ class Plan:
         for key in sorted(rows):
             variants = sorted(rows[key])
             shape = next(shapes[f] for f in self.params if re.sub(r"\.(\d+)\.", ".*.", f) == key)
-            desc = "; ".join(_describe(key, shape, v, self.mesh_names) for v in variants)
+            desc = "; ".join(_describe(key, shape, v, self._param_mesh_names()) for v in variants)
             out.append(f"  {key:<44} {desc}")
         return out
+
+    def _param_mesh_names(self) -> tuple:
+        return tuple(self.schedule.get("stage_mesh_names", self.mesh_names)) if self.stages else self.mesh_names
 
     def dump(self) -> str:
         lines = [self.summary(), "", "graph (one line per node: op, phase, module, output shapes, placement; "
@@ -112,7 +149,8 @@ class Plan:
             lines.append(f"{n['name']:<44} {n['phase']} {where:<32} {outs:<18} out {pl} in {ins}"
                          + (f"  t={n['time_s'] * 1e6:.2f}us" if n.get("time_s") else ""))
             for r in n.get("redistribute", []):
-                cs = ", ".join(f"{c[0]}(dim {self.mesh_names[c[1]]}, {c[2] / 1e6:.3f} MB)" for c in r["collectives"])
+                cs = ", ".join(f"{c[0]}(dim {self._param_mesh_names()[c[1]]}, {c[2] / 1e6:.3f} MB)"
+                               for c in r["collectives"])
                 lines.append(f"    input {r['input']}: [{','.join(r['src'])}] -> [{','.join(r['dst'])}]"
                              + (f"  {cs}" if cs else "  (local)"))
         return "\n".join(lines) + "\n"
@@ -148,10 +186,20 @@ def dump_state(state) -> str:
     return "\n".join(lines)
 
 
+_DTYPES: dict = {}
+
+
+def _dtype_name(dt) -> str:
+    if dt not in _DTYPES:
+        _DTYPES[dt] = str(dt).replace("torch.", "")
+    return _DTYPES[dt]
+
+
 def node_record(n, s, red, time_s, source) -> dict:
     return {"idx": n.idx, "name": n.name, "kind": n.kind, "target": n.target if n.kind != "op" else op_name(n.target),
             "phase": n.phase, "module": n.module,
             "shape": [list(m.shape) if m is not None else None for m in n.outs],
-            "dtype": [str(m.dtype).replace("torch.", "") if m is not None else None for m in n.outs],
+            "dtype": [_dtype_name(m.dtype) if m is not None else None for m in n.outs],
             "placement": {"out": [list(p) if p is not None else None for p in s.out], "ins": [list(p) for p in s.ins]},
-            "redistribute": red, "time_s": time_s, "source": source}
+            "redistribute": red, "time_s": time_s, "source": source,
+            "inputs": [[r.node, r.out] for r in n.inputs()]}     # producer (node idx, output) per tensor input

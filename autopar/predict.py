@@ -15,13 +15,18 @@ from .strategies import num_shards
 
 
 def _param_rooted(g, idx, follow_of) -> bool:
+    return _param_root(g, idx) is not None
+
+
+def _param_root(g, idx) -> str | None:
+    """The parameter FQN a tensor derives from through single-input ops (views, transposes, casts), else None."""
     seen = 0
     while g.nodes[idx].kind == "op" and seen < 64:
         ins = g.nodes[idx].inputs()
         if len(ins) != 1:
-            return False
+            return None
         idx, seen = ins[0].node, seen + 1
-    return g.nodes[idx].kind == "param"
+    return g.nodes[idx].target if g.nodes[idx].kind == "param" else None
 
 
 def build_plan(state) -> Plan:
@@ -42,6 +47,8 @@ def build_plan(state) -> Plan:
         comm[cls] += t
         red_by_node.setdefault(i, []).append({"input": j, "src": list(src), "dst": list(dst), "time_s": t,
                                               "collectives": [c.to_json() for c in cs], "class": cls})
+        if cls != "act":     # which parameter this gather / gradient reduction is for (backends group them)
+            red_by_node[i][-1]["param"] = nodes[i].target if j == "opt" else _param_root(g, r.node)
         for c in cs:
             k = kinds.setdefault(c.kind, {"count": 0, "bytes": 0})
             k["count"] += 1
@@ -54,14 +61,19 @@ def build_plan(state) -> Plan:
             tcache[key] = node_time(n, P[n.idx]) if n.kind == "op" else 0.0
         times.append(tcache[key])
     compute = sum(times)
+    recompute_s = 0.0
+    if state.recompute:                   # activation checkpointing: checkpointed blocks run their forward twice
+        from autopar.passes.checkpointing import recompute_seconds
+        recompute_s = recompute_seconds(state, times)
+        compute += recompute_s
     overlappable = comm["param"] + comm["grad"]
     exposed = comm["act"] + max(0.0, overlappable - compute)
     state_mem = state_bytes(g, P, mesh_shape, state.precision)
-    act_peak = liveness_peak(g, P, mesh_shape)
+    act_peak = liveness_peak(g, P, mesh_shape, state.recompute)
     predicted = {"step_s": compute + exposed, "compute_s": compute, "comm_s": sum(comm.values()),
                  "exposed_comm_s": exposed, "comm_by_class_s": comm, "state_mem_bytes": state_mem,
                  "act_peak_bytes": act_peak, "peak_mem_bytes": state_mem + act_peak, "collectives": kinds,
-                 "budget_bytes": state.budget}
+                 "budget_bytes": state.budget, "recompute_s": recompute_s}
     sol = state.solution
     records = [node_record(n, P[n.idx], red_by_node.get(n.idx, []), times[n.idx], state.sources[n.idx])
                for n in nodes]
@@ -72,7 +84,8 @@ def build_plan(state) -> Plan:
                 {"status": sol.status, "objective": sol.objective, "bound": sol.bound, "gap": sol.gap,
                  "seconds": sol.seconds, "n_vars": sol.n_vars, "n_constraints": sol.n_constraints},
                 [[k, v] for k, v in state.timings.items()], state.regions, {k: len(v) for k, v in (state.coverage or {}).items()},
-                {"torch": torch.__version__, "budget_bytes": state.budget, "precision": repr(state.precision)})
+                {"torch": torch.__version__, "budget_bytes": state.budget, "precision": repr(state.precision),
+                 **state.extras})
 
 
 def state_bytes(g, P, mesh_shape, precision) -> float:
@@ -81,8 +94,12 @@ def state_bytes(g, P, mesh_shape, precision) -> float:
                for i in g.params.values())
 
 
-def liveness_peak(g, P, mesh_shape) -> float:
-    """Max over the fw+bw order of live activation bytes per rank (parameters are model state, not counted)."""
+def liveness_peak(g, P, mesh_shape, recompute=None) -> float:
+    """Max over the fw+bw order of live activation bytes per rank (parameters are model state, not counted).
+    recompute: checkpointed blocks (passes/checkpointing.py), whose saved activations are dropped and recomputed."""
+    if recompute:
+        from autopar.passes.checkpointing import liveness_peak_checkpointed
+        return liveness_peak_checkpointed(g, P, mesh_shape, recompute)
     last = {}
     for n in g.nodes:
         for r in n.inputs():

@@ -36,7 +36,7 @@ def _partial(p):
 
 
 def collectives(src: tuple[str, ...], dst: tuple[str, ...], meta: TensorMeta, mesh_shape) -> tuple[Collective, ...]:
-    return _collectives(tuple(src), tuple(dst), meta.shape, meta.dtype.itemsize, tuple(mesh_shape))
+    return _collectives(tuple(src), tuple(dst), meta.nbytes, tuple(mesh_shape))
 
 
 def _sharders(pl, d) -> list[int]:
@@ -92,18 +92,15 @@ def steps(src: tuple[str, ...], dst: tuple[str, ...]) -> tuple[tuple[int, str, s
 
 
 @functools.lru_cache(maxsize=1 << 18)
-def _collectives(src, dst, shape, itemsize, mesh_shape):
+def _collectives(src, dst, nbytes, mesh_shape):
     cur = list(src)
     out = []
-    numel = 1
-    for s in shape:
-        numel *= s
     for i, a, b in steps(src, dst):
         others = 1
         for j, p in enumerate(cur):
             if j != i and p[0] == "S":
                 others *= mesh_shape[j]
-        full = numel * itemsize // others
+        full = nbytes // others
         n = mesh_shape[i]
         kind = None
         if a[0] == "S":
@@ -120,9 +117,14 @@ def _collectives(src, dst, shape, itemsize, mesh_shape):
 
 
 def redistribute_time(src, dst, meta: TensorMeta, mesh_shape, cluster) -> float:
-    links = _links(cluster, tuple(mesh_shape))
+    return _time(tuple(src), tuple(dst), meta.nbytes, tuple(mesh_shape), cluster)
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _time(src, dst, nbytes, mesh_shape, cluster):
+    links = _links(cluster, mesh_shape)
     return sum(collective_time(c.kind, c.nbytes, c.group, links[c.mesh_dim])
-               for c in collectives(src, dst, meta, mesh_shape))
+               for c in _collectives(src, dst, nbytes, mesh_shape))
 
 
 @functools.lru_cache(maxsize=256)

@@ -34,9 +34,13 @@ class SolveResult:
 
 
 def _classes(C: np.ndarray, axis: int):
-    M = C if axis == 0 else C.T
-    uniq, inv = np.unique(M, axis=0, return_inverse=True)
-    return uniq, inv.reshape(-1)
+    """Distinct rows (axis 0) or columns (axis 1) of C, in first-seen order, and each row's class index."""
+    M = np.ascontiguousarray(C if axis == 0 else C.T)
+    seen: dict = {}
+    inv = np.array([seen.setdefault(row.tobytes(), len(seen)) for row in M], dtype=np.int64)
+    first = np.zeros(len(seen), dtype=np.int64)
+    first[inv[::-1]] = np.arange(len(inv))[::-1]
+    return M[first], inv
 
 
 def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: list[tuple[list[np.ndarray], float]],

@@ -71,7 +71,7 @@ def run(state) -> None:
     def rtime(src, dst, meta):
         if src == dst:
             return 0.0
-        key = (src, dst, meta.shape, meta.dtype)
+        key = (src, dst, meta.nbytes)
         t = rt_cache.get(key)
         if t is None:
             t = rt_cache[key] = redistribute_time(src, dst, meta, mesh_shape, cluster)
@@ -187,7 +187,7 @@ def run(state) -> None:
         dst = [S[v][x].out[0] if j == "opt" else S[v][x].ins[j] for x in choice[v]]
         us, ui = _uniq(src)
         vs, vi = _uniq(dst)
-        mkey = (tuple(us), tuple(vs), meta.shape, meta.dtype)
+        mkey = (tuple(us), tuple(vs), meta.nbytes)
         small = mat_cache.get(mkey)
         if small is None:
             small = mat_cache[mkey] = np.array([[rtime(a, b, meta) for b in vs] for a in us])

@@ -25,7 +25,7 @@ def run(state) -> None:
         res = solve(lin, c["edges"], [(mem_rows, row_budget)], time_limit=state.options.get("time_limit", 60.0))
         placement = _expand(state, res)
         peak = state_bytes(state.graph, placement, state.mesh.shape, state.precision) + \
-            liveness_peak(state.graph, placement, state.mesh.shape)
+            liveness_peak(state.graph, placement, state.mesh.shape, state.recompute)
         if peak <= state.budget:
             break
         row_budget -= 1.05 * (peak - state.budget)

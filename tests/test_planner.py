@@ -143,7 +143,8 @@ def test_pass_manager_times_verifies_and_dumps():
     m = M.build_model("mlp-tiny")
     p, st = autopar.plan(m, (2,), M.example_inputs("mlp-tiny", device="meta"), return_state=True,
                          dump_after=("candidates", "solve"), force={"layers.0.fc1.weight": ("S0",)})
-    assert [k for k, _ in p.timings] == ["regions", "candidates", "costs", "solve", "redistribute"]
+    assert [k for k, _ in p.timings] == ["precision", "regions", "candidates", "costs", "checkpointing", "solve",
+                                         "redistribute"]
     assert "cands=" in st.dumps["candidates"] and "out=" in st.dumps["solve"]
     bad = st.placement[5]
     st.placement[5] = None

@@ -220,3 +220,20 @@ def pipeline_stage_to_rank(pp: int, num_stages: int, style: str) -> tuple[int, .
     from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
     m = generate_stage_to_rank_mapping(pp, num_stages, style=style)
     return tuple(m[k] for k in range(num_stages))
+
+
+# ---- execution (backends/graph.py): the masked partial of a vocab-sharded embedding ---------------------------------
+def unmask_partial(dt: DTensor) -> DTensor:
+    """A DTensor with `_MaskPartial` placements (embedding / gather on a sharded table) -> the same value as a plain
+    Partial('sum'): the rows whose index fell outside this rank's shard are zeroed now instead of at reduction."""
+    pls = dt.placements
+    if not any(type(p).__name__ == "_MaskPartial" for p in pls):
+        return dt
+    local = dt.to_local().clone()
+    for p in pls:
+        if type(p).__name__ == "_MaskPartial":
+            p.mask_buffer.apply_mask(local)
+            p.mask_buffer.release_mask()
+    return DTensor.from_local(local, dt.device_mesh, [Partial() if type(p).__name__ == "_MaskPartial" else p
+                                                      for p in pls], run_check=False, shape=dt.shape,
+                              stride=dt.stride())

@@ -1,0 +1,66 @@
+"""A plan's modeled cost as a sympy function of the global batch size.
+
+For a fixed plan (placements and redistributes), every tensor of a training step either scales linearly with the
+batch (activations) or not at all (parameters and their gradients). Capturing the graph at two batch sizes tells
+which, node by node, so each compute term max(flops/F, bytes/BW) and each collective's alpha-beta time becomes an
+exact expression in the batch symbol `b`:
+
+    f = batch_formula(state, model, example_inputs)      # state from autopar.plan(..., return_state=True)
+    f["step_s"].subs(b, 64)                              # modeled seconds at global batch 64, same placements
+"""
+from __future__ import annotations
+
+import sympy
+
+from .capture import capture
+from .cost import bytes_sent, ring_steps
+from .redistribute import _links
+from .strategies import num_shards
+
+b = sympy.Symbol("b", positive=True)
+
+
+def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None) -> dict[str, sympy.Expr]:
+    """{'compute_s', 'comm_s', 'step_s'} (no overlap: compute + comm) in `b` for the plan held by `state`."""
+    from passes.costs import global_flops      # the costs pass's FLOP counts, so both agree term by term
+    b0 = example_inputs[0].shape[batch_dim]
+    grow = lambda t: t.new_empty(t.shape[:batch_dim] + (2 * b0,) + t.shape[batch_dim + 1:], device="meta")
+    g1 = state.graph
+    g2 = capture(model, tuple(grow(t) if hasattr(t, "shape") else t for t in example_inputs), loss_fn)
+    if [n.target for n in g1.nodes] != [n.target for n in g2.nodes]:
+        raise ValueError("the captured graph changes structure with the batch size; no closed form exists")
+    P, mesh, dev = state.placement, state.mesh.shape, state.cluster.device
+    k = b / b0 - 1                                        # relative growth over the example batch
+
+    def size(m1, m2, nbytes):                             # nbytes at batch b, from the two captures
+        return nbytes * (1 + sympy.Rational(m2.numel - m1.numel, m1.numel) * k) if m1.numel else 0
+
+    compute, fc1, fc2 = sympy.Integer(0), {}, {}
+    for n1, n2 in zip(g1.nodes, g2.nodes):
+        if n1.kind != "op":
+            continue
+        s = P[n1.idx]
+        pairs = list(zip(n1.outs, n2.outs, s.out)) + [(g1.meta(r), g2.meta(r), p) for r, p in zip(n1.inputs(), s.ins)]
+        nbytes = sum(size(m1, m2, sympy.Rational(m1.nbytes, num_shards(p, mesh))) for m1, m2, p in pairs
+                     if m1 is not None and p is not None)
+        t = nbytes / (dev.mem_bw * dev.mem_eff)
+        f1, f2 = global_flops(g1, n1, fc1), global_flops(g2, n2, fc2)
+        if f1:
+            o = next(p for p in s.out if p is not None)
+            work = 1
+            for p_, n in zip(o, mesh):
+                work *= n if p_ != "R" else 1
+            dtype = next((m.dtype for m in n1.outs if m is not None and m.dtype.is_floating_point), None)
+            t = sympy.Max((f1 + (f2 - f1) * k) / work / (dev.flops_for(dtype) * dev.matmul_eff), t)
+        compute += t
+    comm = sympy.Integer(0)
+    links = _links(state.cluster, tuple(mesh))
+    for (i, j), (src, dst, cs) in state.redistributes.items():
+        r1 = g1.grads[g1.nodes[i].target] if j == "opt" else g1.nodes[i].inputs()[j]
+        r2 = g2.grads[g2.nodes[i].target] if j == "opt" else g2.nodes[i].inputs()[j]
+        m1, m2 = g1.meta(r1), g2.meta(r2)
+        for c in cs:
+            comm += ring_steps(c.kind, c.group) * links[c.mesh_dim].alpha + \
+                bytes_sent(c.kind, size(m1, m2, c.nbytes), c.group) / links[c.mesh_dim].bw
+    compute, comm = sympy.expand(compute), sympy.expand(comm)
+    return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm}

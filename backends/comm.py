@@ -1,0 +1,239 @@
+"""Explicit collectives for the SPMD executor: the redistribute steps of a plan run on local shards, a counter of
+the collectives a step really issues (kind, mesh dim, bytes), and the plan-hash agreement between ranks.
+
+Redistribute: `autopar.redistribute.steps(src, dst)` lists the single-mesh-dim changes the planner priced; each
+runs here as one collective on that mesh dim's process group (or a local chunk / zero / rescale), on the local
+shard, through the `_c10d_functional` ops (the ones DTensor uses, and the ones LocalTensorMode simulates):
+S->R all_gather, S(i)->S(j) all_to_all (a real all_to_all, also on gloo), P->R all_reduce, P->S reduce_scatter,
+S->P all_gather + zero. Partial placements: "P" sum, "Pa" average (held locally as sum * n, so gloo needs only
+SUM), "Pm" the masked partial of a vocab-sharded embedding (unmasked into "P" right after the embedding).
+
+Byte convention (the plan's, autopar/redistribute.py): the full tensor over the group: all_gather output,
+reduce_scatter input, all_reduce size, all_to_all size (local input times the group size).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.redistribute import steps as plan_steps
+
+_fn = torch.ops._c10d_functional
+
+
+class PlanMismatchError(RuntimeError):
+    """Ranks hold different plans (or a different mesh); raised on every rank before any collective runs."""
+
+
+def group_name(mesh, m: int) -> str:
+    return mesh.get_group(m).group_name
+
+
+def _wait(t):
+    return _fn.wait_tensor(t)
+
+
+def _coord(mesh, m):
+    return mesh.get_local_rank(m)        # an int, or a per-rank SymInt under LocalTensorMode
+
+
+def _exec_str(p: str) -> str:
+    return "P" if p == "Pm" else p      # a masked partial is executed as a sum partial once unmasked
+
+
+def redistribute_local(x: torch.Tensor, src, dst, mesh) -> torch.Tensor:
+    """Turn local shard `x` (global placements `src`, strings per mesh dim) into the local shard for `dst`,
+    one step of `autopar.redistribute.steps` at a time. A step into "Pm" (the indices of a vocab-sharded
+    embedding) is left to DTensor's embedding rule, which masks the indices itself: the value stays "R"."""
+    for m, a, b in plan_steps(tuple(src), tuple(dst)):
+        x = apply_step(x, mesh, m, _exec_str(a), b)
+    return x
+
+
+def executed_placements(src, dst) -> tuple[str, ...]:
+    """The placements a value has after `redistribute_local` (dst, except "Pm" targets stay as they were)."""
+    return tuple(s if d == "Pm" else d for s, d in zip(src, dst))
+
+
+def apply_step(x: torch.Tensor, mesh, m: int, a: str, b: str) -> torch.Tensor:
+    n = mesh.size(m)
+    if a == b or b == "Pm":
+        return x
+    if n == 1:                          # a size-1 mesh dim: only the placement label changes
+        return x
+    name = group_name(mesh, m)
+    if a[0] == "S":
+        d = int(a[1:])
+        if b[0] == "S":
+            return _all_to_all(x, d, int(b[1:]), n, name)
+        x = _all_gather(x, d, n, name)
+        return _from_replicate(x, mesh, m, b)
+    if a[0] == "P":
+        if a == "Pa":
+            x = x / n                    # values whose mean is the total -> values whose sum is the total
+        if b == "R":
+            return _wait(_fn.all_reduce(x.contiguous(), "sum", name))
+        if b[0] == "S":
+            return _reduce_scatter(x, int(b[1:]), n, name)
+        if b == "Pa":
+            return x * n
+        if b == "P":
+            return x
+    if a == "R":
+        return _from_replicate(x, mesh, m, b)
+    raise NotImplementedError(f"redistribute step {a} -> {b} on mesh dim {m}")
+
+
+def _from_replicate(x, mesh, m, b):
+    if b == "R" or b == "Pa":
+        return x                        # the mean of n copies is the value itself
+    if b == "P":
+        return x * (1 - torch.sym_min(_coord(mesh, m), 1))   # keep the value on coordinate 0, zeros elsewhere
+    if b[0] == "S":
+        d = int(b[1:])
+        size = x.shape[d] // mesh.size(m)
+        return x.narrow(d, _coord(mesh, m) * size, size)
+    raise NotImplementedError(f"redistribute step R -> {b} on mesh dim {m}")
+
+
+def _all_gather(x, d, n, name):
+    y = _wait(_fn.all_gather_into_tensor(x.movedim(d, 0).contiguous(), n, name))
+    return y.movedim(0, d)
+
+
+def _reduce_scatter(x, d, n, name):
+    if x.shape[d] % n:
+        raise ValueError(f"reduce_scatter of dim {d} (size {x.shape[d]}) over {n} ranks does not divide evenly")
+    y = _wait(_fn.reduce_scatter_tensor(x.movedim(d, 0).contiguous(), "sum", n, name))
+    return y.movedim(0, d)
+
+
+def _all_to_all(x, d, e, n, name):
+    """Local shard of dim d -> shard of dim e: chunk j of dim e goes to group rank j; the pieces received are
+    this rank's dim-e chunk of every rank's dim-d shard, concatenated along d in group-rank order."""
+    if x.shape[e] % n:
+        raise ValueError(f"all_to_all of dim {e} (size {x.shape[e]}) over {n} ranks does not divide evenly")
+    xe = x.movedim(e, 0)
+    piece = (xe.shape[0] // n,) + tuple(xe.shape[1:])
+    splits = [piece[0]] * n
+    y = _wait(_fn.all_to_all_single(xe.contiguous(), splits, splits, name))
+    y = y.view((n,) + piece).movedim(1, e + 1)                 # (n, piece with dim e back in place)
+    y = y.movedim(0, d)                                         # the source-rank axis just before dim d
+    return y.flatten(d, d + 1)
+
+
+# ---- counting ----------------------------------------------------------------------------------------------------
+
+_KIND = {
+    "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
+    "all_to_all_single": "all_to_all", "shard_dim_alltoall": "all_to_all", "all_reduce_coalesced": "all_reduce",
+    "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast": "broadcast",
+    # c10d (process-group) ops
+    "allreduce_": "all_reduce", "_allgather_base_": "all_gather", "allgather_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter", "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all", "broadcast_": "broadcast", "allgather_into_tensor_coalesced_": "all_gather",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "allreduce_coalesced_": "all_reduce",
+}
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(a) for a in t)
+    return 0
+
+
+class CommCounter(TorchDispatchMode):
+    """Records every collective issued inside the context as (kind, mesh_dim, bytes) in the plan's convention.
+
+    Both paths are seen: `_c10d_functional` (DTensor, this executor) and `c10d` process-group ops (FSDP2,
+    torch.distributed calls). DTensor ops are let through first (NotImplemented), so the collectives DTensor
+    issues inside an op are counted too. Under LocalTensorMode one record stands for the whole simulated group.
+    """
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+        self.dim_of = {}
+        for m in range(mesh.ndim):
+            self.dim_of[mesh.get_group(m).group_name] = m
+        self.records: list[tuple[str, int, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        from torch.distributed.tensor import DTensor
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented
+        ns = func.namespace
+        if ns in ("_c10d_functional", "c10d", "_dtensor"):
+            kind = _KIND.get(func._opname)
+            if kind is not None:
+                self.records.append(self._record(func._opname, kind, args))
+        return func(*args, **kwargs)
+
+    def _group(self, args):
+        for a in args:
+            if isinstance(a, str) and a in self.dim_of:
+                return self.dim_of[a], self.mesh.size(self.dim_of[a])
+            if isinstance(a, torch.ScriptObject):
+                pg = dist.ProcessGroup.unbox(a)
+                return self.dim_of.get(pg.group_name, -1), pg.size()
+        ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
+        return -1, (ints[0] if ints else 1)      # functional all_gather / reduce_scatter carry the group size
+
+    def _record(self, op, kind, args):
+        m, n = self._group(args)
+        if op in ("all_gather_into_tensor", "all_to_all_single", "shard_dim_alltoall"):
+            nb = _nbytes(args[0]) * n
+        elif op in ("_allgather_base_", "allgather_into_tensor_coalesced_"):
+            nb = _nbytes(args[0])
+        elif op == "allgather_":
+            nb = _nbytes(args[0])
+        elif op in ("_reduce_scatter_base_",):
+            nb = _nbytes(args[1])
+        elif op in ("reduce_scatter_", "alltoall_", "alltoall_base_", "reduce_scatter_tensor_coalesced_"):
+            nb = _nbytes(args[1])
+        else:
+            nb = _nbytes(args[0])
+        return (kind, m, nb)
+
+    def summary(self) -> Counter:
+        return Counter(self.records)
+
+
+def compare(measured, predicted) -> str:
+    """'' when the multisets of (kind, mesh_dim, bytes) are equal, else a readable difference."""
+    a, b = Counter(map(tuple, measured)), Counter(map(tuple, predicted))
+    if a == b:
+        return ""
+    extra, missing = a - b, b - a
+    return (f"measured {sum(a.values())} collectives, plan predicts {sum(b.values())}; "
+            f"not in the plan: {sorted(extra.items())[:12]}; planned but not run: {sorted(missing.items())[:12]}")
+
+
+# ---- plan agreement ----------------------------------------------------------------------------------------------
+
+def agree_on_plan(mesh, plan_hash: str, device) -> None:
+    """All ranks exchange their plan's hash (one all_gather over the whole mesh) before any step runs; any
+    difference raises PlanMismatchError on every rank, naming which ranks hold which plan."""
+    if dist.get_backend() == "fake":
+        return                           # one process simulates every rank (LocalTensorMode): one plan
+    code = torch.tensor([int(plan_hash[i:i + 8], 16) for i in range(0, 16, 8)], dtype=torch.int64, device=device)
+    world = dist.get_world_size()
+    out = torch.empty(world * code.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, code)
+    got = out.view(world, -1).tolist()
+    hashes = ["".join(f"{v:08x}" for v in row) for row in got]
+    if len(set(hashes)) != 1:
+        by = {}
+        for r, h in enumerate(hashes):
+            by.setdefault(h, []).append(r)
+        detail = "; ".join(f"plan {h} on ranks {rs}" for h, rs in sorted(by.items()))
+        raise PlanMismatchError(f"ranks hold different plans ({detail}); this rank ({dist.get_rank()}) has "
+                                f"{plan_hash}. Every rank must call parallelize with the same model config, "
+                                f"example input shapes, mesh and plan options.")

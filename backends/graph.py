@@ -1,0 +1,158 @@
+"""SPMD graph backend: run a plan's captured fw+bw graph on every rank, on DTensors, under autograd.
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    pm = autopar.parallelize(model, mesh, example_inputs=(tokens, labels))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    loss = pm(tokens, labels); loss.backward(); opt.step()
+
+Each parameter becomes an `nn.Parameter(DTensor)` with its planned placement, under the model's own FQN. A call
+runs the captured graph node by node (backends/program.py): before each op every input is redistributed to the
+placement the plan chose for it, with the plan's own collectives (backends/comm.py); the op runs on DTensors
+(DTensor rewrites shapes and view arguments to the local shards); its output placement is checked against the
+plan. The fw nodes run in an autograd.Function's forward, the bw nodes (from `ones_like(loss)`, which takes the
+incoming gradient) in its backward, which returns each gradient at its parameter's placement.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from autopar.strategies._torch_adapter import to_placement
+
+from .comm import agree_on_plan, redistribute_local
+from .program import ExecutionError, Program, placement_strs
+
+__all__ = ["parallelize", "ParallelModule", "ExecutionError"]
+
+
+def _check_mesh(mesh):
+    from torch.distributed.device_mesh import DeviceMesh
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"parallelize needs a torch DeviceMesh (init_device_mesh(...)) to run on, got "
+                        f"{type(mesh).__name__}; use autopar.plan(...) to plan for a mesh you do not have")
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group (or use torchrun) "
+                           "before autopar.parallelize")
+    world = dist.get_world_size()
+    if mesh.size() != world:
+        raise ValueError(f"the mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}) but the world has {world} "
+                         f"processes; parallelize runs one rank per process on the whole world: build the mesh "
+                         f"with init_device_mesh(..., ({world},)) or a shape whose product is {world}")
+
+
+def _device(mesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    mod = getattr(torch, mesh.device_type)
+    return torch.device(mesh.device_type, mod.current_device())
+
+
+def parallelize(model: nn.Module, mesh, example_inputs, *, planned=None, attention: str = "auto",
+                **plan_kwargs) -> "ParallelModule":
+    """Plan `model` for `mesh` (autopar.plan, same keyword options: cluster, memory_budget, force, ...) and
+    return a module that runs one SPMD training step per call on this rank.
+
+    example_inputs: the global inputs of one step (their shapes are the only shapes the module accepts).
+    planned: a `(plan, state)` pair from `autopar.plan(..., return_state=True)` for this model, inputs and mesh
+        shape (skips planning; the ranks still check that they agree).
+    attention: "auto" (the captured CPU kernel on CPU, an exact math formulation elsewhere), "kernel" or "math".
+    """
+    _check_mesh(mesh)
+    ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if planned is None:
+        import autopar
+        plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
+        plan, state = autopar.plan(model, mesh, ex, return_state=True, **plan_kwargs)
+    else:
+        if plan_kwargs:
+            raise TypeError(f"planned=... given together with plan options {sorted(plan_kwargs)}")
+        plan, state = planned
+    if tuple(plan.mesh_shape) != tuple(mesh.shape):
+        raise ValueError(f"the plan is for mesh {tuple(plan.mesh_shape)} but the mesh is {tuple(mesh.shape)}")
+    device = _device(mesh)
+    agree_on_plan(mesh, plan.hash(), device)
+    prog = Program(state, plan, mesh, device, ex, attention=attention)
+    return ParallelModule(model, prog)
+
+
+class _Step(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, prog, inputs, buffers, need_backward, *params):
+        loss, env = prog.forward(dict(zip(prog.param_fqns, params)), inputs, buffers, keep=need_backward)
+        ctx.prog, ctx.env = prog, env
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads = ctx.prog.backward(ctx.env, grad_loss)
+        ctx.env = None
+        return (None, None, None, None, *[grads.get(f) for f in ctx.prog.param_fqns])
+
+
+class ParallelModule(nn.Module):
+    """The parallelized model: the same parameter/buffer FQNs as the original (tied parameters stay tied), each
+    an nn.Parameter(DTensor) at its planned placement; calling it runs one SPMD step. The original module is not
+    modified. `plan` is the Plan it runs; `program` the executor."""
+
+    def __init__(self, model: nn.Module, prog: Program):
+        super().__init__()
+        self.program = prog
+        self.plan = prog.plan
+        mesh = prog.mesh
+        self._orig_class = type(model).__name__
+        made: dict[int, nn.Parameter] = {}
+        for fqn, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in made:
+                _register(self, fqn, made[id(p)], param=True)
+                continue
+            pl = [to_placement(s) for s in prog.param_placement(fqn)]
+            with torch.no_grad():
+                dt = distribute_tensor(p.detach().to(prog.device), mesh, pl, src_data_rank=None)
+            made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            _register(self, fqn, made[id(p)], param=True)
+        for fqn, b in model.named_buffers():
+            pl = [to_placement(s) for s in prog.buffer_placement(fqn)]
+            _register(self, fqn, distribute_tensor(b.detach().to(prog.device), mesh, pl, src_data_rank=None),
+                      param=False)
+
+    def extra_repr(self) -> str:
+        return f"autopar {self._orig_class} on mesh {tuple(self.program.mesh.shape)}, plan {self.plan.hash()}"
+
+    def forward(self, *inputs):
+        prog = self.program
+        ins = prog.prepare_inputs(inputs)
+        named = dict(self.named_parameters())
+        params = [named[f] for f in prog.param_fqns]
+        buffers = dict(self.named_buffers())
+        need = torch.is_grad_enabled() and any(p.requires_grad for p in params)
+        return _Step.apply(prog, ins, buffers, need, *params)
+
+    def shard_inputs(self, *inputs) -> tuple:
+        """Each rank's DTensor of a global batch at the plan's input placements (local slicing, no communication);
+        pass the result to the module like the global tensors."""
+        return tuple(self.program.prepare_inputs(inputs))
+
+
+def _register(root: nn.Module, fqn: str, t, param: bool):
+    *path, leaf = fqn.split(".")
+    mod = root
+    for name in path:
+        sub = mod._modules.get(name)
+        if sub is None:
+            sub = nn.Module()
+            mod.add_module(name, sub)
+        mod = sub
+    if param:
+        mod.register_parameter(leaf, t)
+    else:
+        mod.register_buffer(leaf, t)
+
+
+def local_batch(pm: ParallelModule, *inputs) -> tuple:
+    """This rank's local shard (plain tensors) of a global batch, at the plan's input placements."""
+    return tuple(x.to_local() if isinstance(x, DTensor) else x for x in pm.shard_inputs(*inputs))
+
+
+__all__ += ["local_batch", "placement_strs", "redistribute_local"]

@@ -1,0 +1,310 @@
+"""The executor behind `autopar.parallelize`: one compiled list of instructions per captured graph node.
+
+For every op node the program knows, ahead of time: which inputs the plan redistributes (and to what), how the
+op runs, the placement of each output the plan expects, and which values die after it. How an op runs:
+  - "dtensor": the aten op on DTensor inputs at the plan's placements. DTensor rewrites global shape arguments
+    (view/reshape/expand sizes, embedding with a sharded vocab, reductions over sharded dims) to the local shard;
+    the output placement must equal the plan's or the run stops with ExecutionError.
+  - "local": the op on the local shards, re-wrapped at the planned placement. Used where that is exact by
+    construction: every input and output replicated, and attention (batch- or head-sharded, autopar's own rule).
+    Attention runs the captured CPU kernel on CPU; on other devices an exact math formulation with the same
+    (out, logsumexp) contract, since the CPU kernel does not exist there.
+  - "factory": arange/zeros/... with the meta device of the capture replaced by the mesh's device.
+  - "seed": `ones_like(loss)`, where the backward starts, takes the incoming gradient of the loss.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils._pytree import tree_flatten
+
+from autopar.capture import SDPA, SDPA_BW
+from autopar.graph import map_refs
+from autopar.strategies._torch_adapter import to_placement, to_str, unmask_partial
+
+from .comm import executed_placements, redistribute_local
+
+aten = torch.ops.aten
+
+
+class ExecutionError(RuntimeError):
+    """The program cannot run as planned; the message names the node, its module and what differs."""
+
+
+def placement_strs(dt) -> tuple[str, ...]:
+    return tuple(to_str(p) for p in dt.placements)
+
+
+def _same(actual, expected) -> bool:
+    """Placement strings agree; a masked partial is held as a plain sum partial once unmasked."""
+    return all(a == e or (a in ("P", "Pm") and e in ("P", "Pm")) for a, e in zip(actual, expected))
+
+
+def _global_stride(local: torch.Tensor, shape) -> tuple[int, ...]:
+    """Contiguous strides for the global shape, in the same dim order as the local shard's strides."""
+    order = sorted(range(local.dim()), key=lambda d: local.stride(d), reverse=True)
+    stride, acc = [0] * len(shape), 1
+    for d in reversed(order):
+        stride[d] = acc
+        acc *= max(1, shape[d])
+    return tuple(stride)
+
+
+def _to_device(a, device):
+    if isinstance(a, torch.device) and a.type == "meta":
+        return device
+    if isinstance(a, (list, tuple)):
+        return type(a)(_to_device(x, device) for x in a)
+    if isinstance(a, dict):
+        return {k: _to_device(v, device) for k, v in a.items()}
+    return a
+
+
+# ---- attention on devices without the captured CPU kernel ----------------------------------------------------------
+
+def _scores(q, k, is_causal, scale):
+    s = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = (q.float() @ k.float().transpose(-2, -1)) * s
+    if is_causal:
+        L, S = q.shape[-2], k.shape[-2]
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores, s
+
+
+def attention_fw_math(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """(out, logsumexp) of softmax(q k^T * scale [causal]) v, the contract of the CPU flash kernel."""
+    if dropout_p or attn_mask is not None:
+        raise ExecutionError("attention with dropout or a mask is not supported by the math mapping")
+    scores, _ = _scores(q, k, is_causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse.unsqueeze(-1))
+    return (p @ v.float()).to(q.dtype), lse
+
+
+def attention_bw_math(gout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    scores, s = _scores(q, k, is_causal, scale)
+    p = torch.exp(scores - lse.float().unsqueeze(-1))
+    go = gout.float()
+    dv = p.transpose(-2, -1) @ go
+    ds = p * (go @ v.float().transpose(-2, -1) - (go * out.float()).sum(-1, keepdim=True))
+    dq = (ds @ k.float()) * s
+    dk = (ds.transpose(-2, -1) @ q.float()) * s
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _Instr:
+    __slots__ = ("node", "mode", "fn", "conv", "expect", "expect_pl", "frees", "name")
+
+
+class Program:
+    def __init__(self, state, plan, mesh, device, example_inputs, attention: str = "auto"):
+        if attention not in ("auto", "kernel", "math"):
+            raise ValueError(f"attention must be 'auto', 'kernel' or 'math', got {attention!r}")
+        g = state.graph
+        self.g, self.P, self.red, self.plan = g, state.placement, state.redistributes, plan
+        self.mesh, self.device, self.example = mesh, device, tuple(example_inputs)
+        math = attention == "math" or (attention == "auto" and device.type != "cpu")
+        self.param_fqns = list(g.params)
+        self.grad_fqns = [f for f in self.param_fqns if f in g.grads]
+        self._check_inputs_match_graph()
+        self.loss_pl = self.P[g.loss.node].out[g.loss.out]
+        last = {}
+        for n in g.nodes:
+            for r in n.inputs():
+                last[(r.node, r.out)] = n.idx
+        for r in [g.loss, *g.grads.values()]:
+            last[(r.node, r.out)] = len(g.nodes)
+        frees: dict[int, list] = {}
+        for key, i in last.items():
+            if g.nodes[key[0]].kind == "op":
+                frees.setdefault(i, []).append(key)
+        self.fw, self.bw = [], []
+        for n in g.ops():
+            ins = self.P[n.idx].ins
+            outs = self.P[n.idx].out
+            it = _Instr()
+            it.node, it.name = n, f"{n.name} (module '{n.module or '<root>'}')"
+            it.conv = {j: (self.P[r.node].out[r.out], ins[j]) for j, r in enumerate(n.inputs())
+                       if (n.idx, j) in self.red}
+            it.expect = outs
+            it.expect_pl = [None if o is None else tuple(to_placement(s) for s in o) for o in outs]
+            it.frees = frees.get(n.idx, [])
+            it.fn = n.target
+            all_r = all(p == "R" for pl in ins for p in pl) and all(p == "R" for pl in outs if pl for p in pl)
+            if n.phase == "bw" and n.target is aten.ones_like.default and n.inputs() == [g.loss]:
+                it.mode = "seed"
+            elif not n.inputs():
+                it.mode = "factory"
+            elif n.target in (SDPA, SDPA_BW):
+                it.mode = "local"
+                if math:
+                    it.fn = attention_fw_math if n.target is SDPA else attention_bw_math
+            elif all_r:
+                it.mode = "local"
+            else:
+                it.mode = "dtensor"
+            (self.fw if n.phase == "fw" else self.bw).append(it)
+
+    # ---- leaves ---------------------------------------------------------------------------------------------------
+    def param_placement(self, fqn: str) -> tuple[str, ...]:
+        base = self.g.aliases.get(fqn, fqn)
+        if base not in self.g.params:
+            raise KeyError(f"parameter '{fqn}' is not in the captured graph")
+        return self.P[self.g.params[base]].out[0]
+
+    def buffer_placement(self, fqn: str) -> tuple[str, ...]:
+        return self.P[self.g.buffers[fqn]].out[0]
+
+    def _check_inputs_match_graph(self):
+        g = self.g
+        pos = {g.nodes[i].target: i for i in g.inputs}
+        self.input_node = pos
+        for i, x in enumerate(self.example):
+            if isinstance(x, torch.Tensor):
+                if i not in pos or tuple(g.nodes[pos[i]].out.shape) != tuple(x.shape):
+                    raise ValueError(f"example input {i} (shape {tuple(x.shape)}) does not match the captured graph")
+
+    def prepare_inputs(self, inputs) -> list:
+        """Validate a call's inputs against the example inputs; return DTensors at the plan's placements (the local
+        slice of a global tensor, no communication; a DTensor at other placements is redistributed)."""
+        if len(inputs) != len(self.example):
+            raise TypeError(f"the parallelized module takes {len(self.example)} inputs (like its example inputs), "
+                            f"got {len(inputs)}")
+        out = []
+        for i, (x, ex) in enumerate(zip(inputs, self.example)):
+            if not isinstance(ex, torch.Tensor):
+                if x != ex:
+                    raise ValueError(f"input {i} is {x!r} but the plan was captured with {ex!r}; non-tensor inputs "
+                                     f"are baked into the plan")
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise TypeError(f"input {i} must be a tensor like the example input, got {type(x).__name__}")
+            if tuple(x.shape) != tuple(ex.shape):
+                raise ValueError(f"input {i} has global shape {tuple(x.shape)} but the plan was made for the example "
+                                 f"input shape {tuple(ex.shape)}; call autopar.parallelize with example inputs of "
+                                 f"the new shape (a plan is specific to its shapes)")
+            if x.dtype != ex.dtype:
+                raise ValueError(f"input {i} has dtype {x.dtype} but the example input has {ex.dtype}")
+            want = self.P[self.input_node[i]].out[0]
+            if isinstance(x, DTensor):
+                if x.device_mesh != self.mesh:
+                    raise ValueError(f"input {i} is a DTensor on another device mesh ({x.device_mesh})")
+                have = placement_strs(x)
+                if have != want:
+                    x = self.redistribute(x, have, want)
+                out.append(x)
+            else:
+                pl = [to_placement(s) for s in want]
+                out.append(distribute_tensor(x.detach().to(self.device), self.mesh, pl, src_data_rank=None))
+        return out
+
+    # ---- running --------------------------------------------------------------------------------------------------
+    def redistribute(self, v: DTensor, src, dst) -> DTensor:
+        local = redistribute_local(v.to_local(), src, dst, self.mesh)
+        pl = [to_placement(s) for s in executed_placements(src, dst)]
+        return DTensor.from_local(local, self.mesh, pl, run_check=False, shape=v.shape, stride=v.stride())
+
+    def _wrap(self, t, pl, meta):
+        return DTensor.from_local(t, self.mesh, pl, run_check=False, shape=meta.shape,
+                                  stride=_global_stride(t, meta.shape))
+
+    def _replicate(self, t):
+        return DTensor.from_local(t, self.mesh, [to_placement("R")] * self.mesh.ndim, run_check=False)
+
+    def forward(self, params: dict, inputs: list, buffers: dict, keep: bool):
+        g = self.g
+        env = {}
+        for fqn, i in g.params.items():
+            env[(i, 0)] = params[fqn]
+        for fqn, i in g.buffers.items():
+            env[(i, 0)] = buffers[fqn]
+        for k, idx in enumerate(g.inputs):
+            env[(idx, 0)] = inputs[k]
+        for name, t in g.constants.items():
+            idx = next(n.idx for n in g.nodes if n.kind == "constant" and n.target == name)
+            env[(idx, 0)] = self._replicate(t.to(self.device))
+        with torch.no_grad():
+            self._run(self.fw, env)
+            loss = env[(g.loss.node, g.loss.out)]
+            if not all(p == "R" for p in self.loss_pl):
+                raise ExecutionError(f"the plan leaves the loss at placement {list(self.loss_pl)}, not replicated: "
+                                     f"returning the global loss would need a collective the plan does not have")
+            out = loss.to_local().clone()
+        return out, (env if keep else None)
+
+    def backward(self, env: dict, grad_loss: torch.Tensor) -> dict:
+        if env is None:
+            raise ExecutionError("backward through a step that ran without gradients")
+        g = self.g
+        env["seed"] = grad_loss
+        with torch.no_grad():
+            self._run(self.bw, env)
+            grads = {}
+            for fqn in self.grad_fqns:
+                r = g.grads[fqn]
+                v = env[(r.node, r.out)]
+                p = g.params[fqn]
+                if (p, "opt") in self.red:
+                    src, dst, _ = self.red[(p, "opt")]
+                    v = self.redistribute(v, src, dst)
+                want = self.P[p].out[0]
+                if placement_strs(v) != want:
+                    raise ExecutionError(f"gradient of '{fqn}' is at {placement_strs(v)}, its parameter at {want}")
+                grads[fqn] = v
+        env.clear()
+        return grads
+
+    def _run(self, instrs, env):
+        for it in instrs:
+            n = it.node
+            vals = []
+            for j, r in enumerate(n.inputs()):
+                v = env[(r.node, r.out)]
+                c = it.conv.get(j)
+                if c is not None:
+                    v = self.redistribute(v, c[0], c[1])
+                vals.append(v)
+            mode = it.mode
+            if mode == "seed":
+                g = env["seed"].to(self.device)
+                outs = [DTensor.from_local(g.reshape(n.out.shape), self.mesh, it.expect_pl[0], run_check=False)]
+                if not all(p == "R" for p in it.expect[0]):
+                    raise ExecutionError(f"{it.name}: the loss gradient is planned at {it.expect[0]}, not replicated")
+            elif mode == "factory":
+                res = it.fn(*_to_device(n.args, self.device), **_to_device(n.kwargs, self.device))
+                outs = [self._wrap(t, pl, m) if t is not None else None
+                        for t, pl, m in zip(tree_flatten(res)[0], it.expect_pl, n.outs)]
+            elif mode == "local":
+                local = iter([v.to_local() for v in vals])
+                args = map_refs(n.args, lambda r: next(local))
+                kwargs = map_refs(n.kwargs, lambda r: next(local))
+                res = it.fn(*args, **kwargs)
+                outs = [self._wrap(t, pl, m) if isinstance(t, torch.Tensor) else None
+                        for t, pl, m in zip(tree_flatten(res)[0], it.expect_pl, n.outs)]
+            else:
+                vi = iter(vals)
+                args = map_refs(n.args, lambda r: next(vi))
+                kwargs = map_refs(n.kwargs, lambda r: next(vi))
+                try:
+                    res = it.fn(*args, **kwargs)
+                except Exception as e:
+                    raise ExecutionError(f"{it.name} failed on DTensors with input placements "
+                                         f"{[placement_strs(v) for v in vals]}: {type(e).__name__}: {e}") from e
+                outs = []
+                for k, t in enumerate(tree_flatten(res)[0]):
+                    if isinstance(t, DTensor):
+                        t = unmask_partial(t)
+                        have = placement_strs(t)
+                        if it.expect[k] is None or not _same(have, it.expect[k]):
+                            raise ExecutionError(
+                                f"{it.name}: output {k} came out of DTensor at {list(have)} but the plan has "
+                                f"{it.expect[k]} (inputs at {[list(placement_strs(v)) for v in vals]})")
+                    elif isinstance(t, torch.Tensor):
+                        raise ExecutionError(f"{it.name}: output {k} is not a DTensor")
+                    outs.append(t)
+            for k, t in enumerate(outs):
+                if t is not None:
+                    env[(n.idx, k)] = t
+            for key in it.frees:
+                env.pop(key, None)

@@ -1,0 +1,30 @@
+"""The sympy batch formula of a fixed plan equals the cost model evaluated at other batch sizes."""
+import pytest
+
+import autopar
+from autopar.capture import capture
+from autopar.pipeline import PlanState, run_passes
+from autopar.predict import build_plan
+from autopar import models as M
+from autopar.symbolic import b, batch_formula
+
+
+def test_batch_formula_matches_replanning_with_same_placements():
+    force = {"layers.0.attention.wq.weight": ("S0",), "layers.1.feed_forward.w2.weight": ("S1",)}
+    m = M.build_model("llama-tiny")
+    x4 = M.example_inputs("llama-tiny", batch=4, device="meta")
+    p4, st = autopar.plan(m, (2,), x4, cluster="cpu-gloo", return_state=True, force=force)
+    f = batch_formula(st, m, x4)
+    assert f["comm_s"].free_symbols <= {b} and f["compute_s"].has(b)
+    assert float(f["compute_s"].subs(b, 4)) == pytest.approx(p4.predicted["compute_s"], rel=1e-9)
+    assert float(f["comm_s"].subs(b, 4)) == pytest.approx(p4.predicted["comm_s"], rel=1e-9)
+    # the same placements costed from scratch at batch 8 (no re-solve): the formula must give them exactly
+    st8 = PlanState(capture(m, M.example_inputs("llama-tiny", batch=8, device="meta")), st.mesh, st.cluster,
+                    st.precision, st.budget, dict(st.options))
+    run_passes(st8, ("regions", "candidates", "costs"))
+    st8.placement, st8.solution = st.placement, st.solution
+    run_passes(st8, ("redistribute",))
+    p8 = build_plan(st8)
+    assert float(f["compute_s"].subs(b, 8)) == pytest.approx(p8.predicted["compute_s"], rel=1e-9)
+    assert float(f["comm_s"].subs(b, 8)) == pytest.approx(p8.predicted["comm_s"], rel=1e-9)
+    assert float(f["step_s"].subs(b, 8)) > float(f["step_s"].subs(b, 4))
