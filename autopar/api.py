@@ -16,7 +16,7 @@ from .solver import InfeasibleMemoryError
 def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None, memory_budget: float | None = None,
          precision: TrainingPrecision | None = None, force: dict | None = None, replicate_ops=(),
          allow_replicate: bool = False, time_limit: float = 60.0, dump_after=(), return_state: bool = False,
-         allow_bf16: bool = False, allow_checkpointing: bool = True, pipeline=None) -> Plan:
+         allow_bf16: bool = False, allow_checkpointing: bool = True, pipeline=None, pin=None) -> Plan:
     """Plan how to run one training step of `model` on `mesh`.
 
     mesh: a DeviceMesh, a MeshSpec, 'AxB', or a shape tuple (meshes you do not have are fine).
@@ -28,6 +28,8 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
     allow_bf16: let the planner choose FSDP2-style mixed precision (bf16 params, fp32 gradient reduction) for an
         fp32 model; both precisions are planned and the faster one that fits wins (passes/precision.py).
     allow_checkpointing: let the planner checkpoint repeated blocks when memory-bound (passes/checkpointing.py).
+    pin: callable(graph node) -> {mesh dim: placement} or None, fixing nodes' outputs (inputs, activations) to
+        evaluate a given hand plan in the cost model (e.g. backends/engines_ref.py's torchtitan plan).
     pipeline: "auto" (or a dict narrowing the search, see passes/stages.py) plans pipeline stages, submeshes,
         schedule and micro-batch count jointly with each stage's per-op plan; a mesh with a dim named "pp" does
         so too. The plan's `stages` and `schedule` are filled; `force` then names placements on the stage submesh.
@@ -42,7 +44,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
         raise ValueError(f"memory_budget must be positive bytes per rank, got {memory_budget!r}")
     force = {k: tuple(v) for k, v in (force or {}).items()}
     if pipeline or "pp" in mesh.names:
-        from .passes.stages import plan_pipeline
+        from .pipeline_plan import plan_pipeline
         if return_state:
             raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")
         return plan_pipeline(model, mesh, example_inputs, cluster=cl, precision=precision, budget=budget,
@@ -65,7 +67,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
         state = PlanState(graph, mesh, cl, precision, budget,
                           {"force": force, "replicate_ops": [str(o) for o in replicate_ops],
                            "allow_replicate": allow_replicate, "time_limit": time_limit, "mixed_precision": mp,
-                           "allow_checkpointing": allow_checkpointing})
+                           "allow_checkpointing": allow_checkpointing, "pin": pin})
         try:
             run_passes(state, PASSES, dump_after=dump_after)
         except InfeasibleMemoryError as e:

@@ -30,9 +30,14 @@ exact for torch's schedules: GPipe holds m, 1F1B holds p - k on stage k (Narayan
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
+import numpy as np
+
 from autopar.strategies._torch_adapter import pipeline_actions, pipeline_stage_to_rank
+
+INF = float("inf")
 
 
 @dataclass(frozen=True)
@@ -138,6 +143,27 @@ def inflight(order: tuple, S: int, split_backward: bool) -> list[int]:
             elif kind == done or (kind == "B" and split_backward):
                 live[s] -= 1
     return peak
+
+
+def inflight_at_peak(order: tuple, S: int, split_backward: bool) -> list[int]:
+    """Per stage, its micro-batches in flight at the moment its rank holds the most in flight over all its stages
+    (= the per-stage peak with one stage per rank). With equal activations per stage, sum over a rank's stages of
+    act * this is the rank's peak: what the stage DP charges each stage of an interleaved/V schedule."""
+    out = [0] * S
+    done = "W" if split_backward else "B"
+    for rank in order:
+        live, best, snap = {}, -1, {}
+        for s, kind, _ in rank:
+            if kind == "F":
+                live[s] = live.get(s, 0) + 1
+            elif kind == done or (kind == "B" and split_backward):
+                live[s] -= 1
+            tot = sum(live.values())
+            if tot > best:
+                best, snap = tot, dict(live)
+        for s, q in snap.items():
+            out[s] = q
+    return out
 
 
 def rank_act_peak(order: tuple, act: list[float], split_backward: bool) -> list[float]:
@@ -271,3 +297,126 @@ def first_events(sim: Simulation, n: int = 12) -> list[str]:
     """The first n actions of each rank as torch names them (e.g. 0F0 1B3), with start times."""
     return [f"rank {r:>3}: " + " ".join(f"{s}{k}{i}@{t0 * 1e3:.2f}ms" for t0, _, s, k, i in ev[:n])
             for r, ev in enumerate(sim.events)]
+
+
+# ---- the dynamic program -------------------------------------------------------------------------------------
+@dataclass
+class Partition:
+    bounds: list            # S + 1 cluster indices, 0 = b_0 < ... < b_S = n
+    variants: list          # intra-op variant per stage
+    proxy_s: float
+
+
+def stage_terms(costs: list, xfer: np.ndarray, spec, p: int, v: int, m: int):
+    """Per variant, (n+1)x(n+1) matrices over stage ranges [j, i): c (seconds per micro-batch incl. transfers and
+    dp comm / m when that dominates), f (additive term of the closed form), state and act bytes."""
+    out = []
+    n = len(costs[0].F)
+    j = np.arange(n + 1)[:, None]
+    i = np.arange(n + 1)[None, :]
+    ok = i > j
+    for vi, cv in enumerate(costs):
+        pre = lambda a: np.concatenate([[0.0], np.cumsum(a)])
+        PF, PB, PW, Pd, Ps, Pa = (pre(a) for a in (cv.F, cv.B, cv.W, cv.dp, cv.state, cv.act))
+        x = np.pad(np.asarray(xfer[vi], dtype=float), (1, 1))       # x[b]: transfer over boundary b (0, n: none)
+        comp = (PF[i] - PF[j]) + (PB[i] - PB[j]) + (PW[i] - PW[j]) + x[j] + x[i]
+        c = np.maximum(comp, (Pd[i] - Pd[j]) / m)
+        W = PW[i] - PW[j]
+        b = np.maximum(0.0, c - 3.0 * W) if spec.split_backward else c
+        f = (c + (p - 1) * b) / (p * v)
+        out.append((np.where(ok, c, INF), np.where(ok, f, INF), Ps[i] - Ps[j] + cv.transient, Pa[i] - Pa[j]))
+    return out
+
+
+def partition(costs: list, xfer: np.ndarray, spec, p: int, v: int, m: int, inflight: list[int],
+              cap: float) -> Partition | None:
+    """Exact minimum of the closed form over contiguous partitions of the n clusters into S = p*v stages and an
+    intra-op variant per stage, with state + transient + inflight[k] * act <= cap on every stage k (legal cuts
+    only). costs: per variant, arrays over clusters (F, B, W, dp, state, act, legal per boundary, transient);
+    xfer[variant][b]: seconds of one transfer over boundary b. None if nothing fits."""
+    n, S = len(costs[0].F), p * v
+    if S > n:
+        return None
+    legal = np.ones(n + 1, dtype=bool)
+    legal[1:n] = np.all([cv.legal for cv in costs], axis=0)
+    cut_ok = legal[:, None] & legal[None, :]
+    terms = stage_terms(costs, xfer, spec, p, v, m)
+    C = np.stack([t[0] for t in terms])                        # V x (n+1) x (n+1)
+    Fm = np.stack([t[1] for t in terms])
+    base = np.where(cut_ok[None], Fm, INF)
+    by_q = {}                                                  # stages with the same in-flight count share a mask
+    for q in set(inflight[:S]):
+        by_q[q] = np.where(np.stack([t[2] + q * t[3] <= cap for t in terms]), base, INF)   # V x (n+1) x (n+1)
+    coef = proxy_coef(m, v)
+
+    def solve(t):
+        D = np.full(n + 1, INF)
+        D[0] = 0.0
+        arg = []
+        over = C > t
+        for k in range(S):
+            cost = by_q[inflight[k]].copy()
+            cost[over] = INF
+            vbest = cost.argmin(axis=0)
+            cmin = np.take_along_axis(cost, vbest[None], 0)[0]
+            tot = D[:, None] + cmin
+            jb = tot.argmin(axis=0)
+            D = tot[jb, np.arange(n + 1)]
+            arg.append((jb, vbest))
+        return D[n], arg
+
+    vals = np.unique(C[np.isfinite(C) & np.broadcast_to(cut_ok, C.shape)])
+    lo_sum, _ = solve(INF)
+    if not np.isfinite(lo_sum):
+        return None
+    lo, hi = 0, len(vals) - 1                                  # smallest feasible bottleneck
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if np.isfinite(solve(vals[mid])[0]):
+            hi = mid
+        else:
+            lo = mid + 1
+    best, best_arg = INF, None
+    for t in vals[lo:]:
+        if coef * t + lo_sum >= best:
+            break
+        s, arg = solve(t)
+        if coef * t + s < best:
+            best, best_arg = coef * t + s, arg
+    bounds, variants, i = [n], [], n
+    for k in range(S - 1, -1, -1):
+        jb, vb = best_arg[k]
+        j = int(jb[i])
+        variants.append(int(vb[j, i]))
+        bounds.append(j)
+        i = j
+    bounds.reverse()
+    variants.reverse()
+    # the proxy with the true max of the chosen partition (<= best_t)
+    cs = [C[variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
+    fs = [Fm[variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
+    return Partition(bounds, variants, coef * max(cs) + sum(fs))
+
+
+def brute_force(costs: list, xfer, spec, p, v, m, inflight, cap) -> Partition | None:
+    """Every legal cut set and variant assignment (small models only): the reference `partition` must match."""
+    n, S = len(costs[0].F), p * v
+    terms = stage_terms(costs, xfer, spec, p, v, m)
+    legal = [b for b in range(1, n) if all(cv.legal[b - 1] for cv in costs)]
+    best = None
+    for cuts in itertools.combinations(legal, S - 1):
+        bounds = [0, *cuts, n]
+        for vs in itertools.product(range(len(costs)), repeat=S):
+            cs, fs, ok = [], [], True
+            for k in range(S):
+                c, f, st, ac = (x[bounds[k], bounds[k + 1]] for x in terms[vs[k]])
+                if st + inflight[k] * ac > cap:
+                    ok = False
+                    break
+                cs.append(c)
+                fs.append(f)
+            if ok:
+                val = proxy_coef(m, v) * max(cs) + sum(fs)
+                if best is None or val < best.proxy_s - 1e-15:
+                    best = Partition(bounds, list(vs), val)
+    return best

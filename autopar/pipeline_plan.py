@@ -1,13 +1,34 @@
-"""Turn the stage search's best candidate (passes/stages.py) into a Plan: `stages` (per stage its clusters,
-parameter FQNs, submesh, modeled time and memory, the p2p transfer to the next stage), `schedule` (name, micro-batch
-count and shapes, bubble, timeline, the runner-up candidates and the even-split baseline), `params` (placements on
-the stage submesh, from the intra-op plan of the stage that holds each parameter) and `predicted`."""
+"""The stage search (`plan_pipeline`, what `autopar.plan(..., pipeline=...)` runs) and the Plan it returns.
+
+Search: every (pp degree, stage submesh, micro-batch count) gets intra-op plans of its stage (passes/stages.py
+StageOps, cached per submesh and micro-batch shape); every (schedule, stages per rank) on top of it is a
+configuration. Configurations are visited in increasing order of a lower bound on the closed form; those whose
+bound exceeds `prune_margin` (1.25) x the best simulated step so far are skipped (the closed form tracks the
+simulation within a few percent; the margin covers that). Each visited configuration gets the exact stage DP
+(autopar/pipeline_model.partition) and is simulated on torch's action order; the fastest that fits memory wins.
+
+The Plan: `stages` (per stage its clusters, parameter FQNs, submesh, modeled time and memory, the p2p transfer to
+the next stage), `schedule` (name, micro-batch count and shapes, bubble, timeline, the runner-up candidates and the
+even-split baseline), `params` (placements on the stage submesh, from the intra-op plan of the stage that holds each
+parameter) and `predicted`.
+"""
 from __future__ import annotations
 
+import math
 import re
+import time
+
+import numpy as np
+import torch
+from torch import nn
 
 from . import pipeline_model as pm
+from .cost import collective_time
+from .mesh import MeshSpec
+from .passes.stages import StageOps, evaluate, even_bounds, find_layers, layer_signature, layout_bounds
 from .plan import Plan
+
+INF = float("inf")
 
 
 def _cluster_names(prefix: str, n_blocks: int) -> list[str]:
@@ -19,7 +40,7 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
     p, v, m, spec, smesh = best["p"], best["v"], best["m"], best["spec"], best["mesh"]
     S = p * v
     part = best["part"]
-    costs = ops.variants
+    costs = ops.costs()
     n_blocks = len(pos_of)
     names = _cluster_names(prefix, n_blocks)
     pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.(.*)$")
@@ -43,32 +64,42 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
         c, sub = where(fqn)
         k = stage_of_cluster[c]
         per_stage_params[k].append(fqn)
-        plan_k = ops.plans[part.variants[k]]
+        plan_k = ops.plans[costs[part.variants[k]].base]
         params[fqn] = list(plan_k.params.get(sub, ["R"] * len(smesh.shape)))
     ranks_per_stage = smesh.size
+    numel = {f: p.numel() for f, p in model.named_parameters()}
     stages = []
     for k in range(S):
         a, b = part.bounds[k], part.bounds[k + 1]
         cv = costs[part.variants[k]]
         r = best["rank_of"][k]
         rec = {"index": k, "pp_rank": r, "clusters": names[a:b], "params": per_stage_params[k],
-               "n_params": sum(dict(model.named_parameters())[f].numel() for f in per_stage_params[k]),
+               "n_params": sum(numel[f] for f in per_stage_params[k]),
                "graph_ops": int(sum(cv.ops[a:b])),
                "submesh": {"shape": list(smesh.shape), "names": list(smesh.names),
                            "ranks": [r * ranks_per_stage, (r + 1) * ranks_per_stage - 1]},
-               "intra_op": cv.name,
+               "intra_op": cv.name, "recompute": cv.recompute,
                "time": {"F_s": best["F"][k], "B_s": best["B"][k], "W_s": best["W"][k],
                         "per_microbatch_s": best["F"][k] + best["B"][k] + best["W"][k], "dp_comm_s": best["dp"][k]},
                "memory": {"state_bytes": best["state"][k], "act_bytes_per_microbatch": best["act"][k],
                           "inflight_microbatches": best["inflight"][k],
-                          "rank_peak_bytes": best["rank_mem"][r]}}
+                          "recompute_transient_bytes": cv.transient, "rank_peak_bytes": best["rank_mem"][r]}}
         if k < S - 1:
             nb, link, t = best["xfer"][k]
             rec["send"] = {"bytes": nb, "link": link, "time_s": t}
         stages.append(rec)
     sim = best["sim"]
     bsz = next(x.shape[0] for x in inputs if hasattr(x, "shape"))
-    dp = next((s for s, nm in zip(smesh.shape, smesh.names) if nm == "dp"), 1)
+    count = {}
+    for k in range(S):
+        count[costs[part.variants[k]].base] = count.get(costs[part.variants[k]].base, 0) + 1
+    main = ops.plans[max(count, key=count.get)]
+    inp = next((nd for nd in main.nodes if nd["kind"] == "input"), None)
+    batch_pl = inp["placement"]["out"][0] if inp else None
+    dp = 1
+    for d, (size, nm) in enumerate(zip(smesh.shape, smesh.names)):
+        if batch_pl is not None and batch_pl[d] == "S0":
+            dp *= size
     shapes = [list(x.shape) for x in inputs if hasattr(x, "shape")]
     mb_shapes = [[bsz // m] + s[1:] if s and s[0] == bsz else s for s in shapes]
     local = [[bsz // dp] + s[1:] if s and s[0] == bsz else s for s in shapes]
@@ -85,6 +116,7 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
                 "stage_mesh_shape": list(smesh.shape), "stage_mesh_names": list(smesh.names),
                 "layer_prefix": prefix, "clusters": names, "bounds": part.bounds,
                 "batch_shapes": shapes, "microbatch_shapes": mb_shapes, "local_batch_shapes": local,
+                "batch_placement": batch_pl,
                 "step_s": best["step_s"], "pipeline_s": best["pipeline_s"], "exposed_dp_s": best["exposed_dp_s"],
                 "bubble_fraction": best["bubble"], "proxy_step_s": part.proxy_s,
                 "timeline": pm.timeline(sim), "first_actions": pm.first_events(sim, 10),
@@ -111,15 +143,13 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
     busy = max(sim.busy_s)
     p2p_s = sum(x[2] for x in best["xfer"]) * 2 * m
     rank_state = [sum(best["state"][k] for k in range(S) if best["rank_of"][k] == r) for r in range(p)]
-    predicted = {"step_s": best["step_s"], "compute_s": busy, "comm_s": p2p_s + max(best["dp"]),
-                 "exposed_comm_s": best["step_s"] - busy, "state_mem_bytes": max(rank_state),
+    exposed = best["exposed_dp_s"] + best["exposed_p2p_s"]
+    predicted = {"step_s": best["step_s"], "compute_s": best["step_s"] - exposed, "comm_s": p2p_s + max(best["dp"]),
+                 "exposed_comm_s": exposed, "busy_s": busy, "bubble_s": best["step_s"] - exposed - busy,
+                 "state_mem_bytes": max(rank_state),
                  "act_peak_bytes": max(best["rank_mem"][r] - rank_state[r] for r in range(p)),
                  "peak_mem_bytes": best["peak_mem"], "collectives": coll, "budget_bytes": budget,
                  "bubble_fraction": best["bubble"]}
-    count = {}
-    for k in range(S):
-        count[part.variants[k]] = count.get(part.variants[k], 0) + 1
-    main = ops.plans[max(count, key=count.get)]
     solver = dict(main.solver)
     solver["seconds"] = sum(pl.solver["seconds"] for pl in ops.plans)
     solver["intra_op_variants"] = [c.name for c in costs]
@@ -130,3 +160,199 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
                 main.regions, main.coverage,
                 {**main.meta, "pipeline": True, "nodes": "the per-op plan of the representative sub-model (one "
                  "block per distinct block) of the stage plan most stages use"}, stages, schedule)
+
+
+def evaluate_fitted(costs, bounds, r, cluster, budget) -> dict:
+    """Evaluate fixed stage bounds with, per stage, the fastest intra-op variant whose memory fits (the leanest
+    when none does), as the search's own DP would be allowed to: a fair baseline for hand layouts."""
+    S, cap = r["p"] * r["v"], budget / r["v"]
+    fl = _dp_inflight(r["order"], S, r["spec"], r["v"])
+    variants = []
+    for k in range(S):
+        a, b = bounds[k], bounds[k + 1]
+        opts = [(float(cv.F[a:b].sum() + cv.B[a:b].sum() + cv.W[a:b].sum()),
+                 float(cv.state[a:b].sum() + cv.transient + fl[k] * cv.act[a:b].sum()), j)
+                for j, cv in enumerate(costs)]
+        ok = [o for o in opts if o[1] <= cap]
+        variants.append(min(ok)[2] if ok else min(opts, key=lambda o: o[1])[2])
+    return evaluate(costs, bounds, variants, r["spec"], r["p"], r["v"], r["m"], r["order"], cluster,
+                    r["mesh"].size, budget) | {"bounds": bounds, "variants": variants}
+
+
+def _dp_inflight(order, S, spec, v):
+    if v == 1:
+        return pm.inflight(order, S, spec.split_backward)
+    return [max(1, q) for q in pm.inflight_at_peak(order, S, spec.split_backward)]
+
+
+def lower_bound(costs, spec, p, v, m) -> float:
+    """A lower bound on the closed form for any partition: the bottleneck is at least the average and the largest
+    cluster; the additive part at least its value with no transfers (each cluster at its fastest variant)."""
+    c = np.min([cv.F + cv.B + cv.W for cv in costs], axis=0)
+    S = p * v
+    tot = float(c.sum())
+    f = tot / v if not spec.split_backward else tot / (p * v)
+    return pm.proxy_coef(m, v) * max(tot / S, float(c.max())) + f
+
+
+def search_config(c, order, ops, cluster, budget, hand=None) -> dict:
+    """Stage DP (or a hand layout) for one configuration, evaluated by simulation. With several stages per rank
+    the DP charges each stage budget/v (scaled while the exact rank peak leaves room or overflows)."""
+    p, v, m, spec, smesh = c["p"], c["v"], c["m"], c["spec"], c["mesh"]
+    S = p * v
+    fl = _dp_inflight(order, S, spec, v)
+    link = cluster.link_for((p,) + smesh.shape, 0) if p > 1 else cluster.intra
+    base = {**c, "order": order}
+    if hand:
+        cvs = ops.costs()
+        r = evaluate_fitted(cvs, layout_bounds(hand), base, cluster, budget)
+        return {**base, **r, "part": pm.Partition(r["bounds"], r["variants"], float("nan"))}
+    cap, best, tried = budget / v, None, 0
+    while tried < (1 if v == 1 else 4):
+        tried += 1
+        while True:
+            cvs = ops.costs()
+            xfer = np.array([[collective_time("send_recv", float(b), 2, link) for b in cv.xbytes] for cv in cvs])
+            part = pm.partition(cvs, xfer, spec, p, v, m, fl, cap)
+            if part is not None or not ops.more():
+                break
+        if part is None:
+            break
+        ev = evaluate(cvs, part.bounds, part.variants, spec, p, v, m, order, cluster, smesh.size, budget)
+        if ev["fits"] and (best is None or ev["step_s"] < best["step_s"]):
+            best = {**base, **ev, "part": part}
+        if ev["fits"] and ev["peak_mem"] > 0.95 * budget or cap >= budget:
+            break
+        cap = min(budget, cap * (budget / ev["peak_mem"]) * (1.0 if ev["fits"] else 0.9))
+    return best or {**base, "fits": False, "step_s": INF, "peak_mem": INF}
+
+
+# ---- the search ------------------------------------------------------------------------------------------------
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _dp_size(mesh: MeshSpec) -> int:
+    return math.prod(s for s, nm in zip(mesh.shape, mesh.names) if nm.startswith("dp"))
+
+
+def candidate_meshes(mesh: MeshSpec, n_clusters: int, cluster, opts) -> list:
+    """(pp, stage submesh) pairs: the mesh's own pp dim, or every factorization of a flat rank set into
+    pp x dp x tp with tp inside one node."""
+    if "pp" in mesh.names:
+        k = mesh.names.index("pp")
+        rest = [(s, nm) for j, (s, nm) in enumerate(zip(mesh.shape, mesh.names)) if j != k]
+        sub = MeshSpec(tuple(s for s, _ in rest), tuple(nm for _, nm in rest)) if rest else MeshSpec((1,), ("dp",))
+        return [(mesh.shape[k], sub)]
+    world = mesh.size
+    out = []
+    for p in opts.get("pp") or _divisors(world):
+        if world % p or p > n_clusters:
+            continue
+        for tp in opts.get("tp") or _divisors(world // p):
+            if (world // p) % tp or tp > cluster.gpus_per_node:
+                continue
+            dp = world // p // tp
+            shape = [(dp, "dp"), (tp, "tp")]
+            shape = [x for x in shape if x[0] > 1] or [(1, "dp")]
+            out.append((p, MeshSpec(tuple(s for s, _ in shape), tuple(nm for _, nm in shape))))
+    return out
+
+
+def microbatch_counts(B: int, p: int, dp: int, opts) -> list:
+    if opts.get("n_microbatches"):
+        ms = [m for m in opts["n_microbatches"] if B % m == 0 and (B // m) % dp == 0]
+    else:
+        ms = [m for m in _divisors(B) if (B // m) % dp == 0 and (m >= p if p > 1 else m == 1)]
+        ms = sorted(ms, key=lambda m: B // m)[:opts.get("max_microbatch_options", 3)]
+    return sorted(ms)
+
+
+def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, loss_fn=None, force=None,
+                  replicate_ops=(), allow_replicate=False, time_limit=60.0, pipeline="auto"):
+    """Choose pp degree, stage submesh, micro-batch count, schedule, stages per rank, stage boundaries and each
+    stage's per-op plan; returns a Plan with `stages` and `schedule` filled (see module docstring).
+
+    pipeline: "auto"/True, or a dict narrowing the search: pp, tp (lists), n_microbatches, schedules,
+    stages_per_rank (lists), layers_per_stage (a hand layout: blocks per stage, no DP), max_microbatch_options,
+    n_variants (intra-op plans per stage submesh: 1 time-optimal, 2 (default) + FSDP-sharded params, 3-4 + memory-budgeted), top (candidates kept in the report)."""
+    from .solver import InfeasibleMemoryError
+    t_start = time.perf_counter()
+    opts = dict(pipeline) if isinstance(pipeline, dict) else {}
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError("pipeline planning needs a batched first input (the batch dim 0 is split into micro-batches)")
+    Bsz = tensors[0].shape[0]
+    prefix = find_layers(model)
+    blocks = list(model.get_submodule(prefix).values()) if isinstance(model.get_submodule(prefix), nn.ModuleDict) \
+        else list(model.get_submodule(prefix))
+    sigs = [layer_signature(b) for b in blocks]
+    reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
+    pos_of = [reps.index(sigs.index(s)) for s in sigs]
+    n = len(blocks) + 2
+    tied = {a for a, _ in model.named_parameters(remove_duplicate=False)} - {a for a, _ in model.named_parameters()}
+    ctx = {"cluster": cluster, "precision": precision, "loss_fn": loss_fn, "force": dict(force or {}),
+           "replicate_ops": [str(o) for o in replicate_ops], "allow_replicate": allow_replicate,
+           "time_limit": time_limit, "n_variants": int(opts.get("n_variants", 2)),
+           "dp_shards_batch": bool(opts.get("dp_shards_batch", True)),
+           "recompute": bool(opts.get("recompute", True))}
+    names = [k for k in opts.get("schedules") or pm.SCHEDULES]
+    specs = [pm.get_schedule(k) for k in names]
+    hand = opts.get("layers_per_stage")
+    cache: dict = {}
+    configs = []
+    for p, smesh in candidate_meshes(mesh, n, cluster, opts):
+        if tied and p > 1:
+            raise ValueError(f"tied parameters {sorted(tied)} cannot be split across pipeline stages")
+        for m in microbatch_counts(Bsz, p, _dp_size(smesh), opts):
+            mb = Bsz // m
+            key = (smesh.shape, smesh.names, mb)
+            if key not in cache:
+                mbi = tuple(torch.empty((mb,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
+                            if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == Bsz else x for x in inputs)
+                cache[key] = StageOps(model, prefix, reps, pos_of, mbi, smesh, ctx)
+            if not cache[key].variants:
+                continue
+            for spec in specs:
+                for v in (opts.get("stages_per_rank") or spec.stages_per_rank) if p > 1 else (1,):
+                    if (p == 1 and spec.name != "GPipe") or (v > 1) != spec.multi or p * v > n or \
+                            (hand and len(hand) != p * v):
+                        continue
+                    configs.append({"p": p, "mesh": smesh, "m": m, "spec": spec, "v": v, "key": key,
+                                    "lb": lower_bound(cache[key].costs(), spec, p, v, m)})
+    configs.sort(key=lambda c: c["lb"])
+    results, best_step, pruned = [], INF, 0
+    margin = float(opts.get("prune_margin", 1.25))
+    for c in configs:
+        if c["lb"] > margin * best_step:
+            pruned += 1
+            continue
+        try:
+            order = pm.actions(c["spec"], c["p"], c["m"], c["v"])
+        except ValueError:
+            continue
+        r = search_config(c, order, cache[c["key"]], cluster, budget, hand)
+        results.append(r)
+        if r["fits"]:
+            best_step = min(best_step, r["step_s"])
+    t_intra = sum(o.seconds for o in cache.values())
+    fitting = [r for r in results if r["fits"]]
+    if not fitting:
+        low = min((r["peak_mem"] for r in results), default=INF)
+        raise InfeasibleMemoryError(f"no pipeline plan fits {budget / 1e9:.3f} GB per rank on {mesh}: smallest "
+                                    f"peak found {low / 1e9:.3f} GB over {len(results)} candidates")
+    fitting.sort(key=lambda r: (r["step_s"], r["p"] * r["v"], r["m"]))
+    top = fitting[:int(opts.get("top", 12))]
+    for r in top:           # the torchtitan-style even layer split of the same configuration, for comparison
+        S = r["p"] * r["v"]
+        r["even"] = evaluate_fitted(cache[r["key"]].costs(), even_bounds(len(blocks), S), r, cluster, budget) \
+            if S <= len(blocks) else None
+    best = top[0] = {**top[0], **evaluate(cache[top[0]["key"]].costs(), top[0]["part"].bounds,
+                                          top[0]["part"].variants, top[0]["spec"], top[0]["p"], top[0]["v"],
+                                          top[0]["m"], top[0]["order"], cluster, top[0]["mesh"].size, budget,
+                                          detail=True)}
+    stats = {"intra_op_s": t_intra, "total_s": time.perf_counter() - t_start, "configs": len(configs),
+             "pruned": pruned, "intra_op_keys": len(cache)}
+    return build_pipeline_plan(best, top, len(results), cache[best["key"]], model,
+                               prefix, reps, pos_of, mesh, inputs, cluster, budget, stats)

@@ -64,7 +64,9 @@ class Plan:
         return cls(**d)
 
     # ---- text -----------------------------------------------------------------------------------------------
-    def summary(self) -> str:
+    def summary(self, timings: bool = True) -> str:
+        """The plan's headline numbers and module placements; `timings=False` leaves out the wall-clock lines
+        (pass times, solve seconds) so the text is identical for identical plans."""
         p = self.predicted
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_names, self.mesh_shape))
         lines = [f"autopar plan  mesh [{mesh}]  cluster {self.cluster}  plan {self.hash()}",
@@ -77,8 +79,13 @@ class Plan:
                                                                          key=lambda kv: _KIND_ORDER.index(kv[0])))
                                              or "none"),
                  f"solver {self.solver['status']}  objective {self.solver['objective'] * 1e3:.4f} ms  gap "
-                 f"{self.solver['gap']:.2e}  {self.solver['n_vars']} vars  {self.solver['seconds']:.2f} s",
-                 "pass times " + "  ".join(f"{k} {v:.2f}s" for k, v in self.timings)]
+                 f"{self.solver['gap']:.2e}  {self.solver['n_vars']} vars"
+                 + (f"  {self.solver['seconds']:.2f} s" if timings else "")]
+        if timings:
+            lines.append("pass times " + "  ".join(f"{k} {v:.2f}s" for k, v in self.timings))
+        if self.coverage:
+            lines.append("replicate-only ops (no placement rule, accepted by the user): " +
+                         ", ".join(f"{k} x{v}" for k, v in sorted(self.coverage.items())))
         if self.stages:
             lines += self.stage_summary()
         lines.append("")
@@ -139,7 +146,8 @@ class Plan:
         return tuple(self.schedule.get("stage_mesh_names", self.mesh_names)) if self.stages else self.mesh_names
 
     def dump(self) -> str:
-        lines = [self.summary(), "", "graph (one line per node: op, phase, module, output shapes, placement; "
+        """Deterministic annotated graph: identical plans give identical text (no wall-clock figures)."""
+        lines = [self.summary(timings=False), "", "graph (one line per node: op, phase, module, output shapes, placement; "
                                      "then the redistributes its inputs need)"]
         for n in self.nodes:
             outs = " ".join("x".join(map(str, s)) if s is not None else "-" for s in n["shape"])

@@ -39,6 +39,8 @@ def build_plan(state) -> Plan:
     for (i, j), (src, dst, cs) in sorted(state.redistributes.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         if j == "opt":
             meta, cls = g.meta(g.grads[nodes[i].target]), "grad"
+        elif j == "loss":
+            meta, cls = g.meta(g.loss), "act"
         else:
             r = nodes[i].inputs()[j]
             meta = g.meta(r)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.redistribute import steps as plan_steps
+from autopar.strategies._torch_adapter import per_rank
 
 _fn = torch.ops._c10d_functional
 
@@ -47,10 +48,43 @@ def _exec_str(p: str) -> str:
 def redistribute_local(x: torch.Tensor, src, dst, mesh) -> torch.Tensor:
     """Turn local shard `x` (global placements `src`, strings per mesh dim) into the local shard for `dst`,
     one step of `autopar.redistribute.steps` at a time. A step into "Pm" (the indices of a vocab-sharded
-    embedding) is left to DTensor's embedding rule, which masks the indices itself: the value stays "R"."""
-    for m, a, b in plan_steps(tuple(src), tuple(dst)):
-        x = apply_step(x, mesh, m, _exec_str(a), b)
-    return x
+    embedding) is left to DTensor's embedding rule, which masks the indices itself: the value stays "R".
+
+    The result keeps x's memory layout (the order of its strides): the collectives run on x permuted into its
+    memory order, as a single-device program would have laid the tensor out (views after it depend on that)."""
+    todo = plan_steps(tuple(src), tuple(dst))
+    if not todo:
+        return x
+    order = _memory_order(x)
+    if order is None:
+        order, x = list(range(x.dim())), x.contiguous()
+    if order == sorted(order):             # already in memory order: no permutes (views cost under LocalTensorMode)
+        for m, a, b in todo:
+            x = apply_step(x, mesh, m, _exec_str(a), b)
+        return x
+    xp = x.permute(order)
+    for m, a, b in todo:
+        xp = apply_step(xp, mesh, m, _permuted(_exec_str(a), order), _permuted(b, order))
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return xp.permute(inv)
+
+
+def _memory_order(x: torch.Tensor):
+    """Dims from outermost to innermost in memory, or None if x is not a dense tensor in some dim order."""
+    st, sh = x.stride(), x.shape          # one query each (each is a dispatch under LocalTensorMode)
+    order = sorted(range(len(sh)), key=lambda d: -st[d])
+    expect = 1
+    for d in reversed(order):
+        if sh[d] != 1 and st[d] != expect:
+            return None
+        expect *= sh[d]
+    return order
+
+
+def _permuted(p: str, order) -> str:
+    return f"S{order.index(int(p[1:]))}" if p[0] == "S" else p
 
 
 def executed_placements(src, dst) -> tuple[str, ...]:
@@ -91,24 +125,31 @@ def _from_replicate(x, mesh, m, b):
     if b == "R" or b == "Pa":
         return x                        # the mean of n copies is the value itself
     if b == "P":
-        return x * (1 - torch.sym_min(_coord(mesh, m), 1))   # keep the value on coordinate 0, zeros elsewhere
+        return per_rank(x) * (1 - torch.sym_min(_coord(mesh, m), 1))   # the value on coordinate 0, zeros elsewhere
     if b[0] == "S":
         d = int(b[1:])
+        if x.shape[d] % mesh.size(m):
+            raise ValueError(f"Shard({d}) of a tensor of shape {tuple(x.shape)} over {mesh.size(m)} ranks does not "
+                             f"divide evenly")
         size = x.shape[d] // mesh.size(m)
-        return x.narrow(d, _coord(mesh, m) * size, size)
+        return per_rank(x).narrow(d, _coord(mesh, m) * size, size)
     raise NotImplementedError(f"redistribute step R -> {b} on mesh dim {m}")
 
 
 def _all_gather(x, d, n, name):
+    if d == 0:
+        return _wait(_fn.all_gather_into_tensor(x.contiguous(), n, name))
     y = _wait(_fn.all_gather_into_tensor(x.movedim(d, 0).contiguous(), n, name))
-    return y.movedim(0, d)
+    return y.movedim(0, d).contiguous()          # the layout a single-device op produces (kernels rely on it)
 
 
 def _reduce_scatter(x, d, n, name):
     if x.shape[d] % n:
         raise ValueError(f"reduce_scatter of dim {d} (size {x.shape[d]}) over {n} ranks does not divide evenly")
+    if d == 0:
+        return _wait(_fn.reduce_scatter_tensor(x.contiguous(), "sum", n, name))
     y = _wait(_fn.reduce_scatter_tensor(x.movedim(d, 0).contiguous(), "sum", n, name))
-    return y.movedim(0, d)
+    return y.movedim(0, d).contiguous()
 
 
 def _all_to_all(x, d, e, n, name):
@@ -122,7 +163,7 @@ def _all_to_all(x, d, e, n, name):
     y = _wait(_fn.all_to_all_single(xe.contiguous(), splits, splits, name))
     y = y.view((n,) + piece).movedim(1, e + 1)                 # (n, piece with dim e back in place)
     y = y.movedim(0, d)                                         # the source-rank axis just before dim d
-    return y.flatten(d, d + 1)
+    return y.flatten(d, d + 1).contiguous()
 
 
 # ---- counting ----------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _c10d = torch.ops.c10d
@@ -119,6 +120,8 @@ class CollectiveCounter(TorchDispatchMode):
     # ---- the mode ------------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented      # let DTensor run the op with this mode active: its collectives are seen
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         rec = None
         if ns == "c10d" and name in _C10D:
@@ -204,3 +207,107 @@ def format_compare(expected: dict, measured: dict, mesh_names) -> str:
             else "?"
         lines.append(f"{k[0]:<16}{dn:<10}{e['count']:>6} x {e['bytes']:>12,d} B{m['count']:>6} x {m['bytes']:>12,d} B")
     return "\n".join(lines)
+
+
+# ---- what the engines will issue for a lowered plan ------------------------------------------------------------
+
+def _nb(shape, dtype: str) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def engine_collectives(plan, low) -> tuple[list, list]:
+    """The collectives fully_shard / parallelize_module issue for one step of `low` (a TorchLowering of `plan`),
+    derived from the plan: (list of (kind, mesh dim or tuple of dims, bytes), notes on how it differs from the
+    plan's own per-edge prediction). Rules, each checked against measured runs:
+      * FSDP2 unit u: one all_gather of its parameters in the forward (and again in the backward when
+        reshard_after_forward), one reduce_scatter of its gradients (reduce dtype), HSDP: one all_reduce of the
+        reduce-scattered gradients on the replicate dim; sizes are the (tensor-parallel local) unsharded sizes.
+      * replicated parameters outside FSDP: one all_reduce of the gradient per data-parallel dim.
+      * tensor-parallel dim, forward: the plan's redistributes, once per produced tensor (a style redistributes
+        a module's input or output once, however many ops consume it); backward: autograd's mirror of each:
+        an input gather of a colwise Linear -> reduce_scatter, a reduce_scatter -> all_gather, a gather to a
+        replicated output or an all_reduce -> nothing.
+      * parameters of SequenceParallel modules (replicated, used on sequence shards): their gradient is partial
+        on the tp dim and is all-reduced once (DTensor), at the size autograd produced it (before FSDP sharding).
+    """
+    out, notes = [], []
+    names = plan.mesh_names
+    pnode = {n["target"]: n for n in plan.nodes if n["kind"] == "param"}
+    t = low.tp_dim
+    tp_n = plan.mesh_shape[t] if t is not None else 1
+    grad_dtype = lambda f: (low.mixed_precision or {}).get("reduce_dtype") or pnode[f]["dtype"][0]
+
+    def local(f, dtype):
+        shape = list(pnode[f]["shape"][0])
+        if t is not None and plan.params[f][t][0] == "S":
+            shape[int(plan.params[f][t][1:])] //= tp_n
+        return _nb(shape, dtype)
+    shard_key = low.shard_dims[0] if len(low.shard_dims) == 1 else tuple(low.shard_dims)
+    n_shard = 1
+    for d in low.shard_dims:
+        n_shard *= plan.mesh_shape[d]
+    for u in low.units:
+        if not u.params:
+            continue
+        ag = sum(local(f, pnode[f]["dtype"][0]) for f in u.params)
+        rs = sum(local(f, grad_dtype(f)) for f in u.params)
+        out += [("all_gather", shard_key, ag)] * (2 if u.reshard_after_forward else 1)
+        out.append(("reduce_scatter", shard_key, rs))
+        for d in low.replicate_dims:
+            out.append(("all_reduce", d, rs // n_shard))
+    for f in low.replicated_grads:
+        for d in low.replicate_dims + low.shard_dims:
+            out.append(("all_reduce", d, local(f, pnode[f]["dtype"][0])))
+    data = set(low.replicate_dims + low.shard_dims)
+    seen = set()
+    for n in plan.nodes:
+        for r in n.get("redistribute", []):
+            cs = r["collectives"]
+            if r["input"] == "opt":
+                continue
+            if not isinstance(r["input"], int):       # e.g. "loss": the plan reduces the loss value itself
+                if cs:
+                    notes.append(f"{n['name']} {r['input']}: the plan reduces it ({r['src']} -> {r['dst']}); the engines "
+                                 f"leave each rank its local loss")
+                continue
+            if any(c[1] in data for c in cs):
+                src = n["inputs"][r["input"]]
+                shape = plan.nodes[src[0]]["shape"][src[1]]
+                if r["class"] == "act" and not shape:
+                    notes.append(f"{n['name']}: the plan all-reduces a scalar ({r['src']} -> {r['dst']}, e.g. the "
+                                 f"loss's token count) over the data dims; each engine rank averages its own equal "
+                                 f"batch instead")
+                continue
+            if t is None or n["phase"] != "fw" or not any(c[1] == t for c in cs):
+                continue
+            role = low.tp_roles.get((n["idx"], r["input"]))
+            key = (tuple(n["inputs"][r["input"]]), tuple(r["src"]), tuple(r["dst"]))
+            if key in seen:
+                notes.append(f"{n['name']}: the plan redistributes {plan.nodes[key[0][0]]['name']} again for this "
+                             f"consumer; the style does it once")
+                continue
+            seen.add(key)
+            for kind, d, nb, _ in cs:
+                if d != t:
+                    continue
+                out.append((kind, t, nb))
+                if kind == "all_gather" and role == "in_gather":
+                    out.append(("reduce_scatter", t, nb))
+                elif kind == "reduce_scatter":
+                    out.append(("all_gather", t, nb))
+    sp = [m for m, st in low.styles.items() if st.cls == "SequenceParallel"]
+    for f in pnode:                              # SequenceParallel params: partial gradients, all-reduced
+        if t is not None and any(f.startswith(m + ".") for m in sp):
+            out.append(("all_reduce", t, local(f, pnode[f]["dtype"][0])))
+    for (i, j), role in low.tp_roles.items():
+        if role == "chunk":                      # RowwiseParallel(input_layouts=Replicate()): backward gathers
+            p, o = plan.nodes[i]["inputs"][j]
+            out.append(("all_gather", t, _nb(plan.nodes[p]["shape"][o], plan.nodes[p]["dtype"][o])))
+    return out, notes
+
+
+def measured_list(counter) -> list:
+    return [(r.kind, r.mesh_dim, r.nbytes) for r in counter.records if r.group_size != 1]

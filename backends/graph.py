@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autopar.strategies._torch_adapter import to_placement
+from autopar.strategies._torch_adapter import make_dtensor, per_rank, to_placement
 
 from .comm import agree_on_plan, redistribute_local
 from .program import ExecutionError, Program, placement_strs
@@ -107,15 +107,11 @@ class ParallelModule(nn.Module):
             if id(p) in made:
                 _register(self, fqn, made[id(p)], param=True)
                 continue
-            pl = [to_placement(s) for s in prog.param_placement(fqn)]
-            with torch.no_grad():
-                dt = distribute_tensor(p.detach().to(prog.device), mesh, pl, src_data_rank=None)
-            made[id(p)] = nn.Parameter(dt, requires_grad=p.requires_grad)
+            made[id(p)] = nn.Parameter(_distribute(p, mesh, prog.param_placement(fqn), prog.device),
+                                       requires_grad=p.requires_grad)
             _register(self, fqn, made[id(p)], param=True)
         for fqn, b in model.named_buffers():
-            pl = [to_placement(s) for s in prog.buffer_placement(fqn)]
-            _register(self, fqn, distribute_tensor(b.detach().to(prog.device), mesh, pl, src_data_rank=None),
-                      param=False)
+            _register(self, fqn, _distribute(b, mesh, prog.buffer_placement(fqn), prog.device), param=False)
 
     def extra_repr(self) -> str:
         return f"autopar {self._orig_class} on mesh {tuple(self.program.mesh.shape)}, plan {self.plan.hash()}"
@@ -133,6 +129,20 @@ class ParallelModule(nn.Module):
         """Each rank's DTensor of a global batch at the plan's input placements (local slicing, no communication);
         pass the result to the module like the global tensors."""
         return tuple(self.program.prepare_inputs(inputs))
+
+
+def _distribute(t: torch.Tensor, mesh, placements, device) -> DTensor:
+    """This rank's shard of a full tensor that every rank holds (no communication), as a copy: training the
+    parallel module never writes into the original model. Under LocalTensorMode every simulated rank gets its own
+    copy (distribute_tensor would hand all of them the same replicated tensor)."""
+    pl = [to_placement(s) for s in placements]
+    with torch.no_grad():
+        dt = distribute_tensor(t.detach().to(device, copy=True), mesh, pl, src_data_rank=None)
+        local = dt.to_local()
+        own = per_rank(local)
+        if own is not local:
+            dt = make_dtensor(own, mesh, pl, dt.shape, dt.stride())
+    return dt
 
 
 def _register(root: nn.Module, fqn: str, t, param: bool):

@@ -20,7 +20,8 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.capture import SDPA, SDPA_BW
 from autopar.graph import map_refs
-from autopar.strategies._torch_adapter import to_placement, to_str, unmask_partial
+from autopar.strategies._torch_adapter import (collapse, make_dtensor, outside_local_tensor_mode, per_rank, to_placement,
+                                              to_str, unmask_partial)
 
 from .comm import executed_placements, redistribute_local
 
@@ -94,7 +95,7 @@ def attention_bw_math(gout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *
 
 
 class _Instr:
-    __slots__ = ("node", "mode", "fn", "conv", "expect", "expect_pl", "frees", "name")
+    __slots__ = ("node", "mode", "fn", "conv", "expect", "expect_pl", "frees", "name", "strides")
 
 
 class Program:
@@ -109,6 +110,9 @@ class Program:
         self.grad_fqns = [f for f in self.param_fqns if f in g.grads]
         self._check_inputs_match_graph()
         self.loss_pl = self.P[g.loss.node].out[g.loss.out]
+        self.rep = tuple(to_placement("R") for _ in range(mesh.ndim))
+        self.rstrs = ("R",) * mesh.ndim
+        self.constants = [(n.idx, g.constants[n.target]) for n in g.nodes if n.kind == "constant"]
         last = {}
         for n in g.nodes:
             for r in n.inputs():
@@ -131,6 +135,7 @@ class Program:
             it.expect_pl = [None if o is None else tuple(to_placement(s) for s in o) for o in outs]
             it.frees = frees.get(n.idx, [])
             it.fn = n.target
+            it.strides = {}
             all_r = all(p == "R" for pl in ins for p in pl) and all(p == "R" for pl in outs if pl for p in pl)
             if n.phase == "bw" and n.target is aten.ones_like.default and n.inputs() == [g.loss]:
                 it.mode = "seed"
@@ -200,37 +205,69 @@ class Program:
         return out
 
     # ---- running --------------------------------------------------------------------------------------------------
-    def redistribute(self, v: DTensor, src, dst) -> DTensor:
-        local = redistribute_local(v.to_local(), src, dst, self.mesh)
-        pl = [to_placement(s) for s in executed_placements(src, dst)]
-        return DTensor.from_local(local, self.mesh, pl, run_check=False, shape=v.shape, stride=v.stride())
+    # Values in `env`: a plain tensor is replicated on every mesh dim (its local value is the global value);
+    # anything sharded or partial is a DTensor.
+    def _dt(self, v, shape=None, stride=None) -> DTensor:
+        if isinstance(v, DTensor):
+            return v
+        return make_dtensor(v, self.mesh, self.rep, v.shape if shape is None else shape,
+                            v.stride() if stride is None else stride)
 
-    def _wrap(self, t, pl, meta):
-        return DTensor.from_local(t, self.mesh, pl, run_check=False, shape=meta.shape,
-                                  stride=_global_stride(t, meta.shape))
+    def _store(self, t):
+        """An op result for `env`: replicated DTensors are kept as their local tensor (under LocalTensorMode as one
+        plain tensor, checked equal on every simulated rank)."""
+        if isinstance(t, DTensor) and all(p == "R" for p in placement_strs(t)):
+            return collapse(t.to_local())
+        return t
 
-    def _replicate(self, t):
-        return DTensor.from_local(t, self.mesh, [to_placement("R")] * self.mesh.ndim, run_check=False)
+    def redistribute(self, v, src, dst):
+        local = v.to_local() if isinstance(v, DTensor) else v
+        local = redistribute_local(local, src, dst, self.mesh)
+        now = executed_placements(src, dst)
+        if all(p == "R" for p in now):
+            return collapse(local)
+        shape, stride = (v.shape, v.stride())
+        return make_dtensor(local, self.mesh, [to_placement(s) for s in now], shape, stride)
+
+    def _out_strides(self, it, vals):
+        """Global strides of a local-mode op's outputs: what the op gives on one device for the global input
+        layouts (its meta kernel), so later view/reshape ops see the layout the captured program had."""
+        key = tuple(tuple(v.stride()) for v in vals)
+        got = it.strides.get(key)
+        if got is None:
+            with outside_local_tensor_mode():
+                metas = iter([torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") for v in vals])
+                n = it.node
+                res = n.target(*map_refs(n.args, lambda r: next(metas)), **map_refs(n.kwargs, lambda r: next(metas)))
+            got = it.strides[key] = [tuple(t.stride()) if isinstance(t, torch.Tensor) else None for t in _flat(res)]
+        return got
+
+    def _wrap(self, t, pl, strs, meta):
+        if all(p == "R" for p in strs):
+            return t
+        return make_dtensor(t, self.mesh, pl, meta.shape, _global_stride(t, meta.shape))
 
     def forward(self, params: dict, inputs: list, buffers: dict, keep: bool):
         g = self.g
         env = {}
         for fqn, i in g.params.items():
-            env[(i, 0)] = params[fqn]
+            env[(i, 0)] = self._store(params[fqn])
         for fqn, i in g.buffers.items():
-            env[(i, 0)] = buffers[fqn]
+            env[(i, 0)] = self._store(buffers[fqn])
         for k, idx in enumerate(g.inputs):
-            env[(idx, 0)] = inputs[k]
-        for name, t in g.constants.items():
-            idx = next(n.idx for n in g.nodes if n.kind == "constant" and n.target == name)
-            env[(idx, 0)] = self._replicate(t.to(self.device))
+            env[(idx, 0)] = self._store(inputs[k])
+        for idx, t in self.constants:
+            env[(idx, 0)] = t.to(self.device)
         with torch.no_grad():
             self._run(self.fw, env)
             loss = env[(g.loss.node, g.loss.out)]
-            if not all(p == "R" for p in self.loss_pl):
-                raise ExecutionError(f"the plan leaves the loss at placement {list(self.loss_pl)}, not replicated: "
-                                     f"returning the global loss would need a collective the plan does not have")
-            out = loss.to_local().clone()
+            if (g.loss.node, "loss") in self.red:          # the plan's reduction of the loss to Replicate
+                src, dst, _ = self.red[(g.loss.node, "loss")]
+                loss = self.redistribute(loss, src, dst)
+            if isinstance(loss, DTensor):
+                raise ExecutionError(f"the plan leaves the loss at placement {list(self.loss_pl)} and plans no "
+                                     f"reduction to Replicate; the global loss cannot be returned")
+            out = loss.clone()
         return out, (env if keep else None)
 
     def backward(self, env: dict, grad_loss: torch.Tensor) -> dict:
@@ -249,6 +286,7 @@ class Program:
                     src, dst, _ = self.red[(p, "opt")]
                     v = self.redistribute(v, src, dst)
                 want = self.P[p].out[0]
+                v = self._dt(per_rank(v) if not isinstance(v, DTensor) else v)
                 if placement_strs(v) != want:
                     raise ExecutionError(f"gradient of '{fqn}' is at {placement_strs(v)}, its parameter at {want}")
                 grads[fqn] = v
@@ -266,45 +304,65 @@ class Program:
                     v = self.redistribute(v, c[0], c[1])
                 vals.append(v)
             mode = it.mode
-            if mode == "seed":
-                g = env["seed"].to(self.device)
-                outs = [DTensor.from_local(g.reshape(n.out.shape), self.mesh, it.expect_pl[0], run_check=False)]
-                if not all(p == "R" for p in it.expect[0]):
-                    raise ExecutionError(f"{it.name}: the loss gradient is planned at {it.expect[0]}, not replicated")
-            elif mode == "factory":
-                res = it.fn(*_to_device(n.args, self.device), **_to_device(n.kwargs, self.device))
-                outs = [self._wrap(t, pl, m) if t is not None else None
-                        for t, pl, m in zip(tree_flatten(res)[0], it.expect_pl, n.outs)]
-            elif mode == "local":
-                local = iter([v.to_local() for v in vals])
-                args = map_refs(n.args, lambda r: next(local))
-                kwargs = map_refs(n.kwargs, lambda r: next(local))
+            if mode == "local":
+                local = [v.to_local() if isinstance(v, DTensor) else v for v in vals]
+                if it.fn is not n.target or n.target in (SDPA, SDPA_BW):   # fused kernels want unit inner stride
+                    local = [t if t.stride(-1) == 1 else t.contiguous() for t in local]
+                li = iter(local)
+                args = map_refs(n.args, lambda r: next(li))
+                kwargs = map_refs(n.kwargs, lambda r: next(li))
                 res = it.fn(*args, **kwargs)
-                outs = [self._wrap(t, pl, m) if isinstance(t, torch.Tensor) else None
-                        for t, pl, m in zip(tree_flatten(res)[0], it.expect_pl, n.outs)]
-            else:
-                vi = iter(vals)
+                strides = self._out_strides(it, vals) if any(s and s != self.rstrs for s in it.expect) else None
+                outs = [None if not isinstance(t, torch.Tensor) else t if s == self.rstrs else
+                        make_dtensor(t, self.mesh, pl, m.shape, strides[k])
+                        for k, (t, pl, s, m) in enumerate(zip(_flat(res), it.expect_pl, it.expect, n.outs))]
+            elif mode == "dtensor":
+                vi = iter([self._dt(v) for v in vals])
                 args = map_refs(n.args, lambda r: next(vi))
                 kwargs = map_refs(n.kwargs, lambda r: next(vi))
                 try:
                     res = it.fn(*args, **kwargs)
                 except Exception as e:
                     raise ExecutionError(f"{it.name} failed on DTensors with input placements "
-                                         f"{[placement_strs(v) for v in vals]}: {type(e).__name__}: {e}") from e
+                                         f"{[_strs(v) for v in vals]}: {type(e).__name__}: {e}") from e
                 outs = []
-                for k, t in enumerate(tree_flatten(res)[0]):
+                for k, t in enumerate(_flat(res)):
                     if isinstance(t, DTensor):
                         t = unmask_partial(t)
                         have = placement_strs(t)
                         if it.expect[k] is None or not _same(have, it.expect[k]):
                             raise ExecutionError(
                                 f"{it.name}: output {k} came out of DTensor at {list(have)} but the plan has "
-                                f"{it.expect[k]} (inputs at {[list(placement_strs(v)) for v in vals]})")
+                                f"{it.expect[k]} (inputs at {[list(_strs(v)) for v in vals]})")
+                        t = self._store(t)
                     elif isinstance(t, torch.Tensor):
                         raise ExecutionError(f"{it.name}: output {k} is not a DTensor")
                     outs.append(t)
+            elif mode == "factory":
+                res = it.fn(*_to_device(n.args, self.device), **_to_device(n.kwargs, self.device))
+                outs = [self._wrap(t, pl, s, m) if t is not None else None
+                        for t, pl, s, m in zip(_flat(res), it.expect_pl, it.expect, n.outs)]
+            else:   # seed: the gradient flowing into the loss, replicated, taken to the planned placement locally
+                seed = env["seed"].to(self.device).reshape(n.out.shape)
+                rep = ("R",) * self.mesh.ndim
+                if any(p[0] == "S" for p in it.expect[0]):
+                    raise ExecutionError(f"{it.name}: the loss gradient is planned at {it.expect[0]}")
+                outs = [self._wrap(redistribute_local(seed, rep, it.expect[0], self.mesh), it.expect_pl[0],
+                                   it.expect[0], n.out)]
             for k, t in enumerate(outs):
                 if t is not None:
                     env[(n.idx, k)] = t
             for key in it.frees:
                 env.pop(key, None)
+
+
+def _flat(res) -> list:
+    if isinstance(res, torch.Tensor):
+        return [res]
+    if isinstance(res, (list, tuple)) and all(isinstance(t, torch.Tensor) or t is None for t in res):
+        return list(res)
+    return tree_flatten(res)[0]
+
+
+def _strs(v) -> tuple[str, ...]:
+    return placement_strs(v) if isinstance(v, DTensor) else ("R",)

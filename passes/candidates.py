@@ -16,6 +16,7 @@ def run(state) -> None:
     sources: list[str] = [""] * len(g.nodes)
     out_cands: dict[tuple[int, int], list] = {}
     forced = state.options.get("force", {})
+    pin = state.options.get("pin")
     for n in g.nodes:
         if n.kind == "op":
             in_cands = [out_cands[(r.node, r.out)] for r in n.inputs()]
@@ -33,6 +34,17 @@ def run(state) -> None:
         strategies[n.idx], sources[n.idx] = strats, src
         for i in range(len(n.outs)):
             out_cands[(n.idx, i)] = list(dict.fromkeys(s.out[i] for s in strats if s.out[i] is not None))
+    if pin is not None:     # {mesh dim: placement} a node's tensor outputs must take; applied after enumeration,
+        for n in g.nodes:   # so consumers still see every producer candidate (the solver redistributes between)
+            want = pin(n)
+            if want:
+                kept = [s for s in strategies[n.idx] if all(o is None or o[d] == p for o in s.out
+                                                            for d, p in want.items())]
+                if not kept:
+                    raise ValueError(f"pinned placement {want} is not a candidate of {n.name} in module "
+                                     f"'{n.module or '<root>'}' (candidates: "
+                                     f"{sorted({s.out for s in strategies[n.idx]})[:6]})")
+                strategies[n.idx] = kept
     state.strategies, state.sources = strategies, sources
     fallback = {}
     for n in g.ops():

@@ -199,6 +199,10 @@ def run(state) -> None:
         else:
             key = (g1, g2)
             matrices[key] = matrices[key] + C if key in matrices else C
+    lr, li = g.loss, rep[g.loss.node]                 # the step returns the loss replicated (global view)
+    rep_pl = ("R",) * len(mesh_shape)
+    comm_lin[gid[root[li]]] += np.array([rtime(S[li][x].out[lr.out], rep_pl, nodes[li].outs[lr.out])
+                                         for x in choice[li]])
     state.groups, state.group_of = groups, {i: gid[root[rep[i]]] for i in range(len(nodes))}
     state.choice, state.follow = choice, follow
     state.cost = {"compute": compute, "comm": comm_lin, "state_mem": state_mem, "act_mem": act_mem,

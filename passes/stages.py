@@ -24,15 +24,12 @@ keeps the best by simulated step time (torch's action order, list-scheduled).
 """
 from __future__ import annotations
 
-import itertools
-import math
 import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from torch import nn
 
 from autopar import pipeline_model as pm
@@ -57,6 +54,25 @@ class Costs:
     xbytes: np.ndarray      # bytes per rank crossing boundary b (between cluster b and b+1)
     legal: np.ndarray       # bool per boundary
     ntensors: np.ndarray    # tensors crossing each boundary
+    base: int = 0           # index of the intra-op plan (StageOps.plans) these costs come from
+    recompute: bool = False  # blocks checkpointed (recomputed in the backward)
+    transient: float = 0.0  # extra bytes live while one checkpointed block is recomputed
+
+
+def with_recompute(cv: Costs) -> Costs:
+    """The same intra-op plan with every block of the stage checkpointed (full recompute, Megatron-style): a block
+    keeps only its input per micro-batch in flight; its forward runs again before its backward (B += F); while it
+    does, one block's activations are live (the transient)."""
+    n = len(cv.F)
+    blk = np.arange(1, n - 1)
+    act, B = cv.act.copy(), cv.B.copy()
+    act[blk] = cv.xbytes[blk - 1]
+    B[blk] += cv.F[blk]
+    out = Costs(cv.name + " +recompute", cv.F, B, cv.W, cv.dp, cv.state, act, cv.xbytes, cv.legal, cv.ntensors,
+                cv.base, True, float(cv.act[blk].max()) if len(blk) else 0.0)
+    for k in ("coll", "ops", "param_pos"):
+        setattr(out, k, getattr(cv, k))
+    return out
 
 
 def find_layers(model: nn.Module) -> str:
@@ -224,124 +240,6 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
     return c
 
 
-# ---- the dynamic program -------------------------------------------------------------------------------------
-@dataclass
-class Partition:
-    bounds: list            # S + 1 cluster indices, 0 = b_0 < ... < b_S = n
-    variants: list          # intra-op variant per stage
-    proxy_s: float
-
-
-def stage_terms(costs: list[Costs], xfer: np.ndarray, spec, p: int, v: int, m: int):
-    """Per variant, (n+1)x(n+1) matrices over stage ranges [j, i): c (seconds per micro-batch incl. transfers and
-    dp comm / m when that dominates), f (additive term of the closed form), state and act bytes."""
-    out = []
-    n = len(costs[0].F)
-    j = np.arange(n + 1)[:, None]
-    i = np.arange(n + 1)[None, :]
-    ok = i > j
-    for vi, cv in enumerate(costs):
-        pre = lambda a: np.concatenate([[0.0], np.cumsum(a)])
-        PF, PB, PW, Pd, Ps, Pa = (pre(a) for a in (cv.F, cv.B, cv.W, cv.dp, cv.state, cv.act))
-        x = np.pad(np.asarray(xfer[vi], dtype=float), (1, 1))       # x[b]: transfer over boundary b (0, n: none)
-        comp = (PF[i] - PF[j]) + (PB[i] - PB[j]) + (PW[i] - PW[j]) + x[j] + x[i]
-        c = np.maximum(comp, (Pd[i] - Pd[j]) / m)
-        W = PW[i] - PW[j]
-        b = np.maximum(0.0, c - 3.0 * W) if spec.split_backward else c
-        f = (c + (p - 1) * b) / (p * v)
-        out.append((np.where(ok, c, INF), np.where(ok, f, INF), Ps[i] - Ps[j], Pa[i] - Pa[j]))
-    return out
-
-
-def partition(costs: list[Costs], xfer: np.ndarray, spec, p: int, v: int, m: int, inflight: list[int],
-              budget: float) -> Partition | None:
-    """Exact minimum of the closed form over contiguous partitions into S = p*v stages and a variant per stage,
-    with state + inflight[k] * act <= budget / v on every stage k. None if nothing fits."""
-    n, S = len(costs[0].F), p * v
-    if S > n:
-        return None
-    legal = np.ones(n + 1, dtype=bool)
-    legal[1:n] = np.all([cv.legal for cv in costs], axis=0)
-    cut_ok = legal[:, None] & legal[None, :]
-    terms = stage_terms(costs, xfer, spec, p, v, m)
-    cap = budget / v
-    C = np.stack([t[0] for t in terms])                        # V x (n+1) x (n+1)
-    Fm = np.stack([t[1] for t in terms])
-    memok = np.stack([[t[2] + inflight[k] * t[3] <= cap for t in terms] for k in range(S)])   # S x V x ..
-    base = np.where(cut_ok[None], Fm, INF)
-    coef = pm.proxy_coef(m, v)
-
-    def solve(t):
-        D = np.full(n + 1, INF)
-        D[0] = 0.0
-        arg = []
-        for k in range(S):
-            cost = np.where(memok[k] & (C <= t), base, INF)        # V x (n+1) x (n+1)
-            vbest = cost.argmin(axis=0)
-            cmin = np.take_along_axis(cost, vbest[None], 0)[0]
-            tot = D[:, None] + cmin
-            jb = tot.argmin(axis=0)
-            D = tot[jb, np.arange(n + 1)]
-            arg.append((jb, vbest))
-        return D[n], arg
-
-    vals = np.unique(C[np.isfinite(C) & np.broadcast_to(cut_ok, C.shape)])
-    lo_sum, _ = solve(INF)
-    if not np.isfinite(lo_sum):
-        return None
-    lo, hi = 0, len(vals) - 1                                  # smallest feasible bottleneck
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if np.isfinite(solve(vals[mid])[0]):
-            hi = mid
-        else:
-            lo = mid + 1
-    best, best_arg, best_t = INF, None, None
-    for t in vals[lo:]:
-        if coef * t + lo_sum >= best:
-            break
-        s, arg = solve(t)
-        if coef * t + s < best:
-            best, best_arg, best_t = coef * t + s, arg, t
-    bounds, variants, i = [n], [], n
-    for k in range(S - 1, -1, -1):
-        jb, vb = best_arg[k]
-        j = int(jb[i])
-        variants.append(int(vb[j, i]))
-        bounds.append(j)
-        i = j
-    bounds.reverse()
-    variants.reverse()
-    # the proxy with the true max of the chosen partition (<= best_t)
-    cs = [C[variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
-    fs = [Fm[variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
-    return Partition(bounds, variants, coef * max(cs) + sum(fs))
-
-
-def brute_force(costs: list[Costs], xfer, spec, p, v, m, inflight, budget) -> Partition | None:
-    """Every legal cut set and variant assignment (small models only): the reference `partition` must match."""
-    n, S = len(costs[0].F), p * v
-    terms = stage_terms(costs, xfer, spec, p, v, m)
-    legal = [b for b in range(1, n) if all(cv.legal[b - 1] for cv in costs)]
-    best = None
-    for cuts in itertools.combinations(legal, S - 1):
-        bounds = [0, *cuts, n]
-        for vs in itertools.product(range(len(costs)), repeat=S):
-            cs, fs, ok = [], [], True
-            for k in range(S):
-                c, f, st, ac = (x[bounds[k], bounds[k + 1]] for x in terms[vs[k]])
-                if st + inflight[k] * ac > budget / v:
-                    ok = False
-                    break
-                cs.append(c)
-                fs.append(f)
-            if ok:
-                val = pm.proxy_coef(m, v) * max(cs) + sum(fs)
-                if best is None or val < best.proxy_s - 1e-15:
-                    best = Partition(bounds, list(vs), val)
-    return best
-
-
 # ---- intra-op plans of one stage ------------------------------------------------------------------------------
 class StageOps:
     """The intra-op plans of the representative sub-model on one stage submesh at one micro-batch shape: the
@@ -371,19 +269,31 @@ class StageOps:
                                 "time_limit": ctx["time_limit"], "mixed_precision": None,
                                 "allow_checkpointing": False})
         self._k = PASSES.index("solve")
-        run_passes(self.state, PASSES[:self._k])
+        kc = PASSES.index("candidates") + 1
+        run_passes(self.state, PASSES[:kc])
+        if ctx["dp_shards_batch"]:
+            shard_batch_on_dp(self.state, mb_inputs)
+        run_passes(self.state, PASSES[kc:self._k])
         c = self.state.cost
         self._rows = [c["state_mem"][i] + c["act_mem"][i] for i in range(len(c["compute"]))]
         self._floor = min_memory(self._rows)
         self.prefix, self.reps, self.pos_of, self.ctx = prefix, reps, pos_of, ctx
         self.variants, self.plans, self.budgets, self._seen = [], [], [], set()
-        self._budget, self._left = 1e30, ctx["n_variants"]
+        self._budget, self._left = 1e30, max(1, ctx["n_variants"])
         self.seconds = 0.0
         self.more()
         self.seconds = time.perf_counter() - t0
 
+    def costs(self) -> list:
+        """What the stage DP chooses from: each intra-op plan as is, and with its blocks recomputed."""
+        if self.ctx.get("recompute", True):
+            return self.variants + [with_recompute(cv) for cv in self.variants]
+        return list(self.variants)
+
     def more(self) -> bool:
-        """Solve under the next tighter budget; True if that gave a new plan."""
+        """Add the next intra-op plan; True if it differs from those so far. Order: time-optimal; parameters
+        sharded over the dp dims (FSDP/ZeRO-3: the per-op plan re-solved with unsharded parameter placements
+        priced out, an LP); then (n_variants > 2) plans under memory budgets halfway to, and at, the most-sharded."""
         from autopar.pipeline import PASSES, run_passes
         from autopar.predict import build_plan
         from autopar.solver import InfeasibleMemoryError
@@ -391,32 +301,82 @@ class StageOps:
         st = self.state
         while self._left > 0 and self._budget is not None:
             self._left -= 1
-            budget = st.budget = self._budget
+            step = self.ctx["n_variants"] - self._left - 1
+            budget = st.budget = self._budget if step != 1 else 1e30
             st.placement = st.redistributes = st.solution = None     # re-solve from the same costs
             if budget < 1e29:      # tight budgets make branch-and-bound work; cap it
                 st.options["time_limit"] = min(self.ctx["time_limit"], self.ctx.get("lean_time_limit", 10.0))
+            pen = self._fsdp_penalty() if step == 1 else None
             try:
+                if pen is not None:
+                    for g, v in pen.items():
+                        st.cost["compute"][g] += v
                 run_passes(st, PASSES[self._k:])
             except InfeasibleMemoryError:
                 self._budget = None
                 break
+            finally:
+                if pen is not None:
+                    for g, v in pen.items():
+                        st.cost["compute"][g] -= v
             mem = sum(self._rows[i][st.solution.choice[i]] for i in range(len(self._rows)))
-            self._budget = None if mem <= self._floor * 1.0001 else \
-                self._floor * 1.0001 if self._left == 1 else (mem + self._floor) / 2
+            if step >= 1:
+                self._budget = None if mem <= self._floor * 1.0001 else \
+                    self._floor * 1.0001 if self._left == 1 else (mem + self._floor) / 2
             key = tuple(st.solution.choice)
             if key in self._seen:
                 continue
             self._seen.add(key)
             plan = build_plan(st)
             met = cluster_metrics(st, plan, self.prefix, len(self.reps))
-            label = "time-optimal" if budget >= 1e29 else f"mem<={budget / 1e9:.4g}GB"
-            self.variants.append(expand(met, self.pos_of, len(self.reps), f"v{len(self.variants)} {label}"))
+            label = "time-optimal" if step == 0 else "params sharded on dp" if step == 1 else \
+                f"mem<={budget / 1e9:.4g}GB"
+            cv = expand(met, self.pos_of, len(self.reps), f"v{len(self.variants)} {label}")
+            cv.base = len(self.plans)
+            self.variants.append(cv)
             self.plans.append(plan)
             self.budgets.append(budget)
             self.seconds += time.perf_counter() - t0
             return True
         self.seconds += time.perf_counter() - t0
         return False
+
+    def _fsdp_penalty(self) -> dict:
+        """Per decision group, +1 s on strategies that leave a parameter unsharded on some dp dim (when a sharded
+        one exists): the next solve then shards every parameter over dp, FSDP-style."""
+        st = self.state
+        dims = [d for d, nm in enumerate(st.mesh.names) if nm.startswith("dp") and st.mesh.shape[d] > 1]
+        pen = {}
+        if not dims:
+            return pen
+        for i in st.graph.params.values():
+            r = st.rep[i]
+            ch = st.choice.get(r) if isinstance(st.choice, dict) else None
+            if ch is None:
+                continue
+            ok = np.array([all(st.strategies[r][j].out[0][d][0] == "S" for d in dims) for j in ch])
+            if ok.any() and not ok.all():
+                g = st.group_of[r]
+                pen[g] = pen.get(g, 0.0) + np.where(ok, 0.0, 1.0)
+        return pen
+
+
+def shard_batch_on_dp(state, mb_inputs) -> None:
+    """3-D plans: mesh dims named dp* are data parallel, so every batched input is split on dim 0 over them (the
+    per-op plan still chooses FSDP or replicated parameters, and everything on the other dims)."""
+    dims = [d for d, nm in enumerate(state.mesh.names) if nm.startswith("dp") and state.mesh.shape[d] > 1]
+    if not dims:
+        return
+    g = state.graph
+    for pos, i in enumerate(g.inputs):
+        n = g.nodes[i]
+        if not n.out.shape or n.out.shape[0] != mb_inputs[0].shape[0]:
+            continue
+        keep = [s for s in state.strategies[i] if all(s.out[0][d] == "S0" for d in dims)]
+        if not keep:
+            raise ValueError(f"input {pos} of shape {n.out.shape} cannot be split on dim 0 over mesh dims "
+                             f"{[state.mesh.names[d] for d in dims]} {state.mesh.shape}: batch not divisible")
+        state.strategies[i] = keep
 
 
 def p2p_link(cluster, stage_size: int, a: int, b: int):
@@ -429,7 +389,7 @@ def p2p_link(cluster, stage_size: int, a: int, b: int):
 
 
 # ---- evaluation of one partition ------------------------------------------------------------------------------
-def evaluate(costs, bounds, variants, spec, p, v, m, order, cluster, stage_size, budget) -> dict:
+def evaluate(costs, bounds, variants, spec, p, v, m, order, cluster, stage_size, budget, detail=False) -> dict:
     S = p * v
     rank_of = pm.stage_ranks(spec, p, v)
     F, B, W, dp, st, act, x = [], [], [], [], [], [], []
@@ -447,12 +407,16 @@ def evaluate(costs, bounds, variants, spec, p, v, m, order, cluster, stage_size,
                       collective_time("send_recv", float(cv.xbytes[b - 1]), 2, link)
                       if rank_of[k] != rank_of[k + 1] else 0.0))
     sim = pm.simulate(order, rank_of, F, B, W, [t for *_, t in x])
+    no_p2p = pm.simulate(order, rank_of, F, B, W, [0.0] * len(x)).step_s if detail else sim.step_s
     exposed = [max(0.0, dp[k] - m * (F[k] + B[k] + W[k])) for k in range(S)]
     act_peak = pm.rank_act_peak(order, act, spec.split_backward)
     rank_state = [sum(st[k] for k in range(S) if rank_of[k] == r) for r in range(p)]
-    mem = [rank_state[r] + act_peak[r] for r in range(p)]
+    trans = [max((costs[variants[k]].transient for k in range(S) if rank_of[k] == r), default=0.0)
+             for r in range(p)]
+    mem = [rank_state[r] + act_peak[r] + trans[r] for r in range(p)]
     fl = pm.inflight(order, S, spec.split_backward)
     return {"step_s": sim.step_s + max(exposed), "pipeline_s": sim.step_s, "exposed_dp_s": max(exposed),
+            "exposed_p2p_s": sim.step_s - no_p2p,
             "bubble": sim.bubble_fraction, "sim": sim, "F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act,
             "xfer": x, "inflight": fl, "rank_of": rank_of, "rank_mem": mem, "fits": max(mem) <= budget,
             "peak_mem": max(mem)}
@@ -477,137 +441,3 @@ def layout_bounds(sizes: list[int]) -> list:
         b.append(b[-1] + s + (1 if k == 0 else 0))
     b[-1] += 1
     return b
-
-
-# ---- the search ------------------------------------------------------------------------------------------------
-def _divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _dp_size(mesh: MeshSpec) -> int:
-    return math.prod(s for s, nm in zip(mesh.shape, mesh.names) if nm.startswith("dp"))
-
-
-def candidate_meshes(mesh: MeshSpec, n_clusters: int, cluster, opts) -> list:
-    """(pp, stage submesh) pairs: the mesh's own pp dim, or every factorization of a flat rank set into
-    pp x dp x tp with tp inside one node."""
-    if "pp" in mesh.names:
-        k = mesh.names.index("pp")
-        rest = [(s, nm) for j, (s, nm) in enumerate(zip(mesh.shape, mesh.names)) if j != k]
-        sub = MeshSpec(tuple(s for s, _ in rest), tuple(nm for _, nm in rest)) if rest else MeshSpec((1,), ("dp",))
-        return [(mesh.shape[k], sub)]
-    world = mesh.size
-    out = []
-    for p in opts.get("pp") or _divisors(world):
-        if world % p or p > n_clusters:
-            continue
-        for tp in opts.get("tp") or _divisors(world // p):
-            if (world // p) % tp or tp > cluster.gpus_per_node:
-                continue
-            dp = world // p // tp
-            shape, names = [(dp, "dp"), (tp, "tp")], None
-            shape = [x for x in shape if x[0] > 1] or [(1, "dp")]
-            out.append((p, MeshSpec(tuple(s for s, _ in shape), tuple(nm for _, nm in shape))))
-    return out
-
-
-def microbatch_counts(B: int, p: int, dp: int, opts) -> list:
-    if opts.get("n_microbatches"):
-        ms = [m for m in opts["n_microbatches"] if B % m == 0 and (B // m) % dp == 0]
-    else:
-        ms = [m for m in _divisors(B) if (B // m) % dp == 0 and (m >= p if p > 1 else m == 1)]
-        ms = sorted(ms, key=lambda m: B // m)[:opts.get("max_microbatch_options", 3)]
-    return sorted(ms)
-
-
-def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, loss_fn=None, force=None,
-                  replicate_ops=(), allow_replicate=False, time_limit=60.0, pipeline="auto"):
-    """Choose pp degree, stage submesh, micro-batch count, schedule, stages per rank, stage boundaries and each
-    stage's per-op plan; returns a Plan with `stages` and `schedule` filled (see module docstring).
-
-    pipeline: "auto"/True, or a dict narrowing the search: pp, tp (lists), n_microbatches, schedules,
-    stages_per_rank (lists), layers_per_stage (a hand layout: blocks per stage, no DP), max_microbatch_options,
-    n_variants (intra-op memory variants per stage plan, default 3), top (candidates kept in the report)."""
-    from autopar.solver import InfeasibleMemoryError
-    t_start = time.perf_counter()
-    opts = dict(pipeline) if isinstance(pipeline, dict) else {}
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-    if not tensors or tensors[0].dim() == 0:
-        raise ValueError("pipeline planning needs a batched first input (the batch dim 0 is split into micro-batches)")
-    Bsz = tensors[0].shape[0]
-    prefix = find_layers(model)
-    blocks = list(model.get_submodule(prefix).values()) if isinstance(model.get_submodule(prefix), nn.ModuleDict) \
-        else list(model.get_submodule(prefix))
-    sigs = [layer_signature(b) for b in blocks]
-    reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
-    pos_of = [reps.index(sigs.index(s)) for s in sigs]
-    n = len(blocks) + 2
-    tied = {a for a, _ in model.named_parameters(remove_duplicate=False)} - {a for a, _ in model.named_parameters()}
-    ctx = {"cluster": cluster, "precision": precision, "loss_fn": loss_fn, "force": dict(force or {}),
-           "replicate_ops": [str(o) for o in replicate_ops], "allow_replicate": allow_replicate,
-           "time_limit": time_limit, "n_variants": int(opts.get("n_variants", 3))}
-    names = [k for k in opts.get("schedules") or pm.SCHEDULES]
-    specs = [pm.get_schedule(k) for k in names]
-    cache: dict = {}
-    results = []
-    for p, smesh in candidate_meshes(mesh, n, cluster, opts):
-        if tied and p > 1:
-            raise ValueError(f"tied parameters {sorted(tied)} cannot be split across pipeline stages")
-        dp = _dp_size(smesh)
-        for m in microbatch_counts(Bsz, p, dp, opts):
-            mb = Bsz // m
-            key = (smesh.shape, smesh.names, mb)
-            if key not in cache:
-                mbi = tuple(torch.empty((mb,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
-                            if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == Bsz else x for x in inputs)
-                cache[key] = StageOps(model, prefix, reps, pos_of, mbi, smesh, ctx)
-            ops = cache[key]
-            if not ops.variants:
-                continue
-            link = cluster.link_for((p,) + smesh.shape, 0) if p > 1 else cluster.intra
-            for spec in specs:
-                if p == 1 and spec.name != "GPipe":
-                    continue
-                for v in (opts.get("stages_per_rank") or spec.stages_per_rank) if p > 1 else (1,):
-                    if (v > 1) != spec.multi or p * v > n:
-                        continue
-                    try:
-                        order = pm.actions(spec, p, m, v)
-                    except ValueError:
-                        continue
-                    fl = pm.inflight(order, p * v, spec.split_backward)
-                    if opts.get("layers_per_stage"):
-                        if len(opts["layers_per_stage"]) != p * v:
-                            raise ValueError(f"layers_per_stage has {len(opts['layers_per_stage'])} entries for "
-                                             f"{p * v} stages")
-                        part = Partition(layout_bounds(opts["layers_per_stage"]), [0] * (p * v), float("nan"))
-                    else:
-                        while True:
-                            xfer = np.array([[collective_time("send_recv", float(b), 2, link) for b in cv.xbytes]
-                                             for cv in ops.variants])
-                            part = partition(ops.variants, xfer, spec, p, v, m, fl, budget)
-                            if part is not None or not ops.more():
-                                break
-                    if part is None:
-                        results.append({"p": p, "mesh": smesh, "m": m, "spec": spec, "v": v, "fits": False,
-                                        "step_s": INF, "peak_mem": INF, "key": key})
-                        continue
-                    ev = evaluate(ops.variants, part.bounds, part.variants, spec, p, v, m, order, cluster,
-                                  smesh.size, budget)
-                    base = evaluate(ops.variants, even_bounds(len(blocks), p * v), [0] * (p * v), spec, p, v, m,
-                                    order, cluster, smesh.size, budget) if p * v <= len(blocks) else None
-                    results.append({**ev, "p": p, "mesh": smesh, "m": m, "spec": spec, "v": v, "part": part,
-                                    "key": key, "even": base})
-    t_intra = sum(o.seconds for o in cache.values())
-    fitting = [r for r in results if r["fits"]]
-    if not fitting:
-        low = min((r["peak_mem"] for r in results), default=INF)
-        raise InfeasibleMemoryError(f"no pipeline plan fits {budget / 1e9:.3f} GB per rank on {mesh}: smallest "
-                                    f"peak found {low / 1e9:.3f} GB over {len(results)} candidates")
-    fitting.sort(key=lambda r: (r["step_s"], r["p"] * r["v"], r["m"]))
-    best = fitting[0]
-    from autopar.pipeline_plan import build_pipeline_plan
-    return build_pipeline_plan(best, fitting[:int(opts.get("top", 12))], len(results), cache[best["key"]], model,
-                               prefix, reps, pos_of, mesh, inputs, cluster, budget,
-                               {"intra_op_s": t_intra, "total_s": time.perf_counter() - t_start})

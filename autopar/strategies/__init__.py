@@ -82,7 +82,7 @@ def divides(meta: TensorMeta, pl: Placements, mesh_shape) -> bool:
             if d >= len(meta.shape):
                 return False
             split[d] *= n
-        elif p[0] == "P" and not meta.dtype.is_floating_point:
+        elif p[0] == "P" and p != "Pm" and not meta.dtype.is_floating_point:   # Pm: masked indices of a vocab-sharded table
             return False
     return all(s % k == 0 for s, k in zip(meta.shape, split))
 

@@ -198,10 +198,21 @@ def pipeline_actions(schedule: str, pp: int, n_microbatches: int, stages_per_ran
     (stage, kind, microbatch) with kind F (forward), B (full backward), I (input backward), W (weight backward).
     OVERLAP_F_B actions (DualPipeV) are expanded into their sub-actions. Raises ValueError when torch rejects the
     (schedule, pp, n_microbatches, stages_per_rank) combination."""
-    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
-    try:
-        ops = get_schedule_ops(schedule, pp, n_microbatches, num_stages_per_rank=stages_per_rank)
-    except (AssertionError, RuntimeError, IndexError, KeyError) as e:
+    from unittest import mock
+    from torch.distributed.pipelining.schedules import (PipelineScheduleSingle, _PipelineScheduleRuntime,
+                                                        get_schedule_class)
+    cls = get_schedule_class(schedule)
+    if issubclass(cls, PipelineScheduleSingle) and stages_per_rank != 1:
+        raise ValueError(f"{schedule} runs one stage per rank, not {stages_per_rank}")
+    stage = _fake_stage()       # what torch's _schedule_visualizer.get_schedule_ops does, with one cached mock
+    stage.group_rank, stage.group_size, stage.submod = 0, pp, None
+    stage.num_stages = stages_per_rank * pp
+    try:        # only the compute order is read: skip lowering it to send/recv/unshard actions (most of the time)
+        with mock.patch.object(_PipelineScheduleRuntime, "_prepare_schedule_with_comms", lambda *a, **k: None):
+            sched = cls(stage if issubclass(cls, PipelineScheduleSingle) else [stage] * stages_per_rank,
+                        n_microbatches)
+        ops = [sched.pipeline_order[r] for r in range(pp)]
+    except (AssertionError, RuntimeError, IndexError, KeyError, ValueError) as e:
         raise ValueError(f"torch rejects schedule {schedule} with pp={pp}, {n_microbatches} micro-batches, "
                          f"{stages_per_rank} stages per rank: {e}") from e
 
@@ -213,6 +224,13 @@ def pipeline_actions(schedule: str, pp: int, n_microbatches: int, stages_per_ran
         kind = a.computation_type.value
         return [(a.stage_index, kind, a.microbatch_index)] if kind in ("F", "B", "I", "W") else []
     return tuple(tuple(x for a in rank for x in flat(a)) for rank in ops)
+
+
+@functools.lru_cache(maxsize=1)
+def _fake_stage():
+    from unittest import mock
+    from torch.distributed.pipelining.stage import PipelineStage
+    return mock.create_autospec(PipelineStage, instance=True)
 
 
 def pipeline_stage_to_rank(pp: int, num_stages: int, style: str) -> tuple[int, ...]:
@@ -237,3 +255,47 @@ def unmask_partial(dt: DTensor) -> DTensor:
     return DTensor.from_local(local, dt.device_mesh, [Partial() if type(p).__name__ == "_MaskPartial" else p
                                                       for p in pls], run_check=False, shape=dt.shape,
                               stride=dt.stride())
+
+
+# ---- lowering to torch's engines (backends/engines.py) --------------------------------------------------------------
+def flatten_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """A 1-D DeviceMesh over several dims of `mesh` (its ranks row-major), for FSDP2 sharding over more than one
+    data-parallel dim. `DeviceMesh._flatten` is the method torchtitan uses for the same purpose (dp x cp)."""
+    if len(names) == 1:
+        return mesh[names[0]]
+    return mesh[tuple(names)]._flatten("_".join(names))
+
+
+def make_dtensor(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
+    """A DTensor around `local` without autograd bookkeeping (DTensor.from_local goes through an autograd
+    Function and a view, which costs ~2 ms per call under LocalTensorMode); for values computed under no_grad."""
+    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=DTMeta(torch.Size(shape), tuple(stride), local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
+def per_rank(x: torch.Tensor) -> torch.Tensor:
+    """Under LocalTensorMode (all ranks simulated in one process) a plain tensor is the same on every rank; make it
+    a LocalTensor so rank-dependent local ops (chunk at this rank's coordinate) can apply. Otherwise x itself."""
+    from torch.distributed import _local_tensor as lt
+    mode = lt.enabled_local_tensor_mode()
+    if mode is None or isinstance(x, lt.LocalTensor):
+        return x
+    return mode.rank_map(lambda r: x.clone())   # one copy per rank: in-place updates must not alias
+
+
+def collapse(x: torch.Tensor) -> torch.Tensor:
+    """Under LocalTensorMode: a LocalTensor whose ranks all hold the same value (a replicated value) -> one plain
+    tensor, so ops on it run once instead of once per simulated rank; raises if the ranks disagree. Otherwise x."""
+    from torch.distributed import _local_tensor as lt
+    if not isinstance(x, lt.LocalTensor):
+        return x
+    try:
+        return x.reconcile()
+    except AssertionError as e:
+        raise AssertionError("a value planned as Replicate differs between the simulated ranks") from e
+
+
+def outside_local_tensor_mode():
+    """A context that suspends LocalTensorMode (if active): single-device reference computations in tests."""
+    from torch.distributed import _local_tensor as lt
+    return lt.maybe_disable_local_tensor_mode()

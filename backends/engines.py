@@ -1,0 +1,378 @@
+"""Lowering a plan to PyTorch's own engines: FSDP2 (`fully_shard`), tensor / sequence parallelism
+(`parallelize_module` with ParallelStyles), HSDP, mixed precision and activation checkpointing.
+
+Recognition reads the Plan alone (its parameter placements and node records with their input edges):
+  * mesh dims: a dim on which every input is batch-sharded (Shard(0)) is data-parallel; one whose inputs are
+    replicated and that shards parameters or activations is the tensor-parallel dim; a dim with nothing
+    sharded is idle (its ranks compute the same thing).
+  * data-parallel dims: a parameter Shard(k) on them that every consumer all-gathers before use is FSDP-sharded;
+    one fully_shard unit per repeated block (the plan's regions), the remaining parameters in the root unit,
+    root last. reshard_after_forward is the plan's own memory/communication choice: True when the plan
+    gathers the unit's parameters again in the backward, False when the forward's gathered copy is kept.
+    Replicate on one data dim and Shard on another is HSDP; two sharding data dims are flattened into one.
+  * the tensor-parallel dim, per nn.Linear (weight (out, in)): Shard(0) ColwiseParallel, Shard(1)
+    RowwiseParallel; nn.Embedding: Shard(0) RowwiseParallel, Shard(1) ColwiseParallel. The layouts come from
+    the activations at the module boundary: a sequence-sharded (Shard(1)) input the plan gathers before a
+    colwise Linear is input_layouts=Shard(1) (PrepareModuleInput on the common parent when several Linears
+    gather the same tensor, as torchtitan does for attention / feed_forward); a rowwise output the plan
+    reduce-scatters is output_layouts=Shard(1); modules with replicated parameters whose activations stay
+    sequence-sharded get SequenceParallel; a vocab-sharded loss input gets loss_parallel.
+  * mixed precision and checkpointing are the planner's decisions (plan.meta): MixedPrecisionPolicy on every
+    unit, torch.utils.checkpoint around the chosen blocks.
+Whatever the engines cannot express is listed in `TorchLowering.reasons` (naming the module / parameter / op),
+never silently changed. `TorchLowering.code()` is the plan as the code a user would have written (a module FQN
+-> ParallelStyle dict and the fully_shard calls); `lower_to_torch` executes exactly that code on the model.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+
+class EngineLoweringError(ValueError):
+    """The plan (or a user override) cannot be expressed with fully_shard / parallelize_module; the message says
+    which part and why."""
+
+
+@dataclass
+class Style:
+    cls: str                                   # ColwiseParallel | RowwiseParallel | SequenceParallel | PrepareModuleInput
+    kwargs: dict = field(default_factory=dict)  # keyword -> Python source
+    why: str = ""
+
+    def code(self) -> str:
+        return f"{self.cls}({', '.join(f'{k}={v}' for k, v in self.kwargs.items())})"
+
+
+@dataclass
+class Unit:
+    fqn: str                                   # "" is the root module
+    params: list
+    reshard_after_forward: bool
+    shard_dims: dict = field(default_factory=dict)   # param -> tensor dim FSDP shards, when not 0
+    replicated: list = field(default_factory=list)   # replicated on the data dims: ignored by FSDP, grads all-reduced
+    why: str = ""
+
+
+@dataclass
+class TorchLowering:
+    plan_hash: str
+    mesh_names: tuple
+    mesh_shape: tuple
+    shard_dims: list = field(default_factory=list)
+    replicate_dims: list = field(default_factory=list)
+    tp_dim: int | None = None
+    idle_dims: list = field(default_factory=list)
+    styles: dict = field(default_factory=dict)        # module FQN (wildcards over repeated blocks) -> Style
+    units: list = field(default_factory=list)         # fully_shard units, root last
+    replicated_grads: list = field(default_factory=list)   # params whose grads are all-reduced by a hook
+    mixed_precision: dict | None = None
+    checkpoint: list = field(default_factory=list)    # block FQNs
+    loss_parallel: bool = False
+    input_placements: list = field(default_factory=list)
+    reasons: list = field(default_factory=list)       # (part, why it cannot be lowered)
+    notes: list = field(default_factory=list)
+    block_fqns: list = field(default_factory=list)    # the plan's repeated blocks ("layers.0", ...)
+    tp_roles: dict = field(default_factory=dict)      # (node, input) -> what a forward redistribute on tp is
+
+    @property
+    def expressible(self) -> bool:
+        return not self.reasons
+
+    def code(self) -> str:
+        from .engines_codegen import render
+        return render(self)
+
+    def report(self) -> str:
+        from .engines_codegen import report
+        return report(self)
+
+
+_PASS_THROUGH = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "_to_copy", "clone", "detach",
+                 "expand", "alias", "contiguous", "unsqueeze", "squeeze", "slice", "select", "split"}
+
+
+def _op(rec) -> str:
+    return rec["target"].split(".")[0] if rec["kind"] == "op" else rec["kind"]
+
+
+class _Graph:
+    """Plan records with users, module membership and the parameter chains (views/casts of a parameter)."""
+
+    def __init__(self, plan):
+        self.plan, self.nodes = plan, plan.nodes
+        self.users = defaultdict(list)                      # node -> [(user, input position, producer output)]
+        for n in self.nodes:
+            for j, (p, o) in enumerate(n.get("inputs", [])):
+                self.users[p].append((n["idx"], j, o))
+        if self.nodes and "inputs" not in self.nodes[-1]:
+            raise EngineLoweringError("this plan has no input edges in its node records (saved by an older autopar);"
+                                      " plan it again")
+        self.param_node = {n["target"]: n["idx"] for n in self.nodes if n["kind"] == "param"}
+        self.red = {(n["idx"], r["input"]): r for n in self.nodes for r in n.get("redistribute", [])}
+
+    def rec(self, i):
+        return self.nodes[i]
+
+    def chain(self, fqn):
+        """The parameter's node and every single-input op derived from it, with the edges that leave the chain:
+        (chain nodes, [(consumer, input position, producer)])."""
+        start = self.param_node[fqn]
+        nodes, edges, stack = [start], [], [start]
+        while stack:
+            i = stack.pop()
+            for u, j, o in self.users[i]:
+                ur = self.nodes[u]
+                if ur["kind"] == "op" and len(ur["inputs"]) == 1:
+                    nodes.append(u)
+                    stack.append(u)
+                else:
+                    edges.append((u, j, i))
+        return nodes, edges
+
+    def in_module(self, i, mod) -> bool:
+        m = self.nodes[i]["module"]
+        return mod == "" or m == mod or m.startswith(mod + ".")
+
+
+def _sp(p, d):
+    return p[d] if p is not None else None
+
+
+def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) -> TorchLowering:
+    """What of `plan` fully_shard / parallelize_module can express, and how (see the module docstring).
+    units: FSDP unit FQNs to use instead of the plan's blocks (validated); styles: {module FQN: ParallelStyle or
+    its class name} the user insists on (must agree with the plan)."""
+    G = _Graph(plan)
+    names, shape = tuple(plan.mesh_names), tuple(plan.mesh_shape)
+    low = TorchLowering(plan.hash(), names, shape)
+    low.block_fqns = _blocks(plan)
+    inputs = [n for n in plan.nodes if n["kind"] == "input"]
+    low.input_placements = [n["placement"]["out"][0] for n in inputs]
+    data, model_dims = [], []
+    for d, name in enumerate(names):
+        pls = {n["placement"]["out"][0][d] for n in inputs}
+        if pls == {"S0"}:
+            data.append(d)
+        elif pls <= {"R"}:
+            model_dims.append(d)
+        else:
+            low.reasons.append((f"mesh dim {name}", f"inputs are placed {sorted(pls)} on it; the engines lower only "
+                                f"batch sharding (Shard(0) of every input) or replication (no context parallelism)"))
+    for d in model_dims:
+        busy = any(p[d] != "R" for p in plan.params.values()) or any(
+            o is not None and o[d] != "R" for n in plan.nodes if n["kind"] == "op" for o in n["placement"]["out"])
+        if not busy:
+            low.idle_dims.append(d)
+        elif low.tp_dim is None:
+            low.tp_dim = d
+        else:
+            low.reasons.append((f"mesh dim {names[d]}", f"a second tensor-parallel dim (after {names[low.tp_dim]}): "
+                                f"parallelize_module takes one 1-D mesh"))
+    for d in data:
+        (low.shard_dims if any(p[d][0] == "S" for p in plan.params.values()) else low.replicate_dims).append(d)
+    _check_shared(low, plan, model)
+    _recognize_fsdp(low, G, plan, units)
+    if low.tp_dim is not None:
+        from .engines_tp import recognize_tp
+        recognize_tp(low, G, plan, model, styles)
+    elif styles:
+        raise EngineLoweringError(f"styles {sorted(styles)} were forced but the plan has no tensor-parallel dim "
+                                  f"(mesh {dict(zip(names, shape))}, inputs {low.input_placements})")
+    mp = plan.meta.get("mixed_precision")
+    if mp:
+        low.mixed_precision = {"param_dtype": mp["param_dtype"], "reduce_dtype": mp["reduce_dtype"]}
+        if not low.units:
+            low.reasons.append(("mixed precision", "the plan runs bf16 parameters, which the engines express with "
+                                "FSDP2's MixedPrecisionPolicy, but no data-parallel dim shards parameters"))
+        elif low.replicated_grads:
+            low.reasons.append(("mixed precision", f"parameters {low.replicated_grads[:4]} stay out of FSDP (the "
+                                f"plan replicates them), so MixedPrecisionPolicy would not cast them to bf16"))
+    low.checkpoint = list(plan.meta.get("checkpointing", {}).get("blocks", []))
+    return low
+
+
+def _check_shared(low, plan, model):
+    if model is None:
+        return
+    seen = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen and _block_of(plan, fqn) != _block_of(plan, seen[id(p)]):
+            low.reasons.append((f"parameter {fqn}", f"is the same tensor as {seen[id(p)]} in another block; FSDP2 "
+                                f"units and ParallelStyles own a parameter in one module only"))
+        seen.setdefault(id(p), fqn)
+
+
+def _blocks(plan) -> list[str]:
+    return [f"{r['prefix']}.{i}" for r in plan.regions for i in r["layers"]]
+
+
+def _block_of(plan, fqn) -> str:
+    return next((b for b in _blocks(plan) if fqn.startswith(b + ".")), "")
+
+
+def _recognize_fsdp(low, G, plan, forced_units):
+    data = low.shard_dims + low.replicate_dims
+    if not data:
+        return
+    dn = lambda ds: "+".join(low.mesh_names[d] for d in ds)
+    blocks = _blocks(plan)
+    if forced_units is not None:
+        for u in forced_units:
+            inside = next((b for b in blocks if u.startswith(b + ".")), None)
+            if inside:
+                raise EngineLoweringError(f"FSDP unit '{u}' lies inside the repeated block '{inside}': the plan decides"
+                                          f" per block, so a unit must be a whole block (or a union of blocks, or "
+                                          f"the root)")
+        unit_fqns = [u for u in forced_units if u] + [""]
+    else:
+        unit_fqns = blocks + [""]
+    unit_of = lambda f: next((u for u in unit_fqns if u and f.startswith(u + ".")), "")
+    per_unit = {u: Unit(u, [], False) for u in unit_fqns}
+    for fqn, pl in plan.params.items():
+        if fqn not in G.param_node:                     # an alias of a tied parameter
+            continue
+        u = per_unit[unit_of(fqn)]
+        sh = [pl[d] for d in low.shard_dims]
+        rp = [pl[d] for d in low.replicate_dims]
+        if any(p != "R" for p in rp):
+            low.reasons.append((f"parameter {fqn}", f"is {pl} but dims {dn(low.replicate_dims)} replicate every other "
+                                f"parameter (HSDP shards on one dim group only)"))
+            continue
+        if all(p == "R" for p in sh):
+            u.replicated.append(fqn)
+            continue
+        if len(set(sh)) != 1:
+            low.reasons.append((f"parameter {fqn}", f"is {pl}: FSDP2 shards a parameter on one tensor dim over "
+                                f"all of {dn(low.shard_dims)}"))
+            continue
+        k = int(sh[0][1:])
+        nodes, edges = G.chain(fqn)
+        bad = [(c, j) for c, j, src in edges if G.rec(c)["kind"] == "op" and
+               any(G.rec(c)["placement"]["ins"][j][d][0] != "R" for d in low.shard_dims)]
+        consumers = edges + [(c, 0, None) for c in nodes[1:]]
+        gathers = [c for c, j, _ in consumers if (c, j) in G.red and
+                   any(G.red[(c, j)]["src"][d][0] == "S" and G.red[(c, j)]["dst"][d] == "R" for d in low.shard_dims)]
+        if bad:
+            c, j = bad[0]
+            low.reasons.append((f"parameter {fqn}", f"is used sharded on {dn(low.shard_dims)} by "
+                                f"{G.rec(c)['name']} in module '{G.rec(c)['module']}' (input {j} "
+                                f"{G.rec(c)['placement']['ins'][j]}): FSDP2 gathers a parameter before every use"))
+            continue
+        outside = [c for c, _, _ in edges if u.fqn and not G.in_module(c, u.fqn)]
+        if outside:
+            c = outside[0]
+            low.reasons.append((f"parameter {fqn}", f"is used outside its FSDP unit '{u.fqn}' by {G.rec(c)['name']} in "
+                                f"module '{G.rec(c)['module'] or '<root>'}'; FSDP2 unshards it only while the unit runs"))
+            continue
+        u.params.append(fqn)
+        if k != 0:
+            u.shard_dims[fqn] = k
+        if any(G.rec(c)["phase"] == "bw" for c in gathers):
+            u.reshard_after_forward = True
+    for u in per_unit.values():
+        if u.replicated:
+            low.replicated_grads += u.replicated
+        if not u.params and u.fqn:
+            continue
+        gathered = "re-gathered in the backward" if u.reshard_after_forward else \
+            "kept from the forward's gather (no backward gather)"
+        u.why = (f"{len(u.params)} params sharded on {dn(low.shard_dims)}, gathered before use; {gathered}" +
+                 (f"; {len(u.replicated)} replicated params left out (ignored_params), grads all-reduced"
+                  if u.replicated else ""))
+        if low.shard_dims:
+            low.units.append(u)
+    if low.shard_dims and low.replicate_dims:
+        low.notes.append(f"HSDP: replicate over {dn(low.replicate_dims)}, shard over {dn(low.shard_dims)}")
+    elif not low.shard_dims:
+        low.notes.append(f"data parallel over {dn(low.replicate_dims)} with every parameter replicated: gradients "
+                         f"all-reduced by a hook per parameter (as the plan prices them)")
+
+
+# ---- applying ------------------------------------------------------------------------------------------------
+
+def lower_to_torch(model: nn.Module, mesh, plan, *, units=None, styles=None) -> nn.Module:
+    """Parallelize `model` in place with fully_shard / parallelize_module as `plan` says; raises
+    EngineLoweringError (listing every reason) when the plan is not expressible. Returns the same module."""
+    low = recognize(plan, model, units=units, styles=styles)
+    if not low.expressible:
+        raise EngineLoweringError("the plan cannot be lowered to fully_shard / parallelize_module:\n" +
+                                  "\n".join(f"  {part}: {why}" for part, why in low.reasons))
+    return apply_lowering(model, mesh, low)
+
+
+def apply_lowering(model, mesh, low: TorchLowering) -> nn.Module:
+    if tuple(mesh.shape) != tuple(low.mesh_shape):
+        raise EngineLoweringError(f"the plan is for mesh {low.mesh_shape} but the mesh is {tuple(mesh.shape)}")
+    names = tuple(mesh.mesh_dim_names or ())
+    if names != tuple(low.mesh_names):
+        raise EngineLoweringError(f"the plan names mesh dims {low.mesh_names} but the DeviceMesh has {names}")
+    ns: dict = {}
+    exec(compile(low.code(), "<autopar lowering>", "exec"), ns)
+    ns["apply"](model, mesh)
+    model._autopar_lowering = low
+    return model
+
+
+apply_torch_engines = lower_to_torch
+
+
+def train_context(model) -> contextlib.AbstractContextManager:
+    """Wrap forward AND backward of a lowered model in this (loss_parallel when the plan shards the loss)."""
+    low = getattr(model, "_autopar_lowering", None)
+    if low is not None and low.loss_parallel:
+        from torch.distributed.tensor.parallel import loss_parallel
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def local_inputs(model_or_lowering, mesh, *inputs):
+    """This rank's piece of the global inputs: sharded on the data dims (batch), whole on the others."""
+    low = getattr(model_or_lowering, "_autopar_lowering", model_or_lowering)
+    out = []
+    for x, pl in zip(inputs, low.input_placements):
+        for d, p in enumerate(pl):
+            if p[0] == "S":
+                x = x.chunk(mesh.size(d), dim=int(p[1:]))[mesh.get_local_rank(d)]
+        out.append(x)
+    return tuple(out)
+
+
+def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = "torch", units=None, styles=None,
+                      planned=None, **plan_kwargs):
+    """Plan `model` for `mesh` and lower it: backend "torch" (the user's own module, parallelized in place by the
+    engines; EngineLoweringError if the plan does not fit them) or "auto" (the engines when they express the
+    whole plan, otherwise the graph backend; the dump says which part went where and why)."""
+    if backend not in ("torch", "auto"):
+        raise ValueError(f"backend must be 'torch' or 'auto' here, got {backend!r}")
+    ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    if planned is None:
+        import autopar
+        plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
+        planned = autopar.plan(model, mesh, ex, return_state=True, **plan_kwargs)
+    plan, state = planned
+    low = recognize(plan, model, units=units, styles=styles)
+    if low.expressible:
+        apply_lowering(model, mesh, low)
+        model._autopar_dump = _dump(plan, low, "torch")
+        return model
+    if backend == "torch":
+        raise EngineLoweringError("the plan cannot be lowered to fully_shard / parallelize_module (use "
+                                  "backend='auto' or 'graph'):\n" +
+                                  "\n".join(f"  {part}: {why}" for part, why in low.reasons))
+    from .graph import parallelize as graph_parallelize
+    pm = graph_parallelize(model, mesh, ex, planned=(plan, state))
+    pm.autopar_dump = _dump(plan, low, "graph")
+    return pm
+
+
+def _dump(plan, low, backend) -> str:
+    head = f"backend: {backend}" + ("" if backend == "torch" else
+                                    " (fallback: the torch engines cannot express the parts marked '-> graph')")
+    return head + "\n" + low.report() + "\n" + plan.summary()

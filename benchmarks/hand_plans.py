@@ -1,0 +1,297 @@
+"""The plans experts write by hand, in two forms that describe the same parameter layout:
+
+  * `forced_placements(source, ...)`: {param FQN: placement per mesh dim} for `autopar.plan(..., force=...)`. The
+    planner then chooses only the activations (the best execution of that hand layout) and prices it with the same
+    cost model and memory budget as autopar's own plan.
+  * `apply_hand(source, ...)`: the same layout written with torch's own APIs (DistributedDataParallel,
+    fully_shard per block, parallelize_module with Colwise/Rowwise/SequenceParallel, distribute_module), for the
+    measured CPU runs.
+
+Sources (mesh dims are named ("dp",) or ("dp", "tp")):
+  ddp       every parameter replicated; DistributedDataParallel over the whole world (on a 2-D mesh too).
+  fsdp2     every parameter Shard(0) over the whole world, one fully_shard unit per block + the root (FSDP2's
+            default reshard_after_forward=True). On a 2-D mesh that is ("S0", "S0").
+  tp        Megatron-style tensor parallelism on the "tp" dim (the only dim of a 1-D mesh), data parallel
+            replicate on "dp": column-parallel in-projections, row-parallel out-projections, vocab-parallel
+            embedding and output with a vocab-parallel loss (loss_parallel); Llama-family blocks also use
+            sequence parallelism on the norms exactly as torchtitan's apply_tp does.
+  fsdp2_tp  tp's layout on "tp" + fully_shard per block on "dp" (2-D meshes only), as torchtitan composes them.
+  torchtitan  Llama-3 only: torchtitan 0.2.2's parallelize_llama (benchmarks/titan.py).
+
+Per-family TP rules (`tp_placement`):
+  llama / moe attention: wq, wk, wv colwise (S0); wo rowwise (S1); feed_forward / shared_experts w1, w3 colwise,
+    w2 rowwise; tok_embeddings vocab-sharded (S0, RowwiseParallel on nn.Embedding); output colwise (S0); norms R.
+  moe routed experts (E, dim, hidden) / (E, hidden, dim): tensor parallel inside every expert: w1, w3 S2, w2 S1
+    (torch has no ParallelStyle for batched expert weights: applied with distribute_module); router R.
+  gpt2: mlp.c_fc colwise, mlp.c_proj rowwise, wte vocab-sharded, lm_head colwise; attention c_attn / c_proj stay
+    replicated: c_attn packs q|k|v, and ColwiseParallel would give a rank parts of q, k and v of different heads
+    (Megatron re-orders that weight head-wise; torch's styles cannot). The benchmark's GPT-2 is untied
+    (tie_embeddings=False): parallelize_module re-registers wte's weight, which breaks a tie to lm_head.
+  mlp: fc1 colwise, fc2 rowwise, embed vocab-sharded, output colwise.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+
+HAND_SOURCES = ("ddp", "fsdp2", "tp", "fsdp2_tp", "torchtitan")
+BLOCK_LISTS = ("layers", "h")          # the ModuleList of repeated blocks, per family
+
+
+class NotApplicable(ValueError):
+    """The hand plan does not exist for this model or mesh (the row is kept and says why)."""
+
+
+def family_of(model_name: str) -> str:
+    from autopar.models import get_config
+    return get_config(model_name).family
+
+
+def tp_placement(family: str, fqn: str, shape) -> str:
+    """Megatron-style TP placement of one parameter (see the module docstring)."""
+    mod = fqn.split(".")[-2] if "." in fqn else ""
+    is_bias = fqn.endswith(".bias")
+    if family in ("llama", "moe"):
+        if ".experts." in fqn:
+            return {"w1": "S2", "w3": "S2", "w2": "S1"}[fqn.rsplit(".", 1)[-1]]
+        if mod in ("wq", "wk", "wv", "w1", "w3", "output", "tok_embeddings"):
+            return "S0"
+        if mod in ("wo", "w2"):
+            return "S1"
+        return "R"                       # norms, router
+    if family == "gpt2":
+        if ".attn." in fqn or mod in ("wpe", "ln_1", "ln_2", "ln_f"):
+            return "R"
+        if mod in ("c_fc", "wte", "lm_head"):
+            return "S0"
+        if mod == "c_proj":              # mlp.c_proj (attention's was handled above)
+            return "R" if is_bias else "S1"
+        return "R"
+    if family == "mlp":
+        if mod in ("fc1", "embed", "output"):
+            return "S0"
+        if mod == "fc2":
+            return "R" if is_bias else "S1"
+        return "R"
+    raise NotApplicable(f"no hand-written tensor-parallel rule for model family {family!r}")
+
+
+def forced_placements(source: str, model_name: str, model: nn.Module, mesh_names: tuple, titan: dict | None = None
+                      ) -> dict[str, tuple[str, ...]]:
+    """{param FQN: placements per mesh dim} of a hand plan, for autopar.plan(force=...)."""
+    fam = family_of(model_name)
+    two_d = tuple(mesh_names) == ("dp", "tp")
+    if not two_d and tuple(mesh_names) != ("dp",):
+        raise NotApplicable(f"hand plans are defined on ('dp',) or ('dp', 'tp') meshes, not {mesh_names}")
+    out = {}
+    for fqn, p in model.named_parameters():
+        if source == "ddp":
+            pl = ("R", "R") if two_d else ("R",)
+        elif source == "fsdp2":
+            pl = ("S0", "S0") if two_d else ("S0",)
+        elif source == "tp":
+            t = tp_placement(fam, fqn, p.shape)
+            pl = ("R", t) if two_d else (t,)
+        elif source == "fsdp2_tp":
+            if not two_d:
+                raise NotApplicable("FSDP2 x TP needs a 2-D (dp, tp) mesh")
+            pl = ("S0", tp_placement(fam, fqn, p.shape))
+        elif source == "torchtitan":
+            if fam != "llama" or not model_name.startswith("llama3"):
+                raise NotApplicable("torchtitan's parallelize_llama is the hand plan of Llama-3 models only")
+            if titan is None:
+                raise NotApplicable("torchtitan placements unavailable")
+            key = re.sub(r"\.\d+\.", ".*.", fqn)
+            if key not in titan:
+                raise NotApplicable(f"torchtitan's model has no parameter {key}")
+            pl = (titan[key]["dp"], titan[key]["tp"]) if two_d else (titan[key]["dp"],)
+        else:
+            raise ValueError(f"unknown plan source {source!r}; known: autopar, {', '.join(HAND_SOURCES)}")
+        out[fqn] = pl
+    return out
+
+
+def state_bytes_lower_bound(model: nn.Module, force: dict, mesh_shape, precision) -> float:
+    """Per-rank bytes of params + grads + optimizer state at the forced placements (a lower bound of the peak)."""
+    import math
+    seen, total = set(), 0.0
+    for fqn, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        shards = math.prod(n for s, n in zip(force[fqn], mesh_shape) if s[0] == "S")
+        total += p.numel() * precision.bytes_per_param / shards
+    return total
+
+
+# ---- the same plans with torch's APIs (measured runs) -----------------------------------------------------------
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    for name in BLOCK_LISTS:
+        lst = getattr(model, name, None)
+        if isinstance(lst, (nn.ModuleList, nn.ModuleDict)):
+            return list(lst.values()) if isinstance(lst, nn.ModuleDict) else list(lst)
+    raise NotApplicable(f"{type(model).__name__} has no block list ({' / '.join(BLOCK_LISTS)}) to wrap per block")
+
+
+def tp_styles(family: str, model: nn.Module) -> dict:
+    """parallelize_module plan (module FQN -> ParallelStyle) of the family's TP rule; True in the second slot when
+    the loss needs loss_parallel (vocab-sharded logits)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    col, row = ColwiseParallel, RowwiseParallel
+    head = col(output_layouts=Shard(-1), use_local_output=False)          # vocab-parallel logits
+    plan = {}
+    if family == "llama":                # torchtitan's apply_tp layer plan (TP + sequence parallel)
+        plan.update({"tok_embeddings": row(input_layouts=Replicate(), output_layouts=Shard(1)),
+                     "norm": SequenceParallel(),
+                     "output": col(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+        for i in range(len(model.layers)):
+            b = f"layers.{i}."
+            plan.update({b + "attention_norm": SequenceParallel(),
+                         b + "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                             desired_input_layouts=(Replicate(), None, None)),
+                         b + "attention.wq": col(), b + "attention.wk": col(), b + "attention.wv": col(),
+                         b + "attention.wo": row(output_layouts=Shard(1)),
+                         b + "ffn_norm": SequenceParallel(),
+                         b + "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                                desired_input_layouts=(Replicate(),)),
+                         b + "feed_forward.w1": col(), b + "feed_forward.w3": col(),
+                         b + "feed_forward.w2": row(output_layouts=Shard(1))})
+        return plan
+    if family == "moe":                  # Megatron TP without sequence parallelism; experts: see tp_experts
+        plan.update({"tok_embeddings": row(input_layouts=Replicate()), "output": head})
+        for i, blk in enumerate(model.layers):
+            b = f"layers.{i}."
+            plan.update({b + "attention.wq": col(), b + "attention.wk": col(), b + "attention.wv": col(),
+                         b + "attention.wo": row()})
+            ffn = b + ("moe.shared_experts" if blk.is_moe else "feed_forward")
+            if not blk.is_moe or blk.moe.shared_experts is not None:
+                plan.update({ffn + ".w1": col(), ffn + ".w3": col(), ffn + ".w2": row()})
+        return plan
+    if family == "gpt2":
+        plan.update({"wte": row(input_layouts=Replicate()), "lm_head": head})
+        for i in range(len(model.h)):
+            plan.update({f"h.{i}.mlp.c_fc": col(), f"h.{i}.mlp.c_proj": row()})
+        return plan
+    if family == "mlp":
+        plan.update({"embed": row(input_layouts=Replicate()), "output": head})
+        for i in range(len(model.layers)):
+            plan.update({f"layers.{i}.fc1": col(), f"layers.{i}.fc2": row()})
+        return plan
+    raise NotApplicable(f"no hand-written tensor-parallel plan for model family {family!r}")
+
+
+def tp_experts(model: nn.Module, tp_mesh) -> None:
+    """Tensor parallelism inside every routed expert (w1, w3 Shard(2), w2 Shard(1)) with distribute_module: inputs
+    enter replicated, the expert sum leaves as a Partial that is all-reduced (Megatron's row-parallel output)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+    dims = {"w1": 2, "w3": 2, "w2": 1}
+
+    def partition(name, module, mesh):
+        if name == "":                   # the Experts module itself (distribute_module visits it first)
+            for pn, d in dims.items():
+                p = getattr(module, pn)
+                module.register_parameter(pn, nn.Parameter(distribute_tensor(p, mesh, [Shard(d)])))
+
+    def inputs(module, args, mesh):
+        return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False) for a in args)
+
+    def outputs(module, out, mesh):
+        return out.redistribute(mesh, [Replicate()]).to_local()
+
+    for blk in model.layers:
+        if getattr(blk, "is_moe", False):
+            distribute_module(blk.moe.experts, tp_mesh, partition, inputs, outputs)
+
+
+class HandRun:
+    """One hand plan applied to a model with torch APIs: the module, the optimizer's params, what to call around
+    forward+backward (loss_parallel) and this rank's slice of the global batch."""
+
+    def __init__(self, module, loss_parallel: bool, dp_rank: int, dp_size: int, after_backward=None):
+        self.module, self.loss_parallel = module, loss_parallel
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.after_backward = after_backward
+
+    def local_inputs(self, inputs):
+        return tuple(x.chunk(self.dp_size, dim=0)[self.dp_rank].contiguous() for x in inputs)
+
+    def context(self):
+        import contextlib
+        if self.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel
+            return loss_parallel()
+        return contextlib.nullcontext()
+
+
+def _allreduce_grads(params, group, bucket_bytes=25 * 2 ** 20):
+    """Data-parallel gradient averaging over `group` in flat buckets of <= 25 MiB (DDP's default bucket size), on
+    the local shards of DTensor gradients: used for TP x replicate-DP, which DistributedDataParallel does not
+    support on DTensor parameters."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    buckets, cur, size = [], [], 0
+    for g in grads:
+        nb = g.numel() * g.element_size()
+        if cur and size + nb > bucket_bytes:
+            buckets.append(cur)
+            cur, size = [], 0
+        cur.append(g)
+        size += nb
+    if cur:
+        buckets.append(cur)
+    n = dist.get_world_size(group)
+    for b in buckets:
+        flat = torch.cat([g.reshape(-1) for g in b])
+        dist.all_reduce(flat, group=group)
+        flat /= n
+        off = 0
+        for g in b:
+            g.copy_(flat[off:off + g.numel()].view_as(g))
+            off += g.numel()
+
+
+def apply_hand(source: str, model_name: str, model: nn.Module, mesh, world_mesh) -> HandRun:
+    """Parallelize `model` (full weights on this rank's CPU) in place as the hand plan `source` on the DeviceMesh
+    `mesh` (dims ("dp",) or ("dp", "tp")); `world_mesh` is a 1-D mesh over every rank (DDP / FSDP2 use it)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    fam = family_of(model_name)
+    names = tuple(mesh.mesh_dim_names)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if source == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+        ddp = DistributedDataParallel(model, process_group=world_mesh.get_group(0), gradient_as_bucket_view=True)
+        return HandRun(ddp, False, rank, world)
+    if source == "fsdp2":
+        for blk in _blocks(model):
+            fully_shard(blk, mesh=world_mesh)
+        fully_shard(model, mesh=world_mesh)
+        return HandRun(model, False, rank, world)
+    if source in ("tp", "fsdp2_tp"):
+        two_d = names == ("dp", "tp")
+        if source == "fsdp2_tp" and not two_d:
+            raise NotApplicable("FSDP2 x TP needs a 2-D (dp, tp) mesh")
+        tp_mesh = mesh["tp"] if two_d else mesh
+        parallelize_module(model, tp_mesh, tp_styles(fam, model))
+        if fam == "moe":
+            tp_experts(model, tp_mesh)
+        dp_rank, dp_size = (mesh.get_local_rank("dp"), mesh.size(0)) if two_d else (0, 1)
+        if source == "fsdp2_tp":
+            for blk in _blocks(model):
+                fully_shard(blk, mesh=mesh["dp"])
+            fully_shard(model, mesh=mesh["dp"])
+            return HandRun(model, True, dp_rank, dp_size)
+        after = None
+        if two_d:
+            params = [p for p in model.parameters()]
+            group = mesh.get_group("dp")
+            after = lambda: _allreduce_grads(params, group)      # noqa: E731
+        return HandRun(model, True, dp_rank, dp_size, after)
+    raise ValueError(f"apply_hand: unknown source {source!r}")

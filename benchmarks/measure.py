@@ -1,0 +1,298 @@
+"""Measured runs: one model, every plan source, on 4 gloo ranks (CPU), in ONE launch so every source shares the
+machine's noise. Started by benchmarks/harness.py (one process per rank, OMP_NUM_THREADS=1); not a user entry point.
+
+Per mesh: every source is built on every rank (a failure is recorded for that source, the others go on), then
+  * `warmup` rounds, one step of every source per round;
+  * one step per source under a CollectiveCounter (TorchDispatchMode over the c10d and _c10d_functional
+    collectives: kind, bytes in the plan's convention, group size) -> comm bytes per step (rank 0's view; SPMD);
+  * one step per source under torch.profiler (profile_memory) -> peak memory per rank = the model state held at
+    the step's start (unique storages of local params, grads, optimizer state, buffers; grads are zeroed, not
+    freed, between steps) + the peak of allocations minus frees during the step; the max over ranks;
+  * `steps` timed rounds, interleaved (source A, B, C, A, B, C, ...): each step is timed on every rank between
+    a barrier and its own end; the step time is the max over ranks; the row reports the median over rounds.
+Every step: forward (loss), backward, AdamW step, zero_grad(set_to_none=False).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _mesh_shape(s: str) -> tuple:
+    return tuple(int(v) for v in s.split("x"))
+
+
+class Run:
+    """One plan source built on this rank: `step()` runs one training step; `state_tensors()` what it keeps."""
+
+    def __init__(self, source, module, opt, step_fn, extra=None):
+        self.source, self.module, self.opt, self.step_fn = source, module, opt, step_fn
+        self.extra = extra or {}
+
+    def step(self):
+        self.step_fn()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+
+    def state_bytes(self) -> int:
+        from torch.distributed.tensor import DTensor
+        seen, total = set(), 0
+
+        def add(t):
+            nonlocal total
+            if t is None or not isinstance(t, torch.Tensor):
+                return
+            if isinstance(t, DTensor):
+                t = t.to_local()
+            st = t.untyped_storage()
+            key = (st.data_ptr(), st.nbytes())
+            if key not in seen and st.nbytes():
+                seen.add(key)
+                total += st.nbytes()
+        for p in self.module.parameters():
+            add(p)
+            add(p.grad)
+        for b in self.module.buffers():
+            add(b)
+        for s in self.opt.state.values():
+            for v in s.values():
+                add(v)
+        return total
+
+
+def build(source, cfg, mesh, world_mesh, x):
+    from autopar import models as M
+    from hand_plans import apply_hand
+    name, ov = cfg["name"], cfg["overrides"]
+    if source == "torchtitan":
+        from titan import build_titan, titan_loss
+        names = tuple(mesh.mesh_dim_names)
+        tp = mesh.size(1) if names == ("dp", "tp") else 1
+        model, lp = build_titan(dist.get_world_size(), tp, cfg["seq"])
+        dp_rank, dp_size = (mesh.get_local_rank("dp"), mesh.size(0)) if tp > 1 else (dist.get_rank(),
+                                                                                    dist.get_world_size())
+        local = tuple(t.chunk(dp_size, 0)[dp_rank].contiguous() for t in x)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+        def step():
+            ctx = _loss_parallel() if lp else _null()
+            with ctx:
+                titan_loss(model, *local, lp).backward()
+        return Run(source, model, opt, step, {"note": "torchtitan's own Llama-3 model and parallelize_llama"})
+    model = M.build_model(name, device="cpu", seed=0, **ov)
+    if source == "autopar":
+        import autopar
+        pm = autopar.parallelize(model, mesh, x, cluster="cpu-gloo")
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+
+        def step():
+            pm(*x).backward()
+        return Run(source, pm, opt, step, {"plan": pm.plan})
+    if source == "autopar-torch":
+        from autopar.backends import engines
+        m = engines.parallelize_torch(model, mesh, x, backend="torch", cluster="cpu-gloo")
+        local = engines.local_inputs(m, mesh, *x)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+        def step():
+            with engines.train_context(m):
+                m(*local).backward()
+        low = getattr(m, "_autopar_lowering", None)
+        return Run(source, m, opt, step, {"note": "autopar's plan lowered to fully_shard / parallelize_module",
+                                          "code": low.code() if low is not None else ""})
+    run = apply_hand(source, name, model, mesh, world_mesh)
+    local = run.local_inputs(x)
+    opt = torch.optim.AdamW(run.module.parameters(), lr=1e-4)
+
+    def step():
+        with run.context():
+            run.module(*local).backward()
+        if run.after_backward is not None:
+            run.after_backward()
+    return Run(source, run.module, opt, step)
+
+
+def _loss_parallel():
+    from torch.distributed.tensor.parallel import loss_parallel
+    return loss_parallel()
+
+
+def _null():
+    import contextlib
+    return contextlib.nullcontext()
+
+
+def _err(e) -> str:
+    msg = f"{type(e).__name__}: {e}".replace("\n", " ")
+    return msg[:600]
+
+
+def _agree(ok: bool, msg: str):
+    """Every rank learns whether every rank succeeded (and the first message of a failing rank)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, (ok, msg))
+    bad = [(r, m) for r, (o, m) in enumerate(out) if not o]
+    return (True, "") if not bad else (False, f"rank {bad[0][0]}: {bad[0][1]}")
+
+
+def _peak_during(fn) -> int:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    mem = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                 key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in mem:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress):
+    from torch.distributed.device_mesh import init_device_mesh
+    from autopar.backends.engines_comm import CollectiveCounter
+    shape = _mesh_shape(mesh_str)
+    mesh = world_mesh if len(shape) == 1 else init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
+    rows, runs = {}, {}
+    for src in sources:
+        progress(f"{mesh_str} {src} build")
+        t0 = time.perf_counter()
+        try:
+            run, ok, msg = build(src, cfg, mesh, world_mesh, x), True, ""
+        except Exception as e:           # noqa: BLE001  (recorded in the row, the other sources go on)
+            run, ok, msg = None, False, _err(e)
+            if os.environ.get("BENCH_DEBUG"):
+                traceback.print_exc()
+        ok, msg = _agree(ok, msg)
+        rows[src] = {"mesh": mesh_str, "source": src, "status": "ok" if ok else "error", "note": msg,
+                     "build_s": time.perf_counter() - t0, "times": []}
+        if ok:
+            runs[src] = run
+            rows[src].update({k: v for k, v in run.extra.items() if k in ("note", "code")})
+            if "plan" in run.extra:
+                p = run.extra["plan"]
+                rows[src].update({"plan_hash": p.hash(), "params": p.params,
+                                  "predicted_comm_bytes": sum(v["bytes"] for v in p.predicted["collectives"].values()),
+                                  "predicted_collectives": p.predicted["collectives"],
+                                  "predicted_step_s": p.predicted["step_s"],
+                                  "predicted_peak_mem_bytes": p.predicted["peak_mem_bytes"]})
+
+    def one(src, phase, fn):
+        progress(f"{mesh_str} {src} {phase}")
+        try:
+            fn()
+            ok, msg = True, ""
+        except Exception as e:           # noqa: BLE001
+            ok, msg = False, _err(e)
+            if os.environ.get("BENCH_DEBUG"):
+                traceback.print_exc()
+        ok, msg = _agree(ok, msg)
+        if not ok:
+            rows[src].update(status="error", note=f"{phase} step failed: {msg}")
+            runs.pop(src, None)
+        return ok
+
+    for r in range(warmup):
+        for src in list(runs):
+            one(src, f"warm-up {r}", runs[src].step)
+    for src in list(runs):
+        cc = CollectiveCounter(world_mesh if mesh is world_mesh else mesh)
+
+        def counted():
+            with cc:
+                runs[src].step()
+        if one(src, "comm count", counted):
+            summ = cc.summary()
+            rows[src]["comm"] = summ
+            rows[src]["comm_bytes"] = sum(v["bytes"] for v in summ.values())
+    for src in list(runs):
+        box = {}
+
+        def mem_step():
+            box["state"] = runs[src].state_bytes()
+            box["peak"] = _peak_during(runs[src].step)
+        if one(src, "memory", mem_step):
+            t = torch.tensor([float(box["state"] + box["peak"]), float(box["state"])], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            rows[src]["peak_mem_bytes"], rows[src]["state_mem_bytes"] = int(t[0]), int(t[1])
+    for r in range(steps):
+        for src in list(runs):
+            dist.barrier()
+            box = {}
+
+            def timed():
+                t0 = time.perf_counter()
+                runs[src].step()
+                box["dt"] = time.perf_counter() - t0
+            if one(src, f"timed {r}", timed):
+                t = torch.tensor([box["dt"]], dtype=torch.float64)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                rows[src]["times"].append(float(t[0]))
+    for src, row in rows.items():
+        if row["times"] and row["status"] == "ok":
+            row["measured_step_s"] = statistics.median(row["times"])
+    runs.clear()
+    gc.collect()
+    return list(rows.values())
+
+
+def worker(args):
+    from bench_config import MEASURED, QUICK_MEASURED
+    from autopar import models as M
+    cfg = {**MEASURED, **QUICK_MEASURED}[args.model]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from torch.distributed.device_mesh import init_device_mesh
+    world_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    x = M.example_inputs(cfg["name"], batch=cfg["batch"], seq=cfg["seq"], device="cpu", seed=0, **cfg["overrides"])
+    out = {"model": args.model, "world": world, "rows": [], "progress": ""}
+
+    def write():
+        if rank == 0:
+            tmp = args.out + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(out, f, indent=1, default=str)
+            os.replace(tmp, args.out)
+
+    def progress(p):
+        out["progress"] = p
+        write()
+    excluded = {tuple(e.split(":", 1)) for e in args.exclude}
+    for mesh_str in args.meshes:
+        srcs = [s for s in args.sources if (mesh_str, s) not in excluded]
+        out["rows"] += measure_mesh(cfg, mesh_str, srcs, x, world_mesh, args.steps, args.warmup, progress)
+        write()
+    out["progress"] = "done"
+    write()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--meshes", nargs="+", required=True)
+    ap.add_argument("--sources", nargs="+", required=True)
+    ap.add_argument("--exclude", nargs="*", default=[], help="mesh:source pairs to skip (after a crash)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--timeout", type=float, default=120.0, help="gloo collective timeout, seconds")
+    ap.add_argument("--out", required=True)
+    worker(ap.parse_args())
+
+
+if __name__ == "__main__":
+    main()

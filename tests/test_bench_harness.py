@@ -1,0 +1,131 @@
+"""The benchmark harness (benchmarks/harness.py): bad input is reported in the rows, hand plans become the intended
+forced placements, a quick modeled comparison is consistent with the solver's objective, and the result files say
+which command and commit produced them. No processes are launched here (the measured run is benchmarks' job)."""
+from __future__ import annotations
+
+import csv
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+
+import harness  # noqa: E402
+import hand_plans  # noqa: E402
+import report  # noqa: E402
+from autopar import models as M  # noqa: E402
+
+
+def _by_source(rows):
+    return {r["source"]: r for r in rows}
+
+
+@pytest.fixture(scope="module")
+def tiny_rows():
+    return harness.modeled_rows("llama-tiny", "llama-tiny", {}, torch.float32, 2, 32, "2x2",
+                                ("autopar", "ddp", "fsdp2", "tp", "fsdp2_tp", "torchtitan"), "cpu-gloo")
+
+
+def test_quick_modeled_rows_force_the_hand_layouts(tiny_rows):
+    rows = _by_source(tiny_rows)
+    for s in ("autopar", "ddp", "fsdp2", "tp", "fsdp2_tp"):
+        assert rows[s]["status"] == "ok", rows[s]
+        assert rows[s]["modeled_step_s"] > 0 and rows[s]["compute_s"] > 0
+    assert set(map(tuple, rows["ddp"]["params"].values())) == {("R", "R")}
+    assert set(map(tuple, rows["fsdp2"]["params"].values())) == {("S0", "S0")}
+    tp, ftp = rows["tp"]["params"], rows["fsdp2_tp"]["params"]
+    assert tuple(tp["layers.0.attention.wq.weight"]) == ("R", "S0")
+    assert tuple(tp["layers.1.feed_forward.w2.weight"]) == ("R", "S1")
+    assert tuple(tp["layers.0.attention_norm.weight"]) == ("R", "R")
+    assert tuple(tp["tok_embeddings.weight"]) == ("R", "S0") and tuple(tp["output.weight"]) == ("R", "S0")
+    assert tuple(ftp["layers.0.attention.wo.weight"]) == ("S0", "S1")
+    # DDP keeps full replicas (4 B param + 4 grad + 8 AdamW per element): the most model state of all
+    assert rows["ddp"]["predicted_peak_mem_bytes"] > rows["fsdp2"]["predicted_peak_mem_bytes"]
+    # torchtitan's plan is for Llama-3 models only: the row is kept and says so
+    assert rows["torchtitan"]["status"] == "n/a" and "Llama-3" in rows["torchtitan"]["note"]
+
+
+def test_autopar_objective_is_no_worse_than_any_forced_hand_layout(tiny_rows):
+    """autopar's solver minimizes the same objective over a superset of each hand layout: its optimum cannot be
+    above a forced plan's optimum (up to the MILP's tolerance)."""
+    rows = _by_source(tiny_rows)
+    a = rows["autopar"]["objective_s"]
+    for s in ("ddp", "fsdp2", "tp", "fsdp2_tp"):
+        assert a <= rows[s]["objective_s"] * (1 + 1e-6) + 1e-12, (s, a, rows[s]["objective_s"])
+    report.annotate(tiny_rows)
+    best = min(rows[s]["objective_s"] for s in ("ddp", "fsdp2", "tp", "fsdp2_tp"))
+    assert rows["autopar"]["ratio_objective_to_best_hand"] == pytest.approx(a / best)
+    assert rows["autopar"]["ratio_objective_to_best_hand"] <= 1 + 1e-6
+
+
+def test_hand_plan_that_does_not_fit_is_marked_with_the_reason():
+    rows = _by_source(harness.modeled_rows("llama-tiny", "llama-tiny", {}, torch.float32, 2, 32, "2x2",
+                                           ("ddp", "fsdp2", "autopar"), "cpu-gloo", budget=20_000))
+    assert rows["ddp"]["status"] == "does not fit"
+    assert "GiB per rank > budget" in rows["ddp"]["note"] and "ratio_to_best_hand" not in rows["ddp"]
+    assert rows["autopar"]["status"] == "does not fit"          # the planner's InfeasibleMemoryError
+    assert rows["autopar"]["note"].startswith("planner:")
+
+
+def test_unknown_model_and_bad_meshes_keep_their_rows():
+    rows = harness.run(harness_args(models=["no-such-model"]))
+    assert rows and all(r["status"] == "error" and "unknown model" in r["note"] for r in rows)
+    assert {r["source"] for r in rows} == {"autopar"}
+    # a mesh larger than the measured world of 4 gloo ranks: rows marked, nothing launched
+    rows = harness.measured_rows("mlp-tiny", ["2x4", "3"], ("autopar", "ddp"), 5, 1, 10)
+    assert len(rows) == 4 and all(r["status"] == "error" for r in rows)
+    assert "larger than the world" in _by_source([r for r in rows if r["mesh"] == "2x4"])["ddp"]["note"]
+    assert "has 3 ranks" in rows[-1]["note"]
+    bad = harness.modeled_rows("llama-tiny", "llama-tiny", {}, torch.float32, 2, 32, "2xx", ("autopar",), "cpu-gloo")
+    assert bad[0]["status"] == "error" and "bad mesh" in bad[0]["note"]
+    with pytest.raises(SystemExit):
+        harness.main(["--sources", "megatron9000", "--only", "scale"])
+
+
+def harness_args(**kw):
+    import argparse
+    d = dict(quick=True, only="modeled-cpu", models=None, meshes=None, sources=None, steps=5, warmup=1,
+             launch_timeout=60.0)
+    d.update(kw)
+    return argparse.Namespace(**d)
+
+
+def test_tp_rules_per_family():
+    assert hand_plans.tp_placement("gpt2", "h.0.attn.c_attn.weight", None) == "R"
+    assert hand_plans.tp_placement("gpt2", "h.0.mlp.c_fc.weight", None) == "S0"
+    assert hand_plans.tp_placement("gpt2", "h.0.mlp.c_proj.weight", None) == "S1"
+    assert hand_plans.tp_placement("gpt2", "h.0.mlp.c_proj.bias", None) == "R"
+    assert hand_plans.tp_placement("moe", "layers.1.moe.experts.w1", None) == "S2"
+    assert hand_plans.tp_placement("moe", "layers.1.moe.experts.w2", None) == "S1"
+    assert hand_plans.tp_placement("moe", "layers.1.moe.router.weight", None) == "R"
+    assert hand_plans.tp_placement("mlp", "layers.0.fc2.weight", None) == "S1"
+    m = M.build_model("mlp-tiny")
+    with pytest.raises(hand_plans.NotApplicable, match="2-D"):
+        hand_plans.forced_placements("fsdp2_tp", "mlp-tiny", m, ("dp",))
+    with pytest.raises(ValueError, match="unknown plan source"):
+        hand_plans.forced_placements("zero3", "mlp-tiny", m, ("dp",))
+
+
+def test_result_files_state_command_and_commit(tiny_rows, tmp_path):
+    meas = [{"model": "llama-tiny", "mesh": "2x2", "source": s, "kind": "measured", "cluster": "cpu-gloo",
+             "status": "ok", "note": "", "measured_step_s": t, "comm_bytes": b, "peak_mem_bytes": pk,
+             "comm": {"all_reduce": {"count": 1, "bytes": b}}}
+            for s, t, b, pk in (("autopar", 1.0, 100, 50), ("ddp", 2.0, 100, 80), ("fsdp2", 1.5, 300, 40))]
+    rows = [dict(r) for r in tiny_rows] + meas
+    prefix = str(tmp_path / "bench")
+    paths = report.write_all(rows, prefix, "python benchmarks/harness.py --test", 1.0)
+    assert {os.path.basename(p) for p in paths} >= {"bench.csv", "bench.md", "bench_steps.png", "bench_planning.png"}
+    text = open(prefix + ".csv").read().splitlines()
+    assert text[0] == "# command: python benchmarks/harness.py --test" and text[1].startswith("# commit: ")
+    got = list(csv.DictReader(line for line in text if not line.startswith("#")))
+    assert len(got) == len(rows)
+    a = next(r for r in got if r["kind"] == "measured" and r["source"] == "autopar")
+    assert float(a["measured_ratio_to_best_hand"]) == pytest.approx(1.0 / 1.5)
+    md = open(prefix + ".md").read()
+    assert "command: `python benchmarks/harness.py --test`" in md
+    # autopar uses less memory than DDP with the same bytes (ok), fsdp2 uses less memory than autopar (n/a)
+    assert "llama-tiny 2x2 vs ddp: 0.00 <= 0.00 MB ok" in md and "vs fsdp2" not in md
+    from PIL import Image
+    assert "commit" in Image.open(prefix + "_steps.png").info.get("Description", "")

@@ -1,0 +1,156 @@
+"""Pipeline plans executed on real gloo process groups equal single-device training.
+
+The parent plans (autopar.plan with a "pp" mesh dim; the schedule is pinned per case, stage cuts and micro-batch
+count are the planner's), saves the plans, and launches one process per rank running this file as a script. Every
+rank builds the same model, computes the single-device reference loss and gradients itself, runs one pipeline step
+with backends/pipeline.py and compares: loss (fp32, rtol 1e-5) on the ranks holding the last stage, each local
+parameter's gradient (rtol 1e-5 of the tensor's scale; FSDP-sharded gradients gathered). Several cases share one
+launch per world size (start-up costs seconds); every collective has a 60 s timeout, the launch a 300 s one.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+
+MODEL, LAYERS, BATCH, SEQ = "llama-tiny", 4, 8, 32
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _plans(tmp_path, world):
+    import autopar
+    from autopar import models
+    m = models.build_model(MODEL, device="meta", n_layers=LAYERS)
+    x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta", n_layers=LAYERS)
+    mesh = autopar.MeshSpec((2,), ("pp",)) if world == 2 else autopar.MeshSpec((2, 2), ("pp", "dp"))
+    cases = []
+    for sched in ("GPipe", "1F1B", "Interleaved1F1B"):
+        force = None
+        if world == 4 and sched == "Interleaved1F1B":      # exercise FSDP2 inside the stages too
+            force = {n: ("S0",) for n, p in m.named_parameters() if p.shape[0] % 2 == 0}
+        plan = autopar.plan(m, mesh, x, cluster="h100", force=force, pipeline={"schedules": [sched]})
+        path = tmp_path / f"plan_{world}_{sched}.json"
+        plan.save(path)
+        cases.append({"schedule": sched, "path": str(path), "stages": len(plan.stages),
+                      "m": plan.schedule["n_microbatches"], "bounds": plan.schedule["bounds"]})
+    return cases
+
+
+def _launch(tmp_path, world, cases):
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = []
+    for r in range(world):
+        out = tmp_path / f"rank{r}_{world}.json"
+        procs.append((subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(out),
+                                        json.dumps(cases)], env=env, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT), out))
+    results = []
+    try:
+        for p, out in procs:
+            log, _ = p.communicate(timeout=300)
+            assert p.returncode == 0, f"rank failed (rc {p.returncode}):\n{log.decode()[-4000:]}"
+            results.append(json.loads(out.read_text()))
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
+
+
+def _check(results, cases):
+    for ci, case in enumerate(cases):
+        holders = [r["cases"][ci] for r in results]
+        assert sum(1 for h in holders if h["loss_diff"] is not None) >= 1, case
+        for h in holders:
+            assert h["n_params"] > 0 and h["has_layers"], f"{case['schedule']}: rank holds no block: {h}"
+            assert h["max_grad_rel"] <= 1e-5, f"{case['schedule']}: gradient mismatch {h}"
+            if h["loss_diff"] is not None:
+                assert h["loss_diff"] <= 1e-5 * abs(h["loss_ref"]), f"{case['schedule']}: loss mismatch {h}"
+            assert "PipelineShapeError" in h["shape_error"] and "micro-batches" in h["shape_error"], h
+        covered = set().union(*(set(h["params"]) for h in holders))
+        assert covered == set(results[0]["cases"][ci]["all_params"]), "some parameter was on no stage"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipeline_equals_single_device(tmp_path, world):
+    cases = _plans(tmp_path, world)
+    for c in cases:        # the planner placed the cuts itself; every stage holds at least one block
+        assert c["stages"] == (4 if c["schedule"] == "Interleaved1F1B" else 2), c
+    results = _launch(tmp_path, world, cases)
+    _check(results, cases)
+    if world == 4:          # the dp dim really ran data parallel (different rows per dp rank)
+        assert {tuple(r["cases"][0]["local_rows"]) for r in results} == {(0, 4), (4, 8)}
+    print("\n" + "\n".join(f"world {world} {c['schedule']}: stages {c['stages']} bounds {c['bounds']} m={c['m']} "
+                           f"max grad rel diff {max(r['cases'][i]['max_grad_rel'] for r in results):.2e} "
+                           f"max loss diff {max(r['cases'][i]['loss_diff'] or 0 for r in results):.2e}"
+                           for i, c in enumerate(cases)))
+
+
+# ---- worker (one process per rank) -------------------------------------------------------------------------------
+def _worker(rank, world, port, out, cases):
+    import copy
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from autopar import Plan, models
+    from autopar.backends.pipeline import PipelineRunner, PipelineShapeError, local_batch
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    res = []
+    try:
+        for case in cases:
+            plan = Plan.load(case["path"])
+            model = models.build_model(MODEL, device="cpu", n_layers=LAYERS, seed=0)
+            ref = copy.deepcopy(model)
+            x, y = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, n_layers=LAYERS, seed=1)
+            mesh = init_device_mesh("cpu", tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_names))
+            dp_rank = mesh.get_local_rank("dp") if "dp" in plan.mesh_names else 0
+            runner = PipelineRunner(model, plan, mesh)
+            xl, yl = local_batch(plan, (x, y), dp_rank)
+            ref(x, y).backward()
+            loss_local_ref = ref(xl, yl).item()
+            loss = runner.step(xl if runner.is_first else None, yl if runner.is_last else None)
+            rel, names = 0.0, []
+            gref = dict(ref.named_parameters())
+            for n, p in runner.named_parameters():
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                want = gref[n].grad
+                rel = max(rel, float((g - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+                names.append(n)
+            try:
+                bad = torch.cat([x, x], 1)
+                runner.step(bad if runner.is_first else None, torch.cat([y, y], 1) if runner.is_last else None)
+                err = "no error"
+            except PipelineShapeError as e:
+                err = f"PipelineShapeError: {e}"
+            res.append({"max_grad_rel": rel, "params": names, "n_params": len(names),
+                        "has_layers": any(".layers." in f".{n}" for n in names),
+                        "all_params": [n for n, _ in ref.named_parameters()],
+                        "loss_diff": None if loss is None else abs(loss.item() - loss_local_ref),
+                        "loss_ref": loss_local_ref, "shape_error": err,
+                        "local_rows": [int(xl.data_ptr() - x.data_ptr()) // (x.element_size() * x.shape[1]),
+                                       int(xl.data_ptr() - x.data_ptr()) // (x.element_size() * x.shape[1])
+                                       + xl.shape[0]]})
+            dist.barrier()
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump({"rank": rank, "cases": res}, f)
+
+
+if __name__ == "__main__":
+    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))
