@@ -15,9 +15,19 @@ __all__ = ["plan", "Plan", "MeshSpec", "ClusterSpec", "CLUSTERS", "get_cluster",
            "CaptureError", "InfeasibleMemoryError", "NoStrategyError", "parallelize"]
 
 
-def parallelize(model, mesh, example_inputs, **kwargs):
+def parallelize(model, mesh, example_inputs, *, backend: str = "graph", **kwargs):
     """Plan `model` for the DeviceMesh `mesh` and return a module that runs each training step SPMD on this rank
-    (see autopar.backends.graph.parallelize; imported on first use so planning never loads the backends)."""
-    from .backends.graph import parallelize as _parallelize
-    return _parallelize(model, mesh, example_inputs, **kwargs)
+    (see autopar.backends.graph.parallelize; imported on first use so planning never loads the backends).
+
+    backend: "graph" (autopar's SPMD executor: any plan), "torch" (the user's own module, parallelized in place by
+    fully_shard / parallelize_module; EngineLoweringError when the plan does not fit them) or "auto" (the torch
+    engines when they express the plan, else the graph backend; the result's `.autopar_dump` says which
+    part went where and why). See autopar.backends.engines."""
+    if backend == "graph":
+        from .backends.graph import parallelize as _parallelize
+        return _parallelize(model, mesh, example_inputs, **kwargs)
+    if backend in ("torch", "auto"):
+        from .backends.engines import parallelize_torch
+        return parallelize_torch(model, mesh, example_inputs, backend=backend, **kwargs)
+    raise ValueError(f"backend must be 'graph', 'torch' or 'auto', got {backend!r}")
 __version__ = "0.1.0"

@@ -305,84 +305,111 @@ class Partition:
     bounds: list            # S + 1 cluster indices, 0 = b_0 < ... < b_S = n
     variants: list          # intra-op variant per stage
     proxy_s: float
+    recompute: list = None  # checkpointed blocks per stage
 
 
-def stage_terms(costs: list, xfer: np.ndarray, spec, p: int, v: int, m: int):
-    """Per variant, (n+1)x(n+1) matrices over stage ranges [j, i): c (seconds per micro-batch incl. transfers and
-    dp comm / m when that dominates), f (additive term of the closed form), state and act bytes."""
-    out = []
+def stage_options(costs: list, xfer, spec, p: int, v: int, m: int, q: int, cap: float, recompute: bool = True):
+    """Every stage range [j, i) (as (n+1) x (n+1) matrices, one per intra-op variant) for a stage holding q
+    micro-batches in flight: r = the fewest blocks to checkpoint so that state + q * act (+ one block's activations
+    while it is recomputed, if r > 0) <= cap (blocks of a stage treated as alike: r times the average saving and
+    recompute time), c = seconds per micro-batch (compute + transfers on both sides + r recomputes; at least its
+    dp comm / m), f = the additive term of the closed form. Returns arrays C, Fm (inf where infeasible) and R."""
     n = len(costs[0].F)
     j = np.arange(n + 1)[:, None]
     i = np.arange(n + 1)[None, :]
     ok = i > j
+    pre = lambda a: np.concatenate([[0.0], np.cumsum(a)])
+    Cs, Fs, Rs = [], [], []
     for vi, cv in enumerate(costs):
-        pre = lambda a: np.concatenate([[0.0], np.cumsum(a)])
         PF, PB, PW, Pd, Ps, Pa = (pre(a) for a in (cv.F, cv.B, cv.W, cv.dp, cv.state, cv.act))
+        Pn, Psv, Prt = pre(cv.blk.astype(float)), pre(cv.save), pre(cv.rtime)
         x = np.pad(np.asarray(xfer[vi], dtype=float), (1, 1))       # x[b]: transfer over boundary b (0, n: none)
         comp = (PF[i] - PF[j]) + (PB[i] - PB[j]) + (PW[i] - PW[j]) + x[j] + x[i]
+        mem0 = (Ps[i] - Ps[j]) + q * (Pa[i] - Pa[j])
+        nb = np.maximum(Pn[i] - Pn[j], 1.0)
+        amax = np.zeros((n + 1, n + 1))                           # largest block activation in [j, i)
+        blk_act = np.where(cv.blk, cv.act, 0.0)
+        for jj in range(n):
+            amax[jj, jj + 1:] = np.maximum.accumulate(blk_act[jj:])
+        save = (Psv[i] - Psv[j]) / nb
+        with np.errstate(divide="ignore", invalid="ignore"):
+            need = np.ceil(np.where(save > 0, (mem0 + amax - cap) / (q * save), INF) - 1e-9)
+        r = np.where(mem0 <= cap, 0.0, need if recompute else INF)
+        feas = ok & (r <= (Pn[i] - Pn[j]))
+        r = np.where(feas, np.maximum(r, 0.0), 0.0)
+        comp = comp + r * (Prt[i] - Prt[j]) / nb
         c = np.maximum(comp, (Pd[i] - Pd[j]) / m)
         W = PW[i] - PW[j]
         b = np.maximum(0.0, c - 3.0 * W) if spec.split_backward else c
         f = (c + (p - 1) * b) / (p * v)
-        out.append((np.where(ok, c, INF), np.where(ok, f, INF), Ps[i] - Ps[j] + cv.transient, Pa[i] - Pa[j]))
-    return out
+        Cs.append(np.where(feas, c, INF))
+        Fs.append(np.where(feas, f, INF))
+        Rs.append(r.astype(int))
+    return np.stack(Cs), np.stack(Fs), np.stack(Rs)
 
 
-def partition(costs: list, xfer: np.ndarray, spec, p: int, v: int, m: int, inflight: list[int],
-              cap: float) -> Partition | None:
-    """Exact minimum of the closed form over contiguous partitions of the n clusters into S = p*v stages and an
-    intra-op variant per stage, with state + transient + inflight[k] * act <= cap on every stage k (legal cuts
-    only). costs: per variant, arrays over clusters (F, B, W, dp, state, act, legal per boundary, transient);
-    xfer[variant][b]: seconds of one transfer over boundary b. None if nothing fits."""
+def partition(costs: list, xfer, spec, p: int, v: int, m: int, inflight: list[int], cap: float,
+              tol: float = 0.0, recompute: bool = True) -> Partition | None:
+    """Exact minimum of the closed form over contiguous partitions of the n clusters into S = p*v stages, an
+    intra-op variant per stage and its checkpointed-block count (stage_options), every stage within `cap` bytes
+    with inflight[k] micro-batches in flight, legal cuts only. costs: per variant, arrays over clusters (F, B, W,
+    dp, state, act, blk, save, rtime, legal per boundary); xfer[variant][b]: seconds of one transfer over boundary b.
+    None if nothing fits. tol > 0 stops the scan over bottlenecks once no remaining one can improve the best by
+    more than tol (relative)."""
     n, S = len(costs[0].F), p * v
     if S > n:
         return None
     legal = np.ones(n + 1, dtype=bool)
     legal[1:n] = np.all([cv.legal for cv in costs], axis=0)
     cut_ok = legal[:, None] & legal[None, :]
-    terms = stage_terms(costs, xfer, spec, p, v, m)
-    C = np.stack([t[0] for t in terms])                        # V x (n+1) x (n+1)
-    Fm = np.stack([t[1] for t in terms])
-    base = np.where(cut_ok[None], Fm, INF)
-    by_q = {}                                                  # stages with the same in-flight count share a mask
+    by_q = {}                                   # stages with the same in-flight count share their options
     for q in set(inflight[:S]):
-        by_q[q] = np.where(np.stack([t[2] + q * t[3] <= cap for t in terms]), base, INF)   # V x (n+1) x (n+1)
+        C, Fm, R = stage_options(costs, xfer, spec, p, v, m, q, cap, recompute)
+        C = np.where(cut_ok[None], C, INF)
+        by_q[q] = (C, np.where(np.isfinite(C), Fm, INF), R)
     coef = proxy_coef(m, v)
+    cols = np.arange(n + 1)
 
-    def solve(t):
+    def solve(t, record=False):
+        """min sum f over partitions with every stage's c <= t (dynamic program over the stage index)."""
         D = np.full(n + 1, INF)
         D[0] = 0.0
-        arg = []
-        over = C > t
+        arg, masked = [], {}
         for k in range(S):
-            cost = by_q[inflight[k]].copy()
-            cost[over] = INF
-            vbest = cost.argmin(axis=0)
-            cmin = np.take_along_axis(cost, vbest[None], 0)[0]
+            q = inflight[k]
+            if q not in masked:
+                C, Fm, _ = by_q[q]
+                cost = np.where(C > t, INF, Fm)
+                masked[q] = (cost.min(axis=0), cost.argmin(axis=0) if record else None)
+            cmin, vbest = masked[q]
             tot = D[:, None] + cmin
             jb = tot.argmin(axis=0)
-            D = tot[jb, np.arange(n + 1)]
-            arg.append((jb, vbest))
+            D = tot[jb, cols]
+            if record:
+                arg.append((jb, vbest))
         return D[n], arg
 
-    vals = np.unique(C[np.isfinite(C) & np.broadcast_to(cut_ok, C.shape)])
+    vals = np.unique(np.concatenate([C[np.isfinite(C)] for C, _, _ in by_q.values()]))
     lo_sum, _ = solve(INF)
     if not np.isfinite(lo_sum):
         return None
-    lo, hi = 0, len(vals) - 1                                  # smallest feasible bottleneck
+    cmin_cluster = np.min([cv.F + cv.B + cv.W for cv in costs], axis=0)
+    t_low = max(float(cmin_cluster.sum()) / S, float(cmin_cluster.max())) * (1 - 1e-12)
+    lo, hi = int(np.searchsorted(vals, t_low)), len(vals) - 1   # smallest feasible bottleneck
     while lo < hi:
         mid = (lo + hi) // 2
         if np.isfinite(solve(vals[mid])[0]):
             hi = mid
         else:
             lo = mid + 1
-    best, best_arg = INF, None
+    best, best_t = INF, None
     for t in vals[lo:]:
-        if coef * t + lo_sum >= best:
+        if coef * t + lo_sum >= best * (1 - tol):
             break
-        s, arg = solve(t)
+        s, _ = solve(t)
         if coef * t + s < best:
-            best, best_arg = coef * t + s, arg
+            best, best_t = coef * t + s, t
+    _, best_arg = solve(best_t, record=True)
     bounds, variants, i = [n], [], n
     for k in range(S - 1, -1, -1):
         jb, vb = best_arg[k]
@@ -392,31 +419,27 @@ def partition(costs: list, xfer: np.ndarray, spec, p: int, v: int, m: int, infli
         i = j
     bounds.reverse()
     variants.reverse()
-    # the proxy with the true max of the chosen partition (<= best_t)
-    cs = [C[variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
-    fs = [Fm[variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
-    return Partition(bounds, variants, coef * max(cs) + sum(fs))
+    rec = [int(by_q[inflight[k]][2][variants[k], bounds[k], bounds[k + 1]]) for k in range(S)]
+    cs = [by_q[inflight[k]][0][variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
+    fs = [by_q[inflight[k]][1][variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
+    return Partition(bounds, variants, float(coef * max(cs) + sum(fs)), rec)
 
 
-def brute_force(costs: list, xfer, spec, p, v, m, inflight, cap) -> Partition | None:
-    """Every legal cut set and variant assignment (small models only): the reference `partition` must match."""
+def brute_force(costs: list, xfer, spec, p, v, m, inflight, cap, recompute: bool = True) -> Partition | None:
+    """Every legal cut set and variant assignment (small models only): `partition` must find the same minimum."""
     n, S = len(costs[0].F), p * v
-    terms = stage_terms(costs, xfer, spec, p, v, m)
+    opts = {q: stage_options(costs, xfer, spec, p, v, m, q, cap, recompute) for q in set(inflight[:S])}
     legal = [b for b in range(1, n) if all(cv.legal[b - 1] for cv in costs)]
     best = None
     for cuts in itertools.combinations(legal, S - 1):
         bounds = [0, *cuts, n]
         for vs in itertools.product(range(len(costs)), repeat=S):
-            cs, fs, ok = [], [], True
-            for k in range(S):
-                c, f, st, ac = (x[bounds[k], bounds[k + 1]] for x in terms[vs[k]])
-                if st + inflight[k] * ac > cap:
-                    ok = False
-                    break
-                cs.append(c)
-                fs.append(f)
-            if ok:
-                val = proxy_coef(m, v) * max(cs) + sum(fs)
-                if best is None or val < best.proxy_s - 1e-15:
-                    best = Partition(bounds, list(vs), val)
+            cs = [opts[inflight[k]][0][vs[k], bounds[k], bounds[k + 1]] for k in range(S)]
+            if not all(np.isfinite(cs)):
+                continue
+            fs = [opts[inflight[k]][1][vs[k], bounds[k], bounds[k + 1]] for k in range(S)]
+            val = proxy_coef(m, v) * max(cs) + sum(fs)
+            if best is None or val < best.proxy_s - 1e-15:
+                best = Partition(bounds, list(vs), float(val),
+                                 [int(opts[inflight[k]][2][vs[k], bounds[k], bounds[k + 1]]) for k in range(S)])
     return best

@@ -78,12 +78,12 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
                "graph_ops": int(sum(cv.ops[a:b])),
                "submesh": {"shape": list(smesh.shape), "names": list(smesh.names),
                            "ranks": [r * ranks_per_stage, (r + 1) * ranks_per_stage - 1]},
-               "intra_op": cv.name, "recompute": cv.recompute,
+               "intra_op": cv.name, "recompute_blocks": best["recompute"][k],
                "time": {"F_s": best["F"][k], "B_s": best["B"][k], "W_s": best["W"][k],
                         "per_microbatch_s": best["F"][k] + best["B"][k] + best["W"][k], "dp_comm_s": best["dp"][k]},
                "memory": {"state_bytes": best["state"][k], "act_bytes_per_microbatch": best["act"][k],
                           "inflight_microbatches": best["inflight"][k],
-                          "recompute_transient_bytes": cv.transient, "rank_peak_bytes": best["rank_mem"][r]}}
+                          "recompute_transient_bytes": best["transient"][k], "rank_peak_bytes": best["rank_mem"][r]}}
         if k < S - 1:
             nb, link, t = best["xfer"][k]
             rec["send"] = {"bytes": nb, "link": link, "time_s": t}
@@ -122,8 +122,12 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
                 "timeline": pm.timeline(sim), "first_actions": pm.first_events(sim, 10),
                 "even_split": None if best["even"] is None else
                 {"step_s": best["even"]["step_s"], "bubble": best["even"]["bubble"],
-                 "peak_mem_bytes": best["even"]["peak_mem"], "fits": best["even"]["fits"]},
-                "candidates": [row(r) for r in top], "n_candidates": n_candidates}
+                 "peak_mem_bytes": best["even"]["peak_mem"], "fits": best["even"]["fits"],
+                 "bounds": best["even"]["bounds"], "recompute": best["even"]["recompute"],
+                 "stage_s": [f + b + w for f, b, w in zip(best["even"]["F"], best["even"]["B"], best["even"]["W"])]},
+                "candidates": [row(r) for r in top], "n_candidates": n_candidates,
+                "search": {k: times[k] for k in ("configs", "pruned", "intra_op_keys", "pp_degrees", "stage_meshes",
+                                                  "total_s", "intra_op_s")}}
     # whole-step collectives: activation redistributes once per micro-batch, dp comm once per step, p2p
     coll = {}
     for k in range(S):
@@ -156,26 +160,34 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
     full_shape = (p,) + tuple(smesh.shape) if "pp" not in getattr(mesh, "names", ()) else tuple(mesh.shape)
     full_names = ("pp",) + tuple(smesh.names) if "pp" not in getattr(mesh, "names", ()) else tuple(mesh.names)
     return Plan(full_shape, full_names, cluster.name, main.nodes, params, predicted, solver,
-                [["stages: intra-op plans", times["intra_op_s"]], ["stages: total", times["total_s"]]],
+                [["stages: intra-op plans (summed over workers)", times["intra_op_s"]],
+                 ["stages: total", times["total_s"]]],
                 main.regions, main.coverage,
                 {**main.meta, "pipeline": True, "nodes": "the per-op plan of the representative sub-model (one "
                  "block per distinct block) of the stage plan most stages use"}, stages, schedule)
 
 
-def evaluate_fitted(costs, bounds, r, cluster, budget) -> dict:
-    """Evaluate fixed stage bounds with, per stage, the fastest intra-op variant whose memory fits (the leanest
-    when none does), as the search's own DP would be allowed to: a fair baseline for hand layouts."""
-    S, cap = r["p"] * r["v"], budget / r["v"]
-    fl = _dp_inflight(r["order"], S, r["spec"], r["v"])
-    variants = []
+def evaluate_fitted(costs, bounds, r, cluster, budget, recompute=True) -> dict:
+    """Evaluate fixed stage bounds (a hand layout, the even split) with, per stage, the intra-op variant and
+    checkpointed-block count the search itself would pick for that range (fastest that fits; the leanest when none
+    does): the same freedom as the DP, only the cuts are fixed."""
+    S, v = r["p"] * r["v"], r["v"]
+    cap = budget / v
+    fl = _dp_inflight(r["order"], S, r["spec"], v)
+    xfer = np.zeros((len(costs), len(costs[0].F) - 1))
+    variants, rec = [], []
     for k in range(S):
         a, b = bounds[k], bounds[k + 1]
-        opts = [(float(cv.F[a:b].sum() + cv.B[a:b].sum() + cv.W[a:b].sum()),
-                 float(cv.state[a:b].sum() + cv.transient + fl[k] * cv.act[a:b].sum()), j)
-                for j, cv in enumerate(costs)]
-        ok = [o for o in opts if o[1] <= cap]
-        variants.append(min(ok)[2] if ok else min(opts, key=lambda o: o[1])[2])
-    return evaluate(costs, bounds, variants, r["spec"], r["p"], r["v"], r["m"], r["order"], cluster,
+        C, _, R = pm.stage_options(costs, xfer, r["spec"], r["p"], v, r["m"], fl[k], cap, recompute)
+        if np.isfinite(C[:, a, b]).any():
+            j = int(np.argmin(C[:, a, b]))
+            variants.append(j)
+            rec.append(int(R[j, a, b]))
+        else:                               # nothing fits: every block checkpointed, leanest variant
+            j = int(np.argmin([cv.state[a:b].sum() + fl[k] * (cv.act[a:b] - cv.save[a:b]).sum() for cv in costs]))
+            variants.append(j)
+            rec.append(int(costs[j].blk[a:b].sum()) if recompute else 0)
+    return evaluate(costs, bounds, variants, rec, r["spec"], r["p"], v, r["m"], r["order"], cluster,
                     r["mesh"].size, budget) | {"bounds": bounds, "variants": variants}
 
 
@@ -195,7 +207,7 @@ def lower_bound(costs, spec, p, v, m) -> float:
     return pm.proxy_coef(m, v) * max(tot / S, float(c.max())) + f
 
 
-def search_config(c, order, ops, cluster, budget, hand=None) -> dict:
+def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute=True) -> dict:
     """Stage DP (or a hand layout) for one configuration, evaluated by simulation. With several stages per rank
     the DP charges each stage budget/v (scaled while the exact rank peak leaves room or overflows)."""
     p, v, m, spec, smesh = c["p"], c["v"], c["m"], c["spec"], c["mesh"]
@@ -205,20 +217,18 @@ def search_config(c, order, ops, cluster, budget, hand=None) -> dict:
     base = {**c, "order": order}
     if hand:
         cvs = ops.costs()
-        r = evaluate_fitted(cvs, layout_bounds(hand), base, cluster, budget)
-        return {**base, **r, "part": pm.Partition(r["bounds"], r["variants"], float("nan"))}
+        r = evaluate_fitted(cvs, layout_bounds(hand), base, cluster, budget, recompute)
+        return {**base, **r, "part": pm.Partition(r["bounds"], r["variants"], float("nan"), r["recompute"])}
     cap, best, tried = budget / v, None, 0
-    while tried < (1 if v == 1 else 4):
+    while tried < (1 if v == 1 else 3):
         tried += 1
-        while True:
-            cvs = ops.costs()
-            xfer = np.array([[collective_time("send_recv", float(b), 2, link) for b in cv.xbytes] for cv in cvs])
-            part = pm.partition(cvs, xfer, spec, p, v, m, fl, cap)
-            if part is not None or not ops.more():
-                break
+        cvs = ops.costs()
+        xfer = np.array([[collective_time("send_recv", float(b), 2, link) for b in cv.xbytes] for cv in cvs])
+        part = pm.partition(cvs, xfer, spec, p, v, m, fl, cap, tol, recompute)
         if part is None:
             break
-        ev = evaluate(cvs, part.bounds, part.variants, spec, p, v, m, order, cluster, smesh.size, budget)
+        ev = evaluate(cvs, part.bounds, part.variants, part.recompute, spec, p, v, m, order, cluster, smesh.size,
+                      budget)
         if ev["fits"] and (best is None or ev["step_s"] < best["step_s"]):
             best = {**base, **ev, "part": part}
         if ev["fits"] and ev["peak_mem"] > 0.95 * budget or cap >= budget:
@@ -228,6 +238,39 @@ def search_config(c, order, ops, cluster, budget, hand=None) -> dict:
 
 
 # ---- the search ------------------------------------------------------------------------------------------------
+_FORKED: tuple = ()     # what forked workers inherit: (model, prefix, reps, pos_of, ctx)
+
+
+def _one_stage_plan(job):
+    model, prefix, reps, pos_of, ctx = _FORKED
+    smesh, specs = job
+    mbi = tuple(torch.empty(sh, dtype=dt, device="meta") if sh is not None else x for sh, dt, x in specs)
+    return StageOps(model, prefix, reps, pos_of, mbi, smesh, {**ctx, "drop_state": True})
+
+
+def _stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=None) -> dict:
+    """StageOps per (stage submesh, micro-batch size). Several keys are planned in forked worker processes (one per
+    core, at most 2 unless `workers` says otherwise): each is an independent capture + intra-op solve."""
+    import multiprocessing as mp
+    import os
+    global _FORKED
+    jobs = []
+    for smesh, mb in keys:
+        jobs.append((smesh, tuple(((mb,) + tuple(x.shape[1:]), x.dtype, None) if isinstance(x, torch.Tensor) and
+                                  x.dim() and x.shape[0] == Bsz else (None, None, x) for x in inputs)))
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1) if len(jobs) >= 4 else 1
+    _FORKED = (model, prefix, reps, pos_of, ctx)
+    try:
+        if workers > 1 and "fork" in mp.get_all_start_methods():
+            with mp.get_context("fork").Pool(workers) as pool:
+                out = pool.map(_one_stage_plan, jobs, chunksize=1)
+        else:
+            out = [_one_stage_plan(j) for j in jobs]
+    finally:
+        _FORKED = ()
+    return dict(zip(keys, out))
+
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -275,7 +318,10 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
 
     pipeline: "auto"/True, or a dict narrowing the search: pp, tp (lists), n_microbatches, schedules,
     stages_per_rank (lists), layers_per_stage (a hand layout: blocks per stage, no DP), max_microbatch_options,
-    n_variants (intra-op plans per stage submesh: 1 time-optimal, 2 (default) + FSDP-sharded params, 3-4 + memory-budgeted), top (candidates kept in the report)."""
+    n_variants (intra-op plans per stage submesh: 1 time-optimal, 2 (default) + FSDP-sharded params, 3-4 +
+    memory-budgeted), recompute (offer checkpointed blocks, default True), dp_shards_batch (default True),
+    prune_margin (1.25), dp_tol (1e-3: relative tolerance of the bottleneck scan; 0 = exact), top (candidates
+    kept in the report)."""
     from .solver import InfeasibleMemoryError
     t_start = time.perf_counter()
     opts = dict(pipeline) if isinstance(pipeline, dict) else {}
@@ -300,27 +346,25 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
     names = [k for k in opts.get("schedules") or pm.SCHEDULES]
     specs = [pm.get_schedule(k) for k in names]
     hand = opts.get("layers_per_stage")
-    cache: dict = {}
-    configs = []
+    grid = []
     for p, smesh in candidate_meshes(mesh, n, cluster, opts):
         if tied and p > 1:
             raise ValueError(f"tied parameters {sorted(tied)} cannot be split across pipeline stages")
-        for m in microbatch_counts(Bsz, p, _dp_size(smesh), opts):
-            mb = Bsz // m
-            key = (smesh.shape, smesh.names, mb)
-            if key not in cache:
-                mbi = tuple(torch.empty((mb,) + tuple(x.shape[1:]), dtype=x.dtype, device="meta")
-                            if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == Bsz else x for x in inputs)
-                cache[key] = StageOps(model, prefix, reps, pos_of, mbi, smesh, ctx)
-            if not cache[key].variants:
-                continue
-            for spec in specs:
-                for v in (opts.get("stages_per_rank") or spec.stages_per_rank) if p > 1 else (1,):
-                    if (p == 1 and spec.name != "GPipe") or (v > 1) != spec.multi or p * v > n or \
-                            (hand and len(hand) != p * v):
-                        continue
-                    configs.append({"p": p, "mesh": smesh, "m": m, "spec": spec, "v": v, "key": key,
-                                    "lb": lower_bound(cache[key].costs(), spec, p, v, m)})
+        grid += [(p, smesh, m) for m in microbatch_counts(Bsz, p, _dp_size(smesh), opts)]
+    keys = list(dict.fromkeys((smesh, Bsz // m) for _, smesh, m in grid))
+    cache = _stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, opts.get("workers"))
+    configs = []
+    for p, smesh, m in grid:
+        key = (smesh, Bsz // m)
+        if not cache[key].variants:
+            continue
+        for spec in specs:
+            for v in (opts.get("stages_per_rank") or spec.stages_per_rank) if p > 1 else (1,):
+                if (p == 1 and spec.name != "GPipe") or (v > 1) != spec.multi or p * v > n or \
+                        (hand and len(hand) != p * v):
+                    continue
+                configs.append({"p": p, "mesh": smesh, "m": m, "spec": spec, "v": v, "key": key,
+                                "lb": lower_bound(cache[key].costs(), spec, p, v, m)})
     configs.sort(key=lambda c: c["lb"])
     results, best_step, pruned = [], INF, 0
     margin = float(opts.get("prune_margin", 1.25))
@@ -332,7 +376,8 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
             order = pm.actions(c["spec"], c["p"], c["m"], c["v"])
         except ValueError:
             continue
-        r = search_config(c, order, cache[c["key"]], cluster, budget, hand)
+        r = search_config(c, order, cache[c["key"]], cluster, budget, hand, float(opts.get("dp_tol", 1e-3)),
+                          ctx["recompute"])
         results.append(r)
         if r["fits"]:
             best_step = min(best_step, r["step_s"])
@@ -346,13 +391,15 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
     top = fitting[:int(opts.get("top", 12))]
     for r in top:           # the torchtitan-style even layer split of the same configuration, for comparison
         S = r["p"] * r["v"]
-        r["even"] = evaluate_fitted(cache[r["key"]].costs(), even_bounds(len(blocks), S), r, cluster, budget) \
-            if S <= len(blocks) else None
-    best = top[0] = {**top[0], **evaluate(cache[top[0]["key"]].costs(), top[0]["part"].bounds,
-                                          top[0]["part"].variants, top[0]["spec"], top[0]["p"], top[0]["v"],
-                                          top[0]["m"], top[0]["order"], cluster, top[0]["mesh"].size, budget,
-                                          detail=True)}
+        r["even"] = evaluate_fitted(cache[r["key"]].costs(), even_bounds(len(blocks), S), r, cluster, budget,
+                                    ctx["recompute"]) if S <= len(blocks) else None
+    t0 = top[0]
+    best = top[0] = {**t0, **evaluate(cache[t0["key"]].costs(), t0["part"].bounds, t0["part"].variants,
+                                      t0["part"].recompute, t0["spec"], t0["p"], t0["v"], t0["m"], t0["order"],
+                                      cluster, t0["mesh"].size, budget, detail=True)}
     stats = {"intra_op_s": t_intra, "total_s": time.perf_counter() - t_start, "configs": len(configs),
-             "pruned": pruned, "intra_op_keys": len(cache)}
+             "pruned": pruned, "intra_op_keys": len(cache), "pp_degrees": sorted({c["p"] for c in configs}),
+             "stage_meshes": sorted({"x".join(map(str, c["mesh"].shape)) + "(" + ",".join(c["mesh"].names) + ")"
+                                     for c in configs})}
     return build_pipeline_plan(best, top, len(results), cache[best["key"]], model,
                                prefix, reps, pos_of, mesh, inputs, cluster, budget, stats)

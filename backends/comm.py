@@ -99,6 +99,7 @@ def apply_step(x: torch.Tensor, mesh, m: int, a: str, b: str) -> torch.Tensor:
     if n == 1:                          # a size-1 mesh dim: only the placement label changes
         return x
     name = group_name(mesh, m)
+    x = per_rank(x)                     # under LocalTensorMode a collective needs every rank's own tensor
     if a[0] == "S":
         d = int(a[1:])
         if b[0] == "S":

@@ -154,10 +154,10 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
     low = TorchLowering(plan.hash(), names, shape)
     low.block_fqns = _blocks(plan)
     inputs = [n for n in plan.nodes if n["kind"] == "input"]
-    low.input_placements = [n["placement"]["out"][0] for n in inputs]
+    low.input_placements = [_fed(G, n) for n in inputs]
     data, model_dims = [], []
     for d, name in enumerate(names):
-        pls = {n["placement"]["out"][0][d] for n in inputs}
+        pls = {pl[d] for pl in low.input_placements}
         if pls == {"S0"}:
             data.append(d)
         elif pls <= {"R"}:
@@ -177,7 +177,6 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
                                 f"parallelize_module takes one 1-D mesh"))
     for d in data:
         (low.shard_dims if any(p[d][0] == "S" for p in plan.params.values()) else low.replicate_dims).append(d)
-    _check_shared(low, plan, model)
     _recognize_fsdp(low, G, plan, units)
     if low.tp_dim is not None:
         from .engines_tp import recognize_tp
@@ -185,6 +184,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
     elif styles:
         raise EngineLoweringError(f"styles {sorted(styles)} were forced but the plan has no tensor-parallel dim "
                                   f"(mesh {dict(zip(names, shape))}, inputs {low.input_placements})")
+    _check_shared(low, plan, model)
     mp = plan.meta.get("mixed_precision")
     if mp:
         low.mixed_precision = {"param_dtype": mp["param_dtype"], "reduce_dtype": mp["reduce_dtype"]}
@@ -198,15 +198,37 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
     return low
 
 
+def _fed(G, inp) -> list:
+    """How a rank is fed an input: its placement, except that a dim the plan keeps replicated only to chunk it
+    by batch at every consumer (a local R -> S0) is fed batch-sharded right away (the same local values)."""
+    pl = list(inp["placement"]["out"][0])
+    uses = G.users[inp["idx"]]
+    for d, p in enumerate(pl):
+        if p == "R" and uses and all(G.rec(u)["placement"]["ins"][j][d] == "S0" for u, j, _ in uses):
+            pl[d] = "S0"
+    return pl
+
+
 def _check_shared(low, plan, model):
+    """A tensor registered under two FQNs (tied / shared weights) must stay within one FSDP unit and out of
+    ParallelStyles: FSDP2 and parallelize_module replace a module's parameter with their own DTensor."""
     if model is None:
         return
+    units = [u.fqn for u in low.units if u.fqn]
+    unit_of = lambda f: next((u for u in units if f.startswith(u + ".")), "")
+    styled = lambda f: any(f.rsplit(".", 1)[0] == m or f.startswith(m + ".") for m in low.styles)
     seen = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in seen and _block_of(plan, fqn) != _block_of(plan, seen[id(p)]):
-            low.reasons.append((f"parameter {fqn}", f"is the same tensor as {seen[id(p)]} in another block; FSDP2 "
-                                f"units and ParallelStyles own a parameter in one module only"))
-        seen.setdefault(id(p), fqn)
+        base = seen.setdefault(id(p), fqn)
+        if base == fqn:
+            continue
+        if unit_of(fqn) != unit_of(base):
+            low.reasons.append((f"parameter {fqn}", f"is the same tensor as {base}, which is in FSDP unit "
+                                f"'{unit_of(base) or '<root>'}' while it is in '{unit_of(fqn) or '<root>'}'; a "
+                                f"shared parameter must live in one unit"))
+        elif styled(fqn) or styled(base):
+            low.reasons.append((f"parameter {fqn}", f"is the same tensor as {base}; a ParallelStyle would replace "
+                                f"it in one module only"))
 
 
 def _blocks(plan) -> list[str]:
@@ -297,17 +319,17 @@ def _recognize_fsdp(low, G, plan, forced_units):
 
 # ---- applying ------------------------------------------------------------------------------------------------
 
-def lower_to_torch(model: nn.Module, mesh, plan, *, units=None, styles=None) -> nn.Module:
+def lower_to_torch(model: nn.Module, mesh, plan, *, units=None, styles=None, compile_blocks=None) -> nn.Module:
     """Parallelize `model` in place with fully_shard / parallelize_module as `plan` says; raises
     EngineLoweringError (listing every reason) when the plan is not expressible. Returns the same module."""
     low = recognize(plan, model, units=units, styles=styles)
     if not low.expressible:
         raise EngineLoweringError("the plan cannot be lowered to fully_shard / parallelize_module:\n" +
                                   "\n".join(f"  {part}: {why}" for part, why in low.reasons))
-    return apply_lowering(model, mesh, low)
+    return apply_lowering(model, mesh, low, compile_blocks)
 
 
-def apply_lowering(model, mesh, low: TorchLowering) -> nn.Module:
+def apply_lowering(model, mesh, low: TorchLowering, compile_blocks=None) -> nn.Module:
     if tuple(mesh.shape) != tuple(low.mesh_shape):
         raise EngineLoweringError(f"the plan is for mesh {low.mesh_shape} but the mesh is {tuple(mesh.shape)}")
     names = tuple(mesh.mesh_dim_names or ())
@@ -315,7 +337,7 @@ def apply_lowering(model, mesh, low: TorchLowering) -> nn.Module:
         raise EngineLoweringError(f"the plan names mesh dims {low.mesh_names} but the DeviceMesh has {names}")
     ns: dict = {}
     exec(compile(low.code(), "<autopar lowering>", "exec"), ns)
-    ns["apply"](model, mesh)
+    ns["apply"](model, mesh, compile_blocks)
     model._autopar_lowering = low
     return model
 
@@ -345,10 +367,12 @@ def local_inputs(model_or_lowering, mesh, *inputs):
 
 
 def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = "torch", units=None, styles=None,
-                      planned=None, **plan_kwargs):
+                      planned=None, compile_blocks=None, **plan_kwargs):
     """Plan `model` for `mesh` and lower it: backend "torch" (the user's own module, parallelized in place by the
     engines; EngineLoweringError if the plan does not fit them) or "auto" (the engines when they express the
-    whole plan, otherwise the graph backend; the dump says which part went where and why)."""
+    whole plan, otherwise the graph backend; the dump says which part went where and why).
+    compile_blocks: torch.compile keyword arguments to compile each repeated block in place (torchtitan's order:
+    after tensor parallelism and checkpointing, before FSDP)."""
     if backend not in ("torch", "auto"):
         raise ValueError(f"backend must be 'torch' or 'auto' here, got {backend!r}")
     ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -359,8 +383,9 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
     plan, state = planned
     low = recognize(plan, model, units=units, styles=styles)
     if low.expressible:
-        apply_lowering(model, mesh, low)
-        model._autopar_dump = _dump(plan, low, "torch")
+        apply_lowering(model, mesh, low, compile_blocks)
+        model._autopar_plan = plan
+        model.autopar_dump = _dump(plan, low, "torch")
         return model
     if backend == "torch":
         raise EngineLoweringError("the plan cannot be lowered to fully_shard / parallelize_module (use "

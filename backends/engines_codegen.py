@@ -82,11 +82,19 @@ def render(low) -> str:
     L.append(f"checkpoint_blocks = {low.checkpoint!r}   # activation checkpointing (recomputed in the backward)")
     L.append("")
     L.append("")
-    L.append("def apply(model, mesh):")
+    L.append(f"blocks = {list(low.block_fqns)!r}   # the repeated blocks")
+    L.append("")
+    L.append("")
+    L.append("def apply(model, mesh, compile_blocks=None):")
+    L.append('    """compile_blocks: None, or torch.compile keyword arguments to compile each block in place after TP and')
+    L.append('    checkpointing and before FSDP (torchtitan\'s order)."""')
     if tp:
         L.append(f'    parallelize_module(model, mesh["{tp}"], parallelize_plan)')
     L.append("    for fqn in checkpoint_blocks:")
     L.append("        _checkpoint(model.get_submodule(fqn))")
+    L.append("    if compile_blocks is not None:")
+    L.append("        for fqn in blocks:")
+    L.append("            model.get_submodule(fqn).compile(**compile_blocks)")
     if low.units:
         if len(low.shard_dims) > 1:
             shard_expr = ("flatten_mesh(mesh, (" + ", ".join(repr(names[d]) for d in low.shard_dims) + ",))")

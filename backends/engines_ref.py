@@ -104,25 +104,25 @@ def torchtitan_placements(model, mesh_names, dp: str | None = "dp", tp: str | No
 
 
 def loss_parallel_delta(plan, tp_dim: int, cluster) -> dict:
-    """What torchtitan's loss_parallel=True changes against the pinned (loss_parallel=False) plan: the output
-    stays vocab-sharded, so the forward gather of the logits and its backward reduce-scatter disappear; the
-    cross-entropy instead all-reduces per token max, sum-exp and target logit (3 x tokens x 4 bytes) in the forward."""
+    """What torchtitan's loss_parallel=True changes against the pinned loss_parallel=False plan: the logits stay
+    vocab-sharded, so the collectives the plan runs on tp inside the loss code (the root module: the logits
+    gather before log_softmax and whatever the backward does there) disappear; the sharded cross-entropy instead
+    all-reduces three per-token fp32 values (max, sum of exp, target logit) on tp in the forward."""
     from autopar.cost import collective_time
-    n = plan.mesh_shape[tp_dim]
     link = cluster.link_for(plan.mesh_shape, tp_dim)
-    saved, dropped = 0.0, []
+    removed, dropped = 0.0, []
     for rec in plan.nodes:
-        if rec["module"] not in ("output", "") or rec["kind"] != "op":
+        if rec["kind"] != "op" or rec["module"] != "":
             continue
         for r in rec.get("redistribute", []):
             for kind, d, nb, grp in r["collectives"]:
-                if d == tp_dim and rec["shape"] and rec["shape"][0] and len(rec["shape"][0]) >= 2 and \
-                        rec["shape"][0][-1] == plan.nodes[0]["shape"][0][0] or False:
-                    pass
-                if d == tp_dim and kind in ("all_gather", "reduce_scatter") and r["class"] == "act":
-                    saved += collective_time(kind, nb, grp, link)
+                if d == tp_dim and r["class"] == "act":
+                    removed += collective_time(kind, nb, grp, link)
                     dropped.append((rec["name"], kind, nb))
-    tokens = next(int(x["shape"][0][0]) * int(x["shape"][0][1]) for x in plan.nodes if x["kind"] == "input")
-    tokens //= max(1, plan.mesh_shape[0] if tp_dim != 0 and len(plan.mesh_shape) > 1 else 1)
-    added = 3 * collective_time("all_reduce", tokens * 4, n, link)
-    return {"removed_s": saved, "removed": dropped, "added_s": added, "delta_s": added - saved}
+    inp = next(x for x in plan.nodes if x["kind"] == "input")
+    tokens = int(inp["shape"][0][0]) * int(inp["shape"][0][1])
+    for d, pl in enumerate(inp["placement"]["out"][0]):
+        if pl == "S0":
+            tokens //= plan.mesh_shape[d]
+    added = 3 * collective_time("all_reduce", tokens * 4, plan.mesh_shape[tp_dim], link)
+    return {"removed_s": removed, "removed": dropped, "added_s": added, "delta_s": added - removed}

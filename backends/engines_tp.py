@@ -188,8 +188,8 @@ def recognize_tp(low, G, plan, model, forced) -> None:
             elif pairs == {("S1", "R")} and modules is not None:
                 n_in = _arity(modules.get(M))
                 styles[M] = Style("PrepareModuleInput", {
-                    "input_layouts": "(" + ", ".join(["Shard(1)"] + ["None"] * (n_in - 1)) + ",)",
-                    "desired_input_layouts": "(" + ", ".join(["Replicate()"] + ["None"] * (n_in - 1)) + ",)",
+                    "input_layouts": _tup(["Shard(1)"] + ["None"] * (n_in - 1)),
+                    "desired_input_layouts": _tup(["Replicate()"] + ["None"] * (n_in - 1)),
                     "use_local_output": "True"}, f"gathers its sequence-sharded input on {tn} (plan)")
                 explained.update({(i, j): "pmi" for i, j, p, o in xs})
             else:
@@ -208,8 +208,8 @@ def recognize_tp(low, G, plan, model, forced) -> None:
                                                        for m in [G.rec(p)["module"]] if m):
             n_in = _arity(modules.get(parent)) if modules is not None else 1
             styles[parent] = Style("PrepareModuleInput", {
-                "input_layouts": "(" + ", ".join(["Shard(1)"] + ["None"] * (n_in - 1)) + ",)",
-                "desired_input_layouts": "(" + ", ".join(["Replicate()"] + ["None"] * (n_in - 1)) + ",)"},
+                "input_layouts": _tup(["Shard(1)"] + ["None"] * (n_in - 1)),
+                "desired_input_layouts": _tup(["Replicate()"] + ["None"] * (n_in - 1))},
                 f"{len(linears)} colwise Linears gather the same sequence-sharded input: once here")
             low.notes.append(f"the plan gathers {G.rec(p)['name']} once per consumer ({len(linears)} all_gathers on "
                              f"{tn}); PrepareModuleInput on '{parent}' gathers it once")
@@ -240,6 +240,10 @@ def recognize_tp(low, G, plan, model, forced) -> None:
     low.tp_roles = explained
     if forced:
         _check_forced(low, forced, tn)
+
+
+def _tup(items) -> str:
+    return "(" + ", ".join(items) + ("," if len(items) == 1 else "") + ")"
 
 
 def _arity(mod) -> int:

@@ -6,7 +6,8 @@ ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) with th
 Stage modules are built torchtitan-style from the user's model: the stage keeps the modules of its clusters (the
 embedding on the stage holding "pre", its blocks under their original FQNs `layers.<i>`, final norm and head on the
 stage holding "post"), shares their parameters with the model (deep copies with `copy_model=True`), and recomputes
-what depends on no input (RoPE tables) itself. The last stage outputs logits; the loss is `loss_fn(logits, target)`,
+what depends on no input (RoPE tables) itself, and checkpoints the first `recompute_blocks` blocks the plan asks
+for (torch.utils.checkpoint). The last stage outputs logits; the loss is `loss_fn(logits, target)`,
 by default the model's own loss for the example families (cross entropy over flattened tokens, what
 `Transformer.forward` / `MLP.forward` compute), so a step equals `model(x, labels)` on the same batch.
 
@@ -36,9 +37,10 @@ def _ce_loss(logits, target):
 class _LlamaStage(nn.Module):
     """A stage of an autopar Llama-family Transformer (tok_embeddings / layers / norm / output)."""
 
-    def __init__(self, model, layer_ids, first, last):
+    def __init__(self, model, layer_ids, first, last, recompute=0):
         super().__init__()
         self.cfg = model.cfg
+        self.recompute = recompute
         self.tok_embeddings = model.tok_embeddings if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.norm = model.norm if last else None
@@ -49,8 +51,8 @@ class _LlamaStage(nn.Module):
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         if len(self.layers):
             cos, sin = rope_cos_sin(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device, h.dtype)
-            for layer in self.layers.values():
-                out = layer(h, cos, sin)
+            for j, layer in enumerate(self.layers.values()):
+                out = _run_block(layer, j < self.recompute, h, cos, sin)
                 if isinstance(out, tuple):
                     raise NotImplementedError("blocks returning several tensors (MoE aux loss) need a stage boundary "
                                               "carrying two tensors; the pipeline runtime passes one")
@@ -61,17 +63,26 @@ class _LlamaStage(nn.Module):
 class _MLPStage(nn.Module):
     """A stage of autopar's residual MLP language model (embed / layers / output)."""
 
-    def __init__(self, model, layer_ids, first, last):
+    def __init__(self, model, layer_ids, first, last, recompute=0):
         super().__init__()
+        self.recompute = recompute
         self.embed = model.embed if first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
         self.output = model.output if last else None
 
     def forward(self, x):
         h = self.embed(x) if self.embed is not None else x
-        for layer in self.layers.values():
-            h = layer(h)
+        for j, layer in enumerate(self.layers.values()):
+            h = _run_block(layer, j < self.recompute, h)
         return self.output(h) if self.output is not None else h
+
+
+def _run_block(layer, recompute: bool, *args):
+    """A block, checkpointed (activations dropped after forward, recomputed before backward) if the plan says so."""
+    if recompute:
+        from torch.utils.checkpoint import checkpoint
+        return checkpoint(layer, *args, use_reentrant=False)
+    return layer(*args)
 
 
 def _family(model):
@@ -95,7 +106,7 @@ def build_stage_module(model: nn.Module, plan, k: int) -> nn.Module:
     if prefix != "layers":
         raise NotImplementedError(f"stage adapters expect the layer list at 'layers', the plan has '{prefix}'")
     ids = [int(c.rsplit(".", 1)[1]) for c in st["clusters"] if c.startswith(prefix + ".")]
-    mod = cls(model, ids, "pre" in st["clusters"], "post" in st["clusters"])
+    mod = cls(model, ids, "pre" in st["clusters"], "post" in st["clusters"], int(st.get("recompute_blocks", 0)))
     have = {n for n, _ in mod.named_parameters()}
     want = set(st["params"])
     if have != want:
@@ -109,6 +120,24 @@ def _batch_dp_sharded(plan) -> bool:
     dp = [d for d, nm in enumerate(names) if nm.startswith("dp") and plan.schedule["stage_mesh_shape"][d] > 1]
     pl = plan.schedule.get("batch_placement")
     return bool(dp) and pl is not None and all(pl[d] == "S0" for d in dp)
+
+
+def check_batch(plan, tensors) -> None:
+    """Raise PipelineShapeError unless every given tensor (None: not held here) has the plan's per-rank batch shape,
+    which the schedule splits into n_microbatches equal micro-batches of the static shapes the stages were planned
+    (and exchange activations) for."""
+    sc = plan.schedule
+    want = sc["local_batch_shapes"] if _batch_dp_sharded(plan) else sc["batch_shapes"]
+    m = sc["n_microbatches"]
+    for j, (t, w) in enumerate(zip(tensors, want)):
+        if t is None:
+            continue
+        if list(t.shape) != list(w):
+            mb = [w[0] // m] + list(w[1:])
+            raise PipelineShapeError(
+                f"pipeline input {j}: got shape {list(t.shape)}, the plan's static shape on this rank is {w} "
+                f"({m} micro-batches of {mb}); stages were planned and exchange activations for exactly these "
+                f"shapes: re-plan for a different batch or sequence length")
 
 
 class PipelineRunner:
@@ -142,6 +171,7 @@ class PipelineRunner:
             mod = self._data_parallel(mod, k)
             self.modules.append(mod)
             stages.append(pp_api.PipelineStage(mod, k, S, self.device, group=mesh.get_group("pp")))
+        self.wrappers = [type(mod).__name__ for mod in self.modules]
         self.stages = stages
         spec = get_schedule(sc["name"])
         cls = getattr(pp_api, spec.torch_class)
@@ -179,24 +209,8 @@ class PipelineRunner:
         return fully_shard(mod, mesh=sub, reshard_after_forward=False,
                            shard_placement_fn=lambda p: Shard(by_param.get(p, 0)))
 
-    def expected_shapes(self) -> list:
-        sc = self.plan.schedule
-        return sc["local_batch_shapes"] if _batch_dp_sharded(self.plan) else sc["batch_shapes"]
-
     def check_batch(self, *tensors) -> None:
-        """Raise PipelineShapeError unless every tensor has the planned (per-rank) batch shape, which the schedule
-        splits into n_microbatches equal micro-batches of the static shapes the stages were planned for."""
-        want = self.expected_shapes()
-        m = self.plan.schedule["n_microbatches"]
-        for j, (t, w) in enumerate(zip(tensors, want)):
-            if t is None:
-                continue
-            if list(t.shape) != list(w):
-                mb = [w[0] // m] + list(w[1:])
-                raise PipelineShapeError(
-                    f"pipeline input {j}: got shape {list(t.shape)}, the plan's static shape on this rank is {w} "
-                    f"({m} micro-batches of {mb}); stages were planned and exchange activations for exactly these "
-                    f"shapes: re-plan for a different batch or sequence length")
+        check_batch(self.plan, tensors)
 
     def step(self, x=None, target=None):
         """One training step (forward + backward, gradients accumulated in the parameters). Pass the batch on the

@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.capture import SDPA, SDPA_BW
 from autopar.graph import map_refs
-from autopar.strategies._torch_adapter import (collapse, make_dtensor, outside_local_tensor_mode, per_rank, to_placement,
+from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor, outside_local_tensor_mode, per_rank, to_placement,
                                               to_str, unmask_partial)
 
 from .comm import executed_placements, redistribute_local
@@ -49,6 +49,17 @@ def _global_stride(local: torch.Tensor, shape) -> tuple[int, ...]:
         stride[d] = acc
         acc *= max(1, shape[d])
     return tuple(stride)
+
+
+def _in_layout(t: torch.Tensor, stride) -> torch.Tensor:
+    """t laid out in memory in the dim order of `stride` (the global layout DTensor is told about)."""
+    order = sorted(range(t.dim()), key=lambda d: -stride[d])
+    if sorted(range(t.dim()), key=lambda d: -t.stride(d)) == order or t.dim() < 2:
+        return t
+    inv = [0] * len(order)
+    for i, d in enumerate(order):
+        inv[d] = i
+    return t.permute(order).contiguous().permute(inv)
 
 
 def _to_device(a, device):
@@ -217,11 +228,11 @@ class Program:
         """An op result for `env`: replicated DTensors are kept as their local tensor (under LocalTensorMode as one
         plain tensor, checked equal on every simulated rank)."""
         if isinstance(t, DTensor) and all(p == "R" for p in placement_strs(t)):
-            return collapse(t.to_local())
+            return collapse(local_of(t))
         return t
 
     def redistribute(self, v, src, dst):
-        local = v.to_local() if isinstance(v, DTensor) else v
+        local = local_of(v) if isinstance(v, DTensor) else v
         local = redistribute_local(local, src, dst, self.mesh)
         now = executed_placements(src, dst)
         if all(p == "R" for p in now):
@@ -250,15 +261,15 @@ class Program:
     def forward(self, params: dict, inputs: list, buffers: dict, keep: bool):
         g = self.g
         env = {}
-        for fqn, i in g.params.items():
-            env[(i, 0)] = self._store(params[fqn])
-        for fqn, i in g.buffers.items():
-            env[(i, 0)] = self._store(buffers[fqn])
-        for k, idx in enumerate(g.inputs):
-            env[(idx, 0)] = self._store(inputs[k])
-        for idx, t in self.constants:
-            env[(idx, 0)] = t.to(self.device)
         with torch.no_grad():
+            for fqn, i in g.params.items():
+                env[(i, 0)] = self._store(params[fqn])
+            for fqn, i in g.buffers.items():
+                env[(i, 0)] = self._store(buffers[fqn])
+            for k, idx in enumerate(g.inputs):
+                env[(idx, 0)] = self._store(inputs[k])
+            for idx, t in self.constants:
+                env[(idx, 0)] = t.to(self.device)
             self._run(self.fw, env)
             loss = env[(g.loss.node, g.loss.out)]
             if (g.loss.node, "loss") in self.red:          # the plan's reduction of the loss to Replicate
@@ -305,17 +316,24 @@ class Program:
                 vals.append(v)
             mode = it.mode
             if mode == "local":
-                local = [v.to_local() if isinstance(v, DTensor) else v for v in vals]
+                local = [local_of(v) if isinstance(v, DTensor) else v for v in vals]
                 if it.fn is not n.target or n.target in (SDPA, SDPA_BW):   # fused kernels want unit inner stride
                     local = [t if t.stride(-1) == 1 else t.contiguous() for t in local]
                 li = iter(local)
                 args = map_refs(n.args, lambda r: next(li))
                 kwargs = map_refs(n.kwargs, lambda r: next(li))
                 res = it.fn(*args, **kwargs)
-                strides = self._out_strides(it, vals) if any(s and s != self.rstrs for s in it.expect) else None
-                outs = [None if not isinstance(t, torch.Tensor) else t if s == self.rstrs else
-                        make_dtensor(t, self.mesh, pl, m.shape, strides[k])
-                        for k, (t, pl, s, m) in enumerate(zip(_flat(res), it.expect_pl, it.expect, n.outs))]
+                # a replacement (math attention) must hand on the captured kernel's memory layout, and a
+                # sharded output's DTensor needs the global strides: both from the op's meta kernel
+                swapped = it.fn is not n.target
+                strides = self._out_strides(it, vals) if swapped or any(s and s != self.rstrs for s in it.expect) \
+                    else None
+                outs = []
+                for k, (t, pl, s, m) in enumerate(zip(_flat(res), it.expect_pl, it.expect, n.outs)):
+                    if isinstance(t, torch.Tensor) and strides is not None:
+                        t = _in_layout(t, strides[k])
+                    outs.append(None if not isinstance(t, torch.Tensor) else t if s == self.rstrs else
+                                make_dtensor(t, self.mesh, pl, m.shape, strides[k]))
             elif mode == "dtensor":
                 vi = iter([self._dt(v) for v in vals])
                 args = map_refs(n.args, lambda r: next(vi))

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-from autopar.strategies._torch_adapter import collapse, outside_local_tensor_mode
+from autopar.strategies._torch_adapter import collapse, local_of, outside_local_tensor_mode
 
-from .comm import CommCounter, compare
+from .comm import CommCounter, compare, redistribute_local
+from .program import placement_strs
 
 COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "c_fc.weight", "c_attn.weight",
            "fc1.weight", "router.weight")
@@ -59,9 +60,11 @@ def fsdp_tp_force(model: nn.Module, mesh_shape) -> dict:
 def global_value(t: torch.Tensor) -> torch.Tensor:
     """The global value of a DTensor / LocalTensor / plain tensor as one plain tensor."""
     from torch.distributed.tensor import DTensor
-    if isinstance(t, DTensor):
-        t = t.full_tensor()
-    return collapse(t.detach())
+    with torch.no_grad():
+        if isinstance(t, DTensor):       # gathered with the executor's own collectives (as the plan would)
+            src = placement_strs(t)
+            t = redistribute_local(local_of(t), src, ("R",) * len(src), t.device_mesh)
+        return collapse(t)
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float):

@@ -10,7 +10,7 @@ MEASURED = {
                           overrides=dict(dim=384, n_layers=4, n_heads=6, vocab_size=8192, max_seq_len=128,
                                          tie_embeddings=False),
                           label="GPT-2 small-ish (dim 384, 4 layers, 6 heads, vocab 8192, untied)"),
-    "moe-debug": dict(name="moe-debug", overrides={}, batch=2, seq=64,
+    "moe-debug": dict(name="moe-debug", overrides={}, batch=4, seq=32,
                       label="DeepSeek-V3-like debug MoE (dim 256, 6 layers, 8 experts top-2 + 1 shared, "
                             "first layer dense)"),
     "mlp-heavy": dict(name="mlp-heavy", overrides={}, batch=4, seq=64,

@@ -78,14 +78,18 @@ def tp_placement(family: str, fqn: str, shape) -> str:
     raise NotApplicable(f"no hand-written tensor-parallel rule for model family {family!r}")
 
 
-def forced_placements(source: str, model_name: str, model: nn.Module, mesh_names: tuple, titan: dict | None = None
-                      ) -> dict[str, tuple[str, ...]]:
-    """{param FQN: placements per mesh dim} of a hand plan, for autopar.plan(force=...)."""
+def forced_placements(source: str, model_name: str, model: nn.Module, mesh_names: tuple, titan: dict | None = None,
+                      mesh_shape: tuple | None = None, notes: list | None = None) -> dict[str, tuple[str, ...]]:
+    """{param FQN: placements per mesh dim} of a hand plan, for autopar.plan(force=...).
+
+    FSDP2 pads a dim that does not divide evenly (Shard(0) of a 128256-row embedding over 512 ranks); the planner
+    needs even shards, so with `mesh_shape` given, an FSDP shard that does not divide moves to the first dim that
+    does (what FSDP2's `shard_placement_fn` lets a user choose; same bytes gathered); `notes` gets one line."""
     fam = family_of(model_name)
     two_d = tuple(mesh_names) == ("dp", "tp")
     if not two_d and tuple(mesh_names) != ("dp",):
         raise NotApplicable(f"hand plans are defined on ('dp',) or ('dp', 'tp') meshes, not {mesh_names}")
-    out = {}
+    out, moved = {}, []
     for fqn, p in model.named_parameters():
         if source == "ddp":
             pl = ("R", "R") if two_d else ("R",)
@@ -109,8 +113,39 @@ def forced_placements(source: str, model_name: str, model: nn.Module, mesh_names
             pl = (titan[key]["dp"], titan[key]["tp"]) if two_d else (titan[key]["dp"],)
         else:
             raise ValueError(f"unknown plan source {source!r}; known: autopar, {', '.join(HAND_SOURCES)}")
+        if mesh_shape is not None and source in ("fsdp2", "fsdp2_tp", "torchtitan"):
+            fsdp_dims = range(len(pl)) if source == "fsdp2" else (0,)
+            even = _even(pl, tuple(p.shape), tuple(mesh_shape), [i for i in fsdp_dims if pl[i][0] == "S"])
+            if even != pl:
+                moved.append(f"{fqn} {list(pl)}->{list(even)}")
+                pl = even
         out[fqn] = pl
+    if moved and notes is not None:
+        notes.append(f"uneven FSDP shard moved to an even dim for {len(moved)} param(s), e.g. {moved[0]}")
     return out
+
+
+def _even(pl, shape, mesh_shape, movable) -> tuple:
+    """`pl` if every sharded tensor dim divides evenly, else the first re-assignment of the `movable` mesh dims
+    (one at a time, then all together) to a tensor dim that does; `pl` unchanged when none does."""
+    import math
+
+    def ok(c):
+        return all(shape[d] % math.prod(m for p, m in zip(c, mesh_shape) if p == f"S{d}") == 0
+                   for d in range(len(shape)))
+    if ok(pl) or not movable:
+        return tuple(pl)
+    for i in movable:
+        for d in range(len(shape)):
+            c = list(pl)
+            c[i] = f"S{d}"
+            if ok(c):
+                return tuple(c)
+    for d in range(len(shape)):
+        c = [f"S{d}" if i in movable else p for i, p in enumerate(pl)]
+        if ok(c):
+            return tuple(c)
+    return tuple(pl)
 
 
 def state_bytes_lower_bound(model: nn.Module, force: dict, mesh_shape, precision) -> float:
@@ -136,9 +171,9 @@ def _blocks(model: nn.Module) -> list[nn.Module]:
     raise NotApplicable(f"{type(model).__name__} has no block list ({' / '.join(BLOCK_LISTS)}) to wrap per block")
 
 
-def tp_styles(family: str, model: nn.Module) -> dict:
-    """parallelize_module plan (module FQN -> ParallelStyle) of the family's TP rule; True in the second slot when
-    the loss needs loss_parallel (vocab-sharded logits)."""
+def tp_styles(family: str, model: nn.Module) -> tuple[dict, bool]:
+    """parallelize_module plan (module FQN -> ParallelStyle) of the family's TP rule, and whether the loss runs under
+    loss_parallel (vocab-sharded logits)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                    SequenceParallel)
@@ -161,9 +196,10 @@ def tp_styles(family: str, model: nn.Module) -> dict:
                                                                 desired_input_layouts=(Replicate(),)),
                          b + "feed_forward.w1": col(), b + "feed_forward.w3": col(),
                          b + "feed_forward.w2": row(output_layouts=Shard(1))})
-        return plan
+        return plan, True
     if family == "moe":                  # Megatron TP without sequence parallelism; experts: see tp_experts
-        plan.update({"tok_embeddings": row(input_layouts=Replicate()), "output": head})
+        # logits all-gathered (no loss_parallel): the model adds a plain-tensor router aux loss to the CE loss
+        plan.update({"tok_embeddings": row(input_layouts=Replicate()), "output": col(output_layouts=Replicate())})
         for i, blk in enumerate(model.layers):
             b = f"layers.{i}."
             plan.update({b + "attention.wq": col(), b + "attention.wk": col(), b + "attention.wv": col(),
@@ -171,17 +207,17 @@ def tp_styles(family: str, model: nn.Module) -> dict:
             ffn = b + ("moe.shared_experts" if blk.is_moe else "feed_forward")
             if not blk.is_moe or blk.moe.shared_experts is not None:
                 plan.update({ffn + ".w1": col(), ffn + ".w3": col(), ffn + ".w2": row()})
-        return plan
+        return plan, False
     if family == "gpt2":
         plan.update({"wte": row(input_layouts=Replicate()), "lm_head": head})
         for i in range(len(model.h)):
             plan.update({f"h.{i}.mlp.c_fc": col(), f"h.{i}.mlp.c_proj": row()})
-        return plan
+        return plan, True
     if family == "mlp":
         plan.update({"embed": row(input_layouts=Replicate()), "output": head})
         for i in range(len(model.layers)):
             plan.update({f"layers.{i}.fc1": col(), f"layers.{i}.fc2": row()})
-        return plan
+        return plan, True
     raise NotApplicable(f"no hand-written tensor-parallel plan for model family {family!r}")
 
 
@@ -218,6 +254,9 @@ class HandRun:
         self.after_backward = after_backward
 
     def local_inputs(self, inputs):
+        if inputs[0].shape[0] % self.dp_size:
+            raise ValueError(f"the global batch of {inputs[0].shape[0]} does not split over {self.dp_size} "
+                             f"data-parallel ranks")
         return tuple(x.chunk(self.dp_size, dim=0)[self.dp_rank].contiguous() for x in inputs)
 
     def context(self):
@@ -279,7 +318,8 @@ def apply_hand(source: str, model_name: str, model: nn.Module, mesh, world_mesh)
         if source == "fsdp2_tp" and not two_d:
             raise NotApplicable("FSDP2 x TP needs a 2-D (dp, tp) mesh")
         tp_mesh = mesh["tp"] if two_d else mesh
-        parallelize_module(model, tp_mesh, tp_styles(fam, model))
+        styles, lp = tp_styles(fam, model)
+        parallelize_module(model, tp_mesh, styles)
         if fam == "moe":
             tp_experts(model, tp_mesh)
         dp_rank, dp_size = (mesh.get_local_rank("dp"), mesh.size(0)) if two_d else (0, 1)
@@ -287,11 +327,11 @@ def apply_hand(source: str, model_name: str, model: nn.Module, mesh, world_mesh)
             for blk in _blocks(model):
                 fully_shard(blk, mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
-            return HandRun(model, True, dp_rank, dp_size)
+            return HandRun(model, lp, dp_rank, dp_size)
         after = None
         if two_d:
             params = [p for p in model.parameters()]
             group = mesh.get_group("dp")
             after = lambda: _allreduce_grads(params, group)      # noqa: E731
-        return HandRun(model, True, dp_rank, dp_size, after)
+        return HandRun(model, lp, dp_rank, dp_size, after)
     raise ValueError(f"apply_hand: unknown source {source!r}")

@@ -23,11 +23,13 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 RESULTS = os.path.join(HERE, "results")
+SCRATCH = os.path.join(tempfile.gettempdir(), "autopar_bench")   # per-rank logs, partial results
 
 import torch  # noqa: E402
 
@@ -101,7 +103,10 @@ def modeled_rows(key, name, overrides, dtype, batch, seq, mesh_str, sources, clu
                 titan = titan_layout(mesh)
                 if "error" in titan:
                     raise NotApplicable(titan["error"])
-            force = None if src == "autopar" else forced_placements(src, name, model, mesh.names, titan)
+            notes = []
+            force = None if src == "autopar" else forced_placements(src, name, model, mesh.names, titan,
+                                                                    mesh.shape, notes)
+            row["note"] = "; ".join(notes)
             if force is not None:
                 need = state_bytes_lower_bound(model, force, mesh.shape, prec)
                 if need > cap:
@@ -111,7 +116,7 @@ def modeled_rows(key, name, overrides, dtype, batch, seq, mesh_str, sources, clu
             same = next((s for s, (f, _) in done.items() if f is not None and f == force), None)
             if same is not None:          # identical planner input -> identical plan (the planner is deterministic)
                 plan, plan_s = done[same][1]
-                row["note"] = f"same placements as {same}: plan reused"
+                row["note"] = "; ".join(notes + [f"same placements as {same}: plan reused"])
             else:
                 t0 = time.perf_counter()
                 plan = autopar.plan(model, mesh, x, cluster=cl, memory_budget=cap, force=force)
@@ -123,7 +128,7 @@ def modeled_rows(key, name, overrides, dtype, batch, seq, mesh_str, sources, clu
                        predicted_comm_bytes=sum(v["bytes"] for v in p["collectives"].values()),
                        predicted_collectives=p["collectives"], predicted_peak_mem_bytes=p["peak_mem_bytes"],
                        plan_s=plan_s if src == "autopar" else None, model_s=plan_s, plan_hash=plan.hash(),
-                       params=plan.params, recompute_s=p.get("recompute_s", 0.0))
+                       params=plan.params, recompute_s=p.get("recompute_s", 0.0), pass_s=plan.timings)
             if src == "torchtitan":
                 row["note"] = (row["note"] + "; " if row["note"] else "") + \
                     "placements read from torchtitan 0.2.2 parallelize_llama (fake process group)"
@@ -174,7 +179,8 @@ def measured_rows(key, meshes, sources, steps, warmup, launch_timeout, gloo_time
             run_meshes.append(m)
     if not run_meshes:
         return rows
-    out = os.path.join(RESULTS, f".bench_measure_{key}.json")
+    os.makedirs(SCRATCH, exist_ok=True)
+    out = os.path.join(SCRATCH, f"measure_{key}.json")
     excluded, crashed = [], {}
     for attempt in range(4):
         if os.path.exists(out):
@@ -186,7 +192,7 @@ def measured_rows(key, meshes, sources, steps, warmup, launch_timeout, gloo_time
                "--sources", *sources, "--steps", str(steps), "--warmup", str(warmup), "--timeout", str(gloo_timeout),
                "--out", out] + (["--exclude", *excluded] if excluded else [])
         for r in range(WORLD):
-            log = open(os.path.join(RESULTS, f".bench_measure_{key}_rank{r}.log"), "w")
+            log = open(os.path.join(SCRATCH, f"measure_{key}_rank{r}.log"), "w")
             logs.append(log)
             procs.append(subprocess.Popen(cmd, env={**env_base, "RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT))
         deadline, hung = time.time() + launch_timeout, False
@@ -234,7 +240,7 @@ def measured_rows(key, meshes, sources, steps, warmup, launch_timeout, gloo_time
 def _log_tail(key, n=600) -> str:
     tails = []
     for r in range(WORLD):
-        path = os.path.join(RESULTS, f".bench_measure_{key}_rank{r}.log")
+        path = os.path.join(SCRATCH, f"measure_{key}_rank{r}.log")
         if os.path.exists(path):
             lines = [ln for ln in open(path, errors="replace").read().splitlines()
                      if ln.strip() and "Warning" not in ln and "warn(" not in ln and "USDT" not in ln]
@@ -280,12 +286,31 @@ def run(args) -> list[dict]:
         if args.only in (None, "cpu", "measured"):
             print(f"[measured 4 x gloo] {key} {' '.join(meshes)}", flush=True)
             rows += measured_rows(key, meshes, srcs, args.steps, args.warmup, args.launch_timeout)
-    if args.only in (None, "scale"):
-        for c in scale:
-            print(f"[modeled {SCALE_CLUSTER}] {c['key']} {c['mesh']}", flush=True)
-            rows += modeled_rows(c["key"], c["name"], c["overrides"], torch.bfloat16, scale_batch(c["mesh"]),
-                                 c["seq"], c["mesh"], tuple(args.sources) if args.sources else MODELED_SOURCES,
-                                 SCALE_CLUSTER)
+    if args.only in (None, "scale") and scale:
+        srcs = tuple(args.sources) if args.sources else MODELED_SOURCES
+        if "torchtitan" in srcs:         # read torchtitan's layouts once, here, for every worker
+            for c in scale:
+                if c["name"].startswith("llama3"):
+                    titan_layout(_mesh_spec(c["mesh"]))
+        jobs = max(1, min(args.jobs, len(scale)))
+        print(f"[modeled {SCALE_CLUSTER}] {len(scale)} configurations, {jobs} planning process(es)", flush=True)
+        if jobs == 1:
+            for c in scale:
+                rows += _scale_task(c, srcs, _TITAN)
+        else:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+            with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
+                for rs in ex.map(_scale_task, scale, [srcs] * len(scale), [_TITAN] * len(scale)):
+                    rows += rs
+    return rows
+
+
+def _scale_task(c, srcs, titan_cache) -> list[dict]:
+    _TITAN.update(titan_cache)
+    print(f"[modeled {SCALE_CLUSTER}] {c['key']} {c['mesh']}", flush=True)
+    rows = modeled_rows(c["key"], c["name"], c["overrides"], torch.bfloat16, scale_batch(c["mesh"]), c["seq"],
+                        c["mesh"], srcs, SCALE_CLUSTER)
     return rows
 
 
@@ -299,6 +324,8 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5, help="timed steps per source (median reported; >= 5)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--launch-timeout", type=float, default=900.0, help="seconds per 4-rank launch")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
+                    help="planning processes for the modeled at-scale configurations (default: 2, or 1 core)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench"), help="output prefix (.csv/.md/.png/_raw.json)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -313,7 +340,9 @@ def main(argv=None):
     from report import write_all
     cmd = "python benchmarks/harness.py" + ("" if argv is None and len(sys.argv) == 1 else
                                             " " + " ".join(argv if argv is not None else sys.argv[1:]))
-    paths = write_all(rows, args.out, cmd, time.perf_counter() - t0)
+    full = not args.quick and args.out == os.path.join(RESULTS, "bench") and not (args.only or args.models or
+                                                                                 args.meshes or args.sources)
+    paths = write_all(rows, args.out, cmd, time.perf_counter() - t0, readme=full)
     print("\n".join(f"wrote {p}" for p in paths))
     return rows
 

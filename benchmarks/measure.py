@@ -77,6 +77,9 @@ def build(source, cfg, mesh, world_mesh, x):
     from hand_plans import apply_hand
     name, ov = cfg["name"], cfg["overrides"]
     if source == "torchtitan":
+        from hand_plans import NotApplicable
+        if not name.startswith("llama3"):
+            raise NotApplicable("torchtitan's parallelize_llama is the hand plan of Llama-3 models only")
         from titan import build_titan, titan_loss
         names = tuple(mesh.mesh_dim_names)
         tp = mesh.size(1) if names == ("dp", "tp") else 1
@@ -147,6 +150,20 @@ def _agree(ok: bool, msg: str):
     return (True, "") if not bad else (False, f"rank {bad[0][0]}: {bad[0][1]}")
 
 
+def comm_summary(records) -> dict:
+    """{kind: {"count", "bytes"}} over the collectives of groups larger than one rank, in the plan's byte convention
+    (the tensor over the group). CollectiveCounter sizes an all_to_all by this rank's input; the tensor over the
+    group is that times the group size (autopar/redistribute.py: S(i)->S(j) moves the full tensor)."""
+    out = {}
+    for r in records:
+        if r.group_size <= 1:
+            continue
+        k = out.setdefault(r.kind, {"count": 0, "bytes": 0})
+        k["count"] += 1
+        k["bytes"] += r.nbytes * (r.group_size if r.kind == "all_to_all" else 1)
+    return out
+
+
 def _peak_during(fn) -> int:
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -169,15 +186,20 @@ def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress)
     for src in sources:
         progress(f"{mesh_str} {src} build")
         t0 = time.perf_counter()
+        from hand_plans import NotApplicable
         try:
             run, ok, msg = build(src, cfg, mesh, world_mesh, x), True, ""
+        except NotApplicable as e:
+            run, ok, msg = None, False, f"n/a: {e}"
         except Exception as e:           # noqa: BLE001  (recorded in the row, the other sources go on)
             run, ok, msg = None, False, _err(e)
             if os.environ.get("BENCH_DEBUG"):
                 traceback.print_exc()
         ok, msg = _agree(ok, msg)
-        rows[src] = {"mesh": mesh_str, "source": src, "status": "ok" if ok else "error", "note": msg,
-                     "build_s": time.perf_counter() - t0, "times": []}
+        na = msg.split(": ", 1)[-1].startswith("n/a: ")
+        rows[src] = {"mesh": mesh_str, "source": src, "status": "ok" if ok else "n/a" if na else "error",
+                     "note": msg.split("n/a: ", 1)[-1] if na else msg, "build_s": time.perf_counter() - t0,
+                     "times": []}
         if ok:
             runs[src] = run
             rows[src].update({k: v for k, v in run.extra.items() if k in ("note", "code")})
@@ -214,7 +236,7 @@ def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress)
             with cc:
                 runs[src].step()
         if one(src, "comm count", counted):
-            summ = cc.summary()
+            summ = comm_summary(cc.records)
             rows[src]["comm"] = summ
             rows[src]["comm_bytes"] = sum(v["bytes"] for v in summ.values())
     for src in list(runs):

@@ -11,9 +11,11 @@ blocks checkpointed, group g's row of the memory constraint becomes
     state_mem + act_mem - k * L_g + k * I_g + [k > 0] * L_g        (L: one block's saved activations, I: its output)
 and its time row gains k * F_g (F: one block's forward compute).
 
-Decision: if no assignment can exceed the budget, nothing is checkpointed. Otherwise the candidates are k = 0
-(when the floor without checkpointing fits), the smallest k whose floor fits, and k = all blocks; each is solved
-and the lowest objective wins (ties: fewer blocks). The chosen k is applied to `state.cost` for the solve pass,
+Decision (cheap unless memory is tight): nothing is checkpointed when no assignment can exceed the budget, or
+when the smallest memory row without checkpointing is under 90% of the budget (the planner's time is spent only
+where memory binds). Otherwise the candidates are k = 0 (when its floor fits), the smallest k whose floor fits,
+and k = all blocks; each is solved (with the solve pass's liveness check) and the lowest objective wins (ties:
+fewer blocks). The chosen k is applied to `state.cost` for the solve pass,
 recorded in `state.recompute` (which the liveness peak and the step-time prediction honour) and in the plan's
 meta["checkpointing"]. `allow_checkpointing=False` turns the pass off.
 """
@@ -75,6 +77,29 @@ def _blocks(state) -> list[tuple[str, list[int]]]:
     return sorted(out, key=lambda b: b[1][0])
 
 
+def _floors(base_mem, vecs) -> list[float]:
+    """min_memory of the memory rows with the first k blocks checkpointed, for every k (incrementally)."""
+    mem = {gi: r.copy() for gi, r in enumerate(base_mem)}
+    mins = {gi: float(r.min()) if len(r) else 0.0 for gi, r in mem.items()}
+    total = sum(mins.values())
+    out = [total]
+    extra = vecs[0][0] if vecs else {}
+    for b, (L, I, F) in enumerate(vecs):
+        touched = set(L) | set(I) | (set(extra) if b == 0 else set())
+        for gi in touched:
+            if gi in L:
+                mem[gi] -= L[gi]
+            if gi in I:
+                mem[gi] += I[gi]
+            if b == 0 and gi in extra:
+                mem[gi] += extra[gi]
+            m = float(mem[gi].min())
+            total += m - mins[gi]
+            mins[gi] = m
+        out.append(total)
+    return out
+
+
 def _rows(base_lin, base_mem, vecs, k):
     """Time and memory rows with the first k blocks checkpointed."""
     lin = [a.copy() for a in base_lin]
@@ -91,6 +116,9 @@ def _rows(base_lin, base_mem, vecs, k):
         for gi, v in vecs[0][0].items():      # one block's activations live again while it is recomputed
             mem[gi] += v
     return lin, mem
+
+
+TIGHT = 0.9     # below this fraction of the budget the floor leaves room: checkpointing is not considered
 
 
 def run(state) -> None:
@@ -121,9 +149,11 @@ def run(state) -> None:
             rep_members = [state.rep[i] for i in members]
             cache[key] = _block_vectors(state, rep_members)
         vecs.append(cache[key])
-    floors = {}
-    for k in range(len(blocks) + 1):
-        floors[k] = min_memory(_rows(base_lin, base_mem, vecs, k)[1])
+    floors = _floors(base_mem, vecs)
+    if floors[0] <= TIGHT * budget:
+        decision["why"] = (f"not memory-bound: a plan fits without checkpointing (smallest memory row "
+                           f"{floors[0] / 1e9:.3f} GB <= {TIGHT:.0%} of the budget {budget / 1e9:.3f} GB)")
+        return
     kmin = next((k for k in range(1, len(blocks) + 1) if floors[k] <= budget), None)
     cands = sorted({k for k in ([0] if floors[0] <= budget else []) + ([kmin, len(blocks)] if kmin else [])})
     if not cands:

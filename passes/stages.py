@@ -55,24 +55,9 @@ class Costs:
     legal: np.ndarray       # bool per boundary
     ntensors: np.ndarray    # tensors crossing each boundary
     base: int = 0           # index of the intra-op plan (StageOps.plans) these costs come from
-    recompute: bool = False  # blocks checkpointed (recomputed in the backward)
-    transient: float = 0.0  # extra bytes live while one checkpointed block is recomputed
-
-
-def with_recompute(cv: Costs) -> Costs:
-    """The same intra-op plan with every block of the stage checkpointed (full recompute, Megatron-style): a block
-    keeps only its input per micro-batch in flight; its forward runs again before its backward (B += F); while it
-    does, one block's activations are live (the transient)."""
-    n = len(cv.F)
-    blk = np.arange(1, n - 1)
-    act, B = cv.act.copy(), cv.B.copy()
-    act[blk] = cv.xbytes[blk - 1]
-    B[blk] += cv.F[blk]
-    out = Costs(cv.name + " +recompute", cv.F, B, cv.W, cv.dp, cv.state, act, cv.xbytes, cv.legal, cv.ntensors,
-                cv.base, True, float(cv.act[blk].max()) if len(blk) else 0.0)
-    for k in ("coll", "ops", "param_pos"):
-        setattr(out, k, getattr(cv, k))
-    return out
+    blk: np.ndarray = None  # bool per cluster: a block (may be checkpointed)
+    save: np.ndarray = None  # bytes per micro-batch a checkpointed block frees (its activations minus its input)
+    rtime: np.ndarray = None  # seconds a checkpointed block adds (its forward, run again before its backward)
 
 
 def find_layers(model: nn.Module) -> str:
@@ -234,6 +219,9 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
     xb = np.array([metrics["xbytes"][j] for j in idx[:-1]])
     xn = np.array([metrics["xn"][j] for j in idx[:-1]])
     c = Costs(name, arr("F"), arr("B"), arr("W"), arr("dp"), arr("state"), arr("act"), xb, xn > 0, xn)
+    c.blk = np.array([False] + [True] * len(pos_of) + [False])
+    c.save = np.where(c.blk, np.maximum(0.0, c.act - np.concatenate([[0.0], xb])), 0.0)
+    c.rtime = np.where(c.blk, c.F, 0.0)
     c.coll = [metrics["coll"][j] for j in idx]
     c.ops = [int(metrics["ops"][j]) for j in idx]
     c.param_pos = metrics["param_pos"]
@@ -242,9 +230,8 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
 
 # ---- intra-op plans of one stage ------------------------------------------------------------------------------
 class StageOps:
-    """The intra-op plans of the representative sub-model on one stage submesh at one micro-batch shape: the
-    time-optimal plan first; `more()` adds plans under tighter memory budgets (halfway to the most-sharded plan,
-    then the most-sharded itself), computed only when a stage does not fit with the plans so far."""
+    """The intra-op plans of the representative sub-model on one stage submesh at one micro-batch shape (see
+    `more` for which); the stage DP picks one per stage."""
 
     def __init__(self, model, prefix, reps, pos_of, mb_inputs, stage_mesh: MeshSpec, ctx):
         from autopar.capture import capture
@@ -281,13 +268,14 @@ class StageOps:
         self.variants, self.plans, self.budgets, self._seen = [], [], [], set()
         self._budget, self._left = 1e30, max(1, ctx["n_variants"])
         self.seconds = 0.0
-        self.more()
+        while self.more():
+            pass
         self.seconds = time.perf_counter() - t0
+        if ctx.get("drop_state"):          # travels back from a worker process: keep only the results
+            self.state = self.ctx = None
 
     def costs(self) -> list:
-        """What the stage DP chooses from: each intra-op plan as is, and with its blocks recomputed."""
-        if self.ctx.get("recompute", True):
-            return self.variants + [with_recompute(cv) for cv in self.variants]
+        """What the stage DP chooses from (each with any number of checkpointed blocks per stage)."""
         return list(self.variants)
 
     def more(self) -> bool:
@@ -299,7 +287,7 @@ class StageOps:
         from autopar.solver import InfeasibleMemoryError
         t0 = time.perf_counter()
         st = self.state
-        while self._left > 0 and self._budget is not None:
+        while st is not None and self._left > 0 and self._budget is not None:
             self._left -= 1
             step = self.ctx["n_variants"] - self._left - 1
             budget = st.budget = self._budget if step != 1 else 1e30
@@ -389,18 +377,23 @@ def p2p_link(cluster, stage_size: int, a: int, b: int):
 
 
 # ---- evaluation of one partition ------------------------------------------------------------------------------
-def evaluate(costs, bounds, variants, spec, p, v, m, order, cluster, stage_size, budget, detail=False) -> dict:
+def evaluate(costs, bounds, variants, recompute, spec, p, v, m, order, cluster, stage_size, budget,
+             detail=False) -> dict:
+    """Step time (simulated on torch's action order), bubble and per-rank memory of one partition: stage k holds
+    clusters bounds[k]:bounds[k+1] with intra-op plan costs[variants[k]] and recompute[k] checkpointed blocks."""
     S = p * v
     rank_of = pm.stage_ranks(spec, p, v)
-    F, B, W, dp, st, act, x = [], [], [], [], [], [], []
+    F, B, W, dp, st, act, x, trans = [], [], [], [], [], [], [], []
     for k in range(S):
-        cv, a, b = costs[variants[k]], bounds[k], bounds[k + 1]
+        cv, a, b, r = costs[variants[k]], bounds[k], bounds[k + 1], recompute[k]
+        nb = max(1, int(cv.blk[a:b].sum()))
         F.append(float(cv.F[a:b].sum()))
-        B.append(float(cv.B[a:b].sum()))
+        B.append(float(cv.B[a:b].sum() + r * cv.rtime[a:b].sum() / nb))
         W.append(float(cv.W[a:b].sum()))
         dp.append(float(cv.dp[a:b].sum()))
         st.append(float(cv.state[a:b].sum()))
-        act.append(float(cv.act[a:b].sum()))
+        act.append(float(cv.act[a:b].sum() - r * cv.save[a:b].sum() / nb))
+        trans.append(float(np.max(np.where(cv.blk[a:b], cv.act[a:b], 0.0))) if r else 0.0)
         if k < S - 1:
             link = p2p_link(cluster, stage_size, rank_of[k], rank_of[k + 1])
             x.append((float(cv.xbytes[b - 1]), link.name,
@@ -411,14 +404,14 @@ def evaluate(costs, bounds, variants, spec, p, v, m, order, cluster, stage_size,
     exposed = [max(0.0, dp[k] - m * (F[k] + B[k] + W[k])) for k in range(S)]
     act_peak = pm.rank_act_peak(order, act, spec.split_backward)
     rank_state = [sum(st[k] for k in range(S) if rank_of[k] == r) for r in range(p)]
-    trans = [max((costs[variants[k]].transient for k in range(S) if rank_of[k] == r), default=0.0)
-             for r in range(p)]
-    mem = [rank_state[r] + act_peak[r] + trans[r] for r in range(p)]
+    tr = [max((trans[k] for k in range(S) if rank_of[k] == r), default=0.0) for r in range(p)]
+    mem = [rank_state[r] + act_peak[r] + tr[r] for r in range(p)]
     fl = pm.inflight(order, S, spec.split_backward)
     return {"step_s": sim.step_s + max(exposed), "pipeline_s": sim.step_s, "exposed_dp_s": max(exposed),
             "exposed_p2p_s": sim.step_s - no_p2p,
             "bubble": sim.bubble_fraction, "sim": sim, "F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act,
             "xfer": x, "inflight": fl, "rank_of": rank_of, "rank_mem": mem, "fits": max(mem) <= budget,
+            "recompute": list(recompute), "transient": trans,
             "peak_mem": max(mem)}
 
 

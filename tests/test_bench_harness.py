@@ -87,7 +87,7 @@ def test_unknown_model_and_bad_meshes_keep_their_rows():
 def harness_args(**kw):
     import argparse
     d = dict(quick=True, only="modeled-cpu", models=None, meshes=None, sources=None, steps=5, warmup=1,
-             launch_timeout=60.0)
+             launch_timeout=60.0, jobs=1)
     d.update(kw)
     return argparse.Namespace(**d)
 

@@ -39,11 +39,24 @@ def _plans(tmp_path, world):
         if world == 4 and sched == "Interleaved1F1B":      # exercise FSDP2 inside the stages too
             force = {n: ("S0",) for n, p in m.named_parameters() if p.shape[0] % 2 == 0}
         plan = autopar.plan(m, mesh, x, cluster="h100", force=force, pipeline={"schedules": [sched]})
-        path = tmp_path / f"plan_{world}_{sched}.json"
-        plan.save(path)
-        cases.append({"schedule": sched, "path": str(path), "stages": len(plan.stages),
-                      "m": plan.schedule["n_microbatches"], "bounds": plan.schedule["bounds"]})
+        cases.append(_case(plan, tmp_path, f"{world}_{sched}", sched))
+    if world == 2:          # a memory budget the stages only meet by checkpointing blocks (runtime recompute)
+        peak = cases[1]["peak"]
+        for f in (0.85, 0.7, 0.55):
+            plan = autopar.plan(m, mesh, x, cluster="h100", memory_budget=f * peak, pipeline={"schedules": ["1F1B"]})
+            if any(st["recompute_blocks"] for st in plan.stages):
+                break
+        cases.append(_case(plan, tmp_path, "2_1F1B_recompute", "1F1B"))
     return cases
+
+
+def _case(plan, tmp_path, name, sched):
+    path = tmp_path / f"plan_{name}.json"
+    plan.save(path)
+    return {"schedule": sched, "path": str(path), "stages": len(plan.stages), "m": plan.schedule["n_microbatches"],
+            "bounds": plan.schedule["bounds"], "peak": plan.predicted["peak_mem_bytes"],
+            "recompute": [st["recompute_blocks"] for st in plan.stages],
+            "params_on_dp": sorted({pl[0] for pl in plan.params.values()})}
 
 
 def _launch(tmp_path, world, cases):
@@ -89,11 +102,19 @@ def test_pipeline_equals_single_device(tmp_path, world):
     cases = _plans(tmp_path, world)
     for c in cases:        # the planner placed the cuts itself; every stage holds at least one block
         assert c["stages"] == (4 if c["schedule"] == "Interleaved1F1B" else 2), c
+    if world == 2:
+        assert any(cases[-1]["recompute"]), f"the tight budget did not make the planner checkpoint: {cases[-1]}"
     results = _launch(tmp_path, world, cases)
     _check(results, cases)
-    if world == 4:          # the dp dim really ran data parallel (different rows per dp rank)
-        assert {tuple(r["cases"][0]["local_rows"]) for r in results} == {(0, 4), (4, 8)}
+    if world == 4:          # the dp dim really ran data parallel (different rows per dp rank), DDP or FSDP2
+        for i, c in enumerate(cases):
+            assert {tuple(r["cases"][i]["local_rows"]) for r in results} == {(0, 4), (4, 8)}
+            wraps = {w for r in results for w in r["cases"][i]["wrappers"]}
+            want = "FSDP" if c["params_on_dp"] != ["R"] else "DistributedDataParallel"
+            assert all(w.startswith(want) for w in wraps), (c, wraps)
+        assert cases[2]["params_on_dp"] == ["R", "S0"] or cases[2]["params_on_dp"] == ["S0"], cases[2]
     print("\n" + "\n".join(f"world {world} {c['schedule']}: stages {c['stages']} bounds {c['bounds']} m={c['m']} "
+                           f"recompute {c['recompute']} params on dp {c['params_on_dp']} "
                            f"max grad rel diff {max(r['cases'][i]['max_grad_rel'] for r in results):.2e} "
                            f"max loss diff {max(r['cases'][i]['loss_diff'] or 0 for r in results):.2e}"
                            for i, c in enumerate(cases)))
@@ -136,7 +157,7 @@ def _worker(rank, world, port, out, cases):
                 err = "no error"
             except PipelineShapeError as e:
                 err = f"PipelineShapeError: {e}"
-            res.append({"max_grad_rel": rel, "params": names, "n_params": len(names),
+            res.append({"max_grad_rel": rel, "params": names, "n_params": len(names), "wrappers": runner.wrappers,
                         "has_layers": any(".layers." in f".{n}" for n in names),
                         "all_params": [n for n, _ in ref.named_parameters()],
                         "loss_diff": None if loss is None else abs(loss.item() - loss_local_ref),

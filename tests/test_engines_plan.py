@@ -1,0 +1,259 @@
+"""Recognition of plans as torch-engine constructs, the exported code, the planner's precision and checkpointing
+decisions, and the bad-input errors: all without processes (backends/engines*.py, passes/precision.py,
+passes/checkpointing.py). Execution on real gloo groups is tests/test_engines_dist.py."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import autopar
+from autopar import models as M
+from autopar.backends.engines import EngineLoweringError, recognize
+from autopar.backends.engines_comm import engine_collectives
+from autopar.backends.engines_ref import batch_pin, torchtitan_placements, torchtitan_styles
+
+B, S = 8, 64
+
+
+def _model():
+    return M.build_model("llama-tiny", device="meta"), M.example_inputs("llama-tiny", batch=B, seq=S, device="meta")
+
+
+def _fsdp(mesh=(2,), names=("dp",), **kw):
+    m, x = _model()
+    force = {k: ("S0",) for k, _ in m.named_parameters()}
+    return autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster="cpu-gloo", force=force,
+                        pin=batch_pin([0], (B, S)), **kw), m
+
+
+def _tt(mesh, names):
+    m, x = _model()
+    force, pin = torchtitan_placements(m, names, "dp" if "dp" in names else None, "tp" if "tp" in names else None,
+                                       (B, S))
+    return autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster="cpu-gloo", force=force, pin=pin), m
+
+
+@pytest.fixture(scope="module")
+def fsdp():
+    return _fsdp()
+
+
+@pytest.fixture(scope="module")
+def tp():
+    return _tt((2,), ("tp",))
+
+
+def test_fsdp_units_one_per_block_root_last(fsdp):
+    plan, m = fsdp
+    low = recognize(plan, m)
+    assert low.expressible, low.report()
+    assert low.shard_dims == [0] and low.tp_dim is None and not low.styles
+    assert [u.fqn for u in low.units] == ["layers.0", "layers.1", ""]
+    assert sorted(low.units[0].params) == sorted(k for k, _ in m.named_parameters() if k.startswith("layers.0."))
+    # the plan gathers block parameters again in the backward -> reshard_after_forward=True
+    bw_gathers = {r["param"] for n in plan.nodes if n["phase"] == "bw" for r in n.get("redistribute", [])
+                  if r["class"] == "param" and r["collectives"] and r["collectives"][0][0] == "all_gather"}
+    for u in low.units:
+        assert u.reshard_after_forward == any(p in bw_gathers for p in u.params), u
+
+
+def test_fsdp_engine_collectives_regroup_the_plans_bytes(fsdp):
+    """FSDP2 runs one all_gather / reduce_scatter per unit: the gradient bytes equal the plan's exactly; the
+    gathers differ only by what FSDP2 gathers for a whole unit in the backward (the embedding) ."""
+    plan, m = fsdp
+    low = recognize(plan, m)
+    exp, notes = engine_collectives(plan, low)
+    kinds = {k for k, _, _ in exp}
+    assert kinds == {"all_gather", "reduce_scatter"}
+    n_units = len(low.units)
+    assert sum(1 for k, _, _ in exp if k == "reduce_scatter") == n_units
+    plan_rs = sum(c[2] for n in plan.nodes for r in n.get("redistribute", []) if r["input"] == "opt"
+                  for c in r["collectives"] if c[0] == "reduce_scatter")
+    assert sum(b for k, _, b in exp if k == "reduce_scatter") == plan_rs
+    fw_ag = sum(c[2] for n in plan.nodes if n["phase"] == "fw" for r in n.get("redistribute", [])
+                if r["class"] == "param" for c in r["collectives"] if c[0] == "all_gather")
+    total = sum(p.numel() * 4 for p in m.parameters())
+    assert fw_ag == total                                   # the plan gathers every parameter once in the forward
+    size = {n: p.numel() * 4 for n, p in m.named_parameters()}
+    unit_bytes = {u.fqn: sum(size[f] for f in u.params) for u in low.units}
+    assert sum(unit_bytes.values()) == total
+    ag = sorted(b for k, _, b in exp if k == "all_gather")
+    assert ag == sorted(unit_bytes[u.fqn] for u in low.units for _ in range(1 + u.reshard_after_forward))
+    assert any("scalar" in n or "loss" in n for n in notes)
+
+
+def test_tp_sp_plan_is_torchtitans(tp):
+    """The pinned TP+SP plan lowers to exactly torchtitan's parallelize_llama styles (loss_parallel=False)."""
+    plan, m = tp
+    low = recognize(plan, m)
+    assert low.expressible, low.report()
+    from autopar.backends.engines_codegen import _fold
+    ours = {k: v.code() for k, v in _fold(low.styles, low.block_fqns).items()}
+    theirs = {k: v.replace(" ", "") for k, v in torchtitan_styles(loss_parallel=False).items()}
+    assert set(ours) == set(theirs), set(ours) ^ set(theirs)
+    for k in ours:
+        assert ours[k].replace(" ", "").replace(",)", ")") == theirs[k].replace(",)", ")"), (k, ours[k], theirs[k])
+    assert not low.loss_parallel and not low.units
+    assert any("PrepareModuleInput" in n for n in low.notes)      # the plan's per-consumer gathers, deduplicated
+
+
+def test_export_code_is_importable_and_complete(tp, tmp_path):
+    plan, m = tp
+    low = recognize(plan, m)
+    path = tmp_path / "tp_plan.py"
+    path.write_text(low.code())
+    spec = importlib.util.spec_from_file_location("tp_plan", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+    assert isinstance(mod.parallelize_plan["layers.*.attention.wq"], ColwiseParallel)
+    assert isinstance(mod.parallelize_plan["layers.*.feed_forward.w2"], RowwiseParallel)
+    assert isinstance(mod.parallelize_plan["layers.*.attention"], PrepareModuleInput)
+    assert isinstance(mod.parallelize_plan["norm"], SequenceParallel)
+    assert mod.fsdp_units == [] and callable(mod.apply) and mod.loss_parallel is False
+
+
+def test_fsdp_x_tp_and_hsdp_are_recognized():
+    plan, m = _tt((2, 2), ("dp", "tp"))
+    low = recognize(plan, m)
+    assert low.expressible, low.report()
+    assert low.shard_dims == [0] and low.tp_dim == 1 and [u.fqn for u in low.units][-1] == ""
+    assert 'mesh["tp"]' in low.code() and 'dp_mesh = mesh["dp"]' in low.code()
+    m2, x = _model()
+    hs = autopar.plan(m2, autopar.MeshSpec((2, 2), ("rep", "shard")), x, cluster="cpu-gloo",
+                      force={k: ("R", "S0") for k, _ in m2.named_parameters()}, pin=batch_pin([0, 1], (B, S)))
+    low2 = recognize(hs, m2)
+    assert low2.expressible, low2.report()
+    assert low2.replicate_dims == [0] and low2.shard_dims == [1]
+    assert "mesh[('rep', 'shard')]" in low2.code()
+    exp, _ = engine_collectives(hs, low2)
+    assert sum(1 for k, d, _ in exp if k == "all_reduce" and d == 0) == len([u for u in low2.units if u.params])
+
+
+def test_mixed_precision_is_a_planner_decision():
+    m, x = _model()
+    p = autopar.plan(m, (2,), x, cluster="h100", allow_bf16=True)
+    d = p.meta["precision_decision"]
+    assert d["chosen"].startswith("bf16") and set(d["candidates"]) == {"fp32", "bf16 params / fp32 reduce"}
+    c = d["candidates"]
+    assert c["bf16 params / fp32 reduce"]["step_s"] < c["fp32"]["step_s"]
+    assert c["bf16 params / fp32 reduce"]["peak_mem_bytes"] < c["fp32"]["peak_mem_bytes"]
+    assert p.meta["mixed_precision"]["grad_casts"] == len(dict(m.named_parameters()))
+    assert autopar.plan(m, (2,), x, cluster="h100").meta.get("mixed_precision") is None
+    # the bf16 plan gathers bf16 parameters and reduce-scatters fp32 gradients
+    fs, _ = _fsdp(allow_bf16=True)
+    assert fs.meta["mixed_precision"]["param_dtype"] == "bfloat16"
+    low = recognize(fs, m)
+    assert low.mixed_precision == {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+    assert "MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)" in low.code()
+    ag = [c for n in fs.nodes for r in n.get("redistribute", []) if r["class"] == "param" for c in r["collectives"]]
+    rs = [c for n in fs.nodes for r in n.get("redistribute", []) if r["input"] == "opt" for c in r["collectives"]]
+    total = sum(p.numel() for p in m.parameters())
+    assert sum(c[2] for c in ag if c[0] == "all_gather") >= 2 * total and sum(c[2] for c in rs) == 4 * total
+
+
+def test_checkpointing_when_memory_bound_and_charged():
+    m, x = _model()
+    mesh = autopar.MeshSpec((2,), ("dp",))
+    free = autopar.plan(m, mesh, x, cluster="cpu-gloo")
+    assert free.meta["checkpointing"]["blocks"] == [] and "not memory-bound" in free.meta["checkpointing"]["why"]
+    tight = autopar.plan(m, mesh, x, cluster="cpu-gloo", memory_budget=0.6 * free.predicted["peak_mem_bytes"])
+    ck = tight.meta["checkpointing"]
+    assert ck["blocks"] == ["layers.0", "layers.1"], ck
+    assert tight.predicted["peak_mem_bytes"] <= 0.6 * free.predicted["peak_mem_bytes"]
+    assert tight.predicted["recompute_s"] > 0
+    fw = sum(n["time_s"] for n in tight.nodes if n["phase"] == "fw" and n["module"].startswith("layers."))
+    assert tight.predicted["recompute_s"] == pytest.approx(fw, rel=1e-9)   # = the blocks' forward compute
+    off = None
+    with pytest.raises(autopar.InfeasibleMemoryError):
+        off = autopar.plan(m, mesh, x, cluster="cpu-gloo", memory_budget=0.6 * free.predicted["peak_mem_bytes"],
+                           allow_checkpointing=False)
+    assert off is None
+    with pytest.raises(autopar.InfeasibleMemoryError, match="checkpointing of all 2 blocks"):
+        autopar.plan(m, mesh, x, cluster="cpu-gloo", memory_budget=0.2 * free.predicted["peak_mem_bytes"])
+    low = recognize(tight, m)
+    assert low.checkpoint == ["layers.0", "layers.1"] and "checkpoint_blocks = ['layers.0', 'layers.1']" in low.code()
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------
+
+def test_forced_style_that_contradicts_the_plan(tp):
+    plan, m = tp
+    with pytest.raises(EngineLoweringError, match=r"RowwiseParallel forced on 'layers.0.attention.wq' contradicts"):
+        recognize(plan, m, styles={"layers.*.attention.wq": "RowwiseParallel"})
+    with pytest.raises(EngineLoweringError, match="gives that module no ParallelStyle"):
+        recognize(plan, m, styles={"layers.0.feed_forward.w1.bias": "ColwiseParallel"})
+    ok = recognize(plan, m, styles={"layers.*.attention.wq": "ColwiseParallel"})
+    assert ok.expressible
+
+
+def test_fsdp_unit_boundary_inside_a_repeated_block(fsdp):
+    plan, m = fsdp
+    with pytest.raises(EngineLoweringError, match="'layers.0.attention' lies inside the repeated block 'layers.0'"):
+        recognize(plan, m, units=["layers.0.attention", "layers.1"])
+    low = recognize(plan, m, units=["layers.0", "layers.1"])
+    assert [u.fqn for u in low.units] == ["layers.0", "layers.1", ""]
+
+
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+
+    def forward(self, h):
+        return h + self.fc2(F.gelu(self.fc1(h)))
+
+
+class _LeakyModel(nn.Module):
+    """The root reads layers[0].fc2.weight directly: a parameter used outside its module."""
+
+    def __init__(self, d=32, vocab=64, n=2, share=False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(_Block(d) for _ in range(n))
+        self.out = nn.Linear(d, vocab)
+        self.share = share
+        if share:
+            self.layers[1].fc1.weight = self.layers[0].fc1.weight
+
+    def forward(self, x, y):
+        h = self.embed(x)
+        for blk in self.layers:
+            h = blk(h)
+        if not self.share:
+            h = h + F.linear(F.gelu(h @ self.layers[0].fc1.weight.t()), self.layers[0].fc2.weight)
+        return F.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
+
+
+def _leaky_plan(share):
+    with torch.device("meta"):
+        m = _LeakyModel(share=share)
+    x = (torch.empty(8, 16, dtype=torch.long, device="meta"), torch.empty(8, 16, dtype=torch.long, device="meta"))
+    force = {k: ("S0",) for k, _ in m.named_parameters()}
+    p = autopar.plan(m, (2,), x, cluster="cpu-gloo", force=force, pin=batch_pin([0], (8, 16)))
+    return p, m
+
+
+def test_parameter_used_outside_its_module_is_a_reason():
+    plan, m = _leaky_plan(share=False)
+    assert recognize(plan, m).expressible     # no repeated blocks found: one root unit holds every parameter
+    low = recognize(plan, m, units=["layers.0", "layers.1"])
+    assert not low.expressible
+    bad = [w for part, w in low.reasons if part == "parameter layers.0.fc2.weight"]
+    assert bad and "outside its FSDP unit 'layers.0'" in bad[0] and "<root>" in bad[0], low.reasons
+    assert "-> graph  parameter layers.0.fc2.weight" in low.report()
+    with pytest.raises(EngineLoweringError, match="layers.0.fc2.weight"):
+        from autopar.backends.engines import lower_to_torch
+        lower_to_torch(m, None, plan, units=["layers.0", "layers.1"])
+
+
+def test_parameter_shared_across_units_is_a_reason():
+    plan, m = _leaky_plan(share=True)
+    low = recognize(plan, m, units=["layers.0", "layers.1"])
+    assert not low.expressible
+    assert any(part == "parameter layers.1.fc1.weight" and "same tensor as layers.0.fc1.weight" in w
+               for part, w in low.reasons), low.reasons
