@@ -178,6 +178,11 @@ def evaluate_fitted(costs, bounds, r, cluster, budget, recompute=True) -> dict:
     variants, rec = [], []
     for k in range(S):
         a, b = bounds[k], bounds[k + 1]
+        if recompute == "all":          # a hand layout that checkpoints every block (Megatron / torchtitan "full")
+            j = int(np.argmin([(cv.F[a:b] + cv.B[a:b] + cv.W[a:b] + cv.rtime[a:b]).sum() for cv in costs]))
+            variants.append(j)
+            rec.append(int(costs[j].blk[a:b].sum()))
+            continue
         C, _, R = pm.stage_options(costs, xfer, r["spec"], r["p"], v, r["m"], fl[k], cap, recompute)
         if np.isfinite(C[:, a, b]).any():
             j = int(np.argmin(C[:, a, b]))
@@ -224,7 +229,7 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
         tried += 1
         cvs = ops.costs()
         xfer = np.array([[collective_time("send_recv", float(b), 2, link) for b in cv.xbytes] for cv in cvs])
-        part = pm.partition(cvs, xfer, spec, p, v, m, fl, cap, tol, recompute)
+        part = pm.partition(cvs, xfer, spec, p, v, m, fl, cap, tol, bool(recompute))
         if part is None:
             break
         ev = evaluate(cvs, part.bounds, part.variants, part.recompute, spec, p, v, m, order, cluster, smesh.size,
@@ -319,7 +324,8 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
     pipeline: "auto"/True, or a dict narrowing the search: pp, tp (lists), n_microbatches, schedules,
     stages_per_rank (lists), layers_per_stage (a hand layout: blocks per stage, no DP), max_microbatch_options,
     n_variants (intra-op plans per stage submesh: 1 time-optimal, 2 (default) + FSDP-sharded params, 3-4 +
-    memory-budgeted), recompute (offer checkpointed blocks, default True), dp_shards_batch (default True),
+    memory-budgeted), recompute (checkpointed blocks: True (default) as memory needs, False never, "all": every
+    block, for hand layouts), dp_shards_batch (default True),
     prune_margin (1.25), dp_tol (1e-3: relative tolerance of the bottleneck scan; 0 = exact), top (candidates
     kept in the report)."""
     from .solver import InfeasibleMemoryError
@@ -342,7 +348,7 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
            "replicate_ops": [str(o) for o in replicate_ops], "allow_replicate": allow_replicate,
            "time_limit": time_limit, "n_variants": int(opts.get("n_variants", 2)),
            "dp_shards_batch": bool(opts.get("dp_shards_batch", True)),
-           "recompute": bool(opts.get("recompute", True))}
+           "recompute": opts.get("recompute", True)}
     names = [k for k in opts.get("schedules") or pm.SCHEDULES]
     specs = [pm.get_schedule(k) for k in names]
     hand = opts.get("layers_per_stage")

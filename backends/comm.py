@@ -267,9 +267,10 @@ def agree_on_plan(mesh, plan_hash: str, device) -> None:
         return                           # one process simulates every rank (LocalTensorMode): one plan
     code = torch.tensor([int(plan_hash[i:i + 8], 16) for i in range(0, 16, 8)], dtype=torch.int64, device=device)
     world = dist.get_world_size()
-    out = torch.empty(world * code.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(out, code)
-    got = out.view(world, -1).tolist()
+    table = torch.zeros(world, code.numel(), dtype=torch.int64, device=device)
+    table[dist.get_rank()] = code
+    dist.all_reduce(table)                  # every rank's hash in its own row (a sum of one-row tables)
+    got = table.tolist()
     hashes = ["".join(f"{v:08x}" for v in row) for row in got]
     if len(set(hashes)) != 1:
         by = {}

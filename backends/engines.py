@@ -26,12 +26,9 @@ never silently changed. `TorchLowering.code()` is the plan as the code a user wo
 from __future__ import annotations
 
 import contextlib
-import inspect
-import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-import torch
 import torch.nn as nn
 
 
@@ -141,10 +138,6 @@ class _Graph:
         return mod == "" or m == mod or m.startswith(mod + ".")
 
 
-def _sp(p, d):
-    return p[d] if p is not None else None
-
-
 def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) -> TorchLowering:
     """What of `plan` fully_shard / parallelize_module can express, and how (see the module docstring).
     units: FSDP unit FQNs to use instead of the plan's blocks (validated); styles: {module FQN: ParallelStyle or
@@ -154,7 +147,9 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
     low = TorchLowering(plan.hash(), names, shape)
     low.block_fqns = _blocks(plan)
     inputs = [n for n in plan.nodes if n["kind"] == "input"]
-    low.input_placements = [_fed(G, n) for n in inputs]
+    fed = [_fed(G, n) for n in inputs]
+    low.input_placements = [[f[d] if all(g[d] == "S0" for g in fed) else n["placement"]["out"][0][d]
+                             for d in range(len(names))] for f, n in zip(fed, inputs)]
     data, model_dims = [], []
     for d, name in enumerate(names):
         pls = {pl[d] for pl in low.input_placements}
@@ -234,9 +229,6 @@ def _check_shared(low, plan, model):
 def _blocks(plan) -> list[str]:
     return [f"{r['prefix']}.{i}" for r in plan.regions for i in r["layers"]]
 
-
-def _block_of(plan, fqn) -> str:
-    return next((b for b in _blocks(plan) if fqn.startswith(b + ".")), "")
 
 
 def _recognize_fsdp(low, G, plan, forced_units):

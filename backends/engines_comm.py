@@ -234,7 +234,6 @@ def engine_collectives(plan, low) -> tuple[list, list]:
         on the tp dim and is all-reduced once (DTensor), at the size autograd produced it (before FSDP sharding).
     """
     out, notes = [], []
-    names = plan.mesh_names
     pnode = {n["target"]: n for n in plan.nodes if n["kind"] == "param"}
     t = low.tp_dim
     tp_n = plan.mesh_shape[t] if t is not None else 1

@@ -93,8 +93,8 @@ def torchtitan_placements(model, mesh_names, dp: str | None = "dp", tp: str | No
         mod, op = n.module, str(n.target)
         if mod == "norm" or mod.endswith(_NORMS) or (re.fullmatch(r"layers\.\d+", mod) and op == "aten.add.Tensor"):
             want[d_tp] = "S1"
-        elif op == "aten._log_softmax.default":
-            want[d_tp] = "R"
+        elif op in ("aten._log_softmax.default", "aten.nll_loss_forward.default"):
+            want[d_tp] = "R"                            # loss_parallel=False: the loss runs replicated on tp
         elif op == "aten.embedding.default":           # vocab-parallel embedding: masked partial output
             want[d_tp] = "Pm"
         elif mod == "output" and op == "aten.mm.default":   # colwise output projection: vocab-sharded logits

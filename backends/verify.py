@@ -54,7 +54,16 @@ def fsdp_tp_force(model: nn.Module, mesh_shape) -> dict:
     """2-D: FSDP-like on mesh dim 0 and tensor parallel on mesh dim 1 (a tensor dim sharded by both is nested,
     dp outer)."""
     a, b = fsdp_force(model, mesh_shape, 0), tp_force(model, mesh_shape, 1)
-    return {k: (a[k][0] if a[k][0] != "R" else b[k][0],) + tuple(b[k][1:]) for k in a}
+    shapes = {k: p.shape for k, p in model.named_parameters()}
+    out = {}
+    for k in a:
+        pl = (a[k][0] if a[k][0] != "R" else b[k][0],) + tuple(b[k][1:])
+        split = {}
+        for p, n in zip(pl, mesh_shape):
+            if p[0] == "S":
+                split[int(p[1:])] = split.get(int(p[1:]), 1) * n
+        out[k] = pl if all(shapes[k][d] % n == 0 for d, n in split.items()) else b[k]   # nested must divide
+    return out
 
 
 def global_value(t: torch.Tensor) -> torch.Tensor:

@@ -114,7 +114,7 @@ def main(argv=None) -> int:
     plans = {"A": A, "B": B, "C": C, "D": D}
     lows = {k: recognize(p, m) for k, p in plans.items()}
     lp = loss_parallel_delta(B, 1, get_cluster(args.cluster))
-    L = [f"# autopar vs torchtitan's hand plan: Llama-3 debug model (dim 256, 6 layers, 16 heads, vocab 2048)", "",
+    L = ["# autopar vs torchtitan's hand plan: Llama-3 debug model (dim 256, 6 layers, 16 heads, vocab 2048)", "",
          f"command: `python benchmarks/compare_torchtitan.py --mesh {args.mesh} --batch {args.batch} --seq {args.seq} "
          f"--cluster {args.cluster}{' --compile' if args.compile else ''}`  commit: `{_commit()}`  machine: "
          f"{os.cpu_count()} cores, torch {torch.__version__}", "",

@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from autopar.solver import InfeasibleMemoryError, min_memory, solve
+from autopar.solver import InfeasibleMemoryError, solve
 from autopar.strategies import num_shards
 
 

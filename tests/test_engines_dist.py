@@ -100,7 +100,8 @@ def _check(results, cases):
         print(f"{case['name']:<18} grad rel err per step (worst rank) "
               f"{[max(r['cases'][ci]['grad_rel'][s] for r in results) for s in range(STEPS)]}  loss rel "
               f"{max(max(r['cases'][ci]['loss_rel']) for r in results):.1e}  collectives "
-              f"{h0.get('n_collectives', '-')} match={h0.get('collectives_match', '-')}")
+              f"{h0.get('n_collectives', '-')} match={h0.get('collectives_match', '-')}\n"
+              f"{'':<18} plan predicts {h0.get('plan_kinds')}\n{'':<18} measured      {h0.get('measured_kinds')}")
         for rank, res in enumerate(results):
             h = res["cases"][ci]
             assert h["name"] == case["name"]
@@ -215,7 +216,7 @@ def _run_case(case, rank, world):
         out.update(backend="torch", code=low.code(), mixed_precision=low.mixed_precision,
                    checkpointed=low.checkpoint, fw_calls=0)
         counter = lambda *a: out.__setitem__("fw_calls", out["fw_calls"] + 1)
-        model.layers[0].feed_forward.register_forward_hook(counter)     # 2 calls per step when recomputed
+        model.layers[0].attention.register_forward_pre_hook(counter)    # 2 calls per step when recomputed
         xl, yl = engines.local_inputs(model, mesh, x, y)
 
         def step():
@@ -237,6 +238,8 @@ def _run_case(case, rank, world):
                 opt.step()
             exp, notes = engine_collectives(plan, low)
             a, b = Counter(measured_list(cc)), Counter(exp)
+            fmt = lambda d: {k: [v["count"], v["bytes"]] for k, v in sorted(d.items())}
+            out.update(plan_kinds=fmt(plan.predicted["collectives"]), measured_kinds=fmt(cc.summary()))
             out.update(collectives_match=a == b, n_collectives=sum(a.values()), notes=notes[:5],
                        collectives_diff=f"measured-only {sorted((a - b).items())} expected-only "
                                         f"{sorted((b - a).items())}")

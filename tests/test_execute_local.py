@@ -112,7 +112,7 @@ def sweep(n):
 
 # ---- property sweeps ---------------------------------------------------------------------------------------------
 
-@sweep(100)
+@sweep(110)
 @given(dim=st.sampled_from([4, 6, 8]), hidden=st.sampled_from([6, 8, 10, 12]), layers=st.integers(1, 2),
        vocab=st.sampled_from([12, 16, 17]), batch=st.sampled_from([2, 3, 4]), seq=st.sampled_from([3, 4]),
        mc=mesh_and_constraint(), seed=st.integers(0, 10_000), lr=st.sampled_from([0.05, 0.5]))
@@ -138,7 +138,7 @@ def transformer(draw):
                         dense_ffn_dim=8)
 
 
-@sweep(70)
+@sweep(50)
 @given(cfg=transformer(), batch=st.sampled_from([2, 3]), seq=st.sampled_from([4, 5]), mc=mesh_and_constraint(),
        seed=st.integers(0, 10_000), lr=st.sampled_from([0.05, 0.5]))
 def test_sweep_transformers(cfg, batch, seq, mc, seed, lr):
@@ -149,7 +149,7 @@ BUDGETED = [("mlp-tiny", dict(dim=8, hidden=16, n_layers=2, vocab=16), (2,), 0.5
             ("mlp-tiny", dict(dim=8, hidden=16, n_layers=2, vocab=16), (4,), 0.5)]
 
 
-@sweep(30)
+@sweep(40)
 @given(which=st.sampled_from(range(len(BUDGETED))), seed=st.integers(0, 10_000), lr=st.sampled_from([0.05, 0.5]))
 def test_sweep_memory_budget(which, seed, lr):
     name, ov, mesh, frac = BUDGETED[which]

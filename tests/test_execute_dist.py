@@ -1,0 +1,215 @@
+"""SPMD execution on real multi-process groups: gloo world 2 (1-D mesh) and world 4 (2x2 and 1-D 4), and NCCL
+when CUDA is present (tests marked `gpu`).
+
+Each launch runs several checks in one process group (a start costs seconds): every rank plans the same model
+independently (the ranks agree on the plan hash before any collective), trains 3 SGD steps next to the
+single-device model, and compares the loss, the first step's gradients, the final parameters and the
+collectives of the first step (kind, mesh dim, bytes) with the plan. Also: DCP save/load of the parallel state
+dict, pre-sharded inputs, and a rank holding a different plan (a clear error on every rank, no hang).
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+import tempfile
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(job: str, world: int, cases, backend: str = "gloo", timeout: float = 300.0) -> list[dict]:
+    """Run `job` on `world` spawned ranks; returns each rank's result dict (a rank's exception is in 'error')."""
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=_worker, args=(job, r, world, port, tmp, cases, backend)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        assert not hung, f"ranks {hung} did not finish within {timeout} s"
+        out = []
+        for r, p in enumerate(procs):
+            path = os.path.join(tmp, f"{r}.json")
+            assert os.path.exists(path), f"rank {r} exited with code {p.exitcode} and wrote no result"
+            with open(path) as f:
+                out.append(json.load(f))
+        return out
+
+
+def _worker(job, rank, world, port, tmp, cases, backend):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=60))
+    res: dict = {}
+    try:
+        res = JOBS[job](cases, tmp, "cuda" if backend == "nccl" else "cpu")
+    except Exception as e:                                   # reported to the parent, which fails the test
+        import traceback
+        res = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
+    finally:
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    with open(os.path.join(tmp, f"{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def _mesh(shape, device):
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device, tuple(shape), mesh_dim_names=("dp", "tp") if len(shape) == 2 else ("dp",))
+
+
+def _force(model, shape, constraint):
+    from autopar.backends.verify import fsdp_force, fsdp_tp_force, tp_force
+    return {"none": lambda: {}, "fsdp": lambda: fsdp_force(model, shape), "tp": lambda: tp_force(model, shape),
+            "fsdp+tp": lambda: fsdp_tp_force(model, shape)}[constraint]()
+
+
+def job_train(cases, tmp, device):
+    """Each case: plan on this rank, train 3 SGD steps beside the single-device model, report the numbers."""
+    import autopar
+    from autopar.backends.verify import train_and_compare
+    from autopar.models import build_model, example_inputs
+    out = {"cases": []}
+    for name, ov, batch, seq, shape, constraint in cases:
+        model = build_model(name, device="cpu", seed=7, **ov)
+        x = example_inputs(name, batch=batch, seq=seq, seed=8, **ov)
+        mesh = _mesh(shape, device)
+        pm = autopar.parallelize(model, mesh, x, force=_force(model, shape, constraint))
+        xs = tuple(t.to(device) for t in x)
+        rep = train_and_compare(pm, copy.deepcopy(model).to(device), xs, steps=3, lr=0.5)
+        out["cases"].append({"case": [name, shape, constraint], "failures": rep.failures[:5],
+                             "collective_diff": rep.collective_diff, "measured": rep.measured,
+                             "predicted": [list(c) for c in rep.predicted], "max_abs": rep.max_abs,
+                             "losses": rep.losses, "hash": pm.plan.hash(),
+                             "placements": {k: list(v) for k, v in pm.plan.params.items()}})
+    return out
+
+
+def job_extras(cases, tmp, device):
+    """DCP round trip of the parallel state dict, pre-sharded inputs, then a rank with a different plan."""
+    import torch.distributed.checkpoint as dcp
+    import autopar
+    from autopar.backends.comm import PlanMismatchError
+    from autopar.backends.graph import local_batch
+    from autopar.backends.verify import global_value
+    from autopar.models import build_model, example_inputs
+    name, ov, batch, seq, shape, constraint = cases[0]
+    mesh = _mesh(shape, device)
+    model = build_model(name, device="cpu", seed=1, **ov)
+    x = example_inputs(name, batch=batch, seq=seq, seed=2, **ov)
+    force = _force(model, shape, constraint)
+    pm = autopar.parallelize(model, mesh, x, force=force)
+    loss = pm(*x)
+    loss.backward()
+    torch.optim.SGD(pm.parameters(), lr=0.5).step()
+    ckpt = os.path.join(tmp, "ckpt")
+    dcp.save(pm.state_dict(), checkpoint_id=ckpt)
+    other = autopar.parallelize(build_model(name, device="cpu", seed=99, **ov), mesh, x, force=force)
+    sd = other.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt)
+    other.load_state_dict(sd)
+    dcp_diff = max((global_value(a) - global_value(b)).abs().max().item()
+                   for a, b in zip(pm.parameters(), other.parameters()))
+    # pre-sharded inputs: the DTensors of `shard_inputs` and the global tensors give the same loss
+    sharded = pm.shard_inputs(*x)
+    same_loss = torch.equal(pm(*sharded).detach(), pm(*x).detach())
+    local_shapes = [list(t.shape) for t in local_batch(pm, *x)]
+    in_pl = [n["placement"]["out"][0] for n in pm.plan.nodes if n["kind"] == "input"]
+    # a rank holding a different plan: rank 1 pins another placement
+    alt = dict(force)
+    if dist.get_rank() == 1:
+        k = next(iter(alt))
+        alt[k] = tuple("R" for _ in shape)
+    try:
+        autopar.parallelize(model, mesh, x, force=alt)
+        mismatch = "no error"
+    except PlanMismatchError as e:
+        mismatch = str(e)
+    return {"dcp_diff": dcp_diff, "same_loss": same_loss, "local_shapes": local_shapes, "input_placements": in_pl,
+            "mismatch": mismatch}
+
+
+JOBS = {"train": job_train, "extras": job_extras}
+
+LLAMA = dict(dim=8, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=16, ffn_dim=12)      # GQA
+GPT2 = dict(dim=8, n_layers=1, n_heads=2, vocab_size=16, max_seq_len=8)                     # tied embeddings
+MOE = dict(dim=8, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=16, n_experts=4, top_k=2, moe_hidden=4,
+           dense_ffn_dim=8)
+MLP_DP = dict(dim=64, hidden=256, n_layers=1, vocab=32)
+
+
+def _check_train(results, n_cases):
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r}: {res['error']}\n{res.get('trace', '')}"
+        assert len(res["cases"]) == n_cases
+    for i in range(n_cases):
+        cases = [res["cases"][i] for res in results]
+        assert len({c["hash"] for c in cases}) == 1, "ranks planned differently"
+        for r, c in enumerate(cases):
+            assert not c["failures"], (r, c["case"], c["failures"])
+            assert not c["collective_diff"], (r, c["case"], c["collective_diff"])
+            assert sorted(map(tuple, c["measured"])) == sorted(map(tuple, c["predicted"]))
+    return [[c for c in res["cases"]] for res in results]
+
+
+def test_world4_gloo_2x2_and_1d():
+    cases = [("llama-tiny", LLAMA, 2, 4, (2, 2), "fsdp"),          # its plan has an all_to_all
+             ("gpt2-tiny", GPT2, 2, 4, (2, 2), "fsdp+tp"),
+             ("moe-tiny", MOE, 2, 4, (4,), "fsdp")]
+    results = launch("train", 4, cases)
+    per_rank = _check_train(results, len(cases))
+    kinds = {c[0] for case in per_rank[0] for c in case["measured"]}
+    assert {"all_gather", "reduce_scatter", "all_to_all"} <= kinds, kinds      # a real all_to_all on gloo
+    assert any(c[1] == 1 for case in per_rank[0] for c in case["measured"]), "no collective on the tp sub-group"
+    assert all(abs(a - b) <= 1e-6 + 1e-5 * abs(b) for case in per_rank[0] for a, b in case["losses"])
+
+
+def test_world2_gloo_train_dcp_sharded_inputs_and_plan_mismatch():
+    cases = [("llama-tiny", LLAMA, 2, 4, (2,), "tp"),
+             ("gpt2-tiny", GPT2, 2, 4, (2,), "fsdp")]
+    _check_train(launch("train", 2, cases), len(cases))
+    results = launch("extras", 2, [("mlp-tiny", MLP_DP, 32, 32, (2,), "fsdp")])
+    for r, res in enumerate(results):
+        assert "error" not in res, f"rank {r}: {res['error']}\n{res.get('trace', '')}"
+        assert res["dcp_diff"] == 0.0
+        assert res["same_loss"]
+        assert "ranks hold different plans" in res["mismatch"] and "ranks [0]" in res["mismatch"] \
+            and "ranks [1]" in res["mismatch"], res["mismatch"]
+    # inputs the plan shards arrive as this rank's slice (batch 32 over 2 ranks) without communication
+    pl, shapes = results[0]["input_placements"], results[0]["local_shapes"]
+    for p, s in zip(pl, shapes):
+        assert s[0] == (16 if p == ["S0"] else 32), (pl, shapes)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_nccl_same_checks():
+    world = min(torch.cuda.device_count(), 2)
+    shape = (world,)
+    cases = [("llama-tiny", LLAMA, 2, 4, shape, "tp"), ("gpt2-tiny", GPT2, 2, 4, shape, "fsdp"),
+             ("moe-tiny", MOE, 2, 4, shape, "fsdp")]
+    _check_train(launch("train", world, cases, backend="nccl"), len(cases))
