@@ -226,6 +226,30 @@ def _check_shared(low, plan, model):
                                 f"it in one module only"))
 
 
+_LOSS_OPS = {"nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward"}
+
+
+def _check_batch_ops(low, G, plan, data, dn):
+    """Data parallelism in the engines means every rank computes on its own batch shard. The plan may instead
+    gather an activation over a data dim: harmless for the loss (each rank's mean over an equal shard, gradients
+    averaged: the same values), but any other such op couples samples across the batch (e.g. batch norm)."""
+    for n in plan.nodes:
+        for r in n.get("redistribute", []):
+            if r["class"] != "act" or not isinstance(r["input"], int) or not any(c[1] in data for c in
+                                                                                  r["collectives"]):
+                continue
+            if _op(n) in _LOSS_OPS:
+                msg = (f"the plan gathers the loss input {r['input']} of {n['name']} over {dn(data)}; the engines "
+                       f"average each rank's loss over its equal batch shard instead (same values)")
+                if msg not in low.notes:
+                    low.notes.append(msg)
+            elif plan.nodes[n["inputs"][r["input"]][0]]["shape"][n["inputs"][r["input"]][1]]:
+                low.reasons.append((f"op {n['name']}", f"in module '{n['module'] or '<root>'}' redistributes input "
+                                    f"{r['input']} [{','.join(r['src'])}] -> [{','.join(r['dst'])}] over the data-"
+                                    f"parallel dims {dn(data)}: a computation across the batch, which per-rank "
+                                    f"batch shards (FSDP/DDP) do not express"))
+
+
 def _blocks(plan) -> list[str]:
     return [f"{r['prefix']}.{i}" for r in plan.regions for i in r["layers"]]
 
@@ -290,6 +314,7 @@ def _recognize_fsdp(low, G, plan, forced_units):
             u.shard_dims[fqn] = k
         if any(G.rec(c)["phase"] == "bw" for c in gathers):
             u.reshard_after_forward = True
+    _check_batch_ops(low, G, plan, data, dn)
     for u in per_unit.values():
         if u.replicated:
             low.replicated_grads += u.replicated
@@ -302,7 +327,10 @@ def _recognize_fsdp(low, G, plan, forced_units):
                   if u.replicated else ""))
         if low.shard_dims:
             low.units.append(u)
-    if low.shard_dims and low.replicate_dims:
+    if len(low.shard_dims) > 1 and low.replicate_dims:
+        low.reasons.append(("data-parallel dims", f"HSDP with a flattened shard group ({dn(low.shard_dims)}) and a "
+                            f"replicate group ({dn(low.replicate_dims)}) is not lowered"))
+    elif low.shard_dims and low.replicate_dims:
         low.notes.append(f"HSDP: replicate over {dn(low.replicate_dims)}, shard over {dn(low.shard_dims)}")
     elif not low.shard_dims:
         low.notes.append(f"data parallel over {dn(low.replicate_dims)} with every parameter replicated: gradients "
@@ -335,6 +363,16 @@ def apply_lowering(model, mesh, low: TorchLowering, compile_blocks=None) -> nn.M
 
 
 apply_torch_engines = lower_to_torch
+
+
+def export_code(plan, model: nn.Module | None = None, *, units=None, styles=None) -> str:
+    """The plan as the Python a user would have written (parallelize_plan dict, fully_shard units, apply());
+    printable, importable, editable. Raises EngineLoweringError when the engines cannot express the plan."""
+    low = recognize(plan, model, units=units, styles=styles)
+    if not low.expressible:
+        raise EngineLoweringError("the plan cannot be exported as fully_shard / parallelize_module code:\n" +
+                                  "\n".join(f"  {part}: {why}" for part, why in low.reasons))
+    return low.code()
 
 
 def train_context(model) -> contextlib.AbstractContextManager:

@@ -99,8 +99,6 @@ def render(low) -> str:
         if len(low.shard_dims) > 1:
             shard_expr = ("flatten_mesh(mesh, (" + ", ".join(repr(names[d]) for d in low.shard_dims) + ",))")
             L.append("    from autopar.strategies._torch_adapter import flatten_mesh")
-            if low.replicate_dims:
-                raise NotImplementedError("HSDP over a flattened shard group")
             L.append(f"    dp_mesh = {shard_expr}")
         else:
             L.append(f"    dp_mesh = {_mesh_expr(names, low.replicate_dims + low.shard_dims)}"

@@ -275,10 +275,10 @@ def engine_collectives(plan, low) -> tuple[list, list]:
             if any(c[1] in data for c in cs):
                 src = n["inputs"][r["input"]]
                 shape = plan.nodes[src[0]]["shape"][src[1]]
-                if r["class"] == "act" and not shape:
-                    notes.append(f"{n['name']}: the plan all-reduces a scalar ({r['src']} -> {r['dst']}, e.g. the "
-                                 f"loss's token count) over the data dims; each engine rank averages its own equal "
-                                 f"batch instead")
+                if r["class"] == "act":
+                    notes.append(f"{n['name']}: the plan redistributes {'a scalar' if not shape else 'a loss input'} "
+                                 f"({r['src']} -> {r['dst']}) over the data dims; each engine rank averages its own "
+                                 f"equal batch shard instead")
                 continue
             if t is None or n["phase"] != "fw" or not any(c[1] == t for c in cs):
                 continue

@@ -60,8 +60,10 @@ def batch_pin(data_dims, batch_shape=None):
     return pin
 
 
-def torchtitan_placements(model, mesh_names, dp: str | None = "dp", tp: str | None = "tp", batch_shape=None):
-    """(force, pin) for autopar.plan: torchtitan's FSDP(dp) x TP+SP(tp) plan as planner constraints.
+def torchtitan_placements(model, mesh_names, dp: str | None = "dp", tp: str | None = "tp", batch_shape=None,
+                          sequence_parallel: bool = True):
+    """(force, pin) for autopar.plan: torchtitan's FSDP(dp) x TP+SP(tp) plan as planner constraints
+    (sequence_parallel=False: Megatron TP without SP, norms and the residual stream replicated on tp).
     batch_shape (batch, seq): with a dp dim, every activation whose leading dim is the batch (or batch*seq) is
     pinned batch-sharded on dp, as data parallelism computes it."""
     dp_pin = batch_pin([mesh_names.index(dp)] if dp in mesh_names else [], batch_shape)
@@ -92,7 +94,7 @@ def torchtitan_placements(model, mesh_names, dp: str | None = "dp", tp: str | No
             return want or None
         mod, op = n.module, str(n.target)
         if mod == "norm" or mod.endswith(_NORMS) or (re.fullmatch(r"layers\.\d+", mod) and op == "aten.add.Tensor"):
-            want[d_tp] = "S1"
+            want[d_tp] = "S1" if sequence_parallel else "R"
         elif op in ("aten._log_softmax.default", "aten.nll_loss_forward.default"):
             want[d_tp] = "R"                            # loss_parallel=False: the loss runs replicated on tp
         elif op == "aten.embedding.default":           # vocab-parallel embedding: masked partial output

@@ -131,8 +131,8 @@ def recognize_tp(low, G, plan, model, forced) -> None:
                     reason(M, f"input is {have} on {tn}; ColwiseParallel takes a replicated or sequence-sharded "
                            f"(Shard(1)) input")
                     continue
-                lay, ends = output_layout(M, G.rec(ext_out(M)[0][0])["placement"]["out"][ext_out(M)[0][1]][t]
-                                          if ext_out(M) else "S2")
+                outs = ext_out(M)
+                lay, ends = output_layout(M, out_of(*outs[0]) if outs else "S2")
                 if lay == "bad":
                     continue
                 if lay == "loss":

@@ -32,8 +32,18 @@ class ExecutionError(RuntimeError):
     """The program cannot run as planned; the message names the node, its module and what differs."""
 
 
+_STRS: dict = {}
+
+
 def placement_strs(dt) -> tuple[str, ...]:
-    return tuple(to_str(p) for p in dt.placements)
+    pls = dt.placements
+    try:
+        return _STRS[pls]
+    except KeyError:
+        s = tuple(to_str(p) for p in pls)
+        if not any(type(p).__name__ == "_MaskPartial" for p in pls):    # those carry a per-call mask buffer
+            _STRS[pls] = s
+        return s
 
 
 def _same(actual, expected) -> bool:

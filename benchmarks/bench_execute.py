@@ -64,7 +64,8 @@ def worker(rank, world, port, args, out):
         batches = [example_inputs("llama-tiny", batch=args.batch, seq=args.seq, seed=s, **CONFIG)
                    for s in range(args.warmup + args.steps)]
         t = time.perf_counter()
-        pm = autopar.parallelize(model, mesh, batches[0], force=tp_force(model, (world,)))
+        kw = {"cluster": args.cluster} if args.cluster else {}
+        pm = autopar.parallelize(model, mesh, batches[0], force=tp_force(model, (world,)), **kw)
         plan_s = time.perf_counter() - t
         hand = hand_tp(copy.deepcopy(model), mesh)
         sides = {"autopar": (pm, torch.optim.SGD(pm.parameters(), lr=args.lr)),
@@ -102,6 +103,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--lr", type=float, default=0.05)
+    ap.add_argument("--cluster", default=None, help="cost model autopar plans with (default: cpu-gloo)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "execute"))
     args = ap.parse_args(argv)
     cmd = "python benchmarks/bench_execute.py " + " ".join(sys.argv[1:] if argv is None else argv)

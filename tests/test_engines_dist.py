@@ -68,6 +68,8 @@ def _cases(tmp_path, world):
         add("fsdp_x_tp", (2, 2), ("dp", "tp"), force=force, pin=pin)
         add("hsdp", (2, 2), ("rep", "shard"), force={k: ("R", "S0") for k, _ in m.named_parameters()},
             pin=batch_pin([0, 1], (BATCH, SEQ)))
+        add("fsdp_flat_2d", (2, 2), ("dp", "cp"), force={k: ("S0", "S0") for k, _ in m.named_parameters()},
+            pin=batch_pin([0, 1], (BATCH, SEQ)))
     return cases
 
 
@@ -130,7 +132,7 @@ def test_world2_fsdp2_bf16_checkpointing_tp_sp_fallback(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.timeout(420)
-def test_world4_fsdp2_fsdp_x_tp_hsdp(tmp_path):
+def test_world4_fsdp2_fsdp_x_tp_hsdp_flat(tmp_path):
     cases = _cases(tmp_path, 4)
     results = _launch(tmp_path, 4, cases)
     _check(results, cases)

@@ -101,11 +101,28 @@ def test_tp_sp_plan_is_torchtitans(tp):
     assert any("PrepareModuleInput" in n for n in low.notes)      # the plan's per-consumer gathers, deduplicated
 
 
-def test_export_code_is_importable_and_complete(tp, tmp_path):
-    plan, m = tp
+def test_tp_without_sequence_parallel_is_megatron():
+    m, x = _model()
+    force, pin = torchtitan_placements(m, ("tp",), None, "tp", (B, S), sequence_parallel=False)
+    plan = autopar.plan(m, autopar.MeshSpec((2,), ("tp",)), x, cluster="cpu-gloo", force=force, pin=pin)
     low = recognize(plan, m)
+    assert low.expressible, low.report()
+    from autopar.backends.engines_codegen import _fold
+    st = {k: v.code() for k, v in _fold(low.styles, low.block_fqns).items()}
+    assert st["layers.*.attention.wq"] == "ColwiseParallel()" and st["layers.*.feed_forward.w2"] == "RowwiseParallel()"
+    assert st["tok_embeddings"] == "RowwiseParallel(input_layouts=Replicate())"
+    assert not any("SequenceParallel" in v or "PrepareModuleInput" in v for v in st.values()), st
+    exp, _ = engine_collectives(plan, low)
+    # Megatron: one all_reduce per rowwise output (2 per block) and the embedding's, nothing else in the forward
+    assert sum(1 for k, _, _ in exp if k == "all_reduce") == 2 * 2 + 1
+    assert {k for k, _, _ in exp} <= {"all_reduce", "all_gather", "reduce_scatter"}
+
+
+def test_export_code_is_importable_and_complete(tp, tmp_path):
+    from autopar.backends.engines import export_code
+    plan, m = tp
     path = tmp_path / "tp_plan.py"
-    path.write_text(low.code())
+    path.write_text(export_code(plan, m))
     spec = importlib.util.spec_from_file_location("tp_plan", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -269,8 +269,17 @@ def flatten_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
 def make_dtensor(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
     """A DTensor around `local` without autograd bookkeeping (DTensor.from_local goes through an autograd
     Function and a view, which costs ~2 ms per call under LocalTensorMode); for values computed under no_grad."""
-    spec = DTensorSpec(mesh, tuple(placements), tensor_meta=DTMeta(torch.Size(shape), tuple(stride), local.dtype))
+    key = (id(mesh), tuple(placements), tuple(shape), tuple(stride), local.dtype)
+    spec = _SPECS.get(key)
+    if spec is None or spec.mesh is not mesh:
+        if len(_SPECS) > 4096:
+            _SPECS.clear()
+        spec = _SPECS[key] = DTensorSpec(mesh, tuple(placements),
+                                         tensor_meta=DTMeta(torch.Size(shape), tuple(stride), local.dtype))
     return DTensor(local, spec, requires_grad=False)
+
+
+_SPECS: dict = {}     # DTensorSpecs are immutable: one per (mesh, placements, shape, stride, dtype)
 
 
 def per_rank(x: torch.Tensor) -> torch.Tensor:
