@@ -199,67 +199,71 @@ def simulate(order: tuple, rank_of: tuple, F: list, B: list, W: list, p2p: list)
     """List-schedule torch's action order. F/B/W: seconds per stage per micro-batch (a full backward "B" costs
     B+W); p2p[k]: seconds to move one micro-batch's activation (or its gradient) from stage k to k+1 when they sit
     on different ranks."""
-    S = len(F)
-    p = len(order)
-    dur = {"F": F, "B": [b + w for b, w in zip(B, W)], "I": B, "W": W}
-    end: dict = {}
-    pos = [0] * p
-    free = [0.0] * p
+    S, p = len(F), len(order)
+    M = 1 + max((a[2] for r in order for a in r), default=0)
+    full = [b + w for b, w in zip(B, W)]
+    lat = [p2p[k] if k < S - 1 and rank_of[k] != rank_of[k + 1] else 0.0 for k in range(S)]
+    end_f: dict = {}            # (stage * M + micro-batch) -> end of its forward
+    end_g: dict = {}            # ... -> end of its input-gradient backward (B or I)
+    pos, free = [0] * p, [0.0] * p
     events = [[] for _ in range(p)]
     waiting: dict = {}
     ready = list(range(p))
-
-    def deps(s, kind, i):
-        if kind == "F":
-            return [] if s == 0 else [(s - 1, "F", i, s - 1)]
-        if kind in ("B", "I"):
-            d = [(s, "F", i, None)]
-            if s < S - 1:
-                d.append((s + 1, "BI", i, s))
-            return d
-        return [(s, "I", i, None)]
-
-    def dep_time(s, kind, i, link):
-        if kind == "BI":
-            t = end.get((s, "B", i), end.get((s, "I", i)))
-        else:
-            t = end.get((s, kind, i))
-            if t is None and kind == "I":
-                t = end.get((s, "B", i))
-        if t is None:
-            return None
-        if link is not None and rank_of[link] != rank_of[link + 1]:
-            t += p2p[link]
-        return t
-
-    n_done, total = 0, sum(len(r) for r in order)
+    n_done = 0
     while ready:
         r = ready.pop()
-        while pos[r] < len(order[r]):
-            s, kind, i = order[r][pos[r]]
-            start = free[r]
-            blocked = None
-            for ds, dk, di, link in deps(s, kind, i):
-                t = dep_time(ds, dk, di, link)
+        acts, ev, t_free = order[r], events[r], free[r]
+        while pos[r] < len(acts):
+            s, kind, i = acts[pos[r]]
+            key = s * M + i
+            wait = None
+            if kind == "F":
+                start = t_free
+                if s:
+                    t = end_f.get(key - M)
+                    if t is None:
+                        wait = (0, key - M)
+                    else:
+                        start = max(start, t + lat[s - 1])
+                dur = F[s]
+            elif kind == "W":
+                t = end_g.get(key)
                 if t is None:
-                    blocked = (ds, "B" if dk == "BI" else dk, di)
-                    break
-                start = max(start, t)
-            if blocked is not None:
-                kinds = ("B", "I") if blocked[1] in ("B", "I") else (blocked[1],)
-                for k in kinds:
-                    waiting.setdefault((blocked[0], k, blocked[2]), []).append(r)
+                    wait = (1, key)
+                else:
+                    start = max(t_free, t)
+                dur = W[s]
+            else:                                       # "B" (full) or "I" (input gradient)
+                t = end_f.get(key)
+                if t is None:
+                    wait = (0, key)
+                else:
+                    start = max(t_free, t)
+                    if s < S - 1:
+                        t = end_g.get(key + M)
+                        if t is None:
+                            wait = (1, key + M)
+                        else:
+                            start = max(start, t + lat[s])
+                dur = full[s] if kind == "B" else B[s]
+            if wait is not None:
+                waiting.setdefault(wait, []).append(r)
                 break
-            e = start + dur[kind][s]
-            end[(s, kind, i)] = e
-            free[r] = e
-            events[r].append((start, e, s, kind, i))
+            e = start + dur
+            if kind == "F":
+                end_f[key] = e
+            elif kind != "W":
+                end_g[key] = e
+            t_free = e
+            ev.append((start, e, s, kind, i))
             pos[r] += 1
             n_done += 1
-            for w in waiting.pop((s, kind, i), []):
-                if w not in ready and w != r:
-                    ready.append(w)
-    if n_done != total:
+            if kind != "W":
+                for w in waiting.pop((0 if kind == "F" else 1, key), ()):
+                    if w != r and w not in ready:
+                        ready.append(w)
+        free[r] = t_free
+    if n_done != sum(len(r) for r in order):
         stuck = {r: order[r][pos[r]] for r in range(p) if pos[r] < len(order[r])}
         raise RuntimeError(f"pipeline simulation deadlocked; next actions per rank: {stuck}")
     busy = [sum(e - s for s, e, *_ in ev) for ev in events]
@@ -327,10 +331,8 @@ def stage_options(costs: list, xfer, spec, p: int, v: int, m: int, q: int, cap: 
         comp = (PF[i] - PF[j]) + (PB[i] - PB[j]) + (PW[i] - PW[j]) + x[j] + x[i]
         mem0 = (Ps[i] - Ps[j]) + q * (Pa[i] - Pa[j])
         nb = np.maximum(Pn[i] - Pn[j], 1.0)
-        amax = np.zeros((n + 1, n + 1))                           # largest block activation in [j, i)
-        blk_act = np.where(cv.blk, cv.act, 0.0)
-        for jj in range(n):
-            amax[jj, jj + 1:] = np.maximum.accumulate(blk_act[jj:])
+        blk_act = np.concatenate([[0.0], np.where(cv.blk, cv.act, 0.0)])     # blk_act[i]: cluster i - 1
+        amax = np.maximum.accumulate(np.where(ok, blk_act[i], 0.0), axis=1)  # largest block activation in [j, i)
         save = (Psv[i] - Psv[j]) / nb
         with np.errstate(divide="ignore", invalid="ignore"):
             need = np.ceil(np.where(save > 0, (mem0 + amax - cap) / (q * save), INF) - 1e-9)

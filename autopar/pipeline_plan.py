@@ -31,6 +31,11 @@ from .plan import Plan
 INF = float("inf")
 
 
+def _finite(x):
+    """JSON-safe: the closed form of a hand layout (no DP ran) is None, not NaN."""
+    return float(x) if x is not None and math.isfinite(x) else None
+
+
 def _cluster_names(prefix: str, n_blocks: int) -> list[str]:
     return ["pre"] + [f"{prefix}.{i}" for i in range(n_blocks)] + ["post"]
 
@@ -109,7 +114,7 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
         return {"pp": r["p"], "stage_mesh": list(r["mesh"].shape), "stage_mesh_names": list(r["mesh"].names),
                 "n_microbatches": r["m"], "schedule": r["spec"].name, "stages_per_rank": r["v"],
                 "step_s": r["step_s"], "bubble": r["bubble"], "peak_mem_bytes": r["peak_mem"],
-                "bounds": r["part"].bounds, "proxy_s": r["part"].proxy_s,
+                "bounds": r["part"].bounds, "proxy_s": _finite(r["part"].proxy_s),
                 "even_split_step_s": ev["step_s"] if ev else None}
     schedule = {"name": spec.name if S > 1 else "none", "torch_class": spec.torch_class if S > 1 else None,
                 "n_microbatches": m, "stages_per_rank": v, "num_stages": S, "pp": p,
@@ -118,7 +123,7 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
                 "batch_shapes": shapes, "microbatch_shapes": mb_shapes, "local_batch_shapes": local,
                 "batch_placement": batch_pl,
                 "step_s": best["step_s"], "pipeline_s": best["pipeline_s"], "exposed_dp_s": best["exposed_dp_s"],
-                "bubble_fraction": best["bubble"], "proxy_step_s": part.proxy_s,
+                "bubble_fraction": best["bubble"], "proxy_step_s": _finite(part.proxy_s),
                 "timeline": pm.timeline(sim), "first_actions": pm.first_events(sim, 10),
                 "even_split": None if best["even"] is None else
                 {"step_s": best["even"]["step_s"], "bubble": best["even"]["bubble"],
@@ -395,7 +400,7 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
                                     f"peak found {low / 1e9:.3f} GB over {len(results)} candidates")
     fitting.sort(key=lambda r: (r["step_s"], r["p"] * r["v"], r["m"]))
     top = fitting[:int(opts.get("top", 12))]
-    for r in top:           # the torchtitan-style even layer split of the same configuration, for comparison
+    for r in top[:5]:       # the torchtitan-style even layer split of the same configuration, for comparison
         S = r["p"] * r["v"]
         r["even"] = evaluate_fitted(cache[r["key"]].costs(), even_bounds(len(blocks), S), r, cluster, budget,
                                     ctx["recompute"]) if S <= len(blocks) else None

@@ -102,7 +102,8 @@ class Plan:
                  f"submesh {'x'.join(map(str, sc['stage_mesh_shape']))}({','.join(sc['stage_mesh_names'])}), "
                  f"schedule {sc['name']}, {sc['n_microbatches']} micro-batches of {mb}",
                  f"  step {sc['step_s'] * 1e3:.3f} ms (pipeline {sc['pipeline_s'] * 1e3:.3f} ms + exposed dp comm "
-                 f"{sc['exposed_dp_s'] * 1e3:.3f} ms; closed form {sc['proxy_step_s'] * 1e3:.3f} ms), bubble "
+                 f"{sc['exposed_dp_s'] * 1e3:.3f} ms; closed form "
+                 f"{'-' if sc['proxy_step_s'] is None else format(sc['proxy_step_s'] * 1e3, '.3f')} ms), bubble "
                  f"{sc['bubble_fraction'] * 100:.1f}%" + (f"; even layer split {ev['step_s'] * 1e3:.3f} ms, bubble "
                                                            f"{ev['bubble'] * 100:.1f}%" if ev else ""),
                  f"  {'stage':>5} {'rank':>4} {'clusters':<30} {'params':>9} {'F ms':>9} {'B ms':>9} {'W ms':>9} "

@@ -238,7 +238,12 @@ def _check_batch_ops(low, G, plan, data, dn):
             if r["class"] != "act" or not isinstance(r["input"], int) or not any(c[1] in data for c in
                                                                                   r["collectives"]):
                 continue
-            if _op(n) in _LOSS_OPS:
+            if n["phase"] == "bw":     # backward choices of the planner: gradients are sums over the batch
+                msg = (f"the plan gathers some backward inputs over {dn(data)} (e.g. {n['name']}); autograd on each "
+                       f"rank's batch shard computes the same sums as partial gradients, which FSDP/DDP reduce")
+                if not any(x.startswith("the plan gathers some backward") for x in low.notes):
+                    low.notes.append(msg)
+            elif _op(n) in _LOSS_OPS:
                 msg = (f"the plan gathers the loss input {r['input']} of {n['name']} over {dn(data)}; the engines "
                        f"average each rank's loss over its equal batch shard instead (same values)")
                 if msg not in low.notes:

@@ -229,7 +229,8 @@ def engine_collectives(plan, low) -> tuple[list, list]:
       * tensor-parallel dim, forward: the plan's redistributes, once per produced tensor (a style redistributes
         a module's input or output once, however many ops consume it); backward: autograd's mirror of each:
         an input gather of a colwise Linear -> reduce_scatter, a reduce_scatter -> all_gather, a gather to a
-        replicated output or an all_reduce -> nothing.
+        replicated output or an all_reduce -> nothing; a colwise Linear fed a replicated tensor all-reduces its
+        input gradient (each colwise module on its own: three for wq/wk/wv).
       * parameters of SequenceParallel modules (replicated, used on sequence shards): their gradient is partial
         on the tp dim and is all-reduced once (DTensor), at the size autograd produced it (before FSDP sharding).
     """
@@ -302,9 +303,16 @@ def engine_collectives(plan, low) -> tuple[list, list]:
         if t is not None and any(f.startswith(m + ".") for m in sp):
             out.append(("all_reduce", t, local(f, pnode[f]["dtype"][0])))
     for (i, j), role in low.tp_roles.items():
+        p, o = plan.nodes[i]["inputs"][j]
+        pl = plan.nodes[p]["placement"]["out"][o]
+        local = _nb(plan.nodes[p]["shape"][o], plan.nodes[p]["dtype"][o])
+        for d, x in enumerate(pl):
+            if x[0] == "S" and d != t:
+                local //= plan.mesh_shape[d]
         if role == "chunk":                      # RowwiseParallel(input_layouts=Replicate()): backward gathers
-            p, o = plan.nodes[i]["inputs"][j]
-            out.append(("all_gather", t, _nb(plan.nodes[p]["shape"][o], plan.nodes[p]["dtype"][o])))
+            out.append(("all_gather", t, local))
+        elif role == "in_repl":                  # ColwiseParallel on a replicated input: its gradient is partial
+            out.append(("all_reduce", t, local))  # and all-reduced in the backward (Megatron's f operator)
     return out, notes
 
 

@@ -131,6 +131,8 @@ def recognize_tp(low, G, plan, model, forced) -> None:
                     reason(M, f"input is {have} on {tn}; ColwiseParallel takes a replicated or sequence-sharded "
                            f"(Shard(1)) input")
                     continue
+                else:
+                    explained[(i, j)] = "in_repl"       # backward: the input gradient is all-reduced
                 outs = ext_out(M)
                 lay, ends = output_layout(M, out_of(*outs[0]) if outs else "S2")
                 if lay == "bad":
@@ -172,7 +174,8 @@ def recognize_tp(low, G, plan, model, forced) -> None:
                     reason(M, f"vocab-sharded embedding output stays partial on {tn} downstream")
                 continue
             if lay:
-                kw["output_layouts"] = lay
+                if not (w == "S0" and lay == "Replicate()"):        # RowwiseParallel's default output
+                    kw["output_layouts"] = lay
                 explained.update({(u, jj): "out_reduce" for u, jj, _, _ in ends})
             styles[M] = Style("RowwiseParallel" if w == "S0" else "ColwiseParallel", kw,
                               f"embedding weight {'vocab' if w == 'S0' else 'dim'}-sharded on {tn}")

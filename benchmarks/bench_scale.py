@@ -104,9 +104,12 @@ def main(argv=None):
     ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "scale"))
     args = ap.parse_args(argv)
+    load = os.getloadavg()[0]
     all_rows, md = [], ["# 3-D plans at scale (plan only, modeled)", "",
                         f"`python benchmarks/bench_scale.py --cases {' '.join(args.cases)}` "
-                        f"(torch {torch.__version__}, {os.cpu_count()} CPUs)", "", __doc__.split("\n\n")[1], ""]
+                        f"(torch {torch.__version__}, {os.cpu_count()} CPUs, load average {load:.1f} at start: "
+                        f"wall times grow with other jobs on the machine, CPU seconds do not)", "",
+                        __doc__.split("\n\n")[1], ""]
     for case in args.cases:
         rows, plans, n_params, build = run_case(case)
         all_rows += rows
@@ -122,7 +125,8 @@ def main(argv=None):
                       f"{r['recompute_blocks']} | {r['step_s']:.3f} | {r['peak_mem_GiB']:.1f} | {r['bubble']:.3f} | "
                       f"{'yes' if r['fits'] else 'NO'} | {r['tflops_per_gpu_6ND']} | {r['plan_wall_s']} / "
                       f"{r['plan_cpu_s']} |")
-        md += ["", f"(model build on meta: {build:.1f} s, not counted)", "", "autopar's plan:", "", "```",
+        md += ["", f"(model build on meta: {build:.1f} s, not counted; load average now {os.getloadavg()[0]:.1f})",
+               "", "autopar's plan:", "", "```",
                plans["autopar"].summary().split("\nmodule placements")[0], "```", ""]
         for r in rows:
             print(f"{case:5s} {r['layout']:48s} {r['mesh']:>12s} {r['schedule']:>22s} m={r['n_microbatches']:<4} "

@@ -295,6 +295,8 @@ class StageOps:
             if budget < 1e29:      # tight budgets make branch-and-bound work; cap it
                 st.options["time_limit"] = min(self.ctx["time_limit"], self.ctx.get("lean_time_limit", 10.0))
             pen = self._fsdp_penalty() if step == 1 else None
+            if pen == {}:                  # nothing left unsharded on dp (or no dp dim): same plan again
+                continue
             try:
                 if pen is not None:
                     for g, v in pen.items():

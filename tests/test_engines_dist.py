@@ -61,6 +61,8 @@ def _cases(tmp_path, world):
         assert ac.meta["checkpointing"]["blocks"], ac.meta["checkpointing"]
         force, pin = torchtitan_placements(m, ("tp",), None, "tp", (BATCH, SEQ))
         add("tp_sp", (2,), ("tp",), force=force, pin=pin)
+        force, pin = torchtitan_placements(m, ("tp",), None, "tp", (BATCH, SEQ), sequence_parallel=False)
+        add("tp_megatron", (2,), ("tp",), force=force, pin=pin)
         cases.append({"name": "auto_fallback", "shape": [2], "names": ["dp"], "plan": None})
     else:
         add("fsdp4", (4,), ("dp",), force=fsdp, pin=batch_pin([0], (BATCH, SEQ)))

@@ -113,9 +113,12 @@ def test_tp_without_sequence_parallel_is_megatron():
     assert st["tok_embeddings"] == "RowwiseParallel(input_layouts=Replicate())"
     assert not any("SequenceParallel" in v or "PrepareModuleInput" in v for v in st.values()), st
     exp, _ = engine_collectives(plan, low)
-    # Megatron: one all_reduce per rowwise output (2 per block) and the embedding's, nothing else in the forward
-    assert sum(1 for k, _, _ in exp if k == "all_reduce") == 2 * 2 + 1
-    assert {k for k, _, _ in exp} <= {"all_reduce", "all_gather", "reduce_scatter"}
+    # Megatron: forward, one all_reduce per rowwise output (2 per block) and the embedding's; backward, one per
+    # colwise Linear fed the replicated activation (wq, wk, wv, w1, w3 per block, and the output projection);
+    # plus the forward gather of the logits for the replicated loss
+    ar = [b for k, _, b in exp if k == "all_reduce"]
+    assert len(ar) == (2 * 2 + 1) + (5 * 2 + 1) and set(ar) == {B * S * 64 * 4}
+    assert [k for k, _, _ in exp if k != "all_reduce"] == ["all_gather"]
 
 
 def test_export_code_is_importable_and_complete(tp, tmp_path):
