@@ -91,7 +91,7 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
                           "recompute_transient_bytes": best["transient"][k], "rank_peak_bytes": best["rank_mem"][r]}}
         if k < S - 1:
             nb, link, t = best["xfer"][k]
-            rec["send"] = {"bytes": nb, "link": link, "time_s": t}
+            rec["send"] = {"bytes": nb, "tensors": int(cv.ntensors[b - 1]), "link": link, "time_s": t}
         stages.append(rec)
     sim = best["sim"]
     bsz = next(x.shape[0] for x in inputs if hasattr(x, "shape"))
@@ -253,9 +253,9 @@ _FORKED: tuple = ()     # what forked workers inherit: (model, prefix, reps, pos
 
 def _one_stage_plan(job):
     model, prefix, reps, pos_of, ctx = _FORKED
-    smesh, specs = job
+    smesh, specs, m = job
     mbi = tuple(torch.empty(sh, dtype=dt, device="meta") if sh is not None else x for sh, dt, x in specs)
-    return StageOps(model, prefix, reps, pos_of, mbi, smesh, {**ctx, "drop_state": True})
+    return StageOps(model, prefix, reps, pos_of, mbi, smesh, {**ctx, "drop_state": True, "n_microbatches": m})
 
 
 def _stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=None) -> dict:
@@ -267,7 +267,7 @@ def _stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=No
     jobs = []
     for smesh, mb in keys:
         jobs.append((smesh, tuple(((mb,) + tuple(x.shape[1:]), x.dtype, None) if isinstance(x, torch.Tensor) and
-                                  x.dim() and x.shape[0] == Bsz else (None, None, x) for x in inputs)))
+                                  x.dim() and x.shape[0] == Bsz else (None, None, x) for x in inputs), Bsz // mb))
     if workers is None:
         workers = min(2, os.cpu_count() or 1) if len(jobs) >= 4 else 1
     _FORKED = (model, prefix, reps, pos_of, ctx)

@@ -5,8 +5,10 @@ Redistribute: `autopar.redistribute.steps(src, dst)` lists the single-mesh-dim c
 runs here as one collective on that mesh dim's process group (or a local chunk / zero / rescale), on the local
 shard, through the `_c10d_functional` ops (the ones DTensor uses, and the ones LocalTensorMode simulates):
 S->R all_gather, S(i)->S(j) all_to_all (a real all_to_all, also on gloo), P->R all_reduce, P->S reduce_scatter,
-S->P all_gather + zero. Partial placements: "P" sum, "Pa" average (held locally as sum * n, so gloo needs only
-SUM), "Pm" the masked partial of a vocab-sharded embedding (unmasked into "P" right after the embedding).
+S->P all_gather + zero. Partial placements: "P" sum; "Pa" average (DTensor's Partial("avg"): divided by n first
+and reduced with SUM, gloo has no AVG); "Pm" the masked partial of a vocab-sharded embedding (unmasked into "P"
+right after the embedding). Nested shards (two mesh dims on one tensor dim) follow DTensor's layout; `steps`
+orders the changes so each one is a single collective plus local reshuffles.
 
 Byte convention (the plan's, autopar/redistribute.py): the full tensor over the group: all_gather output,
 reduce_scatter input, all_reduce size, all_to_all size (local input times the group size).

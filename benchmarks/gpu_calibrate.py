@@ -95,7 +95,6 @@ def matmul_rates(dev, timer, quick) -> dict:
             rate = 2 * m * k * n / t
             per.append({"m": m, "k": k, "n": n, "s": t, "flops_per_s": rate})
             best = max(best, rate)
-            del a, b
         if dev.type == "cuda":
             torch.backends.cuda.matmul.allow_tf32 = prev
         out[key] = {"best_flops_per_s": best, "runs": per}

@@ -22,7 +22,9 @@ Per-family TP rules (`tp_placement`):
   llama / moe attention: wq, wk, wv colwise (S0); wo rowwise (S1); feed_forward / shared_experts w1, w3 colwise,
     w2 rowwise; tok_embeddings vocab-sharded (S0, RowwiseParallel on nn.Embedding); output colwise (S0); norms R.
   moe routed experts (E, dim, hidden) / (E, hidden, dim): tensor parallel inside every expert: w1, w3 S2, w2 S1
-    (torch has no ParallelStyle for batched expert weights: applied with distribute_module); router R.
+    (torch has no ParallelStyle for batched expert weights: applied with distribute_module); router R. MoE models
+    run TP without sequence parallelism and with all-gathered logits instead of loss_parallel: their loss adds the
+    router's plain-tensor aux loss, which cannot meet loss_parallel's DTensor loss in the backward.
   gpt2: mlp.c_fc colwise, mlp.c_proj rowwise, wte vocab-sharded, lm_head colwise; attention c_attn / c_proj stay
     replicated: c_attn packs q|k|v, and ColwiseParallel would give a rank parts of q, k and v of different heads
     (Megatron re-orders that weight head-wise; torch's styles cannot). The benchmark's GPT-2 is untied

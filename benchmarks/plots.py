@@ -36,6 +36,7 @@ def plot_steps(rows, path, header) -> str:
     nrows = max(1, math.ceil(len(keys) / cols))
     fig, axes = plt.subplots(nrows, cols, figsize=(5.2 * cols, 3.6 * nrows + 0.6), squeeze=False)
     measured = {(r["model"], r["mesh"], r["source"]): r for r in rows if r["kind"] == "measured"}
+    star = None
     for ax, key in zip(axes.flat, keys):
         rs = sorted(groups[key], key=lambda r: ORDER.index(r["source"]) if r["source"] in ORDER else 99)
         names, comp, exp, hid, notes = [], [], [], [], []
@@ -60,18 +61,26 @@ def plot_steps(rows, path, header) -> str:
         for i, n in enumerate(notes):
             if n:
                 ax.text(i, top * 0.05, n, rotation=90, ha="center", va="bottom", fontsize=8)
-            m = measured.get((key[0], key[1], names[i]))
-            if m is not None and m.get("measured_step_s") is not None and key[2] == "cpu-gloo":
-                ax.plot([i], [m["measured_step_s"] * 1e3], "k*", ms=8,
-                        label="measured (4 CPU ranks)" if i == 0 else None)
+        meas = [(i, measured[(key[0], key[1], n)]["measured_step_s"] * 1e3) for i, n in enumerate(names)
+                if measured.get((key[0], key[1], n), {}).get("measured_step_s") is not None]
+        if meas:                          # measured steps on their own (right) axis: CPU timings dwarf the model
+            ax2 = ax.twinx()
+            ax2.plot([m[0] for m in meas], [m[1] for m in meas], "k*", ms=8, label="measured, 4 CPU ranks (right axis)")
+            ax2.set_ylim(0, max(m[1] for m in meas) * 1.15)
+            ax2.tick_params(axis="y", labelsize=7)
+            ax2.set_ylabel("measured ms", fontsize=7)
+            star = ax2
         ax.set_xticks(list(xs))
         ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
         ax.set_title(f"{key[0]}  mesh {key[1]}  ({key[2]})", fontsize=9)
-        ax.set_ylabel("ms per step", fontsize=8)
+        ax.set_ylabel("modeled ms per step", fontsize=8)
         ax.tick_params(axis="y", labelsize=8)
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
+    if star is not None:
+        h2, l2 = star.get_legend_handles_labels()
+        handles, labels = handles + h2, labels + l2
     fig.legend(handles, labels, loc="upper center", ncol=4, fontsize=8)
     fig.tight_layout(rect=(0, 0.03, 1, 0.95))
     _footer(fig, header)
@@ -80,12 +89,17 @@ def plot_steps(rows, path, header) -> str:
 
 def plot_planning(rows, path, header, planning_json=os.path.join(HERE, "results", "planning.json")) -> str:
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    pts = [(r["n_layers"], r["plan_s"], f"{r['model']} {r['mesh']}") for r in rows
-           if r["kind"] == "modeled" and r["source"] == "autopar" and r.get("plan_s") is not None and r.get("n_layers")]
-    if pts:
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], color="#4C72B0", label="autopar.plan (this run)")
-        for x, y, t in pts:
-            ax.annotate(t, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    for cluster, color, marker in (("cpu-gloo", "#55A868", "s"), (None, "#4C72B0", "o")):
+        pts = [(r["n_layers"], r["plan_s"], f"{r['model']} {r['mesh']}") for r in rows
+               if r["kind"] == "modeled" and r["source"] == "autopar" and r.get("plan_s") is not None
+               and r.get("n_layers") and (r["cluster"] == cluster) == (cluster is not None)]
+        if not pts:
+            continue
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker,
+                   label=f"autopar.plan, this run ({'CPU configurations' if cluster else 'at-scale configurations'})")
+        if cluster is None:
+            for x, y, t in pts:
+                ax.annotate(t, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     if os.path.exists(planning_json):
         pj = json.load(open(planning_json))
         prs = sorted(pj["rows"], key=lambda r: r["layers"])

@@ -141,6 +141,11 @@ def run(state) -> None:
         decision["why"] = (f"not memory-bound: even the largest assignment ({most / 1e9:.3f} GB per rank in the "
                            f"memory row) fits the budget {budget / 1e9:.3f} GB")
         return
+    floor0 = float(sum(r.min() for r in base_mem if len(r)))
+    if floor0 <= TIGHT * budget:
+        decision["why"] = (f"not memory-bound: a plan fits without checkpointing (smallest memory row "
+                           f"{floor0 / 1e9:.3f} GB <= {TIGHT:.0%} of the budget {budget / 1e9:.3f} GB)")
+        return
     cache: dict = {}
     vecs = []
     for fqn, members in blocks:
@@ -150,10 +155,6 @@ def run(state) -> None:
             cache[key] = _block_vectors(state, rep_members)
         vecs.append(cache[key])
     floors = _floors(base_mem, vecs)
-    if floors[0] <= TIGHT * budget:
-        decision["why"] = (f"not memory-bound: a plan fits without checkpointing (smallest memory row "
-                           f"{floors[0] / 1e9:.3f} GB <= {TIGHT:.0%} of the budget {budget / 1e9:.3f} GB)")
-        return
     kmin = next((k for k in range(1, len(blocks) + 1) if floors[k] <= budget), None)
     cands = sorted({k for k in ([0] if floors[0] <= budget else []) + ([kmin, len(blocks)] if kmin else [])})
     if not cands:

@@ -124,23 +124,9 @@ def _cluster_of_nodes(g, prefix: str, n_layers: int) -> list:
         if m:
             where[i] = int(m.group(1)) + 1
             continue
-        users = sorted(u for u in _fw_consumers(g, i))
+        users = sorted(u for u in g.nodes[i].users if g.nodes[u].phase == "fw")
         where[i] = where[users[0]] if users else 0
     return where
-
-
-def _fw_consumers(g, i):
-    out, stack, seen = [], list(g.nodes[i].users), set()
-    while stack:
-        u = stack.pop()
-        if u in seen or g.nodes[u].phase != "fw":
-            continue
-        seen.add(u)
-        n = g.nodes[u]
-        if n.kind == "op" and len(n.inputs()) == 1 and n.module == g.nodes[i].module and not n.users == []:
-            stack.extend(n.users)     # views / casts of the parameter
-        out.append(u)
-    return out
 
 
 def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
@@ -261,6 +247,7 @@ class StageOps:
         if ctx["dp_shards_batch"]:
             shard_batch_on_dp(self.state, mb_inputs)
         run_passes(self.state, PASSES[kc:self._k])
+        amortize_dp_comm(self.state, int(ctx.get("n_microbatches", 1)))
         c = self.state.cost
         self._rows = [c["state_mem"][i] + c["act_mem"][i] for i in range(len(c["compute"]))]
         self._floor = min_memory(self._rows)
@@ -349,6 +336,23 @@ class StageOps:
                 g = st.group_of[r]
                 pen[g] = pen.get(g, 0.0) + np.where(ok, 0.0, 1.0)
         return pen
+
+
+def amortize_dp_comm(state, m: int) -> None:
+    """The sub-model is planned for one micro-batch, but a stage runs m of them per step while parameters are
+    gathered and gradients reduced once (FSDP2 under torch's schedules: no resharding between micro-batches,
+    gradient sync on the last backward). Scale the parameter-side terms of the solver's objective by 1/m: the edges
+    out of a parameter's decision group (gathers), into it (the gradient -> optimizer-step edge) and the
+    redistributes inside it."""
+    if m <= 1:
+        return
+    c = state.cost
+    pg = {state.group_of[i] for i in state.graph.params.values()}
+    for key, mat in c["edges"].items():
+        if key[0] in pg or key[1] in pg:
+            c["edges"][key] = mat / m
+    for g in pg:
+        c["comm"][g] = c["comm"][g] / m
 
 
 def shard_batch_on_dp(state, mb_inputs) -> None:
