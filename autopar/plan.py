@@ -138,7 +138,8 @@ class Plan:
         out = []
         for key in sorted(rows):
             variants = sorted(rows[key])
-            shape = next(shapes[f] for f in self.params if re.sub(r"\.(\d+)\.", ".*.", f) == key)
+            shape = next((shapes[f] for f in self.params if f in shapes and re.sub(r"\.(\d+)\.", ".*.", f) == key),
+                         [])      # a tied alias (e.g. lm_head.weight) has no parameter node of its own
             desc = "; ".join(_describe(key, shape, v, self._param_mesh_names()) for v in variants)
             out.append(f"  {key:<44} {desc}")
         return out

@@ -35,8 +35,32 @@ def group_name(mesh, m: int) -> str:
     return mesh.get_group(m).group_name
 
 
-def _wait(t):
-    return _fn.wait_tensor(t)
+def _simulated(t) -> bool:
+    return type(t).__name__ == "LocalTensor"
+
+
+def _wait(t, always: bool = False):
+    # LocalTensorMode runs gathers / scatters synchronously and its wait_tensor is an aliasing op (~ms each there);
+    # its all_reduce goes through the (fake) process group and must be waited on
+    return t if _simulated(t) and not always else _fn.wait_tensor(t)
+
+
+# The reshuffles around collectives use non-aliasing ops (permute_copy, narrow_copy, _unsafe_view): they copy
+# where a view + contiguous() would copy anyway, and a view costs milliseconds under LocalTensorMode.
+def _to_front(x, d):
+    """x with tensor dim d moved to dim 0, contiguous."""
+    if d == 0:
+        return x.contiguous()
+    return torch.permute_copy(x, [d] + [i for i in range(x.dim()) if i != d])
+
+
+def _from_front(y, d):
+    """Inverse of _to_front: dim 0 moved back to position d, contiguous."""
+    if d == 0:
+        return y
+    perm = list(range(1, y.dim()))
+    perm.insert(d, 0)
+    return torch.permute_copy(y, perm)
 
 
 def _coord(mesh, m):
@@ -112,7 +136,7 @@ def apply_step(x: torch.Tensor, mesh, m: int, a: str, b: str) -> torch.Tensor:
         if a == "Pa":
             x = x / n                    # values whose mean is the total -> values whose sum is the total
         if b == "R":
-            return _wait(_fn.all_reduce(x.contiguous(), "sum", name))
+            return _wait(_fn.all_reduce(x.contiguous(), "sum", name), always=True)
         if b[0] == "S":
             return _reduce_scatter(x, int(b[1:]), n, name)
         if b == "Pa":
@@ -135,24 +159,20 @@ def _from_replicate(x, mesh, m, b):
             raise ValueError(f"Shard({d}) of a tensor of shape {tuple(x.shape)} over {mesh.size(m)} ranks does not "
                              f"divide evenly")
         size = x.shape[d] // mesh.size(m)
-        return per_rank(x).narrow(d, _coord(mesh, m) * size, size)
+        return torch.narrow_copy(per_rank(x), d, _coord(mesh, m) * size, size)
     raise NotImplementedError(f"redistribute step R -> {b} on mesh dim {m}")
 
 
 def _all_gather(x, d, n, name):
-    if d == 0:
-        return _wait(_fn.all_gather_into_tensor(x.contiguous(), n, name))
-    y = _wait(_fn.all_gather_into_tensor(x.movedim(d, 0).contiguous(), n, name))
-    return y.movedim(0, d).contiguous()          # the layout a single-device op produces (kernels rely on it)
+    y = _wait(_fn.all_gather_into_tensor(_to_front(x, d), n, name))
+    return _from_front(y, d)            # contiguous: the layout a single-device op produces (kernels rely on it)
 
 
 def _reduce_scatter(x, d, n, name):
     if x.shape[d] % n:
         raise ValueError(f"reduce_scatter of dim {d} (size {x.shape[d]}) over {n} ranks does not divide evenly")
-    if d == 0:
-        return _wait(_fn.reduce_scatter_tensor(x.contiguous(), "sum", n, name))
-    y = _wait(_fn.reduce_scatter_tensor(x.movedim(d, 0).contiguous(), "sum", n, name))
-    return y.movedim(0, d).contiguous()
+    y = _wait(_fn.reduce_scatter_tensor(_to_front(x, d), "sum", n, name))
+    return _from_front(y, d)
 
 
 def _all_to_all(x, d, e, n, name):
@@ -160,13 +180,19 @@ def _all_to_all(x, d, e, n, name):
     this rank's dim-e chunk of every rank's dim-d shard, concatenated along d in group-rank order."""
     if x.shape[e] % n:
         raise ValueError(f"all_to_all of dim {e} (size {x.shape[e]}) over {n} ranks does not divide evenly")
-    xe = x.movedim(e, 0)
-    piece = (xe.shape[0] // n,) + tuple(xe.shape[1:])
+    xe = _to_front(x, e)                                        # (x_e, other dims of x in order)
+    piece = [xe.shape[0] // n] + list(xe.shape[1:])
     splits = [piece[0]] * n
-    y = _wait(_fn.all_to_all_single(xe.contiguous(), splits, splits, name))
-    y = y.view((n,) + piece).movedim(1, e + 1)                 # (n, piece with dim e back in place)
-    y = y.movedim(0, d)                                         # the source-rank axis just before dim d
-    return y.flatten(d, d + 1).contiguous()
+    y = _wait(_fn.all_to_all_single(xe, splits, splits, name))
+    y = torch.ops.aten._unsafe_view(y, [n] + piece)            # (source rank, e-chunk, other dims)
+    labels = ["n", e] + [i for i in range(x.dim()) if i != e]   # what each axis of y is
+    order = []
+    for i in range(x.dim()):                                    # back to x's dim order, the rank axis before d
+        order += ["n", i] if i == d else [i]
+    out = torch.permute_copy(y, [labels.index(a) for a in order])
+    shape = list(out.shape)
+    shape[d:d + 2] = [shape[d] * shape[d + 1]]
+    return torch.ops.aten._unsafe_view(out, shape)
 
 
 # ---- counting ----------------------------------------------------------------------------------------------------

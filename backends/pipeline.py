@@ -13,7 +13,10 @@ by default the model's own loss for the example families (cross entropy over fla
 
 Inside a stage: the stage submesh's dp dims run data parallel, as the plan's per-op plan says: parameters sharded on
 dp -> FSDP2 `fully_shard` over the dp submesh (shard dim from the plan, `reshard_after_forward=False`: gathered
-once per step, as the plan's cost model assumes); all replicated -> DDP. A stage plan that shards anything over a
+once per step, as the plan's cost model assumes; FSDP2 shards every parameter of the module it wraps, so ones the
+plan keeps replicated are sharded on dim 0 too: same gradients, less memory than planned); all replicated -> DDP.
+Where the per-op plan re-shards activations over dp inside a stage, FSDP2/DDP run it as plain data parallelism
+(same values, their own collectives). A stage plan that shards anything over a
 tp dim needs a backend that can express it and is refused here with a clear error.
 """
 from __future__ import annotations
