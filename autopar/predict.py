@@ -96,18 +96,24 @@ def state_bytes(g, P, mesh_shape, precision) -> float:
                for i in g.params.values())
 
 
+def last_uses(g):
+    """(last consumer index per (node, output), the gradient refs): the lifetimes a liveness walk needs; the loss
+    lives to the end of the step."""
+    last = {}
+    for n in g.nodes:
+        for r in n.inputs():
+            last[(r.node, r.out)] = n.idx
+    last[(g.loss.node, g.loss.out)] = len(g.nodes)
+    return last, {(r.node, r.out) for r in g.grads.values()}
+
+
 def liveness_peak(g, P, mesh_shape, recompute=None) -> float:
     """Max over the fw+bw order of live activation bytes per rank (parameters are model state, not counted).
     recompute: checkpointed blocks (passes/checkpointing.py), whose saved activations are dropped and recomputed."""
     if recompute:
         from autopar.passes.checkpointing import liveness_peak_checkpointed
         return liveness_peak_checkpointed(g, P, mesh_shape, recompute)
-    last = {}
-    for n in g.nodes:
-        for r in n.inputs():
-            last[(r.node, r.out)] = n.idx
-    last[(g.loss.node, g.loss.out)] = len(g.nodes)
-    grad_refs = {(r.node, r.out) for r in g.grads.values()}
+    last, grad_refs = last_uses(g)
     frees: dict[int, list] = {}
     live = peak = 0.0
     size = {}

@@ -222,12 +222,8 @@ def liveness_peak_checkpointed(g, P, mesh_shape, recompute) -> float:
     """predict.liveness_peak with checkpointed blocks: a block's saved activations (fw outputs with a bw use,
     other than the block's outputs) are freed after its last forward node and live again from its first
     backward node (the recompute) until their last use."""
-    last = {}
-    for n in g.nodes:
-        for r in n.inputs():
-            last[(r.node, r.out)] = n.idx
-    last[(g.loss.node, g.loss.out)] = len(g.nodes)
-    grad_refs = {(r.node, r.out) for r in g.grads.values()}
+    from autopar.predict import last_uses
+    last, grad_refs = last_uses(g)
     in_block, fw_end, bw_start = {}, {}, {}
     for b, blk in enumerate(recompute):
         for i in blk["nodes"]:
