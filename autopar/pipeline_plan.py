@@ -281,6 +281,48 @@ def _stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=No
         _FORKED = ()
     return dict(zip(keys, out))
 
+def _search_share(share):
+    """Configurations share[0]::share[1] in lower-bound order: DP + simulation each, skipping those whose lower
+    bound exceeds margin x the best step found so far (here)."""
+    configs, cache, cluster, budget, hand, tol, recompute, margin = _FORKED
+    results, best, pruned = [], INF, 0
+    for c in configs[share[0]::share[1]]:
+        if c["lb"] > margin * best:
+            pruned += 1
+            continue
+        try:
+            order = pm.actions(c["spec"], c["p"], c["m"], c["v"])
+        except ValueError:
+            continue
+        r = search_config(c, order, cache[c["key"]], cluster, budget, hand, tol, recompute)
+        if r["fits"]:
+            best = min(best, r["step_s"])
+        if share[1] > 1:     # travels back to the parent: drop what is cheap to rebuild for the few kept
+            r = {k: val for k, val in r.items() if k not in ("sim", "order")}
+        results.append(r)
+    return results, pruned
+
+
+def _search(job, workers=None):
+    """All configurations, split over forked workers (a worker prunes against its own best, so it evaluates at
+    least what one process would)."""
+    import multiprocessing as mp
+    import os
+    global _FORKED
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1) if len(job[0]) >= 8 else 1
+    _FORKED = job
+    try:
+        if workers > 1 and "fork" in mp.get_all_start_methods():
+            with mp.get_context("fork").Pool(workers) as pool:
+                parts = pool.map(_search_share, [(w, workers) for w in range(workers)])
+        else:
+            parts = [_search_share((0, 1))]
+    finally:
+        _FORKED = ()
+    return [r for part, _ in parts for r in part], sum(n for _, n in parts)
+
+
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -377,21 +419,9 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
                 configs.append({"p": p, "mesh": smesh, "m": m, "spec": spec, "v": v, "key": key,
                                 "lb": lower_bound(cache[key].costs(), spec, p, v, m)})
     configs.sort(key=lambda c: c["lb"])
-    results, best_step, pruned = [], INF, 0
-    margin = float(opts.get("prune_margin", 1.25))
-    for c in configs:
-        if c["lb"] > margin * best_step:
-            pruned += 1
-            continue
-        try:
-            order = pm.actions(c["spec"], c["p"], c["m"], c["v"])
-        except ValueError:
-            continue
-        r = search_config(c, order, cache[c["key"]], cluster, budget, hand, float(opts.get("dp_tol", 1e-3)),
-                          ctx["recompute"])
-        results.append(r)
-        if r["fits"]:
-            best_step = min(best_step, r["step_s"])
+    job = (configs, cache, cluster, budget, hand, float(opts.get("dp_tol", 1e-3)), ctx["recompute"],
+           float(opts.get("prune_margin", 1.25)))
+    results, pruned = _search(job, opts.get("workers"))
     t_intra = sum(o.seconds for o in cache.values())
     fitting = [r for r in results if r["fits"]]
     if not fitting:
@@ -401,6 +431,8 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
     fitting.sort(key=lambda r: (r["step_s"], r["p"] * r["v"], r["m"]))
     top = fitting[:int(opts.get("top", 12))]
     for r in top[:5]:       # the torchtitan-style even layer split of the same configuration, for comparison
+        if r.get("order") is None:
+            r["order"] = pm.actions(r["spec"], r["p"], r["m"], r["v"])
         S = r["p"] * r["v"]
         r["even"] = evaluate_fitted(cache[r["key"]].costs(), even_bounds(len(blocks), S), r, cluster, budget,
                                     ctx["recompute"]) if S <= len(blocks) else None

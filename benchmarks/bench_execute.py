@@ -8,6 +8,8 @@ step so both see the same machine load; step = fw + bw + optimizer step, timed b
     (wq/wk/wv/w1/w3 column-wise, wo/w2 row-wise, the rest replicated) vs torch's `parallelize_module` with
     ColwiseParallel / RowwiseParallel on the same projections (eager autograd). autopar's planner chooses the
     activations' placements (and so its collectives) itself; parallelize_module uses Megatron's.
+  - llama-tp-h100: the same, planned with the h100 cost model (the activations then follow Megatron-SP: the plan
+    has the collectives of hand TP in reduce_scatter + all_gather form), to compare the executors on equal plans.
   - mlp-dtensor: an MLP model planned freely by autopar (cpu-gloo cost model) vs the plan's own parameter
     placements applied by hand: every parameter distributed as a DTensor with them and the unchanged model run
     eagerly (DTensor's own propagation places the activations and inserts its redistributes).
@@ -30,10 +32,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = {
-    "llama-tp": ("llama-tiny", dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=1024, ffn_dim=768,
-                                    max_seq_len=256), 8, 128),
-    "mlp-dtensor": ("mlp-heavy", dict(dim=256, hidden=1024, n_layers=2, vocab=512), 8, 128),
+_LLAMA = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=1024, ffn_dim=768, max_seq_len=256)
+CONFIGS = {   # name: (model, overrides, batch, seq, cluster autopar plans with)
+    "llama-tp": ("llama-tiny", _LLAMA, 8, 128, "cpu-gloo"),
+    "llama-tp-h100": ("llama-tiny", _LLAMA, 8, 128, "h100"),
+    "mlp-dtensor": ("mlp-heavy", dict(dim=256, hidden=1024, n_layers=2, vocab=512), 8, 128, "cpu-gloo"),
 }
 
 
@@ -87,17 +90,17 @@ def worker(rank, world, port, args, out):
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         results = {}
         for cfg in args.configs:
-            name, ov, batch, seq = CONFIGS[cfg]
+            name, ov, batch, seq, cluster = CONFIGS[cfg]
             model = build_model(name, device="cpu", seed=0, **ov)
             batches = [example_inputs(name, batch=batch, seq=seq, seed=s, **ov)
                        for s in range(args.warmup + args.steps)]
-            kw = {"force": tp_force(model, (world,))} if cfg == "llama-tp" else {}
-            if args.cluster:
-                kw["cluster"] = args.cluster
+            tp = cfg.startswith("llama-tp")
+            kw = {"force": tp_force(model, (world,))} if tp else {}
+            kw["cluster"] = args.cluster or cluster
             t = time.perf_counter()
             pm = autopar.parallelize(model, mesh, batches[0], **kw)
             plan_s = time.perf_counter() - t
-            hand = hand_tp(copy.deepcopy(model), mesh) if cfg == "llama-tp" else \
+            hand = hand_tp(copy.deepcopy(model), mesh) if tp else \
                 HandDTensor(copy.deepcopy(model), mesh, pm.plan.param_placements())
             sides = {"autopar": (pm, torch.optim.SGD(pm.parameters(), lr=args.lr)),
                      "hand": (hand, torch.optim.SGD(hand.parameters(), lr=args.lr))}
@@ -115,7 +118,7 @@ def worker(rank, world, port, args, out):
                     if i >= args.warmup:
                         times[k].append(time.perf_counter() - t)
                     losses[k].append(float(loss.detach()))
-            results[cfg] = {"plan_s": plan_s, "times": times, "losses": losses,
+            results[cfg] = {"plan_s": plan_s, "times": times, "losses": losses, "cluster": kw["cluster"],
                             "collectives": {k: v["count"] for k, v in pm.plan.predicted["collectives"].items()}}
         if rank == 0:
             with open(os.path.join(out, "res.json"), "w") as f:
@@ -132,7 +135,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=9, help="timed steps per side (median reported)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lr", type=float, default=0.05)
-    ap.add_argument("--cluster", default=None, help="cost model autopar plans with (default: cpu-gloo)")
+    ap.add_argument("--cluster", default=None, help="cost model autopar plans with (default: per config)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "execute"))
     args = ap.parse_args(argv)
     cmd = "python benchmarks/bench_execute.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -150,10 +153,10 @@ def main(argv=None):
         med = {k: statistics.median(v) for k, v in res["times"].items()}
         ratio = med["autopar"] / med["hand"]
         dloss = max(abs(a - b) for a, b in zip(res["losses"]["autopar"], res["losses"]["hand"]))
-        name, ov, batch, seq = CONFIGS[cfg]
+        name, ov, batch, seq, _ = CONFIGS[cfg]
         md += [f"## {cfg}: {name} {ov}, batch {batch}, seq {seq}", "",
-               f"autopar's plan: collectives per step {res['collectives']}; planning + parallelize "
-               f"{res['plan_s']:.1f} s.", "",
+               f"autopar's plan (cost model `{res['cluster']}`): collectives per step {res['collectives']}; planning "
+               f"+ parallelize {res['plan_s']:.1f} s.", "",
                "| side | median step (s) | min (s) | max (s) | timed steps |", "|---|---|---|---|---|"]
         for k in ("autopar", "hand"):
             v = res["times"][k]

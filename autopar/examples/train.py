@@ -27,6 +27,8 @@ def parse(argv=None):
     ap.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 4 or 2x2 (product = world size)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--data-batches", type=int, default=2,
+                    help="synthetic batches cycled through (a small pool the model can fit, so the loss falls)")
     ap.add_argument("--shard", default="fsdp+tp", choices=["auto", "fsdp", "tp", "fsdp+tp"])
     ap.add_argument("--cluster", default=None, help="cost model cluster (default cpu-gloo on CPU, h100 on CUDA)")
     ap.add_argument("--memory-budget", type=float, default=None, help="bytes per rank")
@@ -82,7 +84,7 @@ def main(argv=None) -> int:
         if rank == 0:
             print(f"{'step':>4} {'autopar loss':>14} {'single-device':>14} {'|diff|':>10} {'step ms':>9}")
         for step in range(args.steps):
-            x = example_inputs(args.model, batch=args.batch, seq=args.seq, seed=1000 + step)
+            x = example_inputs(args.model, batch=args.batch, seq=args.seq, seed=1000 + step % args.data_batches)
             counter = CommCounter(mesh) if step == 0 else None
             t = time.perf_counter()
             if counter is not None:
