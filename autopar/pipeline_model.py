@@ -27,6 +27,12 @@ transfer; B/I after its own F and the next stage's B/I plus the transfer; W afte
 Activation memory in flight: a micro-batch's saved activations of stage k live from its F until its backward is
 complete (B, or W when the backward is split). The count follows from each rank's action order alone, so it is
 exact for torch's schedules: GPipe holds m, 1F1B holds p - k on stage k (Narayanan et al.: "at most p in flight").
+
+The stage DP (`partition`): over contiguous cluster ranges, each stage also picks an intra-op variant and the fewest
+checkpointed blocks that fit its memory (`stage_options`). Like Alpa (Zheng et al. OSDI'22, section 5.2) it
+enumerates the bottleneck t = max c_k in increasing order, solves min sum f subject to c_k <= t exactly for each
+(dynamic program over the stage index), and stops once (m v - 1) t alone exceeds the best total; `brute_force` is
+the reference the tests hold it to.
 """
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
                  "stage_s": [f + b + w for f, b, w in zip(best["even"]["F"], best["even"]["B"], best["even"]["W"])]},
                 "candidates": [row(r) for r in top], "n_candidates": n_candidates,
                 "search": {k: times[k] for k in ("configs", "pruned", "intra_op_keys", "pp_degrees", "stage_meshes",
-                                                  "total_s", "intra_op_s")}}
+                                                  "total_s", "intra_op_s", "stage_plans_wall_s", "search_wall_s")}}
     # whole-step collectives: activation redistributes once per micro-batch, dp comm once per step, p2p
     coll = {}
     for k in range(S):
@@ -405,7 +405,9 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
             raise ValueError(f"tied parameters {sorted(tied)} cannot be split across pipeline stages")
         grid += [(p, smesh, m) for m in microbatch_counts(Bsz, p, _dp_size(smesh), opts)]
     keys = list(dict.fromkeys((smesh, Bsz // m) for _, smesh, m in grid))
+    t_keys = time.perf_counter()
     cache = _stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, opts.get("workers"))
+    t_keys = time.perf_counter() - t_keys
     configs = []
     for p, smesh, m in grid:
         key = (smesh, Bsz // m)
@@ -421,7 +423,9 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
     configs.sort(key=lambda c: c["lb"])
     job = (configs, cache, cluster, budget, hand, float(opts.get("dp_tol", 1e-3)), ctx["recompute"],
            float(opts.get("prune_margin", 1.25)))
+    t_search = time.perf_counter()
     results, pruned = _search(job, opts.get("workers"))
+    t_search = time.perf_counter() - t_search
     t_intra = sum(o.seconds for o in cache.values())
     fitting = [r for r in results if r["fits"]]
     if not fitting:
@@ -441,6 +445,7 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
                                       t0["part"].recompute, t0["spec"], t0["p"], t0["v"], t0["m"], t0["order"],
                                       cluster, t0["mesh"].size, budget, detail=True)}
     stats = {"intra_op_s": t_intra, "total_s": time.perf_counter() - t_start, "configs": len(configs),
+             "stage_plans_wall_s": t_keys, "search_wall_s": t_search,
              "pruned": pruned, "intra_op_keys": len(cache), "pp_degrees": sorted({c["p"] for c in configs}),
              "stage_meshes": sorted({"x".join(map(str, c["mesh"].shape)) + "(" + ",".join(c["mesh"].names) + ")"
                                      for c in configs})}

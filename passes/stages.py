@@ -1,26 +1,22 @@
-"""Pass: pipeline stages (Alpa-style inter-op pass) jointly with the per-op plan inside each stage.
+"""Pass: pipeline stages (Alpa-style inter-op pass): per-cluster costs from the per-op plan of each stage, and the
+evaluation of a partition. The search over pp degree / submesh / schedule / micro-batches is
+autopar/pipeline_plan.py; the schedule model and the dynamic program are autopar/pipeline_model.py.
 
 Layer clusters: "pre" (everything before the first block of the model's layer list: embedding, RoPE tables),
 one cluster per block, "post" (final norm, head, loss). For each candidate stage submesh and micro-batch shape
-the intra-op passes (regions, candidates, costs, solve, redistribute) plan a representative sub-model (the model
-with its layer list cut to one block per distinct block signature) at the micro-batch shape, under a few memory
-budgets (time-optimal ... most sharded). That gives per cluster: forward F, input-backward B, weight-backward W
-(seconds per micro-batch, compute + activation redistributes), data-parallel comm per step (param gathers, grad
-reductions; FSDP with pipelining gathers once per step), model-state bytes, saved-activation bytes per micro-batch,
-and per cluster boundary the activations that cross it.
+`StageOps` runs the intra-op passes (regions, candidates, costs, solve, redistribute) on a representative sub-model
+(the model with its layer list cut to one block per distinct block signature) at the micro-batch shape: the
+time-optimal plan and the plan with parameters sharded over the dp dims; parameter gathers and gradient reductions,
+which a stage pays once per step for m micro-batches, are weighted 1/m in their objective. That gives per cluster:
+forward F, input-backward B, weight-backward W (seconds per micro-batch, compute + activation redistributes),
+data-parallel comm per step, model-state bytes, saved-activation bytes per micro-batch, what checkpointing a block
+saves and costs, and per cluster boundary the activations that cross it.
 
 A boundary is a legal cut when the forward tensors crossing it (produced before, consumed after; tensors that
 depend on no input or parameter, like RoPE tables, are recomputed by each stage, inputs go straight to the stage
-that reads them) are at least one, all with static shapes; their bytes, on the link between the two stages'
-ranks, cost one p2p transfer forward (activation) and one backward (its gradient) per micro-batch.
-
-`partition` is the dynamic program over contiguous cluster ranges: it minimizes the closed form of
-autopar/pipeline_model.py (T = (m v - 1) max_k c_k + sum_k f_k) under per-stage memory (state + in-flight
-micro-batches x saved activations, the in-flight count taken from torch's action order of the schedule). Like Alpa
-(Zheng et al. OSDI'22, section 5.2) it enumerates the bottleneck t = max c_k in increasing order, solves
-min sum f subject to c_k <= t exactly for each, and stops once (m v - 1) t alone exceeds the best total.
-`plan_pipeline` runs it for every (pp degree, stage submesh, micro-batch count, schedule, stages per rank) and
-keeps the best by simulated step time (torch's action order, list-scheduled).
+that reads them) are at least one, all with static shapes (one sweep over the captured graph in topological order
+finds them exactly); their bytes, on the link between the two stages' ranks, cost one p2p transfer forward
+(activation) and one backward (its gradient) per micro-batch.
 """
 from __future__ import annotations
 
