@@ -215,11 +215,31 @@ class PipelineRunner:
     def check_batch(self, *tensors) -> None:
         check_batch(self.plan, tensors)
 
+    def expected_shapes(self) -> list:
+        sc = self.plan.schedule
+        return sc["local_batch_shapes"] if _batch_dp_sharded(self.plan) else sc["batch_shapes"]
+
     def step(self, x=None, target=None):
         """One training step (forward + backward, gradients accumulated in the parameters). Pass the batch on the
         rank holding the first stage and the target on the rank holding the last; returns the mean micro-batch loss
-        there (None elsewhere)."""
-        self.check_batch(x if self.is_first else None, target if self.is_last else None)
+        there (None elsewhere). The shape check is agreed on by every rank of the mesh first (one int all-reduce
+        per mesh dim), so ranks that hold no input raise too instead of waiting for activations that never come."""
+        import torch.distributed as dist
+        err = None
+        try:
+            self.check_batch(x if self.is_first else None, target if self.is_last else None)
+        except PipelineShapeError as e:
+            err = e
+        ok = torch.tensor([0 if err else 1], dtype=torch.int32)
+        for d in range(self.mesh.ndim):
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.mesh.get_group(d))
+        if err is not None:
+            raise err
+        if not int(ok.item()):
+            sc = self.plan.schedule
+            raise PipelineShapeError(f"pipeline batch rejected on another rank: the plan's static shapes per rank "
+                                     f"are {self.expected_shapes()} ({sc['n_microbatches']} micro-batches of "
+                                     f"{sc['microbatch_shapes']} over the stage submesh)")
         losses = [] if self.is_last else None
         args = (x,) if self.is_first else ()
         kw = {"target": target, "losses": losses} if self.is_last else {}

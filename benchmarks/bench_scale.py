@@ -133,6 +133,17 @@ def main(argv=None):
                   f"step {r['step_s']:8.3f} s  peak {r['peak_mem_GiB']:6.1f} GiB  bubble {r['bubble']:.3f}  "
                   f"{r['tflops_per_gpu_6ND']:6.1f} TF/GPU  plan {r['plan_wall_s']} s wall / {r['plan_cpu_s']} s cpu",
                   flush=True)
+    md += ["## Reading these numbers", "",
+           "* Modeled, not measured: roofline compute at 70% of peak, alpha-beta collectives, p2p transfers not "
+           "overlapped with compute. Absolute TFLOP/s sit below published measurements (Llama 3 reports about 400 "
+           "TFLOP/s per GPU on 16K H100; MT-NLG 113-126 on A100, Narayanan et al. up to 163); what the table "
+           "compares is layouts under one model.",
+           "* A published layout keeps its mesh, stage split, schedule and micro-batch count; its per-op placement "
+           "inside a stage and, unless the recipe states full recomputation, its checkpointed-block count are "
+           "autopar's choices for that configuration.",
+           "* autopar searched pp x dp x tp (tp within a node), micro-batch counts, the six torch schedules and "
+           "stages per rank; `plan.schedule['candidates']` lists the runners-up, `['even_split']` the same "
+           "configuration with torchtitan's even layer split.", ""]
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(all_rows[0]))

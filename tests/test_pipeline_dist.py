@@ -6,6 +6,10 @@ rank builds the same model, computes the single-device reference loss and gradie
 with backends/pipeline.py and compares: loss (fp32, rtol 1e-5) on the ranks holding the last stage, each local
 parameter's gradient (rtol 1e-5 of the tensor's scale; FSDP-sharded gradients gathered). Several cases share one
 launch per world size (start-up costs seconds); every collective has a 60 s timeout, the launch a 300 s one.
+Cases: world 2 (pp=2): GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, and 1F1B under a
+memory budget that makes the planner checkpoint blocks; world 4 (pp=2 x dp=2): GPipe, 1F1B (DDP/FSDP2 per stage as
+planned), Interleaved1F1B with FSDP-sharded parameters. Each case also feeds a batch of the wrong shape: every rank
+must raise PipelineShapeError (none may hang waiting for activations).
 """
 from __future__ import annotations
 
@@ -40,6 +44,10 @@ def _plans(tmp_path, world):
             force = {n: ("S0",) for n, p in m.named_parameters() if p.shape[0] % 2 == 0}
         plan = autopar.plan(m, mesh, x, cluster="h100", force=force, pipeline={"schedules": [sched]})
         cases.append(_case(plan, tmp_path, f"{world}_{sched}", sched))
+    if world == 2:          # the zero-bubble family too (split backward; V-shaped stage placement)
+        for sched in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+            plan = autopar.plan(m, mesh, x, cluster="h100", pipeline={"schedules": [sched]})
+            cases.append(_case(plan, tmp_path, f"2_{sched}", sched))
     if world == 2:          # a memory budget the stages only meet by checkpointing blocks (runtime recompute)
         peak = cases[1]["peak"]
         for f in (0.85, 0.7, 0.55):
@@ -101,7 +109,7 @@ def _check(results, cases):
 def test_pipeline_equals_single_device(tmp_path, world):
     cases = _plans(tmp_path, world)
     for c in cases:        # the planner placed the cuts itself; every stage holds at least one block
-        assert c["stages"] == (4 if c["schedule"] == "Interleaved1F1B" else 2), c
+        assert c["stages"] == (2 if c["schedule"] in ("GPipe", "1F1B") else 4), c
     if world == 2:
         assert any(cases[-1]["recompute"]), f"the tight budget did not make the planner checkpoint: {cases[-1]}"
     results = _launch(tmp_path, world, cases)
