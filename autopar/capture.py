@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .graph import Graph, Node, Ref, TensorMeta, map_refs
 
@@ -39,6 +39,8 @@ class _Recorder(TorchDispatchMode):
         self.modstack = modstack
         self.phase = "fw"
         self.constants: dict[str, torch.Tensor] = {}
+        self.functional: dict = {}
+        self.memo: dict = {}
 
     def leaf(self, t: torch.Tensor, kind: str, target) -> int:
         module = target.rsplit(".", 1)[0] if kind in ("param", "buffer") and "." in target else ""
@@ -54,6 +56,32 @@ class _Recorder(TorchDispatchMode):
             return node.metadata.get("autopar_module", "") if node is not None else ""
         return self.modstack[-1] if self.modstack else ""
 
+    def run(self, func, args, kwargs):
+        """Run `func` on meta tensors. Repeated blocks call the same ops on the same shapes over and over, and
+        meta kernels written in Python (torch._refs) dominate capture time; so a functional op (no aliased or
+        mutated output) seen before with the same input metadata returns fresh meta tensors of the recorded
+        output metadata instead of running again."""
+        if func not in self.functional:
+            s = func._schema
+            self.functional[func] = not s.is_mutable and all(r.alias_info is None for r in s.returns)
+        if not self.functional[func]:
+            return func(*args, **kwargs)
+        try:
+            key = (func, _key(args), _key(kwargs))
+            hit = self.memo.get(key)
+        except (TypeError, _NoMemo):
+            return func(*args, **kwargs)
+        if hit is None:
+            out = func(*args, **kwargs)
+            flat, spec = tree_flatten(out)
+            if all(not isinstance(o, torch.Tensor) or o.device.type == "meta" for o in flat):
+                self.memo[key] = (spec, [(o.shape, o.stride(), o.dtype) if isinstance(o, torch.Tensor) else o
+                                         for o in flat], [isinstance(o, torch.Tensor) for o in flat])
+            return out
+        spec, vals, is_t = hit
+        return tree_unflatten([torch.empty_strided(v[0], v[1], dtype=v[2], device="meta") if t else v
+                               for v, t in zip(vals, is_t)], spec)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is aten._local_scalar_dense.default:
@@ -63,7 +91,7 @@ class _Recorder(TorchDispatchMode):
             raise CaptureError(f"in-place op {func} in module '{self.module_path() or '<root>'}' mutates a tensor"
                                f" (e.g. a buffer update); the plan cannot keep mutated state consistent across ranks")
         try:
-            out = func(*args, **kwargs)
+            out = self.run(func, args, kwargs)
         except Exception as e:
             raise CaptureError(f"op {func} in module '{self.module_path() or '<root>'}' failed on meta tensors"
                                f" (data-dependent shape?): {e}") from e
@@ -95,6 +123,25 @@ class _Recorder(TorchDispatchMode):
                 self.ref[id(o)] = Ref(n.idx, i)
                 self.keep.append(o)
         return out
+
+
+class _NoMemo(Exception):
+    pass
+
+
+def _key(a):
+    """Hashable metadata of an op argument; tensors by shape, stride, offset and dtype (meta tensors only)."""
+    if isinstance(a, torch.Tensor):
+        if a.device.type != "meta":
+            raise _NoMemo
+        return ("T", tuple(a.shape), a.stride(), a.storage_offset(), a.dtype)
+    if isinstance(a, (list, tuple)):
+        return (type(a).__name__,) + tuple(_key(x) for x in a)
+    if isinstance(a, dict):
+        return ("D",) + tuple((k, _key(v)) for k, v in a.items())
+    if isinstance(a, (torch.SymInt, torch.SymFloat)):
+        raise _NoMemo
+    return a
 
 
 class _FusedAttention(TorchFunctionMode):

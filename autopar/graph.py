@@ -24,13 +24,9 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+    def __post_init__(self):     # sizes are read in every cost loop: computed once (not fields: eq/hash ignore them)
+        object.__setattr__(self, "numel", math.prod(self.shape))
+        object.__setattr__(self, "nbytes", self.numel * self.dtype.itemsize)
 
 
 @dataclass

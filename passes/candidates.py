@@ -1,6 +1,6 @@
 """Pass: candidate placements for every node (DTensor's registry + autopar's rules), in topological order.
 
-Leaves (parameters, inputs) may take any Replicate/Shard placement that divides them evenly; each op gets the
+Nodes of repeated layers (regions pass) share their representative's candidates. Leaves (parameters, inputs) may take any Replicate/Shard placement that divides them evenly; each op gets the
 strategies its rule admits given its producers' candidate output placements. Ops that fell back to
 Replicate-only are listed in `state.coverage`; by default they are an error (`allow_replicate=True` or
 `replicate_ops=[...]` accepts them).
@@ -17,8 +17,11 @@ def run(state) -> None:
     out_cands: dict[tuple[int, int], list] = {}
     forced = state.options.get("force", {})
     pin = state.options.get("pin")
-    for n in g.nodes:
-        if n.kind == "op":
+    rep, shared = state.rep, {}   # repeated layers: the first node of a class (in topological order; backward
+    for n in g.nodes:             # runs layers in reverse) enumerates, the same op on the same shapes copies it
+        if rep[n.idx] in shared:
+            strats, src = shared[rep[n.idx]]
+        elif n.kind == "op":
             in_cands = [out_cands[(r.node, r.out)] for r in n.inputs()]
             strats, src = node_strategies(n, g.meta, mesh_shape, in_cands)
         elif n.kind in ("param", "input", "buffer"):
@@ -32,6 +35,7 @@ def run(state) -> None:
         else:
             strats, src = [Strategy((("R",) * len(mesh_shape),), ())], "constant"
         strategies[n.idx], sources[n.idx] = strats, src
+        shared.setdefault(rep[n.idx], (strats, src))
         for i in range(len(n.outs)):
             out_cands[(n.idx, i)] = list(dict.fromkeys(s.out[i] for s in strats if s.out[i] is not None))
     if pin is not None:     # {mesh dim: placement} a node's tensor outputs must take; applied after enumeration,

@@ -120,14 +120,15 @@ def run(state) -> None:
             continue
         p, k_out, lead = follow[i]
         pc = choice[p]
+        first: dict = {}                              # distinct placement of the lead input -> first strategy
+        for j, s in enumerate(S[i]):
+            first.setdefault(s.ins[lead], j)
+        meta = nodes[p].outs[k_out]
         best: dict = {}
-        for kk, s_p in enumerate(S[p]):
+        for s_p in S[p]:
             pl = s_p.out[k_out]
-            if pl in best:
-                continue
-            meta = nodes[p].outs[k_out]
-            cands = [(0.0 if s.ins[lead] == pl else rtime(pl, s.ins[lead], meta), j) for j, s in enumerate(S[i])]
-            best[pl] = min(cands)
+            if pl not in best:
+                best[pl] = min((rtime(pl, d, meta), j) for d, j in first.items())
         ch = np.empty(len(pc), dtype=np.int64)
         ex = np.empty(len(pc))
         for r_k, pk in enumerate(pc):

@@ -24,8 +24,11 @@ def _layer_of(module: str):
     return (m.group(1), int(m.group(2))) if m else None
 
 
-def _signature(g, members: list[int]):
+def _signature(g, members: list[int], force=None, pin=None):
+    """Exact signature of a layer; user constraints (forced parameter placements, pinned nodes) are part of it,
+    so a layer constrained differently from its siblings gets its own decisions."""
     pos = {idx: i for i, idx in enumerate(members)}
+    force = force or {}
 
     def arg(a):
         if isinstance(a, Ref):
@@ -42,7 +45,10 @@ def _signature(g, members: list[int]):
     for idx in members:
         n = g.nodes[idx]
         leaf_name = _LAYER.sub("", n.target) if n.kind == "param" else None
-        sig.append((n.kind, str(n.target) if n.kind == "op" else leaf_name, n.phase, n.outs, arg(n.args), arg(n.kwargs)))
+        user = (force.get(n.target) if n.kind == "param" else None,
+                tuple(sorted((pin(n) or {}).items())) if pin is not None else None)
+        sig.append((n.kind, str(n.target) if n.kind == "op" else leaf_name, n.phase, n.outs, arg(n.args), arg(n.kwargs),
+                    user))
     return tuple(sig)
 
 
@@ -76,7 +82,7 @@ def run(state) -> None:
     for prefix, items in sorted(by_list.items()):
         groups: dict[tuple, list] = defaultdict(list)
         for i, members in items:
-            groups[_signature(g, members)].append((i, members))
+            groups[_signature(g, members, state.options.get("force"), state.options.get("pin"))].append((i, members))
         for base_sig, same in groups.items():
             copies = same
             if len(copies) < 2:

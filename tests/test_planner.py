@@ -138,6 +138,21 @@ def test_repeated_layers_share_decisions():
         assert len(pls) == 1
 
 
+def test_one_layer_forced_differently_gets_its_own_decisions():
+    """A force on one layer only must not be shared with (or dropped for) its sibling layers."""
+    p = _plan("llama3-debug", (2, 2), batch=8, seq=64, n_layers=3,
+              force={"layers.1.attention.wq.weight": ("S0", "R")})
+    assert tuple(p.params["layers.1.attention.wq.weight"]) == ("S0", "R")
+    assert [r["layers"] for r in p.regions] == [[0, 2]]
+    assert tuple(p.params["layers.0.attention.wq.weight"]) == tuple(p.params["layers.2.attention.wq.weight"])
+
+
+@pytest.mark.parametrize("name", ["mlp-tiny", "llama-tiny", "gpt2-tiny", "moe-tiny", "cnn-tiny"])
+def test_one_device_mesh_plans_without_communication(name):
+    p = autopar.plan(M.build_model(name), (1,), M.example_inputs(name, device="meta"), cluster="h100")
+    assert p.coverage == {} and p.predicted["comm_s"] == 0.0 and p.collectives() == []
+
+
 def test_pass_manager_times_verifies_and_dumps():
     m = M.build_model("mlp-tiny")
     p, st = autopar.plan(m, (2,), M.example_inputs("mlp-tiny", device="meta"), return_state=True,

@@ -72,3 +72,13 @@ def test_real_graph_optimum_equals_brute_force():
         edges2[(a, b)] = C[np.ix_(list(rows), list(cols))]
     want = brute(lin2, edges2, [np.zeros(len(v)) for v in lin2], 1.0)
     assert abs(st_.solution.objective - want) <= 1e-9 + 1e-6 * want
+
+
+def test_fractional_relaxation_goes_to_branch_and_bound():
+    """The LP relaxation of this knapsack is fractional (optimum 0.5); the MILP's integral optimum is 1."""
+    lin = [np.array([0.0, 1.0]), np.array([0.0, 1.0])]
+    mem = [np.array([1.0, 0.0]), np.array([1.0, 0.0])]
+    res = solve(lin, {}, [(mem, 1.5)])
+    assert "branch and bound" in res.status
+    assert abs(res.objective - 1.0) < 1e-9 and sorted(res.choice) == [0, 1]
+    assert res.gap <= 1e-6 and res.bound <= res.objective + 1e-9

@@ -129,7 +129,7 @@ def full_strategies(op, args, kwargs, meta_of, mesh_shape, in_cands) -> list[tup
     """
     try:
         return _full_once(op, args, kwargs, meta_of, mesh_shape, in_cands)
-    except (IndexError, AssertionError, ValueError, RuntimeError):
+    except (IndexError, KeyError, AssertionError, ValueError, RuntimeError):
         if not in_cands:
             raise
         lead = max(range(len(in_cands)), key=lambda i: len(in_cands[i]))
@@ -139,7 +139,7 @@ def full_strategies(op, args, kwargs, meta_of, mesh_shape, in_cands) -> list[tup
             cands = [[c] if i == lead else [rep] for i in range(len(in_cands))]
             try:
                 out.extend(_full_once(op, args, kwargs, meta_of, mesh_shape, cands))
-            except (IndexError, AssertionError, ValueError, RuntimeError):
+            except (IndexError, KeyError, AssertionError, ValueError, RuntimeError):
                 continue       # this input placement cannot propagate through the op (e.g. uneven unflatten)
         return list(dict.fromkeys(out))
 
