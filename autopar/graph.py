@@ -134,3 +134,15 @@ class Graph:
 
     def __len__(self):
         return len(self.nodes)
+
+
+def param_root(g: "Graph", idx: int) -> str | None:
+    """The parameter FQN a tensor derives from through single-input ops (views, transposes, casts), else None:
+    redistributes of such values are parameter gathers, which engines prefetch and overlap with compute."""
+    seen = 0
+    while g.nodes[idx].kind == "op" and seen < 64:
+        ins = g.nodes[idx].inputs()
+        if len(ins) != 1:
+            return None
+        idx, seen = ins[0].node, seen + 1
+    return g.nodes[idx].target if g.nodes[idx].kind == "param" else None

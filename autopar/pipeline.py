@@ -11,7 +11,7 @@ from .cost import ClusterSpec, TrainingPrecision
 from .graph import Graph
 from .mesh import MeshSpec
 
-PASSES = ("precision", "regions", "candidates", "costs", "checkpointing", "solve", "redistribute")
+PASSES = ("precision", "regions", "candidates", "costs", "checkpointing", "solve", "redistribute", "buckets")
 
 
 @dataclass
@@ -39,6 +39,7 @@ class PlanState:
     solution: Any = None
     placement: Any = None         # per node: chosen Strategy
     redistributes: Any = None     # (consumer node, input index | "opt") -> (src, dst, collectives)
+    buckets: Any = None           # gradient buckets [{kind, mesh_dim, group, from, to, dtype, params, bytes}]
     recompute: Any = None         # checkpointed blocks [{"block": FQN, "nodes": [idx]}] (checkpointing pass)
     extras: dict = field(default_factory=dict)   # decisions copied into Plan.meta (precision, checkpointing)
 
@@ -53,11 +54,15 @@ def verify(state: PlanState, after: str) -> None:
         for n in g.nodes:
             if not state.strategies[n.idx]:
                 raise VerificationError(f"after {after}: node {n.name} has no candidate placement")
+        _verify_repeated_layers(state, after)
     if state.placement is not None:
         for n in g.nodes:
             s = state.placement[n.idx]
             if s is None or s not in state.strategies[n.idx]:
-                raise VerificationError(f"after {after}: node {n.name} has no single chosen placement")
+                r = state.rep[n.idx] if s is not None and state.rep is not None else n.idx
+                why = "" if r == n.idx else (f": {s} was chosen for its representative {g.nodes[r].name} (module "
+                                             f"'{g.nodes[r].module}') but is not among its own candidates")
+                raise VerificationError(f"after {after}: node {n.name} has no single chosen placement{why}")
     if state.redistributes is not None:
         for n in g.ops():
             for j, r in enumerate(n.inputs()):
@@ -66,6 +71,27 @@ def verify(state: PlanState, after: str) -> None:
                 if have != want and (n.idx, j) not in state.redistributes:
                     raise VerificationError(f"after {after}: {n.name} input {j} is {have} but needs {want} and no "
                                             f"redistribute is planned")
+
+
+def _verify_repeated_layers(state: PlanState, after: str) -> None:
+    """Every node of a repeated layer must offer all its representative's candidates: the solver decides once per
+    region, in the representative's candidate list, and that choice is applied to every copy (passes/solve.py
+    `_expand`). A copy's own enumeration can differ (its boundary inputs come from other producers, e.g. the
+    last block's backward from the final norm's), so the candidates pass must give copies the shared list."""
+    g, S, rep = state.graph, state.strategies, state.rep
+    if rep is None:
+        return
+    for n in g.nodes:
+        r = rep[n.idx]
+        if r == n.idx or S[n.idx] is S[r]:
+            continue
+        own = set(S[n.idx])
+        missing = [s for s in S[r] if s not in own]
+        if missing:
+            raise VerificationError(
+                f"after {after}: node {n.name} (module '{n.module}') repeats {g.nodes[r].name} (module "
+                f"'{g.nodes[r].module}') but lacks {len(missing)} of its {len(S[r])} candidates, e.g. {missing[0]}; "
+                f"the representative's choice would not be valid for it")
 
 
 def run_passes(state: PlanState, passes=PASSES, dump_after=(), check=True) -> PlanState:

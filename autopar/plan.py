@@ -28,6 +28,7 @@ class Plan:
     meta: dict = field(default_factory=dict)
     stages: list = field(default_factory=list)
     schedule: dict = field(default_factory=dict)
+    buckets: list = field(default_factory=list)     # gradient buckets (passes/buckets.py): one collective each
 
     # ---- queries --------------------------------------------------------------------------------------------
     def param_placements(self) -> dict:
@@ -35,15 +36,17 @@ class Plan:
         return {k: tuple(to_placement(p) for p in v) for k, v in self.params.items()}
 
     def collectives(self) -> list[tuple[str, int, int]]:
-        """Every planned collective of one step as (kind, mesh_dim, bytes), in graph order."""
+        """Every planned collective of one step as (kind, mesh_dim, bytes), in graph order, then the gradient
+        buckets in the order they are issued."""
         out = []
         for n in self.nodes:
             for r in n.get("redistribute", []):
-                out += [(c[0], c[1], c[2]) for c in r["collectives"]]
-        return out
+                if "bucket" not in r:                   # bucketed gradient reductions: their bucket's collective
+                    out += [(c[0], c[1], c[2]) for c in r["collectives"]]
+        return out + [(b["kind"], b["mesh_dim"], b["bytes"]) for b in self.buckets]
 
     def hash(self) -> str:
-        body = json.dumps({"mesh": self.mesh_shape, "params": self.params,
+        body = json.dumps({"mesh": self.mesh_shape, "params": self.params, "buckets": self.buckets,
                            "nodes": [[n["placement"], n.get("redistribute", [])] for n in self.nodes]},
                           sort_keys=True)
         return hashlib.sha256(body.encode()).hexdigest()[:16]
@@ -162,7 +165,15 @@ class Plan:
                 cs = ", ".join(f"{c[0]}(dim {self._param_mesh_names()[c[1]]}, {c[2] / 1e6:.3f} MB)"
                                for c in r["collectives"])
                 lines.append(f"    input {r['input']}: [{','.join(r['src'])}] -> [{','.join(r['dst'])}]"
-                             + (f"  {cs}" if cs else "  (local)"))
+                             + (f"  in gradient bucket {r['bucket']}" if "bucket" in r else f"  {cs}" if cs
+                                else "  (local)"))
+        if self.buckets:
+            lines += ["", "gradient buckets (one collective each, issued after the backward in this order)"]
+            names = self._param_mesh_names()
+            for k, b in enumerate(self.buckets):
+                lines.append(f"  bucket {k}: {b['kind']}(dim {names[b['mesh_dim']]}, {b['bytes'] / 1e6:.3f} MB) "
+                             f"[{b['from']}] -> [{b['to']}] {b['dtype']}, {len(b['params'])} gradients: "
+                             + ", ".join(b["params"][:6]) + (" ..." if len(b["params"]) > 6 else ""))
         return "\n".join(lines) + "\n"
 
 

@@ -1,7 +1,8 @@
 """Predicted step time and memory of a solved PlanState, and its conversion into a Plan.
 
 Step time = compute + exposed communication. Parameter gathers (FSDP-style) and gradient reductions can overlap
-with compute (prefetch, bucketing): exposed = activation comm + max(0, param/grad comm - compute). Memory per
+with compute (prefetch, bucketing): exposed = activation comm + max(0, param/grad comm - compute); with
+`plan(..., overlap=False)` (autopar's graph executor: collectives block) exposed = all comm. Memory per
 rank = model state at the storage placements (params, grads, optimizer state) + the activation liveness peak of
 the fw+bw order, with each redistributed input held while its consumer runs.
 """
@@ -9,34 +10,57 @@ from __future__ import annotations
 
 import torch
 
+from .graph import param_root
 from .plan import Plan, node_record
-from .redistribute import redistribute_time
+from .cost import collective_time
+from .redistribute import grad_reduce_time, redistribute_time
 from .strategies import num_shards
 
 
 def _param_rooted(g, idx, follow_of) -> bool:
-    return _param_root(g, idx) is not None
+    return param_root(g, idx) is not None
 
 
-def _param_root(g, idx) -> str | None:
-    """The parameter FQN a tensor derives from through single-input ops (views, transposes, casts), else None."""
-    seen = 0
-    while g.nodes[idx].kind == "op" and seen < 64:
-        ins = g.nodes[idx].inputs()
-        if len(ins) != 1:
-            return None
-        idx, seen = ins[0].node, seen + 1
-    return g.nodes[idx].target if g.nodes[idx].kind == "param" else None
+_param_root = param_root
 
 
 def build_plan(state) -> Plan:
+    g, P, mesh_shape, cluster = state.graph, state.placement, state.mesh.shape, state.cluster
+    node_time = state.cost["node_time"]
+    predicted, red_by_node, times = predict(state)
+    sol = state.solution
+    records = [node_record(n, P[n.idx], red_by_node.get(n.idx, []), times[n.idx], state.sources[n.idx])
+               for n in g.nodes]
+    params = {fqn: list(P[i].out[0]) for fqn, i in g.params.items()}
+    for alias, base in g.aliases.items():
+        params.setdefault(alias, params[base])
+    return Plan(state.mesh.shape, state.mesh.names, cluster.name, records, params, predicted,
+                {"status": sol.status, "objective": sol.objective, "bound": sol.bound, "gap": sol.gap,
+                 "seconds": sol.seconds, "n_vars": sol.n_vars, "n_constraints": sol.n_constraints},
+                [[k, v] for k, v in state.timings.items()], state.regions, {k: len(v) for k, v in (state.coverage or {}).items()},
+                {"torch": torch.__version__, "budget_bytes": state.budget, "precision": repr(state.precision),
+                 **state.extras}, buckets=[dict(b) for b in state.buckets or []])
+
+
+def predict(state):
+    """(predicted step / memory / collectives, redistribute records per node, compute seconds per node) of the
+    state's placement, redistributes and gradient buckets."""
     g, P, mesh_shape, cluster = state.graph, state.placement, state.mesh.shape, state.cluster
     node_time = state.cost["node_time"]
     nodes = g.nodes
     red_by_node: dict[int, list] = {}
     comm = {"act": 0.0, "param": 0.0, "grad": 0.0}
     kinds: dict[str, dict] = {}
+    buckets = state.buckets or []
+    bucket_of = {f: k for k, b in enumerate(buckets) for f in b["params"]}
     for (i, j), (src, dst, cs) in sorted(state.redistributes.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        bucket = bucket_of.get(nodes[i].target) if j == "opt" else None
+        if bucket is not None:            # carried by its bucket's one collective (counted below)
+            t = grad_reduce_time(src, dst, g.meta(g.grads[nodes[i].target]), mesh_shape, cluster)
+            red_by_node.setdefault(i, []).append({"input": j, "src": list(src), "dst": list(dst), "time_s": t,
+                                                  "collectives": [c.to_json() for c in cs], "class": "grad",
+                                                  "param": nodes[i].target, "bucket": bucket})
+            continue
         if j == "opt":
             meta, cls = g.meta(g.grads[nodes[i].target]), "grad"
         elif j == "loss":
@@ -55,6 +79,11 @@ def build_plan(state) -> Plan:
             k = kinds.setdefault(c.kind, {"count": 0, "bytes": 0})
             k["count"] += 1
             k["bytes"] += c.nbytes
+    for b in buckets:
+        comm["grad"] += collective_time(b["kind"], b["bytes"], b["group"], cluster.link_for(mesh_shape, b["mesh_dim"]))
+        k = kinds.setdefault(b["kind"], {"count": 0, "bytes": 0})
+        k["count"] += 1
+        k["bytes"] += b["bytes"]
     rep, tcache = state.rep, {}
     times = []
     for n in nodes:
@@ -69,25 +98,14 @@ def build_plan(state) -> Plan:
         recompute_s = recompute_seconds(state, times)
         compute += recompute_s
     overlappable = comm["param"] + comm["grad"]
-    exposed = comm["act"] + max(0.0, overlappable - compute)
+    exposed = comm["act"] + (max(0.0, overlappable - compute) if state.options.get("overlap", True) else overlappable)
     state_mem = state_bytes(g, P, mesh_shape, state.precision)
     act_peak = liveness_peak(g, P, mesh_shape, state.recompute)
     predicted = {"step_s": compute + exposed, "compute_s": compute, "comm_s": sum(comm.values()),
                  "exposed_comm_s": exposed, "comm_by_class_s": comm, "state_mem_bytes": state_mem,
                  "act_peak_bytes": act_peak, "peak_mem_bytes": state_mem + act_peak, "collectives": kinds,
                  "budget_bytes": state.budget, "recompute_s": recompute_s}
-    sol = state.solution
-    records = [node_record(n, P[n.idx], red_by_node.get(n.idx, []), times[n.idx], state.sources[n.idx])
-               for n in nodes]
-    params = {fqn: list(P[i].out[0]) for fqn, i in g.params.items()}
-    for alias, base in g.aliases.items():
-        params.setdefault(alias, params[base])
-    return Plan(state.mesh.shape, state.mesh.names, cluster.name, records, params, predicted,
-                {"status": sol.status, "objective": sol.objective, "bound": sol.bound, "gap": sol.gap,
-                 "seconds": sol.seconds, "n_vars": sol.n_vars, "n_constraints": sol.n_constraints},
-                [[k, v] for k, v in state.timings.items()], state.regions, {k: len(v) for k, v in (state.coverage or {}).items()},
-                {"torch": torch.__version__, "budget_bytes": state.budget, "precision": repr(state.precision),
-                 **state.extras})
+    return predicted, red_by_node, times
 
 
 def state_bytes(g, P, mesh_shape, precision) -> float:

@@ -17,6 +17,7 @@ import functools
 from dataclasses import dataclass
 
 from .cost import collective_time
+from .cost.comm import bytes_sent
 from .graph import TensorMeta
 
 
@@ -130,3 +131,40 @@ def _time(src, dst, nbytes, mesh_shape, cluster):
 @functools.lru_cache(maxsize=256)
 def _links(cluster, mesh_shape):
     return [cluster.link_for(mesh_shape, d) for d in range(len(mesh_shape))]
+
+
+# ---- gradient buckets ----------------------------------------------------------------------------------------------
+# Gradient reductions into the optimizer step do not feed any op of the step, so (as DDP and FSDP2 do) the ones
+# that are a single P -> R (all_reduce) or P -> S(d) (reduce_scatter) collective on the same mesh dim are issued
+# together: one collective per bucket of up to BUCKET_BYTES, paying the latency once. passes/buckets.py forms
+# the buckets; the cost model prices these reductions by bandwidth here and adds each bucket's latency once.
+BUCKET_BYTES = 25 * 2**20      # DDP's default bucket_cap_mb
+
+
+@functools.lru_cache(maxsize=1 << 12)
+def bucket_step(src: tuple[str, ...], dst: tuple[str, ...]):
+    """(mesh_dim, from, to) when reducing a gradient from `src` to `dst` is one P -> R or P -> S(d) step that a
+    bucket can carry (no other mesh dim shards tensor dim d), else None."""
+    todo = steps(tuple(src), tuple(dst))
+    if len(todo) != 1:
+        return None
+    m, a, b = todo[0]
+    if a not in ("P", "Pa") or not (b == "R" or b[0] == "S"):
+        return None
+    if b[0] == "S" and any(k != m and p == b for k, p in enumerate(src)):
+        return None
+    return todo[0]
+
+
+def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: int = 1) -> float:
+    """Seconds a gradient reduction src -> dst adds to the step. In a bucket: its bandwidth plus its share of
+    the bucket's latency, by bytes (a full bucket is BUCKET_BYTES) and at least 1/n_grads of one bucket (a
+    model's gradients fill at least one); the prediction (autopar/predict.py) counts the real buckets."""
+    if bucket_step(tuple(src), tuple(dst)) is None:
+        return redistribute_time(src, dst, meta, mesh_shape, cluster)
+    links = _links(cluster, tuple(mesh_shape))
+    share = max(meta.nbytes / BUCKET_BYTES, 1.0 / max(1, n_grads))
+    return sum(bytes_sent(c.kind, c.nbytes, c.group) / links[c.mesh_dim].bw +
+               share * (collective_time(c.kind, c.nbytes, c.group, links[c.mesh_dim]) -
+                        bytes_sent(c.kind, c.nbytes, c.group) / links[c.mesh_dim].bw)
+               for c in collectives(src, dst, meta, mesh_shape))

@@ -33,6 +33,7 @@ class SolveResult:
     status: str
     n_vars: int
     n_constraints: int
+    candidates: list = None        # other plans found on the way, [(objective, choice)] best first (overlap search)
 
 
 def _classes(C: np.ndarray, axis: int):
@@ -45,32 +46,68 @@ def _classes(C: np.ndarray, axis: int):
     return M[first], inv
 
 
-def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: list[tuple[list[np.ndarray], float]],
-          time_limit: float = 60.0, mip_rel_gap: float = 1e-6) -> SolveResult:
-    t0 = time.perf_counter()
+@dataclass
+class _Model:
+    """The MILP's arrays: x (one-hot strategy per group) then z (transportation variables per edge)."""
+    A: object                  # constraint matrix (csc)
+    lo: np.ndarray
+    hi: np.ndarray
+    cost: np.ndarray           # objective per variable (seconds)
+    ovl: np.ndarray            # overlap row per variable: overlappable comm - capacity (seconds)
+    off: np.ndarray            # group g's x variables: off[g]:off[g+1]
+    edges: list                # (z0, A, B, a_of, b_of, g1, g2) per edge with transportation variables
+    folded: list               # (g_from, class_of, g_to) per edge folded into x costs (a single row/col class)
+    cap: np.ndarray = None     # the compute capacity part of ovl, per variable (x only)
+
+    @property
+    def nx(self) -> int:
+        return int(self.off[-1])
+
+    def one_hot(self, choice) -> np.ndarray:
+        """The 0/1 vector (x and z) of an integral choice."""
+        v = np.zeros(self.A.shape[1])
+        v[self.off[:-1] + np.asarray(choice)] = 1.0
+        for z0, A, B, a_of, b_of, g1, g2 in self.edges:
+            v[z0 + a_of[choice[g1]] * B + b_of[choice[g2]]] = 1.0
+        return v
+
+
+def _build(lin, edges, mem, overlap) -> _Model:
     off = np.cumsum([0] + [len(c) for c in lin])
     nx = int(off[-1])
     cost = [np.concatenate(lin)]
+    ovl_lin, ovl_edges, capacity = overlap if overlap is not None else (None, {}, None)
+    ocost = [np.concatenate(ovl_lin) - np.concatenate(capacity)] if overlap is not None else [np.zeros(nx)]
     rows, cols, vals, lo, hi = [], [], [], [], []
     r = 0
     for gi, c in enumerate(lin):                          # one strategy per group
         rows += [r] * len(c); cols += list(range(off[gi], off[gi + 1])); vals += [1.0] * len(c)
         lo.append(1.0); hi.append(1.0); r += 1
-    nz = nx
-    for (g1, g2), C in sorted(edges.items()):
-        rowsC, a_of = _classes(C, 0)                      # distinct producer rows
-        colsC, b_of = _classes(C, 1)
-        A, B = len(rowsC), len(colsC)
-        small = rowsC[:, [np.flatnonzero(b_of == b)[0] for b in range(B)]]
+    nz, zs = nx, []
+    for key in sorted(set(edges) | set(ovl_edges)):
+        g1, g2 = key
+        C, O = edges.get(key), ovl_edges.get(key)
+        C = np.zeros_like(O) if C is None else C
+        O = np.zeros_like(C) if O is None else O
+        _, a_of = _classes(np.hstack([C, O]), 0)          # distinct producer rows (of both costs)
+        _, b_of = _classes(np.vstack([C, O]), 1)          # distinct consumer columns
+        A, B = int(a_of.max()) + 1, int(b_of.max()) + 1
+        fa = [int(np.flatnonzero(a_of == a)[0]) for a in range(A)]
+        fb = [int(np.flatnonzero(b_of == b)[0]) for b in range(B)]
+        small, osmall = C[np.ix_(fa, fb)], O[np.ix_(fa, fb)]
         if A == 1:
             cost[0][off[g2]:off[g2 + 1]] += small[0][b_of]
+            ocost[0][off[g2]:off[g2 + 1]] += osmall[0][b_of]
             continue
         if B == 1:
             cost[0][off[g1]:off[g1 + 1]] += small[:, 0][a_of]
+            ocost[0][off[g1]:off[g1 + 1]] += osmall[:, 0][a_of]
             continue
         z0 = nz
         nz += A * B
+        zs.append((z0, A, B, a_of, b_of, g1, g2))
         cost.append(small.reshape(-1))
+        ocost.append(osmall.reshape(-1))
         for a in range(A):                                # sum_b z[a, b] = sum_{k in a} x[g1, k]
             rows += [r] * B; cols += [z0 + a * B + b for b in range(B)]; vals += [1.0] * B
             ks = np.flatnonzero(a_of == a)
@@ -81,41 +118,238 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
             ks = np.flatnonzero(b_of == b)
             rows += [r] * len(ks); cols += list(off[g2] + ks); vals += [-1.0] * len(ks)
             lo.append(0.0); hi.append(0.0); r += 1
-    c = np.concatenate(cost)
     for coefs, budget in mem:
         vec = np.concatenate(coefs)
         idx = np.flatnonzero(vec)
         rows += [r] * len(idx); cols += list(idx); vals += list(vec[idx])
         lo.append(-np.inf); hi.append(budget); r += 1
     A_ = coo_array((vals, (rows, cols)), shape=(r, nz)).tocsc()
-    scale = max(float(np.abs(c).max()), 1e-30)
-    h = _model(c / scale, A_, np.asarray(lo, float), np.asarray(hi, float), time_limit)
+    cap = np.zeros(nz)
+    if overlap is not None:
+        cap[:nx] = np.concatenate(capacity)
+    return _Model(A_, np.asarray(lo, float), np.asarray(hi, float), np.concatenate(cost), np.concatenate(ocost),
+                  off, zs, [], cap)
+
+
+def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: list[tuple[list[np.ndarray], float]],
+          time_limit: float = 60.0, mip_rel_gap: float = 1e-6, overlap=None, max_lps: int | None = None,
+          lambda_search_s: float = float("inf")) -> SolveResult:
+    """Minimize sum lin[g][x_g] + sum edges[g1,g2][x_g1, x_g2] (+ exposed overlappable time) subject to `mem`.
+
+    overlap: (ovl_lin, ovl_edges, capacity) for comm that overlaps compute (parameter gathers, gradient
+    reductions), given in the same shapes as lin / edges and NOT included in them; capacity is the compute time
+    it can hide under. The objective is then F = base + max(0, overlappable - capacity): the step time the
+    prediction reports (compute + other comm + exposed overlappable comm). See _solve_overlap."""
+    t0 = time.perf_counter()
+    m = _build(lin, edges, mem, overlap)
+    if overlap is not None:
+        return _solve_overlap(m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0, max_lps or MAX_LPS,
+                              lambda_search_s)
+    scale = max(float(np.abs(m.cost).max()), 1e-30)
+    h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(m.A.shape[1]), time_limit)
     # The LP relaxation is a lower bound; when its optimum is integral it is the MILP optimum (gap 0). This is
     # the common case for placement problems and several times faster than branch-and-bound's set-up (dual
     # simplex without presolve measured fastest on the 8B plan: 0.35 s vs 0.9 s with presolve, 3 s with IPM);
     # otherwise the same model is solved again with integral placement variables.
     h.run()
-    x = _solution(h, nz)
+    x = _solution(h, m.A.shape[1])
     method = "LP relaxation (integral)"
-    if x is None or not _integral(x[:nx]):
-        h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32), np.full(nx, highspy.HighsVarType.kInteger))
-        h.setOptionValue("presolve", "on")
-        h.setOptionValue("mip_rel_gap", mip_rel_gap)
-        h.run()
-        x = _solution(h, nz)
-        method = "branch and bound"
+    if x is None or not _integral(x[:m.nx]):
+        x, method = _branch_and_bound(h, m.nx, mip_rel_gap), "branch and bound"
     status = h.modelStatusToString(h.getModelStatus())
     if x is None:
         raise InfeasibleMemoryError(f"the placement model has no solution ({status})")
     info = h.getInfo()
-    x = x[:nx]
-    choice = [int(np.argmax(x[off[i]:off[i + 1]])) for i in range(len(lin))]
     obj = float(info.objective_function_value) * scale
     mip = method == "branch and bound"
     bound = float(info.mip_dual_bound) * scale if mip else obj
     gap = float(info.mip_gap) if mip else 0.0
-    return SolveResult(choice, obj, bound, gap, time.perf_counter() - t0,
-                       f"optimal ({method})" if status == "Optimal" else status, nz, r)
+    return SolveResult(_choice(x, m.off), obj, bound, gap, time.perf_counter() - t0,
+                       f"optimal ({method})" if status == "Optimal" else status, m.A.shape[1], m.A.shape[0])
+
+
+def _branch_and_bound(h, nx, mip_rel_gap, incumbent=None):
+    h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32), np.full(nx, highspy.HighsVarType.kInteger))
+    h.setOptionValue("presolve", "on")
+    h.setOptionValue("mip_rel_gap", mip_rel_gap)
+    if incumbent is not None:
+        sol = highspy.HighsSolution()
+        sol.col_value = list(incumbent)
+        sol.value_valid = True
+        h.setSolution(sol)
+    h.run()
+    return _solution(h, h.getNumCol())
+
+
+def _choice(x, off) -> list[int]:
+    return [int(np.argmax(x[off[i]:off[i + 1]])) for i in range(len(off) - 1)]
+
+
+# Up to this many variables, an overlap objective whose Lagrangian search leaves a gap is finished by branch and
+# bound (seeded with the search's best plan); above it the search's plan is returned with its proven gap.
+EXACT_OVERLAP_VARS = 20_000
+MAX_LPS = 3
+LAMBDAS = (0.0, 0.5)     # the Lagrangian weights tried, in order (each one LP)
+
+
+def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lambda_search_s) -> SolveResult:
+    """min F(x) = base(x) + max(0, ovl(x)), ovl = overlappable comm - capacity.
+
+    Since max(0, y) = max over lam in [0, 1] of lam * y, every lam gives a lower bound
+    L(lam) = min_x base(x) + lam * ovl(x): an ordinary placement LP (solved cold: warm starts after a cost change
+    measured to stall), whose plan x_lam is also a candidate (upper bound F(x_lam)). lam = 0 whose plan hides
+    everything (ovl <= 0) is optimal outright, the common compute-bound case. Otherwise the LAMBDAS are tried
+    (at most max_lps), then the plain objective (every collective in full), and each plan found is improved by
+    a local search (_polish) under the exact F. A remaining gap is closed by branch and bound on the exact model
+    (one continuous variable e >= ovl, e >= 0) when the model is small, seeded with the best plan; otherwise the
+    best plan is returned with its gap to the best bound. All plans found are returned as candidates (the solve
+    pass picks among them by the full prediction, which counts gradient buckets exactly)."""
+    nz = m.A.shape[1]
+    scale = max(float(np.abs(m.cost).max()), float(np.abs(m.ovl).max()), 1e-30)
+    h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(nz), time_limit)
+    idx = np.arange(nz, dtype=np.int32)
+    best, best_F, bound, lam_lo, lam_hi, n_lp = None, np.inf, -np.inf, 0.0, 1.0, 0
+    mem_rows = m.A[m.lo == -np.inf] if np.any(m.lo == -np.inf) else None
+    mem_hi = m.hi[m.lo == -np.inf]
+    lam, first_lp, lines, tried, cands = 0.0, 0.0, [], [], []
+    for _ in range(max_lps):
+        if lam > 0:
+            h.changeColsCost(nz, idx, (m.cost + lam * m.ovl) / scale)
+            h.clearSolver()               # cold dual simplex: a warm start after a cost change can stall for minutes
+        left = time_limit - (time.perf_counter() - t0)
+        cap = left if n_lp == 0 else min(left, max(1.0, 5 * first_lp))     # a stalling lam is given up on
+        h.setOptionValue("time_limit", h.getRunTime() + max(cap, 0.01))     # HiGHS's clock runs across runs
+        t_lp = time.perf_counter()
+        h.run()
+        first_lp = max(first_lp, time.perf_counter() - t_lp)
+        n_lp += 1
+        if n_lp > 1 and h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            break                         # a degenerate lam that simplex cannot settle in time: keep what we have
+        x = _solution(h, nz)
+        if x is None:
+            raise InfeasibleMemoryError(f"the placement model has no solution "
+                                        f"({h.modelStatusToString(h.getModelStatus())})")
+        bound = max(bound, float(h.getInfo().objective_function_value) * scale)
+        ch = _choice(x, m.off)
+        F = _value(m, ch, mem_rows, mem_hi)
+        if F is not None:
+            cands.append(ch)
+            if F < best_F - 1e-15:
+                best, best_F = ch, F
+        if best_F - bound <= 1e-4 * max(best_F, 1e-30):
+            break
+        tried.append(lam)
+        if float(m.ovl @ x) <= 0 or len(tried) >= len(LAMBDAS) or time.perf_counter() - t0 > lambda_search_s:
+            break                         # lam = 0 hides everything it exposes: larger lam only bound lower
+        lam = LAMBDAS[len(tried)]
+    if best is not None and best_F - bound > 1e-4 * max(best_F, 1e-30):
+        # one more plan: every collective paid in full (the plain objective; good when little can hide)
+        h.changeColsCost(nz, idx, (m.cost + m.ovl + m.cap) / scale)
+        h.clearSolver()
+        h.setOptionValue("time_limit", h.getRunTime() + max(1.0, 5 * first_lp))
+        h.run()
+        n_lp += 1
+        x = _solution(h, nz) if h.getModelStatus() == highspy.HighsModelStatus.kOptimal else None
+        if x is not None and _value(m, _choice(x, m.off), mem_rows, mem_hi) is not None:
+            cands.append(_choice(x, m.off))
+        # then a local search from each distinct plan found: one group at a time to its best strategy
+        for ch in list({tuple(c): c for c in cands}.values()):
+            ch = _polish(ch, *problem)
+            F = _value(m, ch, mem_rows, mem_hi)
+            if F is not None:
+                cands.append(ch)
+                if F < best_F - 1e-15:
+                    best, best_F = ch, F
+    found = sorted({tuple(c): (_value(m, c, mem_rows, mem_hi), list(c)) for c in cands}.values(),
+                   key=lambda fc: fc[0])
+    gap = (best_F - bound) / best_F if best is not None and best_F > 0 else 0.0
+    method = f"Lagrangian search, {n_lp} LPs"
+    if best is not None and gap <= 1e-4:
+        return SolveResult(best, best_F, bound, max(gap, 0.0), time.perf_counter() - t0, f"optimal ({method})",
+                           nz, m.A.shape[0], found)
+    left = time_limit - (time.perf_counter() - t0)
+    if nz <= EXACT_OVERLAP_VARS and left > 1.0:
+        e_col = m.A.shape[1]
+        A2 = _with_overlap_row(m, scale)
+        h2 = _model(np.append(m.cost, scale) / scale, A2, np.append(m.lo, -np.inf), np.append(m.hi, 0.0),
+                    np.append(np.ones(nz), np.inf), left)
+        seed = None if best is None else np.append(m.one_hot(best), max(0.0, float(m.ovl @ m.one_hot(best))) / scale)
+        x = _branch_and_bound(h2, m.nx, mip_rel_gap, seed)
+        if x is not None:
+            info = h2.getInfo()
+            status = h2.modelStatusToString(h2.getModelStatus())
+            obj = float(info.objective_function_value) * scale
+            return SolveResult(_choice(x[:e_col], m.off), obj, max(bound, float(info.mip_dual_bound) * scale),
+                               float(info.mip_gap), time.perf_counter() - t0,
+                               f"optimal (branch and bound after {method})" if status == "Optimal" else status,
+                               e_col + 1, A2.shape[0])
+    if best is None:
+        raise InfeasibleMemoryError("no plan within the memory budget was found by the overlap search")
+    return SolveResult(best, best_F, bound, gap, time.perf_counter() - t0,
+                       f"best found ({method}; gap {gap:.2%} to the Lagrangian bound)", nz, m.A.shape[0], found)
+
+
+def _value(m: _Model, ch, mem_rows, mem_hi):
+    """F of an integral choice (base + exposed overlappable time), None when it breaks the memory budget."""
+    v = m.one_hot(ch)
+    if mem_rows is not None and not np.all(mem_rows @ v <= mem_hi + 1e-6 * np.maximum(1.0, np.abs(mem_hi))):
+        return None
+    return float(m.cost @ v) + max(0.0, float(m.ovl @ v))
+
+
+def _polish(choice, lin, edges, overlap, mem, passes: int = 8) -> list[int]:
+    """Coordinate descent on F = base + max(0, ovl - capacity): each group in turn moves to the strategy that
+    lowers F most with the others fixed (within every memory row), until a pass changes nothing."""
+    olin, oedges, cap = overlap
+    G, ch = len(lin), list(choice)
+    adj = [[] for _ in range(G)]
+    for key in set(edges) | set(oedges):
+        a, b = key
+        adj[a].append((b, edges.get(key), oedges.get(key), False))
+        adj[b].append((a, edges.get(key), oedges.get(key), True))
+
+    def vecs(g):
+        base, ov = lin[g].copy(), olin[g] - cap[g]
+        for o, C, O, transposed in adj[g]:
+            if C is not None:
+                base = base + (C[ch[o], :] if transposed else C[:, ch[o]])
+            if O is not None:
+                ov = ov + (O[ch[o], :] if transposed else O[:, ch[o]])
+        return base, ov
+    B = sum(float(lin[g][ch[g]]) for g in range(G)) + sum(
+        float(C[ch[a], ch[b]]) for (a, b), C in edges.items())
+    V = sum(float(olin[g][ch[g]] - cap[g][ch[g]]) for g in range(G)) + sum(
+        float(O[ch[a], ch[b]]) for (a, b), O in oedges.items())
+    used = [sum(float(c[g][ch[g]]) for g in range(G)) for c, _ in mem]
+    for _ in range(passes):
+        moved = False
+        for g in range(G):
+            if len(lin[g]) < 2:
+                continue
+            base, ov = vecs(g)
+            Bn, Vn = B - base[ch[g]] + base, V - ov[ch[g]] + ov
+            F = Bn + np.maximum(0.0, Vn)
+            ok = np.ones(len(F), dtype=bool)
+            for (c, budget), u in zip(mem, used):
+                ok &= u - c[g][ch[g]] + c[g] <= budget * (1 + 1e-9)
+            F = np.where(ok, F, np.inf)
+            k = int(np.argmin(F))
+            if F[k] < B + max(0.0, V) - 1e-12 * max(1.0, abs(B)):
+                used = [u - c[g][ch[g]] + c[g][k] for (c, _), u in zip(mem, used)]
+                B, V, ch[g], moved = float(Bn[k]), float(Vn[k]), k, True
+        if not moved:
+            break
+    return ch
+
+
+def _with_overlap_row(m: _Model, scale):
+    """The constraint matrix with a column e and the row ovl(x)/scale - e <= 0."""
+    from scipy.sparse import hstack, vstack
+    nz = m.A.shape[1]
+    A = hstack([m.A, coo_array((m.A.shape[0], 1))])
+    row = coo_array((np.append(m.ovl / scale, -1.0), (np.zeros(nz + 1, dtype=np.int64), np.arange(nz + 1))),
+                    shape=(1, nz + 1))
+    return vstack([A, row]).tocsc()
 
 
 _BANNER_SHOWN = False
@@ -138,14 +372,14 @@ def _highs():
     return h
 
 
-def _model(c, A, lo, hi, time_limit):
+def _model(c, A, lo, hi, upper, time_limit):
     h = _highs()
     for k, v in (("output_flag", False), ("presolve", "off"), ("threads", 1), ("random_seed", 0),
                  ("time_limit", float(time_limit))):
         h.setOptionValue(k, v)
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = A.shape[1], A.shape[0]
-    lp.col_cost_, lp.col_lower_, lp.col_upper_ = c, np.zeros(A.shape[1]), np.ones(A.shape[1])
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = c, np.zeros(A.shape[1]), upper
     lp.row_lower_, lp.row_upper_ = lo, hi
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = A.indptr, A.indices, A.data

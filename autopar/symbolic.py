@@ -52,15 +52,24 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
                 work *= n if p_ != "R" else 1
             dtype = next((m.dtype for m in n1.outs if m is not None and m.dtype.is_floating_point), None)
             t = sympy.Max((f1 + (f2 - f1) * k) / work / (dev.flops_for(dtype) * dev.matmul_eff), t)
-        compute += t
+        compute += t + dev.op_overhead
     comm = sympy.Integer(0)
     links = _links(state.cluster, tuple(mesh))
+    bucket_of = {f: k for k, bk in enumerate(state.buckets or []) for f in bk["params"]}
+    bucket_bytes = [sympy.Integer(0) for _ in state.buckets or []]
     for (i, j), (src, dst, cs) in state.redistributes.items():
         r1 = g1.grads[g1.nodes[i].target] if j == "opt" else g1.nodes[i].inputs()[j]
         r2 = g2.grads[g2.nodes[i].target] if j == "opt" else g2.nodes[i].inputs()[j]
         m1, m2 = g1.meta(r1), g2.meta(r2)
+        bk = bucket_of.get(g1.nodes[i].target) if j == "opt" else None
         for c in cs:
+            if bk is not None:              # a gradient bucket: one collective of the summed size (below)
+                bucket_bytes[bk] += size(m1, m2, c.nbytes)
+                continue
             comm += ring_steps(c.kind, c.group) * links[c.mesh_dim].alpha + \
                 bytes_sent(c.kind, size(m1, m2, c.nbytes), c.group) / links[c.mesh_dim].bw
+    for bk, nb in zip(state.buckets or [], bucket_bytes):
+        comm += ring_steps(bk["kind"], bk["group"]) * links[bk["mesh_dim"]].alpha + \
+            bytes_sent(bk["kind"], nb, bk["group"]) / links[bk["mesh_dim"]].bw
     compute, comm = sympy.expand(compute), sympy.expand(comm)
     return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm}

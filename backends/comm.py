@@ -148,6 +148,30 @@ def apply_step(x: torch.Tensor, mesh, m: int, a: str, b: str) -> torch.Tensor:
     raise NotImplementedError(f"redistribute step {a} -> {b} on mesh dim {m}")
 
 
+def reduce_bucket(xs: list, mesh, m: int, a: str, b: str) -> list:
+    """One collective for a gradient bucket (passes/buckets.py): every local shard in `xs` takes the step a -> b
+    (a partial, b "R" or "S<d>") on mesh dim m. The shards are flattened into one buffer (rank-major chunks for a
+    reduce_scatter), reduced at once and split back; results are contiguous."""
+    n, name = mesh.size(m), group_name(mesh, m)
+    xs = [per_rank(x) / n if a == "Pa" else per_rank(x) for x in xs]
+    if b == "R":
+        flat = torch.cat([x.reshape(-1) for x in xs])
+        flat = _wait(_fn.all_reduce(flat, "sum", name), always=True)
+        return [y.view(x.shape) for y, x in zip(torch.split(flat, [x.numel() for x in xs]), xs)]
+    d = int(b[1:])
+    fronts = []
+    for x in xs:
+        if x.shape[d] % n:
+            raise ValueError(f"reduce_scatter of dim {d} (size {x.shape[d]}) over {n} ranks does not divide evenly")
+        fronts.append(_to_front(x, d))
+    flat = torch.cat([f.reshape(n, -1) for f in fronts], dim=1).reshape(-1)      # rank r's chunks, rank by rank
+    mine = _wait(_fn.reduce_scatter_tensor(flat, "sum", n, name))
+    out = []
+    for y, f in zip(torch.split(mine, [f.numel() // n for f in fronts]), fronts):
+        out.append(_from_front(y.view([f.shape[0] // n] + list(f.shape[1:])), d))
+    return out
+
+
 def _from_replicate(x, mesh, m, b):
     if b == "R" or b == "Pa":
         return x                        # the mean of n copies is the value itself

@@ -64,6 +64,7 @@ def parallelize(model: nn.Module, mesh, example_inputs, *, planned=None, attenti
     if planned is None:
         import autopar
         plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
+        plan_kwargs.setdefault("overlap", False)     # this executor runs each collective where the plan puts it
         plan, state = autopar.plan(model, mesh, ex, return_state=True, **plan_kwargs)
     else:
         if plan_kwargs:

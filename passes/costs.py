@@ -11,7 +11,8 @@ Per group strategy: compute time of its members (roofline on local shapes), the 
 need, model-state bytes (parameters, grads, optimizer state at the storage placement) and saved-activation
 bytes. Per edge between groups: a matrix of redistribute times (producer strategy x consumer strategy).
 Gradients flow into an optimizer-step edge whose required placement is the parameter's own: the data-parallel
-all-reduce / reduce-scatter falls out of it.
+all-reduce / reduce-scatter falls out of it (priced by bandwidth when it rides in a gradient bucket; the buckets'
+latency is added once per bucket in the prediction, autopar/predict.py).
 """
 from __future__ import annotations
 
@@ -21,8 +22,8 @@ import numpy as np
 import torch
 
 from autopar.cost import op_flops, has_flop_formula, roofline_time
-from autopar.graph import Ref
-from autopar.redistribute import redistribute_time
+from autopar.graph import Ref, param_root
+from autopar.redistribute import grad_reduce_time, redistribute_time
 from autopar.strategies import num_shards
 
 
@@ -78,7 +79,8 @@ def run(state) -> None:
         return t
 
     def node_time(n, s):
-        """Roofline seconds of node n under strategy s (work split by the mesh dims its first output shards)."""
+        """Roofline seconds of node n under strategy s (work split by the mesh dims its first output shards), plus
+        the device's fixed time per op."""
         flops = global_flops(g, n, flop_cache)
         if flops == 0.0 and n.kind != "op":
             return 0.0
@@ -89,7 +91,7 @@ def run(state) -> None:
         nbytes = sum(m.nbytes / num_shards(p, mesh_shape) for m, p in zip(n.outs, s.out) if m is not None and p) + \
             sum(g.meta(r).nbytes / num_shards(p, mesh_shape) for r, p in zip(n.inputs(), s.ins))
         dtype = next((m.dtype for m in n.outs if m is not None and m.dtype.is_floating_point), torch.float32)
-        return roofline_time(flops / work, nbytes, dev, dtype)
+        return roofline_time(flops / work, nbytes, dev, dtype) + dev.op_overhead
 
     # --- followers and groups, in representative space -------------------------------------------------------
     reps = [i for i in range(len(nodes)) if rep[i] == i]
@@ -112,6 +114,7 @@ def run(state) -> None:
     gid = {r: k for k, r in enumerate(groups)}
     K = [len(S[r]) for r in groups]
     # choice[i][k]: strategy index of rep node i when its group root takes strategy k
+    best_memo: dict = {}                              # (producer placement, follower's input options) -> best
     choice: dict[int, np.ndarray] = {}
     extra: dict[int, np.ndarray] = {}                 # follower redistribute time per root strategy
     for i in reps:
@@ -125,10 +128,14 @@ def run(state) -> None:
             first.setdefault(s.ins[lead], j)
         meta = nodes[p].outs[k_out]
         best: dict = {}
+        fkey = (tuple(first.items()), meta.nbytes)
         for s_p in S[p]:
             pl = s_p.out[k_out]
             if pl not in best:
-                best[pl] = min((rtime(pl, d, meta), j) for d, j in first.items())
+                hit = best_memo.get((pl, fkey))
+                if hit is None:
+                    hit = best_memo[(pl, fkey)] = min((rtime(pl, d, meta), j) for d, j in first.items())
+                best[pl] = hit
         ch = np.empty(len(pc), dtype=np.int64)
         ex = np.empty(len(pc))
         for r_k, pk in enumerate(pc):
@@ -143,6 +150,14 @@ def run(state) -> None:
     # --- per-group linear terms ------------------------------------------------------------------------------
     compute = [np.zeros(k) for k in K]
     comm_lin = [np.zeros(k) for k in K]
+    comm_ovl = [np.zeros(k) for k in K]               # the part of comm_lin that can overlap compute
+    rooted: dict = {}
+
+    def ovl_src(p):
+        """Is a redistribute of node p's output a parameter gather (overlappable, as FSDP prefetches)?"""
+        if p not in rooted:
+            rooted[p] = param_root(g, p) is not None
+        return rooted[p]
     state_mem = [np.zeros(k) for k in K]
     act_mem = [np.zeros(k) for k in K]
     bpp = prec.bytes_per_param
@@ -156,6 +171,8 @@ def run(state) -> None:
             compute[gi][k] += c * t_by_s[j]
         if i in extra:
             comm_lin[gi] += c * extra[i]
+            if ovl_src(follow[i][0]):
+                comm_ovl[gi] += c * extra[i]
         if n.kind == "param":
             for k, j in enumerate(ch):
                 state_mem[gi][k] += c * n.out.numel * bpp / num_shards(S[i][j].out[0], mesh_shape)
@@ -180,6 +197,7 @@ def run(state) -> None:
     for fqn, r in g.grads.items():                    # optimizer step: grad must match the parameter's placement
         edge_count[(rep[r.node], r.out, rep[g.params[fqn]], "opt")] += 1
     matrices: dict[tuple[int, int], np.ndarray] = {}
+    ovl_matrices: dict[tuple[int, int], np.ndarray] = {}     # the overlappable part of each matrix
     mat_cache: dict = {}
     for (p, o, v, j), c in sorted(edge_count.items(), key=lambda kv: tuple(map(str, kv[0]))):
         g1, g2 = gid[root[p]], gid[root[v]]
@@ -188,18 +206,27 @@ def run(state) -> None:
         dst = [S[v][x].out[0] if j == "opt" else S[v][x].ins[j] for x in choice[v]]
         us, ui = _uniq(src)
         vs, vi = _uniq(dst)
-        mkey = (tuple(us), tuple(vs), meta.nbytes)
+        opt = j == "opt"              # gradient into the optimizer step: bucketed reductions pay latency per bucket
+        mkey = (tuple(us), tuple(vs), meta.nbytes, opt)
         small = mat_cache.get(mkey)
         if small is None:
-            small = mat_cache[mkey] = np.array([[rtime(a, b, meta) for b in vs] for a in us])
+            f = (lambda a, b: 0.0 if a == b else grad_reduce_time(a, b, meta, mesh_shape, cluster, len(g.grads))) \
+                if opt else \
+                (lambda a, b: rtime(a, b, meta))
+            small = mat_cache[mkey] = np.array([[f(a, b) for b in vs] for a in us])
         C = c * small[np.ix_(ui, vi)]
+        ovl = opt or ovl_src(p)       # gradient reductions and parameter gathers overlap compute
         if g1 == g2:
             comm_lin[g1] += np.diag(C)
+            if ovl:
+                comm_ovl[g1] += np.diag(C)
         elif not C.any():
             continue
         else:
             key = (g1, g2)
             matrices[key] = matrices[key] + C if key in matrices else C
+            if ovl:
+                ovl_matrices[key] = ovl_matrices[key] + C if key in ovl_matrices else C
     lr, li = g.loss, rep[g.loss.node]                 # the step returns the loss replicated (global view)
     rep_pl = ("R",) * len(mesh_shape)
     comm_lin[gid[root[li]]] += np.array([rtime(S[li][x].out[lr.out], rep_pl, nodes[li].outs[lr.out])
@@ -207,7 +234,8 @@ def run(state) -> None:
     state.groups, state.group_of = groups, {i: gid[root[rep[i]]] for i in range(len(nodes))}
     state.choice, state.follow = choice, follow
     state.cost = {"compute": compute, "comm": comm_lin, "state_mem": state_mem, "act_mem": act_mem,
-                  "edges": matrices, "rtime": rtime, "node_time": node_time}
+                  "edges": matrices, "rtime": rtime, "node_time": node_time,
+                  "comm_ovl": comm_ovl, "edges_ovl": ovl_matrices}
 
 
 def _lead_input(g, n, ins):

@@ -1,10 +1,14 @@
 """Pass: pick one strategy per decision group with the exact MILP (autopar/solver.py) and expand the choice to
-every node: the roots take their group's strategy, followers the strategy that matches their producer.
+every node: the roots take their group's strategy, followers the strategy that matches their producer. The
+objective is the predicted step: compute + activation comm + the part of parameter gathers and gradient
+reductions that the compute cannot hide (one continuous variable and one row in the MILP).
 
 The MILP's memory row counts model state and saved activations; the true peak also holds transients (the
 liveness peak of the fw+bw order). When the chosen plan's liveness peak exceeds the budget, the row is
 tightened by the excess and the model solved again (at most 4 rounds), so the plan returned fits the budget."""
 from __future__ import annotations
+
+import numpy as np
 
 from autopar.predict import liveness_peak, state_bytes
 from autopar.solver import InfeasibleMemoryError, min_memory, solve
@@ -12,7 +16,8 @@ from autopar.solver import InfeasibleMemoryError, min_memory, solve
 
 def run(state) -> None:
     c = state.cost
-    lin = [a + b for a, b in zip(c["compute"], c["comm"])]
+    lin, edges, overlap = objective(c, state.options.get("overlap", True))
+    thorough = len(state.graph.nodes) < THOROUGH_BELOW_NODES
     mem_rows = [c["state_mem"][i] + c["act_mem"][i] for i in range(len(lin))]
     floor = min_memory(mem_rows)
     if floor > state.budget:
@@ -22,7 +27,8 @@ def run(state) -> None:
             f"{floor / 1e9:.3f} GB")
     row_budget = state.budget
     for _ in range(4):
-        res = solve(lin, c["edges"], [(mem_rows, row_budget)], time_limit=state.options.get("time_limit", 60.0))
+        res = solve(lin, edges, [(mem_rows, row_budget)], time_limit=state.options.get("time_limit", 60.0),
+                    overlap=overlap, lambda_search_s=float("inf") if thorough else 0.0)
         placement = _expand(state, res)
         peak = state_bytes(state.graph, placement, state.mesh.shape, state.precision) + \
             liveness_peak(state.graph, placement, state.mesh.shape, state.recompute)
@@ -37,7 +43,85 @@ def run(state) -> None:
     else:
         raise InfeasibleMemoryError(f"no plan found under {state.budget / 1e9:.3f} GB per rank after 4 rounds; "
                                     f"last peak {peak / 1e9:.3f} GB")
+    if res.candidates is not None:
+        if thorough:                  # small graphs: the classic layouts as candidates too
+            res.candidates = res.candidates + _seeds(state, lin, edges, overlap, mem_rows, row_budget)
+        res, placement = _by_prediction(state, res, placement, 3 if thorough else 2)
     state.solution, state.placement = res, placement
+
+
+def _seeds(state, lin, edges, overlap, mem_rows, budget) -> list:
+    """The two classic layouts as extra candidates: every parameter replicated (DDP-like) and every parameter at
+    its most sharded storage (FSDP/ZeRO-3-like), the rest of each plan chosen by the same search. A parameter
+    pinned by `force` keeps its placement."""
+    c, out = state.cost, []
+    groups = state.groups
+    nodes = state.graph.nodes
+    S, choice = state.strategies, state.choice
+    params = [g for g, r in enumerate(groups) if nodes[r].kind == "param"]
+    if not params:
+        return out
+    big = 1e3 * max(float(max(v.max() for v in lin if len(v))), 1e-9)
+    for layout in ("replicate", "shard"):
+        pen = [np.zeros(len(v)) for v in lin]
+        for g in params:
+            r = groups[g]
+            if layout == "replicate":
+                bad = [any(p != "R" for p in S[r][j].out[0]) for j in choice[r]]
+            else:
+                sm = c["state_mem"][g]
+                bad = list(sm > sm.min() * (1 + 1e-9))
+            if not all(bad):
+                pen[g] = big * np.asarray(bad, float)
+        try:
+            r = solve([a + p for a, p in zip(lin, pen)], edges, [(mem_rows, budget)],
+                      time_limit=state.options.get("time_limit", 60.0), overlap=overlap, max_lps=1)
+        except InfeasibleMemoryError:
+            continue
+        out += [(None, ch) for _, ch in (r.candidates or [(None, r.choice)])[:1]]
+    return out
+
+
+def _by_prediction(state, res, placement, top):
+    """Among the plans the overlap search found, the one with the lowest predicted step (within the budget): the
+    MILP prices gradient-bucket latency by share, the prediction counts the real buckets."""
+    from dataclasses import replace
+
+    from autopar.passes import buckets, redistribute
+    from autopar.predict import predict
+    best = None
+    for F, choice in res.candidates[:top] + [fc for fc in res.candidates[top:] if fc[0] is None]:
+        cand = replace(res, choice=choice, objective=F)
+        state.placement = _expand(state, cand)
+        redistribute.run(state)
+        buckets.run(state)
+        pred = predict(state)[0]
+        if pred["peak_mem_bytes"] <= state.budget and (best is None or pred["step_s"] < best[0] - 1e-15):
+            best = (pred["step_s"], replace(cand, objective=pred["step_s"] if F is None else F), state.placement)
+    state.redistributes = state.buckets = None
+    return (best[1], best[2]) if best is not None else (res, placement)
+
+
+def objective(c, overlap: bool = True):
+    """The step time the prediction reports (autopar/predict.py), as the MILP's pieces: compute and activation comm
+    are paid in full; parameter gathers and gradient reductions (comm_ovl / edges_ovl) only where they exceed the
+    compute they overlap with. overlap=False: everything is paid in full (a plain MILP)."""
+    if not overlap:                   # every collective blocks: compute + all comm
+        return [a + b for a, b in zip(c["compute"], c["comm"])], c["edges"], None
+    lin = [a + b - (1 - HIDDEN_COMM_WEIGHT) * o for a, b, o in zip(c["compute"], c["comm"], c["comm_ovl"])]
+    edges = {k: C - (1 - HIDDEN_COMM_WEIGHT) * c["edges_ovl"][k] if k in c["edges_ovl"] else C
+             for k, C in c["edges"].items()}
+    return lin, edges, (c["comm_ovl"], c["edges_ovl"], c["compute"])
+
+
+# Graphs under this many nodes get the thorough overlap search (every Lagrangian weight, the DDP/FSDP seeds, three
+# plans re-predicted); larger ones (the 8B shape: 7.4k nodes) lam = 0 and the plain objective, to plan in seconds.
+THOROUGH_BELOW_NODES = 3000
+
+# Overlappable comm that compute hides still costs a little here: among plans of equal predicted step the one that
+# communicates less wins (the overlap model is optimistic; fewer bytes contend less), e.g. DDP over FSDP when
+# memory is ample.
+HIDDEN_COMM_WEIGHT = 0.01
 
 
 def _expand(state, res):

@@ -1,11 +1,11 @@
 """Plans lowered to PyTorch's engines (fully_shard / parallelize_module) on real gloo groups equal single-device
 training, and issue exactly the collectives derived from the plan.
 
-The parent plans every case (llama-tiny, batch 8, seq 64, cluster cpu-gloo; the data-parallel and torchtitan
+The parent plans every case (llama-tiny, batch 8, seq 64, cost model tests/_clusters.py SHAPES, so plans take the shapes engines lower; the data-parallel and torchtitan
 layouts are pinned with `force`/`pin`, the planner fills in everything else), saves the plans, and launches one
-process per rank running this file as a script; several cases share one launch per world size. Every rank builds
-the model and the single-device reference itself (same seed), lowers the plan (`lower_to_torch` on the loaded
-plan, or `parallelize_torch` planning on the rank), runs 3 SGD steps and compares, each step, every gradient
+process per rank (tests/_dist.py, running `_rank_cases`); several cases share one launch per world size. Every
+rank builds the model and the single-device reference itself (same seed), lowers the plan (`lower_to_torch` on
+the loaded plan, or `parallelize_torch` planning on the rank), runs 3 SGD steps and compares, each step, every gradient
 with the reference's (max |g - g_ref| / max |g_ref| per tensor; fp32 <= 1e-5, bf16 mixed precision <= BF16_TOL)
 and the loss (mean of the ranks' local losses). Step 0 runs under a collective counter: the measured collectives
 (kind, mesh dim, bytes) must equal `engine_collectives(plan, lowering)` exactly. Gloo timeout 60 s per collective,
@@ -13,14 +13,12 @@ and the loss (mean of the ranks' local losses). Step 0 runs under a collective c
 """
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-from datetime import timedelta
-
 import pytest
+
+from _clusters import SHAPES
+from _dist import launch
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
 
 MODEL, BATCH, SEQ, STEPS, LR = "llama-tiny", 8, 64, 3, 0.1
 FP32_TOL = 1e-5
@@ -28,12 +26,6 @@ FP32_TOL = 1e-5
 # per tensor over 3 SGD steps. Measured on this machine: 1.0e-2 (worst tensor, step 2); bf16 has 8 mantissa bits
 # (relative rounding 3.9e-3) and the error compounds through 2 blocks forward and backward.
 BF16_TOL = 3e-2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cases(tmp_path, world):
@@ -46,7 +38,7 @@ def _cases(tmp_path, world):
     cases = []
 
     def add(name, shape, names, **kw):
-        p = autopar.plan(m, autopar.MeshSpec(shape, names), x, cluster="cpu-gloo", **kw)
+        p = autopar.plan(m, autopar.MeshSpec(shape, names), x, cluster=SHAPES, overlap=False, **kw)
         path = tmp_path / f"{name}.json"
         p.save(path)
         cases.append({"name": name, "shape": list(shape), "names": list(names), "plan": str(path)})
@@ -54,7 +46,7 @@ def _cases(tmp_path, world):
     if world == 2:
         cases.append({"name": "fsdp2_api", "shape": [2], "names": ["dp"], "plan": None})   # plans on the ranks
         add("fsdp2_bf16", (2,), ("dp",), force=fsdp, pin=batch_pin([0], (BATCH, SEQ)), allow_bf16=True)
-        free = autopar.plan(m, autopar.MeshSpec((2,), ("dp",)), x, cluster="cpu-gloo", force=fsdp,
+        free = autopar.plan(m, autopar.MeshSpec((2,), ("dp",)), x, cluster=SHAPES, overlap=False, force=fsdp,
                             pin=batch_pin([0], (BATCH, SEQ)))
         ac = add("fsdp2_checkpoint", (2,), ("dp",), force=fsdp, pin=batch_pin([0], (BATCH, SEQ)),
                  memory_budget=0.75 * free.predicted["peak_mem_bytes"])
@@ -73,28 +65,6 @@ def _cases(tmp_path, world):
         add("fsdp_flat_2d", (2, 2), ("dp", "cp"), force={k: ("S0", "S0") for k, _ in m.named_parameters()},
             pin=batch_pin([0, 1], (BATCH, SEQ)))
     return cases
-
-
-def _launch(tmp_path, world, cases):
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = []
-    for r in range(world):
-        out = tmp_path / f"rank{r}_{world}.json"
-        procs.append((subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(out),
-                                        json.dumps(cases)], env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT), out))
-    results = []
-    try:
-        for p, out in procs:
-            log, _ = p.communicate(timeout=300)
-            assert p.returncode == 0, f"rank failed (rc {p.returncode}):\n{log.decode()[-6000:]}"
-            results.append(json.loads(out.read_text()))
-    finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-    return results
 
 
 def _check(results, cases):
@@ -119,12 +89,15 @@ def _check(results, cases):
             assert h["n_collectives"] > 0
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(420)
-def test_world2_fsdp2_bf16_checkpointing_tp_sp_fallback(tmp_path):
-    cases = _cases(tmp_path, 2)
-    results = _launch(tmp_path, 2, cases)
+def _plan_run_check(tmp_path, world):
+    cases = _cases(tmp_path, world)
+    results = launch(_rank_cases, world, [cases], tmp_path)
     _check(results, cases)
+    return cases, results
+
+
+def test_world2_fsdp2_bf16_checkpointing_tp_sp_fallback(tmp_path):
+    cases, results = _plan_run_check(tmp_path, 2)
     by = {c["name"]: results[0]["cases"][i] for i, c in enumerate(cases)}
     assert by["fsdp2_bf16"]["mixed_precision"] and max(by["fsdp2_bf16"]["grad_rel"]) > FP32_TOL   # really bf16
     assert by["fsdp2_checkpoint"]["checkpointed"] == ["layers.0", "layers.1"]
@@ -132,15 +105,11 @@ def test_world2_fsdp2_bf16_checkpointing_tp_sp_fallback(tmp_path):
     assert "SequenceParallel" in by["tp_sp"]["code"] and "RowwiseParallel(output_layouts=Shard(1))" in by["tp_sp"]["code"]
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(420)
 def test_world4_fsdp2_fsdp_x_tp_hsdp_flat(tmp_path):
-    cases = _cases(tmp_path, 4)
-    results = _launch(tmp_path, 4, cases)
-    _check(results, cases)
+    _plan_run_check(tmp_path, 4)
 
 
-# ---- worker (one process per rank) ----------------------------------------------------------------------------
+# ---- one rank (tests/_dist.py runs it) -----------------------------------------------------------------------
 
 def _leaky_model(device):
     """mlp blocks whose root also reads layers[0].fc2.weight (a parameter used outside its module)."""
@@ -269,22 +238,9 @@ def _run_case(case, rank, world):
     return out
 
 
-def _worker(rank, world, port, out_path, cases):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def _rank_cases(cases):
+    """One rank of the launch (tests/_dist.py runs it inside the gloo group): every case, in order."""
     import warnings
     warnings.filterwarnings("ignore")
-    import torch
     import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    try:
-        res = [_run_case(c, rank, world) for c in cases]
-        with open(out_path, "w") as f:
-            json.dump({"cases": res}, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))
+    return {"cases": [_run_case(c, dist.get_rank(), dist.get_world_size()) for c in cases]}

@@ -15,8 +15,11 @@ from autopar import models as M
 from autopar.backends.engines import EngineLoweringError, recognize
 from autopar.backends.engines_comm import engine_collectives
 from autopar.backends.engines_ref import batch_pin, torchtitan_placements, torchtitan_styles
+from _clusters import SHAPES
 
 B, S = 8, 64
+# These tests check how plans are recognized and lowered, not cost constants: see tests/_clusters.py.
+CLUSTER = SHAPES     # and overlap=False: every collective priced in full, as the TP engine runs them (no prefetch)
 
 
 def _model():
@@ -26,7 +29,7 @@ def _model():
 def _fsdp(mesh=(2,), names=("dp",), **kw):
     m, x = _model()
     force = {k: ("S0",) for k, _ in m.named_parameters()}
-    return autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster="cpu-gloo", force=force,
+    return autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster=CLUSTER, overlap=False, force=force,
                         pin=batch_pin([0], (B, S)), **kw), m
 
 
@@ -34,7 +37,7 @@ def _tt(mesh, names):
     m, x = _model()
     force, pin = torchtitan_placements(m, names, "dp" if "dp" in names else None, "tp" if "tp" in names else None,
                                        (B, S))
-    return autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster="cpu-gloo", force=force, pin=pin), m
+    return autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster=CLUSTER, overlap=False, force=force, pin=pin), m
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +107,7 @@ def test_tp_sp_plan_is_torchtitans(tp):
 def test_tp_without_sequence_parallel_is_megatron():
     m, x = _model()
     force, pin = torchtitan_placements(m, ("tp",), None, "tp", (B, S), sequence_parallel=False)
-    plan = autopar.plan(m, autopar.MeshSpec((2,), ("tp",)), x, cluster="cpu-gloo", force=force, pin=pin)
+    plan = autopar.plan(m, autopar.MeshSpec((2,), ("tp",)), x, cluster=CLUSTER, overlap=False, force=force, pin=pin)
     low = recognize(plan, m)
     assert low.expressible, low.report()
     from autopar.backends.engines_codegen import _fold
@@ -144,7 +147,7 @@ def test_fsdp_x_tp_and_hsdp_are_recognized():
     assert low.shard_dims == [0] and low.tp_dim == 1 and [u.fqn for u in low.units][-1] == ""
     assert 'mesh["tp"]' in low.code() and 'dp_mesh = mesh["dp"]' in low.code()
     m2, x = _model()
-    hs = autopar.plan(m2, autopar.MeshSpec((2, 2), ("rep", "shard")), x, cluster="cpu-gloo",
+    hs = autopar.plan(m2, autopar.MeshSpec((2, 2), ("rep", "shard")), x, cluster=CLUSTER, overlap=False,
                       force={k: ("R", "S0") for k, _ in m2.named_parameters()}, pin=batch_pin([0, 1], (B, S)))
     low2 = recognize(hs, m2)
     assert low2.expressible, low2.report()
@@ -179,9 +182,9 @@ def test_mixed_precision_is_a_planner_decision():
 def test_checkpointing_when_memory_bound_and_charged():
     m, x = _model()
     mesh = autopar.MeshSpec((2,), ("dp",))
-    free = autopar.plan(m, mesh, x, cluster="cpu-gloo")
+    free = autopar.plan(m, mesh, x, cluster=CLUSTER, overlap=False)
     assert free.meta["checkpointing"]["blocks"] == [] and "not memory-bound" in free.meta["checkpointing"]["why"]
-    tight = autopar.plan(m, mesh, x, cluster="cpu-gloo", memory_budget=0.6 * free.predicted["peak_mem_bytes"])
+    tight = autopar.plan(m, mesh, x, cluster=CLUSTER, overlap=False, memory_budget=0.6 * free.predicted["peak_mem_bytes"])
     ck = tight.meta["checkpointing"]
     assert ck["blocks"] == ["layers.0", "layers.1"], ck
     assert tight.predicted["peak_mem_bytes"] <= 0.6 * free.predicted["peak_mem_bytes"]
@@ -190,11 +193,11 @@ def test_checkpointing_when_memory_bound_and_charged():
     assert tight.predicted["recompute_s"] == pytest.approx(fw, rel=1e-9)   # = the blocks' forward compute
     off = None
     with pytest.raises(autopar.InfeasibleMemoryError):
-        off = autopar.plan(m, mesh, x, cluster="cpu-gloo", memory_budget=0.6 * free.predicted["peak_mem_bytes"],
+        off = autopar.plan(m, mesh, x, cluster=CLUSTER, overlap=False, memory_budget=0.6 * free.predicted["peak_mem_bytes"],
                            allow_checkpointing=False)
     assert off is None
     with pytest.raises(autopar.InfeasibleMemoryError, match="checkpointing of all 2 blocks"):
-        autopar.plan(m, mesh, x, cluster="cpu-gloo", memory_budget=0.2 * free.predicted["peak_mem_bytes"])
+        autopar.plan(m, mesh, x, cluster=CLUSTER, overlap=False, memory_budget=0.2 * free.predicted["peak_mem_bytes"])
     low = recognize(tight, m)
     assert low.checkpoint == ["layers.0", "layers.1"] and "checkpoint_blocks = ['layers.0', 'layers.1']" in low.code()
 
@@ -254,7 +257,7 @@ def _leaky_plan(share):
         m = _LeakyModel(share=share)
     x = (torch.empty(8, 16, dtype=torch.long, device="meta"), torch.empty(8, 16, dtype=torch.long, device="meta"))
     force = {k: ("S0",) for k, _ in m.named_parameters()}
-    p = autopar.plan(m, (2,), x, cluster="cpu-gloo", force=force, pin=batch_pin([0], (8, 16)))
+    p = autopar.plan(m, (2,), x, cluster=CLUSTER, overlap=False, force=force, pin=batch_pin([0], (8, 16)))
     return p, m
 
 

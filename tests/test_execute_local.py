@@ -343,3 +343,34 @@ def test_buffers_and_no_grad_calls():
         assert a.grad_fn is None
         rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
     assert rep.ok, (rep.failures[:5], rep.collective_diff)
+
+
+@pytest.mark.parametrize("constraint,kind", [("dp", "all_reduce"), ("fsdp", "reduce_scatter")])
+def test_gradient_buckets_one_collective_each(constraint, kind, monkeypatch):
+    """Data-parallel (all_reduce) and FSDP-like (reduce_scatter) gradient reductions ride in buckets: one
+    collective per bucket of the summed bytes, issued as planned, with gradients equal to one device. A small
+    bucket cap splits them into several buckets, in the backward's order."""
+    import autopar.redistribute as R
+    monkeypatch.setattr(R, "BUCKET_BYTES", 600)
+    monkeypatch.setattr("autopar.passes.buckets.BUCKET_BYTES", 600)
+    ov = dict(dim=8, hidden=12, n_layers=2, vocab=16)
+    model = build_model("mlp-tiny", device="cpu", seed=3, **ov)
+    x = example_inputs("mlp-tiny", batch=4, seq=4, seed=4, **ov)
+    force = fsdp_force(model, (2,)) if constraint == "fsdp" else {k: ("R",) for k, _ in model.named_parameters()}
+    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=force, return_state=True,
+                               pin=lambda n: {0: "S0"} if n.kind == "input" else None)     # batch-sharded data
+    grads = [b for b in plan.buckets if b["kind"] == kind]
+    assert len(grads) >= 2 and all(b["bytes"] <= 600 or len(b["params"]) == 1 for b in grads)
+    in_buckets = [f for b in plan.buckets for f in b["params"]]
+    assert len(in_buckets) == len(set(in_buckets)) >= 4
+    order = [state.graph.grads[f].node for f in in_buckets]
+    assert order == sorted(order)                             # the order the backward produces them
+    sizes = {f: state.graph.meta(state.graph.grads[f]).nbytes for f in in_buckets}
+    assert all(b["bytes"] == sum(sizes[f] for f in b["params"]) for b in plan.buckets)
+    assert sum(1 for c in plan.collectives() if c[0] == kind) == len(grads)
+    ref = copy.deepcopy(model)
+    with simulated((2,)) as mesh:
+        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
+        rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
+    assert rep.ok, (rep.failures[:5], rep.collective_diff)
+    assert sorted(c for c in rep.measured if c[0] == kind) == sorted((kind, 0, b["bytes"]) for b in grads)

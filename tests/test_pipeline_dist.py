@@ -1,34 +1,23 @@
 """Pipeline plans executed on real gloo process groups equal single-device training.
 
 The parent plans (autopar.plan with a "pp" mesh dim; the schedule is pinned per case, stage cuts and micro-batch
-count are the planner's), saves the plans, and launches one process per rank running this file as a script. Every
-rank builds the same model, computes the single-device reference loss and gradients itself, runs one pipeline step
-with backends/pipeline.py and compares: loss (fp32, rtol 1e-5) on the ranks holding the last stage, each local
-parameter's gradient (rtol 1e-5 of the tensor's scale; FSDP-sharded gradients gathered). Several cases share one
-launch per world size (start-up costs seconds); every collective has a 60 s timeout, the launch a 300 s one.
-Cases: world 2 (pp=2): GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, and 1F1B under a
-memory budget that makes the planner checkpoint blocks; world 4 (pp=2 x dp=2): GPipe, 1F1B (DDP/FSDP2 per stage as
-planned), Interleaved1F1B with FSDP-sharded parameters. Each case also feeds a batch of the wrong shape: every rank
-must raise PipelineShapeError (none may hang waiting for activations).
+count are the planner's), saves the plans, and launches one process per rank (tests/_dist.py, running
+`_rank_cases`). Every rank builds the same model, computes the single-device reference loss and gradients itself,
+runs one pipeline step with backends/pipeline.py and compares: loss (fp32, rtol 1e-5) on the ranks holding the last
+stage, each local parameter's gradient (rtol 1e-5 of the tensor's scale; FSDP-sharded gradients gathered). Several
+cases share one launch per world size (start-up costs seconds); every collective has a 60 s timeout, the launch a
+300 s one. Cases: world 2 (pp=2): GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, and
+1F1B under a memory budget that makes the planner checkpoint blocks; world 4 (pp=2 x dp=2): GPipe, 1F1B (DDP/FSDP2
+per stage as planned), Interleaved1F1B with FSDP-sharded parameters. Each case also feeds a batch of the wrong
+shape: every rank must raise PipelineShapeError (none may hang waiting for activations).
 """
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-from datetime import timedelta
-
 import pytest
 
+from _dist import launch
+
 MODEL, LAYERS, BATCH, SEQ = "llama-tiny", 4, 8, 32
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _plans(tmp_path, world):
@@ -67,28 +56,6 @@ def _case(plan, tmp_path, name, sched):
             "params_on_dp": sorted({pl[0] for pl in plan.params.values()})}
 
 
-def _launch(tmp_path, world, cases):
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = []
-    for r in range(world):
-        out = tmp_path / f"rank{r}_{world}.json"
-        procs.append((subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(out),
-                                        json.dumps(cases)], env=env, stdout=subprocess.PIPE,
-                                       stderr=subprocess.STDOUT), out))
-    results = []
-    try:
-        for p, out in procs:
-            log, _ = p.communicate(timeout=300)
-            assert p.returncode == 0, f"rank failed (rc {p.returncode}):\n{log.decode()[-4000:]}"
-            results.append(json.loads(out.read_text()))
-    finally:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-    return results
-
-
 def _check(results, cases):
     for ci, case in enumerate(cases):
         holders = [r["cases"][ci] for r in results]
@@ -112,7 +79,7 @@ def test_pipeline_equals_single_device(tmp_path, world):
         assert c["stages"] == (2 if c["schedule"] in ("GPipe", "1F1B") else 4), c
     if world == 2:
         assert any(cases[-1]["recompute"]), f"the tight budget did not make the planner checkpoint: {cases[-1]}"
-    results = _launch(tmp_path, world, cases)
+    results = launch(_rank_cases, world, [cases], tmp_path)
     _check(results, cases)
     if world == 4:          # the dp dim really ran data parallel (different rows per dp rank), DDP or FSDP2
         for i, c in enumerate(cases):
@@ -128,60 +95,50 @@ def test_pipeline_equals_single_device(tmp_path, world):
                            for i, c in enumerate(cases)))
 
 
-# ---- worker (one process per rank) -------------------------------------------------------------------------------
-def _worker(rank, world, port, out, cases):
+# ---- one rank (tests/_dist.py runs it) -------------------------------------------------------------------------
+def _rank_cases(cases):
+    """One rank of the launch (tests/_dist.py runs it inside the gloo group): every case, a barrier after each."""
     import copy
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from autopar import Plan, models
     from autopar.backends.pipeline import PipelineRunner, PipelineShapeError, local_batch
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=60))
     res = []
-    try:
-        for case in cases:
-            plan = Plan.load(case["path"])
-            model = models.build_model(MODEL, device="cpu", n_layers=LAYERS, seed=0)
-            ref = copy.deepcopy(model)
-            x, y = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, n_layers=LAYERS, seed=1)
-            mesh = init_device_mesh("cpu", tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_names))
-            dp_rank = mesh.get_local_rank("dp") if "dp" in plan.mesh_names else 0
-            runner = PipelineRunner(model, plan, mesh)
-            xl, yl = local_batch(plan, (x, y), dp_rank)
-            ref(x, y).backward()
-            loss_local_ref = ref(xl, yl).item()
-            loss = runner.step(xl if runner.is_first else None, yl if runner.is_last else None)
-            rel, names = 0.0, []
-            gref = dict(ref.named_parameters())
-            for n, p in runner.named_parameters():
-                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                want = gref[n].grad
-                rel = max(rel, float((g - want).abs().max() / want.abs().max().clamp_min(1e-30)))
-                names.append(n)
-            try:
-                bad = torch.cat([x, x], 1)
-                runner.step(bad if runner.is_first else None, torch.cat([y, y], 1) if runner.is_last else None)
-                err = "no error"
-            except PipelineShapeError as e:
-                err = f"PipelineShapeError: {e}"
-            sharded = "dp" in plan.mesh_names and any(plan.params[n][0] != "R" for n in names)
-            res.append({"max_grad_rel": rel, "params": names, "n_params": len(names), "wrappers": runner.wrappers,
-                        "want_wrapper": "FSDP" if sharded else "DistributedDataParallel",
-                        "has_layers": any(".layers." in f".{n}" for n in names),
-                        "all_params": [n for n, _ in ref.named_parameters()],
-                        "loss_diff": None if loss is None else abs(loss.item() - loss_local_ref),
-                        "loss_ref": loss_local_ref, "shape_error": err,
-                        "local_rows": [int(xl.data_ptr() - x.data_ptr()) // (x.element_size() * x.shape[1]),
-                                       int(xl.data_ptr() - x.data_ptr()) // (x.element_size() * x.shape[1])
-                                       + xl.shape[0]]})
-            dist.barrier()
-    finally:
+    for case in cases:
+        plan = Plan.load(case["path"])
+        model = models.build_model(MODEL, device="cpu", n_layers=LAYERS, seed=0)
+        ref = copy.deepcopy(model)
+        x, y = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, n_layers=LAYERS, seed=1)
+        mesh = init_device_mesh("cpu", tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_names))
+        dp_rank = mesh.get_local_rank("dp") if "dp" in plan.mesh_names else 0
+        runner = PipelineRunner(model, plan, mesh)
+        xl, yl = local_batch(plan, (x, y), dp_rank)
+        ref(x, y).backward()
+        loss_local_ref = ref(xl, yl).item()
+        loss = runner.step(xl if runner.is_first else None, yl if runner.is_last else None)
+        rel, names = 0.0, []
+        gref = dict(ref.named_parameters())
+        for n, p in runner.named_parameters():
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            want = gref[n].grad
+            rel = max(rel, float((g - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+            names.append(n)
+        try:
+            bad = torch.cat([x, x], 1)
+            runner.step(bad if runner.is_first else None, torch.cat([y, y], 1) if runner.is_last else None)
+            err = "no error"
+        except PipelineShapeError as e:
+            err = f"PipelineShapeError: {e}"
+        sharded = "dp" in plan.mesh_names and any(plan.params[n][0] != "R" for n in names)
+        res.append({"max_grad_rel": rel, "params": names, "n_params": len(names), "wrappers": runner.wrappers,
+                    "want_wrapper": "FSDP" if sharded else "DistributedDataParallel",
+                    "has_layers": any(".layers." in f".{n}" for n in names),
+                    "all_params": [n for n, _ in ref.named_parameters()],
+                    "loss_diff": None if loss is None else abs(loss.item() - loss_local_ref),
+                    "loss_ref": loss_local_ref, "shape_error": err,
+                    "local_rows": [int(xl.data_ptr() - x.data_ptr()) // (x.element_size() * x.shape[1]),
+                                   int(xl.data_ptr() - x.data_ptr()) // (x.element_size() * x.shape[1])
+                                   + xl.shape[0]]})
         dist.barrier()
-        dist.destroy_process_group()
-    with open(out, "w") as f:
-        json.dump({"rank": rank, "cases": res}, f)
-
-
-if __name__ == "__main__":
-    _worker(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))
+    return {"rank": dist.get_rank(), "cases": res}

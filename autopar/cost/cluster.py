@@ -20,6 +20,7 @@ class DeviceSpec:
   mem_bytes: float               # capacity per device, bytes
   matmul_eff: float = 0.7        # achievable fraction of peak for large matmuls
   mem_eff: float = 0.8           # achievable fraction of mem_bw
+  op_overhead: float = 0.0       # fixed seconds per op (dispatch / launch); 0 for GPU presets (launches overlap)
 
   def flops_for(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
     """Peak dense FLOP/s for matmuls in `dtype`. Missing keys fall back (fp8 -> bf16 -> fp32)."""
@@ -29,7 +30,8 @@ class DeviceSpec:
       if k in self.peak_flops: return float(self.peak_flops[k])
     return float(max(self.peak_flops.values()))
 
-  def __hash__(self): return hash((self.name, tuple(sorted(self.peak_flops.items())), self.mem_bw, self.mem_bytes))
+  def __hash__(self): return hash((self.name, tuple(sorted(self.peak_flops.items())), self.mem_bw, self.mem_bytes,
+                                   self.op_overhead))
 
 @dataclass(frozen=True)
 class LinkSpec:
@@ -75,14 +77,18 @@ _H100 = DeviceSpec("H100-SXM", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, 
 _H200 = DeviceSpec("H200-SXM", dict(_H100.peak_flops), mem_bw=4.8e12, mem_bytes=141 * GB)
 _A100 = DeviceSpec("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
                    mem_bw=2.0e12, mem_bytes=80 * GB)
-_CPU = DeviceSpec("cpu", {"fp32": 1e11, "bf16": 1e11, "fp16": 1e11}, mem_bw=2e10, mem_bytes=16 * GB,
-                  matmul_eff=0.5, mem_eff=0.7)
+# cpu-gloo: one rank of 4 gloo ranks sharing the 2-core reference (CI) machine, OMP_NUM_THREADS=1 each, as the
+# tests and benchmarks run them. Measured by `python benchmarks/cpu_calibrate.py` (results/cpu_gloo_calibrated.json,
+# rounded over runs): matmul 29-36 GFLOP/s, copy 4-6 GB/s, ~9 us per small eager op; a gloo collective costs
+# 2-9 ms even for 4 KiB (alpha ~0.6-0.8 ms per ring step) and moves ~0.5 GB/s. Calibrate your own machine with it.
+_CPU = DeviceSpec("cpu", {"fp32": 30e9, "bf16": 30e9, "fp16": 30e9}, mem_bw=4e9, mem_bytes=16 * GB,
+                  matmul_eff=1.0, mem_eff=1.0, op_overhead=10e-6)
 
 _NVLINK4 = LinkSpec("nvlink4", alpha=3e-6, bw=450 * GB)       # seed: 450 GB/s, alpha 2-5 us
 _NVLINK3 = LinkSpec("nvlink3", alpha=3e-6, bw=300 * GB)
 _IB_NDR = LinkSpec("ib-ndr400", alpha=15e-6, bw=40 * GB)      # seed: 40 GB/s effective, alpha 10-20 us
 _IB_HDR = LinkSpec("ib-hdr200", alpha=15e-6, bw=25 * GB)
-_LOOP = LinkSpec("loopback", alpha=5e-5, bw=2 * GB)
+_LOOP = LinkSpec("gloo-loopback", alpha=7e-4, bw=0.5 * GB)
 
 CLUSTERS: dict[str, ClusterSpec] = {
   "h100": ClusterSpec("h100", _H100, 8, _NVLINK4, _IB_NDR),
