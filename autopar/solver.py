@@ -283,10 +283,26 @@ def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lam
                                float(info.mip_gap), time.perf_counter() - t0,
                                f"optimal (branch and bound after {method})" if status == "Optimal" else status,
                                e_col + 1, A2.shape[0])
-    if best is None:
-        raise InfeasibleMemoryError("no plan within the memory budget was found by the overlap search")
+    if best is None:                      # every LP optimum rounded out of the budget: the exact plain model
+        plain = solve([c + o for c, o in zip(problem[0], _plain_lin(problem))], _plain_edges(problem), problem[3],
+                      time_limit=max(1.0, time_limit - (time.perf_counter() - t0)), mip_rel_gap=mip_rel_gap)
+        plain.status = f"{plain.status}; plain objective (no overlap plan found within the budget)"
+        return plain
     return SolveResult(best, best_F, bound, gap, time.perf_counter() - t0,
                        f"best found ({method}; gap {gap:.2%} to the Lagrangian bound)", nz, m.A.shape[0], found)
+
+
+def _plain_lin(problem):
+    """Overlappable comm per group, paid in full (lin + this = compute + all comm)."""
+    return problem[2][0]
+
+
+def _plain_edges(problem):
+    edges, oedges = problem[1], problem[2][1]
+    out = dict(edges)
+    for k, O in oedges.items():
+        out[k] = out[k] + O if k in out else O
+    return out
 
 
 def _value(m: _Model, ch, mem_rows, mem_hi):

@@ -362,7 +362,7 @@ class Program:
                 li = iter(local)
                 args = map_refs(n.args, lambda r: next(li))
                 kwargs = map_refs(n.kwargs, lambda r: next(li))
-                res = it.fn(*args, **kwargs)
+                res = _call(it.fn, args, kwargs)
                 # a replacement (math attention) must hand on the captured kernel's memory layout, and a
                 # sharded output's DTensor needs the global strides: both from the op's meta kernel
                 swapped = it.fn is not n.target
@@ -379,7 +379,7 @@ class Program:
                 args = map_refs(n.args, lambda r: next(vi))
                 kwargs = map_refs(n.kwargs, lambda r: next(vi))
                 try:
-                    res = it.fn(*args, **kwargs)
+                    res = _call(it.fn, args, kwargs)
                 except Exception as e:
                     raise ExecutionError(f"{it.name} failed on DTensors with input placements "
                                          f"{[_strs(v) for v in vals]}: {type(e).__name__}: {e}") from e
@@ -412,6 +412,18 @@ class Program:
                     env[(n.idx, k)] = t
             for key in it.frees:
                 env.pop(key, None)
+
+
+def _call(fn, args, kwargs):
+    """Run one op. A view whose input has another memory layout here than on one device (a gathered shard, a
+    kernel's output order) cannot alias it; no value is mutated in place in a captured step (capture rejects
+    in-place ops), so the same values from a contiguous copy are exact."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        if fn is not aten.view.default or "view size is not compatible" not in str(e):
+            raise
+        return fn(args[0].contiguous(), *args[1:], **kwargs)
 
 
 _LOCAL_OK: dict = {}

@@ -1,4 +1,5 @@
 """SPMD execution (autopar.parallelize) under LocalTensorMode: every rank simulated in one process, real values.
+Plans are made as `parallelize` makes them for this executor (overlap=False: its collectives block).
 
 The property sweeps (200 examples per run) draw model families (MLP; Llama with GQA; GPT-2 with tied
 embeddings; MoE with experts and top-k), random small and odd sizes, meshes (1-D of 2 and 4, 2-D 2x2) and plan
@@ -12,15 +13,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import math
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import autopar
+from _simulated import simulated
 from autopar.backends.comm import CommCounter, compare, redistribute_local
 from autopar.backends.program import attention_bw_math, attention_fw_math
 from autopar.backends.verify import fsdp_force, fsdp_tp_force, tp_force, train_and_compare
@@ -28,32 +28,13 @@ from autopar.graph import TensorMeta
 from autopar.models import build_model, example_inputs
 from autopar.redistribute import collectives
 from autopar.strategies._torch_adapter import per_rank, to_placement
+from _clusters import SHAPES
 
 lt = pytest.importorskip("torch.distributed._local_tensor")
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
 MESHES = [(2,), (4,), (2, 2)]
-
-
-@contextlib.contextmanager
-def simulated(mesh_shape):
-    """A fake process group the size of the mesh, the mesh, and LocalTensorMode over all its ranks."""
-    assert not dist.is_initialized(), "a process group is already initialized in this test process"
-    n = math.prod(mesh_shape)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-    try:
-        names = ("dp", "tp") if len(mesh_shape) == 2 else ("dp",)
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        with lt.LocalTensorMode(frozenset(range(n))):
-            yield mesh
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
 
 
 def _force(model, mesh_shape, constraint):
@@ -75,9 +56,9 @@ def planned(name, overrides, batch, seq, mesh_shape, constraint, budget_frac=Non
     if key not in _PLANS:
         model = build_model(name, **overrides)
         x = example_inputs(name, batch=batch, seq=seq, device="meta", **overrides)
-        kw = dict(cluster="cpu-gloo", force=_force(model, mesh_shape, constraint), time_limit=5)
+        kw = dict(cluster="cpu-gloo", overlap=False, force=_force(model, mesh_shape, constraint), time_limit=5)
         if budget_frac is not None:
-            free = autopar.plan(model, mesh_shape, x, cluster="cpu-gloo")
+            free = autopar.plan(model, mesh_shape, x, cluster="cpu-gloo", overlap=False)
             kw["memory_budget"] = budget_frac * free.predicted["peak_mem_bytes"]
         _PLANS[key] = autopar.plan(model, mesh_shape, x, return_state=True, **kw)
     return _PLANS[key]
@@ -173,7 +154,8 @@ def test_vocab_sharded_embedding_masked_partial(mesh_shape):
         model = build_model("llama-tiny", **ov)
         x = example_inputs("llama-tiny", batch=2, seq=2, device="meta", **ov)
         force = {"tok_embeddings.weight": f, "output.weight": f}
-        _PLANS[key] = autopar.plan(model, mesh_shape, x, cluster="cpu-gloo", force=force, return_state=True)
+        _PLANS[key] = autopar.plan(model, mesh_shape, x, cluster=SHAPES, overlap=False, force=force,
+                                      return_state=True)      # cheap collectives: the table stays sharded
     plan, state = _PLANS[key]
     emb = next(n for n in plan.nodes if n["name"].endswith(":embedding.default"))
     assert emb["placement"]["out"][0][0] == "Pm", emb["placement"]
@@ -334,7 +316,8 @@ def test_buffers_and_no_grad_calls():
     model = ScaledMLP()
     x = example_inputs("mlp-tiny", batch=4, seq=4, dim=8, hidden=8, n_layers=1, vocab=16)
     ref = copy.deepcopy(model)
-    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=fsdp_force(model, (2,)), return_state=True)
+    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", overlap=False, force=fsdp_force(model, (2,)),
+                                 return_state=True)
     with simulated((2,)) as mesh:
         pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
         assert set(dict(pm.named_buffers())) == {"scale"}
@@ -350,14 +333,12 @@ def test_gradient_buckets_one_collective_each(constraint, kind, monkeypatch):
     """Data-parallel (all_reduce) and FSDP-like (reduce_scatter) gradient reductions ride in buckets: one
     collective per bucket of the summed bytes, issued as planned, with gradients equal to one device. A small
     bucket cap splits them into several buckets, in the backward's order."""
-    import autopar.redistribute as R
-    monkeypatch.setattr(R, "BUCKET_BYTES", 600)
-    monkeypatch.setattr("autopar.passes.buckets.BUCKET_BYTES", 600)
+    monkeypatch.setattr("autopar.passes.buckets.BUCKET_BYTES", 600)     # the cap buckets are cut at (not priced)
     ov = dict(dim=8, hidden=12, n_layers=2, vocab=16)
     model = build_model("mlp-tiny", device="cpu", seed=3, **ov)
-    x = example_inputs("mlp-tiny", batch=4, seq=4, seed=4, **ov)
+    x = example_inputs("mlp-tiny", batch=32, seq=16, seed=4, **ov)      # activations outweigh weights
     force = fsdp_force(model, (2,)) if constraint == "fsdp" else {k: ("R",) for k, _ in model.named_parameters()}
-    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=force, return_state=True,
+    plan, state = autopar.plan(model, (2,), x, cluster=SHAPES, overlap=False, force=force, return_state=True,
                                pin=lambda n: {0: "S0"} if n.kind == "input" else None)     # batch-sharded data
     grads = [b for b in plan.buckets if b["kind"] == kind]
     assert len(grads) >= 2 and all(b["bytes"] <= 600 or len(b["params"]) == 1 for b in grads)

@@ -11,23 +11,19 @@ The candidates pass now gives every copy its region's list, and `verify` checks 
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import math
 
 import pytest
-import torch
-import torch.distributed as dist
 
 import autopar
+from _simulated import simulated
 from autopar.backends.verify import fsdp_force, train_and_compare
 from autopar.models import build_model, example_inputs
 from autopar.pipeline import VerificationError, verify
 
 lt = pytest.importorskip("torch.distributed._local_tensor")
-from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
-from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -100,24 +96,6 @@ def test_verify_rejects_copy_missing_its_representatives_choice():
     bad = dataclasses.replace(state, strategies=strategies, redistributes=None)
     with pytest.raises(VerificationError, match=rf"{g.nodes[i].name} has no single chosen placement.*representative"):
         verify(bad, "solve")
-
-
-@contextlib.contextmanager
-def simulated(mesh_shape):
-    """A fake process group the size of the mesh, the mesh, and LocalTensorMode over all its ranks."""
-    assert not dist.is_initialized(), "a process group is already initialized in this test process"
-    n = math.prod(mesh_shape)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=n)
-    try:
-        names = ("dp",) if len(mesh_shape) == 1 else ("dp", "tp")
-        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-        with lt.LocalTensorMode(frozenset(range(n))):
-            yield mesh
-    finally:
-        dist.destroy_process_group()
-        torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (4,)])
