@@ -36,7 +36,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
          precision: TrainingPrecision | None = None, force: dict | None = None, replicate_ops=(),
          allow_replicate: bool = False, time_limit: float = 60.0, dump_after=(), return_state: bool = False,
          allow_bf16: bool = False, allow_checkpointing: bool = True, pipeline=None, pin=None,
-         overlap: bool = True) -> Plan:
+         overlap: bool = False) -> Plan:
     """Plan how to run one training step of `model` on `mesh`.
 
     mesh: a DeviceMesh, a MeshSpec, 'AxB', or a shape tuple (meshes you do not have are fine).
@@ -50,10 +50,11 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
     allow_checkpointing: let the planner checkpoint repeated blocks when memory-bound (passes/checkpointing.py).
     pin: callable(graph node) -> {mesh dim: placement} or None, fixing nodes' outputs (inputs, activations) to
         evaluate a given hand plan in the cost model (e.g. backends/engines_ref.py's torchtitan plan).
-    overlap: parameter gathers and gradient reductions overlap compute (FSDP2's prefetch, DDP's bucketed
-        all-reduce under the backward): the step is compute + activation comm + what the compute cannot hide,
-        and the solver minimizes exactly that. False: every collective blocks (autopar's graph executor runs
-        them in program order), step = compute + all comm.
+    overlap: False (default): every collective is paid in full, step = compute + all comm (autopar's graph
+        executor runs them in program order), and the MILP is exact. True: parameter gathers and gradient
+        reductions overlap compute (FSDP2's prefetch, DDP's bucketed all-reduce under the backward): step =
+        compute + activation comm + what the compute cannot hide; the solver minimizes that with a Lagrangian
+        search and local search (exact by branch and bound on small models, else reported with its gap).
     pipeline: "auto" (or a dict narrowing the search, see passes/stages.py) plans pipeline stages, submeshes,
         schedule and micro-batch count jointly with each stage's per-op plan; a mesh with a dim named "pp" does
         so too. The plan's `stages` and `schedule` are filled; `force` then names placements on the stage submesh.

@@ -98,7 +98,7 @@ def predict(state):
         recompute_s = recompute_seconds(state, times)
         compute += recompute_s
     overlappable = comm["param"] + comm["grad"]
-    exposed = comm["act"] + (max(0.0, overlappable - compute) if state.options.get("overlap", True) else overlappable)
+    exposed = comm["act"] + (max(0.0, overlappable - compute) if state.options.get("overlap", False) else overlappable)
     state_mem = state_bytes(g, P, mesh_shape, state.precision)
     act_peak = liveness_peak(g, P, mesh_shape, state.recompute)
     predicted = {"step_s": compute + exposed, "compute_s": compute, "comm_s": sum(comm.values()),

@@ -16,7 +16,7 @@ from autopar.solver import InfeasibleMemoryError, min_memory, solve
 
 def run(state) -> None:
     c = state.cost
-    lin, edges, overlap = objective(c, state.options.get("overlap", True))
+    lin, edges, overlap = objective(c, state.options.get("overlap", False))
     thorough = len(state.graph.nodes) < THOROUGH_BELOW_NODES
     mem_rows = [c["state_mem"][i] + c["act_mem"][i] for i in range(len(lin))]
     floor = min_memory(mem_rows)
