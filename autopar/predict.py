@@ -17,16 +17,8 @@ from .redistribute import grad_reduce_time, redistribute_time
 from .strategies import num_shards
 
 
-def _param_rooted(g, idx, follow_of) -> bool:
-    return param_root(g, idx) is not None
-
-
-_param_root = param_root
-
-
 def build_plan(state) -> Plan:
-    g, P, mesh_shape, cluster = state.graph, state.placement, state.mesh.shape, state.cluster
-    node_time = state.cost["node_time"]
+    g, P, cluster = state.graph, state.placement, state.cluster
     predicted, red_by_node, times = predict(state)
     sol = state.solution
     records = [node_record(n, P[n.idx], red_by_node.get(n.idx, []), times[n.idx], state.sources[n.idx])
@@ -56,7 +48,7 @@ def predict(state):
     for (i, j), (src, dst, cs) in sorted(state.redistributes.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         bucket = bucket_of.get(nodes[i].target) if j == "opt" else None
         if bucket is not None:            # carried by its bucket's one collective (counted below)
-            t = grad_reduce_time(src, dst, g.meta(g.grads[nodes[i].target]), mesh_shape, cluster)
+            t = grad_reduce_time(src, dst, g.meta(g.grads[nodes[i].target]), mesh_shape, cluster, len(g.grads))
             red_by_node.setdefault(i, []).append({"input": j, "src": list(src), "dst": list(dst), "time_s": t,
                                                   "collectives": [c.to_json() for c in cs], "class": "grad",
                                                   "param": nodes[i].target, "bucket": bucket})
@@ -68,13 +60,13 @@ def predict(state):
         else:
             r = nodes[i].inputs()[j]
             meta = g.meta(r)
-            cls = "param" if _param_rooted(g, r.node, None) else "act"
+            cls = "param" if param_root(g, r.node) is not None else "act"
         t = redistribute_time(src, dst, meta, mesh_shape, cluster)
         comm[cls] += t
         red_by_node.setdefault(i, []).append({"input": j, "src": list(src), "dst": list(dst), "time_s": t,
                                               "collectives": [c.to_json() for c in cs], "class": cls})
         if cls != "act":     # which parameter this gather / gradient reduction is for (backends group them)
-            red_by_node[i][-1]["param"] = nodes[i].target if j == "opt" else _param_root(g, r.node)
+            red_by_node[i][-1]["param"] = nodes[i].target if j == "opt" else param_root(g, r.node)
         for c in cs:
             k = kinds.setdefault(c.kind, {"count": 0, "bytes": 0})
             k["count"] += 1

@@ -17,7 +17,7 @@ import functools
 from dataclasses import dataclass
 
 from .cost import collective_time
-from .cost.comm import bytes_sent
+from .cost.comm import bytes_sent, ring_steps
 from .graph import TensorMeta
 
 
@@ -137,7 +137,8 @@ def _links(cluster, mesh_shape):
 # Gradient reductions into the optimizer step do not feed any op of the step, so (as DDP and FSDP2 do) the ones
 # that are a single P -> R (all_reduce) or P -> S(d) (reduce_scatter) collective on the same mesh dim are issued
 # together: one collective per bucket of up to BUCKET_BYTES, paying the latency once. passes/buckets.py forms
-# the buckets; the cost model prices these reductions by bandwidth here and adds each bucket's latency once.
+# the buckets; the MILP prices each such reduction as its bandwidth plus a share of a bucket's latency
+# (grad_reduce_time), the prediction counts each real bucket's latency once.
 BUCKET_BYTES = 25 * 2**20      # DDP's default bucket_cap_mb
 
 
@@ -165,6 +166,5 @@ def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: i
     links = _links(cluster, tuple(mesh_shape))
     share = max(meta.nbytes / BUCKET_BYTES, 1.0 / max(1, n_grads))
     return sum(bytes_sent(c.kind, c.nbytes, c.group) / links[c.mesh_dim].bw +
-               share * (collective_time(c.kind, c.nbytes, c.group, links[c.mesh_dim]) -
-                        bytes_sent(c.kind, c.nbytes, c.group) / links[c.mesh_dim].bw)
+               share * ring_steps(c.kind, c.group) * links[c.mesh_dim].alpha
                for c in collectives(src, dst, meta, mesh_shape))

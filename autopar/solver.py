@@ -56,8 +56,7 @@ class _Model:
     ovl: np.ndarray            # overlap row per variable: overlappable comm - capacity (seconds)
     off: np.ndarray            # group g's x variables: off[g]:off[g+1]
     edges: list                # (z0, A, B, a_of, b_of, g1, g2) per edge with transportation variables
-    folded: list               # (g_from, class_of, g_to) per edge folded into x costs (a single row/col class)
-    cap: np.ndarray = None     # the compute capacity part of ovl, per variable (x only)
+    cap: np.ndarray            # the compute capacity part of ovl, per variable (x only)
 
     @property
     def nx(self) -> int:
@@ -128,7 +127,7 @@ def _build(lin, edges, mem, overlap) -> _Model:
     if overlap is not None:
         cap[:nx] = np.concatenate(capacity)
     return _Model(A_, np.asarray(lo, float), np.asarray(hi, float), np.concatenate(cost), np.concatenate(ocost),
-                  off, zs, [], cap)
+                  off, zs, cap)
 
 
 def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: list[tuple[list[np.ndarray], float]],
@@ -143,8 +142,8 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
     t0 = time.perf_counter()
     m = _build(lin, edges, mem, overlap)
     if overlap is not None:
-        return _solve_overlap(m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0, max_lps or MAX_LPS,
-                              lambda_search_s)
+        return _solve_overlap(m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0,
+                              max_lps or len(LAMBDAS), lambda_search_s)
     scale = max(float(np.abs(m.cost).max()), 1e-30)
     h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(m.A.shape[1]), time_limit)
     # The LP relaxation is a lower bound; when its optimum is integral it is the MILP optimum (gap 0). This is
@@ -188,7 +187,6 @@ def _choice(x, off) -> list[int]:
 # Up to this many variables, an overlap objective whose Lagrangian search leaves a gap is finished by branch and
 # bound (seeded with the search's best plan); above it the search's plan is returned with its proven gap.
 EXACT_OVERLAP_VARS = 20_000
-MAX_LPS = 3
 LAMBDAS = (0.0, 0.5)     # the Lagrangian weights tried, in order (each one LP)
 
 
@@ -199,7 +197,7 @@ def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lam
     L(lam) = min_x base(x) + lam * ovl(x): an ordinary placement LP (solved cold: warm starts after a cost change
     measured to stall), whose plan x_lam is also a candidate (upper bound F(x_lam)). lam = 0 whose plan hides
     everything (ovl <= 0) is optimal outright, the common compute-bound case. Otherwise the LAMBDAS are tried
-    (at most max_lps), then the plain objective (every collective in full), and each plan found is improved by
+    (at most max_lps, all of them by default), then the plain objective (every collective in full), and each plan found is improved by
     a local search (_polish) under the exact F. A remaining gap is closed by branch and bound on the exact model
     (one continuous variable e >= ovl, e >= 0) when the model is small, seeded with the best plan; otherwise the
     best plan is returned with its gap to the best bound. All plans found are returned as candidates (the solve
@@ -208,20 +206,20 @@ def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lam
     scale = max(float(np.abs(m.cost).max()), float(np.abs(m.ovl).max()), 1e-30)
     h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(nz), time_limit)
     idx = np.arange(nz, dtype=np.int32)
-    best, best_F, bound, lam_lo, lam_hi, n_lp = None, np.inf, -np.inf, 0.0, 1.0, 0
+    best, best_F, bound, n_lp = None, np.inf, -np.inf, 0
     mem_rows = m.A[m.lo == -np.inf] if np.any(m.lo == -np.inf) else None
     mem_hi = m.hi[m.lo == -np.inf]
-    lam, first_lp, lines, tried, cands = 0.0, 0.0, [], [], []
+    lam, slowest_lp, tried, cands = 0.0, 0.0, [], []
     for _ in range(max_lps):
         if lam > 0:
             h.changeColsCost(nz, idx, (m.cost + lam * m.ovl) / scale)
             h.clearSolver()               # cold dual simplex: a warm start after a cost change can stall for minutes
         left = time_limit - (time.perf_counter() - t0)
-        cap = left if n_lp == 0 else min(left, max(1.0, 5 * first_lp))     # a stalling lam is given up on
+        cap = left if n_lp == 0 else min(left, max(1.0, 5 * slowest_lp))   # a stalling lam is given up on
         h.setOptionValue("time_limit", h.getRunTime() + max(cap, 0.01))     # HiGHS's clock runs across runs
         t_lp = time.perf_counter()
         h.run()
-        first_lp = max(first_lp, time.perf_counter() - t_lp)
+        slowest_lp = max(slowest_lp, time.perf_counter() - t_lp)
         n_lp += 1
         if n_lp > 1 and h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
             break                         # a degenerate lam that simplex cannot settle in time: keep what we have
@@ -246,12 +244,13 @@ def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lam
         # one more plan: every collective paid in full (the plain objective; good when little can hide)
         h.changeColsCost(nz, idx, (m.cost + m.ovl + m.cap) / scale)
         h.clearSolver()
-        h.setOptionValue("time_limit", h.getRunTime() + max(1.0, 5 * first_lp))
+        h.setOptionValue("time_limit", h.getRunTime() + max(1.0, 5 * slowest_lp))
         h.run()
         n_lp += 1
         x = _solution(h, nz) if h.getModelStatus() == highspy.HighsModelStatus.kOptimal else None
-        if x is not None and _value(m, _choice(x, m.off), mem_rows, mem_hi) is not None:
-            cands.append(_choice(x, m.off))
+        ch = None if x is None else _choice(x, m.off)
+        if ch is not None and _value(m, ch, mem_rows, mem_hi) is not None:
+            cands.append(ch)
         # then a local search from each distinct plan found: one group at a time to its best strategy
         for ch in list({tuple(c): c for c in cands}.values()):
             ch = _polish(ch, *problem)
@@ -284,7 +283,7 @@ def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lam
                                f"optimal (branch and bound after {method})" if status == "Optimal" else status,
                                e_col + 1, A2.shape[0])
     if best is None:                      # every LP optimum rounded out of the budget: the exact plain model
-        plain = solve([c + o for c, o in zip(problem[0], _plain_lin(problem))], _plain_edges(problem), problem[3],
+        plain = solve([c + o for c, o in zip(problem[0], problem[2][0])], _plain_edges(problem), problem[3],
                       time_limit=max(1.0, time_limit - (time.perf_counter() - t0)), mip_rel_gap=mip_rel_gap)
         plain.status = f"{plain.status}; plain objective (no overlap plan found within the budget)"
         return plain
@@ -292,12 +291,8 @@ def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lam
                        f"best found ({method}; gap {gap:.2%} to the Lagrangian bound)", nz, m.A.shape[0], found)
 
 
-def _plain_lin(problem):
-    """Overlappable comm per group, paid in full (lin + this = compute + all comm)."""
-    return problem[2][0]
-
-
 def _plain_edges(problem):
+    """Edge costs with the overlappable part paid in full (with lin + ovl_lin: compute + all comm)."""
     edges, oedges = problem[1], problem[2][1]
     out = dict(edges)
     for k, O in oedges.items():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sympy
 
 from .capture import capture
-from .cost import bytes_sent, ring_steps
+from .cost import collective_time
 from .redistribute import _links
 from .strategies import num_shards
 
@@ -66,10 +66,8 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
             if bk is not None:              # a gradient bucket: one collective of the summed size (below)
                 bucket_bytes[bk] += size(m1, m2, c.nbytes)
                 continue
-            comm += ring_steps(c.kind, c.group) * links[c.mesh_dim].alpha + \
-                bytes_sent(c.kind, size(m1, m2, c.nbytes), c.group) / links[c.mesh_dim].bw
+            comm += collective_time(c.kind, size(m1, m2, c.nbytes), c.group, links[c.mesh_dim])
     for bk, nb in zip(state.buckets or [], bucket_bytes):
-        comm += ring_steps(bk["kind"], bk["group"]) * links[bk["mesh_dim"]].alpha + \
-            bytes_sent(bk["kind"], nb, bk["group"]) / links[bk["mesh_dim"]].bw
+        comm += collective_time(bk["kind"], nb, bk["group"], links[bk["mesh_dim"]])
     compute, comm = sympy.expand(compute), sympy.expand(comm)
     return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm}

@@ -63,14 +63,6 @@ def _global_stride(local: torch.Tensor, shape) -> tuple[int, ...]:
     return tuple(stride)
 
 
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(1, s)
-    return tuple(reversed(stride))
-
-
 def _in_layout(t: torch.Tensor, stride) -> torch.Tensor:
     """t laid out in memory in the dim order of `stride` (the global layout DTensor is told about)."""
     order = sorted(range(t.dim()), key=lambda d: -stride[d])
@@ -341,7 +333,7 @@ class Program:
                                          f"{self.P[g.params[f]].out[0]}")
                 shape = tuple(v.shape)
                 out[f] = make_dtensor(per_rank(collapse(loc)) if all(p == "R" for p in now) else loc, self.mesh,
-                                      [to_placement(s) for s in now], shape, _contiguous_stride(shape))
+                                      [to_placement(s) for s in now], shape, _global_stride(loc, shape))
         return out
 
     def _run(self, instrs, env):

@@ -11,8 +11,8 @@ Per group strategy: compute time of its members (roofline on local shapes), the 
 need, model-state bytes (parameters, grads, optimizer state at the storage placement) and saved-activation
 bytes. Per edge between groups: a matrix of redistribute times (producer strategy x consumer strategy).
 Gradients flow into an optimizer-step edge whose required placement is the parameter's own: the data-parallel
-all-reduce / reduce-scatter falls out of it (priced by bandwidth when it rides in a gradient bucket; the buckets'
-latency is added once per bucket in the prediction, autopar/predict.py).
+all-reduce / reduce-scatter falls out of it (when it rides in a gradient bucket: its bandwidth plus a share of the
+bucket's latency, autopar.redistribute.grad_reduce_time; the prediction counts each real bucket once).
 """
 from __future__ import annotations
 

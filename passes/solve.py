@@ -1,7 +1,8 @@
 """Pass: pick one strategy per decision group with the exact MILP (autopar/solver.py) and expand the choice to
 every node: the roots take their group's strategy, followers the strategy that matches their producer. The
-objective is the predicted step: compute + activation comm + the part of parameter gathers and gradient
-reductions that the compute cannot hide (one continuous variable and one row in the MILP).
+objective is the predicted step: compute + all comm (default), or with `plan(overlap=True)` compute + activation
+comm + the part of parameter gathers and gradient reductions that the compute cannot hide (the solver's overlap
+search; among the plans it finds the one with the lowest full prediction is kept).
 
 The MILP's memory row counts model state and saved activations; the true peak also holds transients (the
 liveness peak of the fw+bw order). When the chosen plan's liveness peak exceeds the budget, the row is
@@ -102,7 +103,7 @@ def _by_prediction(state, res, placement, top):
     return (best[1], best[2]) if best is not None else (res, placement)
 
 
-def objective(c, overlap: bool = True):
+def objective(c, overlap: bool):
     """The step time the prediction reports (autopar/predict.py), as the MILP's pieces: compute and activation comm
     are paid in full; parameter gathers and gradient reductions (comm_ovl / edges_ovl) only where they exceed the
     compute they overlap with. overlap=False: everything is paid in full (a plain MILP)."""

@@ -62,7 +62,7 @@ def test_real_graph_optimum_equals_brute_force():
     m = M.build_model("mlp-tiny", n_layers=1)
     x = M.example_inputs("mlp-tiny", batch=8, device="meta", n_layers=1)
     plan, st_ = autopar.plan(m, (2,), x, cluster="h100", return_state=True, overlap=True)
-    lin, edges, (olin, oedges, cap) = objective(st_.cost)
+    lin, edges, (olin, oedges, cap) = objective(st_.cost, overlap=True)
     free = [i for i in np.argsort([-len(v) for v in lin])[:4]]        # the 4 groups with most strategies
     chosen = st_.solution.choice
 
