@@ -149,11 +149,13 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
     # The LP relaxation is a lower bound; when its optimum is integral it is the MILP optimum (gap 0). This is
     # the common case for placement problems and several times faster than branch-and-bound's set-up (dual
     # simplex without presolve measured fastest on the 8B plan: 0.35 s vs 0.9 s with presolve, 3 s with IPM);
-    # otherwise the same model is solved again with integral placement variables.
+    # otherwise the model is solved again, in a fresh HiGHS instance, with integral placement variables.
     h.run()
     x = _solution(h, m.A.shape[1])
     method = "LP relaxation (integral)"
     if x is None or not _integral(x[:m.nx]):
+        h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(m.A.shape[1]),
+                   max(1.0, time_limit - (time.perf_counter() - t0)))
         x, method = _branch_and_bound(h, m.nx, mip_rel_gap), "branch and bound"
     status = h.modelStatusToString(h.getModelStatus())
     if x is None:
@@ -168,6 +170,9 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
 
 
 def _branch_and_bound(h, nx, mip_rel_gap, incumbent=None):
+    """Solve `h` as a MILP (its first nx variables integral). `h` must be a fresh instance: re-running one that
+    already solved the LP relaxation returned the MILP's objective with a stale column vector (highspy 1.17,
+    found by tests/test_solver.py's brute-force comparison)."""
     h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32), np.full(nx, highspy.HighsVarType.kInteger))
     h.setOptionValue("presolve", "on")
     h.setOptionValue("mip_rel_gap", mip_rel_gap)
