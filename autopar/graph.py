@@ -52,7 +52,7 @@ class Node:
     def inputs(self) -> list[Ref]:
         """Tensor arguments in flatten order (the order DTensor's strategies list input specs)."""
         if self._ins is None:
-            self._ins = [a for a in _flat(self.args, self.kwargs) if isinstance(a, Ref)]
+            self._ins = [a for a in flat_args(self.args, self.kwargs) if isinstance(a, Ref)]
         return self._ins
 
     @property
@@ -71,7 +71,7 @@ def op_name(target) -> str:
     return s
 
 
-def _flat(args, kwargs):
+def flat_args(args, kwargs):
     out = []
 
     def walk(a):

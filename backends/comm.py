@@ -15,6 +15,7 @@ reduce_scatter input, all_reduce size, all_to_all size (local input times the gr
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 import torch
@@ -148,16 +149,16 @@ def apply_step(x: torch.Tensor, mesh, m: int, a: str, b: str) -> torch.Tensor:
     raise NotImplementedError(f"redistribute step {a} -> {b} on mesh dim {m}")
 
 
-def reduce_bucket(xs: list, mesh, m: int, a: str, b: str) -> list:
-    """One collective for a gradient bucket (passes/buckets.py): every local shard in `xs` takes the step a -> b
-    (a partial, b "R" or "S<d>") on mesh dim m. The shards are flattened into one buffer (rank-major chunks for a
-    reduce_scatter), reduced at once and split back; results are contiguous."""
+def launch_bucket(xs: list, mesh, m: int, a: str, b: str):
+    """Issue one collective for a gradient bucket (passes/buckets.py) without waiting: every local shard in `xs`
+    takes the step a -> b (a partial, b "R" or "S<d>") on mesh dim m. The shards are copied into one flat buffer
+    (rank-major chunks for a reduce_scatter), as DDP copies gradients into its bucket. `finish_bucket` waits and
+    splits the result back (contiguous tensors, one per shard)."""
     n, name = mesh.size(m), group_name(mesh, m)
     xs = [per_rank(x) / n if a == "Pa" else per_rank(x) for x in xs]
     if b == "R":
-        flat = torch.cat([x.reshape(-1) for x in xs])
-        flat = _wait(_fn.all_reduce(flat, "sum", name), always=True)
-        return [y.view(x.shape) for y, x in zip(torch.split(flat, [x.numel() for x in xs]), xs)]
+        flat = torch.cat([x.reshape(-1) for x in xs])          # a fresh buffer: reduced in place (no extra copy)
+        return b, _fn.all_reduce_(flat, "sum", name), [tuple(x.shape) for x in xs], n
     d = int(b[1:])
     fronts = []
     for x in xs:
@@ -165,11 +166,26 @@ def reduce_bucket(xs: list, mesh, m: int, a: str, b: str) -> list:
             raise ValueError(f"reduce_scatter of dim {d} (size {x.shape[d]}) over {n} ranks does not divide evenly")
         fronts.append(_to_front(x, d))
     flat = torch.cat([f.reshape(n, -1) for f in fronts], dim=1).reshape(-1)      # rank r's chunks, rank by rank
-    mine = _wait(_fn.reduce_scatter_tensor(flat, "sum", n, name))
-    out = []
-    for y, f in zip(torch.split(mine, [f.numel() // n for f in fronts]), fronts):
-        out.append(_from_front(y.view([f.shape[0] // n] + list(f.shape[1:])), d))
-    return out
+    return b, _fn.reduce_scatter_tensor(flat, "sum", n, name), [tuple(f.shape) for f in fronts], n
+
+
+def finish_bucket(handle) -> list:
+    b, out, shapes, n = handle
+    if b == "R":
+        flat = _wait(out, always=True)
+        sizes = [math.prod(s) for s in shapes]
+        return [y.view(s) for y, s in zip(torch.split(flat, sizes), shapes)]
+    d = int(b[1:])
+    mine = _wait(out)
+    res = []
+    for y, s in zip(torch.split(mine, [math.prod(s) // n for s in shapes]), shapes):
+        res.append(_from_front(y.view([s[0] // n] + list(s[1:])), d))
+    return res
+
+
+def reduce_bucket(xs: list, mesh, m: int, a: str, b: str) -> list:
+    """launch_bucket + finish_bucket: one gradient bucket reduced at once."""
+    return finish_bucket(launch_bucket(xs, mesh, m, a, b))
 
 
 def _from_replicate(x, mesh, m, b):
@@ -223,7 +239,7 @@ def _all_to_all(x, d, e, n, name):
 
 _KIND = {
     "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
-    "all_to_all_single": "all_to_all", "shard_dim_alltoall": "all_to_all", "all_reduce_coalesced": "all_reduce",
+    "all_reduce_": "all_reduce", "all_to_all_single": "all_to_all", "shard_dim_alltoall": "all_to_all", "all_reduce_coalesced": "all_reduce",
     "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "broadcast": "broadcast",
     # c10d (process-group) ops

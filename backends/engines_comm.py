@@ -42,6 +42,7 @@ _FUNC = {
     "reduce_scatter_tensor": ("reduce_scatter", "func0"),
     "reduce_scatter_tensor_coalesced": ("reduce_scatter", "func_list"),
     "all_reduce": ("all_reduce", "func0"),
+    "all_reduce_": ("all_reduce", "func0"),
     "all_reduce_coalesced": ("all_reduce", "func_list"),
     "all_to_all_single": ("all_to_all", "func0"),
     "broadcast": ("broadcast", "func0"),

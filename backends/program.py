@@ -21,11 +21,11 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten
 
 from autopar.capture import SDPA, SDPA_BW
-from autopar.graph import map_refs
+from autopar.graph import Ref, flat_args, map_refs
 from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor, outside_local_tensor_mode, per_rank, to_placement,
                                               to_str, unmask_partial)
 
-from .comm import executed_placements, redistribute_local, reduce_bucket
+from .comm import executed_placements, finish_bucket, launch_bucket, redistribute_local
 
 aten = torch.ops.aten
 
@@ -51,6 +51,20 @@ def placement_strs(dt) -> tuple[str, ...]:
 def _same(actual, expected) -> bool:
     """Placement strings agree; a masked partial is held as a plain sum partial once unmasked."""
     return all(a == e or (a in ("P", "Pm") and e in ("P", "Pm")) for a, e in zip(actual, expected))
+
+
+class Sharded:
+    """A value sharded or partial on some mesh dim, as the executor keeps it between ops: this rank's local tensor,
+    the placement strings and the global shape. A DTensor is made from it only for an op that runs through
+    DTensor's dispatch (and for the gradients handed back), so ops that run on local shards pay no wrapping."""
+    __slots__ = ("t", "strs", "shape")
+
+    def __init__(self, t: torch.Tensor, strs: tuple, shape: tuple):
+        self.t, self.strs, self.shape = t, strs, shape
+
+
+def _local(v):
+    return v.t if type(v) is Sharded else local_of(v) if isinstance(v, DTensor) else v
 
 
 def _global_stride(local: torch.Tensor, shape) -> tuple[int, ...]:
@@ -118,7 +132,8 @@ def attention_bw_math(gout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *
 
 
 class _Instr:
-    __slots__ = ("node", "mode", "fn", "conv", "expect", "expect_pl", "frees", "name", "strides")
+    __slots__ = ("node", "mode", "fn", "conv", "expect", "expect_pl", "frees", "name", "strides", "bind", "keys",
+                 "swapped", "contig", "out_r")
 
 
 class Program:
@@ -152,27 +167,44 @@ class Program:
             outs = self.P[n.idx].out
             it = _Instr()
             it.node, it.name = n, f"{n.name} (module '{n.module or '<root>'}')"
-            it.conv = {j: (self.P[r.node].out[r.out], ins[j]) for j, r in enumerate(n.inputs())
-                       if (n.idx, j) in self.red}
+            it.conv = [(j, self.P[r.node].out[r.out], ins[j]) for j, r in enumerate(n.inputs())
+                       if (n.idx, j) in self.red]
             it.expect = outs
             it.expect_pl = [None if o is None else tuple(to_placement(s) for s in o) for o in outs]
             it.frees = frees.get(n.idx, [])
             it.fn = n.target
             it.strides = {}
-            all_r = all(p == "R" for pl in ins for p in pl) and all(p == "R" for pl in outs if pl for p in pl)
+            it.swapped = it.contig = False
+            it.out_r = [o is None or all(p == "R" for p in o) for o in outs]
+            args, kwargs = n.args, n.kwargs
+            all_r = all(p == "R" for pl in ins for p in pl) and all(it.out_r)
             if n.phase == "bw" and n.target is aten.ones_like.default and n.inputs() == [g.loss]:
                 it.mode = "seed"
             elif not n.inputs():
                 it.mode = "factory"
             elif n.target in (SDPA, SDPA_BW):
-                it.mode = "local"
+                it.mode, it.contig = "local", True        # fused kernels want unit inner stride
                 if math:
-                    it.fn = attention_fw_math if n.target is SDPA else attention_bw_math
+                    it.fn, it.swapped = (attention_fw_math if n.target is SDPA else attention_bw_math), True
             elif all_r or _local_exact(n, ins, outs):
                 it.mode = "local"
             else:
-                it.mode = "dtensor"
+                local = _local_args(g, n, ins, outs, tuple(mesh.shape))
+                if local is not None:
+                    it.mode, (args, kwargs) = "local", local
+                else:
+                    it.mode = "dtensor"
+            it.keys = [(r.node, r.out) for r in n.inputs()]
+            it.bind = _binder(args, kwargs)
+            if it.mode == "local" and not (it.contig or it.swapped) and len(n.outs) == 1 and outs[0] is not None:
+                it.mode = "local1"          # the common case, one tensor out: a shorter path in _run
             (self.fw if n.phase == "fw" else self.bw).append(it)
+
+        pos = {it.node.idx: i for i, it in enumerate(self.bw)}
+        self.bucket_ready: dict[int, list[int]] = {}
+        for i, b in enumerate(plan.buckets):
+            at = max(pos.get(g.grads[f].node, len(self.bw) - 1) for f in b["params"])
+            self.bucket_ready.setdefault(at, []).append(i)
 
     # ---- leaves ---------------------------------------------------------------------------------------------------
     def param_placement(self, fqn: str) -> tuple[str, ...]:
@@ -220,7 +252,7 @@ class Program:
                     raise ValueError(f"input {i} is a DTensor on another device mesh ({x.device_mesh})")
                 have = placement_strs(x)
                 if have != want:
-                    x = self.redistribute(x, have, want)
+                    x = self._dt(self.redistribute(x, have, want))
                 out.append(x)
             else:
                 pl = [to_placement(s) for s in want]
@@ -228,47 +260,51 @@ class Program:
         return out
 
     # ---- running --------------------------------------------------------------------------------------------------
-    # Values in `env`: a plain tensor is replicated on every mesh dim (its local value is the global value);
-    # anything sharded or partial is a DTensor.
-    def _dt(self, v, shape=None, stride=None) -> DTensor:
+    # Values in `env`: a plain tensor is replicated on every mesh dim (its local value is the global value; under
+    # LocalTensorMode one plain tensor for all simulated ranks); anything sharded or partial is a `Sharded`.
+    def _dt(self, v) -> DTensor:
+        """The DTensor of an executor value (for DTensor's dispatch and for the gradients handed back)."""
+        if type(v) is Sharded:
+            return make_dtensor(v.t, self.mesh, _pls(v.strs), v.shape, _global_stride(v.t, v.shape))
         if isinstance(v, DTensor):
             return v
-        return make_dtensor(v, self.mesh, self.rep, v.shape if shape is None else shape,
-                            v.stride() if stride is None else stride)
+        return make_dtensor(v, self.mesh, self.rep, v.shape, v.stride())
 
     def _store(self, t):
-        """An op result for `env`: replicated DTensors are kept as their local tensor (under LocalTensorMode as one
-        plain tensor, checked equal on every simulated rank)."""
-        if isinstance(t, DTensor) and all(p == "R" for p in placement_strs(t)):
+        """A DTensor (parameter, input, DTensor op result) as an executor value."""
+        if not isinstance(t, DTensor):
+            return t
+        strs = placement_strs(t)
+        if all(p == "R" for p in strs):
             return collapse(local_of(t))
-        return t
+        return Sharded(local_of(t), strs, tuple(t.shape))
 
     def redistribute(self, v, src, dst):
-        local = local_of(v) if isinstance(v, DTensor) else v
-        local = redistribute_local(local, src, dst, self.mesh)
+        local = redistribute_local(_local(v), src, dst, self.mesh)
         now = executed_placements(src, dst)
         if all(p == "R" for p in now):
             return collapse(local)
-        shape, stride = (v.shape, v.stride())
-        return make_dtensor(local, self.mesh, [to_placement(s) for s in now], shape, stride)
+        return Sharded(local, now, tuple(v.shape))
 
     def _out_strides(self, it, vals):
-        """Global strides of a local-mode op's outputs: what the op gives on one device for the global input
-        layouts (its meta kernel), so later view/reshape ops see the layout the captured program had."""
-        key = tuple(tuple(v.stride()) for v in vals)
+        """Global strides of a replaced op's outputs (math attention): what the captured kernel gives on one device
+        for the global input layouts (its meta kernel), so later view/reshape ops see the captured layout."""
+        metas = [_gmeta(v) for v in vals]
+        key = tuple(m[1] for m in metas)
         got = it.strides.get(key)
         if got is None:
             with outside_local_tensor_mode():
-                metas = iter([torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta") for v in vals])
+                mi = iter([torch.empty_strided(sh, st, dtype=_local(v).dtype, device="meta")
+                           for (sh, st), v in zip(metas, vals)])
                 n = it.node
-                res = n.target(*map_refs(n.args, lambda r: next(metas)), **map_refs(n.kwargs, lambda r: next(metas)))
+                res = n.target(*map_refs(n.args, lambda r: next(mi)), **map_refs(n.kwargs, lambda r: next(mi)))
             got = it.strides[key] = [tuple(t.stride()) if isinstance(t, torch.Tensor) else None for t in _flat(res)]
         return got
 
-    def _wrap(self, t, pl, strs, meta):
+    def _wrap(self, t, strs, meta):
         if all(p == "R" for p in strs):
             return t
-        return make_dtensor(t, self.mesh, pl, meta.shape, _global_stride(t, meta.shape))
+        return Sharded(t, tuple(strs), tuple(meta.shape))
 
     def forward(self, params: dict, inputs: list, buffers: dict, keep: bool):
         g = self.g
@@ -287,7 +323,7 @@ class Program:
             if (g.loss.node, "loss") in self.red:          # the plan's reduction of the loss to Replicate
                 src, dst, _ = self.red[(g.loss.node, "loss")]
                 loss = self.redistribute(loss, src, dst)
-            if isinstance(loss, DTensor):
+            if type(loss) is Sharded:
                 raise ExecutionError(f"the plan leaves the loss at placement {list(self.loss_pl)} and plans no "
                                      f"reduction to Replicate; the global loss cannot be returned")
             out = loss.clone()
@@ -299,8 +335,10 @@ class Program:
         g = self.g
         env["seed"] = grad_loss
         with torch.no_grad():
-            self._run(self.bw, env)
-            grads = self._reduce_buckets(env)
+            handles: dict = {}
+            self._run(self.bw, env, {pos: (lambda bs=bs: [self._launch(i, env, handles) for i in bs])
+                                     for pos, bs in self.bucket_ready.items()})
+            grads = self._finish_buckets(env, handles)
             for fqn in self.grad_fqns:
                 if fqn in grads:
                     continue
@@ -311,65 +349,70 @@ class Program:
                     src, dst, _ = self.red[(p, "opt")]
                     v = self.redistribute(v, src, dst)
                 want = self.P[p].out[0]
-                v = self._dt(per_rank(v) if not isinstance(v, DTensor) else v)
+                v = self._dt(v if type(v) is Sharded else per_rank(v))
                 if placement_strs(v) != want:
                     raise ExecutionError(f"gradient of '{fqn}' is at {placement_strs(v)}, its parameter at {want}")
                 grads[fqn] = v
         env.clear()
         return grads
 
-    def _reduce_buckets(self, env) -> dict:
-        """The plan's gradient buckets, in order: one collective each (backends/comm.py reduce_bucket)."""
+    def _launch(self, i: int, env: dict, handles: dict):
+        """Issue gradient bucket i (one collective, backends/comm.py launch_bucket) as soon as the backward has
+        produced its last gradient, like DDP's reducer; the rest of the backward runs while it is in flight."""
+        g, b = self.g, self.plan.buckets[i]
+        vals = [_local(env[(g.grads[f].node, g.grads[f].out)]) for f in b["params"]]
+        handles[i] = launch_bucket(vals, self.mesh, b["mesh_dim"], b["from"], b["to"])
+
+    def _finish_buckets(self, env, handles) -> dict:
+        """Wait for the plan's gradient buckets, in order; each gradient at its parameter's placement."""
         g, out = self.g, {}
-        for b in self.plan.buckets:
-            vals = [env[(g.grads[f].node, g.grads[f].out)] for f in b["params"]]
-            reds = [self.red[(g.params[f], "opt")] for f in b["params"]]
-            locs = reduce_bucket([local_of(v) if isinstance(v, DTensor) else v for v in vals], self.mesh,
-                                 b["mesh_dim"], b["from"], b["to"])
-            for f, v, (src, dst, _), loc in zip(b["params"], vals, reds, locs):
+        for i, b in enumerate(self.plan.buckets):
+            if i not in handles:
+                self._launch(i, env, handles)
+            locs = finish_bucket(handles.pop(i))
+            for f, loc in zip(b["params"], locs):
+                src, dst, _ = self.red[(g.params[f], "opt")]
                 now = executed_placements(src, dst)
                 if now != self.P[g.params[f]].out[0]:
                     raise ExecutionError(f"gradient bucket leaves '{f}' at {now}, its parameter at "
                                          f"{self.P[g.params[f]].out[0]}")
-                shape = tuple(v.shape)
+                shape = tuple(g.meta(g.grads[f]).shape)
                 out[f] = make_dtensor(per_rank(collapse(loc)) if all(p == "R" for p in now) else loc, self.mesh,
-                                      [to_placement(s) for s in now], shape, _global_stride(loc, shape))
+                                      _pls(now), shape, _global_stride(loc, shape))
         return out
 
-    def _run(self, instrs, env):
-        for it in instrs:
+    def _run(self, instrs, env, launch=None):
+        for pos, it in enumerate(instrs):
             n = it.node
-            vals = []
-            for j, r in enumerate(n.inputs()):
-                v = env[(r.node, r.out)]
-                c = it.conv.get(j)
-                if c is not None:
-                    v = self.redistribute(v, c[0], c[1])
-                vals.append(v)
+            vals = [env[k] for k in it.keys]
+            for j, src, dst in it.conv:
+                vals[j] = self.redistribute(vals[j], src, dst)
             mode = it.mode
+            if mode == "local1":
+                args, kwargs = it.bind([v.t if type(v) is Sharded else v for v in vals])
+                t = _call(it.fn, args, kwargs)
+                if not isinstance(t, torch.Tensor):
+                    (t,) = _flat(t)
+                env[(n.idx, 0)] = t if it.out_r[0] else Sharded(t, it.expect[0], n.outs[0].shape)
+                for key in it.frees:
+                    env.pop(key, None)
+                if launch and pos in launch:
+                    launch[pos]()
+                continue
             if mode == "local":
-                local = [local_of(v) if isinstance(v, DTensor) else v for v in vals]
-                if it.fn is not n.target or n.target in (SDPA, SDPA_BW):   # fused kernels want unit inner stride
+                local = [v.t if type(v) is Sharded else v for v in vals]
+                if it.contig:
                     local = [t if t.stride(-1) == 1 else t.contiguous() for t in local]
-                li = iter(local)
-                args = map_refs(n.args, lambda r: next(li))
-                kwargs = map_refs(n.kwargs, lambda r: next(li))
+                args, kwargs = it.bind(local)
                 res = _call(it.fn, args, kwargs)
-                # a replacement (math attention) must hand on the captured kernel's memory layout, and a
-                # sharded output's DTensor needs the global strides: both from the op's meta kernel
-                swapped = it.fn is not n.target
-                strides = self._out_strides(it, vals) if swapped or any(s and s != self.rstrs for s in it.expect) \
-                    else None
-                outs = []
-                for k, (t, pl, s, m) in enumerate(zip(_flat(res), it.expect_pl, it.expect, n.outs)):
-                    if isinstance(t, torch.Tensor) and strides is not None:
-                        t = _in_layout(t, strides[k])
-                    outs.append(None if not isinstance(t, torch.Tensor) else t if s == self.rstrs else
-                                make_dtensor(t, self.mesh, pl, m.shape, strides[k]))
+                flat = [res] if isinstance(res, torch.Tensor) else _flat(res)
+                if it.swapped:          # a replacement must hand on the captured kernel's memory layout
+                    flat = [_in_layout(t, st) if isinstance(t, torch.Tensor) else t
+                            for t, st in zip(flat, self._out_strides(it, vals))]
+                outs = [None if not isinstance(t, torch.Tensor) else t if r else Sharded(t, s, m.shape)
+                        for t, r, s, m in zip(flat, it.out_r, it.expect, n.outs)]
             elif mode == "dtensor":
-                vi = iter([self._dt(v) for v in vals])
-                args = map_refs(n.args, lambda r: next(vi))
-                kwargs = map_refs(n.kwargs, lambda r: next(vi))
+                args, kwargs = it.bind([self._dt(v) for v in vals])
                 try:
                     res = _call(it.fn, args, kwargs)
                 except Exception as e:
@@ -390,20 +433,20 @@ class Program:
                     outs.append(t)
             elif mode == "factory":
                 res = it.fn(*_to_device(n.args, self.device), **_to_device(n.kwargs, self.device))
-                outs = [self._wrap(t, pl, s, m) if t is not None else None
-                        for t, pl, s, m in zip(_flat(res), it.expect_pl, it.expect, n.outs)]
+                outs = [self._wrap(t, s, m) if t is not None else None for t, s, m in zip(_flat(res), it.expect, n.outs)]
             else:   # seed: the gradient flowing into the loss, replicated, taken to the planned placement locally
                 seed = env["seed"].to(self.device).reshape(n.out.shape)
                 rep = ("R",) * self.mesh.ndim
                 if any(p[0] == "S" for p in it.expect[0]):
                     raise ExecutionError(f"{it.name}: the loss gradient is planned at {it.expect[0]}")
-                outs = [self._wrap(redistribute_local(seed, rep, it.expect[0], self.mesh), it.expect_pl[0],
-                                   it.expect[0], n.out)]
+                outs = [self._wrap(redistribute_local(seed, rep, it.expect[0], self.mesh), it.expect[0], n.out)]
             for k, t in enumerate(outs):
                 if t is not None:
                     env[(n.idx, k)] = t
             for key in it.frees:
                 env.pop(key, None)
+            if launch and pos in launch:
+                launch[pos]()
 
 
 def _call(fn, args, kwargs):
@@ -413,7 +456,7 @@ def _call(fn, args, kwargs):
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
-        if fn is not aten.view.default or "view size is not compatible" not in str(e):
+        if fn not in (aten.view.default, aten._unsafe_view.default) or "view size is not compatible" not in str(e):
             raise
         return fn(args[0].contiguous(), *args[1:], **kwargs)
 
@@ -447,4 +490,104 @@ def _flat(res) -> list:
 
 
 def _strs(v) -> tuple[str, ...]:
-    return placement_strs(v) if isinstance(v, DTensor) else ("R",)
+    return v.strs if type(v) is Sharded else placement_strs(v) if isinstance(v, DTensor) else ("R",)
+
+
+def _gmeta(v) -> tuple:
+    """(global shape, global strides) of an executor value."""
+    if type(v) is Sharded:
+        return tuple(v.shape), _global_stride(v.t, v.shape)
+    return tuple(v.shape), tuple(v.stride())
+
+
+_PLS: dict = {}
+
+
+def _pls(strs) -> tuple:
+    got = _PLS.get(strs)
+    if got is None:
+        got = _PLS[strs] = tuple(to_placement(p) for p in strs)
+    return got
+
+
+def _binder(args, kwargs):
+    """fn(values) -> (args, kwargs): the op's arguments with its tensor inputs (in `Node.inputs()` order) filled in.
+    Built once per instruction; the common case (tensors only as top-level positional args) is a list copy."""
+    tops = [i for i, a in enumerate(args) if isinstance(a, Ref)]
+    if len(tops) != sum(1 for a in flat_args(args, kwargs) if isinstance(a, Ref)):
+        def bind_nested(vals):
+            vi = iter(vals)
+            return map_refs(args, lambda r: next(vi)), map_refs(kwargs, lambda r: next(vi))
+        return bind_nested
+    base = list(args)
+
+    def bind(vals):
+        a = base.copy()
+        for i, v in zip(tops, vals):
+            a[i] = v
+        return a, kwargs
+    return bind
+
+
+def _local_shape(shape, strs, mesh_shape):
+    """The local shard's shape of a tensor of global `shape` at placements `strs` (None if a shard is uneven)."""
+    out = list(shape)
+    for p, k in zip(strs, mesh_shape):
+        if p[0] == "S":
+            d = int(p[1:])
+            if out[d] % k:
+                return None
+            out[d] //= k
+    return out
+
+
+def _arg(n, name):
+    """An op argument by schema name (positional, keyword or default)."""
+    for i, a in enumerate(n.target._schema.arguments):
+        if a.name == name:
+            if i < len(n.args):
+                return n.args[i]
+            return n.kwargs.get(name, a.default_value)
+    raise KeyError(name)
+
+
+def _sharded_dims(pl) -> set:
+    return {int(p[1:]) for p in pl if p[0] == "S"}
+
+
+_SIZE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+             aten.slice_backward.default}
+_ON_DIM = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default,
+           aten.select.int, aten.slice_backward.default}
+_NORM = {aten.native_layer_norm.default: 0, aten.native_layer_norm_backward.default: 1}
+
+
+def _local_args(g, n, ins, outs, mesh_shape):
+    """(args, kwargs) that run op `n` on local shards exactly, for ops whose global-shape arguments have a local
+    counterpart known ahead of time; None where only DTensor's dispatch can run it. The plan's strategy (DTensor's
+    own) fixes the placements; here: a size argument becomes the output's local shape (views, expand,
+    slice_backward), and ops that cut or normalize along a dim run unchanged when that dim is not sharded."""
+    op = n.target
+    if op not in _SIZE_ARG and op not in _ON_DIM and op not in _NORM:
+        return None
+    if any(p == "Pm" for pl in (*ins, *(o for o in outs if o)) for p in pl):
+        return None
+
+    def ndim(j):
+        r = n.inputs()[j]
+        return len(g.nodes[r.node].outs[r.out].shape)
+    if op in _ON_DIM:
+        cut, nd = (outs[0], len(n.out.shape)) if op is aten.slice_backward.default else (ins[0], ndim(0))
+        if _arg(n, "dim") % max(nd, 1) in _sharded_dims(cut):
+            return None
+    if op in _NORM:
+        x, k = _NORM[op], len(_arg(n, "normalized_shape"))
+        if any(d >= ndim(x) - k for pl in ins[:x + 1] for d in _sharded_dims(pl)):
+            return None
+    args = list(n.args)
+    if op in _SIZE_ARG:
+        local = _local_shape(n.out.shape, outs[0], mesh_shape)
+        if local is None:
+            return None
+        args[1] = local
+    return tuple(args), n.kwargs

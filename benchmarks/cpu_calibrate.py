@@ -7,9 +7,13 @@ what one rank gets while its peers compete for the same cores:
   * matmul FLOP/s per rank (fp32, transformer-shaped matmuls, all ranks busy at once);
   * memory bandwidth per rank (a large copy, all ranks at once);
   * the fixed time of one small eager op (dispatch and launch: what a roofline misses on tiny ops);
-  * collectives: all_reduce, all_gather, reduce_scatter and all_to_all over the world at sizes 4 KiB..16 MiB;
+  * collectives: all_reduce, all_gather, reduce_scatter and all_to_all over the world at sizes 4 KiB..16 MiB,
+    each timed INSIDE a busy program: every rank alternates a ~2 ms matmul and the collective, and the cost of a
+    collective is the time of that loop minus the time of the matmuls alone. That is what a collective costs in a
+    training step on this machine: with more ranks than cores a collective waits until every peer has been
+    scheduled again, which a collective timed alone after a barrier (also recorded, "isolated") does not show;
     alpha (seconds per ring step) and bw (bytes/s) are the least-squares fit of the cost model's own formula
-    (autopar/cost/comm.py: time = ring_steps * alpha + bytes_sent / bw) over all kinds and sizes.
+    (autopar/cost/comm.py: time = ring_steps * alpha + bytes_sent / bw) over all kinds and sizes of the busy runs.
 The JSON is a ClusterSpec (`autopar.plan(..., cluster=PATH)`); its "calibration" key holds the raw timings. The
 shipped `cpu-gloo` preset (autopar/cost/cluster.py) carries the figures of one run of this script on the
 reference 2-core CI machine.
@@ -46,6 +50,25 @@ def _median_time(fn, reps):
     return ts
 
 
+def _busy_time(op, work, reps, k=8):
+    """Seconds one collective adds to a program that computes between collectives: k rounds of (work, op) minus k
+    rounds of work alone, median over reps; each rank's view, the caller takes the max over ranks."""
+    both, alone = [], []
+    for _ in range(reps):
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(k):
+            work()
+            op()
+        both.append(time.perf_counter() - t)
+        dist.barrier()
+        t = time.perf_counter()
+        for _ in range(k):
+            work()
+        alone.append(time.perf_counter() - t)
+    return max(statistics.median(both) - statistics.median(alone), 0.0) / k
+
+
 def _worker(rank, world, port, out, quick):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -65,6 +88,11 @@ def _worker(rank, world, port, out, quick):
     dst = torch.empty_like(src)
     ts = _median_time(lambda: dst.copy_(src), reps)
     res["copy"].append(2 * src.numel() * 4 / statistics.median(ts))
+    wa, wb = torch.randn(384, 384), torch.randn(384, 384)
+
+    def work():                                 # ~2 ms of matmul on one rank while its peers run too
+        for _ in range(4):
+            wa @ wb
     for nbytes in SIZES[: 4 if quick else None]:
         full = torch.randn(nbytes // 4)
         shard = torch.randn(nbytes // 4 // world)
@@ -80,9 +108,10 @@ def _worker(rank, world, port, out, quick):
                 res["coll"].append({"kind": kind, "bytes": nbytes, "error": str(e).splitlines()[0]})
                 continue
             ts = _median_time(ops[kind], reps)
-            t = torch.tensor([statistics.median(ts)])
+            busy = _busy_time(ops[kind], work, reps)
+            t = torch.tensor([statistics.median(ts), busy])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            res["coll"].append({"kind": kind, "bytes": nbytes, "seconds": float(t)})
+            res["coll"].append({"kind": kind, "bytes": nbytes, "seconds": float(t[1]), "isolated_s": float(t[0])})
     if rank == 0:
         with open(out, "w") as f:
             json.dump(res, f)
