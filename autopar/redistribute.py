@@ -143,25 +143,28 @@ BUCKET_BYTES = 25 * 2**20      # DDP's default bucket_cap_mb
 
 
 @functools.lru_cache(maxsize=1 << 12)
-def bucket_step(src: tuple[str, ...], dst: tuple[str, ...]):
-    """(mesh_dim, from, to) when reducing a gradient from `src` to `dst` is one P -> R or P -> S(d) step that a
-    bucket can carry (no other mesh dim shards tensor dim d), else None."""
+def bucket_steps(src: tuple[str, ...], dst: tuple[str, ...]):
+    """The steps (mesh_dim, from, to) of reducing a gradient from `src` to `dst` when buckets can carry them, else
+    None: one P -> R or P -> S(d) step (no other mesh dim shards tensor dim d), or a chain of P -> R steps on
+    several mesh dims (data parallel over a 2-D mesh: one bucket per mesh dim, reduced one after the other)."""
     todo = steps(tuple(src), tuple(dst))
-    if len(todo) != 1:
+    if not todo:
         return None
+    if len(todo) > 1:
+        return tuple(todo) if all(a in ("P", "Pa") and b == "R" for _, a, b in todo) else None
     m, a, b = todo[0]
     if a not in ("P", "Pa") or not (b == "R" or b[0] == "S"):
         return None
     if b[0] == "S" and any(k != m and p == b for k, p in enumerate(src)):
         return None
-    return todo[0]
+    return tuple(todo)
 
 
 def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: int = 1) -> float:
     """Seconds a gradient reduction src -> dst adds to the step. In a bucket: its bandwidth plus its share of
     the bucket's latency, by bytes (a full bucket is BUCKET_BYTES) and at least 1/n_grads of one bucket (a
     model's gradients fill at least one); the prediction (autopar/predict.py) counts the real buckets."""
-    if bucket_step(tuple(src), tuple(dst)) is None:
+    if bucket_steps(tuple(src), tuple(dst)) is None:
         return redistribute_time(src, dst, meta, mesh_shape, cluster)
     links = _links(cluster, tuple(mesh_shape))
     share = max(meta.nbytes / BUCKET_BYTES, 1.0 / max(1, n_grads))

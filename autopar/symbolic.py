@@ -55,16 +55,16 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
         compute += t + dev.op_overhead
     comm = sympy.Integer(0)
     links = _links(state.cluster, tuple(mesh))
-    bucket_of = {f: k for k, bk in enumerate(state.buckets or []) for f in bk["params"]}
+    bucket_of = {f: k for k, bk in enumerate(state.buckets or []) for f in bk["params"] if bk.get("step", 0) == 0}
     bucket_bytes = [sympy.Integer(0) for _ in state.buckets or []]
     for (i, j), (src, dst, cs) in state.redistributes.items():
         r1 = g1.grads[g1.nodes[i].target] if j == "opt" else g1.nodes[i].inputs()[j]
         r2 = g2.grads[g2.nodes[i].target] if j == "opt" else g2.nodes[i].inputs()[j]
         m1, m2 = g1.meta(r1), g2.meta(r2)
         bk = bucket_of.get(g1.nodes[i].target) if j == "opt" else None
-        for c in cs:
-            if bk is not None:              # a gradient bucket: one collective of the summed size (below)
-                bucket_bytes[bk] += size(m1, m2, c.nbytes)
+        for step, c in enumerate(cs):
+            if bk is not None:              # a gradient bucket (chain): one collective of the summed size (below)
+                bucket_bytes[bk + step] += size(m1, m2, c.nbytes)
                 continue
             comm += collective_time(c.kind, size(m1, m2, c.nbytes), c.group, links[c.mesh_dim])
     for bk, nb in zip(state.buckets or [], bucket_bytes):

@@ -149,43 +149,46 @@ def apply_step(x: torch.Tensor, mesh, m: int, a: str, b: str) -> torch.Tensor:
     raise NotImplementedError(f"redistribute step {a} -> {b} on mesh dim {m}")
 
 
-def launch_bucket(xs: list, mesh, m: int, a: str, b: str):
-    """Issue one collective for a gradient bucket (passes/buckets.py) without waiting: every local shard in `xs`
-    takes the step a -> b (a partial, b "R" or "S<d>") on mesh dim m. The shards are copied into one flat buffer
-    (rank-major chunks for a reduce_scatter), as DDP copies gradients into its bucket. `finish_bucket` waits and
-    splits the result back (contiguous tensors, one per shard)."""
-    n, name = mesh.size(m), group_name(mesh, m)
-    xs = [per_rank(x) / n if a == "Pa" else per_rank(x) for x in xs]
-    if b == "R":
+def launch_bucket(xs: list, mesh, chain: list):
+    """Issue a gradient bucket (passes/buckets.py) and return without waiting for its last collective: every local
+    shard in `xs` takes the steps of `chain`, [(mesh_dim, from, to)]: one P -> R (all_reduce) or P -> S(d)
+    (reduce_scatter), or several P -> R on different mesh dims, run one after the other. The shards are copied
+    into one flat buffer (rank-major chunks for a reduce_scatter), as DDP copies gradients into its bucket, and
+    reduced in place. `finish_bucket` waits and splits the result back (one tensor per shard)."""
+    xs = [per_rank(x) for x in xs]
+    shapes = [tuple(x.shape) for x in xs]
+    if all(b == "R" for _, _, b in chain):
         flat = torch.cat([x.reshape(-1) for x in xs])          # a fresh buffer: reduced in place (no extra copy)
-        return b, _fn.all_reduce_(flat, "sum", name), [tuple(x.shape) for x in xs], n
-    d = int(b[1:])
+        for k, (m, a, _) in enumerate(chain):
+            if a == "Pa":
+                flat = flat / mesh.size(m)
+            flat = _fn.all_reduce_(flat, "sum", group_name(mesh, m))
+            if k + 1 < len(chain):
+                flat = _wait(flat, always=True)
+        return "R", flat, shapes, 1
+    (m, a, b), = chain
+    n, d = mesh.size(m), int(b[1:])
     fronts = []
     for x in xs:
         if x.shape[d] % n:
             raise ValueError(f"reduce_scatter of dim {d} (size {x.shape[d]}) over {n} ranks does not divide evenly")
-        fronts.append(_to_front(x, d))
+        fronts.append(_to_front(x / n if a == "Pa" else x, d))
     flat = torch.cat([f.reshape(n, -1) for f in fronts], dim=1).reshape(-1)      # rank r's chunks, rank by rank
-    return b, _fn.reduce_scatter_tensor(flat, "sum", n, name), [tuple(f.shape) for f in fronts], n
+    return b, _fn.reduce_scatter_tensor(flat, "sum", n, group_name(mesh, m)), [tuple(f.shape) for f in fronts], n
 
 
 def finish_bucket(handle) -> list:
+    """Wait for a launched bucket; its shards back, contiguous, in launch order."""
     b, out, shapes, n = handle
     if b == "R":
         flat = _wait(out, always=True)
-        sizes = [math.prod(s) for s in shapes]
-        return [y.view(s) for y, s in zip(torch.split(flat, sizes), shapes)]
+        return [y.view(s) for y, s in zip(torch.split(flat, [math.prod(s) for s in shapes]), shapes)]
     d = int(b[1:])
     mine = _wait(out)
     res = []
     for y, s in zip(torch.split(mine, [math.prod(s) // n for s in shapes]), shapes):
         res.append(_from_front(y.view([s[0] // n] + list(s[1:])), d))
     return res
-
-
-def reduce_bucket(xs: list, mesh, m: int, a: str, b: str) -> list:
-    """launch_bucket + finish_bucket: one gradient bucket reduced at once."""
-    return finish_bucket(launch_bucket(xs, mesh, m, a, b))
 
 
 def _from_replicate(x, mesh, m, b):

@@ -133,7 +133,7 @@ def attention_bw_math(gout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *
 
 class _Instr:
     __slots__ = ("node", "mode", "fn", "conv", "expect", "expect_pl", "frees", "name", "strides", "bind", "keys",
-                 "swapped", "contig", "out_r")
+                 "swapped", "contig", "out_r", "call", "fast")
 
 
 class Program:
@@ -198,13 +198,20 @@ class Program:
             it.bind = _binder(args, kwargs)
             if it.mode == "local" and not (it.contig or it.swapped) and len(n.outs) == 1 and outs[0] is not None:
                 it.mode = "local1"          # the common case, one tensor out: a shorter path in _run
+                it.call = getattr(it.fn, "_op", it.fn)      # the op's C++ entry (OpOverload.__call__ forwards to it)
+                it.fast = _fast_args(args, kwargs, it.fn)
             (self.fw if n.phase == "fw" else self.bw).append(it)
 
         pos = {it.node.idx: i for i, it in enumerate(self.bw)}
-        self.bucket_ready: dict[int, list[int]] = {}
+        self.chains: dict[int, list] = {}          # first bucket of a chain -> its buckets (one per step)
         for i, b in enumerate(plan.buckets):
-            at = max(pos.get(g.grads[f].node, len(self.bw) - 1) for f in b["params"])
+            self.chains.setdefault(b.get("chain", i), []).append(b)
+        self.bucket_ready: dict[int, list[int]] = {}
+        for i, bs in self.chains.items():
+            at = max(pos.get(g.grads[f].node, len(self.bw) - 1) for f in bs[0]["params"])
             self.bucket_ready.setdefault(at, []).append(i)
+        self.run_fw = self._compile(self.fw, ())
+        self.run_bw = self._compile(self.bw, self.bucket_ready)
 
     # ---- leaves ---------------------------------------------------------------------------------------------------
     def param_placement(self, fqn: str) -> tuple[str, ...]:
@@ -318,7 +325,7 @@ class Program:
                 env[(idx, 0)] = self._store(inputs[k])
             for idx, t in self.constants:
                 env[(idx, 0)] = t.to(self.device)
-            self._run(self.fw, env)
+            self.run_fw(env, None, self._run1)
             loss = env[(g.loss.node, g.loss.out)]
             if (g.loss.node, "loss") in self.red:          # the plan's reduction of the loss to Replicate
                 src, dst, _ = self.red[(g.loss.node, "loss")]
@@ -336,8 +343,8 @@ class Program:
         env["seed"] = grad_loss
         with torch.no_grad():
             handles: dict = {}
-            self._run(self.bw, env, {pos: (lambda bs=bs: [self._launch(i, env, handles) for i in bs])
-                                     for pos, bs in self.bucket_ready.items()})
+            self.run_bw(env, {pos: (lambda bs=bs: [self._launch(i, env, handles) for i in bs])
+                              for pos, bs in self.bucket_ready.items()}, self._run1)
             grads = self._finish_buckets(env, handles)
             for fqn in self.grad_fqns:
                 if fqn in grads:
@@ -357,20 +364,20 @@ class Program:
         return grads
 
     def _launch(self, i: int, env: dict, handles: dict):
-        """Issue gradient bucket i (one collective, backends/comm.py launch_bucket) as soon as the backward has
-        produced its last gradient, like DDP's reducer; the rest of the backward runs while it is in flight."""
-        g, b = self.g, self.plan.buckets[i]
-        vals = [_local(env[(g.grads[f].node, g.grads[f].out)]) for f in b["params"]]
-        handles[i] = launch_bucket(vals, self.mesh, b["mesh_dim"], b["from"], b["to"])
+        """Issue gradient bucket i (with the rest of its chain, backends/comm.py launch_bucket) as soon as the
+        backward has produced its last gradient, like DDP's reducer; the backward goes on while it is in flight."""
+        g, bs = self.g, self.chains[i]
+        vals = [_local(env[(g.grads[f].node, g.grads[f].out)]) for f in bs[0]["params"]]
+        handles[i] = launch_bucket(vals, self.mesh, [(b["mesh_dim"], b["from"], b["to"]) for b in bs])
 
     def _finish_buckets(self, env, handles) -> dict:
         """Wait for the plan's gradient buckets, in order; each gradient at its parameter's placement."""
         g, out = self.g, {}
-        for i, b in enumerate(self.plan.buckets):
+        for i, bs in self.chains.items():
             if i not in handles:
                 self._launch(i, env, handles)
             locs = finish_bucket(handles.pop(i))
-            for f, loc in zip(b["params"], locs):
+            for f, loc in zip(bs[0]["params"], locs):
                 src, dst, _ = self.red[(g.params[f], "opt")]
                 now = executed_placements(src, dst)
                 if now != self.P[g.params[f]].out[0]:
@@ -381,6 +388,43 @@ class Program:
                                       _pls(now), shape, _global_stride(loc, shape))
         return out
 
+    def _compile(self, instrs, launch_at):
+        """The instruction list as one straight-line Python function `run(env, L, run1)`: every local op with one
+        tensor output and no redistribute before it becomes a direct call of the aten op on local shards, with
+        constant arguments bound ahead of time and, since each value's placement is static, no test of whether an
+        input is sharded; anything else (redistributes, DTensor dispatch, factories) goes through `run1`, the
+        interpreter of one instruction; `L[pos]()` issues the gradient buckets ready after instruction pos."""
+        P = self.P
+        ns = {"Sharded": Sharded, "_callv": _callv}
+        sharded = lambda k: not all(p == "R" for p in P[k[0]].out[k[1]])      # what env holds for a value
+        lines = ["def run(env, L, run1):"]
+        for pos, it in enumerate(instrs):
+            n = it.node
+            if it.mode == "local1" and not it.conv and it.fast is not None:
+                rest, kwargs = it.fast
+                ins = [f"env[{k!r}].t" if sharded(k) else f"env[{k!r}]" for k in it.keys]
+                ns[f"C{pos}"], ns[f"R{pos}"], ns[f"W{pos}"] = it.call, rest, kwargs
+                args = ", ".join(ins + ([f"*R{pos}"] if rest else []) + ([f"**W{pos}"] if kwargs else []))
+                call = (f"_callv(C{pos}, ({', '.join(ins)},), R{pos}, W{pos})" if n.target in _VIEWS
+                        else f"C{pos}({args})")
+                if it.out_r[0]:
+                    lines.append(f"    env[{(n.idx, 0)!r}] = {call}")
+                else:
+                    ns[f"E{pos}"], ns[f"S{pos}"] = it.expect[0], n.outs[0].shape
+                    lines.append(f"    env[{(n.idx, 0)!r}] = Sharded({call}, E{pos}, S{pos})")
+                lines += [f"    env.pop({k!r}, None)" for k in it.frees]
+            else:
+                ns[f"I{pos}"] = it
+                lines.append(f"    run1(I{pos}, env)")
+            if pos in launch_at:
+                lines.append(f"    L[{pos}]()")
+        lines.append("    return env")
+        exec(compile("\n".join(lines), f"<autopar program: {len(instrs)} instructions>", "exec"), ns)
+        return ns["run"]
+
+    def _run1(self, it, env):
+        self._run((it,), env)
+
     def _run(self, instrs, env, launch=None):
         for pos, it in enumerate(instrs):
             n = it.node
@@ -390,7 +434,10 @@ class Program:
             mode = it.mode
             if mode == "local1":
                 args, kwargs = it.bind([v.t if type(v) is Sharded else v for v in vals])
-                t = _call(it.fn, args, kwargs)
+                try:
+                    t = it.call(*args, **kwargs)
+                except RuntimeError:
+                    t = _call(it.fn, args, kwargs)
                 if not isinstance(t, torch.Tensor):
                     (t,) = _flat(t)
                 env[(n.idx, 0)] = t if it.out_r[0] else Sharded(t, it.expect[0], n.outs[0].shape)
@@ -520,6 +567,9 @@ def _binder(args, kwargs):
             return map_refs(args, lambda r: next(vi)), map_refs(kwargs, lambda r: next(vi))
         return bind_nested
     base = list(args)
+    if tops == list(range(len(tops))):          # tensors first, then constants: one list concatenation
+        rest = base[len(tops):]
+        return lambda vals: (vals + rest, kwargs)
 
     def bind(vals):
         a = base.copy()
@@ -527,6 +577,26 @@ def _binder(args, kwargs):
             a[i] = v
         return a, kwargs
     return bind
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def _callv(fn, tensors, rest, kwargs):
+    """A view in compiled code: on an input laid out otherwise than on one device, from a contiguous copy."""
+    return _call(fn, [*tensors, *rest], kwargs)
+
+
+def _fast_args(args, kwargs, fn):
+    """(constant args after the tensors, kwargs) when the tensor inputs are exactly the leading positional args and
+    the op returns one Tensor (the compiled path), else None."""
+    tops = [i for i, a in enumerate(args) if isinstance(a, Ref)]
+    if tops != list(range(len(tops))) or len(tops) != sum(1 for a in flat_args(args, kwargs) if isinstance(a, Ref)):
+        return None
+    rets = getattr(fn, "_schema", None)
+    if rets is None or len(rets.returns) != 1 or str(rets.returns[0].type) != "Tensor":
+        return None
+    return tuple(args[len(tops):]), dict(kwargs)
 
 
 def _local_shape(shape, strs, mesh_shape):

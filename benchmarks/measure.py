@@ -10,7 +10,7 @@ Per mesh: every source is built on every rank (a failure is recorded for that so
     freed, between steps) + the peak of allocations minus frees during the step; the max over ranks;
   * `steps` timed rounds, interleaved (source A, B, C, A, B, C, ...): each step is timed on every rank between
     a barrier and its own end; the step time is the max over ranks; the row reports the median over rounds.
-Every step: forward (loss), backward, AdamW step (foreach), zero_grad(set_to_none=False).
+Every step: forward (loss), backward, AdamW step (foreach), zero_grad() (set_to_none, torch's default).
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class Run:
     def step(self):
         self.step_fn()
         self.opt.step()
-        self.opt.zero_grad(set_to_none=False)
+        self.opt.zero_grad(set_to_none=True)
 
     def state_bytes(self) -> int:
         from torch.distributed.tensor import DTensor
@@ -75,8 +75,13 @@ class Run:
 def _adamw(params):
     """The optimizer of every plan source: AdamW with the foreach implementation (torchtitan's default). On a CPU
     torch picks the per-tensor loop by default, which issues one DTensor dispatch per parameter and op for the
-    sources whose parameters are DTensors (FSDP2, TP, autopar) but not for DDP's plain tensors."""
-    return torch.optim.AdamW(params, lr=1e-4, foreach=True)
+    sources whose parameters are DTensors (FSDP2, TP, autopar) but not for DDP's plain tensors. A plan that leaves
+    some parameters plain tensors beside DTensors (TP of a model with unsharded embeddings) keeps the loop: the
+    foreach ops refuse the mix."""
+    from torch.distributed.tensor import DTensor
+    params = list(params)
+    kinds = {isinstance(p, DTensor) for p in params}
+    return torch.optim.AdamW(params, lr=1e-4, foreach=len(kinds) == 1)   # foreach ops take no Tensor/DTensor mix
 
 
 def build(source, cfg, mesh, world_mesh, x):

@@ -1,10 +1,12 @@
 """Pass: gradient buckets. Gradient reductions that are one P -> R (all_reduce) or P -> S(d) (reduce_scatter)
-collective on a mesh dim (autopar.redistribute.bucket_step) are grouped, as DDP and FSDP2 group them, into buckets
-of up to BUCKET_BYTES: gradients in the order the backward produces them, one bucket series per (mesh dim,
-from, to, dtype). Each bucket is one collective of the summed size; the executor issues exactly these."""
+collective on a mesh dim, or a chain of all_reduces over several mesh dims (autopar.redistribute.bucket_steps),
+are grouped, as DDP and FSDP2 group them, into buckets of up to BUCKET_BYTES: gradients in the order the backward
+produces them, one bucket series per (steps, dtype). Each bucket is one collective of the summed size; a chain is
+one bucket per step, over the same gradients ("chain": the index of its first bucket, "step" its position), run
+one after the other. The executor issues exactly these."""
 from __future__ import annotations
 
-from autopar.redistribute import BUCKET_BYTES, bucket_step
+from autopar.redistribute import BUCKET_BYTES, bucket_steps
 
 
 def run(state) -> None:
@@ -17,16 +19,18 @@ def run(state) -> None:
         if key not in state.redistributes:
             continue
         src, dst, cs = state.redistributes[key]
-        step = bucket_step(src, dst)
-        if step is None or len(cs) != 1:          # a size-1 mesh dim issues nothing; multi-step stays per tensor
+        todo = bucket_steps(src, dst)
+        if todo is None or len(cs) != len(todo):   # a size-1 mesh dim issues nothing
             continue
-        c = cs[0]
-        k = (step, str(g.meta(g.grads[fqn]).dtype))
-        b = open_.get(k)
-        if b is None or (b["bytes"] and b["bytes"] + c.nbytes > BUCKET_BYTES):
-            b = open_[k] = {"kind": c.kind, "mesh_dim": c.mesh_dim, "group": c.group, "from": step[1],
-                            "to": step[2], "dtype": k[1], "params": [], "bytes": 0}
-            buckets.append(b)
-        b["params"].append(fqn)
-        b["bytes"] += c.nbytes
+        k = (todo, str(g.meta(g.grads[fqn]).dtype))
+        chain = open_.get(k)
+        if chain is None or (chain[0]["bytes"] and chain[0]["bytes"] + cs[0].nbytes > BUCKET_BYTES):
+            first = len(buckets)
+            chain = open_[k] = [{"kind": c.kind, "mesh_dim": c.mesh_dim, "group": c.group, "from": st[1], "to": st[2],
+                                 "dtype": k[1], "params": [], "bytes": 0, "chain": first, "step": i}
+                                for i, (c, st) in enumerate(zip(cs, todo))]
+            buckets += chain
+        for b, c in zip(chain, cs):
+            b["params"].append(fqn)
+            b["bytes"] += c.nbytes
     state.buckets = buckets

@@ -78,17 +78,19 @@ _H200 = DeviceSpec("H200-SXM", dict(_H100.peak_flops), mem_bw=4.8e12, mem_bytes=
 _A100 = DeviceSpec("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
                    mem_bw=2.0e12, mem_bytes=80 * GB)
 # cpu-gloo: one rank of 4 gloo ranks sharing the 2-core reference (CI) machine, OMP_NUM_THREADS=1 each, as the
-# tests and benchmarks run them. Measured by `python benchmarks/cpu_calibrate.py` (results/cpu_gloo_calibrated.json,
-# rounded over runs): matmul 29-36 GFLOP/s, copy 4-6 GB/s, ~9 us per small eager op; a gloo collective costs
-# 2-9 ms even for 4 KiB (alpha ~0.6-0.8 ms per ring step) and moves ~0.5 GB/s. Calibrate your own machine with it.
-_CPU = DeviceSpec("cpu", {"fp32": 30e9, "bf16": 30e9, "fp16": 30e9}, mem_bw=4e9, mem_bytes=16 * GB,
+# tests and benchmarks run them. Measured by `python benchmarks/cpu_calibrate.py` (results/cpu_gloo_calibrated.json):
+# matmul ~27 GFLOP/s, copy ~4.5 GB/s per rank. A gloo collective timed inside a busy program (ranks computing between
+# collectives, as in a training step) costs 6-14 ms even for 4 KiB: with more ranks than cores it waits until every
+# peer is scheduled again; fit: alpha ~2.2 ms per ring step, ~0.67 GB/s. op_overhead is kept at 10 us, the
+# per-op cost of an interpreted step (the calibration's bare eager op is ~4 us). Calibrate your own machine with it.
+_CPU = DeviceSpec("cpu", {"fp32": 27e9, "bf16": 27e9, "fp16": 27e9}, mem_bw=4.5e9, mem_bytes=16 * GB,
                   matmul_eff=1.0, mem_eff=1.0, op_overhead=10e-6)
 
 _NVLINK4 = LinkSpec("nvlink4", alpha=3e-6, bw=450 * GB)       # seed: 450 GB/s, alpha 2-5 us
 _NVLINK3 = LinkSpec("nvlink3", alpha=3e-6, bw=300 * GB)
 _IB_NDR = LinkSpec("ib-ndr400", alpha=15e-6, bw=40 * GB)      # seed: 40 GB/s effective, alpha 10-20 us
 _IB_HDR = LinkSpec("ib-hdr200", alpha=15e-6, bw=25 * GB)
-_LOOP = LinkSpec("gloo-loopback", alpha=7e-4, bw=0.5 * GB)
+_LOOP = LinkSpec("gloo-loopback", alpha=2.2e-3, bw=0.67 * GB)
 
 CLUSTERS: dict[str, ClusterSpec] = {
   "h100": ClusterSpec("h100", _H100, 8, _NVLINK4, _IB_NDR),
