@@ -169,6 +169,23 @@ def test_vocab_sharded_embedding_masked_partial(mesh_shape):
     assert {"all_reduce", "all_gather", "reduce_scatter"} <= {c[0] for c in rep.measured}
 
 
+def test_one_device_mesh_with_a_masked_partial():
+    """A mesh of one device: the planner may label a lookup's output a masked partial of a Shard(0) table on the
+    size-1 dim; DTensor's embedding then masks nothing (its mask buffer is never filled) and the step must equal
+    the single-device one, with no collective."""
+    ov = dict(dim=16, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=8, tie_embeddings=False)
+    model = build_model("gpt2-small", device="cpu", seed=3, **ov)
+    x = example_inputs("gpt2-small", batch=1, seq=8, seed=4, **ov)
+    plan, state = autopar.plan(model, (1,), x, cluster="cpu-gloo", overlap=False, return_state=True)
+    assert any(n["placement"]["out"][0] == ["Pm"] for n in plan.nodes if n["name"].endswith(":embedding.default"))
+    ref = copy.deepcopy(model)
+    with simulated((1,)) as mesh:
+        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
+        rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
+    assert rep.ok, (rep.failures[:5], rep.collective_diff)
+    assert rep.measured == [] and plan.collectives() == []
+
+
 def test_parameters_keep_fqns_placements_and_tying():
     ov = dict(dim=8, n_layers=1, n_heads=2, vocab_size=16, max_seq_len=8)
     model = build_model("gpt2-tiny", device="cpu", seed=0, **ov)

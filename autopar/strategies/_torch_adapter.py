@@ -248,8 +248,10 @@ def unmask_partial(dt: DTensor) -> DTensor:
     if not any(type(p).__name__ == "_MaskPartial" for p in pls):
         return dt
     local = dt.to_local().clone()
-    for p in pls:
+    for m, p in enumerate(pls):
         if type(p).__name__ == "_MaskPartial":
+            if p.mask_buffer.data is None and dt.device_mesh.size(m) == 1:
+                continue            # one rank holds the whole table: DTensor masked nothing, nothing to zero
             p.mask_buffer.apply_mask(local)
             p.mask_buffer.release_mask()
     return DTensor.from_local(local, dt.device_mesh, [Partial() if type(p).__name__ == "_MaskPartial" else p
