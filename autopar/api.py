@@ -36,7 +36,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
          precision: TrainingPrecision | None = None, force: dict | None = None, replicate_ops=(),
          allow_replicate: bool = False, time_limit: float = 60.0, dump_after=(), return_state: bool = False,
          allow_bf16: bool = False, allow_checkpointing: bool = True, pipeline=None, pin=None,
-         overlap: bool = False) -> Plan:
+         overlap: bool = False, mip_rel_gap: float = 1e-3) -> Plan:
     """Plan how to run one training step of `model` on `mesh`.
 
     mesh: a DeviceMesh, a MeshSpec, 'AxB', or a shape tuple (meshes you do not have are fine).
@@ -55,6 +55,8 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
         reductions overlap compute (FSDP2's prefetch, DDP's bucketed all-reduce under the backward): step =
         compute + activation comm + what the compute cannot hide; the solver minimizes that with a Lagrangian
         search and local search (exact by branch and bound on small models, else reported with its gap).
+    mip_rel_gap: the MILP stops when its plan is within this relative gap of the proven bound (default 0.1%;
+        plan.solver reports objective, bound and gap); 0 proves optimality, which can take seconds longer.
     pipeline: "auto" (or a dict narrowing the search, see passes/stages.py) plans pipeline stages, submeshes,
         schedule and micro-batch count jointly with each stage's per-op plan; a mesh with a dim named "pp" does
         so too. The plan's `stages` and `schedule` are filled; `force` then names placements on the stage submesh.
@@ -92,6 +94,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
         state = PlanState(graph, mesh, cl, precision, budget,
                           {"force": force, "replicate_ops": [str(o) for o in replicate_ops],
                            "allow_replicate": allow_replicate, "time_limit": time_limit, "mixed_precision": mp,
+                           "mip_rel_gap": float(mip_rel_gap),
                            "allow_checkpointing": allow_checkpointing, "pin": pin, "overlap": bool(overlap)})
         try:
             run_passes(state, PASSES, dump_after=dump_after)

@@ -166,6 +166,7 @@ class Plan:
                                for c in r["collectives"])
                 lines.append(f"    input {r['input']}: [{','.join(r['src'])}] -> [{','.join(r['dst'])}]"
                              + (f"  in gradient bucket {r['bucket']}" if "bucket" in r else f"  {cs}" if cs
+                                else f"  (shares {r['shares'][0]} input {r['shares'][1]})" if "shares" in r
                                 else "  (local)"))
         if self.buckets:
             lines += ["", "gradient buckets (one collective each, issued after the backward in this order)"]

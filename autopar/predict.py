@@ -61,10 +61,13 @@ def predict(state):
             r = nodes[i].inputs()[j]
             meta = g.meta(r)
             cls = "param" if param_root(g, r.node) is not None else "act"
-        t = redistribute_time(src, dst, meta, mesh_shape, cluster)
+        shared = (state.shares or {}).get((i, j))
+        t = 0.0 if shared else redistribute_time(src, dst, meta, mesh_shape, cluster)
         comm[cls] += t
         red_by_node.setdefault(i, []).append({"input": j, "src": list(src), "dst": list(dst), "time_s": t,
                                               "collectives": [c.to_json() for c in cs], "class": cls})
+        if shared:
+            red_by_node[i][-1]["shares"] = [nodes[shared[0]].name, shared[1]]
         if cls != "act":     # which parameter this gather / gradient reduction is for (backends group them)
             red_by_node[i][-1]["param"] = nodes[i].target if j == "opt" else param_root(g, r.node)
         for c in cs:

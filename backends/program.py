@@ -161,14 +161,24 @@ class Program:
         for key, i in last.items():
             if g.nodes[key[0]].kind == "op":
                 frees.setdefault(i, []).append(key)
+        # shared redistributes (passes/redistribute.py): the first consumer keeps its result in env under a key of
+        # its own ("store"), the others read it ("load"); it is freed after the last of them
+        conv_share, last_share = {}, {}
+        for (c, j), (c0, j0) in sorted((state.shares or {}).items()):
+            r = g.nodes[c0].inputs()[j0]
+            ck = ("shared", r.node, r.out, self.P[c0].ins[j0])
+            conv_share[(c0, j0)], conv_share[(c, j)] = ("store", ck), ("load", ck)
+            last_share[ck] = max(last_share.get(ck, c), c)
+        for ck, c in last_share.items():
+            frees.setdefault(c, []).append(ck)
         self.fw, self.bw = [], []
         for n in g.ops():
             ins = self.P[n.idx].ins
             outs = self.P[n.idx].out
             it = _Instr()
             it.node, it.name = n, f"{n.name} (module '{n.module or '<root>'}')"
-            it.conv = [(j, self.P[r.node].out[r.out], ins[j]) for j, r in enumerate(n.inputs())
-                       if (n.idx, j) in self.red]
+            it.conv = [(j, self.P[r.node].out[r.out], ins[j], conv_share.get((n.idx, j)))
+                       for j, r in enumerate(n.inputs()) if (n.idx, j) in self.red]
             it.expect = outs
             it.expect_pl = [None if o is None else tuple(to_placement(s) for s in o) for o in outs]
             it.frees = frees.get(n.idx, [])
@@ -405,7 +415,8 @@ class Program:
                 ins = [f"env[{k!r}].t" if sharded(k) else f"env[{k!r}]" for k in it.keys]
                 ns[f"C{pos}"], ns[f"R{pos}"], ns[f"W{pos}"] = it.call, rest, kwargs
                 args = ", ".join(ins + ([f"*R{pos}"] if rest else []) + ([f"**W{pos}"] if kwargs else []))
-                call = (f"_callv(C{pos}, ({', '.join(ins)},), R{pos}, W{pos})" if n.target in _VIEWS
+                ns[f"F{pos}"] = it.fn
+                call = (f"_callv(F{pos}, ({', '.join(ins)},), R{pos}, W{pos})" if n.target in _VIEWS
                         else f"C{pos}({args})")
                 if it.out_r[0]:
                     lines.append(f"    env[{(n.idx, 0)!r}] = {call}")
@@ -429,8 +440,13 @@ class Program:
         for pos, it in enumerate(instrs):
             n = it.node
             vals = [env[k] for k in it.keys]
-            for j, src, dst in it.conv:
-                vals[j] = self.redistribute(vals[j], src, dst)
+            for j, src, dst, share in it.conv:
+                if share is None:
+                    vals[j] = self.redistribute(vals[j], src, dst)
+                elif share[0] == "load":
+                    vals[j] = env[share[1]]
+                else:
+                    vals[j] = env[share[1]] = self.redistribute(vals[j], src, dst)
             mode = it.mode
             if mode == "local1":
                 args, kwargs = it.bind([v.t if type(v) is Sharded else v for v in vals])
@@ -505,7 +521,7 @@ def _call(fn, args, kwargs):
     except RuntimeError as e:
         if fn not in (aten.view.default, aten._unsafe_view.default) or "view size is not compatible" not in str(e):
             raise
-        return fn(args[0].contiguous(), *args[1:], **kwargs)
+        return fn(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
 
 
 _LOCAL_OK: dict = {}

@@ -6,13 +6,19 @@ search; among the plans it finds the one with the lowest full prediction is kept
 
 The MILP's memory row counts model state and saved activations; the true peak also holds transients (the
 liveness peak of the fw+bw order). When the chosen plan's liveness peak exceeds the budget, the row is
-tightened by the excess and the model solved again (at most 4 rounds), so the plan returned fits the budget."""
+tightened by the excess and the model solved again (at most 4 rounds), so the plan returned fits the budget.
+
+Plans are solved to a relative gap of MIP_GAP (0.1%, the `mip_rel_gap` option): the plan's objective is within
+that of the proven bound, both reported in `plan.solver`. On the 8B shape the LP relaxation leaves ~16 of 90
+groups fractional with a 0.08% integrality gap; proving the last 0.08% costs HiGHS's root cuts ~4 s."""
 from __future__ import annotations
 
 import numpy as np
 
 from autopar.predict import liveness_peak, state_bytes
 from autopar.solver import InfeasibleMemoryError, min_memory, solve
+
+MIP_GAP = 1e-3
 
 
 def run(state) -> None:
@@ -29,7 +35,8 @@ def run(state) -> None:
     row_budget = state.budget
     for _ in range(4):
         res = solve(lin, edges, [(mem_rows, row_budget)], time_limit=state.options.get("time_limit", 60.0),
-                    overlap=overlap, lambda_search_s=float("inf") if thorough else 0.0)
+                    mip_rel_gap=state.options.get("mip_rel_gap", MIP_GAP), overlap=overlap,
+                    lambda_search_s=float("inf") if thorough else 0.0)
         placement = _expand(state, res)
         peak = state_bytes(state.graph, placement, state.mesh.shape, state.precision) + \
             liveness_peak(state.graph, placement, state.mesh.shape, state.recompute)

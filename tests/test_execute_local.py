@@ -169,6 +169,30 @@ def test_vocab_sharded_embedding_masked_partial(mesh_shape):
     assert {"all_reduce", "all_gather", "reduce_scatter"} <= {c[0] for c in rep.measured}
 
 
+def test_consumers_of_one_value_share_its_redistribute():
+    """Megatron TP with sequence-parallel norms: the normed activation, sequence-sharded, is gathered once for
+    wq, wk and wv (and once for w1, w3), not once per projection. The plan lists the shared redistributes with no
+    collectives of their own, the step issues exactly the plan's collectives, and it equals one device."""
+    ov = dict(dim=8, n_layers=1, n_heads=2, n_kv_heads=2, vocab_size=16, ffn_dim=8)
+    model = build_model("llama-tiny", device="cpu", seed=5, **ov)
+    x = example_inputs("llama-tiny", batch=2, seq=4, seed=6, **ov)
+    force = tp_force(model, (2,))
+    pin = lambda n: {0: "S1"} if n.module.endswith(("attention_norm", "ffn_norm")) and n.phase == "fw" and \
+        n.out is not None and len(n.out.shape) == 3 else None       # sequence-parallel norms, as torchtitan
+    plan, state = autopar.plan(model, (2,), x, cluster=SHAPES, overlap=False, force=force, pin=pin,
+                               return_state=True)
+    shared = [(nd["name"], r) for nd in plan.nodes for r in nd.get("redistribute", []) if "shares" in r]
+    assert len(shared) >= 3, [nd["name"] for nd, _ in shared]
+    assert all(r["collectives"] == [] for _, r in shared)
+    assert "(shares %" in plan.dump()
+    ref = copy.deepcopy(model)
+    with simulated((2,)) as mesh:
+        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
+        rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
+    assert rep.ok, (rep.failures[:5], rep.collective_diff)
+    assert len(rep.measured) == len(plan.collectives())
+
+
 def test_one_device_mesh_with_a_masked_partial():
     """A mesh of one device: the planner may label a lookup's output a masked partial of a Shard(0) table on the
     size-1 dim; DTensor's embedding then masks nothing (its mask buffer is never filled) and the step must equal
