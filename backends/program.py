@@ -5,14 +5,19 @@ op runs, the placement of each output the plan expects, and which values die aft
   - "dtensor": the aten op on DTensor inputs at the plan's placements. DTensor rewrites global shape arguments
     (view/reshape/expand sizes, embedding with a sharded vocab, reductions over sharded dims) to the local shard;
     the output placement must equal the plan's or the run stops with ExecutionError.
-  - "local": the op on the local shards, re-wrapped at the planned placement. Used where that is exact by
-    construction: every input and output replicated; attention (batch- or head-sharded, autopar's own rule); and
-    every op whose arguments carry no global shape (pointwise, matmuls, reductions over dims, transposes,
-    softmax...: `_local_exact`), where DTensor's dispatch would run the same local op.
+  - "local": the op on the local shards, its output kept at the planned placement (a `Sharded` value: local
+    tensor, placements, global shape; no DTensor is built). Used where that is exact by construction: every
+    input and output replicated; attention (batch- or head-sharded, autopar's own rule); every op whose
+    arguments carry no global shape (pointwise, matmuls, reductions over dims, transposes, softmax...:
+    `_local_exact`), where DTensor's dispatch would run the same local op; and ops whose global-shape argument
+    has a local counterpart known ahead (`_local_args`: view/reshape/expand with the output's local shape,
+    split/slice/select/layer_norm along an unsharded dim).
     Attention runs the captured CPU kernel on CPU; on other devices an exact math formulation with the same
     (out, logsumexp) contract, since the CPU kernel does not exist there.
   - "factory": arange/zeros/... with the meta device of the capture replaced by the mesh's device.
   - "seed": `ones_like(loss)`, where the backward starts, takes the incoming gradient of the loss.
+Each instruction list is compiled once to a straight-line Python function (`_compile`); gradient buckets are
+issued from it as soon as their last gradient exists.
 """
 from __future__ import annotations
 
@@ -21,11 +26,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten
 
 from autopar.capture import SDPA, SDPA_BW
-from autopar.graph import Ref, flat_args, map_refs
+from autopar.graph import map_refs
 from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor, outside_local_tensor_mode, per_rank, to_placement,
                                               to_str, unmask_partial)
 
 from .comm import executed_placements, finish_bucket, launch_bucket, redistribute_local
+from .local_ops import (VIEWS, attention_bw_math, attention_fw_math, binder, call_op, call_view, fast_args,
+                        local_args, local_exact)
 
 aten = torch.ops.aten
 
@@ -98,39 +105,6 @@ def _to_device(a, device):
     return a
 
 
-# ---- attention on devices without the captured CPU kernel ----------------------------------------------------------
-
-def _scores(q, k, is_causal, scale):
-    s = scale if scale is not None else q.shape[-1] ** -0.5
-    scores = (q.float() @ k.float().transpose(-2, -1)) * s
-    if is_causal:
-        L, S = q.shape[-2], k.shape[-2]
-        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
-    return scores, s
-
-
-def attention_fw_math(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    """(out, logsumexp) of softmax(q k^T * scale [causal]) v, the contract of the CPU flash kernel."""
-    if dropout_p or attn_mask is not None:
-        raise ExecutionError("attention with dropout or a mask is not supported by the math mapping")
-    scores, _ = _scores(q, k, is_causal, scale)
-    lse = torch.logsumexp(scores, dim=-1)
-    p = torch.exp(scores - lse.unsqueeze(-1))
-    return (p @ v.float()).to(q.dtype), lse
-
-
-def attention_bw_math(gout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    scores, s = _scores(q, k, is_causal, scale)
-    p = torch.exp(scores - lse.float().unsqueeze(-1))
-    go = gout.float()
-    dv = p.transpose(-2, -1) @ go
-    ds = p * (go @ v.float().transpose(-2, -1) - (go * out.float()).sum(-1, keepdim=True))
-    dq = (ds @ k.float()) * s
-    dk = (ds.transpose(-2, -1) @ q.float()) * s
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
 class _Instr:
     __slots__ = ("node", "mode", "fn", "conv", "expect", "expect_pl", "frees", "name", "strides", "bind", "keys",
                  "swapped", "contig", "out_r", "call", "fast")
@@ -196,20 +170,20 @@ class Program:
                 it.mode, it.contig = "local", True        # fused kernels want unit inner stride
                 if math:
                     it.fn, it.swapped = (attention_fw_math if n.target is SDPA else attention_bw_math), True
-            elif all_r or _local_exact(n, ins, outs):
+            elif all_r or local_exact(n, ins, outs):
                 it.mode = "local"
             else:
-                local = _local_args(g, n, ins, outs, tuple(mesh.shape))
+                local = local_args(g, n, ins, outs, tuple(mesh.shape))
                 if local is not None:
                     it.mode, (args, kwargs) = "local", local
                 else:
                     it.mode = "dtensor"
             it.keys = [(r.node, r.out) for r in n.inputs()]
-            it.bind = _binder(args, kwargs)
+            it.bind = binder(args, kwargs)
             if it.mode == "local" and not (it.contig or it.swapped) and len(n.outs) == 1 and outs[0] is not None:
                 it.mode = "local1"          # the common case, one tensor out: a shorter path in _run
                 it.call = getattr(it.fn, "_op", it.fn)      # the op's C++ entry (OpOverload.__call__ forwards to it)
-                it.fast = _fast_args(args, kwargs, it.fn)
+                it.fast = fast_args(args, kwargs, it.fn)
             (self.fw if n.phase == "fw" else self.bw).append(it)
 
         pos = {it.node.idx: i for i, it in enumerate(self.bw)}
@@ -405,7 +379,7 @@ class Program:
         input is sharded; anything else (redistributes, DTensor dispatch, factories) goes through `run1`, the
         interpreter of one instruction; `L[pos]()` issues the gradient buckets ready after instruction pos."""
         P = self.P
-        ns = {"Sharded": Sharded, "_callv": _callv}
+        ns = {"Sharded": Sharded, "call_view": call_view}
         sharded = lambda k: not all(p == "R" for p in P[k[0]].out[k[1]])      # what env holds for a value
         lines = ["def run(env, L, run1):"]
         for pos, it in enumerate(instrs):
@@ -416,7 +390,7 @@ class Program:
                 ns[f"C{pos}"], ns[f"R{pos}"], ns[f"W{pos}"] = it.call, rest, kwargs
                 args = ", ".join(ins + ([f"*R{pos}"] if rest else []) + ([f"**W{pos}"] if kwargs else []))
                 ns[f"F{pos}"] = it.fn
-                call = (f"_callv(F{pos}, ({', '.join(ins)},), R{pos}, W{pos})" if n.target in _VIEWS
+                call = (f"call_view(F{pos}, ({', '.join(ins)},), R{pos}, W{pos})" if n.target in VIEWS
                         else f"C{pos}({args})")
                 if it.out_r[0]:
                     lines.append(f"    env[{(n.idx, 0)!r}] = {call}")
@@ -453,7 +427,7 @@ class Program:
                 try:
                     t = it.call(*args, **kwargs)
                 except RuntimeError:
-                    t = _call(it.fn, args, kwargs)
+                    t = call_op(it.fn, args, kwargs)
                 if not isinstance(t, torch.Tensor):
                     (t,) = _flat(t)
                 env[(n.idx, 0)] = t if it.out_r[0] else Sharded(t, it.expect[0], n.outs[0].shape)
@@ -467,7 +441,7 @@ class Program:
                 if it.contig:
                     local = [t if t.stride(-1) == 1 else t.contiguous() for t in local]
                 args, kwargs = it.bind(local)
-                res = _call(it.fn, args, kwargs)
+                res = call_op(it.fn, args, kwargs)
                 flat = [res] if isinstance(res, torch.Tensor) else _flat(res)
                 if it.swapped:          # a replacement must hand on the captured kernel's memory layout
                     flat = [_in_layout(t, st) if isinstance(t, torch.Tensor) else t
@@ -477,7 +451,7 @@ class Program:
             elif mode == "dtensor":
                 args, kwargs = it.bind([self._dt(v) for v in vals])
                 try:
-                    res = _call(it.fn, args, kwargs)
+                    res = call_op(it.fn, args, kwargs)
                 except Exception as e:
                     raise ExecutionError(f"{it.name} failed on DTensors with input placements "
                                          f"{[_strs(v) for v in vals]}: {type(e).__name__}: {e}") from e
@@ -512,38 +486,6 @@ class Program:
                 launch[pos]()
 
 
-def _call(fn, args, kwargs):
-    """Run one op. A view whose input has another memory layout here than on one device (a gathered shard, a
-    kernel's output order) cannot alias it; no value is mutated in place in a captured step (capture rejects
-    in-place ops), so the same values from a contiguous copy are exact."""
-    try:
-        return fn(*args, **kwargs)
-    except RuntimeError as e:
-        if fn not in (aten.view.default, aten._unsafe_view.default) or "view size is not compatible" not in str(e):
-            raise
-        return fn(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
-
-
-_LOCAL_OK: dict = {}
-
-
-def _local_exact(n, ins, outs) -> bool:
-    """Does the op, run on its inputs' local shards, give its planned output shard with nothing else to do? True
-    when no argument depends on the global shape (no SymInt / SymInt[] in the schema: sizes, split points,
-    padding indices), the op draws no random numbers, mutates nothing and takes no device, and no value is a
-    masked partial. The plan's strategy (from DTensor's registry or autopar's rules) guarantees that shards are
-    even and that sharded dims are ones the op keeps apart, which is all DTensor's dispatch relies on for these
-    ops; running them locally skips DTensor's per-op dispatch (~0.1 ms per op on a CPU)."""
-    op = n.target
-    ok = _LOCAL_OK.get(op)
-    if ok is None:
-        s = op._schema
-        args = str(s).split(") ->")[0]                 # the schema text keeps SymInt (Python's types erase it)
-        ok = _LOCAL_OK[op] = (not s.is_mutable and torch.Tag.nondeterministic_seeded not in op.tags and
-                              "SymInt" not in args and "Device" not in args)
-    return ok and not any(p == "Pm" for pl in (*ins, *(o for o in outs if o)) for p in pl)
-
-
 def _flat(res) -> list:
     if isinstance(res, torch.Tensor):
         return [res]
@@ -571,109 +513,3 @@ def _pls(strs) -> tuple:
     if got is None:
         got = _PLS[strs] = tuple(to_placement(p) for p in strs)
     return got
-
-
-def _binder(args, kwargs):
-    """fn(values) -> (args, kwargs): the op's arguments with its tensor inputs (in `Node.inputs()` order) filled in.
-    Built once per instruction; the common case (tensors only as top-level positional args) is a list copy."""
-    tops = [i for i, a in enumerate(args) if isinstance(a, Ref)]
-    if len(tops) != sum(1 for a in flat_args(args, kwargs) if isinstance(a, Ref)):
-        def bind_nested(vals):
-            vi = iter(vals)
-            return map_refs(args, lambda r: next(vi)), map_refs(kwargs, lambda r: next(vi))
-        return bind_nested
-    base = list(args)
-    if tops == list(range(len(tops))):          # tensors first, then constants: one list concatenation
-        rest = base[len(tops):]
-        return lambda vals: (vals + rest, kwargs)
-
-    def bind(vals):
-        a = base.copy()
-        for i, v in zip(tops, vals):
-            a[i] = v
-        return a, kwargs
-    return bind
-
-
-_VIEWS = (aten.view.default, aten._unsafe_view.default)
-
-
-def _callv(fn, tensors, rest, kwargs):
-    """A view in compiled code: on an input laid out otherwise than on one device, from a contiguous copy."""
-    return _call(fn, [*tensors, *rest], kwargs)
-
-
-def _fast_args(args, kwargs, fn):
-    """(constant args after the tensors, kwargs) when the tensor inputs are exactly the leading positional args and
-    the op returns one Tensor (the compiled path), else None."""
-    tops = [i for i, a in enumerate(args) if isinstance(a, Ref)]
-    if tops != list(range(len(tops))) or len(tops) != sum(1 for a in flat_args(args, kwargs) if isinstance(a, Ref)):
-        return None
-    rets = getattr(fn, "_schema", None)
-    if rets is None or len(rets.returns) != 1 or str(rets.returns[0].type) != "Tensor":
-        return None
-    return tuple(args[len(tops):]), dict(kwargs)
-
-
-def _local_shape(shape, strs, mesh_shape):
-    """The local shard's shape of a tensor of global `shape` at placements `strs` (None if a shard is uneven)."""
-    out = list(shape)
-    for p, k in zip(strs, mesh_shape):
-        if p[0] == "S":
-            d = int(p[1:])
-            if out[d] % k:
-                return None
-            out[d] //= k
-    return out
-
-
-def _arg(n, name):
-    """An op argument by schema name (positional, keyword or default)."""
-    for i, a in enumerate(n.target._schema.arguments):
-        if a.name == name:
-            if i < len(n.args):
-                return n.args[i]
-            return n.kwargs.get(name, a.default_value)
-    raise KeyError(name)
-
-
-def _sharded_dims(pl) -> set:
-    return {int(p[1:]) for p in pl if p[0] == "S"}
-
-
-_SIZE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-             aten.slice_backward.default}
-_ON_DIM = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default,
-           aten.select.int, aten.slice_backward.default}
-_NORM = {aten.native_layer_norm.default: 0, aten.native_layer_norm_backward.default: 1}
-
-
-def _local_args(g, n, ins, outs, mesh_shape):
-    """(args, kwargs) that run op `n` on local shards exactly, for ops whose global-shape arguments have a local
-    counterpart known ahead of time; None where only DTensor's dispatch can run it. The plan's strategy (DTensor's
-    own) fixes the placements; here: a size argument becomes the output's local shape (views, expand,
-    slice_backward), and ops that cut or normalize along a dim run unchanged when that dim is not sharded."""
-    op = n.target
-    if op not in _SIZE_ARG and op not in _ON_DIM and op not in _NORM:
-        return None
-    if any(p == "Pm" for pl in (*ins, *(o for o in outs if o)) for p in pl):
-        return None
-
-    def ndim(j):
-        r = n.inputs()[j]
-        return len(g.nodes[r.node].outs[r.out].shape)
-    if op in _ON_DIM:
-        cut, nd = (outs[0], len(n.out.shape)) if op is aten.slice_backward.default else (ins[0], ndim(0))
-        if _arg(n, "dim") % max(nd, 1) in _sharded_dims(cut):
-            return None
-    if op in _NORM:
-        x, k = _NORM[op], len(_arg(n, "normalized_shape"))
-        if any(d >= ndim(x) - k for pl in ins[:x + 1] for d in _sharded_dims(pl)):
-            return None
-    args = list(n.args)
-    if op in _SIZE_ARG:
-        local = _local_shape(n.out.shape, outs[0], mesh_shape)
-        if local is None:
-            return None
-        args[1] = local
-    return tuple(args), n.kwargs

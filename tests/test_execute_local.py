@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import autopar
 from _simulated import simulated
 from autopar.backends.comm import CommCounter, compare, redistribute_local
-from autopar.backends.program import attention_bw_math, attention_fw_math
+from autopar.backends.local_ops import attention_bw_math, attention_fw_math
 from autopar.backends.verify import fsdp_force, fsdp_tp_force, tp_force, train_and_compare
 from autopar.graph import TensorMeta
 from autopar.models import build_model, example_inputs

@@ -1,0 +1,190 @@
+"""How one captured op runs on this rank's local shards (backends/program.py compiles these into its program).
+
+`local_exact`: ops whose arguments carry no global shape run unchanged on the shards. `local_args`: ops whose
+global-shape argument has a local counterpart known ahead of time (a view's size becomes the output's local
+shape; a cut or a norm along an unsharded dim runs unchanged). `binder` / `fast_args`: an op's arguments bound
+once per instruction. `call_op`: one op, with the fallback for views on inputs laid out otherwise than on one
+device. `attention_*_math`: the CPU flash-attention contract as exact math, for devices without that kernel.
+"""
+from __future__ import annotations
+
+import torch
+
+from autopar.graph import Ref, flat_args, map_refs
+
+aten = torch.ops.aten
+
+
+class LocalOpError(RuntimeError):
+    """Raised by the attention math mapping for options it does not cover."""
+
+
+# ---- attention on devices without the captured CPU kernel ----------------------------------------------------------
+
+def _scores(q, k, is_causal, scale):
+    s = scale if scale is not None else q.shape[-1] ** -0.5
+    scores = (q.float() @ k.float().transpose(-2, -1)) * s
+    if is_causal:
+        L, S = q.shape[-2], k.shape[-2]
+        keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    return scores, s
+
+
+def attention_fw_math(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    """(out, logsumexp) of softmax(q k^T * scale [causal]) v, the contract of the CPU flash kernel."""
+    if dropout_p or attn_mask is not None:
+        raise LocalOpError("attention with dropout or a mask is not supported by the math mapping")
+    scores, _ = _scores(q, k, is_causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    p = torch.exp(scores - lse.unsqueeze(-1))
+    return (p @ v.float()).to(q.dtype), lse
+
+
+def attention_bw_math(gout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+    scores, s = _scores(q, k, is_causal, scale)
+    p = torch.exp(scores - lse.float().unsqueeze(-1))
+    go = gout.float()
+    dv = p.transpose(-2, -1) @ go
+    ds = p * (go @ v.float().transpose(-2, -1) - (go * out.float()).sum(-1, keepdim=True))
+    dq = (ds @ k.float()) * s
+    dk = (ds.transpose(-2, -1) @ q.float()) * s
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def call_op(fn, args, kwargs):
+    """Run one op. A view whose input has another memory layout here than on one device (a gathered shard, a
+    kernel's output order) cannot alias it; no value is mutated in place in a captured step (capture rejects
+    in-place ops), so the same values from a contiguous copy are exact."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as e:
+        if fn not in (aten.view.default, aten._unsafe_view.default) or "view size is not compatible" not in str(e):
+            raise
+        return fn(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
+
+
+_LOCAL_OK: dict = {}
+
+
+def local_exact(n, ins, outs) -> bool:
+    """Does the op, run on its inputs' local shards, give its planned output shard with nothing else to do? True
+    when no argument depends on the global shape (no SymInt / SymInt[] in the schema: sizes, split points,
+    padding indices), the op draws no random numbers, mutates nothing and takes no device, and no value is a
+    masked partial. The plan's strategy (from DTensor's registry or autopar's rules) guarantees that shards are
+    even and that sharded dims are ones the op keeps apart, which is all DTensor's dispatch relies on for these
+    ops; running them locally skips DTensor's per-op dispatch (~0.1 ms per op on a CPU)."""
+    op = n.target
+    ok = _LOCAL_OK.get(op)
+    if ok is None:
+        s = op._schema
+        args = str(s).split(") ->")[0]                 # the schema text keeps SymInt (Python's types erase it)
+        ok = _LOCAL_OK[op] = (not s.is_mutable and torch.Tag.nondeterministic_seeded not in op.tags and
+                              "SymInt" not in args and "Device" not in args)
+    return ok and not any(p == "Pm" for pl in (*ins, *(o for o in outs if o)) for p in pl)
+
+
+def binder(args, kwargs):
+    """fn(values) -> (args, kwargs): the op's arguments with its tensor inputs (in `Node.inputs()` order) filled in.
+    Built once per instruction; the common case (tensors only as top-level positional args) is a list copy."""
+    tops = [i for i, a in enumerate(args) if isinstance(a, Ref)]
+    if len(tops) != sum(1 for a in flat_args(args, kwargs) if isinstance(a, Ref)):
+        def bind_nested(vals):
+            vi = iter(vals)
+            return map_refs(args, lambda r: next(vi)), map_refs(kwargs, lambda r: next(vi))
+        return bind_nested
+    base = list(args)
+    if tops == list(range(len(tops))):          # tensors first, then constants: one list concatenation
+        rest = base[len(tops):]
+        return lambda vals: (vals + rest, kwargs)
+
+    def bind(vals):
+        a = base.copy()
+        for i, v in zip(tops, vals):
+            a[i] = v
+        return a, kwargs
+    return bind
+
+
+VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
+def call_view(fn, tensors, rest, kwargs):
+    """A view in compiled code: on an input laid out otherwise than on one device, from a contiguous copy."""
+    return call_op(fn, [*tensors, *rest], kwargs)
+
+
+def fast_args(args, kwargs, fn):
+    """(constant args after the tensors, kwargs) when the tensor inputs are exactly the leading positional args and
+    the op returns one Tensor (the compiled path), else None."""
+    tops = [i for i, a in enumerate(args) if isinstance(a, Ref)]
+    if tops != list(range(len(tops))) or len(tops) != sum(1 for a in flat_args(args, kwargs) if isinstance(a, Ref)):
+        return None
+    rets = getattr(fn, "_schema", None)
+    if rets is None or len(rets.returns) != 1 or str(rets.returns[0].type) != "Tensor":
+        return None
+    return tuple(args[len(tops):]), dict(kwargs)
+
+
+def _local_shape(shape, strs, mesh_shape):
+    """The local shard's shape of a tensor of global `shape` at placements `strs` (None if a shard is uneven)."""
+    out = list(shape)
+    for p, k in zip(strs, mesh_shape):
+        if p[0] == "S":
+            d = int(p[1:])
+            if out[d] % k:
+                return None
+            out[d] //= k
+    return out
+
+
+def _arg(n, name):
+    """An op argument by schema name (positional, keyword or default)."""
+    for i, a in enumerate(n.target._schema.arguments):
+        if a.name == name:
+            if i < len(n.args):
+                return n.args[i]
+            return n.kwargs.get(name, a.default_value)
+    raise KeyError(name)
+
+
+def _sharded_dims(pl) -> set:
+    return {int(p[1:]) for p in pl if p[0] == "S"}
+
+
+_SIZE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+             aten.slice_backward.default}
+_ON_DIM = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default,
+           aten.select.int, aten.slice_backward.default}
+_NORM = {aten.native_layer_norm.default: 0, aten.native_layer_norm_backward.default: 1}
+
+
+def local_args(g, n, ins, outs, mesh_shape):
+    """(args, kwargs) that run op `n` on local shards exactly, for ops whose global-shape arguments have a local
+    counterpart known ahead of time; None where only DTensor's dispatch can run it. The plan's strategy (DTensor's
+    own) fixes the placements; here: a size argument becomes the output's local shape (views, expand,
+    slice_backward), and ops that cut or normalize along a dim run unchanged when that dim is not sharded."""
+    op = n.target
+    if op not in _SIZE_ARG and op not in _ON_DIM and op not in _NORM:
+        return None
+    if any(p == "Pm" for pl in (*ins, *(o for o in outs if o)) for p in pl):
+        return None
+
+    def ndim(j):
+        r = n.inputs()[j]
+        return len(g.nodes[r.node].outs[r.out].shape)
+    if op in _ON_DIM:
+        cut, nd = (outs[0], len(n.out.shape)) if op is aten.slice_backward.default else (ins[0], ndim(0))
+        if _arg(n, "dim") % max(nd, 1) in _sharded_dims(cut):
+            return None
+    if op in _NORM:
+        x, k = _NORM[op], len(_arg(n, "normalized_shape"))
+        if any(d >= ndim(x) - k for pl in ins[:x + 1] for d in _sharded_dims(pl)):
+            return None
+    args = list(n.args)
+    if op in _SIZE_ARG:
+        local = _local_shape(n.out.shape, outs[0], mesh_shape)
+        if local is None:
+            return None
+        args[1] = local
+    return tuple(args), n.kwargs
