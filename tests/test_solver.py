@@ -98,6 +98,27 @@ def test_fractional_relaxation_goes_to_branch_and_bound():
     assert res.gap <= 1e-6 and res.bound <= res.objective + 1e-9
 
 
+@settings(max_examples=150, deadline=None)
+@given(problems(), st.sampled_from([1e-3, 0.05, 0.3]))
+def test_solver_within_gap_is_honest(prob, gap):
+    """With a relative gap (the planner's default is 1e-3) the plan may stop short of the optimum, by at most the
+    gap: the bound it reports is <= the brute-force optimum <= its objective <= bound / (1 - gap), and the
+    objective is the true cost of the placements it returns (the LP bound / restricted branch and bound path)."""
+    lin, edges, mem, budget = prob
+    want = brute(lin, edges, mem, budget)
+    try:
+        res = solve(lin, edges, [(mem, budget)], mip_rel_gap=gap)
+    except InfeasibleMemoryError:
+        assert want is None
+        return
+    got = sum(c[k] for c, k in zip(lin, res.choice)) + sum(C[res.choice[a], res.choice[b]] for (a, b), C in edges.items())
+    assert sum(m[k] for m, k in zip(mem, res.choice)) <= budget + 1e-6
+    tol = 1e-6 * max(1.0, abs(want))
+    assert abs(got - res.objective) <= tol, (got, res.objective)
+    assert res.bound <= want + tol and want <= got + tol, (res.bound, want, got)
+    assert got - want <= gap * max(abs(got), 1e-9) + tol, (got, want, gap)
+
+
 @settings(max_examples=100, deadline=None)
 @given(problems(), st.integers(0, 2**31), st.floats(0.0, 3.0))
 def test_solver_with_overlap_equals_brute_force(prob, seed, weight):
