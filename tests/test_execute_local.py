@@ -396,3 +396,30 @@ def test_gradient_buckets_one_collective_each(constraint, kind, monkeypatch):
         rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
     assert rep.ok, (rep.failures[:5], rep.collective_diff)
     assert sorted(c for c in rep.measured if c[0] == kind) == sorted((kind, 0, b["bytes"]) for b in grads)
+
+
+def test_data_parallel_on_a_2d_mesh_chains_bucket_all_reduces():
+    """Replicated parameters and a batch sharded over both mesh dims: each gradient is partial on both dims and
+    rides in a chain of buckets, one all_reduce per mesh dim over the same gradients, reduced one after the other;
+    the step issues exactly those and equals one device."""
+    ov = dict(dim=8, hidden=12, n_layers=2, vocab=16)
+    model = build_model("mlp-tiny", device="cpu", seed=3, **ov)
+    x = example_inputs("mlp-tiny", batch=32, seq=16, seed=4, **ov)
+    force = {k: ("R", "R") for k, _ in model.named_parameters()}
+    plan, state = autopar.plan(model, (2, 2), x, cluster=SHAPES, overlap=False, force=force, return_state=True,
+                               pin=lambda n: {0: "S0", 1: "S0"} if n.kind == "input" else None)
+    chains = {}
+    for i, b in enumerate(plan.buckets):
+        chains.setdefault(b["chain"], []).append((i, b))
+    assert any(len(bs) == 2 for bs in chains.values()), plan.buckets
+    for bs in chains.values():
+        assert [b["step"] for _, b in bs] == list(range(len(bs)))
+        assert len({b["mesh_dim"] for _, b in bs}) == len(bs) and all(b["params"] == bs[0][1]["params"] for _, b in bs)
+    assert all(b["kind"] == "all_reduce" and b["from"] == "P" and b["to"] == "R" for b in plan.buckets)
+    ref = copy.deepcopy(model)
+    with simulated((2, 2)) as mesh:
+        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
+        rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
+    assert rep.ok, (rep.failures[:5], rep.collective_diff)
+    assert sorted(c for c in rep.measured if c[0] == "all_reduce") == \
+        sorted(("all_reduce", b["mesh_dim"], b["bytes"]) for b in plan.buckets)
