@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 
 from autopar.capture import SDPA, SDPA_BW
 from autopar.graph import map_refs
+from autopar.redistribute import steps as plan_steps
 from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor, outside_local_tensor_mode, per_rank, to_placement,
                                               to_str, unmask_partial)
 
@@ -180,6 +181,9 @@ class Program:
                     it.mode = "dtensor"
             it.keys = [(r.node, r.out) for r in n.inputs()]
             it.bind = binder(args, kwargs)
+            if it.mode == "local":      # a change of label on size-1 mesh dims moves no data: an op on local shards
+                it.conv = [c for c in it.conv if c[3] is not None or    # does not need it (one-device meshes)
+                           any(mesh.size(m) > 1 for m, _, _ in plan_steps(tuple(c[1]), tuple(c[2])))]
             if it.mode == "local" and not (it.contig or it.swapped) and len(n.outs) == 1 and outs[0] is not None:
                 it.mode = "local1"          # the common case, one tensor out: a shorter path in _run
                 it.call = getattr(it.fn, "_op", it.fn)      # the op's C++ entry (OpOverload.__call__ forwards to it)
