@@ -154,27 +154,29 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
     x = _solution(h, m.A.shape[1])
     method = "LP relaxation (integral)"
     lp_bound = float(h.getInfo().objective_function_value) * scale if x is not None else None
-    rounded = None
     if x is not None and not _integral(x[:m.nx]):
         # the groups the LP left fractional, solved as a MILP with every other group fixed at its LP choice (a
         # small problem): when that plan is within the gap of the LP bound it is proven optimal (within the gap)
         # and the full branch and bound (seconds of root cuts on the 8B plan) is skipped; otherwise it seeds it
-        rounded = _restricted(m, x, scale, mip_rel_gap, time_limit)
-        if rounded is not None and rounded[1] <= lp_bound * (1 + mip_rel_gap) + 1e-15:
-            h, x, method = rounded[2], rounded[0], "LP relaxation, fractional groups by branch and bound"
+        left = max(1.0, time_limit - (time.perf_counter() - t0))
+        restricted = _restricted(m, x, scale, mip_rel_gap, left)
+        if restricted is not None and restricted[1] <= lp_bound * (1 + mip_rel_gap) + 1e-15:
+            h, x, method = restricted[2], restricted[0], "LP relaxation, fractional groups by branch and bound"
         else:
             h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(m.A.shape[1]),
                        max(1.0, time_limit - (time.perf_counter() - t0)))
-            x = _branch_and_bound(h, m.nx, mip_rel_gap, None if rounded is None else rounded[0])
+            x = _branch_and_bound(h, m.nx, mip_rel_gap, None if restricted is None else restricted[0])
             method = "branch and bound"
     status = h.modelStatusToString(h.getModelStatus())
     if x is None:
         raise InfeasibleMemoryError(f"the placement model has no solution ({status})")
     info = h.getInfo()
     obj = float(info.objective_function_value) * scale
-    mip = method == "branch and bound"
-    bound = float(info.mip_dual_bound) * scale if mip else lp_bound if rounded is not None else obj
-    gap = float(info.mip_gap) if mip else max(0.0, (obj - bound) / max(abs(obj), 1e-30))
+    if method == "branch and bound":
+        bound, gap = float(info.mip_dual_bound) * scale, float(info.mip_gap)
+    else:       # the LP relaxation's optimum bounds every plan (equal to obj when it was integral)
+        bound = lp_bound
+        gap = max(0.0, (obj - bound) / max(abs(obj), 1e-30))
     return SolveResult(_choice(x, m.off), obj, bound, gap, time.perf_counter() - t0,
                        (f"optimal within {mip_rel_gap:g} relative gap ({method})" if gap > 1e-9 else
                         f"optimal ({method})") if status == "Optimal" else status, m.A.shape[1], m.A.shape[0])

@@ -242,7 +242,8 @@ def _all_to_all(x, d, e, n, name):
 
 _KIND = {
     "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce", "all_to_all_single": "all_to_all", "shard_dim_alltoall": "all_to_all", "all_reduce_coalesced": "all_reduce",
+    "all_reduce_": "all_reduce", "all_to_all_single": "all_to_all", "shard_dim_alltoall": "all_to_all",
+    "all_reduce_coalesced": "all_reduce",
     "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "broadcast": "broadcast",
     # c10d (process-group) ops

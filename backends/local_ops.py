@@ -52,6 +52,9 @@ def attention_bw_math(gout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+VIEWS = (aten.view.default, aten._unsafe_view.default)
+
+
 def call_op(fn, args, kwargs):
     """Run one op. A view whose input has another memory layout here than on one device (a gathered shard, a
     kernel's output order) cannot alias it; no value is mutated in place in a captured step (capture rejects
@@ -59,12 +62,17 @@ def call_op(fn, args, kwargs):
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
-        if fn not in (aten.view.default, aten._unsafe_view.default) or "view size is not compatible" not in str(e):
+        if fn not in VIEWS or "view size is not compatible" not in str(e):
             raise
         return fn(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
 
 
 _LOCAL_OK: dict = {}
+
+
+def _masked(ins, outs) -> bool:
+    """A masked partial among the placements (a vocab-sharded lookup): only DTensor's dispatch applies its mask."""
+    return any(p == "Pm" for pl in (*ins, *(o for o in outs if o)) for p in pl)
 
 
 def local_exact(n, ins, outs) -> bool:
@@ -81,14 +89,21 @@ def local_exact(n, ins, outs) -> bool:
         args = str(s).split(") ->")[0]                 # the schema text keeps SymInt (Python's types erase it)
         ok = _LOCAL_OK[op] = (not s.is_mutable and torch.Tag.nondeterministic_seeded not in op.tags and
                               "SymInt" not in args and "Device" not in args)
-    return ok and not any(p == "Pm" for pl in (*ins, *(o for o in outs if o)) for p in pl)
+    return ok and not _masked(ins, outs)
+
+
+def _top_refs(args, kwargs):
+    """Positions of the tensor inputs among the positional args when no tensor is nested (in a list or a kwarg),
+    else None."""
+    tops = [i for i, a in enumerate(args) if isinstance(a, Ref)]
+    return tops if len(tops) == sum(1 for a in flat_args(args, kwargs) if isinstance(a, Ref)) else None
 
 
 def binder(args, kwargs):
     """fn(values) -> (args, kwargs): the op's arguments with its tensor inputs (in `Node.inputs()` order) filled in.
     Built once per instruction; the common case (tensors only as top-level positional args) is a list copy."""
-    tops = [i for i, a in enumerate(args) if isinstance(a, Ref)]
-    if len(tops) != sum(1 for a in flat_args(args, kwargs) if isinstance(a, Ref)):
+    tops = _top_refs(args, kwargs)
+    if tops is None:
         def bind_nested(vals):
             vi = iter(vals)
             return map_refs(args, lambda r: next(vi)), map_refs(kwargs, lambda r: next(vi))
@@ -106,9 +121,6 @@ def binder(args, kwargs):
     return bind
 
 
-VIEWS = (aten.view.default, aten._unsafe_view.default)
-
-
 def call_view(fn, tensors, rest, kwargs):
     """A view in compiled code: on an input laid out otherwise than on one device, from a contiguous copy."""
     return call_op(fn, [*tensors, *rest], kwargs)
@@ -117,8 +129,8 @@ def call_view(fn, tensors, rest, kwargs):
 def fast_args(args, kwargs, fn):
     """(constant args after the tensors, kwargs) when the tensor inputs are exactly the leading positional args and
     the op returns one Tensor (the compiled path), else None."""
-    tops = [i for i, a in enumerate(args) if isinstance(a, Ref)]
-    if tops != list(range(len(tops))) or len(tops) != sum(1 for a in flat_args(args, kwargs) if isinstance(a, Ref)):
+    tops = _top_refs(args, kwargs)
+    if tops is None or tops != list(range(len(tops))):
         return None
     rets = getattr(fn, "_schema", None)
     if rets is None or len(rets.returns) != 1 or str(rets.returns[0].type) != "Tensor":
@@ -167,7 +179,7 @@ def local_args(g, n, ins, outs, mesh_shape):
     op = n.target
     if op not in _SIZE_ARG and op not in _ON_DIM and op not in _NORM:
         return None
-    if any(p == "Pm" for pl in (*ins, *(o for o in outs if o)) for p in pl):
+    if _masked(ins, outs):
         return None
 
     def ndim(j):

@@ -9,8 +9,8 @@ op runs, the placement of each output the plan expects, and which values die aft
     tensor, placements, global shape; no DTensor is built). Used where that is exact by construction: every
     input and output replicated; attention (batch- or head-sharded, autopar's own rule); every op whose
     arguments carry no global shape (pointwise, matmuls, reductions over dims, transposes, softmax...:
-    `_local_exact`), where DTensor's dispatch would run the same local op; and ops whose global-shape argument
-    has a local counterpart known ahead (`_local_args`: view/reshape/expand with the output's local shape,
+    `local_ops.local_exact`), where DTensor's dispatch would run the same local op; and ops whose global-shape
+    argument has a local counterpart known ahead (`local_ops.local_args`: view/reshape/expand with the output's local shape,
     split/slice/select/layer_norm along an unsharded dim).
     Attention runs the captured CPU kernel on CPU; on other devices an exact math formulation with the same
     (out, logsumexp) contract, since the CPU kernel does not exist there.
@@ -107,8 +107,8 @@ def _to_device(a, device):
 
 
 class _Instr:
-    __slots__ = ("node", "mode", "fn", "conv", "expect", "expect_pl", "frees", "name", "strides", "bind", "keys",
-                 "swapped", "contig", "out_r", "call", "fast")
+    __slots__ = ("node", "mode", "fn", "conv", "expect", "frees", "name", "strides", "bind", "keys", "swapped",
+                 "contig", "out_r", "fast")
 
 
 class Program:
@@ -124,7 +124,6 @@ class Program:
         self._check_inputs_match_graph()
         self.loss_pl = self.P[g.loss.node].out[g.loss.out]
         self.rep = tuple(to_placement("R") for _ in range(mesh.ndim))
-        self.rstrs = ("R",) * mesh.ndim
         self.constants = [(n.idx, g.constants[n.target]) for n in g.nodes if n.kind == "constant"]
         last = {}
         for n in g.nodes:
@@ -155,7 +154,6 @@ class Program:
             it.conv = [(j, self.P[r.node].out[r.out], ins[j], conv_share.get((n.idx, j)))
                        for j, r in enumerate(n.inputs()) if (n.idx, j) in self.red]
             it.expect = outs
-            it.expect_pl = [None if o is None else tuple(to_placement(s) for s in o) for o in outs]
             it.frees = frees.get(n.idx, [])
             it.fn = n.target
             it.strides = {}
@@ -184,10 +182,8 @@ class Program:
             if it.mode == "local":      # a change of label on size-1 mesh dims moves no data: an op on local shards
                 it.conv = [c for c in it.conv if c[3] is not None or    # does not need it (one-device meshes)
                            any(mesh.size(m) > 1 for m, _, _ in plan_steps(tuple(c[1]), tuple(c[2])))]
-            if it.mode == "local" and not (it.contig or it.swapped) and len(n.outs) == 1 and outs[0] is not None:
-                it.mode = "local1"          # the common case, one tensor out: a shorter path in _run
-                it.call = getattr(it.fn, "_op", it.fn)      # the op's C++ entry (OpOverload.__call__ forwards to it)
-                it.fast = fast_args(args, kwargs, it.fn)
+            # the common case, a local op with one tensor out: a direct call in the compiled program
+            it.fast = fast_args(args, kwargs, it.fn) if it.mode == "local" and not (it.contig or it.swapped) else None
             (self.fw if n.phase == "fw" else self.bw).append(it)
 
         pos = {it.node.idx: i for i, it in enumerate(self.bw)}
@@ -388,14 +384,17 @@ class Program:
         lines = ["def run(env, L, run1):"]
         for pos, it in enumerate(instrs):
             n = it.node
-            if it.mode == "local1" and not it.conv and it.fast is not None:
+            if it.fast is not None and not it.conv:
                 rest, kwargs = it.fast
                 ins = [f"env[{k!r}].t" if sharded(k) else f"env[{k!r}]" for k in it.keys]
-                ns[f"C{pos}"], ns[f"R{pos}"], ns[f"W{pos}"] = it.call, rest, kwargs
-                args = ", ".join(ins + ([f"*R{pos}"] if rest else []) + ([f"**W{pos}"] if kwargs else []))
-                ns[f"F{pos}"] = it.fn
-                call = (f"call_view(F{pos}, ({', '.join(ins)},), R{pos}, W{pos})" if n.target in VIEWS
-                        else f"C{pos}({args})")
+                ns[f"R{pos}"], ns[f"W{pos}"] = rest, kwargs
+                if n.target in VIEWS:       # through call_op's fallback for a shard laid out otherwise
+                    ns[f"F{pos}"] = it.fn
+                    call = f"call_view(F{pos}, ({', '.join(ins)},), R{pos}, W{pos})"
+                else:                       # the op's C++ entry (OpOverload.__call__ forwards to it)
+                    ns[f"C{pos}"] = getattr(it.fn, "_op", it.fn)
+                    args = ", ".join(ins + ([f"*R{pos}"] if rest else []) + ([f"**W{pos}"] if kwargs else []))
+                    call = f"C{pos}({args})"
                 if it.out_r[0]:
                     lines.append(f"    env[{(n.idx, 0)!r}] = {call}")
                 else:
@@ -412,82 +411,63 @@ class Program:
         return ns["run"]
 
     def _run1(self, it, env):
-        self._run((it,), env)
-
-    def _run(self, instrs, env, launch=None):
-        for pos, it in enumerate(instrs):
-            n = it.node
-            vals = [env[k] for k in it.keys]
-            for j, src, dst, share in it.conv:
-                if share is None:
-                    vals[j] = self.redistribute(vals[j], src, dst)
-                elif share[0] == "load":
-                    vals[j] = env[share[1]]
-                else:
-                    vals[j] = env[share[1]] = self.redistribute(vals[j], src, dst)
-            mode = it.mode
-            if mode == "local1":
-                args, kwargs = it.bind([v.t if type(v) is Sharded else v for v in vals])
-                try:
-                    t = it.call(*args, **kwargs)
-                except RuntimeError:
-                    t = call_op(it.fn, args, kwargs)
-                if not isinstance(t, torch.Tensor):
-                    (t,) = _flat(t)
-                env[(n.idx, 0)] = t if it.out_r[0] else Sharded(t, it.expect[0], n.outs[0].shape)
-                for key in it.frees:
-                    env.pop(key, None)
-                if launch and pos in launch:
-                    launch[pos]()
-                continue
-            if mode == "local":
-                local = [v.t if type(v) is Sharded else v for v in vals]
-                if it.contig:
-                    local = [t if t.stride(-1) == 1 else t.contiguous() for t in local]
-                args, kwargs = it.bind(local)
+        """Run one instruction (the compiled program's path for everything but plain local ops)."""
+        n = it.node
+        vals = [env[k] for k in it.keys]
+        for j, src, dst, share in it.conv:
+            if share is None:
+                vals[j] = self.redistribute(vals[j], src, dst)
+            elif share[0] == "load":
+                vals[j] = env[share[1]]
+            else:
+                vals[j] = env[share[1]] = self.redistribute(vals[j], src, dst)
+        mode = it.mode
+        if mode == "local":
+            local = [v.t if type(v) is Sharded else v for v in vals]
+            if it.contig:
+                local = [t if t.stride(-1) == 1 else t.contiguous() for t in local]
+            args, kwargs = it.bind(local)
+            res = call_op(it.fn, args, kwargs)
+            flat = [res] if isinstance(res, torch.Tensor) else _flat(res)
+            if it.swapped:          # a replacement must hand on the captured kernel's memory layout
+                flat = [_in_layout(t, st) if isinstance(t, torch.Tensor) else t
+                        for t, st in zip(flat, self._out_strides(it, vals))]
+            outs = [None if not isinstance(t, torch.Tensor) else t if r else Sharded(t, s, m.shape)
+                    for t, r, s, m in zip(flat, it.out_r, it.expect, n.outs)]
+        elif mode == "dtensor":
+            args, kwargs = it.bind([self._dt(v) for v in vals])
+            try:
                 res = call_op(it.fn, args, kwargs)
-                flat = [res] if isinstance(res, torch.Tensor) else _flat(res)
-                if it.swapped:          # a replacement must hand on the captured kernel's memory layout
-                    flat = [_in_layout(t, st) if isinstance(t, torch.Tensor) else t
-                            for t, st in zip(flat, self._out_strides(it, vals))]
-                outs = [None if not isinstance(t, torch.Tensor) else t if r else Sharded(t, s, m.shape)
-                        for t, r, s, m in zip(flat, it.out_r, it.expect, n.outs)]
-            elif mode == "dtensor":
-                args, kwargs = it.bind([self._dt(v) for v in vals])
-                try:
-                    res = call_op(it.fn, args, kwargs)
-                except Exception as e:
-                    raise ExecutionError(f"{it.name} failed on DTensors with input placements "
-                                         f"{[_strs(v) for v in vals]}: {type(e).__name__}: {e}") from e
-                outs = []
-                for k, t in enumerate(_flat(res)):
-                    if isinstance(t, DTensor):
-                        t = unmask_partial(t)
-                        have = placement_strs(t)
-                        if it.expect[k] is None or not _same(have, it.expect[k]):
-                            raise ExecutionError(
-                                f"{it.name}: output {k} came out of DTensor at {list(have)} but the plan has "
-                                f"{it.expect[k]} (inputs at {[list(_strs(v)) for v in vals]})")
-                        t = self._store(t)
-                    elif isinstance(t, torch.Tensor):
-                        raise ExecutionError(f"{it.name}: output {k} is not a DTensor")
-                    outs.append(t)
-            elif mode == "factory":
-                res = it.fn(*_to_device(n.args, self.device), **_to_device(n.kwargs, self.device))
-                outs = [self._wrap(t, s, m) if t is not None else None for t, s, m in zip(_flat(res), it.expect, n.outs)]
-            else:   # seed: the gradient flowing into the loss, replicated, taken to the planned placement locally
-                seed = env["seed"].to(self.device).reshape(n.out.shape)
-                rep = ("R",) * self.mesh.ndim
-                if any(p[0] == "S" for p in it.expect[0]):
-                    raise ExecutionError(f"{it.name}: the loss gradient is planned at {it.expect[0]}")
-                outs = [self._wrap(redistribute_local(seed, rep, it.expect[0], self.mesh), it.expect[0], n.out)]
-            for k, t in enumerate(outs):
-                if t is not None:
-                    env[(n.idx, k)] = t
-            for key in it.frees:
-                env.pop(key, None)
-            if launch and pos in launch:
-                launch[pos]()
+            except Exception as e:
+                raise ExecutionError(f"{it.name} failed on DTensors with input placements "
+                                     f"{[_strs(v) for v in vals]}: {type(e).__name__}: {e}") from e
+            outs = []
+            for k, t in enumerate(_flat(res)):
+                if isinstance(t, DTensor):
+                    t = unmask_partial(t)
+                    have = placement_strs(t)
+                    if it.expect[k] is None or not _same(have, it.expect[k]):
+                        raise ExecutionError(
+                            f"{it.name}: output {k} came out of DTensor at {list(have)} but the plan has "
+                            f"{it.expect[k]} (inputs at {[list(_strs(v)) for v in vals]})")
+                    t = self._store(t)
+                elif isinstance(t, torch.Tensor):
+                    raise ExecutionError(f"{it.name}: output {k} is not a DTensor")
+                outs.append(t)
+        elif mode == "factory":
+            res = it.fn(*_to_device(n.args, self.device), **_to_device(n.kwargs, self.device))
+            outs = [self._wrap(t, s, m) if t is not None else None for t, s, m in zip(_flat(res), it.expect, n.outs)]
+        else:   # seed: the gradient flowing into the loss, replicated, taken to the planned placement locally
+            seed = env["seed"].to(self.device).reshape(n.out.shape)
+            rep = ("R",) * self.mesh.ndim
+            if any(p[0] == "S" for p in it.expect[0]):
+                raise ExecutionError(f"{it.name}: the loss gradient is planned at {it.expect[0]}")
+            outs = [self._wrap(redistribute_local(seed, rep, it.expect[0], self.mesh), it.expect[0], n.out)]
+        for k, t in enumerate(outs):
+            if t is not None:
+                env[(n.idx, k)] = t
+        for key in it.frees:
+            env.pop(key, None)
 
 
 def _flat(res) -> list:

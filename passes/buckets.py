@@ -10,7 +10,7 @@ from autopar.redistribute import BUCKET_BYTES, bucket_steps
 
 
 def run(state) -> None:
-    g, mesh_shape = state.graph, state.mesh.shape
+    g = state.graph
     open_: dict = {}
     buckets: list[dict] = []
     ready = sorted(g.grads, key=lambda f: (g.grads[f].node, f))          # backward order: last layer first
