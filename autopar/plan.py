@@ -43,7 +43,8 @@ class Plan:
             for r in n.get("redistribute", []):
                 if "bucket" not in r:                   # bucketed gradient reductions: their bucket's collective
                     out += [(c[0], c[1], c[2]) for c in r["collectives"]]
-        return out + [(b["kind"], b["mesh_dim"], b["bytes"]) for b in self.buckets]
+        return out + [(b["kind"], tuple(b["mesh_dim"]) if isinstance(b["mesh_dim"], list) else b["mesh_dim"],
+                       b["bytes"]) for b in self.buckets]
 
     def hash(self) -> str:
         body = json.dumps({"mesh": self.mesh_shape, "params": self.params, "buckets": self.buckets,
@@ -172,7 +173,9 @@ class Plan:
             lines += ["", "gradient buckets (one collective each, issued after the backward in this order)"]
             names = self._param_mesh_names()
             for k, b in enumerate(self.buckets):
-                lines.append(f"  bucket {k}: {b['kind']}(dim {names[b['mesh_dim']]}, {b['bytes'] / 1e6:.3f} MB) "
+                dim = "+".join(names[d] for d in b["mesh_dim"]) if isinstance(b["mesh_dim"], list) else \
+                    names[b["mesh_dim"]]
+                lines.append(f"  bucket {k}: {b['kind']}(dim {dim}, {b['bytes'] / 1e6:.3f} MB) "
                              f"[{b['from']}] -> [{b['to']}] {b['dtype']}, {len(b['params'])} gradients: "
                              + ", ".join(b["params"][:6]) + (" ..." if len(b["params"]) > 6 else ""))
         return "\n".join(lines) + "\n"

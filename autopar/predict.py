@@ -13,7 +13,7 @@ import torch
 from .graph import param_root
 from .plan import Plan, node_record
 from .cost import collective_time
-from .redistribute import grad_reduce_time, redistribute_time
+from .redistribute import grad_reduce_time, link_of, redistribute_time
 from .strategies import num_shards
 
 
@@ -75,7 +75,7 @@ def predict(state):
             k["count"] += 1
             k["bytes"] += c.nbytes
     for b in buckets:
-        comm["grad"] += collective_time(b["kind"], b["bytes"], b["group"], cluster.link_for(mesh_shape, b["mesh_dim"]))
+        comm["grad"] += collective_time(b["kind"], b["bytes"], b["group"], link_of(cluster, mesh_shape, b["mesh_dim"]))
         k = kinds.setdefault(b["kind"], {"count": 0, "bytes": 0})
         k["count"] += 1
         k["bytes"] += b["bytes"]

@@ -24,7 +24,7 @@ from .graph import TensorMeta
 @dataclass(frozen=True)
 class Collective:
     kind: str          # all_gather | all_reduce | reduce_scatter | all_to_all
-    mesh_dim: int
+    mesh_dim: int      # a tuple of mesh dims for one collective over their flattened group (gradient buckets)
     nbytes: int        # full size over the group (the all_gather output, reduce_scatter input, all_reduce size)
     group: int         # ranks in the group
 
@@ -160,14 +160,59 @@ def bucket_steps(src: tuple[str, ...], dst: tuple[str, ...]):
     return tuple(todo)
 
 
+def dims_of(mesh_dim) -> tuple[int, ...]:
+    """The mesh dims of a collective's group: (d,) for one mesh dim, the dims of a flattened group as they are."""
+    return tuple(mesh_dim) if isinstance(mesh_dim, (tuple, list)) else (mesh_dim,)
+
+
+def link_of(cluster, mesh_shape, mesh_dim):
+    """The link a collective's group runs on; a ring over a flattened group runs at its slowest mesh dim's link."""
+    links = [cluster.link_for(tuple(mesh_shape), d) for d in dims_of(mesh_dim)]
+    if len(links) == 1:
+        return links[0]
+    return type(links[0])("+".join(dict.fromkeys(k.name for k in links)), max(k.alpha for k in links),
+                          min(k.bw for k in links))
+
+
+def _chain_time(todo, nbytes, mesh_shape, cluster, share):
+    """(time as a chain of all_reduces, one per mesh dim; time as one all_reduce over the flattened group), with
+    `share` of each collective's latency."""
+    chain = sum(bytes_sent("all_reduce", nbytes, mesh_shape[m]) / link_of(cluster, mesh_shape, m).bw +
+                share * ring_steps("all_reduce", mesh_shape[m]) * link_of(cluster, mesh_shape, m).alpha
+                for m, _, _ in todo)
+    dims = tuple(m for m, _, _ in todo)
+    n, link = 1, link_of(cluster, mesh_shape, dims)
+    for m in dims:
+        n *= mesh_shape[m]
+    flat = bytes_sent("all_reduce", nbytes, n) / link.bw + share * ring_steps("all_reduce", n) * link.alpha
+    return chain, flat
+
+
+def flatten_chain(todo, nbytes: int, mesh_shape, cluster) -> bool:
+    """A bucket whose gradients take a chain of P -> R steps on several mesh dims (bucket_steps) runs as ONE
+    all_reduce over the flattened group of those dims when the cost model says it is faster for the bucket's
+    `nbytes` (fewer bytes per rank, 2(n-1) latency steps on the slowest link instead of a sum over the dims).
+    Mixed sum / average partials stay a chain."""
+    if len(todo) < 2 or len({a for _, a, _ in todo}) != 1:
+        return False
+    chain, flat = _chain_time(todo, nbytes, tuple(mesh_shape), cluster, 1.0)
+    return flat < chain
+
+
 def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: int = 1) -> float:
     """Seconds a gradient reduction src -> dst adds to the step. In a bucket: its bandwidth plus its share of
     the bucket's latency, by bytes (a full bucket is BUCKET_BYTES) and at least 1/n_grads of one bucket (a
-    model's gradients fill at least one); the prediction (autopar/predict.py) counts the real buckets."""
-    if bucket_steps(tuple(src), tuple(dst)) is None:
+    model's gradients fill at least one); a chain over several mesh dims at the cheaper of chain and flattened
+    group (flatten_chain); the prediction (autopar/predict.py) counts the real buckets."""
+    todo = bucket_steps(tuple(src), tuple(dst))
+    if todo is None:
         return redistribute_time(src, dst, meta, mesh_shape, cluster)
-    links = _links(cluster, tuple(mesh_shape))
+    mesh_shape = tuple(mesh_shape)
     share = max(meta.nbytes / BUCKET_BYTES, 1.0 / max(1, n_grads))
+    if len(todo) > 1:
+        chain, flat = _chain_time(todo, meta.nbytes, mesh_shape, cluster, share)
+        return min(chain, flat) if len({a for _, a, _ in todo}) == 1 else chain
+    links = _links(cluster, mesh_shape)
     return sum(bytes_sent(c.kind, c.nbytes, c.group) / links[c.mesh_dim].bw +
                share * ring_steps(c.kind, c.group) * links[c.mesh_dim].alpha
                for c in collectives(src, dst, meta, mesh_shape))

@@ -14,7 +14,7 @@ import sympy
 
 from .capture import capture
 from .cost import collective_time
-from .redistribute import _links
+from .redistribute import _links, link_of
 from .strategies import num_shards
 
 b = sympy.Symbol("b", positive=True)
@@ -64,10 +64,11 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
         bk = bucket_of.get(g1.nodes[i].target) if j == "opt" else None
         for step, c in enumerate(cs):
             if bk is not None:              # a gradient bucket (chain): one collective of the summed size (below)
-                bucket_bytes[bk + step] += size(m1, m2, c.nbytes)
+                if not isinstance(state.buckets[bk]["mesh_dim"], list) or step == 0:   # a flattened chain: once
+                    bucket_bytes[bk + step] += size(m1, m2, c.nbytes)
                 continue
             comm += collective_time(c.kind, size(m1, m2, c.nbytes), c.group, links[c.mesh_dim])
     for bk, nb in zip(state.buckets or [], bucket_bytes):
-        comm += collective_time(bk["kind"], nb, bk["group"], links[bk["mesh_dim"]])
+        comm += collective_time(bk["kind"], nb, bk["group"], link_of(state.cluster, tuple(mesh), bk["mesh_dim"]))
     compute, comm = sympy.expand(compute), sympy.expand(comm)
     return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm}

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.redistribute import steps as plan_steps
-from autopar.strategies._torch_adapter import per_rank
+from autopar.strategies._torch_adapter import FLAT_GROUPS, flat_group_name, per_rank
 
 _fn = torch.ops._c10d_functional
 
@@ -32,8 +32,15 @@ class PlanMismatchError(RuntimeError):
     """Ranks hold different plans (or a different mesh); raised on every rank before any collective runs."""
 
 
-def group_name(mesh, m: int) -> str:
+def group_name(mesh, m) -> str:
+    """The process group of mesh dim m, or of the flattened group of the mesh dims in m (a list / tuple)."""
+    if isinstance(m, (list, tuple)):
+        return flat_group_name(mesh, m)
     return mesh.get_group(m).group_name
+
+
+def group_size(mesh, m) -> int:
+    return math.prod(mesh.size(d) for d in m) if isinstance(m, (list, tuple)) else mesh.size(m)
 
 
 def _simulated(t) -> bool:
@@ -159,13 +166,7 @@ def launch_bucket(xs: list, mesh, chain: list):
     shapes = [tuple(x.shape) for x in xs]
     if all(b == "R" for _, _, b in chain):
         flat = torch.cat([x.reshape(-1) for x in xs])          # a fresh buffer: reduced in place (no extra copy)
-        for k, (m, a, _) in enumerate(chain):
-            if a == "Pa":
-                flat = flat / mesh.size(m)
-            flat = _fn.all_reduce_(flat, "sum", group_name(mesh, m))
-            if k + 1 < len(chain):
-                flat = _wait(flat, always=True)
-        return "R", flat, shapes, 1
+        return launch_filled(flat, mesh, chain, shapes)
     (m, a, b), = chain
     n, d = mesh.size(m), int(b[1:])
     fronts = []
@@ -175,6 +176,19 @@ def launch_bucket(xs: list, mesh, chain: list):
         fronts.append(_to_front(x / n if a == "Pa" else x, d))
     flat = torch.cat([f.reshape(n, -1) for f in fronts], dim=1).reshape(-1)      # rank r's chunks, rank by rank
     return b, _fn.reduce_scatter_tensor(flat, "sum", n, group_name(mesh, m)), [tuple(f.shape) for f in fronts], n
+
+
+def launch_filled(flat: torch.Tensor, mesh, chain: list, shapes: list):
+    """Issue an all_reduce bucket whose gradients are already in `flat` (one flat buffer, shards in `shapes`
+    one after the other), reduced in place: the executor copies each gradient in as the backward makes it,
+    as DDP's reducer does (backends/program.py)."""
+    for k, (m, a, _) in enumerate(chain):
+        if a == "Pa":
+            flat = flat.div_(group_size(mesh, m))
+        flat = _fn.all_reduce_(flat, "sum", group_name(mesh, m))
+        if k + 1 < len(chain):
+            flat = _wait(flat, always=True)
+    return "R", flat, shapes, 1
 
 
 def finish_bucket(handle) -> list:
@@ -294,6 +308,9 @@ class CommCounter(TorchDispatchMode):
         for a in args:
             if isinstance(a, str) and a in self.dim_of:
                 return self.dim_of[a], self.mesh.size(self.dim_of[a])
+            if isinstance(a, str) and a in FLAT_GROUPS:           # one collective over several mesh dims
+                dims = FLAT_GROUPS[a]
+                return dims, math.prod(self.mesh.size(d) for d in dims)
             if isinstance(a, torch.ScriptObject):
                 pg = dist.ProcessGroup.unbox(a)
                 return self.dim_of.get(pg.group_name, -1), pg.size()

@@ -138,7 +138,7 @@ def fast_args(args, kwargs, fn):
     return tuple(args[len(tops):]), dict(kwargs)
 
 
-def _local_shape(shape, strs, mesh_shape):
+def local_shape(shape, strs, mesh_shape):
     """The local shard's shape of a tensor of global `shape` at placements `strs` (None if a shard is uneven)."""
     out = list(shape)
     for p, k in zip(strs, mesh_shape):
@@ -195,7 +195,7 @@ def local_args(g, n, ins, outs, mesh_shape):
             return None
     args = list(n.args)
     if op in _SIZE_ARG:
-        local = _local_shape(n.out.shape, outs[0], mesh_shape)
+        local = local_shape(n.out.shape, outs[0], mesh_shape)
         if local is None:
             return None
         args[1] = local

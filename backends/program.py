@@ -21,6 +21,9 @@ issued from it as soon as their last gradient exists.
 """
 from __future__ import annotations
 
+from collections import Counter
+from math import prod
+
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_flatten
@@ -31,9 +34,9 @@ from autopar.redistribute import steps as plan_steps
 from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor, outside_local_tensor_mode, per_rank, to_placement,
                                               to_str, unmask_partial)
 
-from .comm import executed_placements, finish_bucket, launch_bucket, redistribute_local
-from .local_ops import (VIEWS, attention_bw_math, attention_fw_math, binder, call_op, call_view, fast_args,
-                        local_args, local_exact)
+from .comm import executed_placements, finish_bucket, group_name, launch_bucket, launch_filled, redistribute_local
+from .local_ops import (VIEWS, local_shape, attention_bw_math, attention_fw_math, binder, call_op, call_view,
+                        fast_args, local_args, local_exact)
 
 aten = torch.ops.aten
 
@@ -192,10 +195,57 @@ class Program:
             self.chains.setdefault(b.get("chain", i), []).append(b)
         self.bucket_ready: dict[int, list[int]] = {}
         for i, bs in self.chains.items():
+            if isinstance(bs[0]["mesh_dim"], list):     # a flattened group: made now, on every rank in plan order
+                group_name(self.mesh, bs[0]["mesh_dim"])
             at = max(pos.get(g.grads[f].node, len(self.bw) - 1) for f in bs[0]["params"])
             self.bucket_ready.setdefault(at, []).append(i)
+        self._plan_bucket_copies()
         self.run_fw = self._compile(self.fw, ())
-        self.run_bw = self._compile(self.bw, self.bucket_ready)
+        self.run_bw = self._compile(self.bw, set(self.bucket_ready) | set(self.copy_at))
+
+    def _plan_bucket_copies(self):
+        """All_reduce buckets (real process groups) are filled as the backward goes, as DDP's reducer fills its
+        buckets: right after the instruction that makes a gradient, it is copied into its slice of the bucket's flat
+        buffer (still in cache) and dropped unless a later op reads it, so a bucket never holds its gradients twice
+        and is launched with no copy of its own. `copy_at`: backward position -> [(bucket, slice, key, drop)];
+        `flat_sizes`: bucket -> (elements, dtype, [local shapes]). Under LocalTensorMode (one process simulating
+        every rank) buckets are concatenated at launch instead."""
+        import torch.distributed as dist
+        self.copy_at: dict[int, list] = {}
+        self.flat_sizes: dict[int, tuple] = {}
+        if not dist.is_initialized() or dist.get_backend() == "fake":
+            return
+        g, pos = self.g, {it.node.idx: i for i, it in enumerate(self.bw)}
+        read = {(r.node, r.out) for n in g.nodes for r in n.inputs()}          # values some op reads
+        read |= {k for k, c in Counter((r.node, r.out) for r in g.grads.values()).items() if c > 1}
+        for i, bs in self.chains.items():
+            if not all(b["to"] == "R" for b in bs):
+                continue
+            plan, off, shapes = [], 0, []
+            for f in bs[0]["params"]:
+                r = g.grads[f]
+                shape = local_shape(tuple(g.meta(r).shape), self.red[(g.params[f], "opt")][0], tuple(self.mesh.shape))
+                if r.node not in pos or shape is None:
+                    plan = None
+                    break
+                n = prod(shape)
+                key = (r.node, r.out)
+                plan.append((pos[r.node], (off, n, tuple(shape)), key, key not in read))
+                shapes.append(tuple(shape))
+                off += n
+            if plan is None:
+                continue
+            self.flat_sizes[i] = (off, getattr(torch, bs[0]["dtype"].split(".")[-1]), shapes)
+            for at, sl, key, drop in plan:
+                self.copy_at.setdefault(at, []).append((i, sl, key, drop))
+
+    def _copy_grads(self, at: int, env: dict, bufs: dict):
+        for i, (off, n, shape), key, drop in self.copy_at[at]:
+            buf = bufs.get(i)
+            if buf is None:
+                size, dtype, _ = self.flat_sizes[i]
+                buf = bufs[i] = torch.empty(size, dtype=dtype, device=self.device)
+            buf[off:off + n].view(shape).copy_(_local(env.pop(key) if drop else env[key]))
 
     # ---- leaves ---------------------------------------------------------------------------------------------------
     def param_placement(self, fqn: str) -> tuple[str, ...]:
@@ -326,9 +376,9 @@ class Program:
         g = self.g
         env["seed"] = grad_loss
         with torch.no_grad():
-            handles: dict = {}
-            self.run_bw(env, {pos: (lambda bs=bs: [self._launch(i, env, handles) for i in bs])
-                              for pos, bs in self.bucket_ready.items()}, self._run1)
+            handles, bufs = {}, {}
+            self.run_bw(env, {pos: (lambda pos=pos: self._at(pos, env, handles, bufs))
+                              for pos in set(self.bucket_ready) | set(self.copy_at)}, self._run1)
             grads = self._finish_buckets(env, handles)
             for fqn in self.grad_fqns:
                 if fqn in grads:
@@ -347,12 +397,24 @@ class Program:
         env.clear()
         return grads
 
-    def _launch(self, i: int, env: dict, handles: dict):
+    def _at(self, pos: int, env: dict, handles: dict, bufs: dict):
+        """After backward instruction pos: copy the gradients it made into their buckets, issue the buckets it
+        completes."""
+        if pos in self.copy_at:
+            self._copy_grads(pos, env, bufs)
+        for i in self.bucket_ready.get(pos, ()):
+            self._launch(i, env, handles, bufs)
+
+    def _launch(self, i: int, env: dict, handles: dict, bufs: dict | None = None):
         """Issue gradient bucket i (with the rest of its chain, backends/comm.py launch_bucket) as soon as the
         backward has produced its last gradient, like DDP's reducer; the backward goes on while it is in flight."""
         g, bs = self.g, self.chains[i]
+        chain = [(b["mesh_dim"], b["from"], b["to"]) for b in bs]
+        if bufs and i in bufs:
+            handles[i] = launch_filled(bufs.pop(i), self.mesh, chain, self.flat_sizes[i][2])
+            return
         vals = [_local(env[(g.grads[f].node, g.grads[f].out)]) for f in bs[0]["params"]]
-        handles[i] = launch_bucket(vals, self.mesh, [(b["mesh_dim"], b["from"], b["to"]) for b in bs])
+        handles[i] = launch_bucket(vals, self.mesh, chain)
 
     def _finish_buckets(self, env, handles) -> dict:
         """Wait for the plan's gradient buckets, in order; each gradient at its parameter's placement."""

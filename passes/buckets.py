@@ -3,10 +3,14 @@ collective on a mesh dim, or a chain of all_reduces over several mesh dims (auto
 are grouped, as DDP and FSDP2 group them, into buckets of up to BUCKET_BYTES: gradients in the order the backward
 produces them, one bucket series per (steps, dtype). Each bucket is one collective of the summed size; a chain is
 one bucket per step, over the same gradients ("chain": the index of its first bucket, "step" its position), run
-one after the other. The executor issues exactly these."""
+one after the other, or, when the cost model prices it lower for the bucket's size (autopar.redistribute.
+flatten_chain), one all_reduce over the flattened group of the chain's mesh dims ("mesh_dim": the list of dims,
+as DDP over a 2-D data-parallel mesh runs). The executor issues exactly these."""
 from __future__ import annotations
 
-from autopar.redistribute import BUCKET_BYTES, bucket_steps
+import math
+
+from autopar.redistribute import BUCKET_BYTES, bucket_steps, flatten_chain
 
 
 def run(state) -> None:
@@ -33,4 +37,15 @@ def run(state) -> None:
         for b, c in zip(chain, cs):
             b["params"].append(fqn)
             b["bytes"] += c.nbytes
-    state.buckets = buckets
+    chains: dict[int, list] = {}
+    for b in buckets:
+        chains.setdefault(b["chain"], []).append(b)
+    out = []
+    for chain in chains.values():
+        todo = tuple((c["mesh_dim"], c["from"], c["to"]) for c in chain)
+        if len(chain) > 1 and flatten_chain(todo, chain[0]["bytes"], state.mesh.shape, state.cluster):
+            chain = [{**chain[0], "mesh_dim": [c["mesh_dim"] for c in chain], "group": math.prod(c["group"] for c in chain)}]
+        first = len(out)
+        out += [{**c, "chain": first} for c in chain]
+    state.buckets = out
+

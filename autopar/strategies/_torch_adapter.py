@@ -268,6 +268,39 @@ def flatten_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     return mesh[tuple(names)]._flatten("_".join(names))
 
 
+def replicate_dtensor_module(module, mesh):
+    """Data parallelism (gradients all-reduced) for a module whose parameters are already DTensors (tensor
+    parallel): DDP takes no DTensor parameters; FSDP2's `replicate` (torch.distributed._composable.
+    replicate_with_fsdp) does."""
+    try:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+    except ImportError as e:        # older torch
+        raise NotImplementedError(f"data parallelism over tensor-parallel (DTensor) parameters needs FSDP2's "
+                                  f"replicate, which this torch ({torch.__version__}) lacks: {e}") from e
+    return replicate(module, mesh=mesh)
+
+
+FLAT_GROUPS: dict[str, tuple[int, ...]] = {}     # process-group name -> the mesh dims it flattens
+
+
+def flat_group_name(mesh: DeviceMesh, dims) -> str:
+    """The process group of one collective over several mesh dims (a flattened gradient bucket): the default
+    group when the dims are the whole mesh and the mesh spans the world, else `flatten_mesh` (collective: every
+    rank must call it, in the same order). Recorded in FLAT_GROUPS for the collective counters."""
+    import torch.distributed as dist
+    dims = tuple(sorted(int(d) for d in dims))
+    if len(dims) == mesh.ndim and mesh.size() == dist.get_world_size():
+        name = dist.distributed_c10d._get_default_group().group_name
+    else:
+        names = mesh.mesh_dim_names
+        if not names:
+            raise ValueError(f"a collective over mesh dims {dims} of a mesh without dim names that is not the whole "
+                             f"world: name the mesh dims (init_device_mesh(..., mesh_dim_names=...))")
+        name = flatten_mesh(mesh, tuple(names[d] for d in dims)).get_group().group_name
+    FLAT_GROUPS[name] = dims
+    return name
+
+
 def make_dtensor(local: torch.Tensor, mesh, placements, shape, stride) -> DTensor:
     """A DTensor around `local` without autograd bookkeeping (DTensor.from_local goes through an autograd
     Function and a view, which costs ~2 ms per call under LocalTensorMode); for values computed under no_grad."""
