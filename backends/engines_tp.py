@@ -33,6 +33,29 @@ def _kind(M, modules, G, members) -> str:
     return "embedding" if "embedding" in ops else "linear" if ops & {"mm", "addmm", "bmm"} else "other"
 
 
+def param_style(kind: str, pls: dict, tn: str, what: str | None = None) -> tuple[str | None, str]:
+    """The table above for one module: the ParallelStyle class that shards a module of `kind` ("linear",
+    "embedding", "other"; `what` names it in messages) whose parameters are placed `pls` ({parameter name: "R",
+    "S0", "S1", ...}) on the tensor-parallel dim `tn`. Returns (class, why); (None, "") when every parameter is
+    replicated there (no sharding style); (None, reason) when no ParallelStyle shards the module that way.
+    Used by `recognize_tp` and by the pipeline runtime (backends/pipeline.py) for the modules of each stage."""
+    w = pls.get("weight")
+    if kind == "linear" and w in ("S0", "S1"):
+        bias = pls.get("bias")
+        if bias not in (None, "S0" if w == "S0" else "R"):
+            return None, (f"weight {w} but bias {bias} on {tn}: Colwise shards the bias with the weight, Rowwise "
+                          f"replicates it")
+        return ("ColwiseParallel", f"weight Shard(0) on {tn}") if w == "S0" else \
+            ("RowwiseParallel", f"weight Shard(1) on {tn}")
+    if kind == "embedding" and w in ("S0", "S1"):
+        return ("RowwiseParallel" if w == "S0" else "ColwiseParallel",
+                f"embedding weight {'vocab' if w == 'S0' else 'dim'}-sharded on {tn}")
+    if all(v == "R" for v in pls.values()):
+        return None, ""
+    return None, (f"{what or kind} with parameters {pls} on {tn}: ParallelStyles shard only nn.Linear and "
+                  f"nn.Embedding weights")
+
+
 def recognize_tp(low, G, plan, model, forced) -> None:
     t, tn = low.tp_dim, low.mesh_names[low.tp_dim]
     modules = dict(model.named_modules()) if model is not None else None
@@ -108,12 +131,11 @@ def recognize_tp(low, G, plan, model, forced) -> None:
         w = pls.get("weight")
         xs = [(i, j, p, o) for i, j, p, o in ext_in(M) if G.rec(p)["kind"] != "param"]
         acts = sorted({(p, o) for _, _, p, o in xs})
-        if kind == "linear" and w in ("S0", "S1"):
-            bias = pls.get("bias")
-            if bias not in (None, "S0" if w == "S0" else "R"):
-                reason(M, f"weight {w} but bias {bias} on {tn}: Colwise shards the bias with the weight, Rowwise "
-                       f"replicates it")
-                continue
+        cls, why = param_style(kind, pls, tn, type(modules[M]).__name__ if modules and M in modules else kind)
+        if cls is None and why:
+            reason(M, why)
+            continue
+        if kind == "linear" and cls:
             if len(acts) != 1:
                 reason(M, f"a Linear with {len(acts)} activation inputs")
                 continue
@@ -142,7 +164,7 @@ def recognize_tp(low, G, plan, model, forced) -> None:
                 elif lay:
                     kw["output_layouts"] = lay
                     explained.update({(u, jj): "out" for u, jj, _, _ in ends})
-                styles[M] = Style("ColwiseParallel", kw, f"weight Shard(0) on {tn}")
+                styles[M] = Style(cls, kw, why)
             else:                                                  # rowwise: Shard(-1) input, partial output
                 last = f"S{len(G.rec(p)['shape'][o]) - 1}"
                 if have == "R" and want == last:
@@ -160,8 +182,8 @@ def recognize_tp(low, G, plan, model, forced) -> None:
                 if lay != "Replicate()":
                     kw["output_layouts"] = lay
                 explained.update({(u, jj): "out_reduce" for u, jj, _, _ in ends})
-                styles[M] = Style("RowwiseParallel", kw, f"weight Shard(1) on {tn}")
-        elif kind == "embedding" and w in ("S0", "S1"):
+                styles[M] = Style(cls, kw, why)
+        elif kind == "embedding" and cls:
             kw = {"input_layouts": "Replicate()"}
             if any(out_of(p, o) != "R" for p, o in acts):
                 reason(M, f"embedding indices are sharded on {tn}")
@@ -177,9 +199,8 @@ def recognize_tp(low, G, plan, model, forced) -> None:
                 if not (w == "S0" and lay == "Replicate()"):        # RowwiseParallel's default output
                     kw["output_layouts"] = lay
                 explained.update({(u, jj): "out_reduce" for u, jj, _, _ in ends})
-            styles[M] = Style("RowwiseParallel" if w == "S0" else "ColwiseParallel", kw,
-                              f"embedding weight {'vocab' if w == 'S0' else 'dim'}-sharded on {tn}")
-        elif all(v == "R" for v in pls.values()):
+            styles[M] = Style(cls, kw, why)
+        else:                                                      # every parameter replicated on t
             # an input another style already redistributes (e.g. a rowwise output reduce-scattered) arrives as wanted
             pairs = {(in_of(i, j) if (i, j) in explained else out_of(p, o), in_of(i, j)) for i, j, p, o in xs}
             if all(h == wnt == "R" for h, wnt in pairs):
@@ -198,9 +219,6 @@ def recognize_tp(low, G, plan, model, forced) -> None:
             else:
                 reason(M, f"replicated parameters on {tn} but activations {sorted(pairs)} (have, want) at its "
                        f"inputs: neither SequenceParallel nor replicated compute")
-        else:
-            reason(M, f"{type(modules[M]).__name__ if modules and M in modules else kind} with parameters "
-                   f"{pls} on {tn}: ParallelStyles shard only nn.Linear and nn.Embedding weights")
 
     for (p, o), linears in gathers.items():                      # sequence-parallel gathers
         if len(linears) == 1:

@@ -11,18 +11,38 @@ for (torch.utils.checkpoint). The last stage outputs logits; the loss is `loss_f
 by default the model's own loss for the example families (cross entropy over flattened tokens, what
 `Transformer.forward` / `MLP.forward` compute), so a step equals `model(x, labels)` on the same batch.
 
-Inside a stage: the stage submesh's dp dims run data parallel, as the plan's per-op plan says: parameters sharded on
-dp -> FSDP2 `fully_shard` over the dp submesh (shard dim from the plan, `reshard_after_forward=False`: gathered
-once per step, as the plan's cost model assumes; FSDP2 shards every parameter of the module it wraps, so ones the
-plan keeps replicated are sharded on dim 0 too: same gradients, less memory than planned); all replicated -> DDP.
-Where the per-op plan re-shards activations over dp inside a stage, FSDP2/DDP run it as plain data parallelism
-(same values, their own collectives). A stage plan that shards anything over a
-tp dim needs a backend that can express it and is refused here with a clear error.
+Inside a stage, torchtitan's order: tensor parallelism first, then data parallelism.
+
+Tensor parallelism (a stage-submesh dim of size > 1 not named dp*, "tp"): each module's ParallelStyle comes from its
+parameters' placements on that dim (`stage_tp_styles`, the table of backends/engines_tp.py `param_style`: nn.Linear
+weight Shard(0) -> ColwiseParallel, Shard(1) -> RowwiseParallel, the bias with them; nn.Embedding Shard(0) ->
+RowwiseParallel, Shard(1) -> ColwiseParallel), applied with `parallelize_module` on the dim's 1-D submesh, so those
+parameters become DTensors sharded there. Layouts are Megatron's: a colwise and a rowwise Linear that form a pair in
+the plan's forward graph (attention q/k/v -> o with local heads, feed-forward w1/w3 -> w2, MLP fc1 -> fc2) keep
+the activation between them sharded; every other style takes and returns whole (replicated) plain tensors, so the
+residual stream, the tensors PipelineStage sends between stages and the logits the loss reads are whole on every
+tp rank. Where the per-op plan places activations otherwise on tp (sequence-parallel norms, a weight gathered
+before use), the styles run it with their own collectives (same values). A placement no style expresses (a
+sharded norm weight, a colwise weight with a replicated bias, ...) raises NotImplementedError naming the stage,
+the parameter and its placement; so does a plan that splits the batch over a non-dp dim, shards activations over
+one on which every parameter is replicated, or uses two such dims. A non-dp dim the plan leaves idle (every
+parameter and activation replicated) runs replicated, as planned.
+
+Data parallelism (the dp dims), as the plan's per-op plan says: parameters sharded on dp -> FSDP2 `fully_shard`
+over the dp submesh (shard dim from the plan, `reshard_after_forward=False`: gathered once per step, as the plan's
+cost model assumes; FSDP2 shards every parameter of the module it wraps, so ones the plan keeps replicated are
+sharded on dim 0 too: same gradients, less memory than planned; on tp-sharded DTensor parameters FSDP2 shards the
+local tensors, the gradients are DTensors on the (dp, tp) submesh); all replicated -> DDP, or FSDP2's `replicate`
+(its DDP, which takes DTensor parameters) when the stage is tensor parallel. Where the per-op plan re-shards
+activations over dp inside a stage, FSDP2/DDP run it as plain data parallelism (same values, their own
+collectives).
 """
 from __future__ import annotations
 
 import copy
 import math
+import re
+from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
@@ -118,6 +138,158 @@ def build_stage_module(model: nn.Module, plan, k: int) -> nn.Module:
     return mod
 
 
+def _tp_dims(plan) -> list:
+    """Stage-submesh dims (index, name) of size > 1 that are not data-parallel (name not starting with "dp")."""
+    sc = plan.schedule
+    return [(d, nm) for d, (nm, size) in enumerate(zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]))
+            if size > 1 and not nm.startswith("dp")]
+
+
+def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
+    """{module FQN in `mod`: ParallelStyle source} for stage k on the tensor-parallel stage-mesh dim t: the style of
+    each module from its parameters' placements there (backends/engines_tp.py `param_style`: Linear Shard(0) ->
+    ColwiseParallel, Shard(1) -> RowwiseParallel; Embedding Shard(0) -> RowwiseParallel, Shard(1) ->
+    ColwiseParallel), with Megatron layouts: where the parameters of a module are exactly those of colwise and
+    rowwise Linear children that form Megatron pairs in the plan's forward graph (_megatron_pair: attention
+    wq/wk/wv -> wo, feed-forward w1/w3 -> w2, MLP fc1 -> fc2), the activation between them stays sharded (local
+    heads / hidden units); every other style input and output is a plain replicated tensor, so the residual
+    stream, the stage boundaries (PipelineStage sends plain tensors) and the logits the loss reads are whole on
+    every tp rank. pos_of: per block of the model, its block in the plan's representative sub-model
+    (block_positions; default: all blocks alike). Raises NotImplementedError, naming the stage, the parameter and
+    its placement, for a placement no style expresses (never runs it replicated)."""
+    from .engines_tp import _kind, param_style
+    sc = plan.schedule
+    tn, size = sc["stage_mesh_names"][t], sc["stage_mesh_shape"][t]
+    modules = dict(mod.named_modules())
+    pls = defaultdict(dict)
+    for fqn in plan.stages[k]["params"]:
+        m, pn = fqn.rsplit(".", 1) if "." in fqn else ("", fqn)
+        pls[m][pn] = plan.params[fqn][t]
+    cls = {}
+    for m, pl in pls.items():
+        c, why = param_style(_kind(m, modules, None, ()), pl, tn, type(modules[m]).__name__)
+        if c is None and why:
+            bad = next(n for n, v in pl.items() if v != "R")
+            raise NotImplementedError(
+                f"stage {k}: parameter '{f'{m}.{bad}' if m else bad}' is placed {pl[bad]} on the tensor-parallel "
+                f"stage-mesh dim '{tn}' (size {size}); no ParallelStyle expresses it ({why}). The pipeline runtime "
+                f"shards on '{tn}' only nn.Linear weights (Shard(0) colwise, Shard(1) rowwise, bias with them) and "
+                f"nn.Embedding weights (Shard(0) vocab, Shard(1) dim)")
+        if c is not None:
+            cls[m] = c
+    prefix = sc["layer_prefix"]
+    pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(?=\.|$)")
+    sub = lambda m: pat.sub(lambda mt: f"{prefix}.{pos_of[int(mt.group(1))] if pos_of else 0}", m)
+    parent = lambda m: m.rsplit(".", 1)[0] if "." in m else ""
+    paired = set()
+    for P in {parent(m) for m in cls if m}:
+        kids = [m for m in cls if m and parent(m) == P and isinstance(modules[m], nn.Linear)]
+        col = [sub(m) for m in kids if cls[m] == "ColwiseParallel"]
+        row = [sub(m) for m in kids if cls[m] == "RowwiseParallel"]
+        owners = {f.rsplit(".", 1)[0] for f, _ in modules[P].named_parameters(prefix=P)}
+        if col and row and owners == set(kids) and _megatron_pair(plan, sub(P), col, row):
+            _check_heads(modules[P], size, k, P, tn)
+            paired.add(P)
+    styles = {}
+    for m, c in cls.items():
+        inside = m and parent(m) in paired
+        if isinstance(modules[m], nn.Embedding):
+            styles[m] = "RowwiseParallel(input_layouts=Replicate())" if c == "RowwiseParallel" else \
+                "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
+        elif c == "ColwiseParallel":
+            styles[m] = "ColwiseParallel()" if inside else "ColwiseParallel(output_layouts=Replicate())"
+        else:
+            styles[m] = "RowwiseParallel()" if inside else "RowwiseParallel(input_layouts=Replicate())"
+    return styles
+
+
+def block_positions(model: nn.Module, prefix: str) -> list:
+    """Per block of the model's layer list, its block in the plan's representative sub-model (one block per
+    distinct block signature, in order of first appearance: how autopar/pipeline_plan.py builds it)."""
+    from autopar.passes.stages import layer_signature
+    layers = model.get_submodule(prefix)
+    sigs = [layer_signature(b) for b in (layers.values() if isinstance(layers, nn.ModuleDict) else layers)]
+    reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
+    return [reps.index(sigs.index(s)) for s in sigs]
+
+
+def _megatron_pair(plan, P: str, col: list, row: list) -> bool:
+    """Whether, in the plan's forward graph, module P's colwise Linears `col` and rowwise Linears `row`
+    (representative sub-model FQNs) form Megatron pairs: every rowwise Linear reads (through ops inside P) the
+    output of some colwise one and nothing the colwise ones read from outside P (the module input), no colwise
+    Linear reads a rowwise one, and the colwise outputs leave P only through the rowwise ones. Then the activation
+    between them can stay sharded; the ops in between (views, RoPE, attention over heads, gating) act per head /
+    hidden unit in the model families this runtime knows."""
+    nodes = plan.nodes
+    if not nodes or "inputs" not in nodes[-1]:
+        return False
+    within = lambda i, M: nodes[i]["module"] == M or nodes[i]["module"].startswith(M + ".")
+    in_any = lambda i, Ms: any(within(i, M) for M in Ms)
+    fw = [n["idx"] for n in nodes if n.get("phase") == "fw"]
+
+    def back(Ms, stop):
+        start = [i for i in fw if in_any(i, Ms)]
+        seen, ext, hit, stack = set(start), set(), False, list(start)
+        while stack:
+            for q, _ in nodes[stack.pop()].get("inputs", []):
+                if q in seen:
+                    continue
+                seen.add(q)
+                if not within(q, P):
+                    ext.add(q)
+                elif in_any(q, stop):
+                    hit = True
+                else:
+                    stack.append(q)
+        return ext, hit
+    x_ext, col_reads_row = back(col, row)             # x_ext: what the colwise Linears read from outside P
+    if col_reads_row:
+        return False
+    for r in row:
+        ext, fed = back([r], col)
+        if not fed or ext & x_ext:
+            return False
+    users = {}
+    for i in fw:
+        for q, _ in nodes[i].get("inputs", []):
+            users.setdefault(q, []).append(i)
+    start = [i for i in fw if in_any(i, col)]
+    seen, stack = set(start), list(start)
+    while stack:
+        for u in users.get(stack.pop(), []):
+            if u in seen:
+                continue
+            seen.add(u)
+            if not within(u, P):
+                return False
+            if not in_any(u, row):
+                stack.append(u)
+    return True
+
+
+def _check_heads(mod, tp: int, k: int, fqn: str, tn: str) -> None:
+    """Attention with local heads: wq/wk/wv colwise give each tp rank n_heads / tp query heads and n_kv_heads / tp
+    key-value heads (the model views them with -1 heads); both must divide."""
+    for attr in ("n_heads", "n_kv_heads"):
+        n = getattr(mod, attr, None)
+        if isinstance(n, int) and n % tp:
+            raise NotImplementedError(f"stage {k}: '{fqn}' has {attr}={n}, not divisible by the {tp} ranks of "
+                                      f"'{tn}': colwise q/k/v projections would split a head")
+
+
+def _styles(codes: dict) -> dict:
+    """The ParallelStyle objects of stage_tp_styles' source strings."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    make = {"ColwiseParallel()": lambda: ColwiseParallel(),
+            "ColwiseParallel(output_layouts=Replicate())": lambda: ColwiseParallel(output_layouts=Replicate()),
+            "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())":
+                lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+            "RowwiseParallel()": lambda: RowwiseParallel(),
+            "RowwiseParallel(input_layouts=Replicate())": lambda: RowwiseParallel(input_layouts=Replicate())}
+    return {m: make[code]() for m, code in codes.items()}
+
+
 def _batch_dp_sharded(plan) -> bool:
     names = plan.schedule["stage_mesh_names"]
     dp = [d for d, nm in enumerate(names) if nm.startswith("dp") and plan.schedule["stage_mesh_shape"][d] > 1]
@@ -168,9 +340,11 @@ class PipelineRunner:
         self.loss_fn = loss_fn or _ce_loss
         S, m = sc["num_stages"], sc["n_microbatches"]
         self.local = [k for k in range(S) if plan.stages[k]["pp_rank"] == self.pp_rank]
-        self.modules, stages = [], []
+        self._pos_of = block_positions(model, sc["layer_prefix"])
+        self.modules, stages, self.tp_styles = [], [], []
         for k in self.local:
             mod = build_stage_module(model, plan, k).to(self.device)
+            mod = self._tensor_parallel(mod, k)
             mod = self._data_parallel(mod, k)
             self.modules.append(mod)
             stages.append(pp_api.PipelineStage(mod, k, S, self.device, group=mesh.get_group("pp")))
@@ -182,15 +356,44 @@ class PipelineRunner:
         self.is_first = 0 in self.local
         self.is_last = (S - 1) in self.local
 
+    def _tensor_parallel(self, mod, k):
+        """ParallelStyles over the stage's tensor-parallel dim (stage_tp_styles), applied with parallelize_module
+        on that dim's 1-D submesh; parameters become DTensors there. A non-dp dim on which every parameter of the
+        whole plan is replicated and the batch is not split is idle (each of its ranks computes the same)."""
+        tps = _tp_dims(self.plan)
+        pl = self.plan.schedule.get("batch_placement")
+        for d, nm in tps:
+            if pl is not None and pl[d] != "R":
+                raise NotImplementedError(f"stage {k}: the plan splits the batch ({pl[d]}) over mesh dim '{nm}'; "
+                                          f"the pipeline runtime runs data parallelism only over dims named dp*")
+        used = [(d, nm) for d, nm in tps if any(self.plan.params[f][d] != "R" for f in self.plan.params)]
+        for d, nm in tps:
+            busy = next((n["name"] for n in self.plan.nodes if n["kind"] == "op" and n["phase"] == "fw" and
+                         any(o is not None and o[d] != "R" for o in n["placement"]["out"])), None)
+            if (d, nm) not in used and busy:
+                raise NotImplementedError(f"stage {k}: every parameter is replicated on mesh dim '{nm}' but the "
+                                          f"plan shards activations over it (e.g. {busy}); the pipeline runtime "
+                                          f"runs a non-dp dim only as tensor parallelism (sharded Linear/Embedding "
+                                          f"weights) or idle")
+        if len(used) > 1:
+            raise NotImplementedError(f"stage {k}: parameters are sharded over several non-dp mesh dims "
+                                      f"{[nm for _, nm in used]}; parallelize_module takes one 1-D mesh")
+        self.tp_styles.append({})
+        if not used:
+            return mod
+        d, nm = used[0]
+        codes = stage_tp_styles(self.plan, k, mod, d, self._pos_of)
+        self.tp_styles[-1] = codes
+        if codes:
+            from torch.distributed.tensor.parallel import parallelize_module
+            parallelize_module(mod, self.mesh[nm], _styles(codes))
+        return mod
+
     def _data_parallel(self, mod, k):
         sc = self.plan.schedule
+        tp = {d for d, _ in _tp_dims(self.plan)}
         dims = list(zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]))
-        for d, (nm, size) in enumerate(dims):
-            if size > 1 and not nm.startswith("dp"):
-                bad = [f for f in self.plan.stages[k]["params"] if self.plan.params[f][d] != "R"]
-                raise NotImplementedError(f"stage {k}: mesh dim '{nm}' (size {size}) shards {bad[:3]}...; tensor "
-                                          f"parallelism inside a pipeline stage is not wired in backends/pipeline.py")
-        dp = [(d, nm) for d, (nm, size) in enumerate(dims) if size > 1]
+        dp = [(d, nm) for d, (nm, size) in enumerate(dims) if size > 1 and d not in tp]
         if not dp:
             return mod
         if len(dp) != 1:
@@ -203,7 +406,11 @@ class PipelineRunner:
                                           f"parameters there; only data-parallel dp dims are supported")
             return mod                      # every dp rank computes the same micro-batches: nothing to wrap
         sub = self.mesh[nm]
+        tp_params = any(hasattr(p, "device_mesh") for p in mod.parameters())     # DTensors on the tp submesh
         if all(p == "R" for p in pls.values()):
+            if tp_params:                   # DDP takes no DTensor parameters: FSDP2's replicate (its DDP) does
+                from autopar.strategies._torch_adapter import replicate_dtensor_module
+                return replicate_dtensor_module(mod, sub)
             from torch.nn.parallel import DistributedDataParallel
             return DistributedDataParallel(mod, process_group=sub.get_group())
         from torch.distributed.fsdp import fully_shard

@@ -8,16 +8,34 @@ stage, each local parameter's gradient (rtol 1e-5 of the tensor's scale; FSDP-sh
 cases share one launch per world size (start-up costs seconds); every collective has a 60 s timeout, the launch a
 300 s one. Cases: world 2 (pp=2): GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, and
 1F1B under a memory budget that makes the planner checkpoint blocks; world 4 (pp=2 x dp=2): GPipe, 1F1B (DDP/FSDP2
-per stage as planned), Interleaved1F1B with FSDP-sharded parameters. Each case also feeds a batch of the wrong
-shape: every rank must raise PipelineShapeError (none may hang waiting for activations).
+per stage as planned), Interleaved1F1B with FSDP-sharded parameters; world 4 (pp=2 x tp=2, a cost model where
+TP pays, 2 micro-batches to keep it short): GPipe and Interleaved1F1B with the planner's tp placements, 1F1B with
+torchtitan's, ParallelStyles inside the stages, DTensor gradients gathered with full_tensor and also compared
+elementwise (rtol 1e-5, atol 1e-6); world 8 (pp=2 x dp=2 x tp=2, FSDP2 / replicate over tensor-parallel stages;
+skipped on machines with fewer than 8 cores unless AUTOPAR_TEST_WORLD8 is set). Each case also feeds a batch of the
+wrong shape: every rank must raise PipelineShapeError (none may hang waiting for activations). Without processes:
+the layouts stage_tp_styles derives, and its error for a stage placement no ParallelStyle expresses.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 
 from _dist import launch
 
 MODEL, LAYERS, BATCH, SEQ = "llama-tiny", 4, 8, 32
+
+
+def _tp_cluster():
+    """A cost model where tensor parallelism pays on llama-tiny (slow compute, fast links): the planner shards the
+    blocks' Linears over the stage's tp dim and keeps the batch whole there (the calibrated cpu-gloo preset and
+    tests/_clusters.py SHAPES leave tp idle, or split the batch over it, on this model)."""
+    from autopar.cost.cluster import ClusterSpec, DeviceSpec, LinkSpec
+    dev = DeviceSpec("cpu-slow-compute", {"fp32": 1e8, "bf16": 1e8, "fp16": 1e8}, mem_bw=2e10, mem_bytes=16e9,
+                     matmul_eff=0.5, mem_eff=0.7)
+    link = LinkSpec("fast-loopback", alpha=1e-6, bw=1e11)
+    return ClusterSpec("tp-friendly", dev, 1 << 20, link, link)
 
 
 def _plans(tmp_path, world):
@@ -44,6 +62,28 @@ def _plans(tmp_path, world):
             if any(st["recompute_blocks"] for st in plan.stages):
                 break
         cases.append(_case(plan, tmp_path, "2_1F1B_recompute", "1F1B"))
+    return cases
+
+
+def _tp_plans(tmp_path):
+    """pp=2 x tp=2: the planner's own tensor-parallel stage plans (GPipe; Interleaved1F1B, 4 stages, 2 per rank)
+    and torchtitan's placements forced (1F1B: colwise q/k/v/w1/w3/output, rowwise wo/w2, vocab-sharded embedding)."""
+    import autopar
+    from autopar import models
+    from autopar.backends.engines_ref import torchtitan_placements
+    m = models.build_model(MODEL, device="meta", n_layers=LAYERS)
+    x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta", n_layers=LAYERS)
+    mesh = autopar.MeshSpec((2, 2), ("pp", "tp"))
+    force = torchtitan_placements(m, ("tp",), None, "tp")[0]
+    cases = []
+    for sched, f in (("GPipe", None), ("1F1B", force), ("Interleaved1F1B", None)):
+        plan = autopar.plan(m, mesh, x, cluster=_tp_cluster(), force=f,
+                            pipeline={"schedules": [sched], "n_microbatches": [2]})
+        assert plan.schedule["batch_placement"] == ["R"], plan.schedule["batch_placement"]
+        for st in plan.stages:          # every stage really shards parameters over tp, a block's Linears among them
+            tp_sharded = [f for f in st["params"] if plan.params[f][0] != "R"]
+            assert any(".attention.wq." in f for f in tp_sharded), (sched, st["index"], tp_sharded)
+        cases.append(_case(plan, tmp_path, f"tp_{sched}", sched))
     return cases
 
 
@@ -95,6 +135,104 @@ def test_pipeline_equals_single_device(tmp_path, world):
                            for i, c in enumerate(cases)))
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_pipeline_tensor_parallel_stages_equal_single_device(tmp_path):
+    """pp=2 x tp=2 on 4 gloo ranks: ParallelStyles inside each stage (parallelize_module over the stage's tp
+    submesh), loss and every gradient (DTensor gradients gathered with full_tensor) equal to single device."""
+    cases = _tp_plans(tmp_path)
+    results = launch(_rank_cases, 4, [cases], tmp_path)
+    _check(results, cases)
+    for i, c in enumerate(cases):
+        for r in results:
+            h = r["cases"][i]
+            assert h["allclose"], f"{c['schedule']}: gradients not within rtol 1e-5 / atol 1e-6: {h}"
+            styles = {v.split("(")[0] for st in h["tp_styles"] for v in st.values()}
+            assert {"ColwiseParallel", "RowwiseParallel"} <= styles, (c["schedule"], h["tp_styles"])
+            # the styles really ran: parameters are DTensors sharded over the tp mesh, holding 1/2 of that dim
+            assert h["tp_sharded"] >= 8 and h["tp_sharded"] == h["tp_local_split"], (c["schedule"], h)
+        if c["schedule"] == "1F1B":      # torchtitan's layout: vocab-parallel embedding, Megatron feed-forward
+            first = [st for r in results for st in r["cases"][i]["tp_styles"][:1] if "tok_embeddings" in st]
+            assert first and all(st["tok_embeddings"].startswith("RowwiseParallel") and
+                                 st["layers.0.feed_forward.w2"] == "RowwiseParallel()" for st in first), first
+    print("\n" + "\n".join(f"pp2 x tp2 {c['schedule']}: stages {c['stages']} bounds {c['bounds']} m={c['m']} "
+                           f"max grad rel diff {max(r['cases'][i]['max_grad_rel'] for r in results):.2e} "
+                           f"max loss diff {max(r['cases'][i]['loss_diff'] or 0 for r in results):.2e}"
+                           for i, c in enumerate(cases)))
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.skipif((os.cpu_count() or 1) < 8 and not os.environ.get("AUTOPAR_TEST_WORLD8"),
+                    reason="8 gloo ranks: 1-2 min on a 2-core machine (set AUTOPAR_TEST_WORLD8=1 to run it there)")
+def test_pipeline_fsdp_x_tp_stages_equal_single_device(tmp_path):
+    """pp=2 x dp=2 x tp=2 on 8 gloo ranks (1F1B): TP styles first, then FSDP2 over the dp submesh on the
+    tp-sharded DTensor parameters (torchtitan's composition) where the stage plan shards on dp (torchtitan's
+    placements forced; the planner's own plan, which shards some weights on dim 1 over dp and mixes colwise and
+    rowwise q/k/v), FSDP2's replicate (DDP for DTensor parameters) where it replicates on dp."""
+    import autopar
+    from autopar import models
+    from autopar.backends.engines_ref import torchtitan_placements
+    m = models.build_model(MODEL, device="meta", n_layers=LAYERS)
+    x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta", n_layers=LAYERS)
+    mesh = autopar.MeshSpec((2, 2, 2), ("pp", "dp", "tp"))
+    fsdp = torchtitan_placements(m, ("dp", "tp"), "dp", "tp")[0]
+    ddp = {k: ("R", v[1]) for k, v in fsdp.items()}
+    cases, want = [], []
+    for name, f, wrapper in (("fsdp_tp", fsdp, "FSDP"), ("ddp_tp", ddp, "Replicate"), ("auto", None, "FSDP")):
+        plan = autopar.plan(m, mesh, x, cluster=_tp_cluster(), force=f,
+                            pipeline={"schedules": ["1F1B"], "n_microbatches": [2]})
+        assert plan.schedule["batch_placement"] == ["S0", "R"], plan.schedule["batch_placement"]
+        assert all(any(plan.params[f][1] != "R" for f in st["params"]) for st in plan.stages)
+        cases.append(_case(plan, tmp_path, name, "1F1B"))
+        want.append(wrapper)
+    results = launch(_rank_cases, 8, [cases], tmp_path)
+    _check(results, cases)
+    for i, c in enumerate(cases):
+        assert {tuple(r["cases"][i]["local_rows"]) for r in results} == {(0, 4), (4, 8)}
+        for r in results:
+            h = r["cases"][i]
+            assert h["allclose"] and all(w.startswith(want[i]) for w in h["wrappers"]), (c, h["wrappers"])
+            assert h["tp_sharded"] >= 8 and h["tp_sharded"] == h["tp_local_split"], (c, h)
+
+
+def test_pipeline_tp_refuses_inexpressible_stage_placement():
+    """A stage placement no ParallelStyle expresses is refused with the stage, the parameter and its placement:
+    the planner's own tp plan of the MLP model shards fc1's weight (Shard(0)) but keeps its bias replicated
+    (ColwiseParallel shards both); a norm weight sharded on tp (no style shards an RMSNorm) likewise."""
+    import autopar
+    from autopar import models
+    from autopar.backends.pipeline import block_positions, build_stage_module, stage_tp_styles
+    mesh = autopar.MeshSpec((2, 2), ("pp", "tp"))
+    m = models.build_model("mlp-tiny", device="meta", n_layers=LAYERS)
+    x = models.example_inputs("mlp-tiny", batch=BATCH, seq=SEQ, device="meta", n_layers=LAYERS)
+    plan = autopar.plan(m, mesh, x, cluster=_tp_cluster(), pipeline={"schedules": ["GPipe"]})
+    fc1 = next(f for f in plan.stages[0]["params"] if f.endswith("fc1.weight"))
+    assert plan.params[fc1] == ["S0"] and plan.params[fc1[:-len("weight")] + "bias"] == ["R"], plan.params
+    with pytest.raises(NotImplementedError, match=rf"stage 0: parameter '{fc1}' is placed S0 on the "
+                                                 rf"tensor-parallel stage-mesh dim 'tp'.*bias R"):
+        stage_tp_styles(plan, 0, build_stage_module(m, plan, 0), 0, block_positions(m, "layers"))
+    m = models.build_model(MODEL, device="meta", n_layers=LAYERS)
+    x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta", n_layers=LAYERS)
+    plan = autopar.plan(m, mesh, x, cluster=_tp_cluster(), pipeline={"schedules": ["GPipe"]})
+    k = len(plan.stages) - 1
+    # layouts from the plan's graph: Megatron pairs keep the activation between them sharded, other styles hand
+    # over whole tensors (wk/wv rowwise read the attention input itself: no pair, q/k/v/wo all replicated outside)
+    styles = stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, block_positions(m, "layers"))
+    assert styles["layers.3.attention.wq"] == "ColwiseParallel()" and styles["layers.3.attention.wo"] == \
+        "RowwiseParallel()" and styles["output"] == "ColwiseParallel(output_layouts=Replicate())", styles
+    for f in ("wk", "wv"):
+        plan.params[f"layers.3.attention.{f}.weight"] = ["S1"]
+    styles = stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, block_positions(m, "layers"))
+    assert styles["layers.3.attention.wq"] == "ColwiseParallel(output_layouts=Replicate())" and \
+        styles["layers.3.attention.wk"] == styles["layers.3.attention.wo"] == \
+        "RowwiseParallel(input_layouts=Replicate())", styles
+    plan.params["layers.3.ffn_norm.weight"] = ["S0"]
+    with pytest.raises(NotImplementedError, match=rf"stage {k}: parameter 'layers.3.ffn_norm.weight' is placed S0 "
+                                                 rf"on the tensor-parallel stage-mesh dim 'tp'.*RMSNorm"):
+        stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, block_positions(m, "layers"))
+
+
 # ---- one rank (tests/_dist.py runs it) -------------------------------------------------------------------------
 def _rank_cases(cases):
     """One rank of the launch (tests/_dist.py runs it inside the gloo group): every case, a barrier after each."""
@@ -103,6 +241,7 @@ def _rank_cases(cases):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from autopar import Plan, models
+    from torch.distributed.tensor import DTensor, Shard
     from autopar.backends.pipeline import PipelineRunner, PipelineShapeError, local_batch
     res = []
     for case in cases:
@@ -117,13 +256,20 @@ def _rank_cases(cases):
         ref(x, y).backward()
         loss_local_ref = ref(xl, yl).item()
         loss = runner.step(xl if runner.is_first else None, yl if runner.is_last else None)
-        rel, names = 0.0, []
+        rel, names, close, tp_sharded, tp_split = 0.0, [], True, 0, 0
         gref = dict(ref.named_parameters())
         for n, p in runner.named_parameters():
             g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
             want = gref[n].grad
             rel = max(rel, float((g - want).abs().max() / want.abs().max().clamp_min(1e-30)))
+            close = close and torch.allclose(g, want, rtol=1e-5, atol=1e-6)
             names.append(n)
+            if isinstance(p, DTensor) and "tp" in p.device_mesh.mesh_dim_names:
+                t = p.device_mesh.mesh_dim_names.index("tp")
+                if isinstance(p.placements[t], Shard):      # this rank holds at most 1/tp of that dim
+                    tp_sharded += 1
+                    d = p.placements[t].dim
+                    tp_split += p.to_local().shape[d] * p.device_mesh.size(t) <= p.shape[d]
         try:
             bad = torch.cat([x, x], 1)
             runner.step(bad if runner.is_first else None, torch.cat([y, y], 1) if runner.is_last else None)
@@ -132,6 +278,8 @@ def _rank_cases(cases):
             err = f"PipelineShapeError: {e}"
         sharded = "dp" in plan.mesh_names and any(plan.params[n][0] != "R" for n in names)
         res.append({"max_grad_rel": rel, "params": names, "n_params": len(names), "wrappers": runner.wrappers,
+                    "allclose": close, "tp_styles": runner.tp_styles, "tp_sharded": tp_sharded,
+                    "tp_local_split": tp_split,
                     "want_wrapper": "FSDP" if sharded else "DistributedDataParallel",
                     "has_layers": any(".layers." in f".{n}" for n in names),
                     "all_params": [n for n, _ in ref.named_parameters()],
