@@ -4,7 +4,14 @@
 Recognition reads the Plan alone (its parameter placements and node records with their input edges):
   * mesh dims: a dim on which every input is batch-sharded (Shard(0)) is data-parallel; one whose inputs are
     replicated and that shards parameters or activations is the tensor-parallel dim; a dim with nothing
-    sharded is idle (its ranks compute the same thing).
+    sharded is idle (its ranks compute the same thing). An input the plan keeps replicated only to chunk it by
+    batch at every forward consumer, or to feed the loss it runs on the whole batch (gathered log-softmax,
+    replicated labels), is fed batch-sharded: each rank's mean over an equal shard, gradients averaged, gives
+    the same values (refused for a class-weighted loss and for a batch that does not split evenly).
+  * replicated parameters on the data-parallel dims (plain data parallelism, or beside FSDP units / tensor
+    parallelism): their gradients are averaged by a hook in the plan's own gradient buckets (plan.buckets: one
+    all_reduce per bucket, on the planned mesh dim or flattened group, a chain's steps one after the other);
+    gradients the plan reduces otherwise go in extra buckets over the data dims (TorchLowering.grad_buckets).
   * data-parallel dims: a parameter Shard(k) on them that every consumer all-gathers before use is FSDP-sharded;
     one fully_shard unit per repeated block (the plan's regions), the remaining parameters in the root unit,
     root last. reshard_after_forward is the plan's own memory/communication choice: True when the plan
@@ -58,6 +65,19 @@ class Unit:
 
 
 @dataclass
+class GradBucket:
+    """One bucket of replicated parameters' gradients, reduced by one all_reduce per step: steps are mesh-dim
+    tuples (one dim: that dim's group; several: one collective over their flattened group), run one after the
+    other (the plan's chain of buckets over the same gradients). planned: the plan's own bucket (its index in
+    plan.buckets, first step); None: gradients the plan reduces otherwise, which the engines must reduce here."""
+    steps: list
+    params: list                                      # FQNs, in the order the backward produces them
+    nbytes: int                                       # per step (the local gradients' size)
+    dtype: str
+    planned: int | None = None
+
+
+@dataclass
 class TorchLowering:
     plan_hash: str
     mesh_names: tuple
@@ -69,6 +89,8 @@ class TorchLowering:
     styles: dict = field(default_factory=dict)        # module FQN (wildcards over repeated blocks) -> Style
     units: list = field(default_factory=list)         # fully_shard units, root last
     replicated_grads: list = field(default_factory=list)   # params whose grads are all-reduced by a hook
+    grad_buckets: list = field(default_factory=list)  # GradBucket: how the hook reduces replicated_grads
+    batch_shards: int = 1                             # ranks that split the batch (product of the data dims)
     mixed_precision: dict | None = None
     checkpoint: list = field(default_factory=list)    # block FQNs
     loss_parallel: bool = False
@@ -147,9 +169,12 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
     low = TorchLowering(plan.hash(), names, shape)
     low.block_fqns = _blocks(plan)
     inputs = [n for n in plan.nodes if n["kind"] == "input"]
-    fed = [_fed(G, n) for n in inputs]
-    low.input_placements = [[f[d] if all(g[d] == "S0" for g in fed) else n["placement"]["out"][0][d]
-                             for d in range(len(names))] for f, n in zip(fed, inputs)]
+    strict, loss_fed = [_fed(G, n) for n in inputs], []
+    loose = [_fed(G, n, loss_fed) for n in inputs]
+    # a mesh dim is batch-fed when every input is (a loss input counts only where the batch really is sharded)
+    batch = [all(f[d] == "S0" for f in loose) and any(f[d] == "S0" for f in strict) for d in range(len(names))]
+    low.input_placements = [["S0" if batch[d] else n["placement"]["out"][0][d] for d in range(len(names))]
+                            for n in inputs]
     data, model_dims = [], []
     for d, name in enumerate(names):
         pls = {pl[d] for pl in low.input_placements}
@@ -172,6 +197,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
                                 f"parallelize_module takes one 1-D mesh"))
     for d in data:
         (low.shard_dims if any(p[d][0] == "S" for p in plan.params.values()) else low.replicate_dims).append(d)
+    _check_batch_shards(low, G, plan, inputs, data, [x for x in loss_fed if x[1] in data])
     _recognize_fsdp(low, G, plan, units)
     if low.tp_dim is not None:
         from .engines_tp import recognize_tp
@@ -190,18 +216,170 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
             low.reasons.append(("mixed precision", f"parameters {low.replicated_grads[:4]} stay out of FSDP (the "
                                 f"plan replicates them), so MixedPrecisionPolicy would not cast them to bf16"))
     low.checkpoint = list(plan.meta.get("checkpointing", {}).get("blocks", []))
+    _grad_buckets(low, G, plan)
     return low
 
 
-def _fed(G, inp) -> list:
+def _local_nbytes(low, plan, pnode, fqn) -> int:
+    """Bytes of the parameter's gradient on one rank: its shape, split on the tensor-parallel dim."""
+    import torch
+    shape = list(pnode["shape"][0])
+    t = low.tp_dim
+    if t is not None and plan.params[fqn][t][0] == "S":
+        shape[int(plan.params[fqn][t][1:])] //= plan.mesh_shape[t]
+    return _prod(shape) * torch.empty(0, dtype=getattr(torch, pnode["dtype"][0])).element_size()
+
+
+def _grad_buckets(low, G, plan) -> None:
+    """How the gradients of replicated parameters (low.replicated_grads) are reduced: in the plan's own all_reduce
+    buckets when a bucket holds only such gradients and reduces them over exactly the data-parallel dims (the
+    engines' partial sums are the plan's); every other such gradient (the plan computes it from gathered
+    backward inputs, or reduces it over other dims) in extra buckets over all data dims, in backward order, up
+    to the plan's bucket size. The average divides by the number of batch shards (each rank's loss is the mean
+    over its own)."""
+    from autopar.redistribute import BUCKET_BYTES
+    data = low.replicate_dims + low.shard_dims
+    rep = set(low.replicated_grads)
+    if not rep or not data:
+        return
+    low.batch_shards = _prod(plan.mesh_shape[d] for d in data)
+    pnode = {n["target"]: n for n in plan.nodes if n["kind"] == "param"}
+    size = {f: _local_nbytes(low, plan, pnode[f], f) for f in rep}
+    dn = lambda ds: "+".join(low.mesh_names[d] for d in ds)
+    chains: dict = {}
+    for k, b in enumerate(plan.buckets):
+        chains.setdefault(b.get("chain", k), []).append((k, b))
+    covered, out = set(), []
+    for first, bs in sorted(chains.items()):
+        params = bs[0][1]["params"]
+        if not rep & set(params):
+            continue
+        steps = [tuple(b["mesh_dim"]) if isinstance(b["mesh_dim"], (list, tuple)) else (b["mesh_dim"],)
+                 for _, b in sorted(bs, key=lambda kb: kb[1].get("step", 0))]
+        dims = [d for s in steps for d in s]
+        ok = (set(params) <= rep and all(b["kind"] == "all_reduce" for _, b in bs) and
+              sorted(dims) == sorted(data) and len(set(dims)) == len(dims))
+        if not ok:
+            low.notes.append(f"the plan's gradient bucket {first} ({[b['kind'] for _, b in bs]} over "
+                             f"{[dn(s) for s in steps]}) is not the engines' averaging over {dn(data)}; its replicated"
+                             f" gradients are reduced in extra buckets instead")
+            continue
+        nb = sum(size[f] for f in params)
+        out.append(GradBucket(steps, list(params), nb, bs[0][1]["dtype"].replace("torch.", ""), first))
+        covered |= set(params)
+    extra = [f for f in reversed(list(plan.params)) if f in rep and f not in covered]
+    if extra:
+        low.notes.append(f"the plan reduces the gradients of {extra[:4]}{' ...' if len(extra) > 4 else ''} otherwise "
+                         f"(e.g. from backward inputs it gathers); the engines' partial gradients are all-reduced over "
+                         f"{dn(data)} in {'an extra bucket' if len(extra) == 1 else 'extra buckets'}")
+    open_: dict = {}
+    for f in extra:
+        dt = pnode[f]["dtype"][0]
+        b = open_.get(dt)
+        if b is None or b.nbytes + size[f] > BUCKET_BYTES:
+            b = open_[dt] = GradBucket([tuple(data)], [], 0, dt)
+            out.append(b)
+        b.params.append(f)
+        b.nbytes += size[f]
+    low.grad_buckets = out
+
+
+_ROW_VIEWS = {"view", "_unsafe_view", "reshape"}
+_SAME_SHAPE = {"_to_copy", "clone", "detach", "alias", "contiguous"}
+
+
+def _batch_uses(G, i, o, d, seen) -> bool:
+    """Whether every use of output `o` of node `i` (replicated on mesh dim d) takes it batch-sharded there (a
+    local R -> S0 chunk; seen["batch"]), or is a loss op (seen["loss"]: the plan runs the loss replicated, on the
+    whole batch), or is a backward op (seen["bw"]: the plan gathers some backward inputs; autograd on each rank's
+    shard computes partial sums instead, which the data-parallel reduction adds up), following row-preserving
+    views / copies that the plan runs replicated (flatten(0, 1) of the labels: a batch chunk of the input is a row
+    chunk of the view)."""
+    uses = [(u, j) for u, j, uo in G.users[i] if uo == o]
+    if not uses:
+        return False
+    src_shape = G.rec(i)["shape"][o]
+    for u, j in uses:
+        ur = G.rec(u)
+        if ur["placement"]["ins"][j][d] == "S0":
+            seen["batch" if ur["phase"] == "fw" else "bw_batch"].append(u)
+            continue
+        if ur["kind"] != "op":
+            return False
+        op = _op(ur)
+        if op in _LOSS_OPS:
+            seen["loss"].append(u)
+            continue
+        if ur["phase"] == "bw":
+            seen["bw"].append(u)
+            continue
+        out = ur["shape"][0] if ur["shape"] else None
+        rows = (op in _SAME_SHAPE and out == src_shape) or (
+            op in _ROW_VIEWS and out and src_shape and any(
+                _prod(src_shape[:k]) == out[0] and _prod(src_shape[k:]) == _prod(out[1:])
+                for k in range(1, len(src_shape) + 1)))
+        if not (rows and len(ur["inputs"]) == 1 and ur["placement"]["out"][0][d] == "R"
+                and _batch_uses(G, u, 0, d, seen)):
+            return False
+    return True
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def _fed(G, inp, loss_fed=None) -> list:
     """How a rank is fed an input: its placement, except that a dim the plan keeps replicated only to chunk it
-    by batch at every consumer (a local R -> S0) is fed batch-sharded right away (the same local values)."""
+    by batch at every forward consumer (a local R -> S0) is fed batch-sharded right away (the same local values;
+    backward consumers that take it whole compute partial sums on a shard instead, see _batch_uses). With
+    `loss_fed` (a list), a forward consumer that is the loss also counts (the plan gathers the loss inputs and
+    computes the mean over the whole batch): the engines compute each rank's mean over its equal batch shard and
+    average the gradients (the same values; _check_batch_shards says when not); (input name, mesh dim, loss node)
+    of those are appended to it."""
     pl = list(inp["placement"]["out"][0])
-    uses = G.users[inp["idx"]]
     for d, p in enumerate(pl):
-        if p == "R" and uses and all(G.rec(u)["placement"]["ins"][j][d] == "S0" for u, j, _ in uses):
+        seen = {"batch": [], "bw_batch": [], "loss": [], "bw": []}
+        if p != "R" or not _batch_uses(G, inp["idx"], 0, d, seen):
+            continue
+        if seen["batch"] and not seen["loss"] or loss_fed is not None and (seen["batch"] or seen["loss"]):
             pl[d] = "S0"
+            if loss_fed is not None:
+                loss_fed += [(inp["name"], d, u) for u in seen["loss"]]
     return pl
+
+
+def _check_batch_shards(low, G, plan, inputs, data, loss_fed):
+    """Data parallelism in the engines: each rank gets an equal chunk of every input's batch (dim 0), computes its
+    own mean loss, and the gradients are averaged. That equals the plan's whole-batch computation only for equal
+    chunks; where the plan runs the loss on the whole batch (its inputs gathered), also only for an unweighted
+    mean (class weights make each rank's mean a different weighted average)."""
+    if not data:
+        return
+    n = _prod(plan.mesh_shape[d] for d in data)
+    dn = "+".join(plan.mesh_names[d] for d in data)
+    for inp in inputs:
+        shape = inp["shape"][0]
+        if not shape or shape[0] % n:
+            low.reasons.append((f"input {inp['name']}", f"batch dim {shape[0] if shape else '(scalar)'} does not split "
+                                f"into {n} equal shards over the data-parallel dims {dn}: each engine rank's mean loss "
+                                f"would weigh a different number of samples than the plan's batch mean"))
+    for u in sorted({u for _, _, u in loss_fed}):
+        rec = G.rec(u)
+        if _op(rec) in ("nll_loss_forward", "nll_loss2d_forward") and len(rec["inputs"]) > 2:
+            low.reasons.append((f"op {rec['name']}", "the plan computes this class-weighted loss on the whole batch; "
+                                "per-rank weighted means over batch shards, averaged, are not the batch's weighted "
+                                "mean"))
+            continue
+        ins = sorted({name for name, _, x in loss_fed if x == u})
+        msg = (f"the plan runs the loss {rec['name']} on the whole batch (inputs {ins} replicated over {dn}); the "
+               f"engines feed those batch-sharded too: each rank's mean over its equal shard, gradients averaged, the "
+               f"same values for a plain mean (the plan's records carry no reduction or ignore_index: a summed loss, "
+               f"or ignored labels spread unevenly over the shards, would differ)")
+        if msg not in low.notes:
+            low.notes.append(msg)
 
 
 def _check_shared(low, plan, model):
@@ -243,16 +421,26 @@ def _check_batch_ops(low, G, plan, data, dn):
                        f"rank's batch shard computes the same sums as partial gradients, which FSDP/DDP reduce")
                 if not any(x.startswith("the plan gathers some backward") for x in low.notes):
                     low.notes.append(msg)
-            elif _op(n) in _LOSS_OPS:
+            elif _op(n) in _LOSS_OPS and all(r["src"][d] in ("S0", r["dst"][d]) for d in data):
                 msg = (f"the plan gathers the loss input {r['input']} of {n['name']} over {dn(data)}; the engines "
                        f"average each rank's loss over its equal batch shard instead (same values)")
                 if msg not in low.notes:
                     low.notes.append(msg)
             elif plan.nodes[n["inputs"][r["input"]][0]]["shape"][n["inputs"][r["input"]][1]]:
+                moved = [d for d in data if r["src"][d] != r["dst"][d]] or data
+                src = {r["src"][d] for d in moved}
+                if src == {"S0"}:
+                    what = ("it gathers the batch shards: the op computes on the whole batch, while FSDP/DDP ranks "
+                            "compute on their own shard only")
+                elif any(p[0] == "P" for p in src):
+                    what = ("it reduces a partial sum the plan split over the batch ranks (tensor parallelism on a "
+                            "data-parallel dim), which FSDP/DDP do not express")
+                else:
+                    what = ("a tensor sharded on a non-batch dim over the batch ranks (tensor parallelism on a data-"
+                            "parallel dim), which FSDP/DDP do not express")
                 low.reasons.append((f"op {n['name']}", f"in module '{n['module'] or '<root>'}' redistributes input "
                                     f"{r['input']} [{','.join(r['src'])}] -> [{','.join(r['dst'])}] over the data-"
-                                    f"parallel dims {dn(data)}: a computation across the batch, which per-rank "
-                                    f"batch shards (FSDP/DDP) do not express"))
+                                    f"parallel dims {dn(moved)}: {what}"))
 
 
 def _blocks(plan) -> list[str]:
@@ -306,7 +494,9 @@ def _recognize_fsdp(low, G, plan, forced_units):
             c, j = bad[0]
             low.reasons.append((f"parameter {fqn}", f"is used sharded on {dn(low.shard_dims)} by "
                                 f"{G.rec(c)['name']} in module '{G.rec(c)['module']}' (input {j} "
-                                f"{G.rec(c)['placement']['ins'][j]}): FSDP2 gathers a parameter before every use"))
+                                f"{G.rec(c)['placement']['ins'][j]}): FSDP2 gathers a parameter before every use, and a "
+                                f"ParallelStyle cannot shard it on a mesh dim that also splits the batch (tensor or "
+                                f"expert parallelism on a data-parallel dim)"))
             continue
         outside = [c for c, _, _ in edges if u.fqn and not G.in_module(c, u.fqn)]
         if outside:
@@ -339,7 +529,8 @@ def _recognize_fsdp(low, G, plan, forced_units):
         low.notes.append(f"HSDP: replicate over {dn(low.replicate_dims)}, shard over {dn(low.shard_dims)}")
     elif not low.shard_dims:
         low.notes.append(f"data parallel over {dn(low.replicate_dims)} with every parameter replicated: gradients "
-                         f"all-reduced by a hook per parameter (as the plan prices them)")
+                         f"averaged in the plan's buckets (one all_reduce per bucket, started when its last "
+                         f"gradient is ready)")
 
 
 # ---- applying ------------------------------------------------------------------------------------------------

@@ -39,6 +39,18 @@ def _fold(styles: dict, blocks: list[str]) -> dict:
     return out
 
 
+def _wrap(items, indent, width=116) -> list:
+    """repr of each item followed by a comma, packed into lines of at most `width` characters."""
+    lines, line = [], ""
+    for x in items:
+        item = f"{x!r},"
+        if line and len(indent) + len(line) + 1 + len(item) > width:
+            lines.append(indent + line)
+            line = ""
+        line += (" " if line else "") + item
+    return lines + ([indent + line] if line else [])
+
+
 def render(low) -> str:
     names = low.mesh_names
     mesh_desc = " x ".join(f"{n}={s}" for n, s in zip(names, low.mesh_shape))
@@ -78,8 +90,33 @@ def render(low) -> str:
         L.append("mp_policy = MixedPrecisionPolicy()   # the plan keeps parameters in their own dtype")
     shard_dims = {f: k for u in low.units for f, k in u.shard_dims.items()}
     L.append(f"shard_dims = {shard_dims!r}   # parameters FSDP shards on a tensor dim other than 0")
-    L.append(f"replicated_params = {low.replicated_grads!r}   # replicated on the data dims: gradients all-reduced")
+    if low.replicated_grads:
+        L.append("replicated_params = [   # replicated on the data dims: gradients all-reduced (grad_buckets)")
+        L += _wrap(low.replicated_grads, "    ")
+        L.append("]")
+    else:
+        L.append("replicated_params = []   # replicated on the data dims: gradients all-reduced (grad_buckets)")
     L.append(f"checkpoint_blocks = {low.checkpoint!r}   # activation checkpointing (recomputed in the backward)")
+    buckets = getattr(low, "grad_buckets", [])
+    if buckets:
+        L.append(f"# gradients of the replicated parameters, averaged over the {low.batch_shards} batch shards in "
+                 "buckets: (steps, parameter FQNs")
+        L.append("# in the order the backward produces them). Each step is one all_reduce over the named mesh dims "
+                 "(several: their")
+        L.append("# flattened group); a bucket's steps run one after the other.")
+    L.append("grad_buckets = [" + ("" if buckets else "]"))
+    for b in buckets:
+        steps = "[" + ", ".join("(" + ", ".join(repr(names[d]) for d in s) + ("," if len(s) == 1 else "") + ")"
+                                for s in b.steps) + "]"
+        src = (f"plan bucket {b.planned}" if b.planned is not None else "not a plan bucket: the plan reduces these "
+               "gradients otherwise")
+        L.append(f"    ({steps}, [   # {src}: {b.nbytes:,d} B {b.dtype} per step")
+        L += _wrap(b.params, "        ")
+        L.append("    ]),")
+    if buckets:
+        L.append("]")
+    L.append(f"batch_shards = {getattr(low, 'batch_shards', 1)}   # ranks that split the batch: gradients are "
+             "averaged over them")
     L.append("")
     L.append("")
     L.append(f"blocks = {list(low.block_fqns)!r}   # the repeated blocks")
@@ -111,25 +148,95 @@ def render(low) -> str:
                  "ignored_params=ignored or None,")
         L.append("                    shard_placement_fn=place if shard_dims else None, **kw)")
     if low.replicated_grads and data:
-        groups = ", ".join(f'mesh.get_group("{names[d]}")' for d in data)
-        L.append(f"    _all_reduce_grads(model, replicated_params, [{groups}])")
+        L.append("    _reduce_grads_in_buckets(model, mesh, grad_buckets, batch_shards)")
     L.append("    return model")
     L += ["", "",
           "def _checkpoint(block):",
           "    from torch.utils.checkpoint import checkpoint",
           "    forward = block.forward",
           "    block.forward = lambda *a, **k: checkpoint(forward, *a, use_reentrant=False, **k)",
-          "", "",
-          "def _all_reduce_grads(model, fqns, groups):",
-          "    def hook(p):",
-          "        g = p.grad.to_local() if hasattr(p.grad, 'to_local') else p.grad",
-          "        for group in groups:",
-          "            dist.all_reduce(g, group=group)",
-          "            g.div_(dist.get_world_size(group))",
-          "    for f in fqns:",
-          "        model.get_parameter(f).register_post_accumulate_grad_hook(hook)",
-          ""]
+          "", ""]
+    L += _BUCKETS.splitlines() + [""]
     return "\n".join(L)
+
+
+_BUCKETS = '''def _group(mesh, dims):
+    """The process group of one collective over mesh dims `dims` (names): one dim's group, the default group for
+    the whole mesh when it spans the world, else the flattened mesh's (created here: every rank calls apply)."""
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    if len(dims) == mesh.ndim and mesh.size() == dist.get_world_size():
+        return dist.distributed_c10d._get_default_group()
+    return mesh[tuple(dims)]._flatten("_".join(dims)).get_group()
+
+
+def _reduce_grads_in_buckets(model, mesh, buckets, batch_shards):
+    """DDP's gradient averaging in the given buckets. Autograd hands each parameter's gradient to a hook that
+    copies it into its bucket's flat buffer; the bucket's first all_reduce starts (async) when its last gradient
+    is in. At the end of the backward every bucket is waited for, its later steps run, and the sums, divided by
+    the number of batch shards, are copied back into the gradients."""
+    from torch.autograd import Variable
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t
+    state, where, groups = {"queued": False, "buckets": []}, {}, {}
+    for steps, fqns in buckets:
+        params = [model.get_parameter(f) for f in fqns]
+        sizes = [local(p).numel() for p in params]
+        for dims in steps:
+            if dims not in groups:
+                groups[dims] = _group(mesh, dims)
+        b = {"params": params, "groups": [groups[dims] for dims in steps], "arrived": set(), "work": None,
+             "buf": torch.zeros(sum(sizes), dtype=local(params[0]).dtype, device=local(params[0]).device)}
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        for p, off, n in zip(params, offsets, sizes):
+            where[id(p)] = (b, off, n)
+        state["buckets"].append(b)
+
+    def launch(b):
+        for p in b["params"]:                   # a gradient that never came (unused parameter) counts as zeros
+            if id(p) not in b["arrived"]:
+                _, off, n = where[id(p)]
+                b["buf"][off:off + n].zero_()
+        b["work"] = dist.all_reduce(b["buf"], group=b["groups"][0], async_op=True)
+
+    @torch.no_grad()
+    def finish():
+        state["queued"] = False
+        for b in state["buckets"]:
+            if not b["arrived"]:
+                continue
+            if b["work"] is None:
+                launch(b)
+            b["work"].wait()
+            for group in b["groups"][1:]:
+                dist.all_reduce(b["buf"], group=group)
+            b["buf"].div_(batch_shards)
+            for p in b["params"]:
+                if id(p) not in b["arrived"]:
+                    continue
+                _, off, n = where[id(p)]
+                g = local(p.grad)
+                g.copy_(b["buf"][off:off + n].view_as(g))
+            b["arrived"], b["work"] = set(), None
+
+    @torch.no_grad()
+    def hook(p):
+        b, off, n = where[id(p)]
+        if getattr(p.grad, "placements", None) not in (None, getattr(p, "placements", None)):
+            # a DTensor gradient placed otherwise than its parameter (tensor parallelism: Partial for a
+            # SequenceParallel norm, Replicate for a vocab-sharded embedding): placed like the parameter now
+            # (what the optimizer step would do), so the local gradient is the parameter's local shape
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        b["buf"][off:off + n].copy_(local(p.grad).reshape(-1))
+        b["arrived"].add(id(p))
+        if not state["queued"]:
+            state["queued"] = True
+            Variable._execution_engine.queue_callback(finish)
+        if len(b["arrived"]) == len(b["params"]):
+            launch(b)
+    for b in state["buckets"]:
+        for p in b["params"]:
+            p.register_post_accumulate_grad_hook(hook)
+'''
 
 
 def report(low) -> str:
@@ -148,6 +255,11 @@ def report(low) -> str:
                  f"  because {u.why}")
     for fqn, st in low.styles.items():
         L.append(f"  -> torch  {fqn}: {st.code()}" + (f"  because {st.why}" if st.why else ""))
+    for b in getattr(low, "grad_buckets", []):
+        steps = " then ".join("+".join(names[d] for d in s) for s in b.steps)
+        L.append(f"  -> torch  gradient hook: all_reduce over {steps} of {len(b.params)} replicated gradients "
+                 f"({b.nbytes:,d} B {b.dtype}), averaged over {low.batch_shards} batch shards  because " +
+                 (f"plan bucket {b.planned}" if b.planned is not None else "the plan reduces them otherwise"))
     if low.loss_parallel:
         L.append("  -> torch  loss_parallel(): the loss input is vocab-sharded on the tensor-parallel dim")
     if low.mixed_precision:

@@ -88,9 +88,14 @@ class CollectiveCounter(TorchDispatchMode):
             g = mesh.get_group(d)
             self._by_name[g.group_name] = d
             self._by_ranks[tuple(sorted(dist.get_process_group_ranks(g)))] = d
-        if mesh.ndim > 1:   # the whole mesh (e.g. a flattened data-parallel group over every dim)
-            self._by_ranks.setdefault(tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist())),
-                                      tuple(range(mesh.ndim)))
+        if mesh.ndim > 1:   # this rank's group over several dims (a flattened group: FSDP, gradient buckets)
+            import itertools
+            coord = mesh.get_coordinate()
+            for k in range(2, mesh.ndim + 1 if coord is not None else 2):
+                for dims in itertools.combinations(range(mesh.ndim), k):
+                    idx = tuple(slice(None) if d in dims else coord[d] for d in range(mesh.ndim))
+                    ranks = tuple(sorted(int(r) for r in mesh.mesh[idx].flatten().tolist()))
+                    self._by_ranks.setdefault(ranks, dims)
         self.mesh_dim_names = names
 
     def _dim_of(self, group) -> object:
@@ -226,7 +231,9 @@ def engine_collectives(plan, low) -> tuple[list, list]:
       * FSDP2 unit u: one all_gather of its parameters in the forward (and again in the backward when
         reshard_after_forward), one reduce_scatter of its gradients (reduce dtype), HSDP: one all_reduce of the
         reduce-scattered gradients on the replicate dim; sizes are the (tensor-parallel local) unsharded sizes.
-      * replicated parameters outside FSDP: one all_reduce of the gradient per data-parallel dim.
+      * replicated parameters outside FSDP: one all_reduce per step of each gradient bucket (TorchLowering.
+        grad_buckets: the plan's own buckets where they reduce over exactly the data-parallel dims, a tuple of
+        dims being one collective over their flattened group), sized by the local gradients.
       * tensor-parallel dim, forward: the plan's redistributes, once per produced tensor (a style redistributes
         a module's input or output once, however many ops consume it); backward: autograd's mirror of each:
         an input gather of a colwise Linear -> reduce_scatter, a reduce_scatter -> all_gather, a gather to a
@@ -259,9 +266,12 @@ def engine_collectives(plan, low) -> tuple[list, list]:
         out.append(("reduce_scatter", shard_key, rs))
         for d in low.replicate_dims:
             out.append(("all_reduce", d, rs // n_shard))
-    for f in low.replicated_grads:
-        for d in low.replicate_dims + low.shard_dims:
-            out.append(("all_reduce", d, local(f, pnode[f]["dtype"][0])))
+    for b in getattr(low, "grad_buckets", []):    # replicated parameters: one all_reduce per bucket step
+        for dims in b.steps:
+            out.append(("all_reduce", dims[0] if len(dims) == 1 else tuple(dims), b.nbytes))
+        if b.planned is None:
+            notes.append(f"gradients {b.params[:3]}{' ...' if len(b.params) > 3 else ''}: the plan reduces them "
+                         f"otherwise; the engines all-reduce them in an extra bucket ({b.nbytes:,d} B)")
     data = set(low.replicate_dims + low.shard_dims)
     seen = set()
     for n in plan.nodes:

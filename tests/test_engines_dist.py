@@ -28,6 +28,57 @@ FP32_TOL = 1e-5
 BF16_TOL = 3e-2
 
 
+def _dp_cases(tmp_path):
+    """Data parallel with every parameter replicated, planned freely with the calibrated CPU cost model (cluster
+    "cpu-gloo"): on (4,) the plan gathers the log-softmax and runs the loss replicated (labels fed replicated);
+    on (2,2) it reduces the gradients in a chain of buckets (dp, then tp); the third case is that plan with each
+    chain flattened into one bucket over the flattened dp+tp group (the form passes/buckets.py takes for larger
+    buckets), so both bucket forms run; the fourth leaves the embedding's gradient out of the buckets; the last
+    combines replicated data parallelism with tensor parallelism."""
+    import autopar
+    from autopar import models
+    m = models.build_model(MODEL, device="meta")
+    x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta")
+    cases = []
+    for name, shape, names in (("dp4", (4,), ("dp",)), ("dp2x2_chain", (2, 2), ("dp", "tp"))):
+        p = autopar.plan(m, autopar.MeshSpec(shape, names), x, cluster="cpu-gloo")
+        assert p.buckets and all(set(v) == {"R"} for v in p.params.values()), (name, p.buckets, p.params)
+        p.save(tmp_path / f"{name}.json")
+        cases.append({"name": name, "shape": list(shape), "names": list(names), "plan": str(tmp_path / f"{name}.json"),
+                      "plan_buckets": True})
+    assert any(b.get("step", 0) for b in p.buckets), p.buckets          # a chain over dp and tp
+    flat, seen = [], set()
+    for b in p.buckets:
+        if b["chain"] in seen:
+            continue
+        seen.add(b["chain"])
+        steps = [c for c in p.buckets if c["chain"] == b["chain"]]
+        flat.append({**b, "mesh_dim": [c["mesh_dim"] for c in steps], "group": 4, "chain": len(flat)})
+    p.buckets = flat
+    p.save(tmp_path / "dp2x2_flat.json")
+    cases.append({"name": "dp2x2_flat", "shape": [2, 2], "names": ["dp", "tp"], "plan": str(tmp_path / "dp2x2_flat.json"),
+                  "plan_buckets": True})
+    # as llama3-debug's plan on (2,2) does: the embedding's gradient is not in a bucket (the plan computes it from
+    # gathered backward inputs); the engines' partial gradient goes in an extra bucket over dp+tp
+    emb = "tok_embeddings.weight"
+    p.buckets = [{**b, "params": [f for f in b["params"] if f != emb],
+                  "bytes": b["bytes"] - (emb in b["params"]) * 4 * m.get_parameter(emb).numel()} for b in flat]
+    p.save(tmp_path / "dp2x2_extra.json")
+    cases.append({"name": "dp2x2_extra", "shape": [2, 2], "names": ["dp", "tp"],
+                  "plan": str(tmp_path / "dp2x2_extra.json")})
+    # data parallel (replicated) over dp x torchtitan's TP+SP over tp: the hook averages the tensor-parallel local
+    # gradients over dp in the plan's dp bucket; the norms' gradients (the plan: a chain over dp and tp) are
+    # all-reduced by DTensor on tp and by the hook on dp (an extra bucket)
+    from _clusters import SHAPES
+    from autopar.backends.engines_ref import torchtitan_placements
+    force, pin = torchtitan_placements(m, ("dp", "tp"), "dp", "tp", (BATCH, SEQ))
+    p = autopar.plan(m, autopar.MeshSpec((2, 2), ("dp", "tp")), x, cluster=SHAPES, overlap=False, pin=pin,
+                     force={k: ("R",) + tuple(v[1:]) for k, v in force.items()})
+    p.save(tmp_path / "dp_x_tp.json")
+    cases.append({"name": "dp_x_tp", "shape": [2, 2], "names": ["dp", "tp"], "plan": str(tmp_path / "dp_x_tp.json")})
+    return cases
+
+
 def _cases(tmp_path, world):
     import autopar
     from autopar import models
@@ -87,6 +138,8 @@ def _check(results, cases):
                 continue
             assert h["collectives_match"], f"{case['name']} rank {rank}: {h['collectives_diff']}"
             assert h["n_collectives"] > 0
+            if case.get("plan_buckets"):       # exactly the plan's gradient buckets (kind, mesh dims, bytes)
+                assert h["buckets_match"], f"{case['name']} rank {rank}: {h['buckets_diff']}"
 
 
 def _plan_run_check(tmp_path, world):
@@ -107,6 +160,20 @@ def test_world2_fsdp2_bf16_checkpointing_tp_sp_fallback(tmp_path):
 
 def test_world4_fsdp2_fsdp_x_tp_hsdp_flat(tmp_path):
     _plan_run_check(tmp_path, 4)
+
+
+def test_world4_replicated_data_parallel_issues_the_plans_buckets(tmp_path):
+    """Free cpu-gloo plans that replicate every parameter lower to data parallelism whose gradient hook issues
+    exactly the plan's buckets (one all_reduce per bucket step, on the planned group, of the planned bytes);
+    loss and gradients equal one device, 3 SGD steps."""
+    cases = _dp_cases(tmp_path)
+    results = launch(_rank_cases, 4, [cases], tmp_path)
+    _check(results, cases)
+    by = {c["name"]: results[0]["cases"][i] for i, c in enumerate(cases)}
+    assert "_reduce_grads_in_buckets" in by["dp4"]["code"] and "[('dp', 'tp')]" in by["dp2x2_flat"]["code"]
+    assert "[('dp',), ('tp',)]" in by["dp2x2_chain"]["code"]
+    assert "not a plan bucket" in by["dp2x2_extra"]["code"] and by["dp2x2_extra"]["n_collectives"] == 2
+    assert "SequenceParallel" in by["dp_x_tp"]["code"] and "plan bucket 0" in by["dp_x_tp"]["code"]
 
 
 # ---- one rank (tests/_dist.py runs it) -----------------------------------------------------------------------
@@ -216,6 +283,10 @@ def _run_case(case, rank, world):
             out.update(collectives_match=a == b, n_collectives=sum(a.values()), notes=notes[:5],
                        collectives_diff=f"measured-only {sorted((a - b).items())} expected-only "
                                         f"{sorted((b - a).items())}")
+            pb = Counter((bk["kind"], tuple(bk["mesh_dim"]) if isinstance(bk["mesh_dim"], list) else bk["mesh_dim"],
+                          bk["bytes"]) for bk in plan.buckets)
+            out.update(buckets_match=a == pb, buckets_diff=f"measured-only {sorted((a - pb).items())} plan-only "
+                                                           f"{sorted((pb - a).items())}")
         else:
             loss = step()
             opt.step()

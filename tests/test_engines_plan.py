@@ -280,3 +280,115 @@ def test_parameter_shared_across_units_is_a_reason():
     assert not low.expressible
     assert any(part == "parameter layers.1.fc1.weight" and "same tensor as layers.0.fc1.weight" in w
                for part, w in low.reasons), low.reasons
+
+
+# ---- replicated data parallelism, planned freely for the calibrated CPU cluster ---------------------------------
+
+def _bucket_key(b):
+    d = b["mesh_dim"]
+    return (b["kind"], tuple(d) if isinstance(d, (list, tuple)) else d, b["bytes"])
+
+
+def _check_replicated_dp(plan, m, n_shards):
+    """Every parameter replicated and the batch split over every mesh dim: data parallelism over the whole mesh
+    whose gradient hook reduces exactly the plan's buckets (and, in extra buckets, only the gradients the plan
+    reduces otherwise)."""
+    from collections import Counter
+    low = recognize(plan, m)
+    assert low.expressible, low.report()
+    nd = len(plan.mesh_shape)
+    assert low.replicate_dims == list(range(nd)) and not low.shard_dims and low.tp_dim is None and not low.units
+    assert all(pl == ["S0"] * nd for pl in low.input_placements), low.input_placements
+    assert low.batch_shards == n_shards and sorted(low.replicated_grads) == sorted(plan.params)
+    in_plan = {f for b in plan.buckets for f in b["params"]}
+    got = [f for b in low.grad_buckets for f in b.params]
+    assert sorted(got) == sorted(plan.params)                     # every gradient in exactly one bucket
+    planned = [b for b in low.grad_buckets if b.planned is not None]
+    assert sorted(f for b in planned for f in b.params) == sorted(in_plan)
+    for b in planned:                                             # the plan's bucket: same gradients, same bytes
+        chain = [c for c in plan.buckets if c["chain"] == b.planned]
+        assert b.params == chain[0]["params"] and all(c["bytes"] == b.nbytes for c in chain)
+        assert b.steps == [tuple(c["mesh_dim"]) if isinstance(c["mesh_dim"], list) else (c["mesh_dim"],)
+                           for c in chain]
+    extra = [b for b in low.grad_buckets if b.planned is None]
+    assert sorted(f for b in extra for f in b.params) == sorted(set(plan.params) - in_plan)
+    assert all(b.steps == [tuple(range(nd))] for b in extra)
+    exp, _ = engine_collectives(plan, low)
+    assert Counter(exp) - Counter(_bucket_key(b) for b in plan.buckets) == \
+        Counter(("all_reduce", nd == 1 and 0 or tuple(range(nd)), b.nbytes) for b in extra)
+    code = low.code()
+    compile(code, "<lowering>", "exec")
+    assert "_reduce_grads_in_buckets(model, mesh, grad_buckets, batch_shards)" in code
+    assert f"batch_shards = {n_shards}" in code
+    labels_replicated = any(n["kind"] == "input" and n["placement"]["out"][0] != ["S0"] * nd for n in plan.nodes)
+    assert labels_replicated == any("runs the loss" in n for n in low.notes), low.notes
+    return low
+
+
+@pytest.mark.parametrize("mesh,names", [((4,), ("dp",)), ((2, 2), ("dp", "tp"))])
+def test_free_cpu_plan_is_replicated_data_parallel_in_the_plans_buckets(mesh, names):
+    """llama-tiny (batch 8, seq 64) planned for "cpu-gloo": every parameter replicated; the plan gathers the
+    log-softmax and runs the loss replicated (the labels stay replicated): the labels are fed batch-sharded like
+    the tokens and each rank averages its own shard. On (2,2) the batch is split over both dims (plain data
+    parallelism over the whole mesh); the gradients go in the plan's buckets (a chain over dp then tp)."""
+    m, x = _model()
+    plan = autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster="cpu-gloo")
+    low = _check_replicated_dp(plan, m, 4)
+    assert all(b.planned is not None for b in low.grad_buckets)   # the plan reduces every gradient in a bucket
+
+
+@pytest.mark.parametrize("mesh", ["4", "2x2"])
+def test_harness_llama3_debug_plans_lower(mesh):
+    """The benchmark's llama3-debug configuration (benchmarks/bench_config.py) on both measured meshes."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    from bench_config import MEASURED
+    cfg = MEASURED["llama3-debug"]
+    shape = tuple(int(v) for v in mesh.split("x"))
+    m = M.build_model(cfg["name"], device="meta", seed=0, **cfg["overrides"])
+    x = M.example_inputs(cfg["name"], batch=cfg["batch"], seq=cfg["seq"], device="meta", **cfg["overrides"])
+    plan = autopar.plan(m, autopar.MeshSpec(shape, ("dp",) if len(shape) == 1 else ("dp", "tp")), x,
+                        cluster="cpu-gloo")
+    _check_replicated_dp(plan, m, 4)
+
+
+def _weighted_loss_plan(weighted):
+    class Weighted(nn.Module):
+        def __init__(self, d=64, vocab=128):
+            super().__init__()
+            self.embed, self.fc, self.out = nn.Embedding(vocab, d), nn.Linear(d, d), nn.Linear(d, vocab)
+            self.register_buffer("w", torch.linspace(0.5, 1.5, vocab))
+
+        def forward(self, x, y):
+            logits = self.out(F.gelu(self.fc(self.embed(x)))).flatten(0, 1)
+            return F.cross_entropy(logits, y.flatten(), weight=self.w if weighted else None)
+    with torch.device("meta"):
+        m = Weighted()
+    x = tuple(torch.empty(8, 64, dtype=torch.long, device="meta") for _ in range(2))
+    return autopar.plan(m, autopar.MeshSpec((4,), ("dp",)), x, cluster=CLUSTER, overlap=False), m
+
+
+def test_loss_on_the_whole_batch_lowers_only_as_an_unweighted_mean_over_equal_shards():
+    """The plan runs the loss replicated (labels replicated, log-softmax gathered). A class-weighted mean over
+    each rank's shard, averaged, is not the batch's weighted mean: a reason, naming the op. Unequal batch shards
+    are a reason too (the planner does not shard an uneven batch: the plan's mesh is edited to check the
+    lowering)."""
+    import copy
+    plan, m = _weighted_loss_plan(weighted=False)
+    loss = next(n for n in plan.nodes if n["name"].endswith("nll_loss_forward.default"))
+    assert loss["placement"]["ins"][1] == ["R"]                  # the loss runs on the whole batch
+    low = recognize(plan, m)
+    assert low.expressible and low.replicate_dims == [0], low.report()
+    assert low.input_placements == [["S0"], ["S0"]] and any("runs the loss" in n for n in low.notes)
+    wplan, wm = _weighted_loss_plan(weighted=True)
+    wl = next(n for n in wplan.nodes if n["name"].endswith("nll_loss_forward.default"))
+    assert len(wl["inputs"]) == 3 and wl["placement"]["ins"][1] == ["R"]
+    bad = recognize(wplan, wm)
+    assert [part for part, _ in bad.reasons] == [f"op {wl['name']}"], bad.reasons
+    assert "class-weighted loss" in bad.reasons[0][1]
+    uneven = copy.deepcopy(plan)
+    uneven.mesh_shape = (3,)                                    # the batch of 8 on 3 ranks
+    low = recognize(uneven, m)
+    assert {part for part, _ in low.reasons} == {"input input:0", "input input:1"}, low.reasons
+    assert "does not split into 3 equal shards" in low.reasons[0][1]
