@@ -28,3 +28,20 @@ def test_batch_formula_matches_replanning_with_same_placements():
     assert float(f["compute_s"].subs(b, 8)) == pytest.approx(p8.predicted["compute_s"], rel=1e-9)
     assert float(f["comm_s"].subs(b, 8)) == pytest.approx(p8.predicted["comm_s"], rel=1e-9)
     assert float(f["step_s"].subs(b, 8)) > float(f["step_s"].subs(b, 4))
+
+
+@pytest.mark.parametrize("flatten", [False, True])
+def test_batch_formula_counts_a_flattened_gradient_bucket_once(flatten, monkeypatch):
+    """Data parallel over a 2-D mesh: a gradient bucket is a chain of one all_reduce per mesh dim or one all_reduce
+    over the flattened group; the formula prices exactly the plan's buckets either way."""
+    monkeypatch.setattr("autopar.passes.buckets.flatten_chain", lambda *a: flatten)
+    m = M.build_model("llama-tiny")
+    x4 = M.example_inputs("llama-tiny", batch=4, device="meta")
+    force = {k: ("R", "R") for k, _ in m.named_parameters()}
+    p4, st = autopar.plan(m, (2, 2), x4, cluster="cpu-gloo", return_state=True, force=force,
+                          pin=lambda n: {0: "S0", 1: "S0"} if n.kind == "input" else None)
+    flat = [bk for bk in p4.buckets if isinstance(bk["mesh_dim"], list)]
+    assert bool(flat) == flatten and all(bk["group"] == 4 for bk in flat)
+    f = batch_formula(st, m, x4)
+    assert float(f["comm_s"].subs(b, 4)) == pytest.approx(p4.predicted["comm_s"], rel=1e-9)
+    assert float(f["compute_s"].subs(b, 4)) == pytest.approx(p4.predicted["compute_s"], rel=1e-9)
