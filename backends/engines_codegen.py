@@ -166,8 +166,9 @@ _BUCKETS = '''def _group(mesh, dims):
     if len(dims) == 1:
         return mesh.get_group(dims[0])
     if len(dims) == mesh.ndim and mesh.size() == dist.get_world_size():
-        return dist.distributed_c10d._get_default_group()
-    return mesh[tuple(dims)]._flatten("_".join(dims)).get_group()
+        return dist.group.WORLD
+    from autopar.strategies._torch_adapter import flatten_mesh
+    return flatten_mesh(mesh, tuple(dims)).get_group()
 
 
 def _reduce_grads_in_buckets(model, mesh, buckets, batch_shards):

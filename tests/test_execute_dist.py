@@ -49,7 +49,16 @@ def job_train(cases, tmp, device):
         model = build_model(name, device="cpu", seed=7, **ov)
         x = example_inputs(name, batch=batch, seq=seq, seed=8, **ov)
         mesh = _mesh(shape, device)
-        pm = autopar.parallelize(model, mesh, x, force=_force(model, shape, constraint))
+        if constraint == "dp-flat":     # data parallel over both dims, gradient buckets on the flattened group
+            import autopar.passes.buckets as buckets
+            keep, buckets.flatten_chain = buckets.flatten_chain, lambda *a: True
+            try:
+                pm = autopar.parallelize(model, mesh, x, force={k: ("R", "R") for k, _ in model.named_parameters()},
+                                         pin=lambda n: {0: "S0", 1: "S0"} if n.kind == "input" else None)
+            finally:
+                buckets.flatten_chain = keep
+        else:
+            pm = autopar.parallelize(model, mesh, x, force=_force(model, shape, constraint))
         xs = tuple(t.to(device) for t in x)
         rep = train_and_compare(pm, copy.deepcopy(model).to(device), xs, steps=3, lr=0.5)
         out["cases"].append({"case": [name, shape, constraint], "failures": rep.failures[:5],
@@ -131,9 +140,12 @@ def _check_train(results, n_cases):
 def test_world4_gloo_2x2_and_1d(tmp_path):
     cases = [("llama-tiny", LLAMA, 2, 4, (2, 2), "fsdp"),          # its plan has an all_to_all
              ("gpt2-tiny", GPT2, 2, 4, (2, 2), "fsdp+tp"),
-             ("moe-tiny", MOE, 2, 4, (4,), "fsdp")]
+             ("moe-tiny", MOE, 2, 4, (4,), "fsdp"),
+             ("llama-tiny", LLAMA, 4, 4, (2, 2), "dp-flat")]
     results = launch("train", 4, cases, tmp_path)
     per_rank = _check_train(results, len(cases))
+    flat = [c for c in per_rank[0][3]["measured"] if c[0] == "all_reduce" and c[1] == [0, 1]]
+    assert flat and len(flat) == sum(1 for c in per_rank[0][3]["predicted"] if c[1] == [0, 1]), per_rank[0][3]
     kinds = {c[0] for case in per_rank[0] for c in case["measured"]}
     assert {"all_gather", "reduce_scatter", "all_to_all"} <= kinds, kinds      # a real all_to_all on gloo
     assert any(c[1] == 1 for case in per_rank[0] for c in case["measured"]), "no collective on the tp sub-group"

@@ -290,7 +290,7 @@ def flat_group_name(mesh: DeviceMesh, dims) -> str:
     import torch.distributed as dist
     dims = tuple(sorted(int(d) for d in dims))
     if len(dims) == mesh.ndim and mesh.size() == dist.get_world_size():
-        name = dist.distributed_c10d._get_default_group().group_name
+        name = dist.group.WORLD.group_name
     else:
         names = mesh.mesh_dim_names
         if not names:
