@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from autopar.strategies._torch_adapter import resolve_group
 
 _c10d = torch.ops.c10d
 _fn = torch.ops._c10d_functional
@@ -103,7 +104,7 @@ class CollectiveCounter(TorchDispatchMode):
             if isinstance(group, str):
                 if group in self._by_name:
                     return self._by_name[group]
-                group = dist.distributed_c10d._resolve_process_group(group)
+                group = resolve_group(group)
             elif not isinstance(group, dist.ProcessGroup):
                 group = dist.ProcessGroup.unbox(group)
             if group.group_name in self._by_name:
@@ -116,7 +117,7 @@ class CollectiveCounter(TorchDispatchMode):
     def _size_of(group) -> int:
         try:
             if isinstance(group, str):
-                group = dist.distributed_c10d._resolve_process_group(group)
+                group = resolve_group(group)
             elif not isinstance(group, dist.ProcessGroup):
                 group = dist.ProcessGroup.unbox(group)
             return group.size()

@@ -280,6 +280,12 @@ def replicate_dtensor_module(module, mesh):
     return replicate(module, mesh=mesh)
 
 
+def resolve_group(name: str):
+    """The ProcessGroup registered under a group name (what functional collectives carry)."""
+    import torch.distributed as dist
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
 FLAT_GROUPS: dict[str, tuple[int, ...]] = {}     # process-group name -> the mesh dims it flattens
 
 
