@@ -9,6 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .graph import op_name
+from .redistribute import dims_of
 
 _KIND_ORDER = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 
@@ -173,8 +174,7 @@ class Plan:
             lines += ["", "gradient buckets (one collective each, issued after the backward in this order)"]
             names = self._param_mesh_names()
             for k, b in enumerate(self.buckets):
-                dim = "+".join(names[d] for d in b["mesh_dim"]) if isinstance(b["mesh_dim"], list) else \
-                    names[b["mesh_dim"]]
+                dim = "+".join(names[d] for d in dims_of(b["mesh_dim"]))
                 lines.append(f"  bucket {k}: {b['kind']}(dim {dim}, {b['bytes'] / 1e6:.3f} MB) "
                              f"[{b['from']}] -> [{b['to']}] {b['dtype']}, {len(b['params'])} gradients: "
                              + ", ".join(b["params"][:6]) + (" ..." if len(b["params"]) > 6 else ""))

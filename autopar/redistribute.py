@@ -14,6 +14,7 @@ first (as DTensor does). The backends execute exactly these steps, so predicted 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 from .cost import collective_time
@@ -174,26 +175,30 @@ def link_of(cluster, mesh_shape, mesh_dim):
                           min(k.bw for k in links))
 
 
+def _all_reduce_time(nbytes, mesh_shape, cluster, mesh_dim, share):
+    """One all_reduce on mesh dim (or flattened dims) `mesh_dim`, with `share` of its latency."""
+    n, link = math.prod(mesh_shape[d] for d in dims_of(mesh_dim)), link_of(cluster, mesh_shape, mesh_dim)
+    return bytes_sent("all_reduce", nbytes, n) / link.bw + share * ring_steps("all_reduce", n) * link.alpha
+
+
 def _chain_time(todo, nbytes, mesh_shape, cluster, share):
     """(time as a chain of all_reduces, one per mesh dim; time as one all_reduce over the flattened group), with
     `share` of each collective's latency."""
-    chain = sum(bytes_sent("all_reduce", nbytes, mesh_shape[m]) / link_of(cluster, mesh_shape, m).bw +
-                share * ring_steps("all_reduce", mesh_shape[m]) * link_of(cluster, mesh_shape, m).alpha
-                for m, _, _ in todo)
-    dims = tuple(m for m, _, _ in todo)
-    n, link = 1, link_of(cluster, mesh_shape, dims)
-    for m in dims:
-        n *= mesh_shape[m]
-    flat = bytes_sent("all_reduce", nbytes, n) / link.bw + share * ring_steps("all_reduce", n) * link.alpha
-    return chain, flat
+    chain = sum(_all_reduce_time(nbytes, mesh_shape, cluster, m, share) for m, _, _ in todo)
+    return chain, _all_reduce_time(nbytes, mesh_shape, cluster, tuple(m for m, _, _ in todo), share)
+
+
+def _flattenable(todo) -> bool:
+    """A chain of P -> R steps that one all_reduce over the flattened group can replace (mixed sum / average
+    partials stay a chain)."""
+    return len(todo) > 1 and len({a for _, a, _ in todo}) == 1
 
 
 def flatten_chain(todo, nbytes: int, mesh_shape, cluster) -> bool:
     """A bucket whose gradients take a chain of P -> R steps on several mesh dims (bucket_steps) runs as ONE
     all_reduce over the flattened group of those dims when the cost model says it is faster for the bucket's
-    `nbytes` (fewer bytes per rank, 2(n-1) latency steps on the slowest link instead of a sum over the dims).
-    Mixed sum / average partials stay a chain."""
-    if len(todo) < 2 or len({a for _, a, _ in todo}) != 1:
+    `nbytes` (fewer bytes per rank, 2(n-1) latency steps on the slowest link instead of a sum over the dims)."""
+    if not _flattenable(todo):
         return False
     chain, flat = _chain_time(todo, nbytes, tuple(mesh_shape), cluster, 1.0)
     return flat < chain
@@ -211,7 +216,7 @@ def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: i
     share = max(meta.nbytes / BUCKET_BYTES, 1.0 / max(1, n_grads))
     if len(todo) > 1:
         chain, flat = _chain_time(todo, meta.nbytes, mesh_shape, cluster, share)
-        return min(chain, flat) if len({a for _, a, _ in todo}) == 1 else chain
+        return min(chain, flat) if _flattenable(todo) else chain
     links = _links(cluster, mesh_shape)
     return sum(bytes_sent(c.kind, c.nbytes, c.group) / links[c.mesh_dim].bw +
                share * ring_steps(c.kind, c.group) * links[c.mesh_dim].alpha

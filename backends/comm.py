@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.redistribute import steps as plan_steps
+from autopar.redistribute import dims_of, steps as plan_steps
 from autopar.strategies._torch_adapter import FLAT_GROUPS, flat_group_name, per_rank
 
 _fn = torch.ops._c10d_functional
@@ -40,7 +40,7 @@ def group_name(mesh, m) -> str:
 
 
 def group_size(mesh, m) -> int:
-    return math.prod(mesh.size(d) for d in m) if isinstance(m, (list, tuple)) else mesh.size(m)
+    return math.prod(mesh.size(d) for d in dims_of(m))
 
 
 def _simulated(t) -> bool:
@@ -309,8 +309,7 @@ class CommCounter(TorchDispatchMode):
             if isinstance(a, str) and a in self.dim_of:
                 return self.dim_of[a], self.mesh.size(self.dim_of[a])
             if isinstance(a, str) and a in FLAT_GROUPS:           # one collective over several mesh dims
-                dims = FLAT_GROUPS[a]
-                return dims, math.prod(self.mesh.size(d) for d in dims)
+                return FLAT_GROUPS[a], group_size(self.mesh, FLAT_GROUPS[a])
             if isinstance(a, torch.ScriptObject):
                 pg = dist.ProcessGroup.unbox(a)
                 return self.dim_of.get(pg.group_name, -1), pg.size()

@@ -33,6 +33,7 @@ never silently changed. `TorchLowering.code()` is the plan as the code a user wo
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -227,7 +228,7 @@ def _local_nbytes(low, plan, pnode, fqn) -> int:
     t = low.tp_dim
     if t is not None and plan.params[fqn][t][0] == "S":
         shape[int(plan.params[fqn][t][1:])] //= plan.mesh_shape[t]
-    return _prod(shape) * torch.empty(0, dtype=getattr(torch, pnode["dtype"][0])).element_size()
+    return math.prod(shape) * torch.empty(0, dtype=getattr(torch, pnode["dtype"][0])).element_size()
 
 
 def _grad_buckets(low, G, plan) -> None:
@@ -237,12 +238,12 @@ def _grad_buckets(low, G, plan) -> None:
     backward inputs, or reduces it over other dims) in extra buckets over all data dims, in backward order, up
     to the plan's bucket size. The average divides by the number of batch shards (each rank's loss is the mean
     over its own)."""
-    from autopar.redistribute import BUCKET_BYTES
+    from autopar.redistribute import BUCKET_BYTES, dims_of
     data = low.replicate_dims + low.shard_dims
     rep = set(low.replicated_grads)
     if not rep or not data:
         return
-    low.batch_shards = _prod(plan.mesh_shape[d] for d in data)
+    low.batch_shards = math.prod(plan.mesh_shape[d] for d in data)
     pnode = {n["target"]: n for n in plan.nodes if n["kind"] == "param"}
     size = {f: _local_nbytes(low, plan, pnode[f], f) for f in rep}
     dn = lambda ds: "+".join(low.mesh_names[d] for d in ds)
@@ -254,8 +255,7 @@ def _grad_buckets(low, G, plan) -> None:
         params = bs[0][1]["params"]
         if not rep & set(params):
             continue
-        steps = [tuple(b["mesh_dim"]) if isinstance(b["mesh_dim"], (list, tuple)) else (b["mesh_dim"],)
-                 for _, b in sorted(bs, key=lambda kb: kb[1].get("step", 0))]
+        steps = [dims_of(b["mesh_dim"]) for _, b in sorted(bs, key=lambda kb: kb[1].get("step", 0))]
         dims = [d for s in steps for d in s]
         ok = (set(params) <= rep and all(b["kind"] == "all_reduce" for _, b in bs) and
               sorted(dims) == sorted(data) and len(set(dims)) == len(dims))
@@ -316,19 +316,12 @@ def _batch_uses(G, i, o, d, seen) -> bool:
         out = ur["shape"][0] if ur["shape"] else None
         rows = (op in _SAME_SHAPE and out == src_shape) or (
             op in _ROW_VIEWS and out and src_shape and any(
-                _prod(src_shape[:k]) == out[0] and _prod(src_shape[k:]) == _prod(out[1:])
+                math.prod(src_shape[:k]) == out[0] and math.prod(src_shape[k:]) == math.prod(out[1:])
                 for k in range(1, len(src_shape) + 1)))
         if not (rows and len(ur["inputs"]) == 1 and ur["placement"]["out"][0][d] == "R"
                 and _batch_uses(G, u, 0, d, seen)):
             return False
     return True
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
 
 
 def _fed(G, inp, loss_fed=None) -> list:
@@ -358,7 +351,7 @@ def _check_batch_shards(low, G, plan, inputs, data, loss_fed):
     mean (class weights make each rank's mean a different weighted average)."""
     if not data:
         return
-    n = _prod(plan.mesh_shape[d] for d in data)
+    n = math.prod(plan.mesh_shape[d] for d in data)
     dn = "+".join(plan.mesh_names[d] for d in data)
     for inp in inputs:
         shape = inp["shape"][0]

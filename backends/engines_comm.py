@@ -11,6 +11,7 @@ when a DeviceMesh is given, the mesh dim whose group it ran on (a flattened or m
 """
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -90,7 +91,6 @@ class CollectiveCounter(TorchDispatchMode):
             self._by_name[g.group_name] = d
             self._by_ranks[tuple(sorted(dist.get_process_group_ranks(g)))] = d
         if mesh.ndim > 1:   # this rank's group over several dims (a flattened group: FSDP, gradient buckets)
-            import itertools
             coord = mesh.get_coordinate()
             for k in range(2, mesh.ndim + 1 if coord is not None else 2):
                 for dims in itertools.combinations(range(mesh.ndim), k):

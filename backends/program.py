@@ -200,8 +200,9 @@ class Program:
             at = max(pos.get(g.grads[f].node, len(self.bw) - 1) for f in bs[0]["params"])
             self.bucket_ready.setdefault(at, []).append(i)
         self._plan_bucket_copies()
+        self.after = set(self.bucket_ready) | set(self.copy_at)     # backward positions with bucket work
         self.run_fw = self._compile(self.fw, ())
-        self.run_bw = self._compile(self.bw, set(self.bucket_ready) | set(self.copy_at))
+        self.run_bw = self._compile(self.bw, self.after)
 
     def _plan_bucket_copies(self):
         """All_reduce buckets (real process groups) are filled as the backward goes, as DDP's reducer fills its
@@ -221,7 +222,7 @@ class Program:
         for i, bs in self.chains.items():
             if not all(b["to"] == "R" for b in bs):
                 continue
-            plan, off, shapes = [], 0, []
+            plan, off = [], 0
             for f in bs[0]["params"]:
                 r = g.grads[f]
                 shape = local_shape(tuple(g.meta(r).shape), self.red[(g.params[f], "opt")][0], tuple(self.mesh.shape))
@@ -231,11 +232,11 @@ class Program:
                 n = prod(shape)
                 key = (r.node, r.out)
                 plan.append((pos[r.node], (off, n, tuple(shape)), key, key not in read))
-                shapes.append(tuple(shape))
                 off += n
             if plan is None:
                 continue
-            self.flat_sizes[i] = (off, getattr(torch, bs[0]["dtype"].split(".")[-1]), shapes)
+            dtype = getattr(torch, bs[0]["dtype"].split(".")[-1])
+            self.flat_sizes[i] = (off, dtype, [sl[2] for _, sl, _, _ in plan])
             for at, sl, key, drop in plan:
                 self.copy_at.setdefault(at, []).append((i, sl, key, drop))
 
@@ -377,9 +378,9 @@ class Program:
         env["seed"] = grad_loss
         with torch.no_grad():
             handles, bufs = {}, {}
-            self.run_bw(env, {pos: (lambda pos=pos: self._at(pos, env, handles, bufs))
-                              for pos in set(self.bucket_ready) | set(self.copy_at)}, self._run1)
-            grads = self._finish_buckets(env, handles)
+            self.run_bw(env, {pos: (lambda pos=pos: self._at(pos, env, handles, bufs)) for pos in self.after},
+                        self._run1)
+            grads = self._finish_buckets(env, handles, bufs)
             for fqn in self.grad_fqns:
                 if fqn in grads:
                     continue
@@ -405,23 +406,23 @@ class Program:
         for i in self.bucket_ready.get(pos, ()):
             self._launch(i, env, handles, bufs)
 
-    def _launch(self, i: int, env: dict, handles: dict, bufs: dict | None = None):
+    def _launch(self, i: int, env: dict, handles: dict, bufs: dict):
         """Issue gradient bucket i (with the rest of its chain, backends/comm.py launch_bucket) as soon as the
         backward has produced its last gradient, like DDP's reducer; the backward goes on while it is in flight."""
         g, bs = self.g, self.chains[i]
         chain = [(b["mesh_dim"], b["from"], b["to"]) for b in bs]
-        if bufs and i in bufs:
+        if i in bufs:
             handles[i] = launch_filled(bufs.pop(i), self.mesh, chain, self.flat_sizes[i][2])
             return
         vals = [_local(env[(g.grads[f].node, g.grads[f].out)]) for f in bs[0]["params"]]
         handles[i] = launch_bucket(vals, self.mesh, chain)
 
-    def _finish_buckets(self, env, handles) -> dict:
+    def _finish_buckets(self, env, handles, bufs) -> dict:
         """Wait for the plan's gradient buckets, in order; each gradient at its parameter's placement."""
         g, out = self.g, {}
         for i, bs in self.chains.items():
             if i not in handles:
-                self._launch(i, env, handles)
+                self._launch(i, env, handles, bufs)
             locs = finish_bucket(handles.pop(i))
             for f, loc in zip(bs[0]["params"], locs):
                 src, dst, _ = self.red[(g.params[f], "opt")]

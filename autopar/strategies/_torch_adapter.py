@@ -292,9 +292,13 @@ FLAT_GROUPS: dict[str, tuple[int, ...]] = {}     # process-group name -> the mes
 def flat_group_name(mesh: DeviceMesh, dims) -> str:
     """The process group of one collective over several mesh dims (a flattened gradient bucket): the default
     group when the dims are the whole mesh and the mesh spans the world, else `flatten_mesh` (collective: every
-    rank must call it, in the same order). Recorded in FLAT_GROUPS for the collective counters."""
+    rank must call it, in the same order: the first call, when the program is built). Recorded in FLAT_GROUPS for
+    the collective counters; later calls (each bucket launch) are a lookup in the mesh's own cache."""
     import torch.distributed as dist
     dims = tuple(sorted(int(d) for d in dims))
+    cache = mesh.__dict__.setdefault("_autopar_flat_groups", {})
+    if dims in cache:
+        return cache[dims]
     if len(dims) == mesh.ndim and mesh.size() == dist.get_world_size():
         name = dist.group.WORLD.group_name
     else:
@@ -304,6 +308,7 @@ def flat_group_name(mesh: DeviceMesh, dims) -> str:
                              f"world: name the mesh dims (init_device_mesh(..., mesh_dim_names=...))")
         name = flatten_mesh(mesh, tuple(names[d] for d in dims)).get_group().group_name
     FLAT_GROUPS[name] = dims
+    cache[dims] = name
     return name
 
 
