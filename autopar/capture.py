@@ -24,6 +24,8 @@ aten = torch.ops.aten
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
 SDPA_BW = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _MUTATING_OK = {aten.detach_.default}
+_MEAN_LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+_MEAN, _SUM = 1, 2      # torch's Reduction enum
 
 
 class CaptureError(RuntimeError):
@@ -82,8 +84,19 @@ class _Recorder(TorchDispatchMode):
         return tree_unflatten([torch.empty_strided(v[0], v[1], dtype=v[2], device="meta") if t else v
                                for v, t in zip(vals, is_t)], spec)
 
+    def exact_mean_loss(self, func, types, args):
+        """Record a mean nll_loss as (sum of the losses, total weight) -> their quotient. Sharded on the batch,
+        both are partial sums, so the plan's reduction of each gives the single device's mean exactly, whatever
+        labels `ignore_index` skips on each shard (DTensor's Partial("avg") mean, like DDP's averaging, is exact
+        only when every shard counts the same number of targets). The backward is unchanged: autograd calls
+        nll_loss_backward(reduction=mean) with the total weight, which the plan takes to Replicate."""
+        total, weight = self.__torch_dispatch__(func, types, (*args[:3], _SUM, args[4]), {})
+        return self.__torch_dispatch__(aten.div.Tensor, types, (total, weight), {}), weight
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _MEAN_LOSSES and len(args) == 5 and args[3] == _MEAN:
+            return self.exact_mean_loss(func, types, args)
         if func is aten._local_scalar_dense.default:
             raise CaptureError(f"data-dependent control flow or .item() in module '{self.module_path() or '<root>'}':"
                                f" a tensor value decides Python control flow, which a static plan cannot capture")

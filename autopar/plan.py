@@ -227,4 +227,6 @@ def node_record(n, s, red, time_s, source) -> dict:
             "dtype": [_dtype_name(m.dtype) if m is not None else None for m in n.outs],
             "placement": {"out": [list(p) if p is not None else None for p in s.out], "ins": [list(p) for p in s.ins]},
             "redistribute": red, "time_s": time_s, "source": source,
-            "inputs": [[r.node, r.out] for r in n.inputs()]}     # producer (node idx, output) per tensor input
+            "inputs": [[r.node, r.out] for r in n.inputs()],     # producer (node idx, output) per tensor input
+            **({"consts": {str(i): a for i, a in enumerate(n.args) if type(a) in (int, float, bool)}}
+               if n.kind == "op" else {})}                      # scalar positional arguments (ignore_index, dims)

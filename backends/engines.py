@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from .engines_loss import recognize_mean_loss
+
 
 class EngineLoweringError(ValueError):
     """The plan (or a user override) cannot be expressed with fully_shard / parallelize_module; the message says
@@ -100,6 +102,7 @@ class TorchLowering:
     notes: list = field(default_factory=list)
     block_fqns: list = field(default_factory=list)    # the plan's repeated blocks ("layers.0", ...)
     tp_roles: dict = field(default_factory=dict)      # (node, input) -> what a forward redistribute on tp is
+    mean_loss: dict | None = None                     # the loss hook (engines_loss.py): labels, ignore_index, ...
 
     @property
     def expressible(self) -> bool:
@@ -198,6 +201,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
                                 f"parallelize_module takes one 1-D mesh"))
     for d in data:
         (low.shard_dims if any(p[d][0] == "S" for p in plan.params.values()) else low.replicate_dims).append(d)
+    recognize_mean_loss(low, G, plan, data)
     _check_batch_shards(low, G, plan, inputs, data, [x for x in loss_fed if x[1] in data])
     _recognize_fsdp(low, G, plan, units)
     if low.tp_dim is not None:
@@ -368,9 +372,10 @@ def _check_batch_shards(low, G, plan, inputs, data, loss_fed):
             continue
         ins = sorted({name for name, _, x in loss_fed if x == u})
         msg = (f"the plan runs the loss {rec['name']} on the whole batch (inputs {ins} replicated over {dn}); the "
-               f"engines feed those batch-sharded too: each rank's mean over its equal shard, gradients averaged, the "
-               f"same values for a plain mean (the plan's records carry no reduction or ignore_index: a summed loss, "
-               f"or ignored labels spread unevenly over the shards, would differ)")
+               f"engines feed those batch-sharded too: each rank's mean over its equal shard" +
+               (", weighted by its share of the counted targets (the loss hook), gradients averaged: the same values"
+                if low.mean_loss else ", gradients averaged: the same values for a plain mean over evenly counted "
+                "targets (labels that ignore_index skips unevenly over the shards would differ)"))
         if msg not in low.notes:
             low.notes.append(msg)
 

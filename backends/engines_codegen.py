@@ -117,6 +117,9 @@ def render(low) -> str:
         L.append("]")
     L.append(f"batch_shards = {getattr(low, 'batch_shards', 1)}   # ranks that split the batch: gradients are "
              "averaged over them")
+    ml = low.mean_loss
+    L.append(f"mean_loss = {(ml['labels'], ml['ignore_index']) if ml else None!r}   # (position of the labels among "
+             "the forward's arguments, ignore_index): each rank's mean weighted by its counted targets")
     L.append("")
     L.append("")
     L.append(f"blocks = {list(low.block_fqns)!r}   # the repeated blocks")
@@ -149,6 +152,8 @@ def render(low) -> str:
         L.append("                    shard_placement_fn=place if shard_dims else None, **kw)")
     if low.replicated_grads and data:
         L.append("    _reduce_grads_in_buckets(model, mesh, grad_buckets, batch_shards)")
+    if ml:
+        L.append(f"    _weigh_mean_loss(model, mesh, {tuple(names[d] for d in data)!r}, *mean_loss, {ml['shards']})")
     L.append("    return model")
     L += ["", "",
           "def _checkpoint(block):",
@@ -157,6 +162,9 @@ def render(low) -> str:
           "    block.forward = lambda *a, **k: checkpoint(forward, *a, use_reentrant=False, **k)",
           "", ""]
     L += _BUCKETS.splitlines() + [""]
+    if ml:
+        from .engines_loss import HOOK
+        L += ["", *HOOK.splitlines(), ""]
     return "\n".join(L)
 
 
@@ -263,6 +271,12 @@ def report(low) -> str:
                  (f"plan bucket {b.planned}" if b.planned is not None else "the plan reduces them otherwise"))
     if low.loss_parallel:
         L.append("  -> torch  loss_parallel(): the loss input is vocab-sharded on the tensor-parallel dim")
+    if low.mean_loss:
+        data = low.replicate_dims + low.shard_dims
+        L.append(f"  -> torch  loss hook: each rank's mean loss weighted by its counted targets (labels = forward "
+                 f"argument {low.mean_loss['labels']}, ignore_index {low.mean_loss['ignore_index']}), one all_reduce "
+                 f"over {'+'.join(names[d] for d in data)} ({low.mean_loss['nbytes']} B)  because the plan's mean is "
+                 f"the loss sum over the batch's counted targets")
     if low.mixed_precision:
         L.append(f"  -> torch  MixedPrecisionPolicy({low.mixed_precision}) on every FSDP unit (planner decision)")
     if low.checkpoint:

@@ -274,6 +274,9 @@ def engine_collectives(plan, low) -> tuple[list, list]:
             notes.append(f"gradients {b.params[:3]}{' ...' if len(b.params) > 3 else ''}: the plan reduces them "
                          f"otherwise; the engines all-reduce them in an extra bucket ({b.nbytes:,d} B)")
     data = set(low.replicate_dims + low.shard_dims)
+    if getattr(low, "mean_loss", None):          # the loss hook: (weighted loss, count) over the data dims
+        dims = tuple(low.replicate_dims + low.shard_dims)
+        out.append(("all_reduce", dims[0] if len(dims) == 1 else dims, low.mean_loss["nbytes"]))
     seen = set()
     for n in plan.nodes:
         for r in n.get("redistribute", []):
@@ -283,15 +286,17 @@ def engine_collectives(plan, low) -> tuple[list, list]:
             if not isinstance(r["input"], int):       # e.g. "loss": the plan reduces the loss value itself
                 if cs:
                     notes.append(f"{n['name']} {r['input']}: the plan reduces it ({r['src']} -> {r['dst']}); the engines "
-                                 f"leave each rank its local loss")
+                                 + ("reduce (weighted loss, count) in the loss hook" if low.mean_loss else
+                                    "leave each rank its local loss"))
                 continue
             if any(c[1] in data for c in cs):
                 src = n["inputs"][r["input"]]
                 shape = plan.nodes[src[0]]["shape"][src[1]]
                 if r["class"] == "act":
                     notes.append(f"{n['name']}: the plan redistributes {'a scalar' if not shape else 'a loss input'} "
-                                 f"({r['src']} -> {r['dst']}) over the data dims; each engine rank averages its own "
-                                 f"equal batch shard instead")
+                                 f"({r['src']} -> {r['dst']}) over the data dims; " +
+                                 ("the engines reduce (weighted loss, count) in the loss hook instead" if low.mean_loss
+                                  else "each engine rank averages its own equal batch shard instead"))
                 continue
             if t is None or n["phase"] != "fw" or not any(c[1] == t for c in cs):
                 continue

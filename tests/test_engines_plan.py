@@ -70,6 +70,8 @@ def test_fsdp_engine_collectives_regroup_the_plans_bytes(fsdp):
     plan, m = fsdp
     low = recognize(plan, m)
     exp, notes = engine_collectives(plan, low)
+    assert low.mean_loss and exp.count(("all_reduce", 0, 8)) == 1    # the loss hook: (weighted loss, count)
+    exp.remove(("all_reduce", 0, 8))
     kinds = {k for k, _, _ in exp}
     assert kinds == {"all_gather", "reduce_scatter"}
     n_units = len(low.units)
@@ -314,8 +316,9 @@ def _check_replicated_dp(plan, m, n_shards):
     assert sorted(f for b in extra for f in b.params) == sorted(set(plan.params) - in_plan)
     assert all(b.steps == [tuple(range(nd))] for b in extra)
     exp, _ = engine_collectives(plan, low)
+    data = 0 if nd == 1 else tuple(range(nd))
     assert Counter(exp) - Counter(_bucket_key(b) for b in plan.buckets) == \
-        Counter(("all_reduce", nd == 1 and 0 or tuple(range(nd)), b.nbytes) for b in extra)
+        Counter([("all_reduce", data, b.nbytes) for b in extra] + [("all_reduce", data, 8)])   # + the loss hook
     code = low.code()
     compile(code, "<lowering>", "exec")
     assert "_reduce_grads_in_buckets(model, mesh, grad_buckets, batch_shards)" in code

@@ -454,3 +454,40 @@ def test_flattening_a_bucket_chain_follows_the_cost_model():
     h100 = get_cluster("h100")
     assert not flatten_chain(todo, 25 * 2**20, (16, 8), h100)       # dp over IB, tp inside the node
     assert not flatten_chain(((0, "P", "R"), (1, "Pa", "R")), 25 * 2**20, (2, 2), gloo)   # mixed: chain
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (4,)])
+def test_batch_sharded_mean_loss_is_exact_with_unevenly_ignored_labels(mesh_shape):
+    """A mean cross-entropy sharded on the batch: each shard's loss sum and count of counted targets are partial
+    sums, each reduced by an all_reduce before their quotient (capture.py), so labels that `ignore_index` skips
+    on one shard only still give the single device's loss and gradients. The per-shard means averaged (DTensor's
+    Partial("avg"), DDP's reduction) would not: the test data is checked to tell the two apart."""
+    ov = dict(dim=16, hidden=32, n_layers=1, vocab=64)
+    model = build_model("mlp-tiny", device="cpu", seed=5, **ov)
+    with torch.no_grad():                 # larger weights: per-token losses far apart, so the two means differ
+        for p in model.parameters():
+            p.mul_(30)
+    tokens, labels = example_inputs("mlp-tiny", batch=4, seq=8, seed=6, **ov)
+    labels = labels.clone()
+    labels[0, :7] = -100                  # targets skipped on the first shard only
+    x = (tokens, labels)
+    with torch.no_grad():
+        exact = model(tokens, labels)
+        n = mesh_shape[0]
+        averaged = sum(model(t, l) for t, l in zip(tokens.chunk(n), labels.chunk(n))) / n
+    assert abs(averaged - exact) > 1e-3, (averaged, exact)
+    pin = lambda node: {0: "P"} if node.kind == "op" and node.target is torch.ops.aten.nll_loss_forward.default \
+        else None
+    plan, state = autopar.plan(build_model("mlp-tiny", **ov), mesh_shape,
+                               example_inputs("mlp-tiny", batch=4, seq=8, device="meta", **ov), cluster="cpu-gloo",
+                               overlap=False, pin=pin, return_state=True)
+    nll = next(n for n in plan.nodes if n["name"].endswith(":nll_loss_forward.default"))
+    assert [tuple(p) for p in nll["placement"]["out"]] == [("P",), ("P",)], nll["placement"]
+    assert tuple(nll["placement"]["ins"][0]) == ("S0",), nll["placement"]
+    pair = [c for c in plan.collectives() if c[0] == "all_reduce" and c[2] == 4]    # sum, count; count for bw
+    assert len(pair) == 3 and not any(c[0] == "all_gather" for c in plan.collectives()), plan.collectives()
+    ref = copy.deepcopy(model)
+    with simulated(mesh_shape) as mesh:
+        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
+        rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
+    assert rep.ok, (rep.failures[:5], rep.collective_diff)

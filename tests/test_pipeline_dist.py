@@ -198,15 +198,16 @@ def test_pipeline_fsdp_x_tp_stages_equal_single_device(tmp_path):
 
 def test_pipeline_tp_refuses_inexpressible_stage_placement():
     """A stage placement no ParallelStyle expresses is refused with the stage, the parameter and its placement:
-    the planner's own tp plan of the MLP model shards fc1's weight (Shard(0)) but keeps its bias replicated
-    (ColwiseParallel shards both); a norm weight sharded on tp (no style shards an RMSNorm) likewise."""
+    a tp plan of the MLP model that shards fc1's weight (Shard(0)) but keeps its bias replicated (forced;
+    ColwiseParallel shards both); a norm weight sharded on tp (no style shards an RMSNorm) likewise."""
     import autopar
     from autopar import models
     from autopar.backends.pipeline import block_positions, build_stage_module, stage_tp_styles
     mesh = autopar.MeshSpec((2, 2), ("pp", "tp"))
     m = models.build_model("mlp-tiny", device="meta", n_layers=LAYERS)
     x = models.example_inputs("mlp-tiny", batch=BATCH, seq=SEQ, device="meta", n_layers=LAYERS)
-    plan = autopar.plan(m, mesh, x, cluster=_tp_cluster(), pipeline={"schedules": ["GPipe"]})
+    plan = autopar.plan(m, mesh, x, cluster=_tp_cluster(), pipeline={"schedules": ["GPipe"]},
+                        force={"layers.0.fc1.weight": ("S0",), "layers.0.fc1.bias": ("R",)})
     fc1 = next(f for f in plan.stages[0]["params"] if f.endswith("fc1.weight"))
     assert plan.params[fc1] == ["S0"] and plan.params[fc1[:-len("weight")] + "bias"] == ["R"], plan.params
     with pytest.raises(NotImplementedError, match=rf"stage 0: parameter '{fc1}' is placed S0 on the "

@@ -1,0 +1,78 @@
+"""The loss in the engines: the mean cross-entropy over the whole batch, as one device computes it.
+
+The plan computes a mean nll_loss as the loss sum over the total weight of the counted targets (autopar/capture.py),
+both summed over the batch shards, so labels that `ignore_index` skips unevenly over the shards leave it exact.
+An engine rank runs the user's module on its batch shard and gets the mean over its own counted targets; averaged
+over the shards (DDP's and FSDP2's gradient averaging) that is the batch's mean only when every shard counts as
+many. So where the plan's loss is such a mean and the labels are an input fed batch-sharded, the lowering adds a
+forward hook on the root module that weighs each rank's mean by its share of the counted targets, in the value the
+module returns and in the gradients: one all_reduce of (weighted loss, count) over the data-parallel dims a step.
+"""
+from __future__ import annotations
+
+import math
+
+# ops between the labels input and the loss that keep every label (in some order): the count is the same
+_KEEP_LABELS = {"view", "_unsafe_view", "reshape", "clone", "detach", "alias", "contiguous", "_to_copy", "t",
+                "transpose", "permute", "squeeze", "unsqueeze"}
+_NLL = ("nll_loss_forward", "nll_loss2d_forward")
+
+
+def _op(rec) -> str:
+    return rec["target"].split(".")[0] if rec["kind"] == "op" else rec["kind"]
+
+
+def recognize_mean_loss(low, G, plan, data) -> None:
+    """Set low.mean_loss = {labels, ignore_index, shards, nbytes} when the plan's loss is a mean nll_loss over
+    batch-sharded labels; otherwise leave it None and say why in low.notes (where it matters: data dims)."""
+    if not data:
+        return
+    for n in plan.nodes:
+        if n["kind"] != "op" or _op(n) != "div" or n["phase"] != "fw" or len(n["inputs"]) != 2:
+            continue
+        (a, i), (b, j) = n["inputs"]
+        nll = G.rec(a)
+        if a != b or (i, j) != (0, 1) or _op(nll) not in _NLL:
+            continue
+        if not any(_op(G.rec(u)) == "ones_like" and G.rec(u)["phase"] == "bw" for u, _, _ in G.users[n["idx"]]):
+            low.notes.append(f"the mean loss {n['name']} is not the value the step returns; the engines average "
+                             f"each rank's loss over its own batch shard")
+            return
+        if len(nll["inputs"]) != 2 or "consts" not in nll:
+            return          # class weights: _check_batch_shards refuses; a plan from an older autopar: no ignore_index
+        k = nll["inputs"][1][0]
+        while G.rec(k)["kind"] == "op" and _op(G.rec(k)) in _KEEP_LABELS and len(G.rec(k)["inputs"]) == 1:
+            k = G.rec(k)["inputs"][0][0]
+        inputs = [x["idx"] for x in plan.nodes if x["kind"] == "input"]
+        if G.rec(k)["kind"] != "input" or any(low.input_placements[inputs.index(k)][d] != "S0" for d in data):
+            low.notes.append(f"the labels of {nll['name']} are not an input fed batch-sharded; the engines average "
+                             f"each rank's mean loss over its shard (labels that ignore_index skips unevenly over "
+                             f"the shards would change it)")
+            return
+        size = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}.get(n["dtype"][0], 4)
+        low.mean_loss = {"labels": G.rec(k)["target"], "ignore_index": nll["consts"].get("4", -100),
+                         "shards": math.prod(plan.mesh_shape[d] for d in data), "nbytes": 2 * size}
+        return
+
+
+HOOK = '''def _weigh_mean_loss(model, mesh, dims, labels_at, ignore_index, shards):
+    """The loss over the whole batch, as on one device: each rank's mean over its batch shard weighted by its
+    share of the counted targets (labels equal to ignore_index do not count), in the value the module returns and
+    in the gradients (which FSDP2 / the gradient buckets then average over the `shards` batch shards). One
+    all_reduce of (weighted loss, count) over the data-parallel mesh dims `dims` per step."""
+    group = _group(mesh, dims)
+
+    def weigh(module, args, loss):
+        if labels_at >= len(args) or not torch.is_tensor(args[labels_at]) or loss.numel() != 1:
+            raise RuntimeError(f"autopar's lowered loss expects the labels as positional argument {labels_at} and a "
+                               f"scalar loss out (got {len(args)} arguments, output of shape {tuple(loss.shape)})")
+        value = loss.detach()
+        value = value.to_local() if hasattr(value, "to_local") else value
+        count = (args[labels_at] != ignore_index).sum().to(value.dtype)
+        local = torch.where(count > 0, loss, torch.zeros_like(loss))   # a shard with no counted target adds 0
+        pair = torch.stack([torch.where(count > 0, value, 0.0) * count, count])
+        dist.all_reduce(pair, group=group)
+        scaled = local * (count * shards / pair[1])
+        return scaled + (pair[0] / pair[1] - scaled).detach()
+    model.register_forward_hook(weigh)
+'''
