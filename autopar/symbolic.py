@@ -14,6 +14,7 @@ import sympy
 
 from .capture import capture
 from .cost import collective_time
+from .graph import param_root
 from .redistribute import _links, link_of
 from .strategies import num_shards
 
@@ -21,7 +22,10 @@ b = sympy.Symbol("b", positive=True)
 
 
 def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None) -> dict[str, sympy.Expr]:
-    """{'compute_s', 'comm_s', 'step_s'} (no overlap: compute + comm) in `b` for the plan held by `state`."""
+    """{'compute_s', 'comm_s', 'exposed_comm_s', 'step_s'} in `b` for the plan held by `state`, term by term as
+    autopar/predict.py prices it: recomputed blocks' forward counted again, a shared redistribute once, and with
+    overlap=True parameter gathers and gradient reductions hidden under compute (step = compute + activation comm
+    + Max(0, gathers + reductions - compute))."""
     from passes.costs import global_flops      # the costs pass's FLOP counts, so both agree term by term
     b0 = example_inputs[0].shape[batch_dim]
     grow = lambda t: t.new_empty(t.shape[:batch_dim] + (2 * b0,) + t.shape[batch_dim + 1:], device="meta")
@@ -36,6 +40,7 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
         return nbytes * (1 + sympy.Rational(m2.numel - m1.numel, m1.numel) * k) if m1.numel else 0
 
     compute, fc1, fc2 = sympy.Integer(0), {}, {}
+    times = [sympy.Integer(0)] * len(g1.nodes)
     for n1, n2 in zip(g1.nodes, g2.nodes):
         if n1.kind != "op":
             continue
@@ -52,23 +57,33 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
                 work *= n if p_ != "R" else 1
             dtype = next((m.dtype for m in n1.outs if m is not None and m.dtype.is_floating_point), None)
             t = sympy.Max((f1 + (f2 - f1) * k) / work / (dev.flops_for(dtype) * dev.matmul_eff), t)
-        compute += t + dev.op_overhead
-    comm = sympy.Integer(0)
+        times[n1.idx] = t + dev.op_overhead
+        compute += times[n1.idx]
+    if state.recompute:                   # activation checkpointing: checkpointed blocks run their forward twice
+        from autopar.passes.checkpointing import recompute_seconds
+        compute += recompute_seconds(state, times)
+    comm = {"act": sympy.Integer(0), "param": sympy.Integer(0), "grad": sympy.Integer(0)}
     links = _links(state.cluster, tuple(mesh))
     bucket_of = {f: k for k, bk in enumerate(state.buckets or []) for f in bk["params"] if bk.get("step", 0) == 0}
     bucket_bytes = [sympy.Integer(0) for _ in state.buckets or []]
     for (i, j), (src, dst, cs) in state.redistributes.items():
-        r1 = g1.grads[g1.nodes[i].target] if j == "opt" else g1.nodes[i].inputs()[j]
-        r2 = g2.grads[g2.nodes[i].target] if j == "opt" else g2.nodes[i].inputs()[j]
+        pick = lambda g: g.grads[g.nodes[i].target] if j == "opt" else g.loss if j == "loss" else g.nodes[i].inputs()[j]
+        r1, r2 = pick(g1), pick(g2)
         m1, m2 = g1.meta(r1), g2.meta(r2)
         bk = bucket_of.get(g1.nodes[i].target) if j == "opt" else None
+        if (state.shares or {}).get((i, j)):       # runs its first consumer's redistribute: no collective of its own
+            continue
+        cls = "grad" if j == "opt" else "act" if j == "loss" or param_root(g1, r1.node) is None else "param"
         for step, c in enumerate(cs):
             if bk is not None:              # a gradient bucket (chain): one collective of the summed size (below)
                 if not isinstance(state.buckets[bk]["mesh_dim"], list) or step == 0:   # a flattened chain: once
                     bucket_bytes[bk + step] += size(m1, m2, c.nbytes)
                 continue
-            comm += collective_time(c.kind, size(m1, m2, c.nbytes), c.group, links[c.mesh_dim])
+            comm[cls] += collective_time(c.kind, size(m1, m2, c.nbytes), c.group, links[c.mesh_dim])
     for bk, nb in zip(state.buckets or [], bucket_bytes):
-        comm += collective_time(bk["kind"], nb, bk["group"], link_of(state.cluster, tuple(mesh), bk["mesh_dim"]))
-    compute, comm = sympy.expand(compute), sympy.expand(comm)
-    return {"compute_s": compute, "comm_s": comm, "step_s": compute + comm}
+        comm["grad"] += collective_time(bk["kind"], nb, bk["group"], link_of(state.cluster, tuple(mesh),
+                                                                              bk["mesh_dim"]))
+    compute = sympy.expand(compute)
+    act, ovl = sympy.expand(comm["act"]), sympy.expand(comm["param"] + comm["grad"])
+    exposed = act + (sympy.Max(0, ovl - compute) if state.options.get("overlap", False) else ovl)
+    return {"compute_s": compute, "comm_s": act + ovl, "exposed_comm_s": exposed, "step_s": compute + exposed}

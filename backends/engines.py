@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from .engines_batch import _check_batch_ops, _check_batch_shards, _fed
 from .engines_loss import recognize_mean_loss
 
 
@@ -119,10 +120,6 @@ class TorchLowering:
 
 _PASS_THROUGH = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "_to_copy", "clone", "detach",
                  "expand", "alias", "contiguous", "unsqueeze", "squeeze", "slice", "select", "split"}
-
-
-def _op(rec) -> str:
-    return rec["target"].split(".")[0] if rec["kind"] == "op" else rec["kind"]
 
 
 class _Graph:
@@ -288,98 +285,6 @@ def _grad_buckets(low, G, plan) -> None:
     low.grad_buckets = out
 
 
-_ROW_VIEWS = {"view", "_unsafe_view", "reshape"}
-_SAME_SHAPE = {"_to_copy", "clone", "detach", "alias", "contiguous"}
-
-
-def _batch_uses(G, i, o, d, seen) -> bool:
-    """Whether every use of output `o` of node `i` (replicated on mesh dim d) takes it batch-sharded there (a
-    local R -> S0 chunk; seen["batch"]), or is a loss op (seen["loss"]: the plan runs the loss replicated, on the
-    whole batch), or is a backward op (seen["bw"]: the plan gathers some backward inputs; autograd on each rank's
-    shard computes partial sums instead, which the data-parallel reduction adds up), following row-preserving
-    views / copies that the plan runs replicated (flatten(0, 1) of the labels: a batch chunk of the input is a row
-    chunk of the view)."""
-    uses = [(u, j) for u, j, uo in G.users[i] if uo == o]
-    if not uses:
-        return False
-    src_shape = G.rec(i)["shape"][o]
-    for u, j in uses:
-        ur = G.rec(u)
-        if ur["placement"]["ins"][j][d] == "S0":
-            seen["batch" if ur["phase"] == "fw" else "bw_batch"].append(u)
-            continue
-        if ur["kind"] != "op":
-            return False
-        op = _op(ur)
-        if op in _LOSS_OPS:
-            seen["loss"].append(u)
-            continue
-        if ur["phase"] == "bw":
-            seen["bw"].append(u)
-            continue
-        out = ur["shape"][0] if ur["shape"] else None
-        rows = (op in _SAME_SHAPE and out == src_shape) or (
-            op in _ROW_VIEWS and out and src_shape and any(
-                math.prod(src_shape[:k]) == out[0] and math.prod(src_shape[k:]) == math.prod(out[1:])
-                for k in range(1, len(src_shape) + 1)))
-        if not (rows and len(ur["inputs"]) == 1 and ur["placement"]["out"][0][d] == "R"
-                and _batch_uses(G, u, 0, d, seen)):
-            return False
-    return True
-
-
-def _fed(G, inp, loss_fed=None) -> list:
-    """How a rank is fed an input: its placement, except that a dim the plan keeps replicated only to chunk it
-    by batch at every forward consumer (a local R -> S0) is fed batch-sharded right away (the same local values;
-    backward consumers that take it whole compute partial sums on a shard instead, see _batch_uses). With
-    `loss_fed` (a list), a forward consumer that is the loss also counts (the plan gathers the loss inputs and
-    computes the mean over the whole batch): the engines compute each rank's mean over its equal batch shard and
-    average the gradients (the same values; _check_batch_shards says when not); (input name, mesh dim, loss node)
-    of those are appended to it."""
-    pl = list(inp["placement"]["out"][0])
-    for d, p in enumerate(pl):
-        seen = {"batch": [], "bw_batch": [], "loss": [], "bw": []}
-        if p != "R" or not _batch_uses(G, inp["idx"], 0, d, seen):
-            continue
-        if seen["batch"] and not seen["loss"] or loss_fed is not None and (seen["batch"] or seen["loss"]):
-            pl[d] = "S0"
-            if loss_fed is not None:
-                loss_fed += [(inp["name"], d, u) for u in seen["loss"]]
-    return pl
-
-
-def _check_batch_shards(low, G, plan, inputs, data, loss_fed):
-    """Data parallelism in the engines: each rank gets an equal chunk of every input's batch (dim 0), computes its
-    own mean loss, and the gradients are averaged. That equals the plan's whole-batch computation only for equal
-    chunks; where the plan runs the loss on the whole batch (its inputs gathered), also only for an unweighted
-    mean (class weights make each rank's mean a different weighted average)."""
-    if not data:
-        return
-    n = math.prod(plan.mesh_shape[d] for d in data)
-    dn = "+".join(plan.mesh_names[d] for d in data)
-    for inp in inputs:
-        shape = inp["shape"][0]
-        if not shape or shape[0] % n:
-            low.reasons.append((f"input {inp['name']}", f"batch dim {shape[0] if shape else '(scalar)'} does not split "
-                                f"into {n} equal shards over the data-parallel dims {dn}: each engine rank's mean loss "
-                                f"would weigh a different number of samples than the plan's batch mean"))
-    for u in sorted({u for _, _, u in loss_fed}):
-        rec = G.rec(u)
-        if _op(rec) in ("nll_loss_forward", "nll_loss2d_forward") and len(rec["inputs"]) > 2:
-            low.reasons.append((f"op {rec['name']}", "the plan computes this class-weighted loss on the whole batch; "
-                                "per-rank weighted means over batch shards, averaged, are not the batch's weighted "
-                                "mean"))
-            continue
-        ins = sorted({name for name, _, x in loss_fed if x == u})
-        msg = (f"the plan runs the loss {rec['name']} on the whole batch (inputs {ins} replicated over {dn}); the "
-               f"engines feed those batch-sharded too: each rank's mean over its equal shard" +
-               (", weighted by its share of the counted targets (the loss hook), gradients averaged: the same values"
-                if low.mean_loss else ", gradients averaged: the same values for a plain mean over evenly counted "
-                "targets (labels that ignore_index skips unevenly over the shards would differ)"))
-        if msg not in low.notes:
-            low.notes.append(msg)
-
-
 def _check_shared(low, plan, model):
     """A tensor registered under two FQNs (tied / shared weights) must stay within one FSDP unit and out of
     ParallelStyles: FSDP2 and parallelize_module replace a module's parameter with their own DTensor."""
@@ -400,45 +305,6 @@ def _check_shared(low, plan, model):
         elif styled(fqn) or styled(base):
             low.reasons.append((f"parameter {fqn}", f"is the same tensor as {base}; a ParallelStyle would replace "
                                 f"it in one module only"))
-
-
-_LOSS_OPS = {"nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward"}
-
-
-def _check_batch_ops(low, G, plan, data, dn):
-    """Data parallelism in the engines means every rank computes on its own batch shard. The plan may instead
-    gather an activation over a data dim: harmless for the loss (each rank's mean over an equal shard, gradients
-    averaged: the same values), but any other such op couples samples across the batch (e.g. batch norm)."""
-    for n in plan.nodes:
-        for r in n.get("redistribute", []):
-            if r["class"] != "act" or not isinstance(r["input"], int) or not any(c[1] in data for c in
-                                                                                  r["collectives"]):
-                continue
-            if n["phase"] == "bw":     # backward choices of the planner: gradients are sums over the batch
-                msg = (f"the plan gathers some backward inputs over {dn(data)} (e.g. {n['name']}); autograd on each "
-                       f"rank's batch shard computes the same sums as partial gradients, which FSDP/DDP reduce")
-                if not any(x.startswith("the plan gathers some backward") for x in low.notes):
-                    low.notes.append(msg)
-            elif _op(n) in _LOSS_OPS and all(r["src"][d] in ("S0", r["dst"][d]) for d in data):
-                msg = (f"the plan gathers the loss input {r['input']} of {n['name']} over {dn(data)}; the engines "
-                       f"average each rank's loss over its equal batch shard instead (same values)")
-                if msg not in low.notes:
-                    low.notes.append(msg)
-            elif plan.nodes[n["inputs"][r["input"]][0]]["shape"][n["inputs"][r["input"]][1]]:
-                moved = [d for d in data if r["src"][d] != r["dst"][d]] or data
-                src = {r["src"][d] for d in moved}
-                if src == {"S0"}:
-                    what = ("it gathers the batch shards: the op computes on the whole batch, while FSDP/DDP ranks "
-                            "compute on their own shard only")
-                elif any(p[0] == "P" for p in src):
-                    what = ("it reduces a partial sum the plan split over the batch ranks (tensor parallelism on a "
-                            "data-parallel dim), which FSDP/DDP do not express")
-                else:
-                    what = ("a tensor sharded on a non-batch dim over the batch ranks (tensor parallelism on a data-"
-                            "parallel dim), which FSDP/DDP do not express")
-                low.reasons.append((f"op {n['name']}", f"in module '{n['module'] or '<root>'}' redistributes input "
-                                    f"{r['input']} [{','.join(r['src'])}] -> [{','.join(r['dst'])}] over the data-"
-                                    f"parallel dims {dn(moved)}: {what}"))
 
 
 def _blocks(plan) -> list[str]:

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import math
 
+from .engines_batch import _op
+
 # ops between the labels input and the loss that keep every label (in some order): the count is the same
 _KEEP_LABELS = {"view", "_unsafe_view", "reshape", "clone", "detach", "alias", "contiguous", "_to_copy", "t",
                 "transpose", "permute", "squeeze", "unsqueeze"}
 _NLL = ("nll_loss_forward", "nll_loss2d_forward")
-
-
-def _op(rec) -> str:
-    return rec["target"].split(".")[0] if rec["kind"] == "op" else rec["kind"]
 
 
 def recognize_mean_loss(low, G, plan, data) -> None:

@@ -1,5 +1,6 @@
 """The sympy batch formula of a fixed plan equals the cost model evaluated at other batch sizes."""
 import pytest
+import sympy
 
 import autopar
 from autopar.capture import capture
@@ -45,3 +46,24 @@ def test_batch_formula_counts_a_flattened_gradient_bucket_once(flatten, monkeypa
     f = batch_formula(st, m, x4)
     assert float(f["comm_s"].subs(b, 4)) == pytest.approx(p4.predicted["comm_s"], rel=1e-9)
     assert float(f["compute_s"].subs(b, 4)) == pytest.approx(p4.predicted["compute_s"], rel=1e-9)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_batch_formula_prices_shares_recompute_and_overlap_as_the_prediction(overlap):
+    """A plan with shared redistributes (one gather feeds several consumers), checkpointed blocks (a memory
+    budget below the free plan's peak) and, with overlap=True, gathers and reductions hidden under compute: the
+    formula at the example batch gives the prediction's compute, comm, exposed comm and step exactly."""
+    m = M.build_model("llama-tiny")
+    x4 = M.example_inputs("llama-tiny", batch=4, device="meta")
+    from autopar.backends.engines_ref import torchtitan_placements
+    force, pin = torchtitan_placements(m, ("tp",), None, "tp", tuple(x4[0].shape))   # TP + sequence parallel
+    kw = dict(cluster="h100", force=force, pin=pin, overlap=overlap)
+    free = autopar.plan(m, (2,), x4, **kw)
+    p4, st = autopar.plan(m, (2,), x4, return_state=True, memory_budget=0.8 * free.predicted["peak_mem_bytes"], **kw)
+    assert st.recompute and st.shares, (st.recompute, st.shares)
+    f = batch_formula(st, m, x4)
+    for k in ("compute_s", "comm_s", "exposed_comm_s", "step_s"):
+        assert float(f[k].subs(b, 4)) == pytest.approx(p4.predicted[k], rel=1e-9), k
+    assert p4.predicted["recompute_s"] > 0
+    if overlap:
+        assert f["step_s"].has(sympy.Max) or p4.predicted["exposed_comm_s"] < p4.predicted["comm_s"]
