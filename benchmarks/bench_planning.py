@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 CHILD = r"""
 import json, resource, sys, time
@@ -54,7 +53,7 @@ def main():
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cmd = "python benchmarks/bench_planning.py " + " ".join(sys.argv[1:])
     by = {r["layers"]: r for r in rows}
-    lines = [f"# Planning time: Llama-3-8B shape, (8, 8) H100 mesh (dp, tp), batch 8 x seq 2048, bf16", "",
+    lines = ["# Planning time: Llama-3-8B shape, (8, 8) H100 mesh (dp, tp), batch 8 x seq 2048, bf16", "",
              f"command: `{cmd.strip()}`  commit: `{commit}`  machine: {os.cpu_count()} cores", "",
              "| layers | cold plan (s) | warm plan (s) | solve (s) | graph nodes | MILP vars | planner peak RSS (MB) | tp placements of block params |",
              "|---|---|---|---|---|---|---|---|"]

@@ -96,7 +96,6 @@ def _worker(rank, world, port, out, quick):
     for nbytes in SIZES[: 4 if quick else None]:
         full = torch.randn(nbytes // 4)
         shard = torch.randn(nbytes // 4 // world)
-        outs = [torch.empty_like(shard) for _ in range(world)]
         ops = {"all_reduce": lambda: dist.all_reduce(full),
                "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
                "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),

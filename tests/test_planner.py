@@ -6,7 +6,7 @@ import torch
 
 import autopar
 from autopar import models as M
-from autopar.pipeline import PlanState, VerificationError, run_passes, verify
+from autopar.pipeline import VerificationError, verify
 from autopar.strategies import _CACHE
 
 MEGATRON = {"attention.wq": "S0", "attention.wk": "S0", "attention.wv": "S0", "attention.wo": "S1",
