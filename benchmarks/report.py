@@ -272,7 +272,8 @@ def _goals(rows, planning_json) -> list[str]:
                  f"executor) {len(auto6) - len(bad_a)}/{len(auto6)} -> {'MET' if auto6 and not bad_a else 'MISSED'}"
                  + (f" (misses: {'; '.join(bad_a)})" if bad_a else "")
                  + (f"; autopar-torch rows (the plan lowered to torch's engines, which cannot issue every collective "
-                    f"of the plan: e.g. they average per-rank losses instead of gathering the loss input, and "
+                    f"of the plan: e.g. each rank computes the loss on its batch shard and reduces (weighted loss, "
+                    f"count) in one all_reduce instead of gathering the loss input, and "
                     f"reduce a gradient the plan computes from gathered backward inputs; the lowering report lists "
                     f"each difference) {len(torch6) - len(bad_t)}/{len(torch6)} equal to the plan's prediction"
                     + (f" (differ: {'; '.join(bad_t)})" if bad_t else "") if torch6 else "")
