@@ -108,4 +108,5 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
         raise infeasible[-1][1]
     _, state, p = choose(results, infeasible) if len(variants) > 1 else results[0]
     p.meta["dumps"] = state.dumps if dump_after else {}
+    p.meta["loss_fn"] = loss_fn is not None     # the loss is computed outside the module (engines_loss.py)
     return (p, state) if return_state else p

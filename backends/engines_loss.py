@@ -25,6 +25,11 @@ def recognize_mean_loss(low, G, plan, data) -> None:
     batch-sharded labels; otherwise leave it None and say why in low.notes (where it matters: data dims)."""
     if not data:
         return
+    if plan.meta.get("loss_fn"):
+        low.notes.append("the loss is computed outside the module (loss_fn): each rank applies it to its own batch "
+                         "shard and the gradients are averaged (labels that ignore_index skips unevenly over the "
+                         "shards would change a mean)")
+        return
     for n in plan.nodes:
         if n["kind"] != "op" or _op(n) != "div" or n["phase"] != "fw" or len(n["inputs"]) != 2:
             continue
