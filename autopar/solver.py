@@ -165,7 +165,7 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
         else:
             h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(m.A.shape[1]),
                        max(1.0, time_limit - (time.perf_counter() - t0)))
-            x = _branch_and_bound(h, m.nx, mip_rel_gap, None if restricted is None else restricted[0])
+            x, h = _branch_and_bound(h, m.nx, mip_rel_gap, None if restricted is None else restricted[0])
             method = "branch and bound"
     status = h.modelStatusToString(h.getModelStatus())
     if x is None:
@@ -192,16 +192,19 @@ def _restricted(m: _Model, x, scale, mip_rel_gap, time_limit):
             lo[m.off[g]:m.off[g + 1]] = hi[m.off[g]:m.off[g + 1]] = np.round(seg)
     h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(m.A.shape[1]), time_limit)
     h.changeColsBounds(m.nx, np.arange(m.nx, dtype=np.int32), lo, hi)
-    xr = _branch_and_bound(h, m.nx, mip_rel_gap)
+    xr, h = _branch_and_bound(h, m.nx, mip_rel_gap)
     if xr is None or h.modelStatusToString(h.getModelStatus()) != "Optimal":
         return None
     return xr, float(h.getInfo().objective_function_value) * scale, h
 
 
 def _branch_and_bound(h, nx, mip_rel_gap, incumbent=None):
-    """Solve `h` as a MILP (its first nx variables integral). `h` must be a fresh instance: re-running one that
-    already solved the LP relaxation returned the MILP's objective with a stale column vector (highspy 1.17,
-    found by tests/test_solver.py's brute-force comparison)."""
+    """Solve `h` as a MILP (its first nx variables integral); returns (column vector or None, the instance that
+    solved it). `h` must be a fresh instance: re-running one that already solved the LP relaxation returned the
+    MILP's objective with a stale column vector (highspy 1.17, found by tests/test_solver.py's brute-force
+    comparison). Seeded with an incumbent, HiGHS has also returned the optimum's objective with the incumbent's
+    vector (found the same way); so a vector whose cost is not the reported objective is solved again, unseeded,
+    in a fresh instance."""
     h.changeColsIntegrality(nx, np.arange(nx, dtype=np.int32), np.full(nx, highspy.HighsVarType.kInteger))
     h.setOptionValue("presolve", "on")
     h.setOptionValue("mip_rel_gap", mip_rel_gap)
@@ -211,7 +214,16 @@ def _branch_and_bound(h, nx, mip_rel_gap, incumbent=None):
         sol.value_valid = True
         h.setSolution(sol)
     h.run()
-    return _solution(h, h.getNumCol())
+    x = _solution(h, h.getNumCol())
+    if incumbent is not None and x is not None:
+        obj, cost = h.getInfo().objective_function_value, float(np.dot(h.getLp().col_cost_, x))
+        if abs(obj - cost) > 1e-9 * max(1.0, abs(obj)):
+            fresh = _highs()
+            for k in ("output_flag", "threads", "random_seed", "time_limit"):
+                fresh.setOptionValue(k, h.getOptionValue(k)[1])
+            fresh.passModel(h.getModel())
+            return _branch_and_bound(fresh, nx, mip_rel_gap)
+    return x, h
 
 
 def _choice(x, off) -> list[int]:
@@ -307,7 +319,7 @@ def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lam
         h2 = _model(np.append(m.cost, scale) / scale, A2, np.append(m.lo, -np.inf), np.append(m.hi, 0.0),
                     np.append(np.ones(nz), np.inf), left)
         seed = None if best is None else np.append(m.one_hot(best), max(0.0, float(m.ovl @ m.one_hot(best))) / scale)
-        x = _branch_and_bound(h2, m.nx, mip_rel_gap, seed)
+        x, h2 = _branch_and_bound(h2, m.nx, mip_rel_gap, seed)
         if x is not None:
             info = h2.getInfo()
             status = h2.modelStatusToString(h2.getModelStatus())

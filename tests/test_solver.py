@@ -2,7 +2,7 @@
 import itertools
 
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 import autopar
 from autopar import models as M
@@ -38,8 +38,22 @@ def brute(lin, edges, mem, budget):
     return best
 
 
+# found by this test in a clean CI run: HiGHS, seeded with the restricted solve's plan, reported the optimum's
+# objective with the seed's column vector (autopar/solver.py _branch_and_bound now checks and re-solves)
+_SEEDED_STALE = ([np.array([9.196, 0.716, 9.231]), np.array([0.357, 0.875]), np.array([1.257]),
+                  np.array([4.777, 3.75, 1.033]), np.array([6.213, 5.118, 6.188, 1.112])],
+                 {(0, 2): np.array([[0.413], [9.535], [0.57]]), (1, 2): np.array([[8.762], [8.377]]),
+                  (1, 3): np.array([[2.747, 9.438, 7.507], [0.453, 6.518, 9.25]]),
+                  (2, 3): np.array([[0.573, 4.981, 9.706]]),
+                  (3, 4): np.array([[0.026, 2.166, 6.586, 0.026], [9.348, 8.974, 7.824, 9.348],
+                                    [0.026, 2.166, 6.586, 0.026]])},
+                 [np.array([2.745, 4.252, 2.651]), np.array([4.99, 4.974]), np.array([0.257]),
+                  np.array([1.824, 4.068, 2.134]), np.array([2.72, 0.756, 4.154, 2.387])], 11.369375)
+
+
 @settings(max_examples=150, deadline=None)
 @given(problems())
+@example(_SEEDED_STALE)
 def test_solver_equals_brute_force(prob):
     lin, edges, mem, budget = prob
     want = brute(lin, edges, mem, budget)
