@@ -273,7 +273,7 @@ def _goals(rows, planning_json) -> list[str]:
                  + (f" (misses: {'; '.join(bad_a)})" if bad_a else "")
                  + (f"; autopar-torch rows (the plan lowered to torch's engines, which cannot issue every collective "
                     f"of the plan: e.g. each rank computes the loss on its batch shard and reduces (weighted loss, "
-                    f"count) in one all_reduce instead of gathering the loss input, and "
+                    f"count) in one all_reduce instead of gathering the loss input, and they "
                     f"reduce a gradient the plan computes from gathered backward inputs; the lowering report lists "
                     f"each difference) {len(torch6) - len(bad_t)}/{len(torch6)} equal to the plan's prediction"
                     + (f" (differ: {'; '.join(bad_t)})" if bad_t else "") if torch6 else "")
