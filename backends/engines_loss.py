@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 
 from .engines_batch import _op
+from .engines_comm import _nb
 
 # ops between the labels input and the loss that keep every label (in some order): the count is the same
 _KEEP_LABELS = {"view", "_unsafe_view", "reshape", "clone", "detach", "alias", "contiguous", "_to_copy", "t",
@@ -52,9 +53,8 @@ def recognize_mean_loss(low, G, plan, data) -> None:
                              f"each rank's mean loss over its shard (labels that ignore_index skips unevenly over "
                              f"the shards would change it)")
             return
-        size = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2}.get(n["dtype"][0], 4)
         low.mean_loss = {"labels": G.rec(k)["target"], "ignore_index": nll["consts"].get("4", -100),
-                         "shards": math.prod(plan.mesh_shape[d] for d in data), "nbytes": 2 * size}
+                         "shards": math.prod(plan.mesh_shape[d] for d in data), "nbytes": _nb([2], n["dtype"][0])}
         return
 
 

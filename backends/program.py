@@ -511,9 +511,9 @@ class Program:
                     have = placement_strs(t)
                     if it.expect[k] is not None and have != tuple(it.expect[k]) and all(
                             a == e or self.mesh.size(d) == 1 for d, (a, e) in enumerate(zip(have, it.expect[k]))):
-                        t = self._store(t)          # a label of a size-1 mesh dim: the same data, the plan's label
-                        outs.append(Sharded(_local(t), tuple(it.expect[k]), tuple(n.outs[k].shape))
-                                    if any(p != "R" for p in it.expect[k]) else collapse(_local(t)))
+                        loc = local_of(t)           # a label of a size-1 mesh dim: the same data, the plan's label
+                        outs.append(Sharded(loc, tuple(it.expect[k]), tuple(n.outs[k].shape))
+                                    if any(p != "R" for p in it.expect[k]) else collapse(loc))
                         continue
                     if it.expect[k] is None or not _same(have, it.expect[k]):
                         raise ExecutionError(
