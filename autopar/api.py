@@ -48,7 +48,8 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
     allow_bf16: let the planner choose FSDP2-style mixed precision (bf16 params, fp32 gradient reduction) for an
         fp32 model; both precisions are planned and the faster one that fits wins (passes/precision.py).
     allow_checkpointing: let the planner checkpoint repeated blocks when memory-bound (passes/checkpointing.py).
-    pin: callable(graph node) -> {mesh dim: placement} or None, fixing nodes' outputs (inputs, activations) to
+    pin: callable(graph node) -> {mesh dim: placement} (every tensor output) or {(mesh dim, output index): placement}
+        or None, fixing nodes' outputs (inputs, activations) to
         evaluate a given hand plan in the cost model (e.g. backends/engines_ref.py's torchtitan plan).
     overlap: False (default): every collective is paid in full, step = compute + all comm (autopar's graph
         executor runs them in program order), and the MILP is exact. True: parameter gathers and gradient

@@ -169,6 +169,7 @@ class Plan:
                 lines.append(f"    input {r['input']}: [{','.join(r['src'])}] -> [{','.join(r['dst'])}]"
                              + (f"  in gradient bucket {r['bucket']}" if "bucket" in r else f"  {cs}" if cs
                                 else f"  (shares {r['shares'][0]} input {r['shares'][1]})" if "shares" in r
+                                else f"  (in input {r['coalesced']}'s all_reduce)" if "coalesced" in r
                                 else "  (local)"))
         if self.buckets:
             lines += ["", "gradient buckets (one collective each, issued after the backward in this order)"]

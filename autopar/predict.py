@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .graph import param_root
+from .graph import TensorMeta, param_root
 from .plan import Plan, node_record
 from .cost import collective_time
 from .redistribute import grad_reduce_time, link_of, redistribute_time
@@ -45,6 +45,9 @@ def predict(state):
     kinds: dict[str, dict] = {}
     buckets = state.buckets or []
     bucket_of = {f: k for k, b in enumerate(buckets) for f in b["params"]}
+    coalesced, leads = state.coalesced or {}, {}
+    for (i, j), lead in coalesced.items():
+        leads.setdefault(lead, []).append(j)
     for (i, j), (src, dst, cs) in sorted(state.redistributes.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         bucket = bucket_of.get(nodes[i].target) if j == "opt" else None
         if bucket is not None:            # carried by its bucket's one collective (counted below)
@@ -61,12 +64,17 @@ def predict(state):
             r = nodes[i].inputs()[j]
             meta = g.meta(r)
             cls = "param" if param_root(g, r.node) is not None else "act"
-        shared = (state.shares or {}).get((i, j))
+        shared = (state.shares or {}).get((i, j)) or coalesced.get((i, j))
+        if (i, j) in leads:               # its all_reduce carries the coalesced inputs too
+            meta = TensorMeta((meta.numel + sum(g.meta(nodes[i].inputs()[k]).numel for k in leads[(i, j)]),),
+                              meta.dtype)
         t = 0.0 if shared else redistribute_time(src, dst, meta, mesh_shape, cluster)
         comm[cls] += t
         red_by_node.setdefault(i, []).append({"input": j, "src": list(src), "dst": list(dst), "time_s": t,
                                               "collectives": [c.to_json() for c in cs], "class": cls})
-        if shared:
+        if (i, j) in coalesced:
+            red_by_node[i][-1]["coalesced"] = coalesced[(i, j)][1]
+        elif shared:
             red_by_node[i][-1]["shares"] = [nodes[shared[0]].name, shared[1]]
         if cls != "act":     # which parameter this gather / gradient reduction is for (backends group them)
             red_by_node[i][-1]["param"] = nodes[i].target if j == "opt" else param_root(g, r.node)

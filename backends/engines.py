@@ -466,12 +466,15 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
     if backend not in ("torch", "auto"):
         raise ValueError(f"backend must be 'torch' or 'auto' here, got {backend!r}")
     ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    replan = None
     if planned is None:
-        import autopar
+        from .engines_plan import plan_for_engines
         plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
-        planned = autopar.plan(model, mesh, ex, return_state=True, **plan_kwargs)
+        planned, replan = plan_for_engines(model, mesh, ex, **plan_kwargs)
     plan, state = planned
     low = recognize(plan, model, units=units, styles=styles)
+    if replan:
+        low.notes.insert(0, replan)
     if low.expressible:
         apply_lowering(model, mesh, low, compile_blocks)
         model._autopar_plan = plan

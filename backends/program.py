@@ -110,8 +110,8 @@ def _to_device(a, device):
 
 
 class _Instr:
-    __slots__ = ("node", "mode", "fn", "conv", "expect", "frees", "name", "strides", "bind", "keys", "swapped",
-                 "contig", "out_r", "fast")
+    __slots__ = ("node", "mode", "fn", "conv", "groups", "expect", "frees", "name", "strides", "bind", "keys",
+                 "swapped", "contig", "out_r", "fast")
 
 
 class Program:
@@ -149,6 +149,7 @@ class Program:
         for ck, c in last_share.items():
             frees.setdefault(c, []).append(ck)
         self.fw, self.bw = [], []
+        co = state.coalesced or {}
         for n in g.ops():
             ins = self.P[n.idx].ins
             outs = self.P[n.idx].out
@@ -185,6 +186,10 @@ class Program:
             if it.mode == "local":      # a change of label on size-1 mesh dims moves no data: an op on local shards
                 it.conv = [c for c in it.conv if c[3] is not None or    # does not need it (one-device meshes)
                            any(mesh.size(m) > 1 for m, _, _ in plan_steps(tuple(c[1]), tuple(c[2])))]
+            lead = {j: co[(n.idx, j)][1] for j, *_ in it.conv if (n.idx, j) in co}   # coalesced all_reduces
+            it.groups = [[c for c in it.conv if c[0] == j0 or lead.get(c[0]) == j0]
+                         for j0 in sorted(set(lead.values()))]
+            it.conv = [c for c in it.conv if c[0] not in lead and c[0] not in lead.values()]
             # the common case, a local op with one tensor out: a direct call in the compiled program
             it.fast = fast_args(args, kwargs, it.fn) if it.mode == "local" and not (it.contig or it.swapped) else None
             (self.fw if n.phase == "fw" else self.bw).append(it)
@@ -447,7 +452,7 @@ class Program:
         lines = ["def run(env, L, run1):"]
         for pos, it in enumerate(instrs):
             n = it.node
-            if it.fast is not None and not it.conv:
+            if it.fast is not None and not it.conv and not it.groups:
                 rest, kwargs = it.fast
                 ins = [f"env[{k!r}].t" if sharded(k) else f"env[{k!r}]" for k in it.keys]
                 ns[f"R{pos}"], ns[f"W{pos}"] = rest, kwargs
@@ -477,6 +482,13 @@ class Program:
         """Run one instruction (the compiled program's path for everything but plain local ops)."""
         n = it.node
         vals = [env[k] for k in it.keys]
+        for grp in it.groups:           # inputs all-reduced to Replicate in one collective (passes/redistribute.py)
+            locs = [_local(vals[c[0]]) for c in grp]
+            flat = redistribute_local(torch.cat([t.reshape(-1) for t in locs]), grp[0][1], grp[0][2], self.mesh)
+            for (j, _, _, share), t, piece in zip(grp, locs, flat.split([t.numel() for t in locs])):
+                vals[j] = collapse(piece.view(t.shape))
+                if share is not None and share[0] == "store":
+                    env[share[1]] = vals[j]
         for j, src, dst, share in it.conv:
             if share is None:
                 vals[j] = self.redistribute(vals[j], src, dst)

@@ -125,8 +125,10 @@ def build(source, cfg, mesh, world_mesh, x):
             with engines.train_context(m):
                 m(*local).backward()
         low = getattr(m, "_autopar_lowering", None)
-        return Run(source, m, opt, step, {"note": "autopar's plan lowered to fully_shard / parallelize_module",
-                                          "code": low.code() if low is not None else ""})
+        replan = m._autopar_plan.meta.get("engine_replan")
+        return Run(source, m, opt, step, {"note": "autopar's plan lowered to fully_shard / parallelize_module"
+                                                  + (f"; {replan}" if replan else ""),
+                                          "code": low.code() if low is not None else "", "plan": m._autopar_plan})
     run = apply_hand(source, name, model, mesh, world_mesh)
     local = run.local_inputs(x)
     opt = _adamw(run.module.parameters())

@@ -271,11 +271,10 @@ def _goals(rows, planning_json) -> list[str]:
     lines.append(f"6. Measured comm bytes per step == predicted (+-1%): autopar's rows (its plan, run by its "
                  f"executor) {len(auto6) - len(bad_a)}/{len(auto6)} -> {'MET' if auto6 and not bad_a else 'MISSED'}"
                  + (f" (misses: {'; '.join(bad_a)})" if bad_a else "")
-                 + (f"; autopar-torch rows (the plan lowered to torch's engines, which cannot issue every collective "
-                    f"of the plan: e.g. each rank computes the loss on its batch shard and reduces (weighted loss, "
-                    f"count) in one all_reduce instead of gathering the loss input, and they "
-                    f"reduce a gradient the plan computes from gathered backward inputs; the lowering report lists "
-                    f"each difference) {len(torch6) - len(bad_t)}/{len(torch6)} equal to the plan's prediction"
+                 + (f"; autopar-torch rows (the plan lowered to torch's engines; where autopar's plan gathers the "
+                    f"loss input or a gradient's backward input over the data dims, which the engines cannot, "
+                    f"backend='torch' re-plans with those nodes partial there: backends/engines_plan.py) "
+                    f"{len(torch6) - len(bad_t)}/{len(torch6)} equal to their plan's prediction"
                     + (f" (differ: {'; '.join(bad_t)})" if bad_t else "") if torch6 else "")
                  + f"; hand rows {len(hand6) - len(bad_h)}/{len(hand6)} -> {'MET' if hand6 and not bad_h else 'MISSED'}"
                  " (their 'predicted' is autopar's cost model of the best execution of the hand plan's parameter "

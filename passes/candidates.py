@@ -38,12 +38,11 @@ def run(state) -> None:
         shared.setdefault(rep[n.idx], (strats, src))
         for i in range(len(n.outs)):
             out_cands[(n.idx, i)] = list(dict.fromkeys(s.out[i] for s in strats if s.out[i] is not None))
-    if pin is not None:     # {mesh dim: placement} a node's tensor outputs must take; applied after enumeration,
-        for n in g.nodes:   # so consumers still see every producer candidate (the solver redistributes between)
+    if pin is not None:     # placements a node's tensor outputs must take (_keeps); applied after enumeration, so
+        for n in g.nodes:   # consumers still see every producer candidate (the solver redistributes between)
             want = pin(n)
             if want:
-                kept = [s for s in strategies[n.idx] if all(o is None or o[d] == p for o in s.out
-                                                            for d, p in want.items())]
+                kept = [s for s in strategies[n.idx] if _keeps(s.out, want)]
                 if not kept:
                     raise ValueError(f"pinned placement {want} is not a candidate of {n.name} in module "
                                      f"'{n.module or '<root>'}' (candidates: "
@@ -63,3 +62,13 @@ def run(state) -> None:
         raise NoStrategyError("no placement rule (and no DTensor decomposition) for these ops; they could only run "
                               "replicated:\n" + "\n".join(lines) +
                               "\npass replicate_ops=[...] (or allow_replicate=True) to accept Replicate for them")
+
+
+def _keeps(outs, want) -> bool:
+    """Whether output placements `outs` satisfy pin `want`: {mesh dim: placement} for every tensor output,
+    {(mesh dim, output index): placement} for one."""
+    for key, p in want.items():
+        d, sel = (key, outs) if isinstance(key, int) else (key[0], outs[key[1]:key[1] + 1])
+        if any(o is not None and o[d] != p for o in sel):
+            return False
+    return True

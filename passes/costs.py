@@ -22,8 +22,8 @@ import numpy as np
 import torch
 
 from autopar.cost import op_flops, has_flop_formula, roofline_time
-from autopar.graph import Ref, param_root
-from autopar.redistribute import grad_reduce_time, redistribute_time
+from autopar.graph import Ref, TensorMeta, param_root
+from autopar.redistribute import collectives, grad_reduce_time, redistribute_time
 from autopar.strategies import num_shards
 
 
@@ -227,6 +227,7 @@ def run(state) -> None:
             matrices[key] = matrices[key] + C if key in matrices else C
             if ovl:
                 ovl_matrices[key] = ovl_matrices[key] + C if key in ovl_matrices else C
+    _coalesce(edge_count, nodes, S, choice, gid, root, matrices, rtime, mesh_shape)
     lr, li = g.loss, rep[g.loss.node]                 # the step returns the loss replicated (global view)
     rep_pl = ("R",) * len(mesh_shape)
     comm_lin[gid[root[li]]] += np.array([rtime(S[li][x].out[lr.out], rep_pl, nodes[li].outs[lr.out])
@@ -264,3 +265,37 @@ def _replicated(pl, mesh_shape) -> int:
         if p == "R":
             r *= n
     return r
+
+
+def _coalesce(edge_count, nodes, S, choice, gid, root, matrices, rtime, mesh_shape) -> None:
+    """Several outputs of one producer that one consumer needs all-reduced to Replicate (the loss sum and the count
+    of targets into their quotient) take one collective (passes/redistribute.py coalesces them): where both sides'
+    strategies make every such edge the same all_reduce-only transition, the edges' summed price is replaced by
+    that of one all_reduce of their summed size."""
+    by_pair = defaultdict(list)
+    for (p, o, v, j), c in edge_count.items():
+        if j != "opt":
+            by_pair[(p, v)].append((o, j, c))
+    kinds: dict = {}
+    for (p, v), es in by_pair.items():
+        g1, g2 = gid[root[p]], gid[root[v]]
+        metas = [nodes[p].outs[o] for o, _, _ in es]
+        if len({o for o, _, _ in es}) < 2 or g1 == g2 or len({c for _, _, c in es}) != 1 or \
+                len({m.dtype for m in metas}) != 1:
+            continue
+        total = TensorMeta((sum(m.numel for m in metas),), metas[0].dtype)
+        D = np.zeros((len(choice[p]), len(choice[v])))
+        for a_i, x in enumerate(choice[p]):
+            for b_i, y in enumerate(choice[v]):
+                moves = {(S[p][x].out[o], S[v][y].ins[j]) for o, j, _ in es}
+                if len(moves) != 1:
+                    continue
+                a, b = next(iter(moves))
+                if a == b or any(q != "R" for q in b):
+                    continue
+                if (a, b) not in kinds:
+                    kinds[(a, b)] = {c.kind for c in collectives(a, b, total, mesh_shape)} == {"all_reduce"}
+                if kinds[(a, b)]:
+                    D[a_i, b_i] = es[0][2] * (rtime(a, b, total) - sum(rtime(a, b, m) for m in metas))
+        if D.any():
+            matrices[(g1, g2)] = matrices[(g1, g2)] + D if (g1, g2) in matrices else D

@@ -6,28 +6,45 @@ Several consumers of one activation that need it at the same placement in the sa
 wq, wk and wv gathered from a sequence shard) share one redistribute: the first consumer runs it, the others
 reuse its result (`state.shares`; no collectives of their own). The solver prices each edge (an upper bound);
 the prediction and the executor count the shared redistribute once. Values rooted in a parameter are not shared:
-holding a gathered weight from its first to its last use would change the memory the plan was solved for."""
+holding a gathered weight from its first to its last use would change the memory the plan was solved for. A
+scalar is shared across phases too (the loss's count of targets, reduced in the forward, read by the backward):
+holding it costs nothing.
+
+Inputs of one op that the same all_reduces take to Replicate (the loss sum and the count of targets into their
+quotient) are coalesced, as all_reduce_coalesced does: one collective of their summed size on the first of them,
+none on the others (`state.coalesced`: (consumer, input) -> (consumer, input) whose collective carries it)."""
 from __future__ import annotations
 
-from autopar.graph import param_root
+from autopar.graph import TensorMeta, param_root
 from autopar.redistribute import collectives
 
 
 def run(state) -> None:
     g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
-    red, shares, first = {}, {}, {}
+    red, shares, first, coalesced = {}, {}, {}, {}
     for n in g.ops():
+        alike: dict = {}                                 # (src, dst, dtype) -> [(input, numel)] all-reduced alike
         for j, r in enumerate(n.inputs()):
             src, dst = P[r.node].out[r.out], P[n.idx].ins[j]
             if src == dst:
                 continue
-            cs = collectives(src, dst, g.meta(r), mesh_shape)
-            key = (r.node, r.out, dst, n.phase)
+            meta = g.meta(r)
+            cs = collectives(src, dst, meta, mesh_shape)
+            key = (r.node, r.out, dst, n.phase if meta.numel > 1 else None)
             if cs and key in first and param_root(g, r.node) is None:
                 shares[(n.idx, j)] = first[key]
                 cs = ()
             first.setdefault(key, (n.idx, j))
             red[(n.idx, j)] = (src, dst, cs)
+            if cs and all(c.kind == "all_reduce" for c in cs) and all(p == "R" for p in dst):
+                alike.setdefault((src, dst, meta.dtype), []).append((j, meta.numel))
+        for (src, dst, dtype), js in alike.items():
+            if len(js) > 1:
+                total = TensorMeta((sum(k for _, k in js),), dtype)
+                red[(n.idx, js[0][0])] = (src, dst, collectives(src, dst, total, mesh_shape))
+                for j, _ in js[1:]:
+                    red[(n.idx, j)] = (src, dst, ())
+                    coalesced[(n.idx, j)] = (n.idx, js[0][0])
     for fqn, r in g.grads.items():
         p = g.params[fqn]
         src, dst = P[r.node].out[r.out], P[p].out[0]
@@ -36,4 +53,4 @@ def run(state) -> None:
     src, dst = P[g.loss.node].out[g.loss.out], ("R",) * len(mesh_shape)
     if src != dst:                                     # the step returns the loss itself (global view)
         red[(g.loss.node, "loss")] = (src, dst, collectives(src, dst, g.meta(g.loss), mesh_shape))
-    state.redistributes, state.shares = red, shares
+    state.redistributes, state.shares, state.coalesced = red, shares, coalesced

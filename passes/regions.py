@@ -46,7 +46,7 @@ def _signature(g, members: list[int], force=None, pin=None):
         n = g.nodes[idx]
         leaf_name = _LAYER.sub("", n.target) if n.kind == "param" else None
         user = (force.get(n.target) if n.kind == "param" else None,
-                tuple(sorted((pin(n) or {}).items())) if pin is not None else None)
+                tuple(sorted((pin(n) or {}).items(), key=str)) if pin is not None else None)
         sig.append((n.kind, str(n.target) if n.kind == "op" else leaf_name, n.phase, n.outs, arg(n.args), arg(n.kwargs),
                     user))
     return tuple(sig)

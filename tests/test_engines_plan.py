@@ -395,3 +395,37 @@ def test_loss_on_the_whole_batch_lowers_only_as_an_unweighted_mean_over_equal_sh
     low = recognize(uneven, m)
     assert {part for part, _ in low.reasons} == {"input input:0", "input input:1"}, low.reasons
     assert "does not split into 3 equal shards" in low.reasons[0][1]
+
+
+@pytest.mark.parametrize("mesh,names", [((4,), ("dp",)), ((2, 2), ("dp", "tp"))])
+def test_plan_for_engines_predicts_the_engines_collectives(mesh, names):
+    """The free cpu-gloo plan of llama-tiny gathers the log-softmax over the data dims and runs the loss on the
+    whole batch, which the engines cannot (each rank computes its shard's loss): backend="torch" plans again with
+    the loss and the parameter gradients pinned partial on the data dims, and the re-solved plan predicts what the
+    engines issue: no gather, the gradients in the plan's buckets, the loss's sum and count in one all_reduce on a
+    1-D mesh (the loss hook's (weighted loss, count)); on 2x2 the plan reduces them per mesh dim (a few bytes
+    more than the hook's one all_reduce over the flattened group)."""
+    from collections import Counter
+    from autopar.backends.engines_plan import plan_for_engines
+    m, x = _model()
+    spec = autopar.MeshSpec(mesh, names)
+    free = autopar.plan(m, spec, x, cluster="cpu-gloo")
+    assert "all_gather" in free.predicted["collectives"]               # the loss input, gathered
+    (plan, _), note = plan_for_engines(m, spec, x, cluster="cpu-gloo")
+    assert note and note.startswith("re-planned for the engines") and "nll_loss_forward" in note, note
+    assert plan.meta["engine_replan"] == note
+    nll = next(n for n in plan.nodes if n["name"].endswith(":nll_loss_forward.default"))
+    assert all(p == "P" for o in nll["placement"]["out"] for p in o), nll["placement"]
+    low = recognize(plan, m)
+    assert low.expressible and low.mean_loss and all(b.planned is not None for b in low.grad_buckets), low.report()
+    engines = Counter()
+    for kind, _, nb in engine_collectives(plan, low)[0]:
+        engines[kind] += nb
+    predicted = {k: v["bytes"] for k, v in plan.predicted["collectives"].items()}
+    assert set(predicted) == set(engines) == {"all_reduce"}, (predicted, engines)
+    if len(mesh) == 1:
+        assert predicted == dict(engines) and plan.predicted["collectives"]["all_reduce"]["count"] == \
+            len(plan.buckets) + 1, (predicted, engines)
+    else:
+        assert 0 < predicted["all_reduce"] - engines["all_reduce"] <= 16, (predicted, engines)
+    assert plan.predicted["step_s"] >= free.predicted["step_s"]       # the free plan is the optimum
