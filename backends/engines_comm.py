@@ -292,7 +292,11 @@ def engine_collectives(plan, low) -> tuple[list, list]:
             if any(c[1] in data for c in cs):
                 src = n["inputs"][r["input"]]
                 shape = plan.nodes[src[0]]["shape"][src[1]]
-                if r["class"] == "act":
+                pair = any(q.get("coalesced") == r["input"] for q in n.get("redistribute", []))
+                if r["class"] == "act" and pair and low.mean_loss and len(cs) == 1:
+                    notes.append(f"{n['name']}: the plan's all_reduce of (loss sum, count) over the data dims is the "
+                                 f"loss hook's all_reduce of (weighted loss, count)")
+                elif r["class"] == "act":
                     notes.append(f"{n['name']}: the plan redistributes {'a scalar' if not shape else 'a loss input'} "
                                  f"({r['src']} -> {r['dst']}) over the data dims; " +
                                  ("the engines reduce (weighted loss, count) in the loss hook instead" if low.mean_loss
