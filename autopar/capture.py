@@ -24,7 +24,7 @@ aten = torch.ops.aten
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
 SDPA_BW = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _MUTATING_OK = {aten.detach_.default}
-_MEAN_LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+NLL_LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 _MEAN, _SUM = 1, 2      # torch's Reduction enum
 
 
@@ -95,7 +95,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _MEAN_LOSSES and len(args) == 5 and args[3] == _MEAN:
+        if func in NLL_LOSSES and len(args) == 5 and args[3] == _MEAN:
             return self.exact_mean_loss(func, types, args)
         if func is aten._local_scalar_dense.default:
             raise CaptureError(f"data-dependent control flow or .item() in module '{self.module_path() or '<root>'}':"

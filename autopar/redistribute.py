@@ -41,6 +41,13 @@ def collectives(src: tuple[str, ...], dst: tuple[str, ...], meta: TensorMeta, me
     return _collectives(tuple(src), tuple(dst), meta.nbytes, tuple(mesh_shape))
 
 
+def all_reduced(src: tuple[str, ...], dst: tuple[str, ...], meta: TensorMeta, mesh_shape) -> bool:
+    """Whether src -> dst is only all_reduces into Replicate: inputs of one op that take the same such move can
+    share one collective of their summed size (passes/redistribute.py coalesces them, passes/costs.py prices it)."""
+    cs = collectives(src, dst, meta, mesh_shape)
+    return bool(cs) and all(c.kind == "all_reduce" for c in cs) and all(p == "R" for p in dst)
+
+
 def _sharders(pl, d) -> list[int]:
     return [m for m, p in enumerate(pl) if p == f"S{d}"]
 

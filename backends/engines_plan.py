@@ -15,7 +15,7 @@ as planned, whose prediction is what they issue.
 """
 from __future__ import annotations
 
-_NLL = ("aten.nll_loss_forward", "aten.nll_loss2d_forward")
+from autopar.capture import NLL_LOSSES
 
 
 def engine_pins(state, data: list[int]) -> dict:
@@ -29,7 +29,7 @@ def engine_pins(state, data: list[int]) -> dict:
             pin[(d, r.out)] = "P"
             differ |= P[r.node].out[r.out][d] != "P"
     for n in g.ops():
-        if str(n.target).startswith(_NLL):
+        if n.target in NLL_LOSSES:              # a loss nll_loss (capture records a mean one as nll_loss(sum))
             want[n.name] = {d: "P" for d in data}
             differ |= any(o is not None and o[d] != "P" for o in P[n.idx].out for d in data)
     return want if differ else {}

@@ -23,7 +23,7 @@ import torch
 
 from autopar.cost import op_flops, has_flop_formula, roofline_time
 from autopar.graph import Ref, TensorMeta, param_root
-from autopar.redistribute import collectives, grad_reduce_time, redistribute_time
+from autopar.redistribute import all_reduced, grad_reduce_time, redistribute_time
 from autopar.strategies import num_shards
 
 
@@ -276,7 +276,7 @@ def _coalesce(edge_count, nodes, S, choice, gid, root, matrices, rtime, mesh_sha
     for (p, o, v, j), c in edge_count.items():
         if j != "opt":
             by_pair[(p, v)].append((o, j, c))
-    kinds: dict = {}
+    fits: dict = {}                                 # (src, dst) -> all-reduced into Replicate
     for (p, v), es in by_pair.items():
         g1, g2 = gid[root[p]], gid[root[v]]
         metas = [nodes[p].outs[o] for o, _, _ in es]
@@ -291,11 +291,9 @@ def _coalesce(edge_count, nodes, S, choice, gid, root, matrices, rtime, mesh_sha
                 if len(moves) != 1:
                     continue
                 a, b = next(iter(moves))
-                if a == b or any(q != "R" for q in b):
-                    continue
-                if (a, b) not in kinds:
-                    kinds[(a, b)] = {c.kind for c in collectives(a, b, total, mesh_shape)} == {"all_reduce"}
-                if kinds[(a, b)]:
+                if (a, b) not in fits:
+                    fits[(a, b)] = a != b and all_reduced(a, b, total, mesh_shape)
+                if fits[(a, b)]:
                     D[a_i, b_i] = es[0][2] * (rtime(a, b, total) - sum(rtime(a, b, m) for m in metas))
         if D.any():
             matrices[(g1, g2)] = matrices[(g1, g2)] + D if (g1, g2) in matrices else D

@@ -16,7 +16,7 @@ none on the others (`state.coalesced`: (consumer, input) -> (consumer, input) wh
 from __future__ import annotations
 
 from autopar.graph import TensorMeta, param_root
-from autopar.redistribute import collectives
+from autopar.redistribute import all_reduced, collectives
 
 
 def run(state) -> None:
@@ -36,7 +36,7 @@ def run(state) -> None:
                 cs = ()
             first.setdefault(key, (n.idx, j))
             red[(n.idx, j)] = (src, dst, cs)
-            if cs and all(c.kind == "all_reduce" for c in cs) and all(p == "R" for p in dst):
+            if cs and all_reduced(src, dst, meta, mesh_shape):
                 alike.setdefault((src, dst, meta.dtype), []).append((j, meta.numel))
         for (src, dst, dtype), js in alike.items():
             if len(js) > 1:
