@@ -36,7 +36,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
          precision: TrainingPrecision | None = None, force: dict | None = None, replicate_ops=(),
          allow_replicate: bool = False, time_limit: float = 60.0, dump_after=(), return_state: bool = False,
          allow_bf16: bool = False, allow_checkpointing: bool = True, pipeline=None, pin=None,
-         overlap: bool = False, mip_rel_gap: float = 1e-3) -> Plan:
+         overlap: bool = False, mip_rel_gap: float = 1e-3, output: str = "loss") -> Plan:
     """Plan how to run one training step of `model` on `mesh`.
 
     mesh: a DeviceMesh, a MeshSpec, 'AxB', or a shape tuple (meshes you do not have are fine).
@@ -58,6 +58,9 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
         search and local search (exact by branch and bound on small models, else reported with its gap).
     mip_rel_gap: the MILP stops when its plan is within this relative gap of the proven bound (default 0.1%;
         plan.solver reports objective, bound and gap); 0 proves optimality, which can take seconds longer.
+    output: "loss" (default: the model returns its scalar loss) or "activation": the model is a part of a model,
+        returning one tensor whose gradient comes from outside; its input gradients are outputs of the step
+        (how backend="auto" runs the modules the engines cannot express, backends/engines_mixed.py).
     pipeline: "auto" (or a dict narrowing the search, see passes/stages.py) plans pipeline stages, submeshes,
         schedule and micro-batch count jointly with each stage's per-op plan; a mesh with a dim named "pp" does
         so too. The plan's `stages` and `schedule` are filled; `force` then names placements on the stage submesh.
@@ -71,6 +74,8 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
     if budget <= 0:
         raise ValueError(f"memory_budget must be positive bytes per rank, got {memory_budget!r}")
     force = {k: tuple(v) for k, v in (force or {}).items()}
+    if output != "loss" and (pipeline or loss_fn is not None):
+        raise ValueError(f"output={output!r} plans a part of a model: no pipeline, no loss_fn")
     if pipeline or "pp" in mesh.names:
         from .pipeline_plan import plan_pipeline
         if return_state:
@@ -91,7 +96,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
         variants.append(MIXED_BF16)
     results, infeasible = [], []
     for mp in variants:
-        graph = capture(model, inputs, loss_fn, param_dtype=torch.bfloat16 if mp else None)
+        graph = capture(model, inputs, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output)
         state = PlanState(graph, mesh, cl, precision, budget,
                           {"force": force, "replicate_ops": [str(o) for o in replicate_ops],
                            "allow_replicate": allow_replicate, "time_limit": time_limit, "mixed_precision": mp,

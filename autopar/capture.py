@@ -205,9 +205,17 @@ def to_meta(t: torch.Tensor, requires_grad: bool = False, dtype: torch.dtype | N
     return m.requires_grad_(requires_grad) if requires_grad else m
 
 
-def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, param_dtype: torch.dtype | None = None) -> Graph:
+def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, param_dtype: torch.dtype | None = None,
+            output: str = "loss") -> Graph:
     """Record the joint fw+bw aten graph of `model` on meta tensors. The model itself is not changed or run.
-    param_dtype: run with floating-point parameters in this dtype (the graph of FSDP2 mixed precision)."""
+    param_dtype: run with floating-point parameters in this dtype (the graph of FSDP2 mixed precision).
+    output: "loss" (the model returns a scalar loss; the backward starts from ones_like(loss)) or "activation"
+    (a part of a model: it returns one tensor whose incoming gradient seeds the backward, recorded as
+    ones_like(output) in the backward, and the gradients of its floating-point inputs are outputs too:
+    Graph.input_grads)."""
+    if output not in ("loss", "activation"):
+        raise ValueError(f"output must be 'loss' or 'activation', got {output!r}")
+    act = output == "activation"
     if not isinstance(example_inputs, (tuple, list)):
         example_inputs = (example_inputs,)
     named = dict(model.named_parameters())
@@ -220,7 +228,8 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, param_dtype: 
     meta_params = {k: to_meta(p, p.requires_grad, param_dtype if p.is_floating_point() else None)
                    for k, p in named.items()}
     meta_buffers = {k: to_meta(b) for k, b in buffers.items()}
-    meta_inputs = [to_meta(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    meta_inputs = [to_meta(x, act and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+                   for x in example_inputs]
     module_fqn = {m: fqn for fqn, m in model.named_modules()}
     modstack: list[str] = []
     start_seq: dict[nn.Module, int] = {}
@@ -246,14 +255,22 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, param_dtype: 
         with _FusedAttention(), rec:
             out = torch.func.functional_call(model, {**meta_params, **meta_buffers}, tuple(meta_inputs))
             loss = loss_fn(out) if loss_fn is not None else out
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            if act:
+                if not isinstance(loss, torch.Tensor):
+                    raise CaptureError(f"a module run as part of a model must return one tensor; got "
+                                       f"{type(loss).__name__}")
+            elif not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise CaptureError("the model must return a scalar loss (or pass loss_fn=...); got "
                                    f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
             if not loss.requires_grad:
                 raise CaptureError("the loss does not depend on any trainable parameter")
             train = [k for k, t in meta_params.items() if t.requires_grad]
             rec.phase = "bw"
-            grads = torch.autograd.grad(loss, [meta_params[k] for k in train], allow_unused=True)
+            wrt = [meta_params[k] for k in train]
+            xs = [i for i, x in enumerate(meta_inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+            seed = torch.ones_like(loss) if act else None       # the incoming gradient, taken at run time
+            grads = torch.autograd.grad(loss, wrt + [meta_inputs[i] for i in xs], seed, allow_unused=True)
+            grads, in_grads = grads[:len(train)], dict(zip(xs, grads[len(train):]))
     finally:
         h1.remove()
         h2.remove()
@@ -262,10 +279,12 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, param_dtype: 
         raise CaptureError(f"parameters receive no gradient from the loss: {unused[:8]}"
                            f"{' ...' if len(unused) > 8 else ''}; freeze them (requires_grad=False) or use them")
     loss_ref, grad_refs = rec.ref[id(loss)], {k: rec.ref[id(gr)] for k, gr in zip(train, grads)}
-    nodes, fix = _drop_dead(rec.nodes, [loss_ref.node] + [r.node for r in grad_refs.values()])
+    in_refs = {i: rec.ref[id(gr)] for i, gr in in_grads.items() if gr is not None}
+    nodes, fix = _drop_dead(rec.nodes, [loss_ref.node] + [r.node for r in [*grad_refs.values(), *in_refs.values()]])
     remap = lambda d: {k: fix(Ref(v)).node for k, v in d.items()}
     return Graph(nodes, remap(params), remap(bufs), [fix(Ref(i)).node for i in inputs], fix(loss_ref),
-                 {k: fix(r) for k, r in grad_refs.items()}, aliases, rec.constants)
+                 {k: fix(r) for k, r in grad_refs.items()}, aliases, rec.constants,
+                 {i: fix(r) for i, r in in_refs.items()}, act)
 
 
 def _drop_dead(nodes: list[Node], roots: list[int]):

@@ -111,6 +111,8 @@ class Graph:
     grads: dict[str, Ref]              # param FQN -> gradient ref
     aliases: dict[str, str] = field(default_factory=dict)   # tied param FQN -> the FQN it shares storage with
     constants: dict[str, torch.Tensor] = field(default_factory=dict)   # tensors the model closed over
+    input_grads: dict[int, Ref] = field(default_factory=dict)   # input position -> its gradient (output="activation")
+    activation: bool = False           # `loss` is a part's output activation, its backward seeded from outside
 
     def __post_init__(self):
         for n in self.nodes:

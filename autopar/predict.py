@@ -124,7 +124,8 @@ def last_uses(g):
     for n in g.nodes:
         for r in n.inputs():
             last[(r.node, r.out)] = n.idx
-    last[(g.loss.node, g.loss.out)] = len(g.nodes)
+    for r in [g.loss, *g.input_grads.values()]:
+        last[(r.node, r.out)] = len(g.nodes)
     return last, {(r.node, r.out) for r in g.grads.values()}
 
 

@@ -104,6 +104,8 @@ class TorchLowering:
     block_fqns: list = field(default_factory=list)    # the plan's repeated blocks ("layers.0", ...)
     tp_roles: dict = field(default_factory=dict)      # (node, input) -> what a forward redistribute on tp is
     mean_loss: dict | None = None                     # the loss hook (engines_loss.py): labels, ignore_index, ...
+    parts: dict = field(default_factory=dict)         # module FQN the graph backend runs -> its Part (engines_mixed)
+    part_params: list = field(default_factory=list)   # their parameters (FSDP ignores them, the part reduces them)
 
     @property
     def expressible(self) -> bool:
@@ -161,13 +163,19 @@ class _Graph:
         return mod == "" or m == mod or m.startswith(mod + ".")
 
 
-def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) -> TorchLowering:
+def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, parts=()) -> TorchLowering:
     """What of `plan` fully_shard / parallelize_module can express, and how (see the module docstring).
     units: FSDP unit FQNs to use instead of the plan's blocks (validated); styles: {module FQN: ParallelStyle or
-    its class name} the user insists on (must agree with the plan)."""
+    its class name} the user insists on (must agree with the plan). parts: module FQNs the graph backend runs
+    (backends/engines_mixed.py): their parameters are left to it (ignored by FSDP, no style, no hook) and what
+    the engines cannot express inside them is not a reason."""
     G = _Graph(plan)
     names, shape = tuple(plan.mesh_names), tuple(plan.mesh_shape)
     low = TorchLowering(plan.hash(), names, shape)
+    low.parts = {p: None for p in parts}
+    in_part = lambda m: any(m == p or m.startswith(p + ".") for p in parts)
+    low.part_params = [f for f in plan.params if in_part(f.rsplit(".", 1)[0] if "." in f else "")]
+    own = {f: pl for f, pl in plan.params.items() if f not in low.part_params}
     low.block_fqns = _blocks(plan)
     inputs = [n for n in plan.nodes if n["kind"] == "input"]
     strict, loss_fed = [_fed(G, n) for n in inputs], []
@@ -187,8 +195,9 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
             low.reasons.append((f"mesh dim {name}", f"inputs are placed {sorted(pls)} on it; the engines lower only "
                                 f"batch sharding (Shard(0) of every input) or replication (no context parallelism)"))
     for d in model_dims:
-        busy = any(p[d] != "R" for p in plan.params.values()) or any(
-            o is not None and o[d] != "R" for n in plan.nodes if n["kind"] == "op" for o in n["placement"]["out"])
+        busy = any(p[d] != "R" for p in own.values()) or any(o is not None and o[d] != "R" for n in plan.nodes
+                                                              if n["kind"] == "op" and not in_part(n["module"])
+                                                              for o in n["placement"]["out"])
         if not busy:
             low.idle_dims.append(d)
         elif low.tp_dim is None:
@@ -197,7 +206,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
             low.reasons.append((f"mesh dim {names[d]}", f"a second tensor-parallel dim (after {names[low.tp_dim]}): "
                                 f"parallelize_module takes one 1-D mesh"))
     for d in data:
-        (low.shard_dims if any(p[d][0] == "S" for p in plan.params.values()) else low.replicate_dims).append(d)
+        (low.shard_dims if any(p[d][0] == "S" for p in own.values()) else low.replicate_dims).append(d)
     recognize_mean_loss(low, G, plan, data)
     _check_batch_shards(low, G, plan, inputs, data, [x for x in loss_fed if x[1] in data])
     _recognize_fsdp(low, G, plan, units)
@@ -218,6 +227,15 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None) 
             low.reasons.append(("mixed precision", f"parameters {low.replicated_grads[:4]} stay out of FSDP (the "
                                 f"plan replicates them), so MixedPrecisionPolicy would not cast them to bf16"))
     low.checkpoint = list(plan.meta.get("checkpointing", {}).get("blocks", []))
+    if parts:
+        from .engines_mixed import reason_module
+        low.reasons = [r for r in low.reasons if not in_part(reason_module(*r) or "")]
+        for m in [m for m in low.styles if in_part(m)]:
+            del low.styles[m]
+        for c in low.checkpoint:
+            if any(p.startswith(c + ".") or p == c for p in parts):
+                low.reasons.append((f"module {c}", "the plan checkpoints this block, which holds a part the graph "
+                                    "backend runs: its forward (and collectives) would run again in the backward"))
     _grad_buckets(low, G, plan)
     return low
 
@@ -331,7 +349,7 @@ def _recognize_fsdp(low, G, plan, forced_units):
     unit_of = lambda f: next((u for u in unit_fqns if u and f.startswith(u + ".")), "")
     per_unit = {u: Unit(u, [], False) for u in unit_fqns}
     for fqn, pl in plan.params.items():
-        if fqn not in G.param_node:                     # an alias of a tied parameter
+        if fqn not in G.param_node or fqn in low.part_params:   # an alias of a tied parameter; a graph part's
             continue
         u = per_unit[unit_of(fqn)]
         sh = [pl[d] for d in low.shard_dims]
@@ -484,13 +502,44 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
         raise EngineLoweringError("the plan cannot be lowered to fully_shard / parallelize_module (use "
                                   "backend='auto' or 'graph'):\n" +
                                   "\n".join(f"  {part}: {why}" for part, why in low.reasons))
+    mixed, why = _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs)
+    if mixed is not None:
+        apply_lowering(model, mesh, mixed, compile_blocks)
+        from .engines_mixed import install_parts
+        from .graph import _device
+        install_parts(model, mesh, mixed, _device(mesh))
+        model._autopar_plan = plan
+        model.autopar_dump = _dump(plan, mixed, "torch + graph parts")
+        return model
     from .graph import parallelize as graph_parallelize
     pm = graph_parallelize(model, mesh, ex, planned=(plan, state))
+    low.notes.append(f"the whole model runs on the graph backend: {why}")
     pm.autopar_dump = _dump(plan, low, "graph")
     return pm
 
 
+def _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs):
+    """(the lowering with graph parts, None) when every reason names a module that can run as a part on the
+    graph backend while the engines run the rest (backends/engines_mixed.py); (None, why not) otherwise."""
+    from .engines_mixed import choose_parts, plan_parts
+    chosen, calls = choose_parts(plan, low, model, ex, recognize)
+    if chosen is None:
+        return None, calls
+    mixed = recognize(plan, model, units=units, styles=styles, parts=list(chosen))
+    if not mixed.expressible:
+        return None, "with " + ", ".join(chosen) + " on the graph backend the engines still cannot express " + \
+            "; ".join(f"{p}: {w}" for p, w in mixed.reasons)
+    if mixed.tp_dim is not None and any(st.cls == "SequenceParallel" for st in mixed.styles.values()):
+        return None, "a part's inputs would be sequence-sharded on the tensor-parallel dim (SequenceParallel)"
+    kw = {k: v for k, v in plan_kwargs.items() if k != "force"}
+    kw.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
+    plan_parts(plan, model, mesh, mixed, chosen, calls, force=plan_kwargs.get("force"), **kw)
+    return mixed, None
+
+
 def _dump(plan, low, backend) -> str:
-    head = f"backend: {backend}" + ("" if backend == "torch" else
-                                    " (fallback: the torch engines cannot express the parts marked '-> graph')")
+    head = f"backend: {backend}" + (
+        "" if backend == "torch" else
+        " (the torch engines for the rest, the graph backend for the modules marked '-> graph')" if low.parts else
+        " (fallback: the torch engines cannot express the parts marked '-> graph')")
     return head + "\n" + low.report() + "\n" + plan.summary()

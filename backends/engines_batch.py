@@ -108,15 +108,32 @@ def _check_batch_shards(low, G, plan, inputs, data, loss_fed):
 _LOSS_OPS = {"nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward"}
 
 
+_VIEWS = {"view", "_unsafe_view", "reshape", "clone", "contiguous", "alias", "squeeze", "unsqueeze", "flatten"}
+
+
+def _from_part(plan, k, in_part) -> bool:
+    """Whether node k is made in a graph part, or is a view of such a value (the part delivers it batch-sharded;
+    a view of the batch-major local piece is the engines' local piece of the view)."""
+    n = plan.nodes[k]
+    while not in_part(n["module"]) and n["kind"] == "op" and _op(n) in _VIEWS and len(n["inputs"]) == 1:
+        n = plan.nodes[n["inputs"][0][0]]
+    return in_part(n["module"])
+
+
 def _check_batch_ops(low, G, plan, data, dn):
     """Data parallelism in the engines means every rank computes on its own batch shard. The plan may instead
     gather an activation over a data dim: harmless for the loss (each rank's mean over an equal shard, gradients
     averaged: the same values), but any other such op couples samples across the batch (e.g. batch norm)."""
+    parts = getattr(low, "parts", None) or {}
+    in_part = lambda m: any(m == p or m.startswith(p + ".") for p in parts)
     for n in plan.nodes:
         for r in n.get("redistribute", []):
             if r["class"] != "act" or not isinstance(r["input"], int) or not any(c[1] in data for c in
                                                                                   r["collectives"]):
                 continue
+            if parts and (in_part(n["module"]) or _from_part(plan, n["inputs"][r["input"]][0], in_part) and
+                          all(r["dst"][d] == "S0" for d in data)):
+                continue        # a graph part runs it, or delivers this input batch-sharded (engines_mixed.py)
             if n["phase"] == "bw":     # backward choices of the planner: gradients are sums over the batch
                 msg = (f"the plan gathers some backward inputs over {dn(data)} (e.g. {n['name']}); autograd on each "
                        f"rank's batch shard computes the same sums as partial gradients, which FSDP/DDP reduce")

@@ -96,6 +96,15 @@ def render(low) -> str:
         L.append("]")
     else:
         L.append("replicated_params = []   # replicated on the data dims: gradients all-reduced (grad_buckets)")
+    if low.parts:
+        L.append(f"# autopar's graph backend runs the modules {sorted(low.parts)} (the engines cannot express their "
+                 f"plan):")
+        L.append("# after apply(), autopar.backends.engines_mixed.install_parts puts each on its own Program.")
+    L.append(f"part_params = [   # the graph backend runs {sorted(low.parts)}: FSDP ignores these"
+             if low.part_params else "part_params = []   # parameters of the modules the graph backend runs")
+    if low.part_params:
+        L += _wrap(low.part_params, "    ")
+        L.append("]")
     L.append(f"checkpoint_blocks = {low.checkpoint!r}   # activation checkpointing (recomputed in the backward)")
     buckets = getattr(low, "grad_buckets", [])
     if buckets:
@@ -143,7 +152,7 @@ def render(low) -> str:
         else:
             L.append(f"    dp_mesh = {_mesh_expr(names, low.replicate_dims + low.shard_dims)}"
                      + ("   # HSDP: (replicate, shard)" if low.replicate_dims else ""))
-        L.append("    ignored = {model.get_parameter(f) for f in replicated_params}")
+        L.append("    ignored = {model.get_parameter(f) for f in replicated_params + part_params}")
         L.append("    place = lambda p: next((Shard(k) for f, k in shard_dims.items() "
                  "if model.get_parameter(f) is p), None)")
         L.append("    for fqn, kw in fsdp_units:")
@@ -251,7 +260,9 @@ def _reduce_grads_in_buckets(model, mesh, buckets, batch_shards):
 def report(low) -> str:
     """Which part of the plan each engine runs and why; the parts the engines cannot express, and why."""
     names = low.mesh_names
-    L = ["lowering to torch engines: " + ("every part expressible" if low.expressible else
+    L = ["lowering to torch engines: " + (f"every part expressible but {len(low.parts)} module(s) the graph backend "
+                                          f"runs" if low.expressible and low.parts else
+                                          "every part expressible" if low.expressible else
                                           f"{len(low.reasons)} part(s) NOT expressible")]
     roles = []
     for d, n in enumerate(names):
@@ -285,6 +296,9 @@ def report(low) -> str:
         L.append(f"  note: {n}")
     for part, why in low.reasons:
         L.append(f"  -> graph  {part}: {why}")
+    if getattr(low, "parts", None):
+        from .engines_mixed import report as parts_report
+        L += parts_report(low)
     return "\n".join(L)
 
 

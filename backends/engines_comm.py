@@ -6,8 +6,9 @@ tensor parallelism use (`_c10d_functional.all_gather_into_tensor`, `reduce_scatt
 (CommDebugMode counts the same ops but records no bytes.)
 
 Byte convention (the plan's, see autopar/redistribute.py): the FULL tensor over the group: all_gather OUTPUT size,
-reduce_scatter INPUT size, all_reduce size, all_to_all size. Each record also names the process group's size and,
-when a DeviceMesh is given, the mesh dim whose group it ran on (a flattened or multi-dim group gets a tuple).
+reduce_scatter INPUT size, all_reduce size, all_to_all local input times the group size. Each record also names the
+process group's size and, when a DeviceMesh is given, the mesh dim whose group it ran on (a flattened or multi-dim
+group gets a tuple).
 """
 from __future__ import annotations
 
@@ -159,7 +160,10 @@ class CollectiveCounter(TorchDispatchMode):
             t, nb = args[1][0][0], _nbytes(args[1][0])
         else:   # nested_in0: alltoall_(outputs, inputs, pg)
             t, nb = args[1][0], _nbytes(args[1])
-        return CommRecord(kind, nb, self._size_of(pg), self._dim_of(pg), "c10d", str(t.dtype).replace("torch.", ""))
+        n = self._size_of(pg)
+        if kind == "all_to_all":            # the plan's convention: the local input times the group size
+            nb *= n
+        return CommRecord(kind, nb, n, self._dim_of(pg), "c10d", str(t.dtype).replace("torch.", ""))
 
     def _functional(self, kind, how, args):
         group = args[-1] if isinstance(args[-1], str) else next((a for a in args if isinstance(a, str)), None)
@@ -171,7 +175,7 @@ class CollectiveCounter(TorchDispatchMode):
         elif how == "func_list":
             t, nb = args[0][0], _nbytes(args[0])
         else:
-            t, nb = args[0], _nbytes(args[0])
+            t, nb = args[0], _nbytes(args[0]) * (n if kind == "all_to_all" else 1)
         return CommRecord(kind, nb, n, self._dim_of(group), "functional", str(t.dtype).replace("torch.", ""))
 
     # ---- views ---------------------------------------------------------------------------------------------
@@ -278,7 +282,11 @@ def engine_collectives(plan, low) -> tuple[list, list]:
         dims = tuple(low.replicate_dims + low.shard_dims)
         out.append(("all_reduce", dims[0] if len(dims) == 1 else dims, low.mean_loss["nbytes"]))
     seen = set()
+    parts = getattr(low, "parts", {})
+    in_part = lambda m: any(m == p or m.startswith(p + ".") for p in parts)
     for n in plan.nodes:
+        if parts and in_part(n["module"]):
+            continue                             # run by the graph backend (engines_mixed.py)
         for r in n.get("redistribute", []):
             cs = r["collectives"]
             if r["input"] == "opt":
@@ -320,10 +328,14 @@ def engine_collectives(plan, low) -> tuple[list, list]:
                 elif kind == "reduce_scatter":
                     out.append(("all_gather", t, nb))
     sp = [m for m, st in low.styles.items() if st.cls == "SequenceParallel"]
+    for part in {id(p): p for p in parts.values()}.values():     # each part's own plan, per instance
+        out += part.plan.collectives() * len(part.instances)
     for f in pnode:                              # SequenceParallel params: partial gradients, all-reduced
         if t is not None and any(f.startswith(m + ".") for m in sp):
             out.append(("all_reduce", t, local(f, pnode[f]["dtype"][0])))
     for (i, j), role in low.tp_roles.items():
+        if parts and in_part(plan.nodes[i]["module"]):
+            continue
         p, o = plan.nodes[i]["inputs"][j]
         pl = plan.nodes[p]["placement"]["out"][o]
         local = _nb(plan.nodes[p]["shape"][o], plan.nodes[p]["dtype"][o])

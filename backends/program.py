@@ -132,7 +132,7 @@ class Program:
         for n in g.nodes:
             for r in n.inputs():
                 last[(r.node, r.out)] = n.idx
-        for r in [g.loss, *g.grads.values()]:
+        for r in [g.loss, *g.grads.values(), *g.input_grads.values()]:
             last[(r.node, r.out)] = len(g.nodes)
         frees: dict[int, list] = {}
         for key, i in last.items():
@@ -354,6 +354,9 @@ class Program:
         return Sharded(t, tuple(strs), tuple(meta.shape))
 
     def forward(self, params: dict, inputs: list, buffers: dict, keep: bool):
+        """One step's forward: (the loss, replicated; the env the backward needs, when keep). For a part of a model
+        (captured with output="activation"), `inputs` are this rank's local pieces of the part's inputs at their
+        planned placements and the result is this rank's local piece of its output (a copy)."""
         g = self.g
         env = {}
         with torch.no_grad():
@@ -362,11 +365,14 @@ class Program:
             for fqn, i in g.buffers.items():
                 env[(i, 0)] = self._store(buffers[fqn])
             for k, idx in enumerate(g.inputs):
-                env[(idx, 0)] = self._store(inputs[k])
+                env[(idx, 0)] = self._wrap(inputs[k].detach(), self.P[idx].out[0], g.nodes[idx].out) \
+                    if g.activation else self._store(inputs[k])
             for idx, t in self.constants:
                 env[(idx, 0)] = t.to(self.device)
             self.run_fw(env, None, self._run1)
             loss = env[(g.loss.node, g.loss.out)]
+            if g.activation:
+                return _local(loss).clone(), (env if keep else None)
             if (g.loss.node, "loss") in self.red:          # the plan's reduction of the loss to Replicate
                 src, dst, _ = self.red[(g.loss.node, "loss")]
                 loss = self.redistribute(loss, src, dst)
@@ -376,7 +382,16 @@ class Program:
             out = loss.clone()
         return out, (env if keep else None)
 
-    def backward(self, env: dict, grad_loss: torch.Tensor) -> dict:
+    def backward_part(self, env: dict, grad_out: torch.Tensor) -> tuple[dict, dict]:
+        """The backward of a part's forward from this rank's local piece of the output's gradient: (parameter
+        gradients as DTensors at their parameters' placements, {input position: local input gradient})."""
+        g = self.g
+        ins = {k: (r.node, r.out) for k, r in g.input_grads.items()}
+        grads, kept = self.backward(env, grad_out, keep=ins)
+        return grads, {k: _local(v) for k, v in kept.items()}
+
+    def backward(self, env: dict, grad_loss: torch.Tensor, keep=None):
+        """The parameters' gradients; with keep ({name: value key}): (gradients, {name: the value})."""
         if env is None:
             raise ExecutionError("backward through a step that ran without gradients")
         g = self.g
@@ -400,8 +415,9 @@ class Program:
                 if placement_strs(v) != want:
                     raise ExecutionError(f"gradient of '{fqn}' is at {placement_strs(v)}, its parameter at {want}")
                 grads[fqn] = v
+        kept = {k: env[key] for k, key in (keep or {}).items()}
         env.clear()
-        return grads
+        return grads if keep is None else (grads, kept)
 
     def _at(self, pos: int, env: dict, handles: dict, bufs: dict):
         """After backward instruction pos: copy the gradients it made into their buckets, issue the buckets it
@@ -538,6 +554,13 @@ class Program:
         elif mode == "factory":
             res = it.fn(*_to_device(n.args, self.device), **_to_device(n.kwargs, self.device))
             outs = [self._wrap(t, s, m) if t is not None else None for t, s, m in zip(_flat(res), it.expect, n.outs)]
+        elif self.g.activation:     # seed of a part: this rank's piece of its output's gradient, as planned
+            seed = env["seed"].to(self.device)
+            want = self.P[self.g.loss.node].out[self.g.loss.out]
+            if tuple(it.expect[0]) != tuple(want):
+                raise ExecutionError(f"{it.name}: the output gradient is planned at {it.expect[0]}, the output at "
+                                     f"{want}")
+            outs = [self._wrap(seed, it.expect[0], n.out)]
         else:   # seed: the gradient flowing into the loss, replicated, taken to the planned placement locally
             seed = env["seed"].to(self.device).reshape(n.out.shape)
             rep = ("R",) * self.mesh.ndim

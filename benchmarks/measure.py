@@ -115,20 +115,35 @@ def build(source, cfg, mesh, world_mesh, x):
         def step():
             pm(*x).backward()
         return Run(source, pm, opt, step, {"plan": pm.plan})
-    if source == "autopar-torch":
+    if source == "autopar-torch":       # backend="auto": the engines, with graph parts where they cannot
         from autopar.backends import engines
-        m = engines.parallelize_torch(model, mesh, x, backend="torch", cluster="cpu-gloo")
+        from hand_plans import NotApplicable
+        m = engines.parallelize_torch(model, mesh, x, backend="auto", cluster="cpu-gloo")
+        if m is not model:
+            why = next((ln.split("graph backend: ", 1)[1] for ln in m.autopar_dump.splitlines()
+                        if "the whole model runs on the graph backend: " in ln), "")
+            raise NotApplicable(f"the engines express no part of the plan alone (backend='auto' runs the whole model "
+                                f"on the graph backend, the autopar row): {why}")
         local = engines.local_inputs(m, mesh, *x)
         opt = _adamw(m.parameters())
 
         def step():
             with engines.train_context(m):
                 m(*local).backward()
-        low = getattr(m, "_autopar_lowering", None)
+        low = m._autopar_lowering
         replan = m._autopar_plan.meta.get("engine_replan")
-        return Run(source, m, opt, step, {"note": "autopar's plan lowered to fully_shard / parallelize_module"
-                                                  + (f"; {replan}" if replan else ""),
-                                          "code": low.code() if low is not None else "", "plan": m._autopar_plan})
+        extra = {"note": "autopar's plan lowered to fully_shard / parallelize_module" + (f"; {replan}" if replan else
+                                                                                          ""),
+                 "code": low.code(), "plan": m._autopar_plan}
+        if low.parts:                   # what runs: the engines' collectives + each graph part's own plan
+            from autopar.backends.engines_comm import engine_collectives
+            kinds: dict = {}
+            for kind, _, nb in engine_collectives(m._autopar_plan, low)[0]:
+                k = kinds.setdefault(kind, {"count": 0, "bytes": 0})
+                k["count"], k["bytes"] = k["count"] + 1, k["bytes"] + nb
+            extra.update(predicted_collectives=kinds, note=extra["note"] + f"; graph backend for {sorted(low.parts)} "
+                         f"(predicted: the engines' collectives + each part's plan)")
+        return Run(source, m, opt, step, extra)
     run = apply_hand(source, name, model, mesh, world_mesh)
     local = run.local_inputs(x)
     opt = _adamw(run.module.parameters())
@@ -219,9 +234,10 @@ def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress)
             rows[src].update({k: v for k, v in run.extra.items() if k in ("note", "code")})
             if "plan" in run.extra:
                 p = run.extra["plan"]
+                kinds = run.extra.get("predicted_collectives") or p.predicted["collectives"]
                 rows[src].update({"plan_hash": p.hash(), "params": p.params,
-                                  "predicted_comm_bytes": sum(v["bytes"] for v in p.predicted["collectives"].values()),
-                                  "predicted_collectives": p.predicted["collectives"],
+                                  "predicted_comm_bytes": sum(v["bytes"] for v in kinds.values()),
+                                  "predicted_collectives": kinds,
                                   "predicted_step_s": p.predicted["step_s"],
                                   "predicted_peak_mem_bytes": p.predicted["peak_mem_bytes"]})
 

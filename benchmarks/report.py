@@ -243,8 +243,10 @@ def _goals(rows, planning_json) -> list[str]:
                         + extra)
     lines.append(f"4. Measured step time on 4 CPU ranks within 1.10x of the best hand plan: "
                  f"{'MET' if not fail4 and res4 else 'MISSED'}; " + "; ".join(res4)
-                 + (f"; autopar-torch (the plan lowered to torch's engines) not run on {', '.join(unlowered)}: the "
-                    f"lowering does not express the plan (reason in the row)" if unlowered else ""))
+                 + (f"; autopar-torch (backend='auto': the plan lowered to torch's engines, graph parts where they "
+                    f"cannot) not run on {', '.join(unlowered)}: the engines express no part alone there, so "
+                    f"backend='auto' runs the whole model on the graph backend, as the autopar row (reason in the row)"
+                    if unlowered else ""))
     # 5. planning time for the 8B shape
     p8 = None
     if os.path.exists(planning_json):
@@ -271,7 +273,9 @@ def _goals(rows, planning_json) -> list[str]:
     lines.append(f"6. Measured comm bytes per step == predicted (+-1%): autopar's rows (its plan, run by its "
                  f"executor) {len(auto6) - len(bad_a)}/{len(auto6)} -> {'MET' if auto6 and not bad_a else 'MISSED'}"
                  + (f" (misses: {'; '.join(bad_a)})" if bad_a else "")
-                 + (f"; autopar-torch rows (the plan lowered to torch's engines; where autopar's plan gathers the "
+                 + (f"; autopar-torch rows (backend='auto': the plan lowered to torch's engines, and where a module "
+                    f"needs what they cannot express, that module on the graph backend with its own plan, predicted "
+                    f"as the engines' collectives + the parts' plans; where autopar's plan gathers the "
                     f"loss input or a gradient's backward input over the data dims, which the engines cannot, "
                     f"backend='torch' re-plans with those nodes partial there: backends/engines_plan.py) "
                     f"{len(torch6) - len(bad_t)}/{len(torch6)} equal to their plan's prediction"
@@ -368,8 +372,9 @@ def write_all(rows, prefix, command, seconds, readme=False) -> list[str]:
            "step (torch.profiler), max over ranks. 'predicted': for autopar's rows, its plan (run by its graph "
            "executor, `autopar.parallelize`); for hand rows, autopar's cost model of the best execution of the hand "
            "plan's parameter layout (activations chosen by the solver), which is not the schedule torch runs. "
-           "autopar-torch is autopar's plan lowered to fully_shard / parallelize_module (backends/engines.py), "
-           "measured only where the lowering expresses the plan.", ""]
+           "autopar-torch is `autopar.parallelize(..., backend='auto')`: autopar's plan lowered to fully_shard / "
+           "parallelize_module (backends/engines.py), with the modules the engines cannot express run by the graph "
+           "backend (backends/engines_mixed.py); n/a where that leaves the whole model to the graph backend.", ""]
     md += table_measured(meas) + [""]
     md += ["## Modeled (autopar's cost model; hand plans as forced parameter placements)", "",
            "modeled step = compute + exposed comm (param/grad comm overlaps compute); objective = what the solver "

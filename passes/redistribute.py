@@ -51,6 +51,6 @@ def run(state) -> None:
         if src != dst:
             red[(p, "opt")] = (src, dst, collectives(src, dst, g.meta(r), mesh_shape))
     src, dst = P[g.loss.node].out[g.loss.out], ("R",) * len(mesh_shape)
-    if src != dst:                                     # the step returns the loss itself (global view)
+    if src != dst and not g.activation:                # the step returns the loss itself (global view)
         red[(g.loss.node, "loss")] = (src, dst, collectives(src, dst, g.meta(g.loss), mesh_shape))
     state.redistributes, state.shares, state.coalesced = red, shares, coalesced
