@@ -9,15 +9,16 @@ leaves the whole model to the graph backend, as before. The engines are then rec
 out (their parameters ignored by FSDP, no ParallelStyle, no gradient hook); anything they still cannot express
 also means the whole model goes to the graph backend.
 
-How a part runs. It is planned on its own (`autopar.plan(part, mesh, its inputs, output="activation")`) with its
-inputs, its output and their gradients pinned where the engines hold them: batch-sharded (Shard(0)) on the
-data-parallel dims and replicated on the others, so each rank's plain local tensor is its piece of the part's
-global view; the placements the user forced on its parameters are kept. Repeated instances with the same shapes
-share one plan and one Program (backends/program.py). Its parameters become DTensors at that plan's placements.
-Its forward is an autograd.Function: the Program's forward on the local pieces, and in the backward the
-Program's backward from the incoming gradient, returning the input gradients to the engines and the parameter
-gradients reduced by the part's own plan, divided by the number of batch shards (the engines average the ranks'
-gradients over them; the part's global view sums them).
+How a part runs. It is planned as a model of its own (`autopar.plan(part, mesh, its inputs, output=
+"activation")`) keeping the whole plan's placements inside it (its op records matched to the part's graph) and
+with its inputs, its output and their gradients pinned where the engines hold them: batch-sharded (Shard(0)) on
+the data-parallel dims and replicated on the others, so each rank's plain local tensor is its piece of the part's
+global view; the placements the user forced on its parameters are kept. Instances with the same graph and the same
+forced and kept placements share one plan and one Program (backends/program.py). Its parameters become DTensors at
+that plan's placements. Its forward is an autograd.Function: the Program's forward on the local pieces, and in the
+backward the Program's backward from the incoming gradient, returning the input gradients to the engines and the
+parameter gradients reduced by the part's own plan, divided by the number of batch shards (the engines average
+the ranks' gradients over them; the part's global view sums them).
 """
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def _common(a: str, b: str) -> str:
 
 @dataclass
 class Part:
-    """One planned part, shared by the instances with the same shapes."""
+    """One planned part, shared by its instances (modules with the same graph and placements)."""
     plan: object
     state: object
     prog: object = None
