@@ -191,8 +191,9 @@ _BUCKETS = '''def _group(mesh, dims):
 def _reduce_grads_in_buckets(model, mesh, buckets, batch_shards):
     """DDP's gradient averaging in the given buckets. Autograd hands each parameter's gradient to a hook that
     copies it into its bucket's flat buffer; the bucket's first all_reduce starts (async) when its last gradient
-    is in. At the end of the backward every bucket is waited for, its later steps run, and the sums, divided by
-    the number of batch shards, are copied back into the gradients."""
+    is in. A plain gradient then lives in its slice of the bucket (as with DDP's gradient_as_bucket_view: no
+    second copy is held). At the end of the backward every bucket is waited for, its later steps run, and the sums
+    are divided by the number of batch shards in place (copied back into DTensor gradients)."""
     from torch.autograd import Variable
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t
     state, where, groups = {"queued": False, "buckets": []}, {}, {}
@@ -233,7 +234,8 @@ def _reduce_grads_in_buckets(model, mesh, buckets, batch_shards):
                     continue
                 _, off, n = where[id(p)]
                 g = local(p.grad)
-                g.copy_(b["buf"][off:off + n].view_as(g))
+                if g.data_ptr() != b["buf"][off:off + n].data_ptr():      # not living in the bucket: copy back
+                    g.copy_(b["buf"][off:off + n].view_as(g))
             b["arrived"], b["work"] = set(), None
 
     @torch.no_grad()
@@ -244,7 +246,13 @@ def _reduce_grads_in_buckets(model, mesh, buckets, batch_shards):
             # SequenceParallel norm, Replicate for a vocab-sharded embedding): placed like the parameter now
             # (what the optimizer step would do), so the local gradient is the parameter's local shape
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        b["buf"][off:off + n].copy_(local(p.grad).reshape(-1))
+        view = b["buf"][off:off + n]
+        if view.data_ptr() != local(p.grad).data_ptr():
+            view.copy_(local(p.grad).reshape(-1))
+            if not hasattr(p.grad, "placements"):
+                # a plain gradient then lives in the bucket (DDP's gradient_as_bucket_view): autograd's tensor is
+                # freed now, not held beside its copy until the step ends; the average is written in place
+                p.grad = view.view_as(p.grad)
         b["arrived"].add(id(p))
         if not state["queued"]:
             state["queued"] = True

@@ -250,10 +250,12 @@ class HandRun:
     """One hand plan applied to a model with torch APIs: the module, the optimizer's params, what to call around
     forward+backward (loss_parallel) and this rank's slice of the global batch."""
 
-    def __init__(self, module, loss_parallel: bool, dp_rank: int, dp_size: int, after_backward=None):
+    def __init__(self, module, loss_parallel: bool, dp_rank: int, dp_size: int, after_backward=None,
+                 persistent_bytes: int = 0):
         self.module, self.loss_parallel = module, loss_parallel
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.after_backward = after_backward
+        self.persistent_bytes = persistent_bytes    # buffers the engine holds between steps (not params/grads/opt)
 
     def local_inputs(self, inputs):
         if inputs[0].shape[0] % self.dp_size:
@@ -309,7 +311,10 @@ def apply_hand(source: str, model_name: str, model: nn.Module, mesh, world_mesh)
     if source == "ddp":
         from torch.nn.parallel import DistributedDataParallel
         ddp = DistributedDataParallel(model, process_group=world_mesh.get_group(0), gradient_as_bucket_view=True)
-        return HandRun(ddp, False, rank, world)
+        # the reducer's gradient buckets live between steps (the gradients are views into them): every trainable
+        # parameter's size, which neither the parameters nor a set_to_none .grad shows
+        buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return HandRun(ddp, False, rank, world, persistent_bytes=buckets)
     if source == "fsdp2":
         for blk in _blocks(model):
             fully_shard(blk, mesh=world_mesh)

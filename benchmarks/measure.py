@@ -6,8 +6,10 @@ Per mesh: every source is built on every rank (a failure is recorded for that so
   * one step per source under a CollectiveCounter (TorchDispatchMode over the c10d and _c10d_functional
     collectives: kind, bytes in the plan's convention, group size) -> comm bytes per step (rank 0's view; SPMD);
   * one step per source under torch.profiler (profile_memory) -> peak memory per rank = the model state held at
-    the step's start (unique storages of local params, grads, optimizer state, buffers; grads are zeroed, not
-    freed, between steps) + the peak of allocations minus frees during the step; the max over ranks;
+    the step's start (unique storages of local params, grads (None: zero_grad sets them to None), optimizer
+    state, buffers, and the gradient buckets an engine keeps between steps: DDP's reducer, whose buckets hold the
+    gradients (gradient_as_bucket_view), and autopar-torch's gradient hook) + the peak of allocations minus frees
+    during the step; the max over ranks;
   * `steps` timed rounds, interleaved (source A, B, C, A, B, C, ...): each step is timed on every rank between
     a barrier and its own end; the step time is the max over ranks; the row reports the median over rounds.
 Every step: forward (loss), backward, AdamW step (foreach), zero_grad() (set_to_none, torch's default).
@@ -69,7 +71,7 @@ class Run:
         for s in self.opt.state.values():
             for v in s.values():
                 add(v)
-        return total
+        return total + self.extra.get("persistent_bytes", 0)
 
 
 def _adamw(params):
@@ -143,6 +145,8 @@ def build(source, cfg, mesh, world_mesh, x):
                 k["count"], k["bytes"] = k["count"] + 1, k["bytes"] + nb
             extra.update(predicted_collectives=kinds, note=extra["note"] + f"; graph backend for {sorted(low.parts)} "
                          f"(predicted: the engines' collectives + each part's plan)")
+        # the gradient hook's flat buckets live between steps (backends/engines_codegen.py _reduce_grads_in_buckets)
+        extra["persistent_bytes"] = sum(b.nbytes for b in low.grad_buckets)
         return Run(source, m, opt, step, extra)
     run = apply_hand(source, name, model, mesh, world_mesh)
     local = run.local_inputs(x)
@@ -153,7 +157,7 @@ def build(source, cfg, mesh, world_mesh, x):
             run.module(*local).backward()
         if run.after_backward is not None:
             run.after_backward()
-    return Run(source, run.module, opt, step)
+    return Run(source, run.module, opt, step, {"persistent_bytes": run.persistent_bytes})
 
 
 def _loss_parallel():

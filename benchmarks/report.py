@@ -368,8 +368,9 @@ def write_all(rows, prefix, command, seconds, readme=False) -> list[str]:
     md += ["## Measured: 4 gloo ranks on this CPU (fp32, AdamW)", "",
            "Median of the timed steps (interleaved across sources in one launch; step time = slowest rank). "
            "Comm bytes are counted per step from the collectives issued (plan convention: all_gather output, "
-           "reduce_scatter input, all_reduce size). Peak = model state at step start + allocation peak during the "
-           "step (torch.profiler), max over ranks. 'predicted': for autopar's rows, its plan (run by its graph "
+           "reduce_scatter input, all_reduce size). Peak = model state at step start (parameters, optimizer state, "
+           "buffers, and the gradient buckets an engine keeps between steps: DDP's reducer, autopar-torch's "
+           "gradient hook) + allocation peak during the step (torch.profiler), max over ranks. 'predicted': for autopar's rows, its plan (run by its graph "
            "executor, `autopar.parallelize`); for hand rows, autopar's cost model of the best execution of the hand "
            "plan's parameter layout (activations chosen by the solver), which is not the schedule torch runs. "
            "autopar-torch is `autopar.parallelize(..., backend='auto')`: autopar's plan lowered to fully_shard / "
