@@ -537,7 +537,22 @@ def _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs):
     return mixed, None
 
 
+def _compare_collectives(plan, low) -> None:
+    """A note when what the engines issue (engine_collectives) differs from the plan's own prediction."""
+    from .engines_comm import engine_collectives
+    mine, _ = engine_collectives(plan, low)
+    planned = plan.collectives()
+    a, b = sum(x[2] for x in mine), sum(x[2] for x in planned)
+    if (len(mine), a) != (len(planned), b):
+        low.notes.append(f"the engines issue {len(mine)} collectives, {a:,d} B a step, where the plan predicts "
+                         f"{len(planned)}, {b:,d} B (see the notes above; autograd runs the backward as the "
+                         f"forward's mirror, not the plan's own backward placements" +
+                         ("; the graph parts run their own plans" if low.parts else "") + ")")
+
+
 def _dump(plan, low, backend) -> str:
+    if backend != "graph":
+        _compare_collectives(plan, low)
     head = f"backend: {backend}" + (
         "" if backend == "torch" else
         " (the torch engines for the rest, the graph backend for the modules marked '-> graph')" if low.parts else

@@ -324,6 +324,9 @@ def report(low) -> list[str]:
     """The dump lines of the parts."""
     L, seen = [], set()
     for fqn, part in low.parts.items():
+        if part is None:                  # recognized with parts= but not planned (plan_parts) yet
+            L.append(f"  -> graph  {fqn}: left to the graph backend (not planned yet)")
+            continue
         if id(part) in seen:
             continue
         seen.add(id(part))

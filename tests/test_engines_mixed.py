@@ -137,6 +137,7 @@ def _check(results, k):
     assert dump.startswith("backend: torch + graph parts")
     assert "-> graph  layers.0.moe.experts, layers.1.moe.experts: the plan's placements on" in dump
     assert "is used sharded on dp by" in dump                     # why the experts went to the graph backend
+    assert "the engines issue" in dump and "the graph parts run their own plans" in dump   # vs the plan's own
     assert "part_params = [" in h["code"] and "'layers.0.moe.experts.w1'" in h["code"]
     if case == "dp":
         assert r["parts"] == MOE_PARTS and h["units"] == [] and "-> torch  gradient hook" in dump
