@@ -245,3 +245,32 @@ def test_part_program_matches_one_device_on_simulated_ranks():
                 assert torch.allclose(full, p.grad, atol=1e-5), f
     expected = sorted((k, d, b) for k, d, b in plan.collectives())
     assert expected and sorted(cc.summary().elements()) == expected
+
+
+def test_which_modules_can_run_as_parts():
+    """A part takes and returns tensors cut into the batch shards on dim 0 (each rank's piece of the global view):
+    Llama's feed-forward can; its attention cannot (the rotary cos/sin are the same on every rank); a ModuleList
+    never runs; the leaky model's blocks cannot (the root reads their weights), so its plan falls back whole, and the
+    refusal names the module, the parameter and the op that reads it."""
+    import autopar
+    from autopar import models
+    from autopar.backends.engines import recognize
+    from autopar.backends.engines_mixed import _calls, _runs_alone, choose_parts
+    m = models.build_model("llama-tiny", device="cpu")
+    x = models.example_inputs("llama-tiny", batch=4, seq=16)
+    plan = autopar.plan(m, autopar.MeshSpec((2,), ("dp",)), x, cluster="cpu-gloo")
+    fqns = ["layers.0.feed_forward", "layers.0.attention", "layers"]
+    glob, local = _calls(m, x, fqns), _calls(m, x, fqns, 2, [0, 1])
+    why = {f: _runs_alone(plan, f, glob[f], local[f], 2) for f in fqns}
+    assert why["layers.0.feed_forward"] is None
+    assert "its argument 1" in why["layers.0.attention"] and "not cut into the 2 batch shards" in \
+        why["layers.0.attention"]
+    assert why["layers"] == "it does not run in the forward"
+    from test_engines_dist import _leaky_model
+    leaky = _leaky_model("cpu")
+    xs = (x[0] % 64, x[1] % 64)
+    p = autopar.plan(leaky, autopar.MeshSpec((2,), ("dp",)), xs, cluster="cpu-gloo",
+                     force={k: ("S0",) for k, _ in leaky.named_parameters()})
+    low = recognize(p, leaky, units=["layers.0", "layers.1"])
+    parts, msg = choose_parts(p, low, leaky, xs, recognize)
+    assert parts is None and "can run as a part" in msg and "is read by" in msg and "'<root>'" in msg, msg
