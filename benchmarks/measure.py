@@ -12,7 +12,7 @@ Per mesh: every source is built on every rank (a failure is recorded for that so
     during the step; the max over ranks;
   * `steps` timed rounds, interleaved (source A, B, C, A, B, C, ...): each step is timed on every rank between
     a barrier and its own end; the step time is the max over ranks; the row reports the median over rounds.
-Every step: forward (loss), backward, AdamW step (fused), zero_grad() (set_to_none, torch's default).
+Every step: forward (loss), backward, AdamW step (foreach), zero_grad() (set_to_none, torch's default).
 """
 from __future__ import annotations
 
@@ -75,17 +75,15 @@ class Run:
 
 
 def _adamw(params):
-    """The optimizer of every plan source: AdamW, fused (one kernel for all parameters: the fastest implementation
-    torch has on CPU; measured here for llama3-debug on one process: fused 11.3 ms a step on plain tensors, 14.1 ms
-    on DTensors, against foreach 42.0 / 59.6 ms and the per-tensor loop). torch's CPU default is the per-tensor
-    loop, which issues one DTensor dispatch per parameter and op for the sources whose parameters are DTensors
-    (FSDP2, TP, autopar) but not for DDP's plain tensors. A source that leaves some parameters plain tensors beside
-    DTensors (TP of a model with unsharded embeddings, autopar-torch with graph parts) keeps the loop: the fused
-    and foreach ops refuse the mix."""
+    """The optimizer of every plan source: AdamW with the foreach implementation (torchtitan's default). On a CPU
+    torch picks the per-tensor loop by default, which issues one DTensor dispatch per parameter and op for the
+    sources whose parameters are DTensors (FSDP2, TP, autopar) but not for DDP's plain tensors. A plan that leaves
+    some parameters plain tensors beside DTensors (TP of a model with unsharded embeddings) keeps the loop: the
+    foreach ops refuse the mix."""
     from torch.distributed.tensor import DTensor
     params = list(params)
     kinds = {isinstance(p, DTensor) for p in params}
-    return torch.optim.AdamW(params, lr=1e-4, fused=len(kinds) == 1)   # fused ops take no Tensor/DTensor mix
+    return torch.optim.AdamW(params, lr=1e-4, foreach=len(kinds) == 1)   # foreach ops take no Tensor/DTensor mix
 
 
 def build(source, cfg, mesh, world_mesh, x):
