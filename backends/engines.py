@@ -522,7 +522,10 @@ def _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs):
     """(the lowering with graph parts, None) when every reason names a module that can run as a part on the
     graph backend while the engines run the rest (backends/engines_mixed.py); (None, why not) otherwise."""
     from .engines_mixed import choose_parts, plan_parts
-    chosen, calls = choose_parts(plan, low, model, ex, recognize)
+    try:
+        chosen, calls = choose_parts(plan, low, model, ex, recognize)
+    except Exception as e:     # noqa: BLE001 (e.g. a forward that cannot run on meta tensors: recorded, not fatal)
+        return None, f"the modules the engines cannot express were not split off ({type(e).__name__}: {e})"
     if chosen is None:
         return None, calls
     mixed = recognize(plan, model, units=units, styles=styles, parts=list(chosen))
