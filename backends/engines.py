@@ -173,7 +173,8 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
     names, shape = tuple(plan.mesh_names), tuple(plan.mesh_shape)
     low = TorchLowering(plan.hash(), names, shape)
     low.parts = {p: None for p in parts}
-    in_part = lambda m: any(m == p or m.startswith(p + ".") for p in parts)
+    from .engines_mixed import within
+    in_part = lambda m: within(m, parts)
     low.part_params = [f for f in plan.params if in_part(f.rsplit(".", 1)[0] if "." in f else "")]
     own = {f: pl for f, pl in plan.params.items() if f not in low.part_params}
     low.block_fqns = _blocks(plan)
@@ -485,9 +486,9 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
         raise ValueError(f"backend must be 'torch' or 'auto' here, got {backend!r}")
     ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     replan = None
+    plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")   # also the parts'
     if planned is None:
         from .engines_plan import plan_for_engines
-        plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
         planned, replan = plan_for_engines(model, mesh, ex, **plan_kwargs)
     plan, state = planned
     low = recognize(plan, model, units=units, styles=styles)
@@ -514,7 +515,7 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
     from .graph import parallelize as graph_parallelize
     pm = graph_parallelize(model, mesh, ex, planned=(plan, state))
     low.notes.append(f"the whole model runs on the graph backend: {why}")
-    pm.autopar_dump = _dump(plan, low, "graph")
+    pm.autopar_dump, pm.autopar_fallback = _dump(plan, low, "graph"), why
     return pm
 
 
@@ -535,7 +536,6 @@ def _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs):
     if mixed.tp_dim is not None and any(st.cls == "SequenceParallel" for st in mixed.styles.values()):
         return None, "a part's inputs would be sequence-sharded on the tensor-parallel dim (SequenceParallel)"
     kw = {k: v for k, v in plan_kwargs.items() if k != "force"}
-    kw.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
     plan_parts(plan, model, mesh, mixed, chosen, calls, force=plan_kwargs.get("force"), **kw)
     return mixed, None
 

@@ -124,8 +124,9 @@ def _check_batch_ops(low, G, plan, data, dn):
     """Data parallelism in the engines means every rank computes on its own batch shard. The plan may instead
     gather an activation over a data dim: harmless for the loss (each rank's mean over an equal shard, gradients
     averaged: the same values), but any other such op couples samples across the batch (e.g. batch norm)."""
+    from .engines_mixed import within
     parts = getattr(low, "parts", None) or {}
-    in_part = lambda m: any(m == p or m.startswith(p + ".") for p in parts)
+    in_part = lambda m: within(m, parts)
     for n in plan.nodes:
         for r in n.get("redistribute", []):
             if r["class"] != "act" or not isinstance(r["input"], int) or not any(c[1] in data for c in

@@ -198,13 +198,18 @@ class CollectiveCounter(TorchDispatchMode):
         return dict(out)
 
 
+def tally(collectives, by_dim: bool = False) -> dict:
+    """(kind, mesh dim, bytes) collectives as {kind: {"count", "bytes"}} ({(kind, mesh dim): ...} with by_dim)."""
+    out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
+    for kind, d, nb in collectives:
+        out[(kind, d) if by_dim else kind]["count"] += 1
+        out[(kind, d) if by_dim else kind]["bytes"] += nb
+    return dict(out)
+
+
 def plan_by_dim(plan) -> dict:
     """The plan's predicted collectives of one step as {(kind, mesh_dim): {"count", "bytes"}}."""
-    out: dict = defaultdict(lambda: {"count": 0, "bytes": 0})
-    for kind, d, nb in plan.collectives():
-        out[(kind, d)]["count"] += 1
-        out[(kind, d)]["bytes"] += nb
-    return dict(out)
+    return tally(plan.collectives(), by_dim=True)
 
 
 def format_compare(expected: dict, measured: dict, mesh_names) -> str:
@@ -282,8 +287,9 @@ def engine_collectives(plan, low) -> tuple[list, list]:
         dims = tuple(low.replicate_dims + low.shard_dims)
         out.append(("all_reduce", dims[0] if len(dims) == 1 else dims, low.mean_loss["nbytes"]))
     seen = set()
+    from .engines_mixed import within
     parts = getattr(low, "parts", {})
-    in_part = lambda m: any(m == p or m.startswith(p + ".") for p in parts)
+    in_part = lambda m: within(m, parts)
     for n in plan.nodes:
         if parts and in_part(n["module"]):
             continue                             # run by the graph backend (engines_mixed.py)

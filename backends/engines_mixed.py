@@ -47,6 +47,11 @@ def reason_module(part: str, why: str) -> str | None:
     return None
 
 
+def within(module: str, fqns) -> bool:
+    """Whether `module` is one of the modules `fqns` or inside one of them."""
+    return any(module == f or module.startswith(f + ".") for f in fqns)
+
+
 def _common(a: str, b: str) -> str:
     pa, pb = a.split("."), b.split(".")
     k = 0
@@ -111,10 +116,9 @@ def _runs_alone(plan, fqn, calls, local_calls, shards) -> str | None:
                         f"{shards} batch shards on dim 0 (a part takes and returns batch-sharded tensors)")
         elif not isinstance(a, (int, float, bool, type(None))):
             return f"{what} is a {type(a).__name__}"
-    inside = lambda m: m == fqn or m.startswith(fqn + ".")
     idx = {n["idx"]: n for n in plan.nodes}
     for n in plan.nodes:
-        if n["kind"] != "op" or inside(n["module"]):
+        if n["kind"] != "op" or within(n["module"], (fqn,)):
             continue
         for p, _ in n["inputs"]:
             src = idx[p]
@@ -191,16 +195,14 @@ def plan_parts(whole, model, mesh, low, chosen: dict, calls: dict, force=None, *
                tuple(sorted(sub_force.items())), tuple(sorted((k, tuple(sorted(v.items()))) for k, v in kept.items())))
         part = planned.get(sig)
         if part is None:
-            pins = {**kept, **edge}
+            solve = lambda pins: autopar.plan(mod, mesh, args, output="activation", force=sub_force,  # noqa: E731
+                                              return_state=True, pin=lambda n: pins.get(n.name), **plan_kwargs)
             try:
-                plan, state = autopar.plan(mod, mesh, args, output="activation", force=sub_force, return_state=True,
-                                           pin=lambda n: pins.get(n.name), **plan_kwargs)
+                plan, state = solve({**kept, **edge})
                 how = (f"the plan's placements on {len(set(kept) - set(edge))} of {len(list(g.ops()))} ops, its "
                        f"boundary pinned")
             except ValueError as e:
-                pins = edge
-                plan, state = autopar.plan(mod, mesh, args, output="activation", force=sub_force, return_state=True,
-                                           pin=lambda n: pins.get(n.name), **plan_kwargs)
+                plan, state = solve(edge)
                 how = f"planned alone (the plan's placements do not fit its boundary: {str(e)[:160]})"
             part = planned[sig] = Part(plan, state, boundary=boundary, shards=shards, args=args, how=how)
         part.instances.append(fqn)
@@ -214,8 +216,7 @@ def _plan_pins(whole, fqn, g) -> dict:
     the part's own graph by (phase, op, output shapes) in order (difflib's longest matching blocks), each matched
     node pinned to the plan's output placements."""
     import difflib
-    inside = lambda m: m == fqn or m.startswith(fqn + ".")
-    recs = [r for r in whole.nodes if r["kind"] == "op" and inside(r["module"])]
+    recs = [r for r in whole.nodes if r["kind"] == "op" and within(r["module"], (fqn,))]
     ops = list(g.ops())
     key_r = [(r["phase"], r["target"], tuple(map(tuple, r["shape"]))) for r in recs]
     key_n = [(n.phase, n.name.split(":", 1)[1], tuple(tuple(o.shape) if o is not None else () for o in n.outs))
@@ -248,12 +249,12 @@ class _PartStep(torch.autograd.Function):
         ins, params = list(flat[:k]), flat[k:]
         buffers = dict(mod.named_buffers())
         out, env = part.prog.forward(dict(zip(part.prog.param_fqns, params)), ins, buffers, keep=need)
-        ctx.part, ctx.env, ctx.k = part, env, k
+        ctx.part, ctx.env = part, env
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        part, k = ctx.part, ctx.k
+        part = ctx.part
         grads, in_grads = part.prog.backward_part(ctx.env, grad_out.contiguous())
         ctx.env = None
         scaled = []
@@ -263,7 +264,7 @@ class _PartStep(torch.autograd.Function):
                 gr = gr.mul_(1.0 / part.shards)
             scaled.append(gr)
         pos = [i for i, a in enumerate(part.args) if isinstance(a, torch.Tensor)]
-        return (None, None, None, None, *[in_grads.get(i) for i in pos[:k]], *scaled)
+        return (None, None, None, None, *[in_grads.get(i) for i in pos], *scaled)
 
 
 def install_parts(model, mesh, low, device) -> None:
@@ -271,7 +272,7 @@ def install_parts(model, mesh, low, device) -> None:
     (after the engines are applied: FSDP ignores these parameters)."""
     from .comm import agree_on_plan
     from .graph import _distribute
-    from .program import ExecutionError, Program
+    from .program import Program
     for fqn, part in low.parts.items():
         if part.prog is None:
             agree_on_plan(mesh, part.plan.hash(), device)
@@ -284,10 +285,12 @@ def install_parts(model, mesh, low, device) -> None:
         for name, b in list(mod.named_buffers()):
             owner, leaf = mod.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
             owner._buffers[leaf] = _distribute(b, mesh, part.prog.buffer_placement(name), device)
-        mod.forward = _forward(fqn, mod, part, mesh, ExecutionError)
+        mod.forward = _forward(fqn, mod, part)
 
 
-def _forward(fqn, mod, part, mesh, ExecutionError):
+def _forward(fqn, mod, part):
+    """The part's forward: checks that it gets this rank's batch shard, then runs _PartStep."""
+    from .program import ExecutionError
     expect = []
     for i, a in enumerate(part.args):
         if isinstance(a, torch.Tensor):

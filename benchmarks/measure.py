@@ -122,10 +122,8 @@ def build(source, cfg, mesh, world_mesh, x):
         from hand_plans import NotApplicable
         m = engines.parallelize_torch(model, mesh, x, backend="auto", cluster="cpu-gloo")
         if m is not model:
-            why = next((ln.split("graph backend: ", 1)[1] for ln in m.autopar_dump.splitlines()
-                        if "the whole model runs on the graph backend: " in ln), "")
             raise NotApplicable(f"the engines express no part of the plan alone (backend='auto' runs the whole model "
-                                f"on the graph backend, the autopar row): {why}")
+                                f"on the graph backend, the autopar row): {m.autopar_fallback}")
         local = engines.local_inputs(m, mesh, *x)
         opt = _adamw(m.parameters())
 
@@ -138,13 +136,10 @@ def build(source, cfg, mesh, world_mesh, x):
                                                                                           ""),
                  "code": low.code(), "plan": m._autopar_plan}
         if low.parts:                   # what runs: the engines' collectives + each graph part's own plan
-            from autopar.backends.engines_comm import engine_collectives
-            kinds: dict = {}
-            for kind, _, nb in engine_collectives(m._autopar_plan, low)[0]:
-                k = kinds.setdefault(kind, {"count": 0, "bytes": 0})
-                k["count"], k["bytes"] = k["count"] + 1, k["bytes"] + nb
-            extra.update(predicted_collectives=kinds, note=extra["note"] + f"; graph backend for {sorted(low.parts)} "
-                         f"(predicted: the engines' collectives + each part's plan)")
+            from autopar.backends.engines_comm import engine_collectives, tally
+            extra.update(predicted_collectives=tally(engine_collectives(m._autopar_plan, low)[0]),
+                         note=extra["note"] + f"; graph backend for {sorted(low.parts)} (predicted: the engines' "
+                         f"collectives + each part's plan)")
         # the gradient hook's flat buckets live between steps (backends/engines_codegen.py _reduce_grads_in_buckets)
         extra["persistent_bytes"] = sum(b.nbytes for b in low.grad_buckets)
         return Run(source, m, opt, step, extra)
