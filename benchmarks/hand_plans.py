@@ -30,6 +30,11 @@ Per-family TP rules (`tp_placement`):
     (Megatron re-orders that weight head-wise; torch's styles cannot). The benchmark's GPT-2 is untied
     (tie_embeddings=False): parallelize_module re-registers wte's weight, which breaks a tie to lm_head.
   mlp: fc1 colwise, fc2 rowwise, embed vocab-sharded, output colwise.
+
+Loss (`HandRun.forward_backward`): every source normalizes as torchtitan 0.2.2's train_step does: each rank's summed loss over
+the global count of valid labels, that count all-reduced over the data-parallel ranks before the forward (8 bytes).
+Every source then computes one device's gradient of the mean loss, as autopar does; a rank's plain mean would
+weight each rank's tokens by 1 / its own count (not the same gradient when labels carry ignore_index).
 """
 from __future__ import annotations
 
@@ -246,16 +251,44 @@ def tp_experts(model: nn.Module, tp_mesh) -> None:
             distribute_module(blk.moe.experts, tp_mesh, partition, inputs, outputs)
 
 
+IGNORE_INDEX = -100         # F.cross_entropy's default, the models' loss
+
+
+def global_tokens(labels: torch.Tensor, group) -> torch.Tensor:
+    """The number of valid labels (!= IGNORE_INDEX) of the global batch: this rank's count, summed over the
+    data-parallel `group` (None: this rank holds the whole batch), as torchtitan 0.2.2's train_step counts them."""
+    import torch.distributed as dist
+    n = (labels != IGNORE_INDEX).sum()
+    if group is not None:
+        dist.all_reduce(n, group=group)
+    return n
+
+
 class HandRun:
     """One hand plan applied to a model with torch APIs: the module, the optimizer's params, what to call around
-    forward+backward (loss_parallel) and this rank's slice of the global batch."""
+    forward+backward (loss_parallel) and this rank's slice of the global batch. `dp_group`: the data-parallel
+    ranks (None without data parallelism); `divides`: what the engine divides the summed gradients by (DDP and
+    FSDP2 average over the data-parallel ranks)."""
 
     def __init__(self, module, loss_parallel: bool, dp_rank: int, dp_size: int, after_backward=None,
-                 persistent_bytes: int = 0):
+                 persistent_bytes: int = 0, dp_group=None, divides: int = 1):
         self.module, self.loss_parallel = module, loss_parallel
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.after_backward = after_backward
         self.persistent_bytes = persistent_bytes    # buffers the engine holds between steps (not params/grads/opt)
+        self.dp_group, self.divides = dp_group, divides
+
+    def forward_backward(self, local):
+        """One forward and backward on this rank's shard `local`: the module's mean loss rescaled to its summed loss
+        over the global count of valid labels (counted before the forward), times the engine's gradient divisor
+        (module docstring); then `after_backward`. A shard whose labels are all ignored would give nan (the
+        model's 0 / 0 mean)."""
+        labels = local[-1]
+        scale = (labels != IGNORE_INDEX).sum().item() * self.divides / global_tokens(labels, self.dp_group).item()
+        with self.context():
+            (self.module(*local) * scale).backward()
+        if self.after_backward is not None:
+            self.after_backward()
 
     def local_inputs(self, inputs):
         if inputs[0].shape[0] % self.dp_size:
@@ -314,12 +347,13 @@ def apply_hand(source: str, model_name: str, model: nn.Module, mesh, world_mesh)
         # the reducer's gradient buckets live between steps (the gradients are views into them): every trainable
         # parameter's size, which neither the parameters nor a set_to_none .grad shows
         buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        return HandRun(ddp, False, rank, world, persistent_bytes=buckets)
+        return HandRun(ddp, False, rank, world, persistent_bytes=buckets, dp_group=world_mesh.get_group(0),
+                       divides=world)
     if source == "fsdp2":
         for blk in _blocks(model):
             fully_shard(blk, mesh=world_mesh)
         fully_shard(model, mesh=world_mesh)
-        return HandRun(model, False, rank, world)
+        return HandRun(model, False, rank, world, dp_group=world_mesh.get_group(0), divides=world)
     if source in ("tp", "fsdp2_tp"):
         two_d = names == ("dp", "tp")
         if source == "fsdp2_tp" and not two_d:
@@ -330,15 +364,15 @@ def apply_hand(source: str, model_name: str, model: nn.Module, mesh, world_mesh)
         if fam == "moe":
             tp_experts(model, tp_mesh)
         dp_rank, dp_size = (mesh.get_local_rank("dp"), mesh.size(0)) if two_d else (0, 1)
+        group = mesh.get_group("dp") if two_d else None
         if source == "fsdp2_tp":
             for blk in _blocks(model):
                 fully_shard(blk, mesh=mesh["dp"])
             fully_shard(model, mesh=mesh["dp"])
-            return HandRun(model, lp, dp_rank, dp_size)
+            return HandRun(model, lp, dp_rank, dp_size, dp_group=group, divides=dp_size)
         after = None
         if two_d:
             params = [p for p in model.parameters()]
-            group = mesh.get_group("dp")
             after = lambda: _allreduce_grads(params, group)      # noqa: E731
-        return HandRun(model, lp, dp_rank, dp_size, after)
+        return HandRun(model, lp, dp_rank, dp_size, after, dp_group=group, divides=dp_size)
     raise ValueError(f"apply_hand: unknown source {source!r}")

@@ -12,7 +12,9 @@ Per mesh: every source is built on every rank (a failure is recorded for that so
     during the step; the max over ranks;
   * `steps` timed rounds, interleaved (source A, B, C, A, B, C, ...): each step is timed on every rank between
     a barrier and its own end; the step time is the max over ranks; the row reports the median over rounds.
-Every step: forward (loss), backward, AdamW step (foreach), zero_grad() (set_to_none, torch's default).
+Every step: forward (loss), backward, AdamW step (foreach), zero_grad() (set_to_none, torch's default). Hand plans
+and torchtitan normalize the loss as torchtitan 0.2.2's train_step does (hand_plans.py, HandRun.forward_backward): every
+source computes one device's gradient of the mean loss.
 """
 from __future__ import annotations
 
@@ -95,6 +97,7 @@ def build(source, cfg, mesh, world_mesh, x):
         if not name.startswith("llama3"):
             raise NotApplicable("torchtitan's parallelize_llama is the hand plan of Llama-3 models only")
         from titan import build_titan, titan_loss
+        from hand_plans import global_tokens
         names = tuple(mesh.mesh_dim_names)
         tp = mesh.size(1) if names == ("dp", "tp") else 1
         model, lp = build_titan(dist.get_world_size(), tp, cfg["seq"])
@@ -102,11 +105,13 @@ def build(source, cfg, mesh, world_mesh, x):
                                                                                     dist.get_world_size())
         local = tuple(t.chunk(dp_size, 0)[dp_rank].contiguous() for t in x)
         opt = _adamw(model.parameters())
+        dp_group = mesh.get_group("dp") if tp > 1 else world_mesh.get_group(0)
 
         def step():
+            n = global_tokens(local[-1], dp_group)          # before the forward, as torchtitan's train_step
             ctx = _loss_parallel() if lp else _null()
             with ctx:
-                titan_loss(model, *local, lp).backward()
+                titan_loss(model, *local, lp, n).backward()
         return Run(source, model, opt, step, {"note": "torchtitan's own Llama-3 model and parallelize_llama"})
     model = M.build_model(name, device="cpu", seed=0, **ov)
     if source == "autopar":
@@ -148,10 +153,7 @@ def build(source, cfg, mesh, world_mesh, x):
     opt = _adamw(run.module.parameters())
 
     def step():
-        with run.context():
-            run.module(*local).backward()
-        if run.after_backward is not None:
-            run.after_backward()
+        run.forward_backward(local)
     return Run(source, run.module, opt, step, {"persistent_bytes": run.persistent_bytes})
 
 

@@ -375,7 +375,11 @@ def write_all(rows, prefix, command, seconds, readme=False) -> list[str]:
            "plan's parameter layout (activations chosen by the solver), which is not the schedule torch runs. "
            "autopar-torch is `autopar.parallelize(..., backend='auto')`: autopar's plan lowered to fully_shard / "
            "parallelize_module (backends/engines.py), with the modules the engines cannot express run by the graph "
-           "backend (backends/engines_mixed.py); n/a where that leaves the whole model to the graph backend.", ""]
+           "backend (backends/engines_mixed.py); n/a where that leaves the whole model to the graph backend. "
+           "Every source computes one device's gradient of the mean loss: the hand plans and torchtitan normalize "
+           "it as torchtitan 0.2.2's train_step does (each rank's summed loss over the global count of valid labels, "
+           "that count all-reduced over the data-parallel ranks before the forward: 8 bytes; "
+           "benchmarks/hand_plans.py), autopar by its plan (its graph executor returns the global loss).", ""]
     md += table_measured(meas) + [""]
     md += ["## Modeled (autopar's cost model; hand plans as forced parameter placements)", "",
            "modeled step = compute + exposed comm (param/grad comm overlaps compute); objective = what the solver "

@@ -94,11 +94,14 @@ def build_titan(world: int, tp: int, seq: int, flavor: str = "debugmodel", seed:
     return model, tp > 1 and not jc.parallelism.disable_loss_parallel
 
 
-def titan_loss(model, tokens, labels, loss_parallel: bool):
-    """torchtitan's cross-entropy on its logits (sum over tokens / count, fp32), as its trainer computes it."""
+def titan_loss(model, tokens, labels, loss_parallel: bool, global_valid_tokens):
+    """torchtitan 0.2.2's loss as its train_step computes it: the cross-entropy summed over this rank's tokens
+    (fp32 logits) divided by the global count of valid labels (all-reduced over the data-parallel ranks before the
+    forward; hand_plans.global_tokens). parallelize_llama turns FSDP's gradient division off
+    (disable_fsdp_gradient_division), so the summed gradients are one device's gradient of the mean loss."""
     import torch.nn.functional as F
     logits = model(tokens)
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / global_valid_tokens
 
 
 # ---- placements for the modeled runs ---------------------------------------------------------------------------
