@@ -31,10 +31,11 @@ Per-family TP rules (`tp_placement`):
     (tie_embeddings=False): parallelize_module re-registers wte's weight, which breaks a tie to lm_head.
   mlp: fc1 colwise, fc2 rowwise, embed vocab-sharded, output colwise.
 
-Loss (`HandRun.forward_backward`): every source normalizes as torchtitan 0.2.2's train_step does: each rank's summed loss over
-the global count of valid labels, that count all-reduced over the data-parallel ranks before the forward (8 bytes).
-Every source then computes one device's gradient of the mean loss, as autopar does; a rank's plain mean would
-weight each rank's tokens by 1 / its own count (not the same gradient when labels carry ignore_index).
+Loss (`HandRun.forward_backward`): every source normalizes as torchtitan 0.2.2's train_step does: each rank's
+summed loss over the global count of valid labels, that count all-reduced over the data-parallel ranks before the
+forward (8 bytes). Every source then computes one device's gradient of the mean loss, as autopar does; a rank's
+plain mean would weight each rank's tokens by 1 / its own count (not the same gradient when labels carry
+ignore_index).
 """
 from __future__ import annotations
 

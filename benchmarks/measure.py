@@ -11,7 +11,9 @@ Per mesh: every source is built on every rank (a failure is recorded for that so
     gradients (gradient_as_bucket_view), and autopar-torch's gradient hook) + the peak of allocations minus frees
     during the step; the max over ranks;
   * `steps` timed rounds, interleaved (source A, B, C, A, B, C, ...): each step is timed on every rank between
-    a barrier and its own end; the step time is the max over ranks; the row reports the median over rounds.
+    a barrier and its own end; the step time is the max over ranks; the row reports the median over rounds. The
+    CPU time of each timed step (the process's, gloo's threads included, and the main thread's) is summed over
+    the ranks (`cpu_s`, `main_thread_cpu_s`, medians): with more ranks than cores the step time follows it.
 Every step: forward (loss), backward, AdamW step (foreach), zero_grad() (set_to_none, torch's default). Hand plans
 and torchtitan normalize the loss as torchtitan 0.2.2's train_step does (hand_plans.py, HandRun.forward_backward): every
 source computes one device's gradient of the mean loss.
@@ -286,16 +288,22 @@ def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress)
             box = {}
 
             def timed():
-                t0 = time.perf_counter()
+                c0, m0, t0 = time.process_time(), time.thread_time(), time.perf_counter()
                 runs[src].step()
                 box["dt"] = time.perf_counter() - t0
+                box["cpu"] = [time.process_time() - c0, time.thread_time() - m0]
             if one(src, f"timed {r}", timed):
                 t = torch.tensor([box["dt"]], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 rows[src]["times"].append(float(t[0]))
+                c = torch.tensor(box["cpu"], dtype=torch.float64)
+                dist.all_reduce(c)                  # CPU seconds of the step, summed over the ranks
+                rows[src].setdefault("cpu", []).append(c.tolist())
     for src, row in rows.items():
         if row["times"] and row["status"] == "ok":
             row["measured_step_s"] = statistics.median(row["times"])
+            row["cpu_s"] = statistics.median(c[0] for c in row["cpu"])
+            row["main_thread_cpu_s"] = statistics.median(c[1] for c in row["cpu"])
     runs.clear()
     gc.collect()
     return list(rows.values())

@@ -13,11 +13,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 HAND = ("ddp", "fsdp2", "tp", "fsdp2_tp", "torchtitan")
 COLUMNS = ["model", "mesh", "source", "kind", "cluster", "status", "modeled_step_s", "compute_s", "comm_s",
-           "exposed_comm_s", "objective_s", "measured_step_s", "comm_bytes", "predicted_comm_bytes",
-           "comm_bytes_match", "peak_mem_bytes", "predicted_peak_mem_bytes", "plan_s", "ratio_to_best_hand",
-           "ratio_objective_to_best_hand", "measured_ratio_to_best_hand", "comm_by_kind", "predicted_by_kind",
-           "n_layers", "world",
-           "note"]
+           "exposed_comm_s", "objective_s", "measured_step_s", "cpu_s", "main_thread_cpu_s", "comm_bytes",
+           "predicted_comm_bytes", "comm_bytes_match", "peak_mem_bytes", "predicted_peak_mem_bytes", "plan_s",
+           "ratio_to_best_hand", "ratio_objective_to_best_hand", "measured_ratio_to_best_hand", "comm_by_kind",
+           "predicted_by_kind", "n_layers", "world", "note"]
 
 
 def commit() -> str:
@@ -130,20 +129,25 @@ def table_modeled(rows) -> list[str]:
 
 
 def table_measured(rows) -> list[str]:
-    out = ["| model | mesh | source | status | measured step ms (median) | ratio to best hand | comm MB measured | "
-           "comm MB predicted | bytes match (+-1%) | peak MiB measured | peak MiB predicted | "
-           "collectives measured / predicted (kind xcount bytes) | note |",
-           "|" + "---|" * 13]
+    out = ["| model | mesh | source | status | measured step ms (median) | ratio to best hand | CPU ms, all ranks "
+           "(main threads) | comm MB measured | comm MB predicted | bytes match (+-1%) | peak MiB measured | "
+           "peak MiB predicted | collectives measured / predicted (kind xcount bytes) | note |",
+           "|" + "---|" * 14]
     for r in rows:
         pm = r.get("peak_mem_bytes")
         pp = r.get("predicted_peak_mem_bytes")
         match = r.get("comm_bytes_match")
         out.append(f"| {r['model']} | {r['mesh']} | {r['source']} | {_status(r)} | {_ms(r.get('measured_step_s'))} | "
-                   f"{_x(r.get('measured_ratio_to_best_hand'))} | {_mb(r.get('comm_bytes'))} | "
+                   f"{_x(r.get('measured_ratio_to_best_hand'))} | {_cpu(r)} | {_mb(r.get('comm_bytes'))} | "
                    f"{_mb(r.get('predicted_comm_bytes'))} | {'' if match is None else 'yes' if match else '**no**'} | "
                    f"{'' if pm is None else f'{pm / 2**20:.1f}'} | {'' if pp is None else f'{pp / 2**20:.1f}'} | "
                    f"{r.get('comm_by_kind', '')} / {r.get('predicted_by_kind', '')} | {_short(r.get('note'))} |")
     return out
+
+
+def _cpu(r) -> str:
+    c, m = r.get("cpu_s"), r.get("main_thread_cpu_s")
+    return "" if c is None else f"{c * 1e3:.0f} ({m * 1e3:.0f})"
 
 
 def _short(s, n=220):
@@ -367,6 +371,8 @@ def write_all(rows, prefix, command, seconds, readme=False) -> list[str]:
     md += ["## Headline", ""] + headline(rows) + [""]
     md += ["## Measured: 4 gloo ranks on this CPU (fp32, AdamW)", "",
            "Median of the timed steps (interleaved across sources in one launch; step time = slowest rank). "
+           "CPU ms: the CPU time of a timed step summed over the 4 ranks (median), gloo's threads included, and in "
+           "parentheses the ranks' main threads only; with 4 ranks on 2 cores the step time follows it. "
            "Comm bytes are counted per step from the collectives issued (plan convention: all_gather output, "
            "reduce_scatter input, all_reduce size). Peak = model state at step start (parameters, optimizer state, "
            "buffers, and the gradient buckets an engine keeps between steps: DDP's reducer, autopar-torch's "
