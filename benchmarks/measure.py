@@ -15,8 +15,8 @@ Per mesh: every source is built on every rank (a failure is recorded for that so
     CPU time of each timed step (the process's, gloo's threads included, and the main thread's) is summed over
     the ranks (`cpu_s`, `main_thread_cpu_s`, medians): with more ranks than cores the step time follows it.
 Every step: forward (loss), backward, AdamW step (foreach), zero_grad() (set_to_none, torch's default). Hand plans
-and torchtitan normalize the loss as torchtitan 0.2.2's train_step does (hand_plans.py, HandRun.forward_backward): every
-source computes one device's gradient of the mean loss.
+and torchtitan normalize the loss as torchtitan 0.2.2's train_step does (hand_plans.py, HandRun.forward_backward):
+every source computes one device's gradient of the mean loss.
 """
 from __future__ import annotations
 
@@ -231,7 +231,7 @@ def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress)
         na = msg.split(": ", 1)[-1].startswith("n/a: ")
         rows[src] = {"mesh": mesh_str, "source": src, "status": "ok" if ok else "n/a" if na else "error",
                      "note": msg.split("n/a: ", 1)[-1] if na else msg, "build_s": time.perf_counter() - t0,
-                     "times": []}
+                     "times": [], "cpu": []}
         if ok:
             runs[src] = run
             rows[src].update({k: v for k, v in run.extra.items() if k in ("note", "code")})
@@ -298,7 +298,7 @@ def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress)
                 rows[src]["times"].append(float(t[0]))
                 c = torch.tensor(box["cpu"], dtype=torch.float64)
                 dist.all_reduce(c)                  # CPU seconds of the step, summed over the ranks
-                rows[src].setdefault("cpu", []).append(c.tolist())
+                rows[src]["cpu"].append(c.tolist())
     for src, row in rows.items():
         if row["times"] and row["status"] == "ok":
             row["measured_step_s"] = statistics.median(row["times"])

@@ -29,11 +29,16 @@ def test_world4_hand_plans_give_one_devices_gradients(tmp_path):
 
 # ---- one rank (tests/_dist.py runs it) -----------------------------------------------------------------------
 
+def _full(t):
+    """The whole tensor of a DTensor (a collective: every rank calls it in the same order), a plain tensor as is."""
+    from torch.distributed.tensor import DTensor
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def _rank_hand_grads(bench, cases):
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
     sys.path.insert(0, bench)
     from hand_plans import IGNORE_INDEX, apply_hand
     from autopar import models as M
@@ -48,14 +53,11 @@ def _rank_hand_grads(bench, cases):
     ref(tokens, labels).backward()
     want = {n: p.grad for n, p in ref.named_parameters()}
 
-    def full(g):
-        return g.full_tensor() if isinstance(g, DTensor) else g
-
     def rel_err(module):
         errs, n = [], 0
         for name, p in module.named_parameters():
             name = name.removeprefix("module.")
-            g = full(p.grad)
+            g = _full(p.grad)
             errs.append(float((g - want[name]).abs().max() / want[name].abs().max().clamp_min(1e-12)))
             n += 1
         return max(errs), n
@@ -88,7 +90,6 @@ def _rank_titan_grads(bench):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.distributed.tensor import DTensor
     sys.path.insert(0, bench)
     from hand_plans import IGNORE_INDEX, global_tokens
     from measure import _loss_parallel, _null
@@ -98,8 +99,7 @@ def _rank_titan_grads(bench):
     for tp in (1, 2):
         model, lp = build_titan(world, tp, seq)
         ref = Transformer(titan_model_args())          # one device, the parallel model's initial weights
-        ref.load_state_dict({n: (p.full_tensor() if isinstance(p, DTensor) else p).detach()
-                             for n, p in model.named_parameters()}, strict=False)
+        ref.load_state_dict({n: _full(p).detach() for n, p in model.named_parameters()}, strict=False)
         gen = torch.Generator().manual_seed(0)
         tokens, labels = (torch.randint(0, titan_model_args().vocab_size, (4, seq), generator=gen) for _ in range(2))
         labels[0, 3:] = IGNORE_INDEX
@@ -111,6 +111,6 @@ def _rank_titan_grads(bench):
         with _loss_parallel() if lp else _null():
             titan_loss(model, *local, lp, global_tokens(local[-1], groups[rank % tp])).backward()
         want = dict(ref.named_parameters())
-        out[tp] = max(float(((p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad) - want[n].grad).abs()
-                            .max() / want[n].grad.abs().max()) for n, p in model.named_parameters())
+        out[tp] = max(float((_full(p.grad) - want[n].grad).abs().max() / want[n].grad.abs().max())
+                      for n, p in model.named_parameters())
     return out
