@@ -142,11 +142,13 @@ def build(source, cfg, mesh, world_mesh, x):
         extra = {"note": "autopar's plan lowered to fully_shard / parallelize_module" + (f"; {replan}" if replan else
                                                                                           ""),
                  "code": low.code(), "plan": m._autopar_plan}
-        if low.parts:                   # what runs: the engines' collectives + each graph part's own plan
-            from autopar.backends.engines_comm import engine_collectives, tally
-            extra.update(predicted_collectives=tally(engine_collectives(m._autopar_plan, low)[0]),
-                         note=extra["note"] + f"; graph backend for {sorted(low.parts)} (predicted: the engines' "
-                         f"collectives + each part's plan)")
+        # predicted: what runs, the engines' collectives (+ each graph part's own plan), not the plan's own list
+        # (e.g. the plan reduces the loss's (sum, count) over dp then tp; the loss hook once over both)
+        from autopar.backends.engines_comm import engine_collectives, tally
+        extra["predicted_collectives"] = tally(engine_collectives(m._autopar_plan, low)[0])
+        if low.parts:
+            extra["note"] += f"; graph backend for {sorted(low.parts)} (predicted: the engines' collectives + each " \
+                             f"part's plan)"
         # the gradient hook's flat buckets live between steps (backends/engines_codegen.py _reduce_grads_in_buckets)
         extra["persistent_bytes"] = sum(b.nbytes for b in low.grad_buckets)
         return Run(source, m, opt, step, extra)

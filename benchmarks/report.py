@@ -278,11 +278,12 @@ def _goals(rows, planning_json) -> list[str]:
                  f"executor) {len(auto6) - len(bad_a)}/{len(auto6)} -> {'MET' if auto6 and not bad_a else 'MISSED'}"
                  + (f" (misses: {'; '.join(bad_a)})" if bad_a else "")
                  + (f"; autopar-torch rows (backend='auto': the plan lowered to torch's engines, and where a module "
-                    f"needs what they cannot express, that module on the graph backend with its own plan, predicted "
-                    f"as the engines' collectives + the parts' plans; where autopar's plan gathers the "
+                    f"needs what they cannot express, that module on the graph backend with its own plan; predicted "
+                    f"as the engines' collectives (backends/engines_comm.py) + the parts' plans; where autopar's plan "
+                    f"gathers the "
                     f"loss input or a gradient's backward input over the data dims, which the engines cannot, "
                     f"backend='torch' re-plans with those nodes partial there: backends/engines_plan.py) "
-                    f"{len(torch6) - len(bad_t)}/{len(torch6)} equal to their plan's prediction"
+                    f"{len(torch6) - len(bad_t)}/{len(torch6)} equal to that prediction"
                     + (f" (differ: {'; '.join(bad_t)})" if bad_t else "") if torch6 else "")
                  + f"; hand rows {len(hand6) - len(bad_h)}/{len(hand6)} -> {'MET' if hand6 and not bad_h else 'MISSED'}"
                  " (their 'predicted' is autopar's cost model of the best execution of the hand plan's parameter "
