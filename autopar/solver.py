@@ -149,36 +149,53 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
     # The LP relaxation is a lower bound; when its optimum is integral it is the MILP optimum (gap 0). This is
     # the common case for placement problems and several times faster than branch-and-bound's set-up (dual
     # simplex without presolve measured fastest on the 8B plan: 0.35 s vs 0.9 s with presolve, 3 s with IPM);
-    # otherwise a branch and bound over the groups on this LP (_branch_on_groups).
+    # otherwise the model is solved again, in a fresh HiGHS instance, with integral placement variables.
     h.run()
     x = _solution(h, m.A.shape[1])
-    method, fixed_obj = "LP relaxation (integral)", None
+    method = "LP relaxation (integral)"
     lp_bound = float(h.getInfo().objective_function_value) * scale if x is not None else None
     if x is not None and not _integral(x[:m.nx]):
-        # branch on the groups the LP left fractional, re-solving the LP warm (milliseconds a node); HiGHS's own
-        # branch and bound (seconds of presolve and root cuts on the 8B plan) only if that search runs out
-        found = _branch_on_groups(h, m, scale, x, mip_rel_gap, t0 + time_limit)
-        if found is not None:
-            choice, fixed_obj, lp_bound, nodes = found
-            x, method = m.one_hot(choice), f"branch and bound on groups, {nodes} LPs"
+        # the groups the LP left fractional, solved as a MILP with every other group fixed at its LP choice (a
+        # small problem): when that plan is within the gap of the LP bound it is proven optimal (within the gap)
+        # and the full branch and bound (seconds of root cuts on the 8B plan) is skipped
+        left = max(1.0, time_limit - (time.perf_counter() - t0))
+        restricted = _restricted(m, x, scale, mip_rel_gap, left)
+        if restricted is not None and restricted[1] <= lp_bound * (1 + mip_rel_gap) + 1e-15:
+            h, x, method = restricted[2], restricted[0], "LP relaxation, fractional groups by branch and bound"
         else:
             h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(m.A.shape[1]),
                        max(1.0, time_limit - (time.perf_counter() - t0)))
             x, h = _branch_and_bound(h, m.nx, mip_rel_gap)   # unseeded: seeded, HiGHS returned stale vectors
             method = "branch and bound"
-    status = "Optimal" if fixed_obj is not None else h.modelStatusToString(h.getModelStatus())
+    status = h.modelStatusToString(h.getModelStatus())
     if x is None:
         raise InfeasibleMemoryError(f"the placement model has no solution ({status})")
     info = h.getInfo()
-    obj = float(info.objective_function_value) * scale if fixed_obj is None else fixed_obj
+    obj = float(info.objective_function_value) * scale
     if method == "branch and bound":
         bound, gap = float(info.mip_dual_bound) * scale, float(info.mip_gap)
-    else:       # the LP optimum (or the lowest open node of the group search) bounds every plan
+    else:       # the LP relaxation's optimum bounds every plan (equal to obj when it was integral)
         bound = lp_bound
         gap = max(0.0, (obj - bound) / max(abs(obj), 1e-30))
     return SolveResult(_choice(x, m.off), obj, bound, gap, time.perf_counter() - t0,
                        (f"optimal within {mip_rel_gap:g} relative gap ({method})" if gap > 1e-9 else
                         f"optimal ({method})") if status == "Optimal" else status, m.A.shape[1], m.A.shape[0])
+
+
+def _restricted(m: _Model, x, scale, mip_rel_gap, time_limit):
+    """(column vector, objective, solved instance) of the best plan that keeps every group the LP solution `x`
+    left integral at its LP choice (branch and bound over the fractional groups only); None if infeasible."""
+    lo, hi = np.zeros(m.nx), np.ones(m.nx)
+    for g in range(len(m.off) - 1):
+        seg = x[m.off[g]:m.off[g + 1]]
+        if _integral(seg):
+            lo[m.off[g]:m.off[g + 1]] = hi[m.off[g]:m.off[g + 1]] = np.round(seg)
+    h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(m.A.shape[1]), time_limit)
+    h.changeColsBounds(m.nx, np.arange(m.nx, dtype=np.int32), lo, hi)
+    xr, h = _branch_and_bound(h, m.nx, mip_rel_gap)
+    if xr is None or h.modelStatusToString(h.getModelStatus()) != "Optimal":
+        return None
+    return xr, float(h.getInfo().objective_function_value) * scale, h
 
 
 def _branch_and_bound(h, nx, mip_rel_gap, incumbent=None):
@@ -207,58 +224,6 @@ def _branch_and_bound(h, nx, mip_rel_gap, incumbent=None):
             fresh.passModel(h.getModel())
             return _branch_and_bound(fresh, nx, mip_rel_gap)
     return x, h
-
-
-def _branch_on_groups(h, m: _Model, scale, x, mip_rel_gap, deadline, max_nodes=400):
-    """Best-first branch and bound over the placement groups on the LP relaxation `h` (solved, its basis warm):
-    branch on the most fractional group's largest strategy k (x[g, k] = 1, or x[g, k] = 0), re-solving the LP from
-    the parent's basis (~20 ms on the 8B plan, where HiGHS's own MILP spends seconds in presolve and root cuts
-    on 44k variables). Returns (choice, objective, proven lower bound, LPs solved) once the best plan is within
-    `mip_rel_gap` of the lowest open bound, or None (node or time budget spent: the caller falls back)."""
-    import heapq
-    nx, off = m.nx, m.off
-    best_choice, best = None, np.inf
-    root = float(h.getInfo().objective_function_value) * scale
-    heap, tick, lps = [(root, 0, (), x[:nx], h.getBasis())], 1, 0
-    cur_lo, cur_hi = np.zeros(nx), np.ones(nx)       # the bounds `h` holds: only changed columns are passed on
-    cut = np.inf                                     # lowest bound of a node dropped as within the gap of `best`
-    while heap:
-        bound, _, fixes, xs, basis = heapq.heappop(heap)
-        if best <= bound * (1 + mip_rel_gap) + 1e-15:
-            return (best_choice, best, min(bound, best, cut), lps) if best_choice is not None else None
-        if lps >= max_nodes or time.perf_counter() > deadline:
-            return None
-        frac = [g for g in range(len(off) - 1) if not _integral(xs[off[g]:off[g + 1]])]
-        g = max(frac, key=lambda q: 1.0 - float(xs[off[q]:off[q + 1]].max()))
-        k = off[g] + int(np.argmax(xs[off[g]:off[g + 1]]))
-        for fix in ((g, k, 1), (g, k, 0)):
-            lo, hi = np.zeros(nx), np.ones(nx)
-            for gg, kk, v in fixes + (fix,):
-                if v:
-                    hi[off[gg]:off[gg + 1]] = 0.0
-                    lo[kk] = hi[kk] = 1.0
-                else:
-                    hi[kk] = 0.0
-            diff = np.flatnonzero((lo != cur_lo) | (hi != cur_hi)).astype(np.int32)
-            if len(diff):
-                h.changeColsBounds(len(diff), diff, lo[diff], hi[diff])
-                cur_lo, cur_hi = lo, hi
-            h.setBasis(basis)                        # warm: from the parent's optimal basis
-            h.run()
-            lps += 1
-            sol = _solution(h, nx)
-            if sol is None or h.modelStatusToString(h.getModelStatus()) != "Optimal":
-                continue
-            obj = float(h.getInfo().objective_function_value) * scale
-            if best <= obj * (1 + mip_rel_gap) + 1e-15:
-                cut = min(cut, obj)
-                continue
-            if _integral(sol):
-                best_choice, best = _choice(sol, off), obj
-                continue
-            heapq.heappush(heap, (obj, tick, fixes + (fix,), sol, h.getBasis()))
-            tick += 1
-    return (best_choice, best, min(best, cut), lps) if best_choice is not None else None
 
 
 def _choice(x, off) -> list[int]:

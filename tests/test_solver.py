@@ -112,31 +112,12 @@ def test_fractional_relaxation_goes_to_branch_and_bound():
     assert res.gap <= 1e-6 and res.bound <= res.objective + 1e-9
 
 
-@settings(max_examples=60, deadline=None)
-@given(problems())
-def test_highs_branch_and_bound_fallback_equals_brute_force(prob):
-    """When the branch and bound over groups gives up (its node or time budget), HiGHS's own MILP solves the model:
-    the same optimum as brute force."""
-    import autopar.solver as S
-    lin, edges, mem, budget = prob
-    want = brute(lin, edges, mem, budget)
-    keep, S._branch_on_groups = S._branch_on_groups, lambda *a, **k: None
-    try:
-        res = solve(lin, edges, [(mem, budget)], mip_rel_gap=0.0)
-    except InfeasibleMemoryError:
-        assert want is None
-        return
-    finally:
-        S._branch_on_groups = keep
-    assert want is not None and abs(res.objective - want) <= 1e-6 * max(1.0, abs(want)), (res.objective, want)
-
-
 @settings(max_examples=150, deadline=None)
 @given(problems(), st.sampled_from([1e-3, 0.05, 0.3]))
 def test_solver_within_gap_is_honest(prob, gap):
     """With a relative gap (the planner's default is 1e-3) the plan may stop short of the optimum, by at most the
     gap: the bound it reports is <= the brute-force optimum <= its objective <= bound / (1 - gap), and the
-    objective is the true cost of the placements it returns (the LP bound / branch and bound over groups path)."""
+    objective is the true cost of the placements it returns (the LP bound / restricted branch and bound path)."""
     lin, edges, mem, budget = prob
     want = brute(lin, edges, mem, budget)
     try:
