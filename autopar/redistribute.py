@@ -178,14 +178,18 @@ def link_of(cluster, mesh_shape, mesh_dim):
     links = [cluster.link_for(tuple(mesh_shape), d) for d in dims_of(mesh_dim)]
     if len(links) == 1:
         return links[0]
+    kinds = {kind for k in links for kind, _, _ in k.kinds}
     return type(links[0])("+".join(dict.fromkeys(k.name for k in links)), max(k.alpha for k in links),
-                          min(k.bw for k in links))
+                          min(k.bw for k in links),
+                          tuple((kind, max(k.of(kind)[0] for k in links), min(k.of(kind)[1] for k in links))
+                                for kind in kinds))
 
 
 def _all_reduce_time(nbytes, mesh_shape, cluster, mesh_dim, share):
     """One all_reduce on mesh dim (or flattened dims) `mesh_dim`, with `share` of its latency."""
     n, link = math.prod(mesh_shape[d] for d in dims_of(mesh_dim)), link_of(cluster, mesh_shape, mesh_dim)
-    return bytes_sent("all_reduce", nbytes, n) / link.bw + share * ring_steps("all_reduce", n) * link.alpha
+    alpha, bw = link.of("all_reduce")
+    return bytes_sent("all_reduce", nbytes, n) / bw + share * ring_steps("all_reduce", n) * alpha
 
 
 def _chain_time(todo, nbytes, mesh_shape, cluster, share):
@@ -225,6 +229,6 @@ def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: i
         chain, flat = _chain_time(todo, meta.nbytes, mesh_shape, cluster, share)
         return min(chain, flat) if _flattenable(todo) else chain
     links = _links(cluster, mesh_shape)
-    return sum(bytes_sent(c.kind, c.nbytes, c.group) / links[c.mesh_dim].bw +
-               share * ring_steps(c.kind, c.group) * links[c.mesh_dim].alpha
+    return sum(bytes_sent(c.kind, c.nbytes, c.group) / links[c.mesh_dim].of(c.kind)[1] +
+               share * ring_steps(c.kind, c.group) * links[c.mesh_dim].of(c.kind)[0]
                for c in collectives(src, dst, meta, mesh_shape))

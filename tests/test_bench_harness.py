@@ -129,3 +129,30 @@ def test_result_files_state_command_and_commit(tiny_rows, tmp_path):
     assert "llama-tiny 2x2 vs ddp: 0.00 <= 0.00 MB ok" in md and "vs fsdp2" not in md
     from PIL import Image
     assert "commit" in Image.open(prefix + "_steps.png").info.get("Description", "")
+
+
+def test_calibration_refit_recovers_each_kinds_link(tmp_path, monkeypatch):
+    """cpu_calibrate.py fits the cost model's formula per collective kind: on timings made by known per-kind
+    (alpha, bw) it recovers them exactly, where one pooled fit cannot; --refit rewrites a calibration JSON that
+    autopar.plan loads with those fits."""
+    import json
+    import cpu_calibrate
+    from autopar.cost import collective_time, get_cluster
+    from autopar.cost.cluster import CLUSTERS, LinkSpec
+    truth = LinkSpec("t", 2e-3, 7e8, kinds={"all_gather": (3e-3, 6e8), "all_reduce": (2e-3, 8.5e8),
+                                            "reduce_scatter": (4e-3, 3.3e8), "all_to_all": (1.8e-3, 7e8)})
+    coll = [{"kind": k, "bytes": b, "seconds": collective_time(k, b, 4, truth)}
+            for k in cpu_calibrate.KINDS for b in cpu_calibrate.SIZES]
+    link, pooled_err, kinds_err = cpu_calibrate.link_fit(coll, 4)
+    assert kinds_err < 1e-9 < pooled_err
+    for k, a, b in truth.kinds:
+        assert link.of(k) == (pytest.approx(a, rel=1e-6), pytest.approx(b, rel=1e-6))
+    d = CLUSTERS["cpu-gloo"].to_json()
+    d["calibration"] = {"world": 4, "collectives": coll}
+    src, out = tmp_path / "calib.json", tmp_path / "refit.json"
+    src.write_text(json.dumps(d))
+    monkeypatch.setattr(sys, "argv", ["cpu_calibrate.py", "--refit", str(src), "--out", str(out)])
+    cpu_calibrate.main()
+    spec = get_cluster(str(out))
+    assert spec.intra.of("reduce_scatter") == (pytest.approx(4e-3, rel=1e-6), pytest.approx(3.3e8, rel=1e-6))
+    assert json.loads(out.read_text())["calibration"]["fit_per_kind_median_rel_error"] < 1e-9

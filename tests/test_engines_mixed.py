@@ -116,6 +116,8 @@ def _run(case):
 
 
 MOE_PARTS = ["layers.0.moe.experts", "layers.0.moe.router", "layers.1.moe.experts", "layers.1.moe.router"]
+EXPERTS = {"layers.0.moe.experts", "layers.1.moe.experts"}    # forced expert parallel: always parts; the routers
+# are free and become parts only where the plan gathers over dp in them (it depends on the cost model)
 
 
 def _check(results, k):
@@ -127,7 +129,7 @@ def _check(results, k):
     for rank, res in enumerate(results):
         r = res[k]
         assert r["same_module"], "backend auto with parts returns the user's own module"
-        assert set(MOE_PARTS) <= set(r["parts"]), r["parts"]
+        assert EXPERTS <= set(r["parts"]), r["parts"]
         assert max(r["grad_rel"]) <= TOL, f"{case} rank {rank}: gradients differ {r['grad_rel']}"
         assert max(r["loss_rel"]) <= TOL, f"{case} rank {rank}: loss differs {r['loss_rel']}"
         assert all(r["match"]), f"{case} rank {rank}: {r['diff']}"
@@ -140,7 +142,7 @@ def _check(results, k):
     assert "the engines issue" in dump and "the graph parts run their own plans" in dump   # vs the plan's own
     assert "part_params = [" in h["code"] and "'layers.0.moe.experts.w1'" in h["code"]
     if case == "dp":
-        assert r["parts"] == MOE_PARTS and h["units"] == [] and "-> torch  gradient hook" in dump
+        assert set(r["parts"]) <= set(MOE_PARTS) and h["units"] == [] and "-> torch  gradient hook" in dump
     else:
         assert h["units"] == ["layers.0", "layers.1", ""], h["units"]
         assert "fully_shard(layers.0" in dump

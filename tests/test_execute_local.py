@@ -448,9 +448,9 @@ def test_flattening_a_bucket_chain_follows_the_cost_model():
     gloo = get_cluster("cpu-gloo")
     assert flatten_chain(todo, 25 * 2**20, (2, 2), gloo) and not flatten_chain(todo, 4096, (2, 2), gloo)
     chain, flat = _chain_time(todo, 25 * 2**20, (2, 2), gloo, 1.0)
-    link = gloo.link_for((2, 2), 0)
-    assert chain == pytest.approx(2 * (25 * 2**20 / link.bw + 2 * link.alpha))
-    assert flat == pytest.approx(1.5 * 25 * 2**20 / link.bw + 6 * link.alpha)
+    alpha, bw = gloo.link_for((2, 2), 0).of("all_reduce")      # the calibrated link's all_reduce fit
+    assert chain == pytest.approx(2 * (25 * 2**20 / bw + 2 * alpha))
+    assert flat == pytest.approx(1.5 * 25 * 2**20 / bw + 6 * alpha)
     h100 = get_cluster("h100")
     assert not flatten_chain(todo, 25 * 2**20, (16, 8), h100)       # dp over IB, tp inside the node
     assert not flatten_chain(((0, "P", "R"), (1, "Pa", "R")), 25 * 2**20, (2, 2), gloo)   # mixed: chain

@@ -245,6 +245,22 @@ def test_collective_steps():
   L = LinkSpec("l", alpha=1.0, bw=float("inf"))                 # latency only
   assert [collective_time(k, 1e6, 8, L) for k in KINDS] == [14, 7, 7, 7, 7, 1]
 
+def test_link_per_kind(tmp_path):
+  """A calibrated link's own (alpha, bw) per collective kind; other kinds use the link's pooled figures. A ring over
+  a flattened group runs each kind at the slowest of its dims' fits; JSON round-trips the fits."""
+  from autopar.redistribute import link_of
+  L = LinkSpec("l", alpha=1.0, bw=float("inf"), kinds={"all_gather": (3.0, float("inf")), "all_reduce": (0.5, 2.0)})
+  assert L.of("all_gather") == (3.0, float("inf")) and L.of("broadcast") == (1.0, float("inf"))
+  assert [collective_time(k, 8, 8, L) for k in KINDS] == [7 + 2 * 8 * 7 / 8 / 2.0, 21, 7, 7, 7, 1]
+  slow = LinkSpec("s", alpha=2.0, bw=1.0, kinds=(("all_reduce", 0.25, 4.0),))
+  C = ClusterSpec("two", H100.device, 2, L, slow)
+  f = link_of(C, (2, 2), [0, 1])
+  assert f.of("all_reduce") == (0.5, 2.0) and f.of("all_gather") == (3.0, 1.0) and f.of("broadcast") == (2.0, 1.0)
+  p = tmp_path / "c.json"; C.save(str(p))
+  assert get_cluster(str(p)) == C and get_cluster(str(p)).intra.of("all_reduce") == (0.5, 2.0)
+  gloo = CLUSTERS["cpu-gloo"].intra      # the calibrated preset: a reduce_scatter costs more than an all_gather
+  assert collective_time("reduce_scatter", 2**20, 4, gloo) > 1.3 * collective_time("all_gather", 2**20, 4, gloo)
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_sympy_matches_float(kind):
   b, n = sympy.symbols("b n", positive=True)

@@ -38,6 +38,17 @@ class LinkSpec:
   name: str
   alpha: float   # seconds per message step (latency)
   bw: float      # bytes/s, unidirectional per rank
+  kinds: tuple = ()   # ((collective kind, alpha, bw), ...): a calibrated link's fit per kind; other kinds: alpha, bw
+
+  def __post_init__(self):   # from JSON: {"all_gather": [alpha, bw], ...} or [[kind, alpha, bw], ...]
+    rows = [(k, *v) for k, v in self.kinds.items()] if isinstance(self.kinds, dict) else self.kinds
+    object.__setattr__(self, "kinds", tuple(sorted((str(k), float(a), float(b)) for k, a, b in rows)))
+
+  def of(self, kind: str) -> tuple[float, float]:
+    """(alpha, bw) of one collective kind on this link."""
+    for k, a, b in self.kinds:
+      if k == kind: return a, b
+    return self.alpha, self.bw
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -81,7 +92,9 @@ _A100 = DeviceSpec("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156
 # tests and benchmarks run them. Measured by `python benchmarks/cpu_calibrate.py` (results/cpu_gloo_calibrated.json):
 # matmul ~27 GFLOP/s, copy ~4.5 GB/s per rank. A gloo collective timed inside a busy program (ranks computing between
 # collectives, as in a training step) costs 6-14 ms even for 4 KiB: with more ranks than cores it waits until every
-# peer is scheduled again; fit: alpha ~2.2 ms per ring step, ~0.67 GB/s. op_overhead is kept at 10 us, the
+# peer is scheduled again; fit: alpha ~2.2 ms per ring step, ~0.67 GB/s over all kinds (median error 21%), and per
+# kind, as gloo runs each kind its own way (`cpu_calibrate.py --refit`, median error 6%): a reduce_scatter costs
+# ~2x what the pooled fit says, a small all_reduce less. op_overhead is kept at 10 us, the
 # per-op cost of an interpreted step (the calibration's bare eager op is ~4 us). Calibrate your own machine with it.
 _CPU = DeviceSpec("cpu", {"fp32": 27e9, "bf16": 27e9, "fp16": 27e9}, mem_bw=4.5e9, mem_bytes=16 * GB,
                   matmul_eff=1.0, mem_eff=1.0, op_overhead=10e-6)
@@ -90,7 +103,9 @@ _NVLINK4 = LinkSpec("nvlink4", alpha=3e-6, bw=450 * GB)       # seed: 450 GB/s, 
 _NVLINK3 = LinkSpec("nvlink3", alpha=3e-6, bw=300 * GB)
 _IB_NDR = LinkSpec("ib-ndr400", alpha=15e-6, bw=40 * GB)      # seed: 40 GB/s effective, alpha 10-20 us
 _IB_HDR = LinkSpec("ib-hdr200", alpha=15e-6, bw=25 * GB)
-_LOOP = LinkSpec("gloo-loopback", alpha=2.2e-3, bw=0.67 * GB)
+_LOOP = LinkSpec("gloo-loopback", alpha=2.2e-3, bw=0.67 * GB,
+                 kinds=(("all_gather", 2.9e-3, 0.60 * GB), ("all_reduce", 1.9e-3, 0.85 * GB),
+                        ("all_to_all", 1.8e-3, 0.71 * GB), ("reduce_scatter", 3.9e-3, 0.33 * GB)))
 
 CLUSTERS: dict[str, ClusterSpec] = {
   "h100": ClusterSpec("h100", _H100, 8, _NVLINK4, _IB_NDR),
