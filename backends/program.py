@@ -31,8 +31,8 @@ from torch.utils._pytree import tree_flatten
 from autopar.capture import SDPA, SDPA_BW
 from autopar.graph import map_refs
 from autopar.redistribute import steps as plan_steps
-from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor, outside_local_tensor_mode, per_rank, to_placement,
-                                              to_str, unmask_partial)
+from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor, outside_local_tensor_mode, per_rank,
+                                              sole_owner, to_placement, to_str, unmask_partial)
 
 from .comm import executed_placements, finish_bucket, group_name, launch_bucket, launch_filled, redistribute_local
 from .local_ops import (VIEWS, local_shape, attention_bw_math, attention_fw_math, binder, call_op, call_view,
@@ -219,6 +219,7 @@ class Program:
         import torch.distributed as dist
         self.copy_at: dict[int, list] = {}
         self.flat_sizes: dict[int, tuple] = {}
+        self.flat_bufs: dict[int, torch.Tensor] = {}      # bucket -> its flat buffer, kept between steps
         if not dist.is_initialized() or dist.get_backend() == "fake":
             return
         g, pos = self.g, {it.node.idx: i for i, it in enumerate(self.bw)}
@@ -249,9 +250,19 @@ class Program:
         for i, (off, n, shape), key, drop in self.copy_at[at]:
             buf = bufs.get(i)
             if buf is None:
-                size, dtype, _ = self.flat_sizes[i]
-                buf = bufs[i] = torch.empty(size, dtype=dtype, device=self.device)
+                buf = bufs[i] = self._bucket_buffer(i)
             buf[off:off + n].view(shape).copy_(_local(env.pop(key) if drop else env[key]))
+
+    def _bucket_buffer(self, i: int) -> torch.Tensor:
+        """The flat buffer of all_reduce bucket i. The gradients handed out are views of it, so last step's buffer
+        is filled again only once nothing else holds it (the optimizer's zero_grad(set_to_none=True) dropped
+        them), as DDP's reducer keeps its buckets between steps; gradients still held (accumulation over
+        steps) keep theirs and the bucket gets a new one."""
+        buf = self.flat_bufs.get(i)
+        if buf is None or not sole_owner(buf):
+            size, dtype, _ = self.flat_sizes[i]
+            buf = self.flat_bufs[i] = torch.empty(size, dtype=dtype, device=self.device)
+        return buf
 
     # ---- leaves ---------------------------------------------------------------------------------------------------
     def param_placement(self, fqn: str) -> tuple[str, ...]:

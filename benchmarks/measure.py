@@ -75,7 +75,8 @@ class Run:
         for s in self.opt.state.values():
             for v in s.values():
                 add(v)
-        return total + self.extra.get("persistent_bytes", 0)
+        keep = self.extra.get("persistent_bytes", 0)
+        return total + (keep() if callable(keep) else keep)
 
 
 def _adamw(params):
@@ -123,7 +124,9 @@ def build(source, cfg, mesh, world_mesh, x):
 
         def step():
             pm(*x).backward()
-        return Run(source, pm, opt, step, {"plan": pm.plan})
+        # the gradient buckets' flat buffers live between steps, as DDP's reducer's (backends/program.py)
+        keep = lambda: sum(b.nbytes for b in pm.program.flat_bufs.values())     # noqa: E731
+        return Run(source, pm, opt, step, {"plan": pm.plan, "persistent_bytes": keep})
     if source == "autopar-torch":       # backend="auto": the engines, with graph parts where they cannot
         from autopar.backends import engines
         from hand_plans import NotApplicable

@@ -109,8 +109,25 @@ def job_extras(cases, tmp, device):
         mismatch = "no error"
     except PlanMismatchError as e:
         mismatch = str(e)
+    # gradient buckets: the flat buffer is filled again when nothing else holds it (autograd copies the gradients
+    # into .grad); gradients accumulate over steps without zero_grad
+    dp = autopar.parallelize(model, mesh, x, force={k: tuple("R" for _ in shape) for k, _ in model.named_parameters()})
+    params = list(dp.parameters())
+
+    def grads():
+        loss = dp(*x)
+        loss.backward()
+        bufs = {b.untyped_storage().data_ptr() for b in dp.program.flat_bufs.values()}
+        return [global_value(p.grad).clone() for p in params], bufs
+    g1, b1 = grads()
+    for p in params:
+        p.grad = None
+    g2, b2 = grads()
+    g3, _ = grads()                     # no zero_grad: accumulated (a new buffer if .grad still holds it)
+    bucket = {"buffers": len(b1), "reused": b1 == b2, "same": all(torch.equal(a, b) for a, b in zip(g1, g2)),
+              "accum_err": max((c - 2 * a).abs().max().item() for a, c in zip(g1, g3))}
     out = {"dcp_diff": dcp_diff, "same_loss": same_loss, "local_shapes": local_shapes, "input_placements": in_pl,
-           "mismatch": mismatch}
+           "mismatch": mismatch, "bucket": bucket}
     out.update(job_train(cases[1:], tmp, device))          # and train the other cases in the same group
     return out
 
@@ -157,6 +174,9 @@ def test_world2_gloo_train_dcp_sharded_inputs_and_plan_mismatch(tmp_path):
     results = launch("extras", 2, cases, tmp_path)
     _check_train(results, 1)
     for res in results:
+        b = res["bucket"]
+        assert b["buffers"] == 1 and b["reused"] and b["same"], b
+        assert b["accum_err"] <= 1e-6, b
         assert res["dcp_diff"] == 0.0
         assert res["same_loss"]
         assert "ranks hold different plans" in res["mismatch"] and "ranks [0]" in res["mismatch"] \

@@ -328,6 +328,11 @@ def make_dtensor(local: torch.Tensor, mesh, placements, shape, stride) -> DTenso
 _SPECS: dict = {}     # DTensorSpecs are immutable: one per (mesh, placements, shape, stride, dtype)
 
 
+def sole_owner(t: torch.Tensor) -> bool:
+    """No other tensor (a view handed out, a gradient kept by autograd) shares t's storage: t may be overwritten."""
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2      # t's own + the temporary handle
+
+
 def per_rank(x: torch.Tensor) -> torch.Tensor:
     """Under LocalTensorMode (all ranks simulated in one process) a plain tensor is the same on every rank; make it
     a LocalTensor so rank-dependent local ops (chunk at this rank's coordinate) can apply. Otherwise x itself."""
