@@ -43,10 +43,13 @@ class LinkSpec:
   def __post_init__(self):   # from JSON: {"all_gather": [alpha, bw], ...} or [[kind, alpha, bw], ...]
     rows = [(k, *v) for k, v in self.kinds.items()] if isinstance(self.kinds, dict) else self.kinds
     object.__setattr__(self, "kinds", tuple(sorted((str(k), float(a), float(b)) for k, a, b in rows)))
+    object.__setattr__(self, "_hash", hash((self.name, self.alpha, self.bw, self.kinds)))
+
+  def __hash__(self): return self._hash
 
   def of(self, kind: str) -> tuple[float, float]:
     """(alpha, bw) of one collective kind on this link."""
-    for k, a, b in self.kinds:
+    for k, a, b in self.kinds:        # empty for the analytic presets
       if k == kind: return a, b
     return self.alpha, self.bw
 
@@ -57,6 +60,11 @@ class ClusterSpec:
   gpus_per_node: int
   intra: LinkSpec
   inter: LinkSpec
+
+  def __post_init__(self):   # a key of the planner's cost caches: hashed once
+    object.__setattr__(self, "_hash", hash((self.name, self.device, self.gpus_per_node, self.intra, self.inter)))
+
+  def __hash__(self): return self._hash
 
   def link_for(self, mesh_shape: tuple[int, ...], dim: int) -> LinkSpec:
     """Link used by the process group along mesh dim `dim`. Ranks are row-major over mesh_shape (last dim
