@@ -8,7 +8,8 @@ Per mesh: every source is built on every rank (a failure is recorded for that so
   * one step per source under torch.profiler (profile_memory) -> peak memory per rank = the model state held at
     the step's start (unique storages of local params, grads (None: zero_grad sets them to None), optimizer
     state, buffers, and the gradient buckets an engine keeps between steps: DDP's reducer, whose buckets hold the
-    gradients (gradient_as_bucket_view), and autopar-torch's gradient hook) + the peak of allocations minus frees
+    gradients (gradient_as_bucket_view), autopar-torch's gradient hook and autopar's executor's bucket buffers)
+    + the peak of allocations minus frees
     during the step; the max over ranks;
   * `steps` timed rounds, interleaved (source A, B, C, A, B, C, ...): each step is timed on every rank between
     a barrier and its own end; the step time is the max over ranks; the row reports the median over rounds. The

@@ -377,7 +377,7 @@ def write_all(rows, prefix, command, seconds, readme=False) -> list[str]:
            "Comm bytes are counted per step from the collectives issued (plan convention: all_gather output, "
            "reduce_scatter input, all_reduce size). Peak = model state at step start (parameters, optimizer state, "
            "buffers, and the gradient buckets an engine keeps between steps: DDP's reducer, autopar-torch's "
-           "gradient hook) + allocation peak during the step (torch.profiler), max over ranks. 'predicted': for autopar's rows, its plan (run by its graph "
+           "gradient hook, autopar's executor) + allocation peak during the step (torch.profiler), max over ranks. 'predicted': for autopar's rows, its plan (run by its graph "
            "executor, `autopar.parallelize`); for hand rows, autopar's cost model of the best execution of the hand "
            "plan's parameter layout (activations chosen by the solver), which is not the schedule torch runs. "
            "autopar-torch is `autopar.parallelize(..., backend='auto')`: autopar's plan lowered to fully_shard / "
