@@ -228,7 +228,8 @@ def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: i
     if len(todo) > 1:
         chain, flat = _chain_time(todo, meta.nbytes, mesh_shape, cluster, share)
         return min(chain, flat) if _flattenable(todo) else chain
-    links = _links(cluster, mesh_shape)
-    return sum(bytes_sent(c.kind, c.nbytes, c.group) / links[c.mesh_dim].of(c.kind)[1] +
-               share * ring_steps(c.kind, c.group) * links[c.mesh_dim].of(c.kind)[0]
-               for c in collectives(src, dst, meta, mesh_shape))
+    links, t = _links(cluster, mesh_shape), 0.0
+    for c in collectives(src, dst, meta, mesh_shape):
+        alpha, bw = links[c.mesh_dim].of(c.kind)
+        t += bytes_sent(c.kind, c.nbytes, c.group) / bw + share * ring_steps(c.kind, c.group) * alpha
+    return t

@@ -139,27 +139,16 @@ def fit(coll, world, kind=None):
 
 def link_fit(coll, world):
     """The link of the measured collectives: one fit over all kinds, and one per kind measured (LinkSpec.kinds);
-    with each fit's median relative error."""
+    with the pooled fit's and the per-kind fits' median relative errors."""
+    from autopar.cost import collective_time
     from autopar.cost.cluster import LinkSpec
     alpha, bw, err = fit(coll, world)
-    kinds, errs = [], {}
-    for kind in dict.fromkeys(c["kind"] for c in coll if "seconds" in c):
-        a, b, errs[kind] = fit(coll, world, kind)
-        kinds.append((kind, a, b))
-    pooled = float(np.median([abs(e) for e in _errors(coll, world, kinds, alpha, bw)]))
-    return LinkSpec("gloo-loopback", alpha=alpha, bw=bw, kinds=tuple(kinds)), err, pooled
-
-
-def _errors(coll, world, kinds, alpha, bw):
-    from autopar.cost.comm import bytes_sent, ring_steps
-    per = {k: (a, b) for k, a, b in kinds}
-    out = []
-    for c in coll:
-        if "seconds" in c:
-            a, b = per.get(c["kind"], (alpha, bw))
-            out.append((ring_steps(c["kind"], world) * a + bytes_sent(c["kind"], c["bytes"], world) / b) /
-                       c["seconds"] - 1)
-    return out
+    kinds = tuple((kind, *fit(coll, world, kind)[:2]) for kind in dict.fromkeys(c["kind"] for c in coll
+                                                                               if "seconds" in c))
+    link = LinkSpec("gloo-loopback", alpha=alpha, bw=bw, kinds=kinds)
+    err_kinds = float(np.median([abs(collective_time(c["kind"], c["bytes"], world, link) / c["seconds"] - 1)
+                                 for c in coll if "seconds" in c]))
+    return link, err, err_kinds
 
 
 def refit(path, out):
