@@ -129,6 +129,22 @@ def attention_rate(dev, timer, quick) -> dict:
             "s": t, "flops_per_s": flops / t if t > 0 else 0.0}
 
 
+def launch_overhead(dev, timer, quick) -> dict:
+    """Seconds per eager op when ops are too small to matter: 200 back-to-back adds on a 1 KiB tensor, timed as one
+    batch. On a GPU the kernels overlap the host's launches, so this is the host's dispatch + launch cost per op,
+    the floor of a step made of many small kernels."""
+    x = torch.ones(256, device=dev)
+    n = 50 if quick else 200
+
+    def run():
+        y = x
+        for _ in range(n):
+            y = y + 1.0
+        return y
+    t = timer(run, 3 if quick else 10)
+    return {"ops": n, "s": t, "s_per_op": t / n}
+
+
 def calibrate(dev, quick, base="h200") -> dict:
     sys.path.insert(0, ROOT)
     try:
@@ -139,6 +155,7 @@ def calibrate(dev, quick, base="h200") -> dict:
     mm = matmul_rates(dev, timer, quick)
     bw = copy_bandwidth(dev, timer, quick)
     att = attention_rate(dev, timer, quick)
+    launch = launch_overhead(dev, timer, quick)
     att["ratio_to_matmul"] = att["flops_per_s"] / max(1.0, mm["bf16" if dev.type == "cuda" else "fp32"]
                                                      ["best_flops_per_s"])
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
@@ -148,12 +165,13 @@ def calibrate(dev, quick, base="h200") -> dict:
     peak = {k: v["best_flops_per_s"] for k, v in mm.items() if v["best_flops_per_s"] > 0}
     spec = {"name": f"calibrated-{name.replace(' ', '_')}",
             "device": {"name": name, "peak_flops": peak, "mem_bw": bw["bytes_per_s"], "mem_bytes": float(mem),
-                       "matmul_eff": 1.0, "mem_eff": 1.0},
+                       "matmul_eff": 1.0, "mem_eff": 1.0, "op_overhead": launch["s_per_op"]},
             "gpus_per_node": preset["gpus_per_node"] if preset else 8,
             "intra": preset["intra"] if preset else {"name": "unmeasured", "alpha": 3e-6, "bw": 450e9},
             "inter": preset["inter"] if preset else {"name": "unmeasured", "alpha": 15e-6, "bw": 40e9},
             "calibration": {"torch": torch.__version__, "cuda": torch.version.cuda, "device": name,
-                            "matmul": mm, "copy": bw, "attention": att, "quick": quick,
+                            "matmul": mm, "copy": bw, "attention": att, "launch": launch,
+                            "quick": quick,
                             "links": f"not measured (one device): copied from the '{base}' preset",
                             "preset_device": preset["device"] if preset else None, "base": base,
                             "compute_key": "bf16" if dev.type == "cuda" else "fp32",
@@ -188,6 +206,55 @@ def run_debug_step(dev, quick) -> dict:
     t_opt = timer(opt.step, 3 if quick else 10, warmup=1)
     return {"model": "llama3-debug", "batch": batch, "seq": seq, "dtype": str(dt).replace("torch.", ""),
             "fwd_bwd_s": t_fb, "optimizer_s": t_opt}
+
+
+def executor_step(dev, quick) -> dict:
+    """autopar's graph executor next to eager PyTorch on world 1 (NCCL on a GPU, gloo elsewhere): the same
+    llama3-debug, weights and batch; median forward+backward seconds each (timed alternately), the loss difference,
+    and the collectives of one step (none are expected on one rank)."""
+    import copy
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    sys.path.insert(0, ROOT)
+    import autopar
+    from autopar.backends.comm import CommCounter
+    from autopar.models import build_model, example_inputs
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev.index or 0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh(dev.type, (1,), mesh_dim_names=("dp",))
+        batch, seq = (1, 128) if quick else ((8, 2048) if dev.type == "cuda" else (2, 256))
+        model = build_model("llama3-debug", device="cpu", seed=0)
+        x = tuple(t.to(dev) for t in example_inputs("llama3-debug", batch=batch, seq=seq))
+        t0 = time.perf_counter()
+        pm = autopar.parallelize(model, mesh, x)
+        plan_s = time.perf_counter() - t0
+        ref = copy.deepcopy(model).to(dev)
+        timer = Timer(dev)
+        with CommCounter(mesh) as counter:
+            lp = pm(*x)
+            lp.backward()
+        lr = ref(*x)
+        lr.backward()
+        reps = 3 if quick else 10
+        t_pm, t_ref = [], []
+        for _ in range(reps):   # alternate so both see the same device state
+            t_pm.append(timer(lambda: pm(*x).backward(), 1, warmup=1))
+            t_ref.append(timer(lambda: ref(*x).backward(), 1, warmup=1))
+        return {"model": "llama3-debug", "batch": batch, "seq": seq, "dtype": "float32",
+                "backend": dist.get_backend(), "plan_s": plan_s, "executor_fwd_bwd_s": statistics.median(t_pm),
+                "eager_fwd_bwd_s": statistics.median(t_ref), "loss_diff": abs(lp.item() - lr.item()),
+                "collectives": len(counter.records), "predicted_collectives": len(pm.plan.collectives())}
+    finally:
+        dist.destroy_process_group()
 
 
 def predict(step: dict, cluster) -> dict:
@@ -232,13 +299,36 @@ def compare(out_json: str, md_path: str, base: str) -> list[str]:
               "| | seconds | predicted / measured |", "|---|---|---|",
               f"| measured forward+backward (median) | {step['fwd_bwd_s']:.4f} | |",
               f"| measured AdamW step | {step['optimizer_s']:.4f} | |"]
-    for label, cl in (("calibrated spec", out_json), (f"preset '{base}'", base)):
+    from dataclasses import replace
+
+    from autopar.cost import get_cluster
+    cal = get_cluster(out_json)
+    flat = replace(cal, device=replace(cal.device, op_overhead=0.0))
+    for label, cl in ((f"calibrated spec ({cal.device.op_overhead * 1e6:.1f} us per op)", cal),
+                      ("calibrated spec, no per-op cost (roofline only)", flat), (f"preset '{base}'", base)):
         try:
             p = predict(step, cl)
             lines.append(f"| predicted compute, {label} | {p['compute_s']:.4f} | "
                          f"{p['compute_s'] / step['fwd_bwd_s']:.2f}x |")
         except Exception as e:  # noqa: BLE001
             lines.append(f"| predicted compute, {label} | not available: {type(e).__name__}: {e} | |")
+    launch = c.get("launch")
+    if launch:
+        lines.insert(lines.index("| measurement | value |") + 2 + len(c["matmul"]) + 2,
+                     f"| eager op, back to back (dispatch + launch) | {launch['s_per_op'] * 1e6:.1f} us |")
+    ex = c.get("executor_step")
+    if ex and "error" not in ex:
+        lines += ["", f"## autopar's graph executor vs eager, world 1 ({ex['backend']}, {ex['model']} batch "
+                      f"{ex['batch']} x seq {ex['seq']}, {ex['dtype']})", "",
+                  "| | seconds |", "|---|---|",
+                  f"| eager forward+backward (median) | {ex['eager_fwd_bwd_s']:.4f} |",
+                  f"| autopar executor forward+backward (median) | {ex['executor_fwd_bwd_s']:.4f} |",
+                  f"| ratio executor / eager | {ex['executor_fwd_bwd_s'] / ex['eager_fwd_bwd_s']:.2f}x |",
+                  f"| plan + parallelize | {ex['plan_s']:.2f} |", "",
+                  f"loss difference {ex['loss_diff']:.3e}; collectives in one step: {ex['collectives']} measured, "
+                  f"{ex['predicted_collectives']} predicted"]
+    elif ex:
+        lines += ["", f"autopar's graph executor on world 1 failed: {ex['error']}"]
     with open(md_path, "w") as f:
         f.write("\n".join(lines) + "\n")
     return lines
@@ -251,6 +341,8 @@ def main(argv=None):
     ap.add_argument("--base", default="h200", help="preset whose links (and reference figures) are kept")
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_gpu_cluster.json"))
     ap.add_argument("--md", default=os.path.join(RESULTS, "bench_gpu.md"))
+    ap.add_argument("--executor", action="store_true",
+                    help="also time autopar's graph executor vs eager on world 1 (NCCL on a GPU)")
     ap.add_argument("--compare", metavar="JSON", help="only the prediction vs measurement report from a JSON")
     args = ap.parse_args(argv)
     if args.compare:
@@ -279,6 +371,14 @@ def main(argv=None):
         sys.exit(f"wrote {args.out} (device measurements); the debug-model step needs autopar's model zoo, which "
                  f"does not import here: {e}")
     save()
+    if args.executor:
+        try:
+            spec["calibration"]["executor_step"] = executor_step(dev, args.quick)
+        except Exception as e:  # noqa: BLE001  (reported in the markdown, the calibration is kept)
+            import traceback
+            traceback.print_exc()
+            spec["calibration"]["executor_step"] = {"error": f"{type(e).__name__}: {e}"}
+        save()
     print(f"wrote {args.out}")
     try:
         print("\n".join(compare(args.out, args.md, args.base)))

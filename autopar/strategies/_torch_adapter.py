@@ -171,6 +171,9 @@ def _full_once(op, args, kwargs, meta_of, mesh_shape, in_cands):
         items = []
         for s in res.strategies:
             outs = s.output_specs if isinstance(s.output_specs, tuple) else (s.output_specs,)
+            if len(outs) == 1 and len(op._schema.returns) > 1:
+                outs = outs * len(op._schema.returns)   # one spec for every return (torch 2.11's layer_norm), as
+                                                        # torch's ShardingPropagator reads it
             items.append((outs, s.input_specs if s.input_specs is not None else (s.output_spec,)))
     result = []
     for outs, ins in items:
