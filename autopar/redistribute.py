@@ -215,16 +215,17 @@ def flatten_chain(todo, nbytes: int, mesh_shape, cluster) -> bool:
     return flat < chain
 
 
-def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: int = 1) -> float:
+def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: int | None = 1) -> float:
     """Seconds a gradient reduction src -> dst adds to the step. In a bucket: its bandwidth plus its share of
     the bucket's latency, by bytes (a full bucket is BUCKET_BYTES) and at least 1/n_grads of one bucket (a
-    model's gradients fill at least one); a chain over several mesh dims at the cheaper of chain and flattened
-    group (flatten_chain); the prediction (autopar/predict.py) counts the real buckets."""
+    model's gradients fill at least one; n_grads=None: by bytes alone, the first bucket's latency being charged
+    once per bucket series, see grad_bucket_latency); a chain over several mesh dims at the cheaper of chain and
+    flattened group (flatten_chain); the prediction (autopar/predict.py) counts the real buckets."""
     todo = bucket_steps(tuple(src), tuple(dst))
     if todo is None:
         return redistribute_time(src, dst, meta, mesh_shape, cluster)
     mesh_shape = tuple(mesh_shape)
-    share = max(meta.nbytes / BUCKET_BYTES, 1.0 / max(1, n_grads))
+    share = meta.nbytes / BUCKET_BYTES if n_grads is None else max(meta.nbytes / BUCKET_BYTES, 1.0 / max(1, n_grads))
     if len(todo) > 1:
         chain, flat = _chain_time(todo, meta.nbytes, mesh_shape, cluster, share)
         return min(chain, flat) if _flattenable(todo) else chain
@@ -233,3 +234,14 @@ def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: i
         alpha, bw = links[c.mesh_dim].of(c.kind)
         t += bytes_sent(c.kind, c.nbytes, c.group) / bw + share * ring_steps(c.kind, c.group) * alpha
     return t
+
+
+def grad_bucket_latency(src, dst, meta: TensorMeta, mesh_shape, cluster):
+    """(bucket series, seconds): the series a gradient reduction src -> dst joins (passes/buckets.py groups
+    gradients by (steps, dtype)) and the latency of one of its buckets, which the series pays once however few
+    gradients it holds; (None, 0.0) for a reduction that is not bucketed."""
+    todo = bucket_steps(tuple(src), tuple(dst))
+    if todo is None:
+        return None, 0.0
+    empty = TensorMeta((0,) * len(meta.shape), meta.dtype)
+    return (todo, str(meta.dtype)), grad_reduce_time(src, dst, empty, mesh_shape, cluster, 1)

@@ -3,9 +3,10 @@
 Variables: x[g, k] = 1 when decision group g takes strategy k (exactly one per group). Each edge between two
 groups with a redistribute-time matrix C gets transportation variables z[a, b] over the distinct rows a and
 columns b of C, whose marginals are the producer's and consumer's x; since the marginals are one-hot, z is the
-product of the two choices and sum C[a, b] z[a, b] is exactly the edge's cost. Memory rows bound the bytes per
-rank. Same inputs give the same model and the same answer on every rank (HiGHS is deterministic, run single
-threaded).
+product of the two choices and sum C[a, b] z[a, b] is exactly the edge's cost. A fixed charge (one gradient bucket
+series' latency) is a variable y >= every x or z column that triggers it, costing its seconds. Memory rows
+bound the bytes per rank. Same inputs give the same model and the same answer on every rank (HiGHS is
+deterministic, run single threaded).
 """
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class _Model:
     off: np.ndarray            # group g's x variables: off[g]:off[g+1]
     edges: list                # (z0, A, B, a_of, b_of, g1, g2) per edge with transportation variables
     cap: np.ndarray            # the compute capacity part of ovl, per variable (x only)
+    fixed: list = ()           # (y column, columns that trigger it) per fixed charge: y = max of those columns
 
     @property
     def nx(self) -> int:
@@ -68,10 +70,12 @@ class _Model:
         v[self.off[:-1] + np.asarray(choice)] = 1.0
         for z0, A, B, a_of, b_of, g1, g2 in self.edges:
             v[z0 + a_of[choice[g1]] * B + b_of[choice[g2]]] = 1.0
+        for y, cols in self.fixed:
+            v[y] = v[cols].max()
         return v
 
 
-def _build(lin, edges, mem, overlap) -> _Model:
+def _build(lin, edges, mem, overlap, fixed=()) -> _Model:
     off = np.cumsum([0] + [len(c) for c in lin])
     nx = int(off[-1])
     cost = [np.concatenate(lin)]
@@ -83,13 +87,22 @@ def _build(lin, edges, mem, overlap) -> _Model:
         rows += [r] * len(c); cols += list(range(off[gi], off[gi + 1])); vals += [1.0] * len(c)
         lo.append(1.0); hi.append(1.0); r += 1
     nz, zs = nx, []
+    trig: dict = {}                                       # edge -> [(fixed charge, choices that trigger it)]
+    trig_cols = [[] for _ in fixed]                       # per fixed charge: the columns that trigger it
+    for s, (_, where) in enumerate(fixed):
+        for (g1, g2), T in where:
+            if g1 == g2:                                  # inside one group: its own choices
+                trig_cols[s] += list(off[g1] + np.flatnonzero(np.diag(T)))
+            else:
+                trig.setdefault((g1, g2), []).append((s, T))
     for key in sorted(set(edges) | set(ovl_edges)):
         g1, g2 = key
         C, O = edges.get(key), ovl_edges.get(key)
         C = np.zeros_like(O) if C is None else C
         O = np.zeros_like(C) if O is None else O
-        _, a_of = _classes(np.hstack([C, O]), 0)          # distinct producer rows (of both costs)
-        _, b_of = _classes(np.vstack([C, O]), 1)          # distinct consumer columns
+        Ts = trig.get(key, [])
+        _, a_of = _classes(np.hstack([C, O] + [T for _, T in Ts]), 0)   # distinct producer rows (costs, triggers)
+        _, b_of = _classes(np.vstack([C, O] + [T for _, T in Ts]), 1)   # distinct consumer columns
         A, B = int(a_of.max()) + 1, int(b_of.max()) + 1
         fa = [int(np.flatnonzero(a_of == a)[0]) for a in range(A)]
         fb = [int(np.flatnonzero(b_of == b)[0]) for b in range(B)]
@@ -97,14 +110,20 @@ def _build(lin, edges, mem, overlap) -> _Model:
         if A == 1:
             cost[0][off[g2]:off[g2 + 1]] += small[0][b_of]
             ocost[0][off[g2]:off[g2 + 1]] += osmall[0][b_of]
+            for s, T in Ts:
+                trig_cols[s] += list(off[g2] + np.flatnonzero(T[0]))
             continue
         if B == 1:
             cost[0][off[g1]:off[g1 + 1]] += small[:, 0][a_of]
             ocost[0][off[g1]:off[g1 + 1]] += osmall[:, 0][a_of]
+            for s, T in Ts:
+                trig_cols[s] += list(off[g1] + np.flatnonzero(T[:, 0]))
             continue
         z0 = nz
         nz += A * B
         zs.append((z0, A, B, a_of, b_of, g1, g2))
+        for s, T in Ts:
+            trig_cols[s] += [z0 + a * B + b for a, b in np.argwhere(T[np.ix_(fa, fb)])]
         cost.append(small.reshape(-1))
         ocost.append(osmall.reshape(-1))
         for a in range(A):                                # sum_b z[a, b] = sum_{k in a} x[g1, k]
@@ -117,6 +136,19 @@ def _build(lin, edges, mem, overlap) -> _Model:
             ks = np.flatnonzero(b_of == b)
             rows += [r] * len(ks); cols += list(off[g2] + ks); vals += [-1.0] * len(ks)
             lo.append(0.0); hi.append(0.0); r += 1
+    ys = []
+    for s, (F, _) in enumerate(fixed):                   # y >= each triggering column; y costs F
+        cols_s = sorted(set(int(c) for c in trig_cols[s]))
+        if not cols_s:
+            continue
+        y = nz
+        nz += 1
+        ys.append((y, np.array(cols_s)))
+        cost.append(np.array([F]))
+        ocost.append(np.zeros(1))
+        for c in cols_s:
+            rows += [r, r]; cols += [y, c]; vals += [1.0, -1.0]
+            lo.append(0.0); hi.append(np.inf); r += 1
     for coefs, budget in mem:
         vec = np.concatenate(coefs)
         idx = np.flatnonzero(vec)
@@ -127,20 +159,25 @@ def _build(lin, edges, mem, overlap) -> _Model:
     if overlap is not None:
         cap[:nx] = np.concatenate(capacity)
     return _Model(A_, np.asarray(lo, float), np.asarray(hi, float), np.concatenate(cost), np.concatenate(ocost),
-                  off, zs, cap)
+                  off, zs, cap, ys)
 
 
 def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: list[tuple[list[np.ndarray], float]],
           time_limit: float = 60.0, mip_rel_gap: float = 1e-6, overlap=None, max_lps: int | None = None,
-          lambda_search_s: float = float("inf")) -> SolveResult:
+          lambda_search_s: float = float("inf"), fixed=()) -> SolveResult:
     """Minimize sum lin[g][x_g] + sum edges[g1,g2][x_g1, x_g2] (+ exposed overlappable time) subject to `mem`.
 
     overlap: (ovl_lin, ovl_edges, capacity) for comm that overlaps compute (parameter gathers, gradient
     reductions), given in the same shapes as lin / edges and NOT included in them; capacity is the compute time
     it can hide under. The objective is then F = base + max(0, overlappable - capacity): the step time the
-    prediction reports (compute + other comm + exposed overlappable comm). See _solve_overlap."""
+    prediction reports (compute + other comm + exposed overlappable comm). See _solve_overlap.
+    fixed: [(seconds, [((g1, g2), T)])] (plain objective only): a cost paid once when any choice pair with T[a, b]
+    true is taken on any listed edge (g1 == g2: the group's own choices, T's diagonal), e.g. one gradient bucket
+    series' latency: a continuous y per charge with y >= each triggering x or z column."""
     t0 = time.perf_counter()
-    m = _build(lin, edges, mem, overlap)
+    if overlap is not None and fixed:
+        raise ValueError("fixed charges are priced by the plain objective only (overlap=None)")
+    m = _build(lin, edges, mem, overlap, fixed)
     if overlap is not None:
         return _solve_overlap(m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0,
                               max_lps or len(LAMBDAS), lambda_search_s)

@@ -11,8 +11,9 @@ Per group strategy: compute time of its members (roofline on local shapes), the 
 need, model-state bytes (parameters, grads, optimizer state at the storage placement) and saved-activation
 bytes. Per edge between groups: a matrix of redistribute times (producer strategy x consumer strategy).
 Gradients flow into an optimizer-step edge whose required placement is the parameter's own: the data-parallel
-all-reduce / reduce-scatter falls out of it (when it rides in a gradient bucket: its bandwidth plus a share of the
-bucket's latency, autopar.redistribute.grad_reduce_time; the prediction counts each real bucket once).
+all-reduce / reduce-scatter falls out of it (when it rides in a gradient bucket: its bandwidth plus its share of the
+bucket's latency by bytes, autopar.redistribute.grad_reduce_time, and each bucket series' first latency as a fixed
+charge that the solver pays once when any gradient joins the series; the prediction counts each real bucket once).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 
 from autopar.cost import op_flops, has_flop_formula, roofline_time
 from autopar.graph import Ref, TensorMeta, param_root
-from autopar.redistribute import all_reduced, grad_reduce_time, redistribute_time
+from autopar.redistribute import all_reduced, grad_bucket_latency, grad_reduce_time, redistribute_time
 from autopar.strategies import num_shards
 
 
@@ -199,6 +200,8 @@ def run(state) -> None:
     matrices: dict[tuple[int, int], np.ndarray] = {}
     ovl_matrices: dict[tuple[int, int], np.ndarray] = {}     # the overlappable part of each matrix
     mat_cache: dict = {}
+    bucket_delta: dict = {}     # (g1, g2) -> gradient-reduction price with latency by bytes alone minus by share
+    series: dict = {}           # bucket series -> [latency of one bucket, {(g1, g2): choices that join it}]
     for (p, o, v, j), c in sorted(edge_count.items(), key=lambda kv: tuple(map(str, kv[0]))):
         g1, g2 = gid[root[p]], gid[root[v]]
         meta = nodes[p].outs[o]
@@ -215,6 +218,8 @@ def run(state) -> None:
                 (lambda a, b: rtime(a, b, meta))
             small = mat_cache[mkey] = np.array([[f(a, b) for b in vs] for a in us])
         C = c * small[np.ix_(ui, vi)]
+        if opt:
+            _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, bucket_delta, series)
         ovl = opt or ovl_src(p)       # gradient reductions and parameter gathers overlap compute
         if g1 == g2:
             comm_lin[g1] += np.diag(C)
@@ -236,7 +241,30 @@ def run(state) -> None:
     state.choice, state.follow = choice, follow
     state.cost = {"compute": compute, "comm": comm_lin, "state_mem": state_mem, "act_mem": act_mem,
                   "edges": matrices, "rtime": rtime, "node_time": node_time,
-                  "comm_ovl": comm_ovl, "edges_ovl": ovl_matrices}
+                  "comm_ovl": comm_ovl, "edges_ovl": ovl_matrices, "bucket_delta": bucket_delta,
+                  "bucket_series": [(F, list(t.items()))
+                                    for _, (F, t) in sorted(series.items(), key=lambda kv: str(kv[0]))]}
+
+
+def _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, delta, series) -> None:
+    """For the exact objective (overlap=False): a gradient edge's price with its bucket latency by bytes alone
+    (`delta`, added to the by-share price) and, per bucket series, which (producer, consumer) choices join it; the
+    solver charges each series' one-bucket latency once when any choice joining it is taken (a fixed charge)."""
+    lin = np.array([[0.0 if a == b else grad_reduce_time(a, b, meta, mesh_shape, cluster, None) for b in vs]
+                    for a in us])
+    key = (g1, g2)
+    D = c * (lin - small)[np.ix_(ui, vi)]
+    delta[key] = delta[key] + D if key in delta else D
+    for a_i, a in enumerate(us):
+        for b_i, b in enumerate(vs):
+            if a == b:
+                continue
+            s, F = grad_bucket_latency(a, b, meta, mesh_shape, cluster)
+            if s is None:
+                continue
+            entry = series.setdefault(s, [F, {}])
+            T = entry[1].setdefault(key, np.zeros((len(ui), len(vi)), dtype=bool))
+            T |= (ui == a_i)[:, None] & (vi == b_i)[None, :]
 
 
 def _lead_input(g, n, ins):

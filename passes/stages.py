@@ -224,6 +224,13 @@ class StageOps:
         blocks = [layers[i] if isinstance(layers, nn.ModuleList) else list(layers.values())[i] for i in reps]
         with swap_layers(model, prefix, blocks):
             g = capture(model, mb_inputs, ctx["loss_fn"])
+            styled = {f"{k}.{n}" for k, mod in model.named_modules() if isinstance(mod, (nn.Linear, nn.Embedding))
+                      for n, _ in mod.named_parameters(recurse=False)}
+        # the pipeline runtime shards only nn.Linear / nn.Embedding weights on a tensor-parallel stage dim (any dim
+        # of size > 1 not named dp*, as backends/pipeline.py reads it): every other parameter is Replicate there
+        tp = {d: "R" for d, (nm, n) in enumerate(zip(stage_mesh.names, stage_mesh.shape))
+              if n > 1 and not nm.startswith("dp")}
+        pin = (lambda n: tp if n.kind == "param" and n.target not in styled else None) if tp else None
         sub_force = {}
         for fqn, pl in ctx["force"].items():
             m = re.match(rf"^{re.escape(prefix)}\.(\d+)\.(.*)$", fqn)
@@ -232,7 +239,7 @@ class StageOps:
             elif int(m.group(1)) in reps:
                 sub_force[f"{prefix}.{reps.index(int(m.group(1)))}.{m.group(2)}"] = pl
         self.state = PlanState(g, stage_mesh, ctx["cluster"], ctx["precision"], 1e30,
-                               {"force": sub_force, "replicate_ops": ctx["replicate_ops"],
+                               {"force": sub_force, "replicate_ops": ctx["replicate_ops"], "pin": pin,
                                 # on a one-device stage every placement is Replicate: no rule is needed to say so
                                 "allow_replicate": ctx["allow_replicate"] or stage_mesh.size == 1,
                                 "time_limit": ctx["time_limit"], "mixed_precision": None,

@@ -54,7 +54,7 @@ def job_train(cases, tmp, device):
             keep, buckets.flatten_chain = buckets.flatten_chain, lambda *a: True
             try:
                 pm = autopar.parallelize(model, mesh, x, force={k: ("R", "R") for k, _ in model.named_parameters()},
-                                         pin=lambda n: {0: "S0", 1: "S0"} if n.kind == "input" else None)
+                                         pin=lambda n: _batch_sharded(n, batch))
             finally:
                 buckets.flatten_chain = keep
         else:
@@ -67,6 +67,17 @@ def job_train(cases, tmp, device):
                              "losses": rep.losses, "hash": pm.plan.hash(),
                              "placements": {k: list(v) for k, v in pm.plan.params.items()}})
     return out
+
+
+def _batch_sharded(n, batch):
+    """Inputs and forward activations (batch, seq, dim) sharded on the batch over both mesh dims: data parallel
+    (a model this small would otherwise rather gather its few tokens and compute replicated)."""
+    if n.kind == "input":
+        return {0: "S0", 1: "S0"}
+    out = n.outs[0] if n.kind == "op" and n.phase == "fw" and n.outs else None
+    if out is not None and len(out.shape) == 3 and out.shape[0] == batch:
+        return {(0, 0): "S0", (1, 0): "S0"}
+    return None
 
 
 def job_extras(cases, tmp, device):

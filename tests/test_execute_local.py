@@ -408,7 +408,7 @@ def test_data_parallel_on_a_2d_mesh_chains_or_flattens_bucket_all_reduces(flatte
     monkeypatch.setattr("autopar.passes.buckets.flatten_chain", lambda *a: flatten)
     ov = dict(dim=8, hidden=12, n_layers=2, vocab=16)
     model = build_model("mlp-tiny", device="cpu", seed=3, **ov)
-    x = example_inputs("mlp-tiny", batch=32, seq=16, seed=4, **ov)
+    x = example_inputs("mlp-tiny", batch=32, seq=256, seed=4, **ov)
     force = {k: ("R", "R") for k, _ in model.named_parameters()}
     plan, state = autopar.plan(model, (2, 2), x, cluster=SHAPES, overlap=False, force=force, return_state=True,
                                pin=lambda n: {0: "S0", 1: "S0"} if n.kind == "input" else None)
@@ -434,8 +434,9 @@ def test_data_parallel_on_a_2d_mesh_chains_or_flattens_bucket_all_reduces(flatte
         rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
     assert rep.ok, (rep.failures[:5], rep.collective_diff)
     key = lambda m: tuple(m) if isinstance(m, list) else m
-    assert Counter(c for c in rep.measured if c[0] == "all_reduce") == \
-        Counter(("all_reduce", key(b["mesh_dim"]), b["bytes"]) for b in plan.buckets)
+    # every bucket is issued as planned (the rest, e.g. the loss's (sum, count) all_reduce, is the plan's too: rep.ok)
+    measured = Counter(c for c in rep.measured if c[0] == "all_reduce")
+    assert not Counter(("all_reduce", key(b["mesh_dim"]), b["bytes"]) for b in plan.buckets) - measured, measured
 
 
 def test_flattening_a_bucket_chain_follows_the_cost_model():

@@ -69,6 +69,35 @@ def test_solver_equals_brute_force(prob):
     assert abs(res.objective - want) <= 1e-6 * max(1.0, abs(want))
 
 
+@settings(max_examples=100, deadline=None)
+@given(problems(), st.data())
+def test_fixed_charges_equal_brute_force(prob, data):
+    """A fixed charge (one gradient bucket series' latency) is paid once when any choice pair that triggers it is
+    taken, on any of its edges or a group's own choices (g1 == g2): the MILP's optimum equals enumeration."""
+    lin, edges, mem, budget = prob
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    fixed = []
+    for _ in range(data.draw(st.integers(1, 3))):
+        where = [(k, rng.random(C.shape) < 0.4) for k, C in edges.items() if data.draw(st.booleans())]
+        g = data.draw(st.integers(0, len(lin) - 1))
+        where.append(((g, g), np.diag(rng.random(len(lin[g])) < 0.5)))
+        fixed.append((float(np.round(rng.uniform(0, 10), 3)), where))
+
+    def value(combo):
+        v = sum(c[k] for c, k in zip(lin, combo)) + sum(C[combo[a], combo[b]] for (a, b), C in edges.items())
+        return v + sum(F for F, where in fixed if any(T[combo[a], combo[b]] for (a, b), T in where))
+    feasible = [c for c in itertools.product(*[range(len(c)) for c in lin])
+                if sum(m[k] for m, k in zip(mem, c)) <= budget + 1e-9]
+    try:
+        res = solve(lin, edges, [(mem, budget)], fixed=fixed)
+    except InfeasibleMemoryError:
+        assert not feasible
+        return
+    want = min(value(c) for c in feasible)
+    assert abs(value(res.choice) - want) <= 1e-6 * max(1.0, abs(want)), (value(res.choice), want)
+    assert abs(res.objective - want) <= 1e-6 * max(1.0, abs(want)), (res.objective, want)
+
+
 def test_real_graph_optimum_equals_brute_force():
     """mlp-tiny on a 2-rank mesh, all but a few groups pinned to their optimum: enumerate the rest exhaustively
     under the planner's own objective (compute + activation comm + exposed overlappable comm)."""
@@ -76,7 +105,7 @@ def test_real_graph_optimum_equals_brute_force():
     m = M.build_model("mlp-tiny", n_layers=1)
     x = M.example_inputs("mlp-tiny", batch=8, device="meta", n_layers=1)
     plan, st_ = autopar.plan(m, (2,), x, cluster="h100", return_state=True, overlap=True)
-    lin, edges, (olin, oedges, cap) = objective(st_.cost, overlap=True)
+    lin, edges, (olin, oedges, cap), _ = objective(st_.cost, overlap=True)
     free = [i for i in np.argsort([-len(v) for v in lin])[:4]]        # the 4 groups with most strategies
     chosen = st_.solution.choice
 
