@@ -218,16 +218,19 @@ def flatten_chain(todo, nbytes: int, mesh_shape, cluster) -> bool:
 def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: int | None = 1) -> float:
     """Seconds a gradient reduction src -> dst adds to the step. In a bucket: its bandwidth plus its share of
     the bucket's latency, by bytes (a full bucket is BUCKET_BYTES) and at least 1/n_grads of one bucket (a
-    model's gradients fill at least one; n_grads=None: by bytes alone, the first bucket's latency being charged
-    once per bucket series, see grad_bucket_latency); a chain over several mesh dims at the cheaper of chain and
-    flattened group (flatten_chain); the prediction (autopar/predict.py) counts the real buckets."""
+    model's gradients fill at least one); a chain over several mesh dims at the cheaper of chain and flattened group
+    (flatten_chain). n_grads=None: its bandwidth alone (the solver charges each bucket series' latency by
+    grad_bucket_latency), a chain as what a full bucket takes. The prediction (autopar/predict.py) counts the real
+    buckets."""
     todo = bucket_steps(tuple(src), tuple(dst))
     if todo is None:
         return redistribute_time(src, dst, meta, mesh_shape, cluster)
     mesh_shape = tuple(mesh_shape)
-    share = meta.nbytes / BUCKET_BYTES if n_grads is None else max(meta.nbytes / BUCKET_BYTES, 1.0 / max(1, n_grads))
+    share = 0.0 if n_grads is None else max(meta.nbytes / BUCKET_BYTES, 1.0 / max(1, n_grads))
     if len(todo) > 1:
         chain, flat = _chain_time(todo, meta.nbytes, mesh_shape, cluster, share)
+        if n_grads is None:
+            return flat if flatten_chain(todo, BUCKET_BYTES, mesh_shape, cluster) else chain
         return min(chain, flat) if _flattenable(todo) else chain
     links, t = _links(cluster, mesh_shape), 0.0
     for c in collectives(src, dst, meta, mesh_shape):
@@ -237,11 +240,18 @@ def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: i
 
 
 def grad_bucket_latency(src, dst, meta: TensorMeta, mesh_shape, cluster):
-    """(bucket series, seconds): the series a gradient reduction src -> dst joins (passes/buckets.py groups
-    gradients by (steps, dtype)) and the latency of one of its buckets, which the series pays once however few
-    gradients it holds; (None, 0.0) for a reduction that is not bucketed."""
+    """(bucket series, seconds, fraction): the series a gradient reduction src -> dst joins (passes/buckets.py
+    groups gradients by (steps, dtype)), the latency of one of its buckets, and the fraction of a bucket
+    (BUCKET_BYTES) the gradient fills: a series of total fraction f takes about max(1, f) buckets, one at least
+    however few gradients it holds; (None, 0.0, 0.0) for a reduction that is not bucketed."""
     todo = bucket_steps(tuple(src), tuple(dst))
     if todo is None:
-        return None, 0.0
+        return None, 0.0, 0.0
+    mesh_shape = tuple(mesh_shape)
+    first = collectives(tuple(src), tuple(dst), meta, mesh_shape)
+    frac = (first[0].nbytes if first else meta.nbytes) / BUCKET_BYTES
+    if len(todo) > 1:                         # chain or flattened group, as a full bucket of the series runs
+        chain, flat = _chain_time(todo, 0, mesh_shape, cluster, 1.0)
+        return (todo, str(meta.dtype)), flat if flatten_chain(todo, BUCKET_BYTES, mesh_shape, cluster) else chain, frac
     empty = TensorMeta((0,) * len(meta.shape), meta.dtype)
-    return (todo, str(meta.dtype)), grad_reduce_time(src, dst, empty, mesh_shape, cluster, 1)
+    return (todo, str(meta.dtype)), grad_reduce_time(src, dst, empty, mesh_shape, cluster, 1), frac

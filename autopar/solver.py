@@ -3,9 +3,10 @@
 Variables: x[g, k] = 1 when decision group g takes strategy k (exactly one per group). Each edge between two
 groups with a redistribute-time matrix C gets transportation variables z[a, b] over the distinct rows a and
 columns b of C, whose marginals are the producer's and consumer's x; since the marginals are one-hot, z is the
-product of the two choices and sum C[a, b] z[a, b] is exactly the edge's cost. A fixed charge (one gradient bucket
-series' latency) is a variable y >= every x or z column that triggers it, costing its seconds. Memory rows
-bound the bytes per rank. Same inputs give the same model and the same answer on every rank (HiGHS is
+product of the two choices and sum C[a, b] z[a, b] is exactly the edge's cost. A bucket charge (one gradient bucket
+series' latency F, paid max(1, sum of its gradients' bucket fractions) times when any gradient joins the series)
+is y >= every x or z column that joins it and e >= sum w col - y, costing F (y + e). Memory rows bound the bytes
+per rank. Same inputs give the same model and the same answer on every rank (HiGHS is
 deterministic, run single threaded).
 """
 from __future__ import annotations
@@ -58,7 +59,15 @@ class _Model:
     off: np.ndarray            # group g's x variables: off[g]:off[g+1]
     edges: list                # (z0, A, B, a_of, b_of, g1, g2) per edge with transportation variables
     cap: np.ndarray            # the compute capacity part of ovl, per variable (x only)
-    fixed: list = ()           # (y column, columns that trigger it) per fixed charge: y = max of those columns
+    fixed: list = ()           # (y column, e column, columns that join it, their weights) per bucket charge
+
+    @property
+    def upper(self) -> np.ndarray:
+        """Column upper bounds: 1 (x, z, y), unbounded for each bucket charge's e."""
+        u = np.ones(self.A.shape[1])
+        for _, e, _, _ in self.fixed:
+            u[e] = np.inf
+        return u
 
     @property
     def nx(self) -> int:
@@ -70,8 +79,9 @@ class _Model:
         v[self.off[:-1] + np.asarray(choice)] = 1.0
         for z0, A, B, a_of, b_of, g1, g2 in self.edges:
             v[z0 + a_of[choice[g1]] * B + b_of[choice[g2]]] = 1.0
-        for y, cols in self.fixed:
+        for y, e, cols, w in self.fixed:
             v[y] = v[cols].max()
+            v[e] = max(0.0, float(w @ v[cols]) - v[y])
         return v
 
 
@@ -87,14 +97,19 @@ def _build(lin, edges, mem, overlap, fixed=()) -> _Model:
         rows += [r] * len(c); cols += list(range(off[gi], off[gi + 1])); vals += [1.0] * len(c)
         lo.append(1.0); hi.append(1.0); r += 1
     nz, zs = nx, []
-    trig: dict = {}                                       # edge -> [(fixed charge, choices that trigger it)]
-    trig_cols = [[] for _ in fixed]                       # per fixed charge: the columns that trigger it
+    trig: dict = {}                                       # edge -> [(bucket charge, weights of the choices joining it)]
+    trig_cols = [{} for _ in fixed]                       # per bucket charge: {column joining it: weight}
+
+    def join(s, cols, w):
+        for c, x in zip(cols, w):
+            trig_cols[s][int(c)] = trig_cols[s].get(int(c), 0.0) + float(x)
     for s, (_, where) in enumerate(fixed):
-        for (g1, g2), T in where:
+        for (g1, g2), W in where:
             if g1 == g2:                                  # inside one group: its own choices
-                trig_cols[s] += list(off[g1] + np.flatnonzero(np.diag(T)))
+                k = np.flatnonzero(np.diag(W) > 0)
+                join(s, off[g1] + k, np.diag(W)[k])
             else:
-                trig.setdefault((g1, g2), []).append((s, T))
+                trig.setdefault((g1, g2), []).append((s, W))
     for key in sorted(set(edges) | set(ovl_edges)):
         g1, g2 = key
         C, O = edges.get(key), ovl_edges.get(key)
@@ -110,20 +125,24 @@ def _build(lin, edges, mem, overlap, fixed=()) -> _Model:
         if A == 1:
             cost[0][off[g2]:off[g2 + 1]] += small[0][b_of]
             ocost[0][off[g2]:off[g2 + 1]] += osmall[0][b_of]
-            for s, T in Ts:
-                trig_cols[s] += list(off[g2] + np.flatnonzero(T[0]))
+            for s, W in Ts:
+                k = np.flatnonzero(W[0] > 0)
+                join(s, off[g2] + k, W[0][k])
             continue
         if B == 1:
             cost[0][off[g1]:off[g1 + 1]] += small[:, 0][a_of]
             ocost[0][off[g1]:off[g1 + 1]] += osmall[:, 0][a_of]
-            for s, T in Ts:
-                trig_cols[s] += list(off[g1] + np.flatnonzero(T[:, 0]))
+            for s, W in Ts:
+                k = np.flatnonzero(W[:, 0] > 0)
+                join(s, off[g1] + k, W[:, 0][k])
             continue
         z0 = nz
         nz += A * B
         zs.append((z0, A, B, a_of, b_of, g1, g2))
-        for s, T in Ts:
-            trig_cols[s] += [z0 + a * B + b for a, b in np.argwhere(T[np.ix_(fa, fb)])]
+        for s, W in Ts:
+            Ws = W[np.ix_(fa, fb)]
+            ab = np.argwhere(Ws > 0)
+            join(s, [z0 + a * B + b for a, b in ab], [Ws[a, b] for a, b in ab])
         cost.append(small.reshape(-1))
         ocost.append(osmall.reshape(-1))
         for a in range(A):                                # sum_b z[a, b] = sum_{k in a} x[g1, k]
@@ -137,18 +156,21 @@ def _build(lin, edges, mem, overlap, fixed=()) -> _Model:
             rows += [r] * len(ks); cols += list(off[g2] + ks); vals += [-1.0] * len(ks)
             lo.append(0.0); hi.append(0.0); r += 1
     ys = []
-    for s, (F, _) in enumerate(fixed):                   # y >= each triggering column; y costs F
-        cols_s = sorted(set(int(c) for c in trig_cols[s]))
+    for s, (F, _) in enumerate(fixed):                   # y >= each column joining; e >= sum w col - y; F (y + e)
+        cols_s = sorted(trig_cols[s])
         if not cols_s:
             continue
-        y = nz
-        nz += 1
-        ys.append((y, np.array(cols_s)))
-        cost.append(np.array([F]))
-        ocost.append(np.zeros(1))
+        w = np.array([trig_cols[s][c] for c in cols_s])
+        y, e = nz, nz + 1
+        nz += 2
+        ys.append((y, e, np.array(cols_s), w))
+        cost.append(np.array([F, F]))
+        ocost.append(np.zeros(2))
         for c in cols_s:
             rows += [r, r]; cols += [y, c]; vals += [1.0, -1.0]
             lo.append(0.0); hi.append(np.inf); r += 1
+        rows += [r] * (len(cols_s) + 2); cols += [y, e] + cols_s; vals += [1.0, 1.0] + list(-w)
+        lo.append(0.0); hi.append(np.inf); r += 1
     for coefs, budget in mem:
         vec = np.concatenate(coefs)
         idx = np.flatnonzero(vec)
@@ -171,9 +193,10 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
     reductions), given in the same shapes as lin / edges and NOT included in them; capacity is the compute time
     it can hide under. The objective is then F = base + max(0, overlappable - capacity): the step time the
     prediction reports (compute + other comm + exposed overlappable comm). See _solve_overlap.
-    fixed: [(seconds, [((g1, g2), T)])] (plain objective only): a cost paid once when any choice pair with T[a, b]
-    true is taken on any listed edge (g1 == g2: the group's own choices, T's diagonal), e.g. one gradient bucket
-    series' latency: a continuous y per charge with y >= each triggering x or z column."""
+    fixed: [(seconds F, [((g1, g2), W)])] (plain objective only), one per gradient bucket series: F (one bucket's
+    latency) times max(1, sum of W[a, b] over the choice pairs taken) when any pair with W[a, b] > 0 (the fraction
+    of a bucket its gradient fills) is taken on a listed edge (g1 == g2: the group's own choices, W's diagonal);
+    continuous y >= each joining x or z column and e >= sum W col - y, costing F (y + e)."""
     t0 = time.perf_counter()
     if overlap is not None and fixed:
         raise ValueError("fixed charges are priced by the plain objective only (overlap=None)")
@@ -182,7 +205,7 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
         return _solve_overlap(m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0,
                               max_lps or len(LAMBDAS), lambda_search_s)
     scale = max(float(np.abs(m.cost).max()), 1e-30)
-    h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(m.A.shape[1]), time_limit)
+    h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper, time_limit)
     # The LP relaxation is a lower bound; when its optimum is integral it is the MILP optimum (gap 0). This is
     # the common case for placement problems and several times faster than branch-and-bound's set-up (dual
     # simplex without presolve measured fastest on the 8B plan: 0.35 s vs 0.9 s with presolve, 3 s with IPM);
@@ -200,7 +223,7 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
         if restricted is not None and restricted[1] <= lp_bound * (1 + mip_rel_gap) + 1e-15:
             h, x, method = restricted[2], restricted[0], "LP relaxation, fractional groups by branch and bound"
         else:
-            h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(m.A.shape[1]),
+            h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper,
                        max(1.0, time_limit - (time.perf_counter() - t0)))
             x, h = _branch_and_bound(h, m.nx, mip_rel_gap)   # unseeded: seeded, HiGHS returned stale vectors
             method = "branch and bound"
@@ -227,7 +250,7 @@ def _restricted(m: _Model, x, scale, mip_rel_gap, time_limit):
         seg = x[m.off[g]:m.off[g + 1]]
         if _integral(seg):
             lo[m.off[g]:m.off[g + 1]] = hi[m.off[g]:m.off[g + 1]] = np.round(seg)
-    h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(m.A.shape[1]), time_limit)
+    h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper, time_limit)
     h.changeColsBounds(m.nx, np.arange(m.nx, dtype=np.int32), lo, hi)
     xr, h = _branch_and_bound(h, m.nx, mip_rel_gap)
     if xr is None or h.modelStatusToString(h.getModelStatus()) != "Optimal":
@@ -287,7 +310,7 @@ def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lam
     pass picks among them by the full prediction, which counts gradient buckets exactly)."""
     nz = m.A.shape[1]
     scale = max(float(np.abs(m.cost).max()), float(np.abs(m.ovl).max()), 1e-30)
-    h = _model(m.cost / scale, m.A, m.lo, m.hi, np.ones(nz), time_limit)
+    h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper, time_limit)
     idx = np.arange(nz, dtype=np.int32)
     best, best_F, bound, n_lp = None, np.inf, -np.inf, 0
     mem_rows = m.A[m.lo == -np.inf] if np.any(m.lo == -np.inf) else None
@@ -354,7 +377,7 @@ def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lam
         e_col = m.A.shape[1]
         A2 = _with_overlap_row(m, scale)
         h2 = _model(np.append(m.cost, scale) / scale, A2, np.append(m.lo, -np.inf), np.append(m.hi, 0.0),
-                    np.append(np.ones(nz), np.inf), left)
+                    np.append(m.upper, np.inf), left)
         seed = None if best is None else np.append(m.one_hot(best), max(0.0, float(m.ovl @ m.one_hot(best))) / scale)
         x, h2 = _branch_and_bound(h2, m.nx, mip_rel_gap, seed)
         if x is not None:

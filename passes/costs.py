@@ -11,9 +11,9 @@ Per group strategy: compute time of its members (roofline on local shapes), the 
 need, model-state bytes (parameters, grads, optimizer state at the storage placement) and saved-activation
 bytes. Per edge between groups: a matrix of redistribute times (producer strategy x consumer strategy).
 Gradients flow into an optimizer-step edge whose required placement is the parameter's own: the data-parallel
-all-reduce / reduce-scatter falls out of it (when it rides in a gradient bucket: its bandwidth plus its share of the
-bucket's latency by bytes, autopar.redistribute.grad_reduce_time, and each bucket series' first latency as a fixed
-charge that the solver pays once when any gradient joins the series; the prediction counts each real bucket once).
+all-reduce / reduce-scatter falls out of it (when it rides in a gradient bucket: its bandwidth, and the bucket
+series' latency max(1, sum of its gradients' bucket fractions) times, a charge the solver adds once any gradient joins
+the series, autopar.redistribute.grad_bucket_latency; the prediction counts each real bucket once).
 """
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def run(state) -> None:
     ovl_matrices: dict[tuple[int, int], np.ndarray] = {}     # the overlappable part of each matrix
     mat_cache: dict = {}
     bucket_delta: dict = {}     # (g1, g2) -> gradient-reduction price with latency by bytes alone minus by share
-    series: dict = {}           # bucket series -> [latency of one bucket, {(g1, g2): choices that join it}]
+    series: dict = {}           # bucket series -> [one bucket's latency, {(g1, g2): bucket fraction per choice pair}]
     for (p, o, v, j), c in sorted(edge_count.items(), key=lambda kv: tuple(map(str, kv[0]))):
         g1, g2 = gid[root[p]], gid[root[v]]
         meta = nodes[p].outs[o]
@@ -247,24 +247,25 @@ def run(state) -> None:
 
 
 def _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, delta, series) -> None:
-    """For the exact objective (overlap=False): a gradient edge's price with its bucket latency by bytes alone
-    (`delta`, added to the by-share price) and, per bucket series, which (producer, consumer) choices join it; the
-    solver charges each series' one-bucket latency once when any choice joining it is taken (a fixed charge)."""
-    lin = np.array([[0.0 if a == b else grad_reduce_time(a, b, meta, mesh_shape, cluster, None) for b in vs]
+    """For the exact objective (overlap=False): a gradient edge's price without bucket latency (`delta`, added to
+    the by-share price) and, per bucket series, which (producer, consumer) choices join it with the fraction of a
+    bucket they fill (c instances each); the solver charges the series' bucket latency max(1, total fraction)
+    times when any choice joining it is taken."""
+    bw = np.array([[0.0 if a == b else grad_reduce_time(a, b, meta, mesh_shape, cluster, None) for b in vs]
                     for a in us])
     key = (g1, g2)
-    D = c * (lin - small)[np.ix_(ui, vi)]
+    D = c * (bw - small)[np.ix_(ui, vi)]
     delta[key] = delta[key] + D if key in delta else D
     for a_i, a in enumerate(us):
         for b_i, b in enumerate(vs):
             if a == b:
                 continue
-            s, F = grad_bucket_latency(a, b, meta, mesh_shape, cluster)
+            s, F, frac = grad_bucket_latency(a, b, meta, mesh_shape, cluster)
             if s is None:
                 continue
             entry = series.setdefault(s, [F, {}])
-            T = entry[1].setdefault(key, np.zeros((len(ui), len(vi)), dtype=bool))
-            T |= (ui == a_i)[:, None] & (vi == b_i)[None, :]
+            W = entry[1].setdefault(key, np.zeros((len(ui), len(vi))))
+            W += c * frac * ((ui == a_i)[:, None] & (vi == b_i)[None, :])
 
 
 def _lead_input(g, n, ins):

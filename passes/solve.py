@@ -114,9 +114,9 @@ def objective(c, overlap: bool):
     """The step time the prediction reports (autopar/predict.py), as the MILP's pieces: compute and activation comm
     are paid in full; parameter gathers and gradient reductions (comm_ovl / edges_ovl) only where they exceed the
     compute they overlap with, each gradient's bucket latency by share. overlap=False: everything is paid in full (a
-    plain MILP), each gradient bucket series' first latency as a fixed charge (returned last: [(seconds,
-    [((g1, g2), choices joining the series)])])."""
-    if not overlap:                   # every collective blocks: compute + all comm, bucket latency as fixed charges
+    plain MILP), each gradient bucket series' latency as a bucket charge (returned last: [(seconds,
+    [((g1, g2), bucket fraction per choice pair joining the series)])], see autopar.solver.solve)."""
+    if not overlap:                   # every collective blocks: compute + all comm, bucket latency as bucket charges
         lin = [a + b for a, b in zip(c["compute"], c["comm"])]
         edges = dict(c["edges"])
         for (g1, g2), D in c["bucket_delta"].items():

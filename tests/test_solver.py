@@ -71,21 +71,26 @@ def test_solver_equals_brute_force(prob):
 
 @settings(max_examples=100, deadline=None)
 @given(problems(), st.data())
-def test_fixed_charges_equal_brute_force(prob, data):
-    """A fixed charge (one gradient bucket series' latency) is paid once when any choice pair that triggers it is
-    taken, on any of its edges or a group's own choices (g1 == g2): the MILP's optimum equals enumeration."""
+def test_bucket_charges_equal_brute_force(prob, data):
+    """A bucket charge (one gradient bucket series' latency F) costs F max(1, sum of the bucket fractions of the
+    choice pairs taken that join it) when any is taken, on any of its edges or a group's own choices (g1 == g2):
+    the MILP's optimum equals enumeration."""
     lin, edges, mem, budget = prob
     rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
     fixed = []
     for _ in range(data.draw(st.integers(1, 3))):
-        where = [(k, rng.random(C.shape) < 0.4) for k, C in edges.items() if data.draw(st.booleans())]
+        frac = lambda shape, p: np.round(rng.uniform(0.05, 1.5, shape), 3) * (rng.random(shape) < p)
+        where = [(k, frac(C.shape, 0.4)) for k, C in edges.items() if data.draw(st.booleans())]
         g = data.draw(st.integers(0, len(lin) - 1))
-        where.append(((g, g), np.diag(rng.random(len(lin[g])) < 0.5)))
+        where.append(((g, g), np.diag(frac(len(lin[g]), 0.5))))
         fixed.append((float(np.round(rng.uniform(0, 10), 3)), where))
 
     def value(combo):
         v = sum(c[k] for c, k in zip(lin, combo)) + sum(C[combo[a], combo[b]] for (a, b), C in edges.items())
-        return v + sum(F for F, where in fixed if any(T[combo[a], combo[b]] for (a, b), T in where))
+        for F, where in fixed:
+            w = [W[combo[a], combo[b]] for (a, b), W in where if W[combo[a], combo[b]] > 0]
+            v += F * max(1.0, sum(w)) if w else 0.0
+        return v
     feasible = [c for c in itertools.product(*[range(len(c)) for c in lin])
                 if sum(m[k] for m, k in zip(mem, c)) <= budget + 1e-9]
     try:
