@@ -42,14 +42,15 @@ def _dp_cases(tmp_path):
     import autopar
     from autopar import models
     m = models.build_model(MODEL, device="meta")
-    x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta")
     cases = []
-    for name, shape, names in (("dp4", (4,), ("dp",)), ("dp2x2_chain", (2, 2), ("dp", "tp"))):
+    # a batch of 16 on 2x2: with 8 the calibrated model runs data parallel on one dim only (test_engines_plan.DP_BATCH)
+    for name, shape, names, batch in (("dp4", (4,), ("dp",), BATCH), ("dp2x2_chain", (2, 2), ("dp", "tp"), 16)):
+        x = models.example_inputs(MODEL, batch=batch, seq=SEQ, device="meta")
         p = autopar.plan(m, autopar.MeshSpec(shape, names), x, cluster="cpu-gloo")
         assert p.buckets and all(set(v) == {"R"} for v in p.params.values()), (name, p.buckets, p.params)
         p.save(tmp_path / f"{name}.json")
         cases.append({"name": name, "shape": list(shape), "names": list(names), "plan": str(tmp_path / f"{name}.json"),
-                      "plan_buckets": True})
+                      "plan_buckets": True, "batch": batch})
     assert any(b.get("step", 0) for b in p.buckets), p.buckets          # a chain over dp and tp
     flat, seen = [], set()
     for b in p.buckets:
@@ -61,7 +62,7 @@ def _dp_cases(tmp_path):
     p.buckets = flat
     p.save(tmp_path / "dp2x2_flat.json")
     cases.append({"name": "dp2x2_flat", "shape": [2, 2], "names": ["dp", "tp"], "plan": str(tmp_path / "dp2x2_flat.json"),
-                  "plan_buckets": True})
+                  "plan_buckets": True, "batch": 16})
     # as llama3-debug's plan on (2,2) does: the embedding's gradient is not in a bucket (the plan computes it from
     # gathered backward inputs); the engines' partial gradient goes in an extra bucket over dp+tp
     emb = "tok_embeddings.weight"
@@ -69,13 +70,14 @@ def _dp_cases(tmp_path):
                   "bytes": b["bytes"] - (emb in b["params"]) * 4 * m.get_parameter(emb).numel()} for b in flat]
     p.save(tmp_path / "dp2x2_extra.json")
     cases.append({"name": "dp2x2_extra", "shape": [2, 2], "names": ["dp", "tp"],
-                  "plan": str(tmp_path / "dp2x2_extra.json")})
+                  "plan": str(tmp_path / "dp2x2_extra.json"), "batch": 16})
     # data parallel (replicated) over dp x torchtitan's TP+SP over tp: the hook averages the tensor-parallel local
     # gradients over dp in the plan's dp bucket; the norms' gradients (the plan: a chain over dp and tp) are
     # all-reduced by DTensor on tp and by the hook on dp (an extra bucket)
     from _clusters import SHAPES
     from autopar.backends.engines_ref import torchtitan_placements
     force, pin = torchtitan_placements(m, ("dp", "tp"), "dp", "tp", (BATCH, SEQ))
+    x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta")
     p = autopar.plan(m, autopar.MeshSpec((2, 2), ("dp", "tp")), x, cluster=SHAPES, overlap=False, pin=pin,
                      force={k: ("R",) + tuple(v[1:]) for k, v in force.items()})
     p.save(tmp_path / "dp_x_tp.json")
@@ -247,7 +249,7 @@ def _run_case(case, rank, world):
     else:
         ref = models.build_model(MODEL, device="cpu")
         model = models.build_model(MODEL, device="cpu")
-        x, y = models.example_inputs(MODEL, batch=BATCH, seq=SEQ)
+        x, y = models.example_inputs(MODEL, batch=case.get("batch", BATCH), seq=SEQ)
         y[0, :IGNORED] = -100          # ignored labels on the first batch shard only (cross_entropy's ignore_index)
         if case["plan"] is None:
             force = {k: ("S0",) for k, _ in model.named_parameters()}

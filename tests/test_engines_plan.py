@@ -22,8 +22,14 @@ B, S = 8, 64
 CLUSTER = SHAPES     # and overlap=False: every collective priced in full, as the TP engine runs them (no prefetch)
 
 
-def _model():
-    return M.build_model("llama-tiny", device="meta"), M.example_inputs("llama-tiny", batch=B, seq=S, device="meta")
+def _model(batch=B):
+    return M.build_model("llama-tiny", device="meta"), M.example_inputs("llama-tiny", batch=batch, seq=S, device="meta")
+
+
+# On 2x2 the calibrated cpu-gloo model runs a batch of 8 data parallel on one dim (the other computes it again:
+# 32.2 ms predicted against 36.3 for data parallel over both dims, whose two-dim gradient reduction costs more
+# latency than the compute it saves); a batch of 16 it splits over both, which these tests lower.
+DP_BATCH = {1: B, 2: 16}
 
 
 def _fsdp(mesh=(2,), names=("dp",), **kw):
@@ -333,8 +339,9 @@ def test_free_cpu_plan_is_replicated_data_parallel_in_the_plans_buckets(mesh, na
     """llama-tiny (batch 8, seq 64) planned for "cpu-gloo": every parameter replicated; the plan gathers the
     log-softmax and runs the loss replicated (the labels stay replicated): the labels are fed batch-sharded like
     the tokens and each rank averages its own shard. On (2,2) the batch is split over both dims (plain data
-    parallelism over the whole mesh); the gradients go in the plan's buckets (a chain over dp then tp)."""
-    m, x = _model()
+    parallelism over the whole mesh, batch 16 there: DP_BATCH); the gradients go in the plan's buckets (a chain over
+    dp then tp)."""
+    m, x = _model(DP_BATCH[len(mesh)])
     plan = autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster="cpu-gloo")
     low = _check_replicated_dp(plan, m, 4)
     assert all(b.planned is not None for b in low.grad_buckets)   # the plan reduces every gradient in a bucket
@@ -404,10 +411,10 @@ def test_plan_for_engines_predicts_the_engines_collectives(mesh, names):
     the loss and the parameter gradients pinned partial on the data dims, and the re-solved plan predicts what the
     engines issue: no gather, the gradients in the plan's buckets, the loss's sum and count in one all_reduce on a
     1-D mesh (the loss hook's (weighted loss, count)); on 2x2 the plan reduces them per mesh dim (a few bytes
-    more than the hook's one all_reduce over the flattened group)."""
+    more than the hook's one all_reduce over the flattened group; batch 16 there: DP_BATCH)."""
     from collections import Counter
     from autopar.backends.engines_plan import plan_for_engines
-    m, x = _model()
+    m, x = _model(DP_BATCH[len(mesh)])
     spec = autopar.MeshSpec(mesh, names)
     free = autopar.plan(m, spec, x, cluster="cpu-gloo")
     assert "all_gather" in free.predicted["collectives"]               # the loss input, gathered
