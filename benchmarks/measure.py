@@ -190,15 +190,15 @@ def _agree(ok: bool, msg: str):
 
 def comm_summary(records) -> dict:
     """{kind: {"count", "bytes"}} over the collectives of groups larger than one rank, in the plan's byte convention
-    (the tensor over the group). CollectiveCounter sizes an all_to_all by this rank's input; the tensor over the
-    group is that times the group size (autopar/redistribute.py: S(i)->S(j) moves the full tensor)."""
+    (the tensor over the group), which CollectiveCounter's records already follow (an all_to_all: this rank's input
+    times the group size, autopar/redistribute.py: S(i)->S(j) moves the full tensor)."""
     out = {}
     for r in records:
         if r.group_size <= 1:
             continue
         k = out.setdefault(r.kind, {"count": 0, "bytes": 0})
         k["count"] += 1
-        k["bytes"] += r.nbytes * (r.group_size if r.kind == "all_to_all" else 1)
+        k["bytes"] += r.nbytes
     return out
 
 

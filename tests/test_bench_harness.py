@@ -12,6 +12,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 import hand_plans  # noqa: E402
 import report  # noqa: E402
@@ -156,3 +157,25 @@ def test_calibration_refit_recovers_each_kinds_link(tmp_path, monkeypatch):
     spec = get_cluster(str(out))
     assert spec.intra.of("reduce_scatter") == (pytest.approx(4e-3, rel=1e-6), pytest.approx(3.3e8, rel=1e-6))
     assert json.loads(out.read_text())["calibration"]["fit_per_kind_median_rel_error"] < 1e-9
+
+
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_measured_bytes_of_an_all_to_all_follow_the_plan_convention(mesh_shape):
+    """The harness's byte count (measure.comm_summary over CollectiveCounter's records) of the executor's S(1) ->
+    S(0) all_to_all equals the plan's (autopar.redistribute.collectives: the tensor over the group). It counted
+    the group size twice (4x on mesh 4, 2x on 2x2: moe-debug's router all_to_alls, 81920 vs 20480 bytes)."""
+    import measure
+    from _simulated import simulated
+    from autopar.backends.comm import redistribute_local
+    from autopar.backends.engines_comm import CollectiveCounter
+    from autopar.graph import TensorMeta
+    from autopar.redistribute import collectives
+    src, dst = ("S1",) + ("R",) * (len(mesh_shape) - 1), ("S0",) + ("R",) * (len(mesh_shape) - 1)
+    want = collectives(src, dst, TensorMeta((128, 8), torch.float32), mesh_shape)
+    assert [c.kind for c in want] == ["all_to_all"]
+    with simulated(mesh_shape) as mesh:
+        x = torch.arange(128 * 8, dtype=torch.float32).reshape(128, 8)[:, :8 // mesh_shape[0]].contiguous()
+        with CollectiveCounter(mesh) as cc:
+            redistribute_local(x, src, dst, mesh)
+    got = measure.comm_summary(cc.records)
+    assert got == {"all_to_all": {"count": 1, "bytes": want[0].nbytes}}, (got, want)
