@@ -226,17 +226,31 @@ def grad_reduce_time(src, dst, meta: TensorMeta, mesh_shape, cluster, n_grads: i
     if todo is None:
         return redistribute_time(src, dst, meta, mesh_shape, cluster)
     mesh_shape = tuple(mesh_shape)
-    share = 0.0 if n_grads is None else max(meta.nbytes / BUCKET_BYTES, 1.0 / max(1, n_grads))
+    if n_grads is None:
+        return _series_time(todo, src, dst, meta, mesh_shape, cluster, 0.0)
+    share = max(meta.nbytes / BUCKET_BYTES, 1.0 / max(1, n_grads))
     if len(todo) > 1:
         chain, flat = _chain_time(todo, meta.nbytes, mesh_shape, cluster, share)
-        if n_grads is None:
-            return flat if flatten_chain(todo, BUCKET_BYTES, mesh_shape, cluster) else chain
         return min(chain, flat) if _flattenable(todo) else chain
+    return _steps_time(src, dst, meta, mesh_shape, cluster, share)
+
+
+def _steps_time(src, dst, meta, mesh_shape, cluster, share) -> float:
+    """Bandwidth of each collective src -> dst plus `share` of its latency."""
     links, t = _links(cluster, mesh_shape), 0.0
     for c in collectives(src, dst, meta, mesh_shape):
         alpha, bw = links[c.mesh_dim].of(c.kind)
         t += bytes_sent(c.kind, c.nbytes, c.group) / bw + share * ring_steps(c.kind, c.group) * alpha
     return t
+
+
+def _series_time(todo, src, dst, meta, mesh_shape, cluster, share) -> float:
+    """A gradient's reduction in its bucket series with `share` of the latency: a chain over several mesh dims as a
+    full bucket of the series runs it (chain or flattened group, flatten_chain at BUCKET_BYTES)."""
+    if len(todo) > 1:
+        chain, flat = _chain_time(todo, meta.nbytes, mesh_shape, cluster, share)
+        return flat if flatten_chain(todo, BUCKET_BYTES, mesh_shape, cluster) else chain
+    return _steps_time(src, dst, meta, mesh_shape, cluster, share)
 
 
 def grad_bucket_latency(src, dst, meta: TensorMeta, mesh_shape, cluster):
@@ -250,8 +264,5 @@ def grad_bucket_latency(src, dst, meta: TensorMeta, mesh_shape, cluster):
     mesh_shape = tuple(mesh_shape)
     first = collectives(tuple(src), tuple(dst), meta, mesh_shape)
     frac = (first[0].nbytes if first else meta.nbytes) / BUCKET_BYTES
-    if len(todo) > 1:                         # chain or flattened group, as a full bucket of the series runs
-        chain, flat = _chain_time(todo, 0, mesh_shape, cluster, 1.0)
-        return (todo, str(meta.dtype)), flat if flatten_chain(todo, BUCKET_BYTES, mesh_shape, cluster) else chain, frac
     empty = TensorMeta((0,) * len(meta.shape), meta.dtype)
-    return (todo, str(meta.dtype)), grad_reduce_time(src, dst, empty, mesh_shape, cluster, 1), frac
+    return (todo, str(meta.dtype)), _series_time(todo, src, dst, empty, mesh_shape, cluster, 1.0), frac

@@ -287,6 +287,8 @@ def compare(out_json: str, md_path: str, base: str) -> list[str]:
     a = c["attention"]
     lines.append(f"| SDPA fwd+bwd {a['dtype']} {a['shape_bhsd']} | {_rate(a['flops_per_s'])} "
                  f"(torch's formula, no causal discount) = {a['ratio_to_matmul']:.2f}x matmul |")
+    if c.get("launch"):
+        lines.append(f"| eager op, back to back (dispatch + launch) | {c['launch']['s_per_op'] * 1e6:.1f} us |")
     if c.get("preset_device"):
         pd = c["preset_device"]
         key = c.get("compute_key", "bf16")
@@ -312,10 +314,6 @@ def compare(out_json: str, md_path: str, base: str) -> list[str]:
                          f"{p['compute_s'] / step['fwd_bwd_s']:.2f}x |")
         except Exception as e:  # noqa: BLE001
             lines.append(f"| predicted compute, {label} | not available: {type(e).__name__}: {e} | |")
-    launch = c.get("launch")
-    if launch:
-        lines.insert(lines.index("| measurement | value |") + 2 + len(c["matmul"]) + 2,
-                     f"| eager op, back to back (dispatch + launch) | {launch['s_per_op'] * 1e6:.1f} us |")
     ex = c.get("executor_step")
     if ex and "error" not in ex:
         lines += ["", f"## autopar's graph executor vs eager, world 1 ({ex['backend']}, {ex['model']} batch "

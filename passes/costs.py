@@ -200,7 +200,7 @@ def run(state) -> None:
     matrices: dict[tuple[int, int], np.ndarray] = {}
     ovl_matrices: dict[tuple[int, int], np.ndarray] = {}     # the overlappable part of each matrix
     mat_cache: dict = {}
-    bucket_delta: dict = {}     # (g1, g2) -> gradient-reduction price with latency by bytes alone minus by share
+    bucket_delta: dict = {}     # (g1, g2) -> gradient-reduction price without bucket latency minus by share
     series: dict = {}           # bucket series -> [one bucket's latency, {(g1, g2): bucket fraction per choice pair}]
     for (p, o, v, j), c in sorted(edge_count.items(), key=lambda kv: tuple(map(str, kv[0]))):
         g1, g2 = gid[root[p]], gid[root[v]]

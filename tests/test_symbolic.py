@@ -39,12 +39,9 @@ def test_batch_formula_counts_a_flattened_gradient_bucket_once(flatten, monkeypa
     m = M.build_model("llama-tiny")
     x4 = M.example_inputs("llama-tiny", batch=4, device="meta")
     force = {k: ("R", "R") for k, _ in m.named_parameters()}
-    def batch_sharded(n):    # inputs and (batch, seq, dim) activations: else the model rather gathers its tokens
-        if n.kind == "input":
-            return {0: "S0", 1: "S0"}
-        out = n.outs[0] if n.kind == "op" and n.phase == "fw" and n.outs else None
-        return {(0, 0): "S0", (1, 0): "S0"} if out is not None and len(out.shape) == 3 and out.shape[0] == 4 else None
-    p4, st = autopar.plan(m, (2, 2), x4, cluster="cpu-gloo", return_state=True, force=force, pin=batch_sharded)
+    from autopar.backends.engines_ref import batch_pin   # batch-sharded activations: else it gathers its tokens
+    p4, st = autopar.plan(m, (2, 2), x4, cluster="cpu-gloo", return_state=True, force=force,
+                          pin=batch_pin([0, 1], tuple(x4[0].shape)))
     flat = [bk for bk in p4.buckets if isinstance(bk["mesh_dim"], list)]
     assert bool(flat) == flatten and all(bk["group"] == 4 for bk in flat)
     f = batch_formula(st, m, x4)
