@@ -5,7 +5,9 @@ groups with a redistribute-time matrix C gets transportation variables z[a, b] o
 columns b of C, whose marginals are the producer's and consumer's x; since the marginals are one-hot, z is the
 product of the two choices and sum C[a, b] z[a, b] is exactly the edge's cost. A bucket charge (one gradient bucket
 series' latency F, paid max(1, sum of its gradients' bucket fractions) times when any gradient joins the series)
-is y >= every x or z column that joins it and e >= sum w col - y, costing F (y + e). Memory rows bound the bytes
+is y >= every x or z column that joins it and e >= sum w col - y, costing F (y + e). A shared charge (what
+several consumers of one value pay once: the max over them of a price per choice pair) is y >= each consumer
+edge's W-weighted x or z columns, costing F y. Memory rows bound the bytes
 per rank. Same inputs give the same model and the same answer on every rank (HiGHS is
 deterministic, run single threaded).
 """
@@ -60,10 +62,12 @@ class _Model:
     edges: list                # (z0, A, B, a_of, b_of, g1, g2) per edge with transportation variables
     cap: np.ndarray            # the compute capacity part of ovl, per variable (x only)
     fixed: list = ()           # (y column, e column, columns that join it, their weights) per bucket charge
+    shared: list = ()          # (y column, [(columns, weights) of one consumer edge]) per shared charge
 
     @property
     def upper(self) -> np.ndarray:
-        """Column upper bounds: 1 (x, z, y), unbounded for each bucket charge's e."""
+        """Column upper bounds: 1 (x, z, y; a shared charge's y is in units of its largest price), unbounded for each
+        bucket charge's e."""
         u = np.ones(self.A.shape[1])
         for _, e, _, _ in self.fixed:
             u[e] = np.inf
@@ -82,10 +86,12 @@ class _Model:
         for y, e, cols, w in self.fixed:
             v[y] = v[cols].max()
             v[e] = max(0.0, float(w @ v[cols]) - v[y])
+        for y, parts in self.shared:
+            v[y] = max(float(w @ v[c]) for c, w in parts)
         return v
 
 
-def _build(lin, edges, mem, overlap, fixed=()) -> _Model:
+def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
     off = np.cumsum([0] + [len(c) for c in lin])
     nx = int(off[-1])
     cost = [np.concatenate(lin)]
@@ -110,19 +116,28 @@ def _build(lin, edges, mem, overlap, fixed=()) -> _Model:
                 join(s, off[g1] + k, np.diag(W)[k])
             else:
                 trig.setdefault((g1, g2), []).append((s, W))
-    for key in sorted(set(edges) | set(ovl_edges)):
+    weights: dict = {}                                    # edge -> the W of the shared charges on it
+    for _, where in shared:
+        for (g1, g2), W in where:
+            if g1 != g2:
+                weights.setdefault((g1, g2), []).append(np.asarray(W, float))
+    where_x: dict = {}                                    # edge -> how its pairs are columns: ("z", ...) or ("x", ...)
+    for key in sorted(set(edges) | set(ovl_edges) | set(trig) | set(weights)):
         g1, g2 = key
         C, O = edges.get(key), ovl_edges.get(key)
+        C = np.zeros((len(lin[g1]), len(lin[g2]))) if C is None and O is None else C
         C = np.zeros_like(O) if C is None else C
         O = np.zeros_like(C) if O is None else O
         Ts = trig.get(key, [])
-        _, a_of = _classes(np.hstack([C, O] + [T for _, T in Ts]), 0)   # distinct producer rows (costs, triggers)
-        _, b_of = _classes(np.vstack([C, O] + [T for _, T in Ts]), 1)   # distinct consumer columns
+        Ws = weights.get(key, [])
+        _, a_of = _classes(np.hstack([C, O] + [T for _, T in Ts] + Ws), 0)   # distinct producer rows
+        _, b_of = _classes(np.vstack([C, O] + [T for _, T in Ts] + Ws), 1)   # distinct consumer columns
         A, B = int(a_of.max()) + 1, int(b_of.max()) + 1
         fa = [int(np.flatnonzero(a_of == a)[0]) for a in range(A)]
         fb = [int(np.flatnonzero(b_of == b)[0]) for b in range(B)]
         small, osmall = C[np.ix_(fa, fb)], O[np.ix_(fa, fb)]
         if A == 1:
+            where_x[key] = ("x", g2, fb)
             cost[0][off[g2]:off[g2 + 1]] += small[0][b_of]
             ocost[0][off[g2]:off[g2 + 1]] += osmall[0][b_of]
             for s, W in Ts:
@@ -130,6 +145,7 @@ def _build(lin, edges, mem, overlap, fixed=()) -> _Model:
                 join(s, off[g2] + k, W[0][k])
             continue
         if B == 1:
+            where_x[key] = ("x", g1, fa)
             cost[0][off[g1]:off[g1 + 1]] += small[:, 0][a_of]
             ocost[0][off[g1]:off[g1 + 1]] += osmall[:, 0][a_of]
             for s, W in Ts:
@@ -139,6 +155,7 @@ def _build(lin, edges, mem, overlap, fixed=()) -> _Model:
         z0 = nz
         nz += A * B
         zs.append((z0, A, B, a_of, b_of, g1, g2))
+        where_x[key] = ("z", z0, B, fa, fb)
         for s, W in Ts:
             Ws = W[np.ix_(fa, fb)]
             ab = np.argwhere(Ws > 0)
@@ -171,6 +188,35 @@ def _build(lin, edges, mem, overlap, fixed=()) -> _Model:
             lo.append(0.0); hi.append(np.inf); r += 1
         rows += [r] * (len(cols_s) + 2); cols += [y, e] + cols_s; vals += [1.0, 1.0] + list(-w)
         lo.append(0.0); hi.append(np.inf); r += 1
+    sh = []
+    for F, where in shared:                               # y >= each consumer edge's W-weighted columns; F y
+        y = nz
+        nz += 1
+        parts = []
+        unit = max(max(float(np.abs(W).max()) for _, W in where), 1e-300)   # y in units of the largest price:
+        for (g1, g2), W in where:                                           # matrix entries of order 1
+            W = np.asarray(W, float) / unit
+            if g1 == g2:                                  # the group's own choices
+                k = np.flatnonzero(np.diag(W))
+                part, w = off[g1] + k, np.diag(W)[k]
+            elif where_x[(g1, g2)][0] == "x":             # one side has a single class
+                _, g, first = where_x[(g1, g2)]
+                w = W[0, :] if g == g2 else W[:, 0]
+                k = np.flatnonzero(w)
+                part, w = off[g] + k, w[k]
+            else:                                         # W is constant on each (producer, consumer) class block
+                _, z0, B, fa, fb = where_x[(g1, g2)]
+                Wc = W[np.ix_(fa, fb)]
+                ab = np.argwhere(Wc != 0)
+                part, w = z0 + ab[:, 0] * B + ab[:, 1], Wc[ab[:, 0], ab[:, 1]]
+            if not len(part):
+                continue
+            parts.append((part, w))
+            rows += [r] * (len(part) + 1); cols += [y] + list(part); vals += [1.0] + list(-w)
+            lo.append(0.0); hi.append(np.inf); r += 1
+        sh.append((y, parts))
+        cost.append(np.array([F * unit]))
+        ocost.append(np.zeros(1))
     for coefs, budget in mem:
         vec = np.concatenate(coefs)
         idx = np.flatnonzero(vec)
@@ -181,12 +227,12 @@ def _build(lin, edges, mem, overlap, fixed=()) -> _Model:
     if overlap is not None:
         cap[:nx] = np.concatenate(capacity)
     return _Model(A_, np.asarray(lo, float), np.asarray(hi, float), np.concatenate(cost), np.concatenate(ocost),
-                  off, zs, cap, ys)
+                  off, zs, cap, ys, sh)
 
 
 def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: list[tuple[list[np.ndarray], float]],
           time_limit: float = 60.0, mip_rel_gap: float = 1e-6, overlap=None, max_lps: int | None = None,
-          lambda_search_s: float = float("inf"), fixed=()) -> SolveResult:
+          lambda_search_s: float = float("inf"), fixed=(), shared=()) -> SolveResult:
     """Minimize sum lin[g][x_g] + sum edges[g1,g2][x_g1, x_g2] (+ exposed overlappable time) subject to `mem`.
 
     overlap: (ovl_lin, ovl_edges, capacity) for comm that overlaps compute (parameter gathers, gradient
@@ -196,11 +242,14 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
     fixed: [(seconds F, [((g1, g2), W)])] (plain objective only), one per gradient bucket series: F (one bucket's
     latency) times max(1, sum of W[a, b] over the choice pairs taken) when any pair with W[a, b] > 0 (the fraction
     of a bucket its gradient fills) is taken on a listed edge (g1 == g2: the group's own choices, W's diagonal);
-    continuous y >= each joining x or z column and e >= sum W col - y, costing F (y + e)."""
+    continuous y >= each joining x or z column and e >= sum W col - y, costing F (y + e).
+    shared: [(F, [((g1, g2), W)])] (plain objective only): F times the max over the listed edges of W[choice of g1,
+    choice of g2] (g1 == g2: W's diagonal), e.g. a redistribute several consumers share, paid once (W: its price
+    where the pair makes that transition); y >= each edge's W-weighted columns, costing F y."""
     t0 = time.perf_counter()
-    if overlap is not None and fixed:
-        raise ValueError("fixed charges are priced by the plain objective only (overlap=None)")
-    m = _build(lin, edges, mem, overlap, fixed)
+    if overlap is not None and (fixed or shared):
+        raise ValueError("bucket and shared charges are priced by the plain objective only (overlap=None)")
+    m = _build(lin, edges, mem, overlap, fixed, shared)
     if overlap is not None:
         return _solve_overlap(m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0,
                               max_lps or len(LAMBDAS), lambda_search_s)

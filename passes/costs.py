@@ -9,7 +9,8 @@ pass), so the model has one set of variables per distinct node of the representa
 
 Per group strategy: compute time of its members (roofline on local shapes), the redistributes the followers
 need, model-state bytes (parameters, grads, optimizer state at the storage placement) and saved-activation
-bytes. Per edge between groups: a matrix of redistribute times (producer strategy x consumer strategy).
+bytes. Per edge between groups: a matrix of redistribute times (producer strategy x consumer strategy); where
+consumers share a redistribute (passes/redistribute.py), one charge paid once replaces their prices of it.
 Gradients flow into an optimizer-step edge whose required placement is the parameter's own: the data-parallel
 all-reduce / reduce-scatter falls out of it (when it rides in a gradient bucket: its bandwidth, and the bucket
 series' latency max(1, sum of its gradients' bucket fractions) times, a charge the solver adds once any gradient joins
@@ -24,7 +25,7 @@ import torch
 
 from autopar.cost import op_flops, has_flop_formula, roofline_time
 from autopar.graph import Ref, TensorMeta, param_root
-from autopar.redistribute import all_reduced, grad_bucket_latency, grad_reduce_time, redistribute_time
+from autopar.redistribute import all_reduced, collectives, grad_bucket_latency, grad_reduce_time, redistribute_time
 from autopar.strategies import num_shards
 
 
@@ -232,6 +233,7 @@ def run(state) -> None:
             matrices[key] = matrices[key] + C if key in matrices else C
             if ovl:
                 ovl_matrices[key] = ovl_matrices[key] + C if key in ovl_matrices else C
+    share_delta, shared = _shared(g, rep, follow, S, choice, gid, root, rtime, mesh_shape)
     _coalesce(edge_count, nodes, S, choice, gid, root, matrices, rtime, mesh_shape)
     lr, li = g.loss, rep[g.loss.node]                 # the step returns the loss replicated (global view)
     rep_pl = ("R",) * len(mesh_shape)
@@ -242,6 +244,7 @@ def run(state) -> None:
     state.cost = {"compute": compute, "comm": comm_lin, "state_mem": state_mem, "act_mem": act_mem,
                   "edges": matrices, "rtime": rtime, "node_time": node_time,
                   "comm_ovl": comm_ovl, "edges_ovl": ovl_matrices, "bucket_delta": bucket_delta,
+                  "share_delta": share_delta, "shared": shared,
                   "bucket_series": [(F, list(t.items()))
                                     for _, (F, t) in sorted(series.items(), key=lambda kv: str(kv[0]))]}
 
@@ -266,6 +269,59 @@ def _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, 
             entry = series.setdefault(s, [F, {}])
             W = entry[1].setdefault(key, np.zeros((len(ui), len(vi))))
             W += c * frac * ((ui == a_i)[:, None] & (vi == b_i)[None, :])
+
+
+def _shared(g, rep, follow, S, choice, gid, root, rtime, mesh_shape):
+    """Redistributes several consumers share (passes/redistribute.py: one value taken to one placement in one phase,
+    any phase for a scalar, not rooted in a parameter, runs once). The edges price each consumer's; for the exact
+    objective, per value and destination placement d that at least two of its consumers can need, their price of
+    the transitions into d moves to one charge paid once: the max over those consumers of
+    W[producer choice, consumer choice] = price(src, d) where that consumer takes d (the solver's `shared`,
+    (producer nodes with these consumers, [((g1, g2), W)])); `delta` ((g1, g2) -> matrix, added to the edges;
+    g1 == g2: its diagonal, to the group) takes it off the edges. A value feeding consumers in several layers (a
+    RoPE table) is counted per producer node."""
+    nodes = g.nodes
+    rooted: dict = {}
+    users: dict = defaultdict(list)                   # (producer, output, phase or None) -> [(rep consumer, input)]
+    for v, n in enumerate(nodes):
+        if n.kind != "op":
+            continue
+        for j, r in enumerate(n.inputs()):
+            if r.node not in rooted:
+                rooted[r.node] = param_root(g, r.node) is not None
+            if not rooted[r.node]:
+                users[(r.node, r.out, n.phase if nodes[r.node].outs[r.out].numel > 1 else None)].append((rep[v], j))
+    sigs: dict = defaultdict(int)                     # (rep producer, output, consumers) -> producers with them
+    for (p, o, _), us in users.items():
+        if len(us) > 1:
+            sigs[(rep[p], o, tuple(sorted(us)))] += 1
+    delta, charges = {}, []
+    for (p, o, us), c in sorted(sigs.items(), key=lambda kv: str(kv[0])):
+        meta, g1 = nodes[p].outs[o], gid[root[p]]
+        pls, si = _uniq([S[p][x].out[o] for x in choice[p]])
+        ids = {pl: k for k, pl in enumerate(pls)}
+        mult: dict = defaultdict(int)
+        for v, j in us:
+            mult[(v, j)] += 1
+        cons = []
+        for (v, j), m in mult.items():
+            dst = [S[v][x].ins[j] for x in choice[v]]
+            for x in dst:
+                ids.setdefault(x, len(ids))
+            cons.append((gid[root[v]], np.array([ids[x] for x in dst]), m))
+        pls = list(ids)
+        for d in np.unique(np.concatenate([di for _, di, _ in cons])):
+            price = np.array([rtime(pls[a], pls[d], meta) if a != d and collectives(pls[a], pls[d], meta, mesh_shape)
+                              else 0.0 for a in range(len(pls))])[si]     # per producer choice: its move into d
+            joined = [(g2, np.outer(price, di == d), m) for g2, di, m in cons]
+            joined = [(g2, W, m) for g2, W, m in joined if (np.diag(W) if g2 == g1 else W).any()]
+            if sum(m for _, _, m in joined) < 2:
+                continue
+            for g2, W, m in joined:
+                key = (g1, g2)
+                delta[key] = delta[key] - c * m * W if key in delta else -c * m * W
+            charges.append((float(c), [((g1, g2), W) for g2, W, _ in joined]))
+    return delta, charges
 
 
 def _lead_input(g, n, ins):

@@ -4,8 +4,8 @@ into Replicate (a training step returns the global loss on every rank).
 
 Several consumers of one activation that need it at the same placement in the same phase (the normed input of
 wq, wk and wv gathered from a sequence shard) share one redistribute: the first consumer runs it, the others
-reuse its result (`state.shares`; no collectives of their own). The solver prices each edge (an upper bound);
-the prediction and the executor count the shared redistribute once. Values rooted in a parameter are not shared:
+reuse its result (`state.shares`; no collectives of their own). The prediction, the executor and the solver's
+exact objective (passes/costs.py `_shared`) count the shared redistribute once. Values rooted in a parameter are not shared:
 holding a gathered weight from its first to its last use would change the memory the plan was solved for. A
 scalar is shared across phases too (the loss's count of targets, reduced in the forward, read by the backward):
 holding it costs nothing.

@@ -23,7 +23,7 @@ MIP_GAP = 1e-3
 
 def run(state) -> None:
     c = state.cost
-    lin, edges, overlap, fixed = objective(c, state.options.get("overlap", False))
+    lin, edges, overlap, fixed, shared = objective(c, state.options.get("overlap", False))
     thorough = len(state.graph.nodes) < THOROUGH_BELOW_NODES
     mem_rows = [c["state_mem"][i] + c["act_mem"][i] for i in range(len(lin))]
     floor = min_memory(mem_rows)
@@ -35,7 +35,7 @@ def run(state) -> None:
     row_budget = state.budget
     for _ in range(4):
         res = solve(lin, edges, [(mem_rows, row_budget)], time_limit=state.options.get("time_limit", 60.0),
-                    mip_rel_gap=state.options.get("mip_rel_gap", MIP_GAP), overlap=overlap, fixed=fixed,
+                    mip_rel_gap=state.options.get("mip_rel_gap", MIP_GAP), overlap=overlap, fixed=fixed, shared=shared,
                     lambda_search_s=float("inf") if thorough else 0.0)
         placement = _expand(state, res)
         peak = state_bytes(state.graph, placement, state.mesh.shape, state.precision) + \
@@ -114,21 +114,22 @@ def objective(c, overlap: bool):
     """The step time the prediction reports (autopar/predict.py), as the MILP's pieces: compute and activation comm
     are paid in full; parameter gathers and gradient reductions (comm_ovl / edges_ovl) only where they exceed the
     compute they overlap with, each gradient's bucket latency by share. overlap=False: everything is paid in full (a
-    plain MILP), each gradient bucket series' latency as a bucket charge (returned last: [(seconds,
-    [((g1, g2), bucket fraction per choice pair joining the series)])], see autopar.solver.solve)."""
+    plain MILP), each gradient bucket series' latency as a bucket charge ([(seconds, [((g1, g2), bucket fraction per
+    choice pair joining the series)])]) and each redistribute several consumers can share as one charge paid once
+    (returned last; passes/costs.py _shared), see autopar.solver.solve."""
     if not overlap:                   # every collective blocks: compute + all comm, bucket latency as bucket charges
         lin = [a + b for a, b in zip(c["compute"], c["comm"])]
         edges = dict(c["edges"])
-        for (g1, g2), D in c["bucket_delta"].items():
+        for (g1, g2), D in list(c["bucket_delta"].items()) + list(c["share_delta"].items()):
             if g1 == g2:
                 lin[g1] = lin[g1] + np.diag(D)
             elif D.any():
                 edges[(g1, g2)] = edges[(g1, g2)] + D if (g1, g2) in edges else D
-        return lin, edges, None, c["bucket_series"]
+        return lin, edges, None, c["bucket_series"], c["shared"]
     lin = [a + b - (1 - HIDDEN_COMM_WEIGHT) * o for a, b, o in zip(c["compute"], c["comm"], c["comm_ovl"])]
     edges = {k: C - (1 - HIDDEN_COMM_WEIGHT) * c["edges_ovl"][k] if k in c["edges_ovl"] else C
              for k, C in c["edges"].items()}
-    return lin, edges, (c["comm_ovl"], c["edges_ovl"], c["compute"]), ()
+    return lin, edges, (c["comm_ovl"], c["edges_ovl"], c["compute"]), (), ()
 
 
 # Graphs under this many nodes get the thorough overlap search (every Lagrangian weight, the DDP/FSDP seeds, three

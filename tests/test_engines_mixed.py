@@ -271,8 +271,11 @@ def test_which_modules_can_run_as_parts():
     from test_engines_dist import _leaky_model
     leaky = _leaky_model("cpu")
     xs = (x[0] % 64, x[1] % 64)
+    def batch(n):                # FSDP-like: the inputs and every (batch, seq, dim) activation batch-sharded
+        o = n.outs[0] if n.kind in ("input", "op") and n.outs else None
+        return {0: "S0"} if n.kind == "input" or (o is not None and len(o.shape) == 3 and o.shape[0] == 4) else None
     p = autopar.plan(leaky, autopar.MeshSpec((2,), ("dp",)), xs, cluster="cpu-gloo",
-                     force={k: ("S0",) for k, _ in leaky.named_parameters()})
+                     force={k: ("S0",) for k, _ in leaky.named_parameters()}, pin=batch)
     low = recognize(p, leaky, units=["layers.0", "layers.1"])
     parts, msg = choose_parts(p, low, leaky, xs, recognize)
     assert parts is None and "can run as a part" in msg and "is read by" in msg and "'<root>'" in msg, msg

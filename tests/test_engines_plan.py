@@ -329,8 +329,9 @@ def _check_replicated_dp(plan, m, n_shards):
     compile(code, "<lowering>", "exec")
     assert "_reduce_grads_in_buckets(model, mesh, grad_buckets, batch_shards)" in code
     assert f"batch_shards = {n_shards}" in code
-    labels_replicated = any(n["kind"] == "input" and n["placement"]["out"][0] != ["S0"] * nd for n in plan.nodes)
-    assert labels_replicated == any("runs the loss" in n for n in low.notes), low.notes
+    whole = any(n["name"].endswith(":nll_loss_forward.default") and "R" in n["placement"]["ins"][0]
+                for n in plan.nodes)                              # the plan gathers the log-probs for its loss
+    assert whole == any("runs the loss" in n for n in low.notes), low.notes
     return low
 
 

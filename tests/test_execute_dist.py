@@ -161,7 +161,7 @@ def _check_train(results, n_cases):
         for r, c in enumerate(cases):
             assert not c["failures"], (r, c["case"], c["failures"])
             assert not c["collective_diff"], (r, c["case"], c["collective_diff"])
-            assert sorted(map(tuple, c["measured"])) == sorted(map(tuple, c["predicted"]))
+            assert sorted(map(repr, c["measured"])) == sorted(map(repr, c["predicted"]))
     return [[c for c in res["cases"]] for res in results]
 
 

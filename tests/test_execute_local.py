@@ -196,12 +196,14 @@ def test_consumers_of_one_value_share_its_redistribute():
 
 def test_one_device_mesh_with_a_masked_partial():
     """A mesh of one device: the planner may label a lookup's output a masked partial of a Shard(0) table on the
-    size-1 dim; DTensor's embedding then masks nothing (its mask buffer is never filled) and the step must equal
-    the single-device one, with no collective."""
+    size-1 dim (every label costs the same there; pinned so the case stays exercised); DTensor's embedding then
+    masks nothing (its mask buffer is never filled) and the step must equal the single-device one, with no
+    collective."""
     ov = dict(dim=16, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=8, tie_embeddings=False)
     model = build_model("gpt2-small", device="cpu", seed=3, **ov)
     x = example_inputs("gpt2-small", batch=1, seq=8, seed=4, **ov)
-    plan, state = autopar.plan(model, (1,), x, cluster="cpu-gloo", overlap=False, return_state=True)
+    plan, state = autopar.plan(model, (1,), x, cluster="cpu-gloo", overlap=False, return_state=True,
+                               pin=lambda n: {0: "Pm"} if n.name.endswith(":embedding.default") else None)
     assert any(n["placement"]["out"][0] == ["Pm"] for n in plan.nodes if n["name"].endswith(":embedding.default"))
     ref = copy.deepcopy(model)
     with simulated((1,)) as mesh:
@@ -390,13 +392,14 @@ def test_gradient_buckets_one_collective_each(constraint, kind, monkeypatch):
     assert order == sorted(order)                             # the order the backward produces them
     sizes = {f: state.graph.meta(state.graph.grads[f]).nbytes for f in in_buckets}
     assert all(b["bytes"] == sum(sizes[f] for f in b["params"]) for b in plan.buckets)
-    assert sum(1 for c in plan.collectives() if c[0] == kind) == len(grads)
+    act = [c for c in plan.collectives()[:-len(plan.buckets)] if c[0] == kind]   # activations' (the loss's (sum, count))
+    assert all(c[2] < min(b["bytes"] for b in grads) for c in act)   # no gradient reduced outside its bucket
     ref = copy.deepcopy(model)
     with simulated((2,)) as mesh:
         pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
         rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
     assert rep.ok, (rep.failures[:5], rep.collective_diff)
-    assert sorted(c for c in rep.measured if c[0] == kind) == sorted((kind, 0, b["bytes"]) for b in grads)
+    assert sorted(c for c in rep.measured if c[0] == kind) == sorted([(kind, 0, b["bytes"]) for b in grads] + act)
 
 
 @pytest.mark.parametrize("flatten", [False, True])

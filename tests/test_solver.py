@@ -2,6 +2,7 @@
 import itertools
 
 import numpy as np
+import pytest
 from hypothesis import example, given, settings, strategies as st
 
 import autopar
@@ -103,6 +104,48 @@ def test_bucket_charges_equal_brute_force(prob, data):
     assert abs(res.objective - want) <= 1e-6 * max(1.0, abs(want)), (res.objective, want)
 
 
+@settings(max_examples=100, deadline=None)
+@given(problems(), st.data())
+def test_shared_charges_equal_brute_force(prob, data):
+    """A shared charge (what several consumers of one value pay once) costs F times the max over its edges of
+    W[choice pair] (g1 == g2: the group's own choice), with bucket charges alongside and on pairs no edge prices:
+    the MILP's optimum equals enumeration."""
+    lin, edges, mem, budget = prob
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    mask = lambda n: rng.random(n) < 0.5      # noqa: E731
+    pairs = list(edges) + [(g, g) for g in range(len(lin))] + \
+        [(a, b) for a in range(len(lin)) for b in range(len(lin)) if a != b and (a, b) not in edges][:2]
+    shared = []
+    for _ in range(data.draw(st.integers(1, 4))):
+        pick = [pairs[i] for i in rng.choice(len(pairs), size=min(len(pairs), data.draw(st.integers(1, 3))),
+                                               replace=False)]
+        price = np.round(rng.uniform(0.1, 5, 4), 3)        # a price per producer class, on the consumer's mask
+        where = []
+        for a, b in pick:
+            cls = rng.integers(0, 4, len(lin[a]))
+            where.append(((a, b), np.outer(price[cls] * mask(len(lin[a])), mask(len(lin[b])))))
+        shared.append((float(np.round(rng.uniform(0.5, 3), 3)), where))
+    fixed = [(float(np.round(rng.uniform(0, 5), 3)), [(k, np.round(rng.uniform(0.05, 1.5), 3) * np.outer(
+        mask(len(lin[k[0]])), mask(len(lin[k[1]])))) for k in list(edges)[:1]])] if edges else []
+
+    def value(combo):
+        v = sum(c[k] for c, k in zip(lin, combo)) + sum(C[combo[a], combo[b]] for (a, b), C in edges.items())
+        for F, where in fixed:
+            w = [W[combo[a], combo[b]] for (a, b), W in where if W[combo[a], combo[b]] > 0]
+            v += F * max(1.0, sum(w)) if w else 0.0
+        return v + sum(F * max(W[combo[a], combo[b]] for (a, b), W in where) for F, where in shared)
+    feasible = [c for c in itertools.product(*[range(len(c)) for c in lin])
+                if sum(m[k] for m, k in zip(mem, c)) <= budget + 1e-9]
+    try:
+        res = solve(lin, edges, [(mem, budget)], fixed=fixed, shared=shared)
+    except InfeasibleMemoryError:
+        assert not feasible
+        return
+    want = min(value(c) for c in feasible)
+    assert abs(value(res.choice) - want) <= 1e-6 * max(1.0, abs(want)), (value(res.choice), want)
+    assert abs(res.objective - want) <= 1e-6 * max(1.0, abs(want)), (res.objective, want)
+
+
 def test_real_graph_optimum_equals_brute_force():
     """mlp-tiny on a 2-rank mesh, all but a few groups pinned to their optimum: enumerate the rest exhaustively
     under the planner's own objective (compute + activation comm + exposed overlappable comm)."""
@@ -110,7 +153,7 @@ def test_real_graph_optimum_equals_brute_force():
     m = M.build_model("mlp-tiny", n_layers=1)
     x = M.example_inputs("mlp-tiny", batch=8, device="meta", n_layers=1)
     plan, st_ = autopar.plan(m, (2,), x, cluster="h100", return_state=True, overlap=True)
-    lin, edges, (olin, oedges, cap), _ = objective(st_.cost, overlap=True)
+    lin, edges, (olin, oedges, cap), _, _ = objective(st_.cost, overlap=True)
     free = [i for i in np.argsort([-len(v) for v in lin])[:4]]        # the 4 groups with most strategies
     chosen = st_.solution.choice
 
@@ -192,3 +235,18 @@ def test_solver_with_overlap_equals_brute_force(prob, seed, weight):
     want = min(value(cb) for cb in feas)
     assert abs(value(res.choice) - want) <= 1e-6 * max(1.0, want), (value(res.choice), want)
     assert abs(res.objective - want) <= 1e-5 * max(1.0, want), (res.objective, want)
+
+
+@pytest.mark.parametrize("name,mesh", [("mlp-tiny", (4,)), ("llama-tiny", (2, 2))])
+def test_shared_redistribute_priced_once(name, mesh):
+    """A loss computed on the batch shards: the count of targets is all-reduced once and read by both the quotient
+    (forward) and nll_loss_backward. The redistribute pass shares that collective; the solver's objective charges it
+    once too, so it equals the predicted step (each consumer charged would overprice it by one all_reduce)."""
+    from autopar.capture import NLL_LOSSES
+    m = M.build_model(name, device="meta")
+    x = M.example_inputs(name, batch=8, seq=16, device="meta")
+    pin = lambda n: {d: "P" for d in range(len(mesh))} if n.target in NLL_LOSSES else None   # noqa: E731
+    plan, st_ = autopar.plan(m, mesh, x, cluster="cpu-gloo", return_state=True, pin=pin)
+    assert st_.shares, "the plan shares no redistribute: the case is not exercised"
+    assert abs(plan.solver["objective"] - plan.predicted["step_s"]) <= 1e-9 * plan.predicted["step_s"], \
+        (plan.solver["objective"], plan.predicted["step_s"])
