@@ -20,14 +20,16 @@ def parallelize(model, mesh, example_inputs, *, backend: str = "graph", **kwargs
     (see autopar.backends.graph.parallelize; imported on first use so planning never loads the backends).
 
     backend: "graph" (autopar's SPMD executor: any plan), "torch" (the user's own module, parallelized in place by
-    fully_shard / parallelize_module; EngineLoweringError when the plan does not fit them) or "auto" (the torch
-    engines when they express the plan, else the graph backend; the result's `.autopar_dump` says which
-    part went where and why). See autopar.backends.engines."""
+    fully_shard / parallelize_module; EngineLoweringError when the plan does not fit them), "mixed" (the torch
+    engines for what they express, the graph backend for the modules they cannot) or "auto" (the torch engines
+    when they express the plan; else "mixed" where the cost model predicts it no slower than the graph backend,
+    else the graph backend). The result's `.autopar_dump` says which part went where and why. See
+    autopar.backends.engines."""
     if backend == "graph":
         from .backends.graph import parallelize as _parallelize
         return _parallelize(model, mesh, example_inputs, **kwargs)
-    if backend in ("torch", "auto"):
+    if backend in ("torch", "mixed", "auto"):
         from .backends.engines import parallelize_torch
         return parallelize_torch(model, mesh, example_inputs, backend=backend, **kwargs)
-    raise ValueError(f"backend must be 'graph', 'torch' or 'auto', got {backend!r}")
+    raise ValueError(f"backend must be 'graph', 'torch', 'mixed' or 'auto', got {backend!r}")
 __version__ = "0.1.0"

@@ -478,12 +478,14 @@ def local_inputs(model_or_lowering, mesh, *inputs):
 def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = "torch", units=None, styles=None,
                       planned=None, compile_blocks=None, **plan_kwargs):
     """Plan `model` for `mesh` and lower it: backend "torch" (the user's own module, parallelized in place by the
-    engines; EngineLoweringError if the plan does not fit them) or "auto" (the engines when they express the
-    whole plan, otherwise the graph backend; the dump says which part went where and why).
+    engines; EngineLoweringError if the plan does not fit them), "mixed" (the engines for what they express, the
+    graph backend for the modules they cannot, backends/engines_mixed.py; the whole model on the graph backend
+    when no such split exists) or "auto" ("mixed", but a split is kept only when the cost model predicts it no
+    slower than the graph backend running the whole plan). The dump says which part went where and why.
     compile_blocks: torch.compile keyword arguments to compile each repeated block in place (torchtitan's order:
     after tensor parallelism and checkpointing, before FSDP)."""
-    if backend not in ("torch", "auto"):
-        raise ValueError(f"backend must be 'torch' or 'auto' here, got {backend!r}")
+    if backend not in ("torch", "mixed", "auto"):
+        raise ValueError(f"backend must be 'torch', 'mixed' or 'auto' here, got {backend!r}")
     ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     replan = None
     plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")   # also the parts'
@@ -501,9 +503,16 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
         return model
     if backend == "torch":
         raise EngineLoweringError("the plan cannot be lowered to fully_shard / parallelize_module (use "
-                                  "backend='auto' or 'graph'):\n" +
+                                  "backend='auto', 'mixed' or 'graph'):\n" +
                                   "\n".join(f"  {part}: {why}" for part, why in low.reasons))
     mixed, why = _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs)
+    if mixed is not None and backend == "auto":    # the faster of the two by the cost model
+        from .engines_comm import engine_step_time
+        t_mixed, t_graph = engine_step_time(plan, mixed, plan_kwargs["cluster"]), plan.predicted["step_s"]
+        if t_mixed > t_graph:
+            mixed, why = None, (f"the engines with graph parts for {', '.join(sorted(mixed.parts))} are predicted "
+                                f"slower ({t_mixed * 1e3:.2f} ms a step: their collectives) than the graph backend "
+                                f"running the plan ({t_graph * 1e3:.2f} ms)")
     if mixed is not None:
         apply_lowering(model, mesh, mixed, compile_blocks)
         from .engines_mixed import install_parts

@@ -355,5 +355,19 @@ def engine_collectives(plan, low) -> tuple[list, list]:
     return out, notes
 
 
+def engine_step_time(plan, low, cluster) -> float:
+    """Predicted step of `low` as the engines run it: the plan's compute plus each collective engine_collectives
+    lists, priced by the cost model (autopar/cost/comm.py) on its group's link, every one exposed (as the plan's own
+    prediction on a cluster whose collectives block). Comparable with plan.predicted["step_s"]."""
+    import math
+    from autopar.cost import get_cluster
+    from autopar.cost.comm import collective_time
+    from autopar.redistribute import dims_of, link_of
+    cl, shape = get_cluster(cluster), tuple(plan.mesh_shape)
+    comm = sum(collective_time(kind, nbytes, math.prod(shape[d] for d in dims_of(dim)), link_of(cl, shape, dim))
+               for kind, dim, nbytes in engine_collectives(plan, low)[0])
+    return plan.predicted["compute_s"] + comm
+
+
 def measured_list(counter) -> list:
     return [(r.kind, r.mesh_dim, r.nbytes) for r in counter.records if r.group_size != 1]

@@ -133,8 +133,8 @@ def build(source, cfg, mesh, world_mesh, x):
         from hand_plans import NotApplicable
         m = engines.parallelize_torch(model, mesh, x, backend="auto", cluster="cpu-gloo")
         if m is not model:
-            raise NotApplicable(f"the engines express no part of the plan alone (backend='auto' runs the whole model "
-                                f"on the graph backend, the autopar row): {m.autopar_fallback}")
+            raise NotApplicable(f"backend='auto' runs the whole model on the graph backend (the autopar row): "
+                                f"{m.autopar_fallback}")
         local = engines.local_inputs(m, mesh, *x)
         opt = _adamw(m.parameters())
 

@@ -248,9 +248,9 @@ def _goals(rows, planning_json) -> list[str]:
     lines.append(f"4. Measured step time on 4 CPU ranks within 1.10x of the best hand plan: "
                  f"{'MET' if not fail4 and res4 else 'MISSED'}; " + "; ".join(res4)
                  + (f"; autopar-torch (backend='auto': the plan lowered to torch's engines, graph parts where they "
-                    f"cannot) not run on {', '.join(unlowered)}: the engines express no part alone there, so "
-                    f"backend='auto' runs the whole model on the graph backend, as the autopar row (reason in the row)"
-                    if unlowered else ""))
+                    f"cannot) not run on {', '.join(unlowered)}: backend='auto' runs the whole model on the graph "
+                    f"backend there, as the autopar row (the engines express no part alone, or that split is predicted "
+                    f"slower than the graph backend; reason in the row)" if unlowered else ""))
     # 5. planning time for the 8B shape
     p8 = None
     if os.path.exists(planning_json):

@@ -1,4 +1,4 @@
-"""backend="auto" with graph parts (backends/engines_mixed.py): the engines run what they express, the graph
+"""backend="mixed" with graph parts (backends/engines_mixed.py): the engines run what they express, the graph
 backend runs the modules they cannot, in the user's own module.
 
 The model is moe-tiny (2 MoE blocks, 4 experts, dense routing) with its experts forced Shard(0) on the data dim
@@ -73,7 +73,7 @@ def _run(case):
     x, y = models.example_inputs(MODEL, batch=BATCH, seq=SEQ)
     y[0, :IGNORED] = -100
     force, pin = _pin_and_force(model, case)
-    out_model = autopar.parallelize(model, mesh, (x, y), backend="auto", force=force, pin=pin)
+    out_model = autopar.parallelize(model, mesh, (x, y), backend="mixed", force=force, pin=pin)
     low, plan = model._autopar_lowering, model._autopar_plan
     res = {"case": case, "same_module": out_model is model, "dump": model.autopar_dump, "code": low.code(),
            "parts": sorted(low.parts), "units": [u.fqn for u in low.units], "grad_rel": [], "loss_rel": [],

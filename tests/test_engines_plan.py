@@ -437,3 +437,31 @@ def test_plan_for_engines_predicts_the_engines_collectives(mesh, names):
     else:
         assert 0 < predicted["all_reduce"] - engines["all_reduce"] <= 16, (predicted, engines)
     assert plan.predicted["step_s"] >= free.predicted["step_s"]       # the free plan is the optimum
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2,)])
+def test_engine_step_time_equals_the_plans_prediction(mesh):
+    """backend="auto" weighs a split between the engines and graph parts by engine_step_time (the plan's compute +
+    the engines' collectives, each priced on its link). Where the engines run a plan exactly as planned (data
+    parallel: the same collectives), that estimate and the planner's own prediction (its redistribute and bucket
+    passes) are two computations of one step and must agree."""
+    from autopar.backends.engines_comm import engine_step_time
+    from collections import Counter
+    m = M.build_model("llama-tiny", device="meta")
+    x = M.example_inputs("llama-tiny", batch=8, seq=16, device="meta")
+    force = {k: ("R",) * len(mesh) for k, _ in m.named_parameters()}
+    from autopar.capture import NLL_LOSSES
+
+    def pin(n):                          # batch-sharded inputs, the loss on the shards (as the engines compute it)
+        return {d: ("S0" if n.kind == "input" else "P") for d in range(len(mesh))} \
+            if n.kind == "input" or n.target in NLL_LOSSES else None
+    plan = autopar.plan(m, mesh, x, cluster="cpu-gloo", force=force, pin=pin)
+    low = recognize(plan, m)
+    assert low.expressible, low.report()
+    mine, _ = engine_collectives(plan, low)
+    assert Counter(c[0] for c in mine)["all_reduce"] >= 2          # the gradient bucket(s) and the loss's reduction
+    assert Counter(mine) == Counter(plan.collectives())            # (on 2x2 the engines reduce over the flattened
+                                                                   # group where the plan chains the two dims)
+    t = engine_step_time(plan, low, "cpu-gloo")
+    assert abs(t - plan.predicted["step_s"]) <= 1e-6 * plan.predicted["step_s"], (t, plan.predicted, mine,
+                                                                                   plan.collectives())
