@@ -92,16 +92,7 @@ def test_bucket_charges_equal_brute_force(prob, data):
             w = [W[combo[a], combo[b]] for (a, b), W in where if W[combo[a], combo[b]] > 0]
             v += F * max(1.0, sum(w)) if w else 0.0
         return v
-    feasible = [c for c in itertools.product(*[range(len(c)) for c in lin])
-                if sum(m[k] for m, k in zip(mem, c)) <= budget + 1e-9]
-    try:
-        res = solve(lin, edges, [(mem, budget)], fixed=fixed)
-    except InfeasibleMemoryError:
-        assert not feasible
-        return
-    want = min(value(c) for c in feasible)
-    assert abs(value(res.choice) - want) <= 1e-6 * max(1.0, abs(want)), (value(res.choice), want)
-    assert abs(res.objective - want) <= 1e-6 * max(1.0, abs(want)), (res.objective, want)
+    _equals_enumeration(lin, edges, mem, budget, value, fixed=fixed)
 
 
 @settings(max_examples=100, deadline=None)
@@ -134,10 +125,15 @@ def test_shared_charges_equal_brute_force(prob, data):
             w = [W[combo[a], combo[b]] for (a, b), W in where if W[combo[a], combo[b]] > 0]
             v += F * max(1.0, sum(w)) if w else 0.0
         return v + sum(F * max(W[combo[a], combo[b]] for (a, b), W in where) for F, where in shared)
+    _equals_enumeration(lin, edges, mem, budget, value, fixed=fixed, shared=shared)
+
+
+def _equals_enumeration(lin, edges, mem, budget, value, **charges):
+    """The MILP's plan and objective equal the best of every feasible choice under `value`."""
     feasible = [c for c in itertools.product(*[range(len(c)) for c in lin])
                 if sum(m[k] for m, k in zip(mem, c)) <= budget + 1e-9]
     try:
-        res = solve(lin, edges, [(mem, budget)], fixed=fixed, shared=shared)
+        res = solve(lin, edges, [(mem, budget)], **charges)
     except InfeasibleMemoryError:
         assert not feasible
         return
