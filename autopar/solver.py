@@ -137,7 +137,7 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
         fb = [int(np.flatnonzero(b_of == b)[0]) for b in range(B)]
         small, osmall = C[np.ix_(fa, fb)], O[np.ix_(fa, fb)]
         if A == 1:
-            where_x[key] = ("x", g2, fb)
+            where_x[key] = ("x", g2)
             cost[0][off[g2]:off[g2 + 1]] += small[0][b_of]
             ocost[0][off[g2]:off[g2 + 1]] += osmall[0][b_of]
             for s, W in Ts:
@@ -145,7 +145,7 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
                 join(s, off[g2] + k, W[0][k])
             continue
         if B == 1:
-            where_x[key] = ("x", g1, fa)
+            where_x[key] = ("x", g1)
             cost[0][off[g1]:off[g1 + 1]] += small[:, 0][a_of]
             ocost[0][off[g1]:off[g1 + 1]] += osmall[:, 0][a_of]
             for s, W in Ts:
@@ -200,7 +200,7 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
                 k = np.flatnonzero(np.diag(W))
                 part, w = off[g1] + k, np.diag(W)[k]
             elif where_x[(g1, g2)][0] == "x":             # one side has a single class
-                _, g, first = where_x[(g1, g2)]
+                g = where_x[(g1, g2)][1]
                 w = W[0, :] if g == g2 else W[:, 0]
                 k = np.flatnonzero(w)
                 part, w = off[g] + k, w[k]

@@ -233,7 +233,7 @@ def run(state) -> None:
             matrices[key] = matrices[key] + C if key in matrices else C
             if ovl:
                 ovl_matrices[key] = ovl_matrices[key] + C if key in ovl_matrices else C
-    share_delta, shared = _shared(g, rep, follow, S, choice, gid, root, rtime, mesh_shape)
+    share_delta, shared = _shared(g, rep, S, choice, gid, root, rtime, mesh_shape, ovl_src)
     _coalesce(edge_count, nodes, S, choice, gid, root, matrices, rtime, mesh_shape)
     lr, li = g.loss, rep[g.loss.node]                 # the step returns the loss replicated (global view)
     rep_pl = ("R",) * len(mesh_shape)
@@ -271,7 +271,7 @@ def _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, 
             W += c * frac * ((ui == a_i)[:, None] & (vi == b_i)[None, :])
 
 
-def _shared(g, rep, follow, S, choice, gid, root, rtime, mesh_shape):
+def _shared(g, rep, S, choice, gid, root, rtime, mesh_shape, rooted):
     """Redistributes several consumers share (passes/redistribute.py: one value taken to one placement in one phase,
     any phase for a scalar, not rooted in a parameter, runs once). The edges price each consumer's; for the exact
     objective, per value and destination placement d that at least two of its consumers can need, their price of
@@ -279,17 +279,14 @@ def _shared(g, rep, follow, S, choice, gid, root, rtime, mesh_shape):
     W[producer choice, consumer choice] = price(src, d) where that consumer takes d (the solver's `shared`,
     (producer nodes with these consumers, [((g1, g2), W)])); `delta` ((g1, g2) -> matrix, added to the edges;
     g1 == g2: its diagonal, to the group) takes it off the edges. A value feeding consumers in several layers (a
-    RoPE table) is counted per producer node."""
+    RoPE table) is counted per producer node. rooted(p): is node p's output rooted in a parameter."""
     nodes = g.nodes
-    rooted: dict = {}
     users: dict = defaultdict(list)                   # (producer, output, phase or None) -> [(rep consumer, input)]
     for v, n in enumerate(nodes):
         if n.kind != "op":
             continue
         for j, r in enumerate(n.inputs()):
-            if r.node not in rooted:
-                rooted[r.node] = param_root(g, r.node) is not None
-            if not rooted[r.node]:
+            if not rooted(r.node):
                 users[(r.node, r.out, n.phase if nodes[r.node].outs[r.out].numel > 1 else None)].append((rep[v], j))
     sigs: dict = defaultdict(int)                     # (rep producer, output, consumers) -> producers with them
     for (p, o, _), us in users.items():
