@@ -14,6 +14,11 @@ from .redistribute import dims_of
 _KIND_ORDER = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 
 
+def _dim(m):
+    """A collective's mesh dim: an int, or a tuple of the mesh dims of a flattened group (a list once in JSON)."""
+    return tuple(m) if isinstance(m, (list, tuple)) else m
+
+
 @dataclass
 class Plan:
     mesh_shape: tuple
@@ -43,9 +48,8 @@ class Plan:
         for n in self.nodes:
             for r in n.get("redistribute", []):
                 if "bucket" not in r:                   # bucketed gradient reductions: their bucket's collective
-                    out += [(c[0], c[1], c[2]) for c in r["collectives"]]
-        return out + [(b["kind"], tuple(b["mesh_dim"]) if isinstance(b["mesh_dim"], list) else b["mesh_dim"],
-                       b["bytes"]) for b in self.buckets]
+                    out += [(c[0], _dim(c[1]), c[2]) for c in r["collectives"]]
+        return out + [(b["kind"], _dim(b["mesh_dim"]), b["bytes"]) for b in self.buckets]
 
     def hash(self) -> str:
         body = json.dumps({"mesh": self.mesh_shape, "params": self.params, "buckets": self.buckets,

@@ -37,8 +37,14 @@ def _partial(p):
     return p[0] == "P"
 
 
-def collectives(src: tuple[str, ...], dst: tuple[str, ...], meta: TensorMeta, mesh_shape) -> tuple[Collective, ...]:
-    return _collectives(tuple(src), tuple(dst), meta.nbytes, tuple(mesh_shape))
+def collectives(src: tuple[str, ...], dst: tuple[str, ...], meta: TensorMeta, mesh_shape,
+                cluster=None) -> tuple[Collective, ...]:
+    """The collectives that take a tensor from `src` to `dst`; with a `cluster`, a chain of all_reduces over several
+    mesh dims is one all_reduce over their flattened group where the cluster's cost model says that is faster
+    (`flat_reduce`), as the planner prices it and the executor runs it."""
+    src, dst, mesh_shape = tuple(src), tuple(dst), tuple(mesh_shape)
+    flat = flat_reduce(src, dst, meta.nbytes, mesh_shape, cluster) if cluster is not None else None
+    return (flat,) if flat else _collectives(src, dst, meta.nbytes, mesh_shape)
 
 
 def all_reduced(src: tuple[str, ...], dst: tuple[str, ...], meta: TensorMeta, mesh_shape) -> bool:
@@ -131,9 +137,26 @@ def redistribute_time(src, dst, meta: TensorMeta, mesh_shape, cluster) -> float:
 
 @functools.lru_cache(maxsize=1 << 18)
 def _time(src, dst, nbytes, mesh_shape, cluster):
+    flat = flat_reduce(src, dst, nbytes, mesh_shape, cluster)
+    if flat:
+        return collective_time("all_reduce", flat.nbytes, flat.group, link_of(cluster, mesh_shape, flat.mesh_dim))
     links = _links(cluster, mesh_shape)
     return sum(collective_time(c.kind, c.nbytes, c.group, links[c.mesh_dim])
                for c in _collectives(src, dst, nbytes, mesh_shape))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def flat_reduce(src, dst, nbytes, mesh_shape, cluster):
+    """One all_reduce over the flattened group of the mesh dims where src -> dst is a chain of P -> R steps (the
+    same partial on each) on two or more mesh dims, when `flatten_chain` says it beats the chain: the Collective,
+    else None. A loss's (sum, count) on a 2-D mesh: one collective's latency instead of two."""
+    cs = _collectives(src, dst, nbytes, mesh_shape)
+    if len(cs) < 2 or any(c.kind != "all_reduce" for c in cs) or any(p != "R" for p in dst):
+        return None
+    todo = tuple(t for t in steps(src, dst) if mesh_shape[t[0]] > 1)
+    if not flatten_chain(todo, cs[0].nbytes, mesh_shape, cluster):
+        return None
+    return Collective("all_reduce", tuple(c.mesh_dim for c in cs), cs[0].nbytes, math.prod(c.group for c in cs))
 
 
 @functools.lru_cache(maxsize=256)
@@ -178,18 +201,22 @@ def link_of(cluster, mesh_shape, mesh_dim):
     links = [cluster.link_for(tuple(mesh_shape), d) for d in dims_of(mesh_dim)]
     if len(links) == 1:
         return links[0]
-    kinds = {kind for k in links for kind, _, _ in k.kinds}
+    kinds = {r[0] for k in links for r in k.kinds}
     return type(links[0])("+".join(dict.fromkeys(k.name for k in links)), max(k.alpha for k in links),
                           min(k.bw for k in links),
-                          tuple((kind, max(k.of(kind)[0] for k in links), min(k.of(kind)[1] for k in links))
-                                for kind in kinds))
+                          tuple((kind, max(k.of(kind)[0] for k in links), min(k.of(kind)[1] for k in links),
+                                 max(k.launch_of(kind) for k in links)) for kind in kinds),
+                          max(k.launch for k in links))
 
 
 def _all_reduce_time(nbytes, mesh_shape, cluster, mesh_dim, share):
     """One all_reduce on mesh dim (or flattened dims) `mesh_dim`, with `share` of its latency."""
     n, link = math.prod(mesh_shape[d] for d in dims_of(mesh_dim)), link_of(cluster, mesh_shape, mesh_dim)
+    if n <= 1:
+        return 0.0
     alpha, bw = link.of("all_reduce")
-    return bytes_sent("all_reduce", nbytes, n) / bw + share * ring_steps("all_reduce", n) * alpha
+    return bytes_sent("all_reduce", nbytes, n) / bw + share * (link.launch_of("all_reduce")
+                                                               + ring_steps("all_reduce", n) * alpha)
 
 
 def _chain_time(todo, nbytes, mesh_shape, cluster, share):
@@ -239,8 +266,10 @@ def _steps_time(src, dst, meta, mesh_shape, cluster, share) -> float:
     """Bandwidth of each collective src -> dst plus `share` of its latency."""
     links, t = _links(cluster, mesh_shape), 0.0
     for c in collectives(src, dst, meta, mesh_shape):
-        alpha, bw = links[c.mesh_dim].of(c.kind)
-        t += bytes_sent(c.kind, c.nbytes, c.group) / bw + share * ring_steps(c.kind, c.group) * alpha
+        link = links[c.mesh_dim]
+        alpha, bw = link.of(c.kind)
+        t += bytes_sent(c.kind, c.nbytes, c.group) / bw + share * (link.launch_of(c.kind)
+                                                                   + ring_steps(c.kind, c.group) * alpha)
     return t
 
 

@@ -79,7 +79,8 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
                 if not isinstance(state.buckets[bk]["mesh_dim"], list) or step == 0:   # a flattened chain: once
                     bucket_bytes[bk + step] += size(m1, m2, c.nbytes)
                 continue
-            comm[cls] += collective_time(c.kind, size(m1, m2, c.nbytes), c.group, links[c.mesh_dim])
+            link = links[c.mesh_dim] if type(c.mesh_dim) is int else link_of(state.cluster, tuple(mesh), c.mesh_dim)
+            comm[cls] += collective_time(c.kind, size(m1, m2, c.nbytes), c.group, link)
     for bk, nb in zip(state.buckets or [], bucket_bytes):
         comm["grad"] += collective_time(bk["kind"], nb, bk["group"], link_of(state.cluster, tuple(mesh),
                                                                               bk["mesh_dim"]))

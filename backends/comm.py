@@ -79,10 +79,12 @@ def _exec_str(p: str) -> str:
     return "P" if p == "Pm" else p      # a masked partial is executed as a sum partial once unmasked
 
 
-def redistribute_local(x: torch.Tensor, src, dst, mesh) -> torch.Tensor:
+def redistribute_local(x: torch.Tensor, src, dst, mesh, flat=None) -> torch.Tensor:
     """Turn local shard `x` (global placements `src`, strings per mesh dim) into the local shard for `dst`,
     one step of `autopar.redistribute.steps` at a time. A step into "Pm" (the indices of a vocab-sharded
     embedding) is left to DTensor's embedding rule, which masks the indices itself: the value stays "R".
+    `flat`: the mesh dims of a chain of P -> R steps the plan runs as ONE all_reduce over their flattened group
+    (autopar.redistribute.flat_reduce).
 
     The result keeps x's memory layout (the order of its strides): the collectives run on x permuted into its
     memory order, as a single-device program would have laid the tensor out (views after it depend on that)."""
@@ -93,16 +95,28 @@ def redistribute_local(x: torch.Tensor, src, dst, mesh) -> torch.Tensor:
     if order is None:
         order, x = list(range(x.dim())), x.contiguous()
     if order == sorted(order):             # already in memory order: no permutes (views cost under LocalTensorMode)
-        for m, a, b in todo:
-            x = apply_step(x, mesh, m, _exec_str(a), b)
-        return x
-    xp = x.permute(order)
-    for m, a, b in todo:
-        xp = apply_step(xp, mesh, m, _permuted(_exec_str(a), order), _permuted(b, order))
+        return _run_steps(x, mesh, todo, flat, lambda p: p)
+    xp = _run_steps(x.permute(order), mesh, todo, flat, lambda p: _permuted(p, order))
     inv = [0] * len(order)
     for i, d in enumerate(order):
         inv[d] = i
     return xp.permute(inv)
+
+
+def _run_steps(x, mesh, todo, flat, pl):
+    """The steps `todo` on x (laid out in its memory order; `pl` maps a placement to x's dim order), or the one
+    all_reduce over the flattened group of mesh dims `flat` that replaces them."""
+    if flat is None:
+        for m, a, b in todo:
+            x = apply_step(x, mesh, m, pl(_exec_str(a)), pl(b))
+        return x
+    a = _exec_str(todo[0][1])
+    if [m for m, _, _ in todo if mesh.size(m) > 1] != list(flat) or any(_exec_str(s) != a for _, s, _ in todo) \
+            or any(b != "R" for _, _, b in todo):
+        raise ValueError(f"one all_reduce over mesh dims {list(flat)} cannot take the steps {list(todo)}")
+    x = per_rank(x)
+    return _wait(_fn.all_reduce((x / group_size(mesh, flat) if a == "Pa" else x).contiguous(), "sum",
+                                group_name(mesh, flat)), always=True)
 
 
 def _memory_order(x: torch.Tensor):

@@ -41,6 +41,26 @@ from .local_ops import (VIEWS, local_shape, attention_bw_math, attention_fw_math
 aten = torch.ops.aten
 
 
+_PASS_VIEWS = (aten.t.default, *VIEWS)
+_OUT: dict = {}
+
+
+def _out_overload(op):
+    """The out= overload of a functional aten op (mm -> mm.out, sum.dim_IntList -> sum.IntList_out), else None."""
+    if op not in _OUT:
+        _OUT[op] = None
+        s = getattr(op, "_schema", None)
+        pkt = getattr(aten, s.name.split("::")[-1], None) if s is not None and s.name.startswith("aten::") else None
+        names = [a.name for a in s.arguments] if s is not None else []
+        for ov in (pkt.overloads() if pkt is not None else ()):
+            o = getattr(pkt, ov)._schema
+            if o.is_mutable and [a.name for a in o.arguments] == names + ["out"] and o.arguments[-1].kwarg_only \
+                    and len(o.returns) == 1:
+                _OUT[op] = getattr(pkt, ov)
+                break
+    return _OUT[op]
+
+
 class ExecutionError(RuntimeError):
     """The program cannot run as planned; the message names the node, its module and what differs."""
 
@@ -207,7 +227,7 @@ class Program:
         self._plan_bucket_copies()
         self.after = set(self.bucket_ready) | set(self.copy_at)     # backward positions with bucket work
         self.run_fw = self._compile(self.fw, ())
-        self.run_bw = self._compile(self.bw, self.after)
+        self.run_bw = self._compile(self.bw, self.after, self.write_at)
 
     def _plan_bucket_copies(self):
         """All_reduce buckets (real process groups) are filled as the backward goes, as DDP's reducer fills its
@@ -218,6 +238,7 @@ class Program:
         every rank) buckets are concatenated at launch instead."""
         import torch.distributed as dist
         self.copy_at: dict[int, list] = {}
+        self.write_at: dict[int, tuple] = {}   # backward position -> (out= overload, bucket, offset, elements, shape)
         self.flat_sizes: dict[int, tuple] = {}
         self.flat_bufs: dict[int, torch.Tensor] = {}      # bucket -> its flat buffer, kept between steps
         if not dist.is_initialized() or dist.get_backend() == "fake":
@@ -225,6 +246,8 @@ class Program:
         g, pos = self.g, {it.node.idx: i for i, it in enumerate(self.bw)}
         read = {(r.node, r.out) for n in g.nodes for r in n.inputs()}          # values some op reads
         read |= {k for k, c in Counter((r.node, r.out) for r in g.grads.values()).items() if c > 1}
+        readers = Counter((r.node, r.out) for n in g.nodes for r in n.inputs())   # ops and step results reading
+        readers.update((r.node, r.out) for r in [g.loss, *g.grads.values(), *g.input_grads.values()])
         for i, bs in self.chains.items():
             if not all(b["to"] == "R" for b in bs):
                 continue
@@ -244,14 +267,51 @@ class Program:
             dtype = getattr(torch, bs[0]["dtype"].split(".")[-1])
             self.flat_sizes[i] = (off, dtype, [sl[2] for _, sl, _, _ in plan])
             for at, sl, key, drop in plan:
-                self.copy_at.setdefault(at, []).append((i, sl, key, drop))
+                root = self._in_place(key, sl[2], dtype, pos, readers) if drop else None
+                if root is None:
+                    self.copy_at.setdefault(at, []).append((i, sl, key, drop))
+                else:
+                    self.write_at[root[0]] = (root[1], i, sl[0], sl[1], root[2])
+
+    def _in_place(self, key, shape, dtype, pos, readers):
+        """Where a gradient can be made in its bucket's slice instead of copied there (DDP's reducer copies each
+        gradient; a compiler knows where it will go): the gradient is the output of a compiled op with an out=
+        overload (mm, sum, embedding_dense_backward...) seen through transposes and views, each value on the way
+        read once, and those views of a contiguous tensor are the slice itself (checked on meta tensors).
+        (backward position of that op, its out= overload, its local output shape), else None."""
+        g, chain, k = self.g, [], key
+        while g.nodes[k[0]].target in _PASS_VIEWS:
+            it = self.bw[pos[k[0]]] if k[0] in pos else None
+            if it is None or it.fast is None or it.conv or it.groups or readers[k] != 1:
+                return None
+            chain.append(it)
+            k = it.keys[0]
+        it = self.bw[pos[k[0]]] if k[0] in pos else None
+        if it is None or it.fast is None or it.conv or it.groups or it.fn in VIEWS or k[1] != 0 \
+                or readers[k] != 1 or "out" in it.fast[1]:
+            return None
+        out = _out_overload(it.fn)
+        meta = g.nodes[k[0]].outs[0]
+        zshape = local_shape(tuple(meta.shape), self.P[k[0]].out[0], tuple(self.mesh.shape))
+        if out is None or zshape is None or meta.dtype != dtype:
+            return None
+        x = torch.empty(zshape, dtype=dtype, device="meta")
+        for v in reversed(chain):
+            x = v.fn(x, *v.fast[0], **v.fast[1])
+        if list(x.shape) != list(shape) or not x.is_contiguous():
+            return None
+        return pos[k[0]], out, tuple(zshape)
 
     def _copy_grads(self, at: int, env: dict, bufs: dict):
         for i, (off, n, shape), key, drop in self.copy_at[at]:
-            buf = bufs.get(i)
-            if buf is None:
-                buf = bufs[i] = self._bucket_buffer(i)
-            buf[off:off + n].view(shape).copy_(_local(env.pop(key) if drop else env[key]))
+            self._slice(bufs, i, off, n, shape).copy_(_local(env.pop(key) if drop else env[key]))
+
+    def _slice(self, bufs: dict, i: int, off: int, n: int, shape) -> torch.Tensor:
+        """A gradient's slice of bucket i's flat buffer (the buffer taken for this step on first use)."""
+        buf = bufs.get(i)
+        if buf is None:
+            buf = bufs[i] = self._bucket_buffer(i)
+        return buf[off:off + n].view(shape)
 
     def _bucket_buffer(self, i: int) -> torch.Tensor:
         """The flat buffer of all_reduce bucket i. The gradients handed out are views of it, so last step's buffer
@@ -337,8 +397,14 @@ class Program:
             return collapse(local_of(t))
         return Sharded(local_of(t), strs, tuple(t.shape))
 
-    def redistribute(self, v, src, dst):
-        local = redistribute_local(_local(v), src, dst, self.mesh)
+    def _flat(self, key):
+        """The mesh dims of the one all_reduce over a flattened group the plan records for redistribute `key`
+        (autopar.redistribute.flat_reduce), else None: the executor runs the collectives the plan priced."""
+        cs = self.red[key][2] if key in self.red else ()
+        return cs[0].mesh_dim if len(cs) == 1 and isinstance(cs[0].mesh_dim, tuple) else None
+
+    def redistribute(self, v, src, dst, key=None):
+        local = redistribute_local(_local(v), src, dst, self.mesh, self._flat(key))
         now = executed_placements(src, dst)
         if all(p == "R" for p in now):
             return collapse(local)
@@ -386,7 +452,7 @@ class Program:
                 return _local(loss).clone(), (env if keep else None)
             if (g.loss.node, "loss") in self.red:          # the plan's reduction of the loss to Replicate
                 src, dst, _ = self.red[(g.loss.node, "loss")]
-                loss = self.redistribute(loss, src, dst)
+                loss = self.redistribute(loss, src, dst, (g.loss.node, "loss"))
             if type(loss) is Sharded:
                 raise ExecutionError(f"the plan leaves the loss at placement {list(self.loss_pl)} and plans no "
                                      f"reduction to Replicate; the global loss cannot be returned")
@@ -410,7 +476,7 @@ class Program:
         with torch.no_grad():
             handles, bufs = {}, {}
             self.run_bw(env, {pos: (lambda pos=pos: self._at(pos, env, handles, bufs)) for pos in self.after},
-                        self._run1)
+                        self._run1, lambda i, off, n, shape: self._slice(bufs, i, off, n, shape))
             grads = self._finish_buckets(env, handles, bufs)
             for fqn in self.grad_fqns:
                 if fqn in grads:
@@ -420,7 +486,7 @@ class Program:
                 p = g.params[fqn]
                 if (p, "opt") in self.red:
                     src, dst, _ = self.red[(p, "opt")]
-                    v = self.redistribute(v, src, dst)
+                    v = self.redistribute(v, src, dst, (p, "opt"))
                 want = self.P[p].out[0]
                 v = self._dt(v if type(v) is Sharded else per_rank(v))
                 if placement_strs(v) != want:
@@ -467,16 +533,18 @@ class Program:
                                       _pls(now), shape, _global_stride(loc, shape))
         return out
 
-    def _compile(self, instrs, launch_at):
-        """The instruction list as one straight-line Python function `run(env, L, run1)`: every local op with one
-        tensor output and no redistribute before it becomes a direct call of the aten op on local shards, with
+    def _compile(self, instrs, launch_at, writes=None):
+        """The instruction list as one straight-line Python function `run(env, L, run1, B)`: every local op with
+        one tensor output and no redistribute before it becomes a direct call of the aten op on local shards, with
         constant arguments bound ahead of time and, since each value's placement is static, no test of whether an
         input is sharded; anything else (redistributes, DTensor dispatch, factories) goes through `run1`, the
-        interpreter of one instruction; `L[pos]()` issues the gradient buckets ready after instruction pos."""
-        P = self.P
+        interpreter of one instruction; `L[pos]()` issues the gradient buckets ready after instruction pos; an op
+        in `writes` makes its output in a gradient bucket's slice (its out= overload on B(bucket, offset, n,
+        shape), `_in_place`)."""
+        P, writes = self.P, writes or {}
         ns = {"Sharded": Sharded, "call_view": call_view}
         sharded = lambda k: not all(p == "R" for p in P[k[0]].out[k[1]])      # what env holds for a value
-        lines = ["def run(env, L, run1):"]
+        lines = ["def run(env, L, run1, B=None):"]
         for pos, it in enumerate(instrs):
             n = it.node
             if it.fast is not None and not it.conv and not it.groups:
@@ -487,9 +555,13 @@ class Program:
                     ns[f"F{pos}"] = it.fn
                     call = f"call_view(F{pos}, ({', '.join(ins)},), R{pos}, W{pos})"
                 else:                       # the op's C++ entry (OpOverload.__call__ forwards to it)
-                    ns[f"C{pos}"] = getattr(it.fn, "_op", it.fn)
-                    args = ", ".join(ins + ([f"*R{pos}"] if rest else []) + ([f"**W{pos}"] if kwargs else []))
-                    call = f"C{pos}({args})"
+                    args = ins + ([f"*R{pos}"] if rest else []) + ([f"**W{pos}"] if kwargs else [])
+                    fn = it.fn
+                    if pos in writes:
+                        fn, i, off, numel, shape = writes[pos]
+                        args.append(f"out=B({i}, {off}, {numel}, {shape!r})")
+                    ns[f"C{pos}"] = getattr(fn, "_op", fn)
+                    call = f"C{pos}({', '.join(args)})"
                 if it.out_r[0]:
                     lines.append(f"    env[{(n.idx, 0)!r}] = {call}")
                 else:
@@ -511,18 +583,19 @@ class Program:
         vals = [env[k] for k in it.keys]
         for grp in it.groups:           # inputs all-reduced to Replicate in one collective (passes/redistribute.py)
             locs = [_local(vals[c[0]]) for c in grp]
-            flat = redistribute_local(torch.cat([t.reshape(-1) for t in locs]), grp[0][1], grp[0][2], self.mesh)
+            flat = redistribute_local(torch.cat([t.reshape(-1) for t in locs]), grp[0][1], grp[0][2], self.mesh,
+                                      self._flat((n.idx, grp[0][0])))
             for (j, _, _, share), t, piece in zip(grp, locs, flat.split([t.numel() for t in locs])):
                 vals[j] = collapse(piece.view(t.shape))
                 if share is not None and share[0] == "store":
                     env[share[1]] = vals[j]
         for j, src, dst, share in it.conv:
             if share is None:
-                vals[j] = self.redistribute(vals[j], src, dst)
+                vals[j] = self.redistribute(vals[j], src, dst, (n.idx, j))
             elif share[0] == "load":
                 vals[j] = env[share[1]]
             else:
-                vals[j] = env[share[1]] = self.redistribute(vals[j], src, dst)
+                vals[j] = env[share[1]] = self.redistribute(vals[j], src, dst, (n.idx, j))
         mode = it.mode
         if mode == "local":
             local = [v.t if type(v) is Sharded else v for v in vals]

@@ -1,23 +1,25 @@
 """Calibrate the `cpu-gloo` cost model on this machine: N gloo ranks on the CPU, as the tests and benchmarks run.
 
-    python benchmarks/cpu_calibrate.py [--world 4]     # ~1 min; writes benchmarks/results/cpu_gloo_calibrated.json
+    python benchmarks/cpu_calibrate.py [--world 4]     # ~2.5 min; writes benchmarks/results/cpu_gloo_calibrated.json
 
 All ranks run at once (OMP_NUM_THREADS=1 each, as bench_execute.py and harness.py run them), so every figure is
 what one rank gets while its peers compete for the same cores:
   * matmul FLOP/s per rank (fp32, transformer-shaped matmuls, all ranks busy at once);
   * memory bandwidth per rank (a large copy, all ranks at once);
   * the fixed time of one small eager op (dispatch and launch: what a roofline misses on tiny ops);
-  * collectives: all_reduce, all_gather, reduce_scatter and all_to_all over the world at sizes 4 KiB..16 MiB,
-    each timed INSIDE a busy program: every rank alternates a ~2 ms matmul and the collective, and the cost of a
-    collective is the time of that loop minus the time of the matmuls alone. That is what a collective costs in a
-    training step on this machine: with more ranks than cores a collective waits until every peer has been
-    scheduled again, which a collective timed alone after a barrier (also recorded, "isolated") does not show;
-    alpha (seconds per ring step) and bw (bytes/s) are the least-squares fit of the cost model's own formula
-    (autopar/cost/comm.py: time = ring_steps * alpha + bytes_sent / bw) over all kinds and sizes of the busy runs,
-    and the link's `kinds` the same fit per collective kind (gloo's algorithms differ by kind: on the reference
-    machine one fit for all kinds is off by a median 21%, one per kind by 6%).
+  * collectives: all_reduce, all_gather, reduce_scatter and all_to_all at 16 B..16 MiB, over the world and over
+    the pairs of a (world/2) x 2 mesh (both dims in turn, as a 2-D plan's collectives alternate), each timed
+    INSIDE a busy program: every rank alternates ~1.5 ms of matmul and the collective, and the cost of a collective
+    is the time of that loop minus the time of the matmuls alone. That is what a collective costs in a training
+    step on this machine: with more ranks than cores a collective waits until every peer has been scheduled
+    again, which a collective timed alone after a barrier (also recorded, "isolated") does not show.
+    The link is the non-negative least-squares fit of the cost model's own formula (autopar/cost/comm.py:
+    time = launch + ring_steps * alpha + bytes_sent / bw) over the busy runs, relative error, one fit over all
+    kinds and one per kind (gloo runs each kind its own way). Two group sizes separate the fixed cost of a call
+    (`launch`) from the cost per ring step: gloo's small collectives cost about one launch each, so a chain of
+    two pair all_reduces costs more than one all_reduce over the 4 ranks, which a per-step term alone gets backwards.
 
-    python benchmarks/cpu_calibrate.py --refit FILE    # the fits again from FILE's recorded timings, no run
+    python benchmarks/cpu_calibrate.py --refit FILE [FILE ...]   # the fits again from recorded timings (pooled)
 The JSON is a ClusterSpec (`autopar.plan(..., cluster=PATH)`); its "calibration" key holds the raw timings. The
 shipped `cpu-gloo` preset (autopar/cost/cluster.py) carries the figures of one run of this script on the
 reference 2-core CI machine.
@@ -41,6 +43,8 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 SIZES = [1 << k for k in range(12, 25, 2)]          # 4 KiB .. 16 MiB
+TINY = [16, 256]                                    # a loss's (sum, count), a norm's statistics
+WORK_S = 1.5e-3                                     # compute between two collectives (a few ops of a small model)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -73,6 +77,24 @@ def _busy_time(op, work, reps, k=8):
     return max(statistics.median(both) - statistics.median(alone), 0.0) / k
 
 
+def _groups(world):
+    """(group size, this rank's groups) of each layout timed: the world ([None]); then, for an even world, the
+    pairs of a (world // 2) x 2 mesh, this rank's pair along dim 1 and its pair along dim 0, every pair running at
+    once, the two in turn: a 2-D plan's collectives alternate mesh dims, and a collective that follows one on the
+    other dim waits for peers that were just busy elsewhere (on the reference machine a pair repeating on one dim
+    takes ~2 ms for 16 B, the alternation ~3 ms each). A row's time is per collective."""
+    out = [(world, [None])]
+    if world >= 4 and world % 2 == 0:
+        rank, mine = dist.get_rank(), []
+        for pairs in ([[r, r + 1] for r in range(0, world, 2)], [[r, r + world // 2] for r in range(world // 2)]):
+            for p in pairs:                     # every rank creates every group, in the same order
+                pg = dist.new_group(p)
+                if rank in p:
+                    mine.append(pg)
+        out.append((2, mine))
+    return out
+
+
 def _worker(rank, world, port, out, quick):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -92,29 +114,35 @@ def _worker(rank, world, port, out, quick):
     dst = torch.empty_like(src)
     ts = _median_time(lambda: dst.copy_(src), reps)
     res["copy"].append(2 * src.numel() * 4 / statistics.median(ts))
-    wa, wb = torch.randn(384, 384), torch.randn(384, 384)
+    wa, wb = torch.randn(256, 256), torch.randn(256, 256)
+    one = torch.tensor([statistics.median(_median_time(lambda: wa @ wb, 3 * reps))])
+    dist.all_reduce(one, op=dist.ReduceOp.MAX)
+    rounds = max(1, round(WORK_S / float(one)))
 
-    def work():                                 # ~2 ms of matmul on one rank while its peers run too
-        for _ in range(4):
+    def work():                                 # ~WORK_S of matmul on one rank while its peers run too
+        for _ in range(rounds):
             wa @ wb
-    for nbytes in SIZES[: 4 if quick else None]:
-        full = torch.randn(nbytes // 4)
-        shard = torch.randn(nbytes // 4 // world)
-        ops = {"all_reduce": lambda: dist.all_reduce(full),
-               "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full),
-               "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full)}
-        for kind in KINDS:
-            try:
-                ops[kind]()
-            except RuntimeError as e:      # gloo builds without reduce_scatter_tensor: recorded, not fitted
-                res["coll"].append({"kind": kind, "bytes": nbytes, "error": str(e).splitlines()[0]})
-                continue
-            ts = _median_time(ops[kind], reps)
-            busy = _busy_time(ops[kind], work, reps)
-            t = torch.tensor([statistics.median(ts), busy])
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            res["coll"].append({"kind": kind, "bytes": nbytes, "seconds": float(t[1]), "isolated_s": float(t[0])})
+    for g, groups in _groups(world):
+        for nbytes in (TINY + SIZES)[: 6 if quick else None]:
+            full = torch.randn(nbytes // 4)
+            shard = torch.randn(nbytes // 4 // g)
+            one = {"all_reduce": lambda pg: dist.all_reduce(full, group=pg),
+                   "all_gather": lambda pg: dist.all_gather_into_tensor(full, shard, group=pg),
+                   "reduce_scatter": lambda pg: dist.reduce_scatter_tensor(shard, full, group=pg),
+                   "all_to_all": lambda pg: dist.all_to_all_single(torch.empty_like(full), full, group=pg)}
+            ops = {k: (lambda f=f: [f(pg) for pg in groups]) for k, f in one.items()}
+            for kind in KINDS:
+                row = {"kind": kind, "bytes": nbytes, "group": g}
+                try:
+                    ops[kind]()
+                except RuntimeError as e:      # gloo builds without reduce_scatter_tensor: recorded, not fitted
+                    res["coll"].append({**row, "error": str(e).splitlines()[0]})
+                    continue
+                ts = _median_time(ops[kind], reps)
+                busy = _busy_time(ops[kind], work, reps)
+                t = torch.tensor([statistics.median(ts), busy]) / len(groups)
+                dist.all_reduce(t, op=dist.ReduceOp.MAX)
+                res["coll"].append({**row, "seconds": float(t[1]), "isolated_s": float(t[0])})
     if rank == 0:
         with open(out, "w") as f:
             json.dump(res, f)
@@ -123,18 +151,19 @@ def _worker(rank, world, port, out, quick):
 
 
 def fit(coll, world, kind=None):
-    """Least squares of time = steps * alpha + sent / bw over the measured collectives (alpha, bw >= 0), of one
-    `kind` or of all."""
+    """Non-negative least squares of time = launch + steps * alpha + sent / bw (autopar/cost/comm.py) over the
+    measured collectives of one `kind` or of all, each over its own group (`world` where a record has none);
+    relative error, so small and large messages weigh alike. (launch, alpha, bw, median relative error)."""
+    from scipy.optimize import nnls
     from autopar.cost.comm import bytes_sent, ring_steps
-    rows = [(ring_steps(c["kind"], world), bytes_sent(c["kind"], c["bytes"], world), c["seconds"])
-            for c in coll if "seconds" in c and kind in (None, c["kind"])]
-    A = np.array([[s, b] for s, b, _ in rows], float)
-    y = np.array([t for _, _, t in rows])
-    w = 1.0 / y                                        # relative error: small and large messages weigh alike
-    (alpha, inv_bw), *_ = np.linalg.lstsq(A * w[:, None], y * w, rcond=None)
-    alpha, inv_bw = max(alpha, 1e-7), max(inv_bw, 1e-12)
-    pred = A @ np.array([alpha, inv_bw])
-    return float(alpha), float(1.0 / inv_bw), float(np.median(np.abs(pred - y) / y))
+    rows = [c for c in coll if "seconds" in c and kind in (None, c["kind"])]
+    n = [c.get("group", world) for c in rows]
+    A = np.array([[1.0, ring_steps(c["kind"], k), bytes_sent(c["kind"], c["bytes"], k)] for c, k in zip(rows, n)])
+    y = np.array([c["seconds"] for c in rows])
+    w = 1.0 / y
+    x, _ = nnls(A * w[:, None], y * w)
+    x[2] = max(x[2], 1e-12)
+    return float(x[0]), float(x[1]), float(1.0 / x[2]), float(np.median(np.abs(A @ x - y) / y))
 
 
 def link_fit(coll, world):
@@ -142,36 +171,60 @@ def link_fit(coll, world):
     with the pooled fit's and the per-kind fits' median relative errors."""
     from autopar.cost import collective_time
     from autopar.cost.cluster import LinkSpec
-    alpha, bw, err = fit(coll, world)
-    kinds = tuple((kind, *fit(coll, world, kind)[:2]) for kind in dict.fromkeys(c["kind"] for c in coll
-                                                                               if "seconds" in c))
-    link = LinkSpec("gloo-loopback", alpha=alpha, bw=bw, kinds=kinds)
-    err_kinds = float(np.median([abs(collective_time(c["kind"], c["bytes"], world, link) / c["seconds"] - 1)
-                                 for c in coll if "seconds" in c]))
+    launch, alpha, bw, err = fit(coll, world)
+    kinds = []
+    for kind in dict.fromkeys(c["kind"] for c in coll if "seconds" in c):
+        c0, a, b, _ = fit(coll, world, kind)
+        kinds.append((kind, a, b, c0))
+    link = LinkSpec("gloo-loopback", alpha=alpha, bw=bw, kinds=tuple(kinds), launch=launch)
+    err_kinds = float(np.median([abs(collective_time(c["kind"], c["bytes"], c.get("group", world), link)
+                                     / c["seconds"] - 1) for c in coll if "seconds" in c]))
     return link, err, err_kinds
 
 
-def refit(path, out):
-    """The link fits again from the timings recorded in a calibration JSON (no measurement)."""
+def refit(paths, out):
+    """The link fits again from the timings recorded in one or more calibration JSONs (no measurement): several
+    runs of the same machine pooled, each collective and size a row per run, weigh alike; the device's figures
+    are the median over the runs of each run's (`_device`), the world the first file's."""
     from autopar.cost.cluster import ClusterSpec
-    with open(path) as f:
-        d = json.load(f)
-    cal = d["calibration"]
-    link, err, err_kinds = link_fit(cal["collectives"], cal["world"])
-    spec = ClusterSpec.from_json(d)
-    spec = ClusterSpec(spec.name, spec.device, spec.gpus_per_node, link, link)
+    runs = []
+    for path in paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    cal = runs[0]["calibration"]
+    coll = [c for d in runs for c in d["calibration"]["collectives"]]
+    link, err, err_kinds = link_fit(coll, cal["world"])
+    spec = ClusterSpec.from_json(runs[0])
+    dev = spec.device
+    if all("matmul_flops_per_rank" in d["calibration"] for d in runs):
+        dev = _device([max(d["calibration"]["matmul_flops_per_rank"]) for d in runs],
+                      [max(d["calibration"]["copy_bytes_per_s_per_rank"]) for d in runs],
+                      [min(d["calibration"]["op_overhead_s"]) for d in runs])
+    spec = ClusterSpec(spec.name, dev, spec.gpus_per_node, link, link)
     new = spec.to_json()
-    new["calibration"] = {**cal, "fit_median_rel_error": err, "fit_per_kind_median_rel_error": err_kinds,
+    new["calibration"] = {**cal, "runs": len(runs), "collectives": coll, "fit_median_rel_error": err,
+                          "fit_per_kind_median_rel_error": err_kinds,
                           "refit_command": "python benchmarks/cpu_calibrate.py " + " ".join(sys.argv[1:])}
     with open(out, "w") as f:
         json.dump(new, f, indent=1)
     _report(link, err, err_kinds, out)
 
 
+def _device(flops, copy, overhead):
+    """The CPU DeviceSpec of one or more runs' figures (the median of each): matmul FLOP/s and copy bytes/s per
+    rank, the fixed time of one eager op."""
+    from autopar.cost.cluster import CLUSTERS, DeviceSpec
+    f = statistics.median(flops)
+    return DeviceSpec("cpu", {"fp32": f, "bf16": f, "fp16": f}, mem_bw=statistics.median(copy),
+                      mem_bytes=CLUSTERS["cpu-gloo"].device.mem_bytes, matmul_eff=1.0, mem_eff=1.0,
+                      op_overhead=statistics.median(overhead))
+
+
 def _report(link, err, err_kinds, out):
-    print(f"alpha {link.alpha * 1e6:.0f} us, bw {link.bw / 1e9:.3f} GB/s (median fit error {err:.0%}); per kind "
-          f"(median error {err_kinds:.0%}): " + ", ".join(f"{k} {a * 1e6:.0f} us {b / 1e9:.3f} GB/s"
-                                                         for k, a, b in link.kinds) + f" -> {out}")
+    print(f"launch {link.launch * 1e6:.0f} us, alpha {link.alpha * 1e6:.0f} us, bw {link.bw / 1e9:.3f} GB/s "
+          f"(median fit error {err:.0%}); per kind (median error {err_kinds:.0%}): "
+          + ", ".join(f"{k} {c * 1e6:.0f} + {a * 1e6:.0f}/step us {b / 1e9:.3f} GB/s" for k, a, b, c in link.kinds)
+          + f" -> {out}")
 
 
 def main():
@@ -179,7 +232,8 @@ def main():
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_gloo_calibrated.json"))
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--refit", metavar="FILE", help="fit the link again from FILE's recorded timings (no run)")
+    ap.add_argument("--refit", metavar="FILE", nargs="+",
+                    help="fit the link again from the timings recorded in FILE(s), pooled (no run)")
     args = ap.parse_args()
     if args.refit:
         return refit(args.refit, args.out)
@@ -191,14 +245,11 @@ def main():
     with open(raw) as f:
         res = json.load(f)
     os.remove(raw)
-    from autopar.cost.cluster import CLUSTERS, ClusterSpec, DeviceSpec
+    from autopar.cost.cluster import CLUSTERS, ClusterSpec
     link, err, err_kinds = link_fit(res["coll"], args.world)
-    flops, mem_bw = max(res["matmul"]), max(res["copy"])
-    base = CLUSTERS["cpu-gloo"]
-    overhead = min(res["op_overhead"])
-    dev = DeviceSpec("cpu", {"fp32": flops, "bf16": flops, "fp16": flops}, mem_bw=mem_bw,
-                     mem_bytes=base.device.mem_bytes, matmul_eff=1.0, mem_eff=1.0, op_overhead=overhead)
-    spec = ClusterSpec("cpu-gloo-calibrated", dev, base.gpus_per_node, link, link)
+    dev = _device([max(res["matmul"])], [max(res["copy"])], [min(res["op_overhead"])])
+    flops, mem_bw, overhead = dev.flops_for(torch.float32), dev.mem_bw, dev.op_overhead
+    spec = ClusterSpec("cpu-gloo-calibrated", dev, CLUSTERS["cpu-gloo"].gpus_per_node, link, link)
     d = spec.to_json()
     d["calibration"] = {"command": "python benchmarks/cpu_calibrate.py " + " ".join(sys.argv[1:]),
                         "world": args.world, "cores": os.cpu_count(), "matmul_flops_per_rank": res["matmul"],

@@ -16,11 +16,11 @@ none on the others (`state.coalesced`: (consumer, input) -> (consumer, input) wh
 from __future__ import annotations
 
 from autopar.graph import TensorMeta, param_root
-from autopar.redistribute import all_reduced, collectives
+from autopar.redistribute import all_reduced, bucket_steps, collectives
 
 
 def run(state) -> None:
-    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
+    g, P, mesh_shape, cluster = state.graph, state.placement, state.mesh.shape, state.cluster
     red, shares, first, coalesced = {}, {}, {}, {}
     for n in g.ops():
         alike: dict = {}                                 # (src, dst, dtype) -> [(input, numel)] all-reduced alike
@@ -29,7 +29,7 @@ def run(state) -> None:
             if src == dst:
                 continue
             meta = g.meta(r)
-            cs = collectives(src, dst, meta, mesh_shape)
+            cs = collectives(src, dst, meta, mesh_shape, cluster)
             key = (r.node, r.out, dst, n.phase if meta.numel > 1 else None)
             if cs and key in first and param_root(g, r.node) is None:
                 shares[(n.idx, j)] = first[key]
@@ -41,16 +41,17 @@ def run(state) -> None:
         for (src, dst, dtype), js in alike.items():
             if len(js) > 1:
                 total = TensorMeta((sum(k for _, k in js),), dtype)
-                red[(n.idx, js[0][0])] = (src, dst, collectives(src, dst, total, mesh_shape))
+                red[(n.idx, js[0][0])] = (src, dst, collectives(src, dst, total, mesh_shape, cluster))
                 for j, _ in js[1:]:
                     red[(n.idx, j)] = (src, dst, ())
                     coalesced[(n.idx, j)] = (n.idx, js[0][0])
     for fqn, r in g.grads.items():
         p = g.params[fqn]
         src, dst = P[r.node].out[r.out], P[p].out[0]
-        if src != dst:
-            red[(p, "opt")] = (src, dst, collectives(src, dst, g.meta(r), mesh_shape))
+        if src != dst:          # a bucketed reduction is flattened, or not, per bucket (passes/buckets.py)
+            flat = None if bucket_steps(src, dst) else cluster
+            red[(p, "opt")] = (src, dst, collectives(src, dst, g.meta(r), mesh_shape, flat))
     src, dst = P[g.loss.node].out[g.loss.out], ("R",) * len(mesh_shape)
     if src != dst and not g.activation:                # the step returns the loss itself (global view)
-        red[(g.loss.node, "loss")] = (src, dst, collectives(src, dst, g.meta(g.loss), mesh_shape))
+        red[(g.loss.node, "loss")] = (src, dst, collectives(src, dst, g.meta(g.loss), mesh_shape, cluster))
     state.redistributes, state.shares, state.coalesced = red, shares, coalesced

@@ -134,28 +134,34 @@ def test_result_files_state_command_and_commit(tiny_rows, tmp_path):
 
 def test_calibration_refit_recovers_each_kinds_link(tmp_path, monkeypatch):
     """cpu_calibrate.py fits the cost model's formula per collective kind: on timings made by known per-kind
-    (alpha, bw) it recovers them exactly, where one pooled fit cannot; --refit rewrites a calibration JSON that
-    autopar.plan loads with those fits."""
+    (alpha, bw, launch) over groups of 4 and 2 ranks it recovers them exactly, where one pooled fit cannot, and
+    without the 2-rank rows launch and alpha could not be told apart; --refit pools several runs' timings into a
+    calibration JSON that autopar.plan loads with those fits."""
     import json
     import cpu_calibrate
     from autopar.cost import collective_time, get_cluster
     from autopar.cost.cluster import CLUSTERS, LinkSpec
-    truth = LinkSpec("t", 2e-3, 7e8, kinds={"all_gather": (3e-3, 6e8), "all_reduce": (2e-3, 8.5e8),
-                                            "reduce_scatter": (4e-3, 3.3e8), "all_to_all": (1.8e-3, 7e8)})
-    coll = [{"kind": k, "bytes": b, "seconds": collective_time(k, b, 4, truth)}
-            for k in cpu_calibrate.KINDS for b in cpu_calibrate.SIZES]
+    truth = LinkSpec("t", 2e-3, 7e8, kinds={"all_gather": (1e-3, 6e8, 1e-3), "all_reduce": (0.5e-3, 1.2e9, 1.4e-3),
+                                            "reduce_scatter": (1e-3, 3.7e8, 1.6e-3), "all_to_all": (0.3e-3, 1e9, 1.4e-3)})
+    coll = [{"kind": k, "bytes": b, "group": n, "seconds": collective_time(k, b, n, truth)}
+            for k in cpu_calibrate.KINDS for b in cpu_calibrate.TINY + cpu_calibrate.SIZES for n in (4, 2)]
     link, pooled_err, kinds_err = cpu_calibrate.link_fit(coll, 4)
     assert kinds_err < 1e-9 < pooled_err
-    for k, a, b in truth.kinds:
+    for k, a, b, c in truth.kinds:
         assert link.of(k) == (pytest.approx(a, rel=1e-6), pytest.approx(b, rel=1e-6))
+        assert link.launch_of(k) == pytest.approx(c, rel=1e-6)
     d = CLUSTERS["cpu-gloo"].to_json()
-    d["calibration"] = {"world": 4, "collectives": coll}
-    src, out = tmp_path / "calib.json", tmp_path / "refit.json"
-    src.write_text(json.dumps(d))
-    monkeypatch.setattr(sys, "argv", ["cpu_calibrate.py", "--refit", str(src), "--out", str(out)])
+    half = len(coll) // 2
+    paths = []
+    for i, part in enumerate((coll[:half], coll[half:])):      # two runs, pooled by --refit
+        paths.append(tmp_path / f"calib{i}.json")
+        paths[-1].write_text(json.dumps({**d, "calibration": {"world": 4, "collectives": part}}))
+    out = tmp_path / "refit.json"
+    monkeypatch.setattr(sys, "argv", ["cpu_calibrate.py", "--refit", *map(str, paths), "--out", str(out)])
     cpu_calibrate.main()
     spec = get_cluster(str(out))
-    assert spec.intra.of("reduce_scatter") == (pytest.approx(4e-3, rel=1e-6), pytest.approx(3.3e8, rel=1e-6))
+    assert spec.intra.of("reduce_scatter") == (pytest.approx(1e-3, rel=1e-6), pytest.approx(3.7e8, rel=1e-6))
+    assert spec.intra.launch_of("all_reduce") == pytest.approx(1.4e-3, rel=1e-6)
     assert json.loads(out.read_text())["calibration"]["fit_per_kind_median_rel_error"] < 1e-9
 
 

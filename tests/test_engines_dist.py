@@ -33,20 +33,21 @@ BF16_TOL = 3e-2
 
 
 def _dp_cases(tmp_path):
-    """Data parallel with every parameter replicated, planned freely with the calibrated CPU cost model (cluster
-    "cpu-gloo"): on (4,) the plan gathers the log-softmax and runs the loss replicated (labels fed replicated);
+    """Data parallel with every parameter replicated, planned freely with a CPU cost model of latency per ring step
+    (GLOO_PER_STEP, tests/_clusters.py: no per-call cost, so a tiny bucket chains): on (4,) the plan gathers the log-softmax and runs the loss replicated (labels fed replicated);
     on (2,2) it reduces the gradients in a chain of buckets (dp, then tp); the third case is that plan with each
     chain flattened into one bucket over the flattened dp+tp group (the form passes/buckets.py takes for larger
     buckets), so both bucket forms run; the fourth leaves the embedding's gradient out of the buckets; the last
     combines replicated data parallelism with tensor parallelism."""
     import autopar
     from autopar import models
+    from _clusters import GLOO_PER_STEP
     m = models.build_model(MODEL, device="meta")
     cases = []
     # a batch of 16 on 2x2: with 8 the calibrated model runs data parallel on one dim only (test_engines_plan.DP_BATCH)
     for name, shape, names, batch in (("dp4", (4,), ("dp",), BATCH), ("dp2x2_chain", (2, 2), ("dp", "tp"), 16)):
         x = models.example_inputs(MODEL, batch=batch, seq=SEQ, device="meta")
-        p = autopar.plan(m, autopar.MeshSpec(shape, names), x, cluster="cpu-gloo")
+        p = autopar.plan(m, autopar.MeshSpec(shape, names), x, cluster=GLOO_PER_STEP)
         assert p.buckets and all(set(v) == {"R"} for v in p.params.values()), (name, p.buckets, p.params)
         p.save(tmp_path / f"{name}.json")
         cases.append({"name": name, "shape": list(shape), "names": list(names), "plan": str(tmp_path / f"{name}.json"),
@@ -169,7 +170,7 @@ def test_world4_fsdp2_fsdp_x_tp_hsdp_flat(tmp_path):
 
 
 def test_world4_replicated_data_parallel_issues_the_plans_buckets(tmp_path):
-    """Free cpu-gloo plans that replicate every parameter lower to data parallelism whose gradient hook issues
+    """Free plans (_dp_cases) that replicate every parameter lower to data parallelism whose gradient hook issues
     exactly the plan's buckets (one all_reduce per bucket step, on the planned group, of the planned bytes);
     loss and gradients equal one device, 3 SGD steps."""
     cases = _dp_cases(tmp_path)

@@ -15,7 +15,7 @@ from autopar import models as M
 from autopar.backends.engines import EngineLoweringError, recognize
 from autopar.backends.engines_comm import engine_collectives
 from autopar.backends.engines_ref import batch_pin, torchtitan_placements, torchtitan_styles
-from _clusters import SHAPES
+from _clusters import GLOO_PER_STEP, SHAPES
 
 B, S = 8, 64
 # These tests check how plans are recognized and lowered, not cost constants: see tests/_clusters.py.
@@ -407,8 +407,9 @@ def test_loss_on_the_whole_batch_lowers_only_as_an_unweighted_mean_over_equal_sh
 
 @pytest.mark.parametrize("mesh,names", [((4,), ("dp",)), ((2, 2), ("dp", "tp"))])
 def test_plan_for_engines_predicts_the_engines_collectives(mesh, names):
-    """The free cpu-gloo plan of llama-tiny gathers the log-softmax over the data dims and runs the loss on the
-    whole batch, which the engines cannot (each rank computes its shard's loss): backend="torch" plans again with
+    """Under a cost model with no per-call cost (GLOO_PER_STEP: the cpu-gloo preset before sub-group calibration)
+    the free plan of llama-tiny gathers the log-softmax over the data dims and runs the loss on the whole batch,
+    which the engines cannot (each rank computes its shard's loss): backend="torch" plans again with
     the loss and the parameter gradients pinned partial on the data dims, and the re-solved plan predicts what the
     engines issue: no gather, the gradients in the plan's buckets, the loss's sum and count in one all_reduce on a
     1-D mesh (the loss hook's (weighted loss, count)); on 2x2 the plan reduces them per mesh dim (a few bytes
@@ -417,9 +418,9 @@ def test_plan_for_engines_predicts_the_engines_collectives(mesh, names):
     from autopar.backends.engines_plan import plan_for_engines
     m, x = _model(DP_BATCH[len(mesh)])
     spec = autopar.MeshSpec(mesh, names)
-    free = autopar.plan(m, spec, x, cluster="cpu-gloo")
+    free = autopar.plan(m, spec, x, cluster=GLOO_PER_STEP)
     assert "all_gather" in free.predicted["collectives"]               # the loss input, gathered
-    (plan, _), note = plan_for_engines(m, spec, x, cluster="cpu-gloo")
+    (plan, _), note = plan_for_engines(m, spec, x, cluster=GLOO_PER_STEP)
     assert note and note.startswith("re-planned for the engines") and "nll_loss_forward" in note, note
     assert plan.meta["engine_replan"] == note
     nll = next(n for n in plan.nodes if n["name"].endswith(":nll_loss_forward.default"))

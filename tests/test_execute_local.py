@@ -444,17 +444,21 @@ def test_data_parallel_on_a_2d_mesh_chains_or_flattens_bucket_all_reduces(flatte
 
 def test_flattening_a_bucket_chain_follows_the_cost_model():
     """One all_reduce over the flattened group of two mesh dims beats a chain of one all_reduce per dim when its
-    bandwidth saving outweighs the extra latency steps: on uniform links for a large bucket, not a tiny one;
-    with a fast intra-node dim (NVLink) and a slow inter-node dim, the chain's fast hop wins."""
+    bandwidth saving and its one call instead of two outweigh its extra latency steps: on the calibrated gloo link
+    for a large bucket and for a tiny one (a call's fixed cost dominates there); on a link with no per-call cost,
+    not for a tiny one; with a fast intra-node dim (NVLink) and a slow inter-node dim, the chain's fast hop wins."""
     from autopar.cost import get_cluster
     from autopar.redistribute import _chain_time, flatten_chain
     todo = ((0, "P", "R"), (1, "P", "R"))
     gloo = get_cluster("cpu-gloo")
-    assert flatten_chain(todo, 25 * 2**20, (2, 2), gloo) and not flatten_chain(todo, 4096, (2, 2), gloo)
+    assert flatten_chain(todo, 25 * 2**20, (2, 2), gloo) and flatten_chain(todo, 8, (2, 2), gloo)
+    assert not flatten_chain(todo, 8, (2, 2), SHAPES)
     chain, flat = _chain_time(todo, 25 * 2**20, (2, 2), gloo, 1.0)
-    alpha, bw = gloo.link_for((2, 2), 0).of("all_reduce")      # the calibrated link's all_reduce fit
-    assert chain == pytest.approx(2 * (25 * 2**20 / bw + 2 * alpha))
-    assert flat == pytest.approx(1.5 * 25 * 2**20 / bw + 6 * alpha)
+    link = gloo.link_for((2, 2), 0)
+    (alpha, bw), c = link.of("all_reduce"), link.launch_of("all_reduce")     # the calibrated link's all_reduce fit
+    assert c > 0
+    assert chain == pytest.approx(2 * (25 * 2**20 / bw + c + 2 * alpha))
+    assert flat == pytest.approx(1.5 * 25 * 2**20 / bw + c + 6 * alpha)
     h100 = get_cluster("h100")
     assert not flatten_chain(todo, 25 * 2**20, (16, 8), h100)       # dp over IB, tp inside the node
     assert not flatten_chain(((0, "P", "R"), (1, "Pa", "R")), 25 * 2**20, (2, 2), gloo)   # mixed: chain
@@ -494,6 +498,41 @@ def test_batch_sharded_mean_loss_is_exact_with_unevenly_ignored_labels(mesh_shap
     assert [r.get("coalesced") for r in div["redistribute"]] == [None, 0], div["redistribute"]
     ref = copy.deepcopy(model)
     with simulated(mesh_shape) as mesh:
+        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
+        rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
+    assert rep.ok, (rep.failures[:5], rep.collective_diff)
+
+
+@pytest.mark.parametrize("launch", [0.0, 1e-3])
+def test_loss_reduce_on_a_2d_mesh_chains_or_flattens_by_the_cost_model(launch):
+    """A loss sharded on the batch over both dims of a 2x2 mesh: its (sum, count) is partial on both. Without a
+    per-collective cost the ring model prices one all_reduce per mesh dim (2 x 2 latency steps) below one over
+    the flattened group of 4 (6 steps); with a millisecond per collective call, as gloo on an oversubscribed CPU
+    measures, the flattened one is cheaper. The plan records that choice, the prediction prices it, and the step
+    issues exactly it and equals one device."""
+    from autopar.cost.cluster import ClusterSpec, LinkSpec
+    from autopar.redistribute import redistribute_time
+    link = LinkSpec("loop", alpha=5e-5, bw=2e9, launch=launch)
+    cluster = ClusterSpec("launch", SHAPES.device, 1 << 20, link, link)
+    ov = dict(dim=16, hidden=32, n_layers=1, vocab=64)
+    model = build_model("mlp-tiny", device="cpu", seed=5, **ov)
+    x = example_inputs("mlp-tiny", batch=4, seq=8, seed=6, **ov)
+    pin = lambda node: {0: "P", 1: "P"} if node.kind == "op" and node.target is torch.ops.aten.nll_loss_forward.default \
+        else None
+    plan, state = autopar.plan(build_model("mlp-tiny", **ov), (2, 2),
+                               example_inputs("mlp-tiny", batch=4, seq=8, device="meta", **ov), cluster=cluster,
+                               overlap=False, pin=pin, return_state=True)
+    loss = [c for c in plan.collectives() if c[0] == "all_reduce" and c[2] == 8]
+    chain = redistribute_time(("P", "P"), ("R", "R"), TensorMeta((2,), torch.float32), (2, 2), SHAPES)
+    flat = redistribute_time(("P", "P"), ("R", "R"), TensorMeta((2,), torch.float32), (2, 2), cluster)
+    if launch:
+        assert loss == [("all_reduce", (0, 1), 8)], plan.collectives()
+        assert flat == pytest.approx(launch + 6 * 5e-5 + 1.5 * 8 / 2e9)
+    else:
+        assert sorted(loss, key=repr) == [("all_reduce", 0, 8), ("all_reduce", 1, 8)], plan.collectives()
+        assert flat == chain == pytest.approx(2 * (2 * 5e-5 + 8 / 2e9))
+    ref = copy.deepcopy(model)
+    with simulated((2, 2)) as mesh:
         pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
         rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
     assert rep.ok, (rep.failures[:5], rep.collective_diff)

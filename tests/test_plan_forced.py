@@ -18,6 +18,7 @@ import math
 import pytest
 
 import autopar
+from _clusters import SHAPES
 from _simulated import simulated
 from autopar.backends.verify import fsdp_force, train_and_compare
 from autopar.models import build_model, example_inputs
@@ -46,7 +47,7 @@ def smallish_plan(mesh_shape):
         model = build_model("gpt2-small", **SMALLISH)
         x = example_inputs("gpt2-small", batch=4, seq=64, device="meta", **SMALLISH)
         force = fsdp2_force(model, mesh_shape)
-        _PLANS[mesh_shape] = (force, *autopar.plan(model, mesh_shape, x, cluster="cpu-gloo", force=force,
+        _PLANS[mesh_shape] = (force, *autopar.plan(model, mesh_shape, x, cluster=SHAPES, force=force,
                                                    return_state=True))
     return _PLANS[mesh_shape]
 

@@ -38,20 +38,29 @@ class LinkSpec:
   name: str
   alpha: float   # seconds per message step (latency)
   bw: float      # bytes/s, unidirectional per rank
-  kinds: tuple = ()   # ((collective kind, alpha, bw), ...): a calibrated link's fit per kind; other kinds: alpha, bw
+  kinds: tuple = ()   # ((kind, alpha, bw[, launch]), ...): a calibrated link's fit per kind; other kinds: the link's
+  launch: float = 0.0  # seconds per collective call whatever its group size (0 for the analytic presets)
 
-  def __post_init__(self):   # from JSON: {"all_gather": [alpha, bw], ...} or [[kind, alpha, bw], ...]
+  def __post_init__(self):   # from JSON: {"all_gather": [alpha, bw(, launch)], ...} or [[kind, alpha, bw(, launch)], ...]
     rows = [(k, *v) for k, v in self.kinds.items()] if isinstance(self.kinds, dict) else self.kinds
-    object.__setattr__(self, "kinds", tuple(sorted((str(k), float(a), float(b)) for k, a, b in rows)))
-    object.__setattr__(self, "_hash", hash((self.name, self.alpha, self.bw, self.kinds)))
+    object.__setattr__(self, "launch", float(self.launch))
+    object.__setattr__(self, "kinds", tuple(sorted((str(r[0]), float(r[1]), float(r[2]),
+                                                    float(r[3]) if len(r) > 3 else self.launch) for r in rows)))
+    object.__setattr__(self, "_hash", hash((self.name, self.alpha, self.bw, self.kinds, self.launch)))
 
   def __hash__(self): return self._hash
 
   def of(self, kind: str) -> tuple[float, float]:
     """(alpha, bw) of one collective kind on this link."""
-    for k, a, b in self.kinds:        # empty for the analytic presets
+    for k, a, b, _ in self.kinds:     # empty for the analytic presets
       if k == kind: return a, b
     return self.alpha, self.bw
+
+  def launch_of(self, kind: str) -> float:
+    """Seconds one collective call of `kind` costs on top of its ring steps and bytes."""
+    for k, _, _, c in self.kinds:
+      if k == kind: return c
+    return self.launch
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -97,23 +106,25 @@ _H200 = DeviceSpec("H200-SXM", dict(_H100.peak_flops), mem_bw=4.8e12, mem_bytes=
 _A100 = DeviceSpec("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
                    mem_bw=2.0e12, mem_bytes=80 * GB)
 # cpu-gloo: one rank of 4 gloo ranks sharing the 2-core reference (CI) machine, OMP_NUM_THREADS=1 each, as the
-# tests and benchmarks run them. Measured by `python benchmarks/cpu_calibrate.py` (results/cpu_gloo_calibrated.json):
-# matmul ~27 GFLOP/s, copy ~4.5 GB/s per rank. A gloo collective timed inside a busy program (ranks computing between
-# collectives, as in a training step) costs 6-14 ms even for 4 KiB: with more ranks than cores it waits until every
-# peer is scheduled again; fit: alpha ~2.2 ms per ring step, ~0.67 GB/s over all kinds (median error 21%), and per
-# kind, as gloo runs each kind its own way (`cpu_calibrate.py --refit`, median error 6%): a reduce_scatter costs
-# ~2x what the pooled fit says, a small all_reduce less. op_overhead is kept at 10 us, the
-# per-op cost of an interpreted step (the calibration's bare eager op is ~4 us). Calibrate your own machine with it.
-_CPU = DeviceSpec("cpu", {"fp32": 27e9, "bf16": 27e9, "fp16": 27e9}, mem_bw=4.5e9, mem_bytes=16 * GB,
+# tests and benchmarks run them. Three runs of `python benchmarks/cpu_calibrate.py`, pooled by `--refit`
+# (results/cpu_gloo_calibrated.json): matmul ~93 GFLOP/s, copy ~7.6 GB/s per rank (medians over the runs). A gloo
+# collective timed inside a busy program (ranks computing between collectives, as in a training step) costs 2-5 ms
+# even for 16 B: with more ranks than cores it waits until every peer is scheduled again. Timed over the 4 ranks and
+# over the pairs of a 2x2 mesh, its cost is mostly a fixed cost per call (`launch`, ~1-1.6 ms) plus ~0.3-1 ms per ring
+# step, one fit per kind (gloo runs each kind its own way; median error 10%): two pair all_reduces of a loss's 8 bytes
+# cost more than one over the 4 ranks (4.9 vs 4.6 ms), as a direct A/B measures (4.3 vs 2.2 ms). op_overhead is
+# kept at 10 us, the per-op cost of an interpreted step (the calibration's bare eager op is ~5 us).
+# Calibrate your own machine with it.
+_CPU = DeviceSpec("cpu", {"fp32": 93e9, "bf16": 93e9, "fp16": 93e9}, mem_bw=7.6e9, mem_bytes=16 * GB,
                   matmul_eff=1.0, mem_eff=1.0, op_overhead=10e-6)
 
 _NVLINK4 = LinkSpec("nvlink4", alpha=3e-6, bw=450 * GB)       # seed: 450 GB/s, alpha 2-5 us
 _NVLINK3 = LinkSpec("nvlink3", alpha=3e-6, bw=300 * GB)
 _IB_NDR = LinkSpec("ib-ndr400", alpha=15e-6, bw=40 * GB)      # seed: 40 GB/s effective, alpha 10-20 us
 _IB_HDR = LinkSpec("ib-hdr200", alpha=15e-6, bw=25 * GB)
-_LOOP = LinkSpec("gloo-loopback", alpha=2.2e-3, bw=0.67 * GB,
-                 kinds=(("all_gather", 2.9e-3, 0.60 * GB), ("all_reduce", 1.9e-3, 0.85 * GB),
-                        ("all_to_all", 1.8e-3, 0.71 * GB), ("reduce_scatter", 3.9e-3, 0.33 * GB)))
+_LOOP = LinkSpec("gloo-loopback", alpha=0.49e-3, bw=0.92 * GB, launch=1.5e-3,     # (kind, alpha, bw, launch)
+                 kinds=(("all_gather", 0.98e-3, 0.71 * GB, 1.02e-3), ("all_reduce", 0.52e-3, 1.17 * GB, 1.42e-3),
+                        ("all_to_all", 0.28e-3, 1.01 * GB, 1.41e-3), ("reduce_scatter", 0.98e-3, 0.37 * GB, 1.64e-3)))
 
 CLUSTERS: dict[str, ClusterSpec] = {
   "h100": ClusterSpec("h100", _H100, 8, _NVLINK4, _IB_NDR),

@@ -2,8 +2,9 @@
 
 M is the FULL tensor size in bytes (unsharded over this group): the gathered output for all_gather, the input
 for reduce_scatter / all_reduce / all_to_all. n is the group size. Per rank:
-    time = ring_steps(kind, n) * link.alpha + bytes_sent(kind, M, n) / link.bw
-(alpha and bw per collective kind where the link has its own fit for it: LinkSpec.of, a calibrated link).
+    time = link.launch + ring_steps(kind, n) * link.alpha + bytes_sent(kind, M, n) / link.bw
+(launch, alpha and bw per collective kind where the link has its own fit for it: LinkSpec.of / launch_of, a
+calibrated link; launch is 0 on the analytic presets).
 The arithmetic is plain +-*/ so the same functions accept sympy symbols for M and/or n
 (collective_time_expr wraps the result in a sympy expression).
 """
@@ -43,7 +44,7 @@ def collective_time(kind: str, M, n, link: LinkSpec):
   """Seconds for one collective over a group of n ranks on `link`; 0.0 for n == 1."""
   if _trivial(n): return 0.0
   alpha, bw = link.of(kind)
-  t = ring_steps(kind, n) * alpha + bytes_sent(kind, M, n) / bw
+  t = link.launch_of(kind) + ring_steps(kind, n) * alpha + bytes_sent(kind, M, n) / bw
   return float(t) if type(t) is float or not _is_sym(t) else t
 
 def collective_time_expr(kind: str, M, n, link: LinkSpec) -> sympy.Expr:
