@@ -44,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 SIZES = [1 << k for k in range(12, 25, 2)]          # 4 KiB .. 16 MiB
 TINY = [16, 256]                                    # a loss's (sum, count), a norm's statistics
-WORK_S = 1.5e-3                                     # compute between two collectives (a few ops of a small model)
+WORK_MS = 5.0                                       # compute between two collectives (a block of a small model)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
@@ -95,7 +95,7 @@ def _groups(world):
     return out
 
 
-def _worker(rank, world, port, out, quick):
+def _worker(rank, world, port, out, quick, work_ms=WORK_MS):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -117,9 +117,9 @@ def _worker(rank, world, port, out, quick):
     wa, wb = torch.randn(256, 256), torch.randn(256, 256)
     one = torch.tensor([statistics.median(_median_time(lambda: wa @ wb, 3 * reps))])
     dist.all_reduce(one, op=dist.ReduceOp.MAX)
-    rounds = max(1, round(WORK_S / float(one)))
+    rounds = max(1, round(work_ms / 1e3 / float(one)))
 
-    def work():                                 # ~WORK_S of matmul on one rank while its peers run too
+    def work():                                 # ~work_ms of matmul on one rank while its peers run too
         for _ in range(rounds):
             wa @ wb
     for g, groups in _groups(world):
@@ -232,6 +232,7 @@ def main():
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_gloo_calibrated.json"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--work-ms", type=float, default=WORK_MS, help="compute between two timed collectives")
     ap.add_argument("--refit", metavar="FILE", nargs="+",
                     help="fit the link again from the timings recorded in FILE(s), pooled (no run)")
     args = ap.parse_args()
@@ -241,7 +242,7 @@ def main():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     raw = args.out + ".raw"
-    mp.start_processes(_worker, args=(args.world, port, raw, args.quick), nprocs=args.world, start_method="spawn")
+    mp.start_processes(_worker, args=(args.world, port, raw, args.quick, args.work_ms), nprocs=args.world, start_method="spawn")
     with open(raw) as f:
         res = json.load(f)
     os.remove(raw)

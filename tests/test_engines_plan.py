@@ -26,10 +26,11 @@ def _model(batch=B):
     return M.build_model("llama-tiny", device="meta"), M.example_inputs("llama-tiny", batch=batch, seq=S, device="meta")
 
 
-# On 2x2 the calibrated cpu-gloo model runs a batch of 8 data parallel on one dim (the other computes it again:
-# 32.2 ms predicted against 36.3 for data parallel over both dims, whose two-dim gradient reduction costs more
-# latency than the compute it saves); a batch of 16 it splits over both, which these tests lower.
-DP_BATCH = {1: B, 2: 16}
+# The calibrated cpu-gloo model computes a batch of 8 of llama-tiny again on every rank of a 4-rank mesh (21.1 ms
+# predicted, one all_reduce: the loss) and data-parallel on one dim of 2x2: a 4-rank gradient reduction costs more
+# than the compute it saves; a batch of 16 it splits over every rank on both meshes, which these tests lower.
+DP_BATCH = {1: 16, 2: 16}
+GATHER_BATCH = {1: B, 2: 16}     # the batches under which GLOO_PER_STEP's free plan gathers the loss input
 
 
 def _fsdp(mesh=(2,), names=("dp",), **kw):
@@ -337,11 +338,10 @@ def _check_replicated_dp(plan, m, n_shards):
 
 @pytest.mark.parametrize("mesh,names", [((4,), ("dp",)), ((2, 2), ("dp", "tp"))])
 def test_free_cpu_plan_is_replicated_data_parallel_in_the_plans_buckets(mesh, names):
-    """llama-tiny (batch 8, seq 64) planned for "cpu-gloo": every parameter replicated; the plan gathers the
-    log-softmax and runs the loss replicated (the labels stay replicated): the labels are fed batch-sharded like
-    the tokens and each rank averages its own shard. On (2,2) the batch is split over both dims (plain data
-    parallelism over the whole mesh, batch 16 there: DP_BATCH); the gradients go in the plan's buckets (a chain over
-    dp then tp)."""
+    """llama-tiny (batch 16, seq 64: DP_BATCH) planned for "cpu-gloo": every parameter replicated and the batch
+    split over every mesh dim (plain data parallelism over the whole mesh); the labels are fed batch-sharded like
+    the tokens and each rank weighs its own shard's loss; the gradients go in the plan's buckets (on 2x2 one bucket
+    over the flattened dp+tp group)."""
     m, x = _model(DP_BATCH[len(mesh)])
     plan = autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster="cpu-gloo")
     low = _check_replicated_dp(plan, m, 4)
@@ -413,10 +413,10 @@ def test_plan_for_engines_predicts_the_engines_collectives(mesh, names):
     the loss and the parameter gradients pinned partial on the data dims, and the re-solved plan predicts what the
     engines issue: no gather, the gradients in the plan's buckets, the loss's sum and count in one all_reduce on a
     1-D mesh (the loss hook's (weighted loss, count)); on 2x2 the plan reduces them per mesh dim (a few bytes
-    more than the hook's one all_reduce over the flattened group; batch 16 there: DP_BATCH)."""
+    more than the hook's one all_reduce over the flattened group; batch 16 there: GATHER_BATCH)."""
     from collections import Counter
     from autopar.backends.engines_plan import plan_for_engines
-    m, x = _model(DP_BATCH[len(mesh)])
+    m, x = _model(GATHER_BATCH[len(mesh)])
     spec = autopar.MeshSpec(mesh, names)
     free = autopar.plan(m, spec, x, cluster=GLOO_PER_STEP)
     assert "all_gather" in free.predicted["collectives"]               # the loss input, gathered
