@@ -9,10 +9,12 @@ what one rank gets while its peers compete for the same cores:
   * the fixed time of one small eager op (dispatch and launch: what a roofline misses on tiny ops);
   * collectives: all_reduce, all_gather, reduce_scatter and all_to_all at 16 B..16 MiB, over the world and over
     the pairs of a (world/2) x 2 mesh (both dims in turn, as a 2-D plan's collectives alternate), each timed
-    INSIDE a busy program: every rank alternates ~1.5 ms of matmul and the collective, and the cost of a collective
-    is the time of that loop minus the time of the matmuls alone. That is what a collective costs in a training
-    step on this machine: with more ranks than cores a collective waits until every peer has been scheduled
-    again, which a collective timed alone after a barrier (also recorded, "isolated") does not show.
+    INSIDE a busy program: every rank alternates ~5 ms of matmul (--work-ms) and the collective, and the cost of a
+    collective is the time of that loop minus the time of the matmuls alone. That is what a collective costs in a
+    training step on this machine: with more ranks than cores a collective waits until every peer has been
+    scheduled again, which a collective timed alone after a barrier (also recorded, "isolated") does not show, and
+    the longer the ranks compute in between, the longer it waits (on the reference machine ~25% more after 5 ms
+    than after 1.5 ms; a preset fitted at 1.5 ms planned per-layer all_reduces that measured 1.19x DDP).
     The link is the non-negative least-squares fit of the cost model's own formula (autopar/cost/comm.py:
     time = launch + ring_steps * alpha + bytes_sent / bw) over the busy runs, relative error, one fit over all
     kinds and one per kind (gloo runs each kind its own way). Two group sizes separate the fixed cost of a call

@@ -7,7 +7,7 @@ torchtitan 0.2.2's own Llama-3 plan), modeled and measured. One command writes e
 For each model x mesh x plan source a row reports: the modeled step (compute / comm / exposed comm) under autopar's
 cost model, with the hand plan expressed as forced parameter placements (`autopar.plan(force=...)`, activations
 still chosen by the solver: the best execution of that hand layout, same cost model, same memory budget); and, on
-the CPU configurations, the measured step (median of 9 interleaved steps after warm-up, 4 gloo ranks), comm
+the CPU configurations, the measured step (median of 15 interleaved steps after warm-up, 4 gloo ranks), comm
 bytes per step by collective kind, peak memory per rank (benchmarks/measure.py), planning time and the ratio to the
 best hand plan. Files: benchmarks/results/bench.csv, bench.md, bench_steps.png, bench_planning.png (+ bench_raw.json).
 
@@ -322,8 +322,8 @@ def main(argv=None):
     ap.add_argument("--meshes", nargs="+", help="meshes of the CPU configurations (default: 4 2x2)")
     ap.add_argument("--sources", nargs="+", help=f"plan sources (default: {' '.join(MEASURED_SOURCES)})")
     ap.add_argument("--steps", type=int, default=None,
-                    help="timed steps per source, median reported (default 9: two runs of the same code moved a "
-                         "row's ratio by up to 0.13 with 5 on 2 loaded cores; --quick 5)")
+                    help="timed steps per source, median reported (default 15: on 2 cores a row's ratio moved by up "
+                         "to 0.13 between two runs with 5 steps, ~0.1 with 9; --quick 5)")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--launch-timeout", type=float, default=900.0, help="seconds per 4-rank launch")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
@@ -332,7 +332,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.quick:
         args.warmup = min(args.warmup, 1)
-    args.steps = args.steps or (5 if args.quick else 9)
+    args.steps = args.steps or (5 if args.quick else 15)
     if args.steps < 5:
         ap.error(f"--steps {args.steps}: the median needs at least 5 timed steps")
     if args.sources:
