@@ -8,11 +8,11 @@ from .capture import CaptureError
 from .cost import CLUSTERS, ClusterSpec, TrainingPrecision, get_cluster
 from .mesh import MeshSpec
 from .plan import Plan
-from .solver import InfeasibleMemoryError
+from .solver import InfeasibleMemoryError, SolverTimeLimitError
 from .strategies import NoStrategyError
 
 __all__ = ["plan", "Plan", "MeshSpec", "ClusterSpec", "CLUSTERS", "get_cluster", "TrainingPrecision",
-           "CaptureError", "InfeasibleMemoryError", "NoStrategyError", "parallelize"]
+           "CaptureError", "InfeasibleMemoryError", "NoStrategyError", "SolverTimeLimitError", "parallelize"]
 
 
 def parallelize(model, mesh, example_inputs, *, backend: str = "graph", **kwargs):

@@ -27,6 +27,18 @@ class InfeasibleMemoryError(ValueError):
     """No plan fits the memory budget; the message states the smallest achievable peak."""
 
 
+class SolverTimeLimitError(RuntimeError):
+    """The solver stopped at `time_limit` before it found any plan (not a sign that none fits)."""
+
+
+def _no_solution(status: str, time_limit: float):
+    """The error for a solve that returned no plan: out of time, or infeasible (the memory rows)."""
+    if "infeasible" in status.lower():
+        return InfeasibleMemoryError(f"the placement model has no solution ({status})")
+    return SolverTimeLimitError(f"the solver found no plan within time_limit={time_limit:g} s (HiGHS: {status}); "
+                                f"raise autopar.plan(time_limit=...)")
+
+
 @dataclass
 class SolveResult:
     choice: list[int]
@@ -278,7 +290,7 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
             method = "branch and bound"
     status = h.modelStatusToString(h.getModelStatus())
     if x is None:
-        raise InfeasibleMemoryError(f"the placement model has no solution ({status})")
+        raise _no_solution(status, time_limit)
     info = h.getInfo()
     obj = float(info.objective_function_value) * scale
     if method == "branch and bound":
@@ -380,8 +392,7 @@ def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lam
             break                         # a degenerate lam that simplex cannot settle in time: keep what we have
         x = _solution(h, nz)
         if x is None:
-            raise InfeasibleMemoryError(f"the placement model has no solution "
-                                        f"({h.modelStatusToString(h.getModelStatus())})")
+            raise _no_solution(h.modelStatusToString(h.getModelStatus()), time_limit)
         bound = max(bound, float(h.getInfo().objective_function_value) * scale)
         ch = _choice(x, m.off)
         F = _value(m, ch, mem_rows, mem_hi)

@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import numpy as np
 
-from autopar.solver import InfeasibleMemoryError, solve
+from autopar.solver import InfeasibleMemoryError, SolverTimeLimitError, solve
 from autopar.strategies import num_shards
 
 
@@ -196,7 +196,7 @@ def _solve_fits(state, blocks, lin, mem, floor):
     for _ in range(4):
         try:
             res = solve(lin, state.cost["edges"], [(mem, row)], time_limit=state.options.get("time_limit", 60.0))
-        except InfeasibleMemoryError:
+        except (InfeasibleMemoryError, SolverTimeLimitError):     # this set of blocks: no plan (in time)
             return None
         placement = _expand(state, res)
         peak = state_bytes(state.graph, placement, state.mesh.shape, state.precision) + \

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from autopar.predict import liveness_peak, state_bytes
-from autopar.solver import InfeasibleMemoryError, min_memory, solve
+from autopar.solver import InfeasibleMemoryError, SolverTimeLimitError, min_memory, solve
 
 MIP_GAP = 1e-3
 
@@ -84,7 +84,7 @@ def _seeds(state, lin, edges, overlap, mem_rows, budget) -> list:
         try:
             r = solve([a + p for a, p in zip(lin, pen)], edges, [(mem_rows, budget)],
                       time_limit=state.options.get("time_limit", 60.0), overlap=overlap, max_lps=1)
-        except InfeasibleMemoryError:
+        except (InfeasibleMemoryError, SolverTimeLimitError):      # an extra candidate only: skip it
             continue
         out += [(None, ch) for _, ch in (r.candidates or [(None, r.choice)])[:1]]
     return out

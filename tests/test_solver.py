@@ -175,6 +175,21 @@ def test_real_graph_optimum_equals_brute_force():
         st_.solution.objective + latency + 1e-12
 
 
+def test_no_plan_in_time_is_not_reported_as_infeasible():
+    """A solve that stops at its time limit before any plan is a SolverTimeLimitError naming time_limit; a budget no
+    plan fits is an InfeasibleMemoryError; the same problem with time solves."""
+    from autopar.solver import InfeasibleMemoryError, SolverTimeLimitError
+    rng = np.random.default_rng(0)
+    lin = [rng.random(6) for _ in range(60)]
+    edges = {(g, g + 1): rng.random((6, 6)) for g in range(59)}
+    mem = [rng.random(6) for _ in range(60)]
+    with pytest.raises(SolverTimeLimitError, match=r"time_limit=1e-09 s.*Time limit reached"):
+        solve(lin, edges, [(mem, 1e9)], time_limit=1e-9)
+    with pytest.raises(InfeasibleMemoryError, match="Infeasible"):
+        solve(lin, edges, [(mem, 0.0)])
+    assert len(solve(lin, edges, [(mem, 1e9)]).choice) == 60
+
+
 def test_fractional_relaxation_goes_to_branch_and_bound():
     """The LP relaxation of this knapsack is fractional (optimum 0.5); the MILP's integral optimum is 1."""
     lin = [np.array([0.0, 1.0]), np.array([0.0, 1.0])]
