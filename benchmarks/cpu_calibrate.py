@@ -23,8 +23,8 @@ what one rank gets while its peers compete for the same cores:
 
     python benchmarks/cpu_calibrate.py --refit FILE [FILE ...]   # the fits again from recorded timings (pooled)
 The JSON is a ClusterSpec (`autopar.plan(..., cluster=PATH)`); its "calibration" key holds the raw timings. The
-shipped `cpu-gloo` preset (autopar/cost/cluster.py) carries the figures of one run of this script on the
-reference 2-core CI machine.
+shipped `cpu-gloo` preset (autopar/cost/cluster.py) carries the figures of three runs of this script on the
+reference 2-core machine, pooled by --refit (results/cpu_gloo_calibrated.json).
 """
 from __future__ import annotations
 
@@ -128,11 +128,11 @@ def _worker(rank, world, port, out, quick, work_ms=WORK_MS):
         for nbytes in (TINY + SIZES)[: 6 if quick else None]:
             full = torch.randn(nbytes // 4)
             shard = torch.randn(nbytes // 4 // g)
-            one = {"all_reduce": lambda pg: dist.all_reduce(full, group=pg),
-                   "all_gather": lambda pg: dist.all_gather_into_tensor(full, shard, group=pg),
-                   "reduce_scatter": lambda pg: dist.reduce_scatter_tensor(shard, full, group=pg),
-                   "all_to_all": lambda pg: dist.all_to_all_single(torch.empty_like(full), full, group=pg)}
-            ops = {k: (lambda f=f: [f(pg) for pg in groups]) for k, f in one.items()}
+            call = {"all_reduce": lambda pg: dist.all_reduce(full, group=pg),
+                    "all_gather": lambda pg: dist.all_gather_into_tensor(full, shard, group=pg),
+                    "reduce_scatter": lambda pg: dist.reduce_scatter_tensor(shard, full, group=pg),
+                    "all_to_all": lambda pg: dist.all_to_all_single(torch.empty_like(full), full, group=pg)}
+            ops = {k: (lambda f=f: [f(pg) for pg in groups]) for k, f in call.items()}
             for kind in KINDS:
                 row = {"kind": kind, "bytes": nbytes, "group": g}
                 try:
