@@ -18,7 +18,6 @@ import math
 from dataclasses import dataclass
 
 from .cost import collective_time
-from .cost.comm import bytes_sent, ring_steps
 from .graph import TensorMeta
 
 
@@ -211,12 +210,8 @@ def link_of(cluster, mesh_shape, mesh_dim):
 
 def _all_reduce_time(nbytes, mesh_shape, cluster, mesh_dim, share):
     """One all_reduce on mesh dim (or flattened dims) `mesh_dim`, with `share` of its latency."""
-    n, link = math.prod(mesh_shape[d] for d in dims_of(mesh_dim)), link_of(cluster, mesh_shape, mesh_dim)
-    if n <= 1:
-        return 0.0
-    alpha, bw = link.of("all_reduce")
-    return bytes_sent("all_reduce", nbytes, n) / bw + share * (link.launch_of("all_reduce")
-                                                               + ring_steps("all_reduce", n) * alpha)
+    n = math.prod(mesh_shape[d] for d in dims_of(mesh_dim))
+    return collective_time("all_reduce", nbytes, n, link_of(cluster, mesh_shape, mesh_dim), share)
 
 
 def _chain_time(todo, nbytes, mesh_shape, cluster, share):
@@ -266,10 +261,7 @@ def _steps_time(src, dst, meta, mesh_shape, cluster, share) -> float:
     """Bandwidth of each collective src -> dst plus `share` of its latency."""
     links, t = _links(cluster, mesh_shape), 0.0
     for c in collectives(src, dst, meta, mesh_shape):
-        link = links[c.mesh_dim]
-        alpha, bw = link.of(c.kind)
-        t += bytes_sent(c.kind, c.nbytes, c.group) / bw + share * (link.launch_of(c.kind)
-                                                                   + ring_steps(c.kind, c.group) * alpha)
+        t += collective_time(c.kind, c.nbytes, c.group, links[c.mesh_dim], share)
     return t
 
 

@@ -15,7 +15,7 @@ import sympy
 from .capture import capture
 from .cost import collective_time
 from .graph import param_root
-from .redistribute import _links, link_of
+from .redistribute import link_of
 from .strategies import num_shards
 
 b = sympy.Symbol("b", positive=True)
@@ -63,7 +63,6 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
         from autopar.passes.checkpointing import recompute_seconds
         compute += recompute_seconds(state, times)
     comm = {"act": sympy.Integer(0), "param": sympy.Integer(0), "grad": sympy.Integer(0)}
-    links = _links(state.cluster, tuple(mesh))
     bucket_of = {f: k for k, bk in enumerate(state.buckets or []) for f in bk["params"] if bk.get("step", 0) == 0}
     bucket_bytes = [sympy.Integer(0) for _ in state.buckets or []]
     for (i, j), (src, dst, cs) in state.redistributes.items():
@@ -79,8 +78,8 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
                 if not isinstance(state.buckets[bk]["mesh_dim"], list) or step == 0:   # a flattened chain: once
                     bucket_bytes[bk + step] += size(m1, m2, c.nbytes)
                 continue
-            link = links[c.mesh_dim] if type(c.mesh_dim) is int else link_of(state.cluster, tuple(mesh), c.mesh_dim)
-            comm[cls] += collective_time(c.kind, size(m1, m2, c.nbytes), c.group, link)
+            comm[cls] += collective_time(c.kind, size(m1, m2, c.nbytes), c.group,
+                                         link_of(state.cluster, tuple(mesh), c.mesh_dim))
     for bk, nb in zip(state.buckets or [], bucket_bytes):
         comm["grad"] += collective_time(bk["kind"], nb, bk["group"], link_of(state.cluster, tuple(mesh),
                                                                               bk["mesh_dim"]))

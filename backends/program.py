@@ -244,10 +244,10 @@ class Program:
         if not dist.is_initialized() or dist.get_backend() == "fake":
             return
         g, pos = self.g, {it.node.idx: i for i, it in enumerate(self.bw)}
-        read = {(r.node, r.out) for n in g.nodes for r in n.inputs()}          # values some op reads
+        readers = Counter((r.node, r.out) for n in g.nodes for r in n.inputs())   # ops reading each value
+        read = set(readers)                                                       # values some op reads
         read |= {k for k, c in Counter((r.node, r.out) for r in g.grads.values()).items() if c > 1}
-        readers = Counter((r.node, r.out) for n in g.nodes for r in n.inputs())   # ops and step results reading
-        readers.update((r.node, r.out) for r in [g.loss, *g.grads.values(), *g.input_grads.values()])
+        readers.update((r.node, r.out) for r in [g.loss, *g.grads.values(), *g.input_grads.values()])  # + results
         for i, bs in self.chains.items():
             if not all(b["to"] == "R" for b in bs):
                 continue
@@ -287,8 +287,8 @@ class Program:
             chain.append(it)
             k = it.keys[0]
         it = self.bw[pos[k[0]]] if k[0] in pos else None
-        if it is None or it.fast is None or it.conv or it.groups or it.fn in VIEWS or k[1] != 0 \
-                or readers[k] != 1 or "out" in it.fast[1]:
+        if it is None or it.fast is None or it.conv or it.groups or k[1] != 0 or readers[k] != 1 \
+                or "out" in it.fast[1]:
             return None
         out = _out_overload(it.fn)
         meta = g.nodes[k[0]].outs[0]

@@ -40,11 +40,13 @@ def ring_steps(kind: str, n):
   if kind == "send_recv": return 1
   return n - 1                                                             # AG, RS, A2A, broadcast
 
-def collective_time(kind: str, M, n, link: LinkSpec):
-  """Seconds for one collective over a group of n ranks on `link`; 0.0 for n == 1."""
+def collective_time(kind: str, M, n, link: LinkSpec, latency_share=1):
+  """Seconds for one collective over a group of n ranks on `link`; 0.0 for n == 1. latency_share: the part of its
+  latency (launch + ring steps) it pays, e.g. a gradient's share of its bucket's (autopar/redistribute.py)."""
   if _trivial(n): return 0.0
   alpha, bw = link.of(kind)
-  t = link.launch_of(kind) + ring_steps(kind, n) * alpha + bytes_sent(kind, M, n) / bw
+  latency = link.launch_of(kind) + ring_steps(kind, n) * alpha
+  t = (latency if latency_share == 1 else latency_share * latency) + bytes_sent(kind, M, n) / bw
   return float(t) if type(t) is float or not _is_sym(t) else t
 
 def collective_time_expr(kind: str, M, n, link: LinkSpec) -> sympy.Expr:
