@@ -13,7 +13,7 @@ from __future__ import annotations
 import sympy
 
 from .capture import capture
-from .cost import collective_time
+from .cost import collective_time, is_view
 from .graph import param_root
 from .redistribute import link_of
 from .strategies import num_shards
@@ -48,7 +48,7 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
         pairs = list(zip(n1.outs, n2.outs, s.out)) + [(g1.meta(r), g2.meta(r), p) for r, p in zip(n1.inputs(), s.ins)]
         nbytes = sum(size(m1, m2, sympy.Rational(m1.nbytes, num_shards(p, mesh))) for m1, m2, p in pairs
                      if m1 is not None and p is not None)
-        t = nbytes / (dev.mem_bw * dev.mem_eff)
+        t = 0 if is_view(n1.target) else nbytes / (dev.mem_bw * dev.mem_eff)
         f1, f2 = global_flops(g1, n1, fc1), global_flops(g2, n2, fc2)
         if f1:
             o = next(p for p in s.out if p is not None)

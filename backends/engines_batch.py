@@ -90,10 +90,7 @@ def _check_batch_shards(low, G, plan, inputs, data, loss_fed):
                                 f"would weigh a different number of samples than the plan's batch mean"))
     for u in sorted({u for _, _, u in loss_fed}):
         rec = G.rec(u)
-        if _op(rec) in ("nll_loss_forward", "nll_loss2d_forward") and len(rec["inputs"]) > 2:
-            low.reasons.append((f"op {rec['name']}", "the plan computes this class-weighted loss on the whole batch; "
-                                "per-rank weighted means over batch shards, averaged, are not the batch's weighted "
-                                "mean"))
+        if _class_weighted(low, rec):
             continue
         ins = sorted({name for name, _, x in loss_fed if x == u})
         msg = (f"the plan runs the loss {rec['name']} on the whole batch (inputs {ins} replicated over {dn}); the "
@@ -106,6 +103,18 @@ def _check_batch_shards(low, G, plan, inputs, data, loss_fed):
 
 
 _LOSS_OPS = {"nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward"}
+
+
+def _class_weighted(low, rec) -> bool:
+    """A class-weighted loss the plan computes on the whole batch (its inputs replicated or gathered) is a reason:
+    per-rank weighted means over batch shards, averaged, are not the batch's weighted mean."""
+    if _op(rec) not in ("nll_loss_forward", "nll_loss2d_forward") or len(rec["inputs"]) <= 2:
+        return False
+    why = (f"op {rec['name']}", "the plan computes this class-weighted loss on the whole batch; per-rank weighted "
+           "means over batch shards, averaged, are not the batch's weighted mean")
+    if why not in low.reasons:
+        low.reasons.append(why)
+    return True
 
 
 _VIEWS = {"view", "_unsafe_view", "reshape", "clone", "contiguous", "alias", "squeeze", "unsqueeze", "flatten"}
@@ -141,6 +150,8 @@ def _check_batch_ops(low, G, plan, data, dn):
                 if not any(x.startswith("the plan gathers some backward") for x in low.notes):
                     low.notes.append(msg)
             elif _op(n) in _LOSS_OPS and all(r["src"][d] in ("S0", r["dst"][d]) for d in data):
+                if _class_weighted(low, n):
+                    continue
                 msg = (f"the plan gathers the loss input {r['input']} of {n['name']} over {dn(data)}; the engines "
                        f"average each rank's loss over its equal batch shard instead (same values)")
                 if msg not in low.notes:

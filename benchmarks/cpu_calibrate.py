@@ -48,6 +48,7 @@ SIZES = [1 << k for k in range(12, 25, 2)]          # 4 KiB .. 16 MiB
 TINY = [16, 256]                                    # a loss's (sum, count), a norm's statistics
 WORK_MS = 5.0                                       # compute between two collectives (a block of a small model)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+STEP_MODELS = (("llama3-debug", 64), ("moe-debug", 32), ("mlp-heavy", 64))     # (model, seq), at batch 1 and 4
 
 
 def _median_time(fn, reps):
@@ -145,11 +146,72 @@ def _worker(rank, world, port, out, quick, work_ms=WORK_MS):
                 t = torch.tensor([statistics.median(ts), busy]) / len(groups)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 res["coll"].append({**row, "seconds": float(t[1]), "isolated_s": float(t[0])})
+    res["steps"] = [] if quick else _time_steps(reps)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(res, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _time_steps(reps):
+    """Seconds of one eager forward + backward of each STEP_MODELS model at batch 1 and 4, every rank at once (the
+    max over ranks of each rank's median)."""
+    from autopar import models
+    out = []
+    for name, seq in STEP_MODELS:
+        for batch in (1, 4):
+            model = models.build_model(name, device="cpu", seed=0)
+            x = models.example_inputs(name, batch=batch, seq=seq, device="cpu", seed=0)
+            for _ in range(2):
+                model(*x).backward()
+            t = torch.tensor([statistics.median(_median_time(lambda: model(*x).backward(), reps + 1))])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out.append({"model": name, "batch": batch, "seq": seq, "seconds": float(t)})
+    return out
+
+
+def step_fit(steps, dev):
+    """The device whose roofline matches measured eager steps: each step's captured graph (mesh (1,)) split into op
+    count, memory-bound and FLOP-bound seconds at `dev`'s raw rates (views cost no traffic: autopar.cost.is_view),
+    and time = ops * op_overhead + mem + flop / s_flop fitted by non-negative least squares (relative error), the
+    copy bandwidth kept (op count and a small op's traffic are too alike to tell apart). The raw matmul rate comes
+    from large matmuls; a training step's reach less of it, and each op's fixed cost counts about twice with two
+    ranks per core. (device, median relative error); `dev` and None without steps."""
+    if not steps:
+        return dev, None
+    from scipy.optimize import nnls
+    import autopar
+    from autopar import models
+    from autopar.cost import is_view
+    from autopar.cost.cluster import ClusterSpec, DeviceSpec, LinkSpec
+    from autopar.passes.costs import global_flops
+    raw = ClusterSpec("raw", dev, 1, LinkSpec("l", 1e-6, 1e9), LinkSpec("l", 1e-6, 1e9))
+    rows, y = [], []
+    for st in steps:
+        x = models.example_inputs(st["model"], batch=st["batch"], seq=st["seq"], device="meta")
+        _, state = autopar.plan(models.build_model(st["model"], device="meta"), (1,), x, cluster=raw,
+                                return_state=True)
+        g, fc, row = state.graph, {}, [0.0, 0.0, 0.0]
+        for n in g.nodes:
+            if n.kind != "op":
+                continue
+            row[0] += 1
+            if is_view(n.target):
+                continue
+            dtype = next((o.dtype for o in n.outs if o is not None and o.dtype.is_floating_point), torch.float32)
+            tf = global_flops(g, n, fc) / dev.flops_for(dtype)
+            nbytes = sum(o.nbytes for o in n.outs if o is not None) + sum(g.meta(r).nbytes for r in n.inputs())
+            tm = nbytes / dev.mem_bw
+            row[1 if tm > tf else 2] += max(tm, tf)
+        rows.append(row)
+        y.append(st["seconds"])
+    A, y = np.array(rows), np.array(y)
+    (c, s_flop), _ = nnls(A[:, [0, 2]] / y[:, None], 1 - A[:, 1] / y)
+    err = float(np.median(np.abs((A[:, 0] * c + A[:, 1] + A[:, 2] * s_flop) / y - 1)))
+    f = dev.flops_for(torch.float32) / max(s_flop, 1e-9)
+    return DeviceSpec("cpu", {"fp32": f, "bf16": f, "fp16": f}, mem_bw=dev.mem_bw, mem_bytes=dev.mem_bytes,
+                      matmul_eff=1.0, mem_eff=1.0, op_overhead=float(c)), err
 
 
 def fit(coll, world, kind=None):
@@ -198,13 +260,16 @@ def refit(paths, out):
     link, err, err_kinds = link_fit(coll, cal["world"])
     spec = ClusterSpec.from_json(runs[0])
     dev = spec.device
+    steps = [st for d in runs for st in d["calibration"].get("steps", [])]
     if all("matmul_flops_per_rank" in d["calibration"] for d in runs):
         dev = _device([max(d["calibration"]["matmul_flops_per_rank"]) for d in runs],
                       [max(d["calibration"]["copy_bytes_per_s_per_rank"]) for d in runs],
                       [min(d["calibration"]["op_overhead_s"]) for d in runs])
+    dev, step_err = step_fit(steps, dev)
     spec = ClusterSpec(spec.name, dev, spec.gpus_per_node, link, link)
     new = spec.to_json()
-    new["calibration"] = {**cal, "runs": len(runs), "collectives": coll, "fit_median_rel_error": err,
+    new["calibration"] = {**cal, "runs": len(runs), "collectives": coll, "steps": steps,
+                          "step_fit_median_rel_error": step_err, "fit_median_rel_error": err,
                           "fit_per_kind_median_rel_error": err_kinds,
                           "refit_command": "python benchmarks/cpu_calibrate.py " + " ".join(sys.argv[1:])}
     with open(out, "w") as f:
@@ -244,25 +309,28 @@ def main():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     raw = args.out + ".raw"
-    mp.start_processes(_worker, args=(args.world, port, raw, args.quick, args.work_ms), nprocs=args.world, start_method="spawn")
+    mp.start_processes(_worker, args=(args.world, port, raw, args.quick, args.work_ms), nprocs=args.world,
+                       start_method="spawn")
     with open(raw) as f:
         res = json.load(f)
     os.remove(raw)
     from autopar.cost.cluster import CLUSTERS, ClusterSpec
     link, err, err_kinds = link_fit(res["coll"], args.world)
-    dev = _device([max(res["matmul"])], [max(res["copy"])], [min(res["op_overhead"])])
+    dev, step_err = step_fit(res["steps"], _device([max(res["matmul"])], [max(res["copy"])],
+                                                   [min(res["op_overhead"])]))
     flops, mem_bw, overhead = dev.flops_for(torch.float32), dev.mem_bw, dev.op_overhead
     spec = ClusterSpec("cpu-gloo-calibrated", dev, CLUSTERS["cpu-gloo"].gpus_per_node, link, link)
     d = spec.to_json()
     d["calibration"] = {"command": "python benchmarks/cpu_calibrate.py " + " ".join(sys.argv[1:]),
                         "world": args.world, "cores": os.cpu_count(), "matmul_flops_per_rank": res["matmul"],
-                        "copy_bytes_per_s_per_rank": res["copy"], "op_overhead_s": res["op_overhead"], "collectives": res["coll"],
+                        "copy_bytes_per_s_per_rank": res["copy"], "op_overhead_s": res["op_overhead"],
+                        "collectives": res["coll"], "steps": res["steps"], "step_fit_median_rel_error": step_err,
                         "fit_median_rel_error": err, "fit_per_kind_median_rel_error": err_kinds}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(d, f, indent=1)
-    print(f"matmul {flops / 1e9:.2f} GFLOP/s per rank, copy {mem_bw / 1e9:.2f} GB/s per rank, "
-          f"op overhead {overhead * 1e6:.1f} us")
+    print(f"device (fitted to the eager steps, median error {step_err}): {flops / 1e9:.2f} GFLOP/s per rank, "
+          f"{mem_bw / 1e9:.2f} GB/s per rank, op overhead {overhead * 1e6:.1f} us")
     _report(link, err, err_kinds, args.out)
     for c in res["coll"]:
         if "seconds" in c:

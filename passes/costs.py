@@ -23,7 +23,7 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from autopar.cost import op_flops, has_flop_formula, roofline_time
+from autopar.cost import has_flop_formula, is_view, op_flops, roofline_time
 from autopar.graph import Ref, TensorMeta, param_root
 from autopar.redistribute import all_reduced, collectives, grad_bucket_latency, grad_reduce_time, redistribute_time
 from autopar.strategies import num_shards
@@ -86,6 +86,8 @@ def run(state) -> None:
         flops = global_flops(g, n, flop_cache)
         if flops == 0.0 and n.kind != "op":
             return 0.0
+        if is_view(n.target):             # aliases its input: no data moves
+            return dev.op_overhead
         work = 1
         o = next((p for p in s.out if p is not None), None)
         if o is not None:

@@ -41,7 +41,7 @@ class LinkSpec:
   kinds: tuple = ()   # ((kind, alpha, bw[, launch]), ...): a calibrated link's fit per kind; other kinds: the link's
   launch: float = 0.0  # seconds per collective call whatever its group size (0 for the analytic presets)
 
-  def __post_init__(self):   # from JSON: {"all_gather": [alpha, bw(, launch)], ...} or [[kind, alpha, bw(, launch)], ...]
+  def __post_init__(self):   # JSON: {"all_gather": [alpha, bw(, launch)], ...} or [[kind, alpha, bw(, launch)], ...]
     rows = [(k, *v) for k, v in self.kinds.items()] if isinstance(self.kinds, dict) else self.kinds
     object.__setattr__(self, "launch", float(self.launch))
     object.__setattr__(self, "kinds", tuple(sorted((str(r[0]), float(r[1]), float(r[2]),
@@ -106,25 +106,27 @@ _H200 = DeviceSpec("H200-SXM", dict(_H100.peak_flops), mem_bw=4.8e12, mem_bytes=
 _A100 = DeviceSpec("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
                    mem_bw=2.0e12, mem_bytes=80 * GB)
 # cpu-gloo: one rank of 4 gloo ranks sharing the 2-core reference (CI) machine, OMP_NUM_THREADS=1 each, as the
-# tests and benchmarks run them. Three runs of `python benchmarks/cpu_calibrate.py`, pooled by `--refit`
-# (results/cpu_gloo_calibrated.json): matmul ~92 GFLOP/s, copy ~7.7 GB/s per rank (medians over the runs). A gloo
-# collective timed inside a busy program (5 ms of matmul between collectives, as between a small model's blocks)
-# costs 3-8 ms even for 16 B: with more ranks than cores it waits until every peer is scheduled again (with 1.5 ms
-# between them, ~25% less). Timed over the 4 ranks and over the pairs of a 2x2 mesh, the cost is a fixed cost per
-# call (`launch`, 1.4-2 ms) plus 0.6-1.5 ms per ring step, one fit per kind (gloo runs each kind its own way; median
-# error 11%): two pair all_reduces of a loss's 8 bytes cost more than one over the 4 ranks (6.3 vs 5.6 ms), as a
-# direct A/B measures (4.3 vs 2.2 ms). op_overhead is kept at 10 us, the per-op cost of an interpreted step (the
-# calibration's bare eager op is ~4 us). Calibrate your own machine with it.
-_CPU = DeviceSpec("cpu", {"fp32": 92e9, "bf16": 92e9, "fp16": 92e9}, mem_bw=7.7e9, mem_bytes=16 * GB,
-                  matmul_eff=1.0, mem_eff=1.0, op_overhead=10e-6)
+# tests and benchmarks run them. Four runs of `python benchmarks/cpu_calibrate.py`, pooled by `--refit`
+# (results/cpu_gloo_calibrated.json). Device: the copy bandwidth (8.6 GB/s per rank, median), and a FLOP rate and a
+# per-op cost fitted to eager forward + backward steps of llama3-debug, moe-debug and mlp-heavy at batch 1 and 4 on
+# all 4 ranks at once (median error 12%): 47 GFLOP/s (large matmuls alone reach ~90), 39 us per op (two ranks per
+# core, autograd included), views priced at that per-op cost only. A gloo collective timed inside a busy program
+# (5 ms of matmul between collectives, as between a small model's blocks) costs 3-8 ms even for 16 B: with more
+# ranks than cores it waits until every peer is scheduled again (with 1.5 ms between them, ~25% less). Timed over
+# the 4 ranks and over the pairs of a 2x2 mesh, the cost is a fixed cost per call (`launch`, 1.5-2 ms) plus 0.6-1.5
+# ms per ring step, one fit per kind (gloo runs each kind its own way; median error 11%): two pair all_reduces of a
+# loss's 8 bytes cost more than one over the 4 ranks (6.5 vs 5.8 ms), as a direct A/B measures (4.3 vs 2.2 ms).
+# Calibrate your own machine with it.
+_CPU = DeviceSpec("cpu", {"fp32": 47e9, "bf16": 47e9, "fp16": 47e9}, mem_bw=8.6e9, mem_bytes=16 * GB,
+                  matmul_eff=1.0, mem_eff=1.0, op_overhead=39e-6)
 
 _NVLINK4 = LinkSpec("nvlink4", alpha=3e-6, bw=450 * GB)       # seed: 450 GB/s, alpha 2-5 us
 _NVLINK3 = LinkSpec("nvlink3", alpha=3e-6, bw=300 * GB)
 _IB_NDR = LinkSpec("ib-ndr400", alpha=15e-6, bw=40 * GB)      # seed: 40 GB/s effective, alpha 10-20 us
 _IB_HDR = LinkSpec("ib-hdr200", alpha=15e-6, bw=25 * GB)
-_LOOP = LinkSpec("gloo-loopback", alpha=0.69e-3, bw=0.88 * GB, launch=1.96e-3,     # (kind, alpha, bw, launch)
-                 kinds=(("all_gather", 1.26e-3, 0.70 * GB, 1.37e-3), ("all_reduce", 0.61e-3, 1.05 * GB, 1.95e-3),
-                        ("all_to_all", 0.61e-3, 1.02 * GB, 1.65e-3), ("reduce_scatter", 1.47e-3, 0.36 * GB, 1.63e-3)))
+_LOOP = LinkSpec("gloo-loopback", alpha=0.71e-3, bw=0.85 * GB, launch=2.03e-3,     # (kind, alpha, bw, launch)
+                 kinds=(("all_gather", 1.27e-3, 0.68 * GB, 1.48e-3), ("all_reduce", 0.64e-3, 1.02 * GB, 1.98e-3),
+                        ("all_to_all", 0.60e-3, 0.98 * GB, 1.75e-3), ("reduce_scatter", 1.51e-3, 0.36 * GB, 1.69e-3)))
 
 CLUSTERS: dict[str, ClusterSpec] = {
   "h100": ClusterSpec("h100", _H100, 8, _NVLINK4, _IB_NDR),

@@ -44,6 +44,11 @@ def op_bytes(args, out, kwargs=None) -> int:
   """Bytes read (distinct tensor inputs in args/kwargs) + bytes written (tensor outputs)."""
   return sum(map(tensor_bytes, _tensors((args, kwargs or {})))) + sum(map(tensor_bytes, _tensors(out)))
 
+def is_view(op) -> bool:
+  """An op whose output aliases its input (view, t, permute, expand, squeeze, slice...; `_unsafe_view` too): it
+  moves no data, so it costs the device's per-op overhead and no memory traffic."""
+  return bool(getattr(op, "is_view", False)) or op is torch.ops.aten._unsafe_view.default
+
 def roofline_time(flops: float, nbytes: float, device: DeviceSpec, dtype: torch.dtype) -> float:
   """Seconds: max(compute at matmul_eff of the dtype's peak, traffic at mem_eff of memory bandwidth)."""
   return max(flops / (device.flops_for(dtype) * device.matmul_eff), nbytes / (device.mem_bw * device.mem_eff))
