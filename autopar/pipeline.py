@@ -41,6 +41,7 @@ class PlanState:
     redistributes: Any = None     # (consumer node, input index | "opt") -> (src, dst, collectives)
     shares: Any = None            # (consumer, input) -> (consumer, input) whose redistribute of the same value it reuses
     coalesced: Any = None         # (consumer, input) -> (consumer, input) whose all_reduce also carries this input
+    fw_order: Any = None          # forward op nodes in order of execution where a loss-tail group reorders them
     buckets: Any = None           # gradient buckets [{kind, mesh_dim, group, from, to, dtype, params, bytes}]
     recompute: Any = None         # checkpointed blocks [{"block": FQN, "nodes": [idx]}] (checkpointing pass)
     extras: dict = field(default_factory=dict)   # decisions copied into Plan.meta (precision, checkpointing)

@@ -156,6 +156,11 @@ class Plan:
     def _param_mesh_names(self) -> tuple:
         return tuple(self.schedule.get("stage_mesh_names", self.mesh_names)) if self.stages else self.mesh_names
 
+    def _dim_name(self, d) -> str:
+        """A collective's mesh dim by name; a flattened group of dims (one all_reduce over them) as "dp+tp"."""
+        names = self._param_mesh_names()
+        return "+".join(names[x] for x in d) if isinstance(d, (list, tuple)) else names[d]
+
     def dump(self) -> str:
         """Deterministic annotated graph: identical plans give identical text (no wall-clock figures)."""
         lines = [self.summary(timings=False), "", "graph (one line per node: op, phase, module, output shapes, placement; "
@@ -168,12 +173,11 @@ class Plan:
             lines.append(f"{n['name']:<44} {n['phase']} {where:<32} {outs:<18} out {pl} in {ins}"
                          + (f"  t={n['time_s'] * 1e6:.2f}us" if n.get("time_s") else ""))
             for r in n.get("redistribute", []):
-                cs = ", ".join(f"{c[0]}(dim {self._param_mesh_names()[c[1]]}, {c[2] / 1e6:.3f} MB)"
-                               for c in r["collectives"])
+                cs = ", ".join(f"{c[0]}(dim {self._dim_name(c[1])}, {c[2] / 1e6:.3f} MB)" for c in r["collectives"])
                 lines.append(f"    input {r['input']}: [{','.join(r['src'])}] -> [{','.join(r['dst'])}]"
                              + (f"  in gradient bucket {r['bucket']}" if "bucket" in r else f"  {cs}" if cs
                                 else f"  (shares {r['shares'][0]} input {r['shares'][1]})" if "shares" in r
-                                else f"  (in input {r['coalesced']}'s all_reduce)" if "coalesced" in r
+                                else f"  (in {_co(r['coalesced'])}'s all_reduce)" if "coalesced" in r
                                 else "  (local)"))
         if self.buckets:
             lines += ["", "gradient buckets (one collective each, issued after the backward in this order)"]
@@ -235,3 +239,8 @@ def node_record(n, s, red, time_s, source) -> dict:
             "inputs": [[r.node, r.out] for r in n.inputs()],     # producer (node idx, output) per tensor input
             **({"consts": {str(i): a for i, a in enumerate(n.args) if type(a) in (int, float, bool)}}
                if n.kind == "op" else {})}                      # scalar positional arguments (ignore_index, dims)
+
+
+def _co(c) -> str:
+    """Where a coalesced input's all_reduce runs: another input of the op, or "<node>:<input>" of a later op."""
+    return f"input {c}" if isinstance(c, int) else c

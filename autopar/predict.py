@@ -47,7 +47,7 @@ def predict(state):
     bucket_of = {f: k for k, b in enumerate(buckets) for f in b["params"]}
     coalesced, leads = state.coalesced or {}, {}
     for (i, j), lead in coalesced.items():
-        leads.setdefault(lead, []).append(j)
+        leads.setdefault(lead, []).append((i, j))
     for (i, j), (src, dst, cs) in sorted(state.redistributes.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         bucket = bucket_of.get(nodes[i].target) if j == "opt" else None
         if bucket is not None:            # carried by its bucket's one collective (counted below)
@@ -66,14 +66,15 @@ def predict(state):
             cls = "param" if param_root(g, r.node) is not None else "act"
         shared = (state.shares or {}).get((i, j)) or coalesced.get((i, j))
         if (i, j) in leads:               # its all_reduce carries the coalesced inputs too
-            meta = TensorMeta((meta.numel + sum(g.meta(nodes[i].inputs()[k]).numel for k in leads[(i, j)]),),
+            meta = TensorMeta((meta.numel + sum(g.meta(nodes[a].inputs()[b]).numel for a, b in leads[(i, j)]),),
                               meta.dtype)
         t = 0.0 if shared else redistribute_time(src, dst, meta, mesh_shape, cluster)
         comm[cls] += t
         red_by_node.setdefault(i, []).append({"input": j, "src": list(src), "dst": list(dst), "time_s": t,
                                               "collectives": [c.to_json() for c in cs], "class": cls})
         if (i, j) in coalesced:
-            red_by_node[i][-1]["coalesced"] = coalesced[(i, j)][1]
+            a, b = coalesced[(i, j)]          # an input of this op, or of a later one (the loss tail's group)
+            red_by_node[i][-1]["coalesced"] = b if a == i else f"{nodes[a].name}:{b}"
         elif shared:
             red_by_node[i][-1]["shares"] = [nodes[shared[0]].name, shared[1]]
         if cls != "act":     # which parameter this gather / gradient reduction is for (backends group them)

@@ -148,10 +148,16 @@ class Program:
         self.loss_pl = self.P[g.loss.node].out[g.loss.out]
         self.rep = tuple(to_placement("R") for _ in range(mesh.ndim))
         self.constants = [(n.idx, g.constants[n.target]) for n in g.nodes if n.kind == "constant"]
+        # the forward runs in the plan's order (autopar/schedule.py: a loss-tail group's consumers after its last
+        # source), the backward in the graph's; a value is freed after its last reader in that order
+        order = getattr(state, "fw_order", None)
+        at = {i: k for k, i in enumerate(order or ())}
+        pos = lambda i: at.get(i, i + len(g.nodes))
         last = {}
         for n in g.nodes:
             for r in n.inputs():
-                last[(r.node, r.out)] = n.idx
+                if (r.node, r.out) not in last or pos(n.idx) > pos(last[(r.node, r.out)]):
+                    last[(r.node, r.out)] = n.idx
         for r in [g.loss, *g.grads.values(), *g.input_grads.values()]:
             last[(r.node, r.out)] = len(g.nodes)
         frees: dict[int, list] = {}
@@ -165,11 +171,23 @@ class Program:
             r = g.nodes[c0].inputs()[j0]
             ck = ("shared", r.node, r.out, self.P[c0].ins[j0])
             conv_share[(c0, j0)], conv_share[(c, j)] = ("store", ck), ("load", ck)
-            last_share[ck] = max(last_share.get(ck, c), c)
+            last_share[ck] = max(last_share.get(ck, c), c, key=pos)
+        co = state.coalesced or {}
+        ext: dict = {}          # lead (consumer, input) of a loss-tail group -> its members at other consumers
+        for (c, j), (c0, j0) in sorted(co.items()):
+            if c == c0:
+                continue        # inputs of one op: its own group (below)
+            r = g.nodes[c].inputs()[j]
+            held = conv_share.get((c, j))
+            ck = held[1] if held is not None else ("tail", c, j)    # where the group leaves the member's result
+            if held is None:
+                frees.setdefault(c, []).append(ck)
+            conv_share[(c, j)] = ("load", ck)
+            ext.setdefault((c0, j0), []).append((("ext", (r.node, r.out), ck), self.P[r.node].out[r.out],
+                                                 self.P[c].ins[j], None))
         for ck, c in last_share.items():
             frees.setdefault(c, []).append(ck)
         self.fw, self.bw = [], []
-        co = state.coalesced or {}
         for n in g.ops():
             ins = self.P[n.idx].ins
             outs = self.P[n.idx].out
@@ -206,13 +224,15 @@ class Program:
             if it.mode == "local":      # a change of label on size-1 mesh dims moves no data: an op on local shards
                 it.conv = [c for c in it.conv if c[3] is not None or    # does not need it (one-device meshes)
                            any(mesh.size(m) > 1 for m, _, _ in plan_steps(tuple(c[1]), tuple(c[2])))]
-            lead = {j: co[(n.idx, j)][1] for j, *_ in it.conv if (n.idx, j) in co}   # coalesced all_reduces
-            it.groups = [[c for c in it.conv if c[0] == j0 or lead.get(c[0]) == j0]
-                         for j0 in sorted(set(lead.values()))]
-            it.conv = [c for c in it.conv if c[0] not in lead and c[0] not in lead.values()]
+            lead = {j: co[(n.idx, j)][1] for j, *_ in it.conv if co.get((n.idx, j), (None,))[0] == n.idx}
+            it.groups = [[c for c in it.conv if c[0] == j0 or lead.get(c[0]) == j0] + ext.get((n.idx, j0), [])
+                         for j0 in sorted(set(lead.values()) | {j for i, j in ext if i == n.idx})]
+            it.conv = [c for c in it.conv if not any(c in grp for grp in it.groups)]
             # the common case, a local op with one tensor out: a direct call in the compiled program
             it.fast = fast_args(args, kwargs, it.fn) if it.mode == "local" and not (it.contig or it.swapped) else None
             (self.fw if n.phase == "fw" else self.bw).append(it)
+        if at:
+            self.fw.sort(key=lambda it: at[it.node.idx])
 
         pos = {it.node.idx: i for i, it in enumerate(self.bw)}
         self.chains: dict[int, list] = {}          # first bucket of a chain -> its buckets (one per step)
@@ -396,6 +416,14 @@ class Program:
         if all(p == "R" for p in strs):
             return collapse(local_of(t))
         return Sharded(local_of(t), strs, tuple(t.shape))
+
+    def _as_sum(self, t, src, lead):
+        """A loss-tail group member's local piece in its lead's partial kind: a partial mean ("Pa") joining a
+        partial sum divides by its ranks (a mean is the sum of the parts over their count), and the other way."""
+        for d, (a, b) in enumerate(zip(src, lead)):
+            if a != b and {a, b} == {"P", "Pa"}:
+                t = t / self.mesh.size(d) if a == "Pa" else t * self.mesh.size(d)
+        return t
 
     def _flat(self, key):
         """The mesh dims of the one all_reduce over a flattened group the plan records for redistribute `key`
@@ -581,11 +609,15 @@ class Program:
         """Run one instruction (the compiled program's path for everything but plain local ops)."""
         n = it.node
         vals = [env[k] for k in it.keys]
-        for grp in it.groups:           # inputs all-reduced to Replicate in one collective (passes/redistribute.py)
-            locs = [_local(vals[c[0]]) for c in grp]
+        for grp in it.groups:           # inputs all-reduced to Replicate in one collective (passes/redistribute.py;
+            locs = [_local(env[c[0][1]] if type(c[0]) is tuple else vals[c[0]]) for c in grp]   # and the loss tail's
+            locs = [self._as_sum(t, c[1], grp[0][1]) for t, c in zip(locs, grp)]
             flat = redistribute_local(torch.cat([t.reshape(-1) for t in locs]), grp[0][1], grp[0][2], self.mesh,
                                       self._flat((n.idx, grp[0][0])))
             for (j, _, _, share), t, piece in zip(grp, locs, flat.split([t.numel() for t in locs])):
+                if type(j) is tuple:    # a member at a later consumer (autopar/schedule.py): left where it loads
+                    env[j[2]] = collapse(piece.view(t.shape))
+                    continue
                 vals[j] = collapse(piece.view(t.shape))
                 if share is not None and share[0] == "store":
                     env[share[1]] = vals[j]

@@ -25,7 +25,9 @@ import torch
 
 from autopar.cost import has_flop_formula, is_view, op_flops, roofline_time
 from autopar.graph import Ref, TensorMeta, param_root
-from autopar.redistribute import all_reduced, collectives, grad_bucket_latency, grad_reduce_time, redistribute_time
+from autopar.redistribute import (BUCKET_BYTES, all_reduced, collectives, grad_bucket_latency, grad_reduce_time,
+                                  redistribute_time)
+from autopar.schedule import HELD_NUMEL, can_be_partial, tail_values
 from autopar.strategies import num_shards
 
 
@@ -79,6 +81,24 @@ def run(state) -> None:
         if t is None:
             t = rt_cache[key] = redistribute_time(src, dst, meta, mesh_shape, cluster)
         return t
+
+    tail = tail_values(g, can_be_partial(state))
+    tail_share = max(1, len(tail))
+
+    def ttime(src, dst, meta):
+        """A loss-tail value's all_reduce (autopar/schedule.py: the redistribute pass groups them): its bandwidth and
+        its share of one collective's latency, as a gradient's in a bucket (1 / the number of loss-tail values)."""
+        if src == dst or not all_reduced(src, dst, meta, mesh_shape):
+            return rtime(src, dst, meta)
+        key = (src, dst, meta.nbytes, "tail")
+        t = rt_cache.get(key)
+        if t is None:
+            t = rt_cache[key] = grad_reduce_time(src, dst, meta, mesh_shape, cluster, tail_share)
+        return t
+
+    def price(p, o):
+        """How a redistribute of node p's output o is priced: rtime, or ttime for a loss-tail value."""
+        return ttime if (p, o) in tail else rtime
 
     def node_time(n, s):
         """Roofline seconds of node n under strategy s (work split by the mesh dims its first output shards), plus
@@ -213,16 +233,19 @@ def run(state) -> None:
         us, ui = _uniq(src)
         vs, vi = _uniq(dst)
         opt = j == "opt"              # gradient into the optimizer step: bucketed reductions pay latency per bucket
-        mkey = (tuple(us), tuple(vs), meta.nbytes, opt)
+        pr = price(p, o)
+        mkey = (tuple(us), tuple(vs), meta.nbytes, opt, pr is ttime)
         small = mat_cache.get(mkey)
         if small is None:
             f = (lambda a, b: 0.0 if a == b else grad_reduce_time(a, b, meta, mesh_shape, cluster, len(g.grads))) \
                 if opt else \
-                (lambda a, b: rtime(a, b, meta))
+                (lambda a, b: pr(a, b, meta))
             small = mat_cache[mkey] = np.array([[f(a, b) for b in vs] for a in us])
         C = c * small[np.ix_(ui, vi)]
         if opt:
             _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, bucket_delta, series)
+        elif pr is ttime and nodes[v].phase == "fw":
+            _tail_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, bucket_delta, series)
         ovl = opt or ovl_src(p)       # gradient reductions and parameter gathers overlap compute
         if g1 == g2:
             comm_lin[g1] += np.diag(C)
@@ -235,8 +258,8 @@ def run(state) -> None:
             matrices[key] = matrices[key] + C if key in matrices else C
             if ovl:
                 ovl_matrices[key] = ovl_matrices[key] + C if key in ovl_matrices else C
-    share_delta, shared = _shared(g, rep, S, choice, gid, root, rtime, mesh_shape, ovl_src)
-    _coalesce(edge_count, nodes, S, choice, gid, root, matrices, rtime, mesh_shape)
+    share_delta, shared = _shared(g, rep, S, choice, gid, root, price, mesh_shape, ovl_src)
+    _coalesce(edge_count, nodes, S, choice, gid, root, matrices, price, mesh_shape)
     lr, li = g.loss, rep[g.loss.node]                 # the step returns the loss replicated (global view)
     rep_pl = ("R",) * len(mesh_shape)
     comm_lin[gid[root[li]]] += np.array([rtime(S[li][x].out[lr.out], rep_pl, nodes[li].outs[lr.out])
@@ -273,11 +296,32 @@ def _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, 
             W += c * frac * ((ui == a_i)[:, None] & (vi == b_i)[None, :])
 
 
-def _shared(g, rep, S, choice, gid, root, rtime, mesh_shape, rooted):
+def _tail_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, delta, series) -> None:
+    """For the exact objective (overlap=False): a loss-tail value's all_reduce in the forward (autopar/schedule.py)
+    at its bandwidth (`delta`, off its by-share price), and the latency of the one collective its group takes as a
+    charge the solver adds once any value joins (a series per partial kind, a mean counted as a sum, and
+    destination). Exact where the plan's loss tail takes one group, as on every model planned here; values whose
+    consumer computes another's take a second collective and are not in the tail (schedule.tail_values)."""
+    key, D = (g1, g2), np.zeros_like(small)
+    empty = TensorMeta((0,), meta.dtype)          # its latency alone
+    for a_i, a in enumerate(us):
+        for b_i, b in enumerate(vs):
+            if a == b or not all_reduced(a, b, meta, mesh_shape):
+                continue
+            D[a_i, b_i] = grad_reduce_time(a, b, meta, mesh_shape, cluster, None) - small[a_i, b_i]
+            s = ("tail", tuple("P" if x == "Pa" else x for x in a), tuple(b), str(meta.dtype))
+            entry = series.setdefault(s, [redistribute_time(a, b, empty, mesh_shape, cluster), {}])
+            W = entry[1].setdefault(key, np.zeros((len(ui), len(vi))))
+            W += c * (meta.nbytes / BUCKET_BYTES) * ((ui == a_i)[:, None] & (vi == b_i)[None, :])
+    D = c * D[np.ix_(ui, vi)]
+    delta[key] = delta[key] + D if key in delta else D
+
+
+def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
     """Redistributes several consumers share (passes/redistribute.py: one value taken to one placement in one phase,
-    any phase for a scalar, not rooted in a parameter, runs once). The edges price each consumer's; for the exact
-    objective, per value and destination placement d that at least two of its consumers can need, their price of
-    the transitions into d moves to one charge paid once: the max over those consumers of
+    any phase for a value of at most HELD_NUMEL elements, not rooted in a parameter, runs once). The edges price
+    each consumer's; for the exact objective, per value and destination placement d that at least two of its
+    consumers can need, their price of the transitions into d moves to one charge paid once: the max over those consumers of
     W[producer choice, consumer choice] = price(src, d) where that consumer takes d (the solver's `shared`,
     (producer nodes with these consumers, [((g1, g2), W)])); `delta` ((g1, g2) -> matrix, added to the edges;
     g1 == g2: its diagonal, to the group) takes it off the edges. A value feeding consumers in several layers (a
@@ -289,14 +333,15 @@ def _shared(g, rep, S, choice, gid, root, rtime, mesh_shape, rooted):
             continue
         for j, r in enumerate(n.inputs()):
             if not rooted(r.node):
-                users[(r.node, r.out, n.phase if nodes[r.node].outs[r.out].numel > 1 else None)].append((rep[v], j))
+                users[(r.node, r.out, n.phase if nodes[r.node].outs[r.out].numel > HELD_NUMEL else None)].append(
+                    (rep[v], j))
     sigs: dict = defaultdict(int)                     # (rep producer, output, consumers) -> producers with them
     for (p, o, _), us in users.items():
         if len(us) > 1:
             sigs[(rep[p], o, tuple(sorted(us)))] += 1
     delta, charges = {}, []
     for (p, o, us), c in sorted(sigs.items(), key=lambda kv: str(kv[0])):
-        meta, g1 = nodes[p].outs[o], gid[root[p]]
+        meta, g1, rtime = nodes[p].outs[o], gid[root[p]], pricing(p, o)
         pls, si = _uniq([S[p][x].out[o] for x in choice[p]])
         ids = {pl: k for k, pl in enumerate(pls)}
         mult: dict = defaultdict(int)
@@ -351,7 +396,7 @@ def _replicated(pl, mesh_shape) -> int:
     return r
 
 
-def _coalesce(edge_count, nodes, S, choice, gid, root, matrices, rtime, mesh_shape) -> None:
+def _coalesce(edge_count, nodes, S, choice, gid, root, matrices, pricing, mesh_shape) -> None:
     """Several outputs of one producer that one consumer needs all-reduced to Replicate (the loss sum and the count
     of targets into their quotient) take one collective (passes/redistribute.py coalesces them): where both sides'
     strategies make every such edge the same all_reduce-only transition, the edges' summed price is replaced by
@@ -368,6 +413,9 @@ def _coalesce(edge_count, nodes, S, choice, gid, root, matrices, rtime, mesh_sha
                 len({m.dtype for m in metas}) != 1:
             continue
         total = TensorMeta((sum(m.numel for m in metas),), metas[0].dtype)
+        rtime = pricing(p, es[0][0]) if len({pricing(p, o) for o, _, _ in es}) == 1 else None
+        if rtime is None or (rtime.__name__ == "ttime" and nodes[v].phase == "fw"):
+            continue            # (a loss-tail group's one latency is its series' charge: _tail_series)
         D = np.zeros((len(choice[p]), len(choice[v])))
         for a_i, x in enumerate(choice[p]):
             for b_i, y in enumerate(choice[v]):

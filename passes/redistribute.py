@@ -5,18 +5,21 @@ into Replicate (a training step returns the global loss on every rank).
 Several consumers of one activation that need it at the same placement in the same phase (the normed input of
 wq, wk and wv gathered from a sequence shard) share one redistribute: the first consumer runs it, the others
 reuse its result (`state.shares`; no collectives of their own). The prediction, the executor and the solver's
-exact objective (passes/costs.py `_shared`) count the shared redistribute once. Values rooted in a parameter are not shared:
-holding a gathered weight from its first to its last use would change the memory the plan was solved for. A
-scalar is shared across phases too (the loss's count of targets, reduced in the forward, read by the backward):
-holding it costs nothing.
+exact objective (passes/costs.py `_shared`) count the shared redistribute once. Values rooted in a parameter are not
+shared: holding a gathered weight from its first to its last use would change the memory the plan was solved for. A
+value of at most HELD_NUMEL elements is shared across phases too (the loss's count of targets, an MoE layer's
+expert load, reduced in the forward, read by the backward): holding it costs next to nothing.
 
 Inputs of one op that the same all_reduces take to Replicate (the loss sum and the count of targets into their
 quotient) are coalesced, as all_reduce_coalesced does: one collective of their summed size on the first of them,
-none on the others (`state.coalesced`: (consumer, input) -> (consumer, input) whose collective carries it)."""
+none on the others (`state.coalesced`: (consumer, input) -> (consumer, input) whose collective carries it). So are
+the all_reduces of loss-tail values across ops (autopar/schedule.py: an MoE's per-layer expert loads, one collective
+at the end of the forward), with the forward's order of execution that allows it (`state.fw_order`)."""
 from __future__ import annotations
 
 from autopar.graph import TensorMeta, param_root
 from autopar.redistribute import all_reduced, bucket_steps, collectives
+from autopar.schedule import HELD_NUMEL, can_be_partial, coalesce_tail
 
 
 def run(state) -> None:
@@ -30,7 +33,7 @@ def run(state) -> None:
                 continue
             meta = g.meta(r)
             cs = collectives(src, dst, meta, mesh_shape, cluster)
-            key = (r.node, r.out, dst, n.phase if meta.numel > 1 else None)
+            key = (r.node, r.out, dst, n.phase if meta.numel > HELD_NUMEL else None)
             if cs and key in first and param_root(g, r.node) is None:
                 shares[(n.idx, j)] = first[key]
                 cs = ()
@@ -54,4 +57,5 @@ def run(state) -> None:
     src, dst = P[g.loss.node].out[g.loss.out], ("R",) * len(mesh_shape)
     if src != dst and not g.activation:                # the step returns the loss itself (global view)
         red[(g.loss.node, "loss")] = (src, dst, collectives(src, dst, g.meta(g.loss), mesh_shape, cluster))
+    state.fw_order = coalesce_tail(g, red, shares, coalesced, mesh_shape, cluster, can_be_partial(state))
     state.redistributes, state.shares, state.coalesced = red, shares, coalesced

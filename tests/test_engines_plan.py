@@ -380,9 +380,12 @@ def _weighted_loss_plan(weighted):
         m = Weighted()
     x = tuple(torch.empty(8, 64, dtype=torch.long, device="meta") for _ in range(2))
 
-    def pin(n):      # the batch split over the ranks, the log-probs gathered: the loss on the whole batch
-        return {0: "S0"} if n.kind == "input" or n.target is torch.ops.aten._log_softmax.default else \
-            {0: "R"} if n.target in NLL_LOSSES else None
+    def pin(n):      # the batch split over the ranks up to the loss, which runs on the whole batch (inputs gathered)
+        if n.target in NLL_LOSSES:
+            return {0: "R"}
+        out = n.outs[0] if n.outs else None
+        batched = n.kind == "op" and n.phase == "fw" and out is not None and out.shape and out.shape[0] in (8, 8 * 64)
+        return {0: "S0"} if n.kind == "input" or batched else None
     return autopar.plan(m, autopar.MeshSpec((4,), ("dp",)), x, cluster=CLUSTER, overlap=False, pin=pin), m
 
 

@@ -57,6 +57,9 @@ def job_train(cases, tmp, device):
                                          pin=lambda n: _batch_sharded(n, batch))
             finally:
                 buckets.flatten_chain = keep
+        elif constraint == "dp-aux":    # data parallel, the routers' token means left partial means (Pa)
+            pm = autopar.parallelize(model, mesh, x, force={k: ("R",) for k, _ in model.named_parameters()},
+                                     pin=_router_means)
         else:
             pm = autopar.parallelize(model, mesh, x, force=_force(model, shape, constraint))
         xs = tuple(t.to(device) for t in x)
@@ -64,7 +67,7 @@ def job_train(cases, tmp, device):
         out["cases"].append({"case": [name, shape, constraint], "failures": rep.failures[:5],
                              "collective_diff": rep.collective_diff, "measured": rep.measured,
                              "predicted": [list(c) for c in rep.predicted], "max_abs": rep.max_abs,
-                             "losses": rep.losses, "hash": pm.plan.hash(),
+                             "losses": rep.losses, "hash": pm.plan.hash(), "fw_reduces": _fw_reduces(pm.plan),
                              "placements": {k: list(v) for k, v in pm.plan.params.items()}})
     return out
 
@@ -78,6 +81,22 @@ def _batch_sharded(n, batch):
     if out is not None and len(out.shape) == 3 and out.shape[0] == batch:
         return {(0, 0): "S0", (1, 0): "S0"}
     return None
+
+
+def _router_means(n):
+    """Inputs batch-sharded; an MoE router's means over the tokens (expert load, mean probability) partial means."""
+    if n.kind == "input":
+        return {0: "S0"}
+    if n.kind == "op" and n.phase == "fw" and n.module.endswith(".moe") and n.target is torch.ops.aten.mean.dim:
+        return {0: "Pa"}
+    return None
+
+
+def _fw_reduces(plan) -> list:
+    """The forward's activation all_reduces: (node, input, src, its collectives, the all_reduce carrying it)."""
+    return [[n["name"], r["input"], r["src"], r["collectives"], r.get("coalesced")] for n in plan.nodes
+            if n["phase"] == "fw" for r in n.get("redistribute", [])
+            if r["class"] == "act" and (r["collectives"] or "coalesced" in r)]
 
 
 def job_extras(cases, tmp, device):
@@ -178,9 +197,17 @@ def test_world4_gloo_2x2_and_1d(tmp_path):
     cases = [("llama-tiny", LLAMA, 2, 4, (2, 2), "fsdp"),          # its plan has an all_to_all
              ("gpt2-tiny", GPT2, 2, 4, (2, 2), "fsdp+tp"),
              ("moe-tiny", MOE, 2, 4, (4,), "fsdp"),
-             ("llama-tiny", LLAMA, 4, 4, (2, 2), "dp-flat")]
+             ("llama-tiny", LLAMA, 4, 4, (2, 2), "dp-flat"),
+             ("moe-tiny", {**MOE, "n_layers": 3}, 4, 4, (4,), "dp-aux")]
     results = launch("train", 4, cases, tmp_path)
     per_rank = _check_train(results, len(cases))
+    # the exact aux loss over a split batch: every layer's expert load and mean probability (partial means) and the
+    # loss's sum and count (partial sums) reach Replicate in ONE all_reduce at the end of the forward
+    red = per_rank[0][4]["fw_reduces"]
+    lead = [r for r in red if r[3]]
+    assert len(lead) == 1 and lead[0][3][0][0] == "all_reduce", red
+    assert len(red) == 2 * 3 + 2 and {tuple(r[2]) for r in red} == {("P",), ("Pa",)}, red
+    assert all(r[4] is None or isinstance(r[4], str) or r[0] == lead[0][0] for r in red), red
     flat = [c for c in per_rank[0][3]["measured"] if c[0] == "all_reduce" and c[1] == [0, 1]]
     assert flat and len(flat) == sum(1 for c in per_rank[0][3]["predicted"] if c[1] == [0, 1]), per_rank[0][3]
     kinds = {c[0] for case in per_rank[0] for c in case["measured"]}

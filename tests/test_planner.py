@@ -182,3 +182,26 @@ def test_plan_for_large_simulated_mesh_on_meta():
     p = _plan("llama3-70b", (32, 8), batch=32, seq=4096, dtype=torch.bfloat16, n_layers=2)
     assert p.mesh_shape == (32, 8)
     assert p.predicted["peak_mem_bytes"] <= 0.9 * 80e9
+
+
+@pytest.mark.parametrize("mesh", [(4,), (2, 2)])
+def test_moe_aux_loss_reductions_take_one_all_reduce(mesh):
+    """moe-debug (the benchmark's shape) under the calibrated cpu-gloo model: data parallel, with the exact router
+    aux loss over the split batch. Every MoE layer's expert load and mean probability, and the loss's sum and count
+    of targets, are all-reduced in ONE collective at the end of the forward (autopar/schedule.py), not one per
+    layer, nor gathers of the router input: the step issues the gradient buckets and that one all_reduce."""
+    m = M.build_model("moe-debug", device="meta")
+    x = M.example_inputs("moe-debug", batch=4, seq=32, device="meta")
+    plan = autopar.plan(m, mesh, x, cluster="cpu-gloo", overlap=False)
+    assert set(plan.predicted["collectives"]) == {"all_reduce"}, plan.predicted["collectives"]
+    fw = [(n["name"], r) for n in plan.nodes if n["phase"] == "fw" for r in n.get("redistribute", [])
+          if r["class"] == "act" and (r["collectives"] or "coalesced" in r)]
+    leads = [(name, r) for name, r in fw if r["collectives"]]
+    assert len(leads) == 1 and len(leads[0][1]["collectives"]) == 1, leads
+    n_moe = sum(1 for k, _ in m.named_modules() if k.endswith(".moe"))
+    others = {name for name, r in fw if isinstance(r.get("coalesced"), str)}
+    assert len(others) >= n_moe and all(r["coalesced"] == f"{leads[0][0]}:{leads[0][1]['input']}"
+                                        for _, r in fw if isinstance(r.get("coalesced"), str))
+    assert plan.predicted["collectives"]["all_reduce"]["count"] == len({b["chain"] for b in plan.buckets}) + 1
+    line = f"(in {leads[0][0]}:{leads[0][1]['input']}'s all_reduce)"
+    assert line in plan.dump() and ("dim dp+tp" in plan.dump()) == (len(mesh) == 2)
