@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 
+from autopar.redistribute import dims_of
+
 
 def _op(rec) -> str:
     return rec["target"].split(".")[0] if rec["kind"] == "op" else rec["kind"]
@@ -138,8 +140,8 @@ def _check_batch_ops(low, G, plan, data, dn):
     in_part = lambda m: within(m, parts)
     for n in plan.nodes:
         for r in n.get("redistribute", []):
-            if r["class"] != "act" or not isinstance(r["input"], int) or not any(c[1] in data for c in
-                                                                                  r["collectives"]):
+            if r["class"] != "act" or not isinstance(r["input"], int) or not any(
+                    set(dims_of(c[1])) & set(data) for c in r["collectives"]):     # a flattened group's dims too
                 continue
             if parts and (in_part(n["module"]) or _from_part(plan, n["inputs"][r["input"]][0], in_part) and
                           all(r["dst"][d] == "S0" for d in data)):
@@ -163,8 +165,9 @@ def _check_batch_ops(low, G, plan, data, dn):
                     what = ("it gathers the batch shards: the op computes on the whole batch, while FSDP/DDP ranks "
                             "compute on their own shard only")
                 elif any(p[0] == "P" for p in src):
-                    what = ("it reduces a partial sum the plan split over the batch ranks (tensor parallelism on a "
-                            "data-parallel dim), which FSDP/DDP do not express")
+                    what = ("it sums over the batch ranks a value each computes on its shard (an MoE router's "
+                            "expert load for an exact aux loss, or tensor parallelism on a data-parallel dim), while "
+                            "FSDP/DDP ranks compute on their own shard only")
                 else:
                     what = ("a tensor sharded on a non-batch dim over the batch ranks (tensor parallelism on a data-"
                             "parallel dim), which FSDP/DDP do not express")

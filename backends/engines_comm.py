@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from autopar.redistribute import dims_of
 from autopar.strategies._torch_adapter import resolve_group
 
 _c10d = torch.ops.c10d
@@ -303,7 +304,7 @@ def engine_collectives(plan, low) -> tuple[list, list]:
                                  + ("reduce (weighted loss, count) in the loss hook" if low.mean_loss else
                                     "leave each rank its local loss"))
                 continue
-            if any(c[1] in data for c in cs):
+            if any(set(dims_of(c[1])) & set(data) for c in cs):       # (over a flattened group of dims too)
                 src = n["inputs"][r["input"]]
                 shape = plan.nodes[src[0]]["shape"][src[1]]
                 pair = any(q.get("coalesced") == r["input"] for q in n.get("redistribute", []))

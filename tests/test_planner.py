@@ -205,3 +205,9 @@ def test_moe_aux_loss_reductions_take_one_all_reduce(mesh):
     assert plan.predicted["collectives"]["all_reduce"]["count"] == len({b["chain"] for b in plan.buckets}) + 1
     line = f"(in {leads[0][0]}:{leads[0][1]['input']}'s all_reduce)"
     assert line in plan.dump() and ("dim dp+tp" in plan.dump()) == (len(mesh) == 2)
+    # DDP / FSDP2 ranks would each compute their own shard's aux loss (not this model's): the lowering refuses,
+    # naming the op, also where the reduction runs over the flattened dp+tp group
+    from autopar.backends.engines import recognize
+    low = recognize(plan, m)
+    assert not low.expressible and any(part == f"op {leads[0][0]}" and "sums over the batch ranks" in why
+                                       for part, why in low.reasons), low.report()
