@@ -35,7 +35,8 @@ Loss (`HandRun.forward_backward`): every source normalizes as torchtitan 0.2.2's
 summed loss over the global count of valid labels, that count all-reduced over the data-parallel ranks before the
 forward (8 bytes). Every source then computes one device's gradient of the mean loss, as autopar does; a rank's
 plain mean would weight each rank's tokens by 1 / its own count (not the same gradient when labels carry
-ignore_index).
+ignore_index). Not so an MoE's router aux loss (per layer, a product of two means over the tokens): the plans that
+split the batch compute each rank's own shard's, as DDP does for any such term; autopar computes the model's.
 """
 from __future__ import annotations
 
