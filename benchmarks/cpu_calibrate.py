@@ -7,6 +7,10 @@ what one rank gets while its peers compete for the same cores:
   * matmul FLOP/s per rank (fp32, transformer-shaped matmuls, all ranks busy at once);
   * memory bandwidth per rank (a large copy, all ranks at once);
   * the fixed time of one small eager op (dispatch and launch: what a roofline misses on tiny ops);
+  * eager forward + backward steps of llama3-debug, moe-debug and mlp-heavy at batch 1 and 4 (`step_fit`): the
+    device's FLOP rate and per-op cost are the least-squares fit of the cost model's own op times (views at the
+    per-op cost only) to them, since the small ops of these models on ranks sharing cores run far below the
+    matmul rate (47 against ~90 GFLOP/s on the reference machine);
   * collectives: all_reduce, all_gather, reduce_scatter and all_to_all at 16 B..16 MiB, over the world and over
     the pairs of a (world/2) x 2 mesh (both dims in turn, as a 2-D plan's collectives alternate), each timed
     INSIDE a busy program: every rank alternates ~5 ms of matmul (--work-ms) and the collective, and the cost of a
@@ -23,7 +27,7 @@ what one rank gets while its peers compete for the same cores:
 
     python benchmarks/cpu_calibrate.py --refit FILE [FILE ...]   # the fits again from recorded timings (pooled)
 The JSON is a ClusterSpec (`autopar.plan(..., cluster=PATH)`); its "calibration" key holds the raw timings. The
-shipped `cpu-gloo` preset (autopar/cost/cluster.py) carries the figures of three runs of this script on the
+shipped `cpu-gloo` preset (autopar/cost/cluster.py) carries the figures of four runs of this script on the
 reference 2-core machine, pooled by --refit (results/cpu_gloo_calibrated.json).
 """
 from __future__ import annotations

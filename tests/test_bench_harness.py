@@ -114,6 +114,7 @@ def test_result_files_state_command_and_commit(tiny_rows, tmp_path):
              "status": "ok", "note": "", "measured_step_s": t, "comm_bytes": b, "peak_mem_bytes": pk,
              "comm": {"all_reduce": {"count": 1, "bytes": b}}}
             for s, t, b, pk in (("autopar", 1.0, 100, 50), ("ddp", 2.0, 100, 80), ("fsdp2", 1.5, 300, 40))]
+    meas += [{**meas[k], "model": "mlp-tiny", "mesh": "4", "comm_bytes": b} for k, b in ((0, 1_000_320), (1, 10**6))]
     rows = [dict(r) for r in tiny_rows] + meas
     prefix = str(tmp_path / "bench")
     paths = report.write_all(rows, prefix, "python benchmarks/harness.py --test", 1.0)
@@ -128,6 +129,8 @@ def test_result_files_state_command_and_commit(tiny_rows, tmp_path):
     assert "command: `python benchmarks/harness.py --test`" in md
     # autopar uses less memory than DDP with the same bytes (ok), fsdp2 uses less memory than autopar (n/a)
     assert "llama-tiny 2x2 vs ddp: 0.00 <= 0.00 MB ok" in md and "vs fsdp2" not in md
+    # sizes a few bytes apart that print equal in MB are given in bytes (and the comparison still fails)
+    assert "mlp-tiny 4 vs ddp: 1,000,320 <= 1,000,000 bytes MISSED" in md
     from PIL import Image
     assert "commit" in Image.open(prefix + "_steps.png").info.get("Description", "")
 
