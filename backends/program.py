@@ -609,8 +609,10 @@ class Program:
         """Run one instruction (the compiled program's path for everything but plain local ops)."""
         n = it.node
         vals = [env[k] for k in it.keys]
-        for grp in it.groups:           # inputs all-reduced to Replicate in one collective (passes/redistribute.py;
-            locs = [_local(env[c[0][1]] if type(c[0]) is tuple else vals[c[0]]) for c in grp]   # and the loss tail's
+        # inputs all-reduced to Replicate in one collective (passes/redistribute.py), with the loss-tail members of
+        # later ops where this op leads their group (autopar/schedule.py; entries ("ext", value key, where it goes))
+        for grp in it.groups:
+            locs = [_local(env[c[0][1]] if type(c[0]) is tuple else vals[c[0]]) for c in grp]
             locs = [self._as_sum(t, c[1], grp[0][1]) for t, c in zip(locs, grp)]
             flat = redistribute_local(torch.cat([t.reshape(-1) for t in locs]), grp[0][1], grp[0][2], self.mesh,
                                       self._flat((n.idx, grp[0][0])))
