@@ -159,7 +159,7 @@ class Plan:
     def _dim_name(self, d) -> str:
         """A collective's mesh dim by name; a flattened group of dims (one all_reduce over them) as "dp+tp"."""
         names = self._param_mesh_names()
-        return "+".join(names[x] for x in d) if isinstance(d, (list, tuple)) else names[d]
+        return "+".join(names[x] for x in dims_of(d))
 
     def dump(self) -> str:
         """Deterministic annotated graph: identical plans give identical text (no wall-clock figures)."""

@@ -151,12 +151,12 @@ class Program:
         # the forward runs in the plan's order (autopar/schedule.py: a loss-tail group's consumers after its last
         # source), the backward in the graph's; a value is freed after its last reader in that order
         order = getattr(state, "fw_order", None)
-        at = {i: k for k, i in enumerate(order or ())}
-        pos = lambda i: at.get(i, i + len(g.nodes))
+        fw_at = {i: k for k, i in enumerate(order or ())}
+        when = lambda i: fw_at.get(i, i + len(g.nodes))          # a node's place in the order of execution
         last = {}
         for n in g.nodes:
             for r in n.inputs():
-                if (r.node, r.out) not in last or pos(n.idx) > pos(last[(r.node, r.out)]):
+                if (r.node, r.out) not in last or when(n.idx) > when(last[(r.node, r.out)]):
                     last[(r.node, r.out)] = n.idx
         for r in [g.loss, *g.grads.values(), *g.input_grads.values()]:
             last[(r.node, r.out)] = len(g.nodes)
@@ -171,7 +171,7 @@ class Program:
             r = g.nodes[c0].inputs()[j0]
             ck = ("shared", r.node, r.out, self.P[c0].ins[j0])
             conv_share[(c0, j0)], conv_share[(c, j)] = ("store", ck), ("load", ck)
-            last_share[ck] = max(last_share.get(ck, c), c, key=pos)
+            last_share[ck] = max(last_share.get(ck, c), c, key=when)
         co = state.coalesced or {}
         ext: dict = {}          # lead (consumer, input) of a loss-tail group -> its members at other consumers
         for (c, j), (c0, j0) in sorted(co.items()):
@@ -231,8 +231,8 @@ class Program:
             # the common case, a local op with one tensor out: a direct call in the compiled program
             it.fast = fast_args(args, kwargs, it.fn) if it.mode == "local" and not (it.contig or it.swapped) else None
             (self.fw if n.phase == "fw" else self.bw).append(it)
-        if at:
-            self.fw.sort(key=lambda it: at[it.node.idx])
+        if fw_at:
+            self.fw.sort(key=lambda it: fw_at[it.node.idx])
 
         pos = {it.node.idx: i for i, it in enumerate(self.bw)}
         self.chains: dict[int, list] = {}          # first bucket of a chain -> its buckets (one per step)

@@ -242,10 +242,9 @@ def run(state) -> None:
                 (lambda a, b: pr(a, b, meta))
             small = mat_cache[mkey] = np.array([[f(a, b) for b in vs] for a in us])
         C = c * small[np.ix_(ui, vi)]
-        if opt:
-            _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, bucket_delta, series)
-        elif pr is ttime and nodes[v].phase == "fw":
-            _tail_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, bucket_delta, series)
+        if opt or pr is ttime and nodes[v].phase == "fw":
+            joins = (_grad_joins if opt else _tail_joins)(meta, mesh_shape, cluster)
+            _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, bucket_delta, series, joins)
         ovl = opt or ovl_src(p)       # gradient reductions and parameter gathers overlap compute
         if g1 == g2:
             comm_lin[g1] += np.diag(C)
@@ -259,7 +258,7 @@ def run(state) -> None:
             if ovl:
                 ovl_matrices[key] = ovl_matrices[key] + C if key in ovl_matrices else C
     share_delta, shared = _shared(g, rep, S, choice, gid, root, price, mesh_shape, ovl_src)
-    _coalesce(edge_count, nodes, S, choice, gid, root, matrices, price, mesh_shape)
+    _coalesce(edge_count, nodes, S, choice, gid, root, matrices, price, mesh_shape, tail)
     lr, li = g.loss, rep[g.loss.node]                 # the step returns the loss replicated (global view)
     rep_pl = ("R",) * len(mesh_shape)
     comm_lin[gid[root[li]]] += np.array([rtime(S[li][x].out[lr.out], rep_pl, nodes[li].outs[lr.out])
@@ -274,55 +273,55 @@ def run(state) -> None:
                                     for _, (F, t) in sorted(series.items(), key=lambda kv: str(kv[0]))]}
 
 
-def _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, delta, series) -> None:
-    """For the exact objective (overlap=False): a gradient edge's price without bucket latency (`delta`, added to
-    the by-share price) and, per bucket series, which (producer, consumer) choices join it with the fraction of a
-    bucket they fill (c instances each); the solver charges the series' bucket latency max(1, total fraction)
-    times when any choice joining it is taken."""
-    bw = np.array([[0.0 if a == b else grad_reduce_time(a, b, meta, mesh_shape, cluster, None) for b in vs]
-                    for a in us])
-    key = (g1, g2)
-    D = c * (bw - small)[np.ix_(ui, vi)]
-    delta[key] = delta[key] + D if key in delta else D
+def _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, delta, series, joins) -> None:
+    """For the exact objective (overlap=False): the reductions of an edge that ride in a series of one collective
+    each (gradient buckets; the loss tail's one all_reduce) at their bandwidth alone (`delta`, added to the edge's
+    by-share price), and per series which (producer, consumer) choices join it with the fraction of a collective
+    they fill (c instances each); the solver charges the series' latency max(1, total fraction) times when any
+    choice joining it is taken. joins(src, dst) -> (series, its latency, fraction) or None."""
+    key, D = (g1, g2), np.zeros_like(small)
     for a_i, a in enumerate(us):
         for b_i, b in enumerate(vs):
-            if a == b:
+            j = joins(a, b) if a != b else None
+            if j is None:
                 continue
-            s, F, frac = grad_bucket_latency(a, b, meta, mesh_shape, cluster)
-            if s is None:
-                continue
+            s, F, frac = j
+            D[a_i, b_i] = grad_reduce_time(a, b, meta, mesh_shape, cluster, None) - small[a_i, b_i]
             entry = series.setdefault(s, [F, {}])
             W = entry[1].setdefault(key, np.zeros((len(ui), len(vi))))
             W += c * frac * ((ui == a_i)[:, None] & (vi == b_i)[None, :])
-
-
-def _tail_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, delta, series) -> None:
-    """For the exact objective (overlap=False): a loss-tail value's all_reduce in the forward (autopar/schedule.py)
-    at its bandwidth (`delta`, off its by-share price), and the latency of the one collective its group takes as a
-    charge the solver adds once any value joins (a series per partial kind, a mean counted as a sum, and
-    destination). Exact where the plan's loss tail takes one group, as on every model planned here; values whose
-    consumer computes another's take a second collective and are not in the tail (schedule.tail_values)."""
-    key, D = (g1, g2), np.zeros_like(small)
-    empty = TensorMeta((0,), meta.dtype)          # its latency alone
-    for a_i, a in enumerate(us):
-        for b_i, b in enumerate(vs):
-            if a == b or not all_reduced(a, b, meta, mesh_shape):
-                continue
-            D[a_i, b_i] = grad_reduce_time(a, b, meta, mesh_shape, cluster, None) - small[a_i, b_i]
-            s = ("tail", tuple("P" if x == "Pa" else x for x in a), tuple(b), str(meta.dtype))
-            entry = series.setdefault(s, [redistribute_time(a, b, empty, mesh_shape, cluster), {}])
-            W = entry[1].setdefault(key, np.zeros((len(ui), len(vi))))
-            W += c * (meta.nbytes / BUCKET_BYTES) * ((ui == a_i)[:, None] & (vi == b_i)[None, :])
     D = c * D[np.ix_(ui, vi)]
     delta[key] = delta[key] + D if key in delta else D
+
+
+def _grad_joins(meta, mesh_shape, cluster):
+    """A gradient reduction's bucket series (passes/buckets.py groups gradients by (steps, dtype))."""
+    def joins(a, b):
+        s, F, frac = grad_bucket_latency(a, b, meta, mesh_shape, cluster)
+        return None if s is None else (s, F, frac)
+    return joins
+
+
+def _tail_joins(meta, mesh_shape, cluster):
+    """A loss-tail value's all_reduce in the forward (autopar/schedule.py): the one collective its group takes, a
+    series per partial kind (a mean counted as a sum) and destination; exact where the plan's loss tail takes one
+    group, as on every model planned here (values whose consumer computes another's take a second collective and
+    are not in the tail: schedule.tail_values)."""
+    empty = TensorMeta((0,), meta.dtype)          # its latency alone
+    def joins(a, b):
+        if not all_reduced(a, b, meta, mesh_shape):
+            return None
+        return (("tail", tuple("P" if x == "Pa" else x for x in a), tuple(b), str(meta.dtype)),
+                redistribute_time(a, b, empty, mesh_shape, cluster), meta.nbytes / BUCKET_BYTES)
+    return joins
 
 
 def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
     """Redistributes several consumers share (passes/redistribute.py: one value taken to one placement in one phase,
     any phase for a value of at most HELD_NUMEL elements, not rooted in a parameter, runs once). The edges price
     each consumer's; for the exact objective, per value and destination placement d that at least two of its
-    consumers can need, their price of the transitions into d moves to one charge paid once: the max over those consumers of
-    W[producer choice, consumer choice] = price(src, d) where that consumer takes d (the solver's `shared`,
+    consumers can need, their price of the transitions into d moves to one charge paid once: the max over those
+    consumers of W[producer choice, consumer choice] = price(src, d) where that consumer takes d (the solver's `shared`,
     (producer nodes with these consumers, [((g1, g2), W)])); `delta` ((g1, g2) -> matrix, added to the edges;
     g1 == g2: its diagonal, to the group) takes it off the edges. A value feeding consumers in several layers (a
     RoPE table) is counted per producer node. rooted(p): is node p's output rooted in a parameter."""
@@ -396,7 +395,7 @@ def _replicated(pl, mesh_shape) -> int:
     return r
 
 
-def _coalesce(edge_count, nodes, S, choice, gid, root, matrices, pricing, mesh_shape) -> None:
+def _coalesce(edge_count, nodes, S, choice, gid, root, matrices, pricing, mesh_shape, tail) -> None:
     """Several outputs of one producer that one consumer needs all-reduced to Replicate (the loss sum and the count
     of targets into their quotient) take one collective (passes/redistribute.py coalesces them): where both sides'
     strategies make every such edge the same all_reduce-only transition, the edges' summed price is replaced by
@@ -413,9 +412,10 @@ def _coalesce(edge_count, nodes, S, choice, gid, root, matrices, pricing, mesh_s
                 len({m.dtype for m in metas}) != 1:
             continue
         total = TensorMeta((sum(m.numel for m in metas),), metas[0].dtype)
-        rtime = pricing(p, es[0][0]) if len({pricing(p, o) for o, _, _ in es}) == 1 else None
-        if rtime is None or (rtime.__name__ == "ttime" and nodes[v].phase == "fw"):
-            continue            # (a loss-tail group's one latency is its series' charge: _tail_series)
+        in_tail = {(p, o) in tail for o, _, _ in es}
+        if len(in_tail) > 1 or in_tail == {True} and nodes[v].phase == "fw":
+            continue            # priced apart; or loss-tail values of the forward: one series charge (_tail_joins)
+        rtime = pricing(p, es[0][0])
         D = np.zeros((len(choice[p]), len(choice[v])))
         for a_i, x in enumerate(choice[p]):
             for b_i, y in enumerate(choice[v]):
