@@ -121,6 +121,33 @@ def binder(args, kwargs):
     return bind
 
 
+_BINDINGS: dict | None = None
+
+
+def binding(op):
+    """The op's generated Python binding (torch.mm for aten.mm.default, Tensor.view for aten.view.default...) for the
+    overloads that binding resolves to with the captured argument types, else None. Calling it skips OpOverload's
+    generic argument matching, ~1 us of a 2-3 us call: the compiled programs run ~2,000 such ops a step. Only
+    overloads of one op name computing the same function are listed (mul.Scalar -> torch.mul, whose wrapped scalar
+    leaves type promotion as mul.Scalar's); tests/test_execute_local.py checks each against its OpOverload."""
+    global _BINDINGS
+    if _BINDINGS is None:
+        T, nn = torch.Tensor, torch._C._nn
+        _BINDINGS = {
+            aten.view.default: T.view, aten.expand.default: T.expand, aten.t.default: torch.t,
+            aten.permute.default: torch.permute, aten.transpose.int: torch.transpose,
+            aten.unsqueeze.default: torch.unsqueeze, aten.squeeze.dim: torch.squeeze, aten.detach.default: torch.detach,
+            aten.mm.default: torch.mm, aten.bmm.default: torch.bmm, aten.mul.Tensor: torch.mul,
+            aten.mul.Scalar: torch.mul, aten.add.Tensor: torch.add, aten.sub.Tensor: torch.sub,
+            aten.div.Tensor: torch.div, aten.div.Scalar: torch.div, aten.neg.default: torch.neg,
+            aten.pow.Tensor_Scalar: torch.pow, aten.rsqrt.default: torch.rsqrt, aten.exp.default: torch.exp,
+            aten.sum.dim_IntList: torch.sum, aten.sum.default: torch.sum, aten.mean.dim: torch.mean,
+            aten.clone.default: torch.clone, aten.silu.default: nn.silu, aten._softmax.default: torch._softmax,
+            aten._softmax_backward_data.default: torch._softmax_backward_data,
+        }
+    return _BINDINGS.get(op)
+
+
 def call_view(fn, tensors, rest, kwargs):
     """A view in compiled code: on an input laid out otherwise than on one device, from a contiguous copy."""
     return call_op(fn, [*tensors, *rest], kwargs)
@@ -171,15 +198,54 @@ _ON_DIM = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, 
 _NORM = {aten.native_layer_norm.default: 0, aten.native_layer_norm_backward.default: 1}
 
 
-def local_args(g, n, ins, outs, mesh_shape):
+_LIKE = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default}
+_NEW = {aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
+
+
+def _partial(*pls) -> bool:
+    return any(p[0] == "P" for pl in pls if pl for p in pl)
+
+
+def _local_lookup(n, ins, outs):
+    """Embedding lookups (forward and backward) on local shards: exact when the table's rows are not sharded (a
+    row-sharded table is a masked partial, DTensor's), no index is partial and the backward does not scale by
+    counts over the whole batch. The backward of a batch-sharded lookup is then this rank's partial sum."""
+    if n.target is aten.embedding.default:
+        return 0 not in _sharded_dims(ins[0]) and not _partial(ins[1])
+    return 0 not in _sharded_dims(outs[0]) and not _partial(ins[1]) and not _arg(n, "scale_grad_by_freq")
+
+
+def local_args(g, n, ins, outs, mesh_shape, device=None):
     """(args, kwargs) that run op `n` on local shards exactly, for ops whose global-shape arguments have a local
     counterpart known ahead of time; None where only DTensor's dispatch can run it. The plan's strategy (DTensor's
     own) fixes the placements; here: a size argument becomes the output's local shape (views, expand,
-    slice_backward), and ops that cut or normalize along a dim run unchanged when that dim is not sharded."""
+    slice_backward, new_zeros...), ops that cut, select or normalize along a dim run unchanged when that dim is not
+    sharded (split, slice, topk, layer_norm), `*_like` ops make the shard of their input's shard when both are at
+    the same placement, not partial, and lookups run on local indices (`_local_lookup`). A captured device (meta)
+    becomes `device`."""
     op = n.target
-    if op not in _SIZE_ARG and op not in _ON_DIM and op not in _NORM:
-        return None
     if _masked(ins, outs):
+        return None
+    if op in _LIKE or op in _NEW:
+        if _partial(outs[0]) or (op in _LIKE and tuple(ins[0]) != tuple(outs[0])):
+            return None
+        args, kwargs = list(n.args), dict(n.kwargs)
+        if op in _NEW:
+            local = local_shape(n.out.shape, outs[0], mesh_shape)
+            if local is None:
+                return None
+            args[1] = local
+        if "device" in kwargs and device is not None:
+            kwargs["device"] = device
+        return tuple(args), kwargs
+    if op is aten.topk.default:
+        if _partial(ins[0]) or _arg(n, "dim") % max(len(n.outs[0].shape), 1) in _sharded_dims(ins[0]) or \
+                not all(tuple(o) == tuple(ins[0]) for o in outs):
+            return None
+        return n.args, n.kwargs
+    if op in (aten.embedding.default, aten.embedding_dense_backward.default):
+        return (n.args, n.kwargs) if _local_lookup(n, ins, outs) else None
+    if op not in _SIZE_ARG and op not in _ON_DIM and op not in _NORM:
         return None
 
     def ndim(j):

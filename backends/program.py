@@ -10,14 +10,16 @@ op runs, the placement of each output the plan expects, and which values die aft
     input and output replicated; attention (batch- or head-sharded, autopar's own rule); every op whose
     arguments carry no global shape (pointwise, matmuls, reductions over dims, transposes, softmax...:
     `local_ops.local_exact`), where DTensor's dispatch would run the same local op; and ops whose global-shape
-    argument has a local counterpart known ahead (`local_ops.local_args`: view/reshape/expand with the output's local shape,
-    split/slice/select/layer_norm along an unsharded dim).
+    argument has a local counterpart known ahead (`local_ops.local_args`: view/reshape/expand/new_zeros with the
+    output's local shape, split/slice/select/topk/layer_norm along an unsharded dim, zeros_like/ones_like of a shard
+    at its own placement, embedding lookups into a table whose rows are not sharded).
     Attention runs the captured CPU kernel on CPU; on other devices an exact math formulation with the same
     (out, logsumexp) contract, since the CPU kernel does not exist there.
   - "factory": arange/zeros/... with the meta device of the capture replaced by the mesh's device.
   - "seed": `ones_like(loss)`, where the backward starts, takes the incoming gradient of the loss.
-Each instruction list is compiled once to a straight-line Python function (`_compile`); gradient buckets are
-issued from it as soon as their last gradient exists.
+Each instruction list is compiled once to a straight-line Python function (`_compile`) that calls each local op
+through its Python binding where one resolves to it (`local_ops.binding`); gradient buckets are issued from it as
+soon as their last gradient exists.
 """
 from __future__ import annotations
 
@@ -35,13 +37,14 @@ from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor,
                                               sole_owner, to_placement, to_str, unmask_partial)
 
 from .comm import executed_placements, finish_bucket, group_name, launch_bucket, launch_filled, redistribute_local
-from .local_ops import (VIEWS, local_shape, attention_bw_math, attention_fw_math, binder, call_op, call_view,
-                        fast_args, local_args, local_exact)
+from .local_ops import (VIEWS, local_shape, attention_bw_math, attention_fw_math, binder, binding, call_op,
+                        call_view, fast_args, local_args, local_exact)
 
 aten = torch.ops.aten
 
 
-_PASS_VIEWS = (aten.t.default, *VIEWS)
+_PASS_VIEWS = (aten.t.default, aten.transpose.int, aten.permute.default, aten.squeeze.dim, aten.unsqueeze.default,
+               *VIEWS)   # views that keep the storage offset: a gradient made through them can be made in place
 _OUT: dict = {}
 
 
@@ -98,14 +101,23 @@ def _local(v):
     return v.t if type(v) is Sharded else local_of(v) if isinstance(v, DTensor) else v
 
 
+_GSTRIDE: dict = {}
+
+
 def _global_stride(local: torch.Tensor, shape) -> tuple[int, ...]:
     """Contiguous strides for the global shape, in the same dim order as the local shard's strides."""
-    order = sorted(range(local.dim()), key=lambda d: local.stride(d), reverse=True)
-    stride, acc = [0] * len(shape), 1
-    for d in reversed(order):
-        stride[d] = acc
-        acc *= max(1, shape[d])
-    return tuple(stride)
+    key = (local.stride(), tuple(shape))
+    got = _GSTRIDE.get(key)
+    if got is None:
+        order = sorted(range(local.dim()), key=lambda d: key[0][d], reverse=True)
+        stride, acc = [0] * len(shape), 1
+        for d in reversed(order):
+            stride[d] = acc
+            acc *= max(1, shape[d])
+        if len(_GSTRIDE) > 4096:
+            _GSTRIDE.clear()
+        got = _GSTRIDE[key] = tuple(stride)
+    return got
 
 
 def _in_layout(t: torch.Tensor, stride) -> torch.Tensor:
@@ -214,7 +226,7 @@ class Program:
             elif all_r or local_exact(n, ins, outs):
                 it.mode = "local"
             else:
-                local = local_args(g, n, ins, outs, tuple(mesh.shape))
+                local = local_args(g, n, ins, outs, tuple(mesh.shape), device)
                 if local is not None:
                     it.mode, (args, kwargs) = "local", local
                 else:
@@ -245,6 +257,7 @@ class Program:
             at = max(pos.get(g.grads[f].node, len(self.bw) - 1) for f in bs[0]["params"])
             self.bucket_ready.setdefault(at, []).append(i)
         self._plan_bucket_copies()
+        self.bucket_out = self._bucket_outputs()
         self.after = set(self.bucket_ready) | set(self.copy_at)     # backward positions with bucket work
         self.run_fw = self._compile(self.fw, ())
         self.run_bw = self._compile(self.bw, self.after, self.write_at)
@@ -318,7 +331,7 @@ class Program:
         x = torch.empty(zshape, dtype=dtype, device="meta")
         for v in reversed(chain):
             x = v.fn(x, *v.fast[0], **v.fast[1])
-        if list(x.shape) != list(shape) or not x.is_contiguous():
+        if list(x.shape) != list(shape) or not x.is_contiguous() or x.storage_offset():
             return None
         return pos[k[0]], out, tuple(zshape)
 
@@ -543,22 +556,30 @@ class Program:
         vals = [_local(env[(g.grads[f].node, g.grads[f].out)]) for f in bs[0]["params"]]
         handles[i] = launch_bucket(vals, self.mesh, chain)
 
-    def _finish_buckets(self, env, handles, bufs) -> dict:
-        """Wait for the plan's gradient buckets, in order; each gradient at its parameter's placement."""
-        g, out = self.g, {}
+    def _bucket_outputs(self) -> dict:
+        """Per gradient bucket, what each of its gradients becomes: [(FQN, placements, global shape, replicated)],
+        checked once: a bucket must leave every gradient at its parameter's placement."""
+        g, outs = self.g, {}
         for i, bs in self.chains.items():
-            if i not in handles:
-                self._launch(i, env, handles, bufs)
-            locs = finish_bucket(handles.pop(i))
-            for f, loc in zip(bs[0]["params"], locs):
+            outs[i] = []
+            for f in bs[0]["params"]:
                 src, dst, _ = self.red[(g.params[f], "opt")]
                 now = executed_placements(src, dst)
                 if now != self.P[g.params[f]].out[0]:
                     raise ExecutionError(f"gradient bucket leaves '{f}' at {now}, its parameter at "
                                          f"{self.P[g.params[f]].out[0]}")
-                shape = tuple(g.meta(g.grads[f]).shape)
-                out[f] = make_dtensor(per_rank(collapse(loc)) if all(p == "R" for p in now) else loc, self.mesh,
-                                      _pls(now), shape, _global_stride(loc, shape))
+                outs[i].append((f, _pls(now), tuple(g.meta(g.grads[f]).shape), all(p == "R" for p in now)))
+        return outs
+
+    def _finish_buckets(self, env, handles, bufs) -> dict:
+        """Wait for the plan's gradient buckets, in order; each gradient at its parameter's placement."""
+        out, mesh = {}, self.mesh
+        for i, made in self.bucket_out.items():
+            if i not in handles:
+                self._launch(i, env, handles, bufs)
+            for (f, pls, shape, rep), loc in zip(made, finish_bucket(handles.pop(i))):
+                out[f] = make_dtensor(per_rank(collapse(loc)) if rep else loc, mesh, pls, shape,
+                                      _global_stride(loc, shape))
         return out
 
     def _compile(self, instrs, launch_at, writes=None):
@@ -579,22 +600,23 @@ class Program:
                 rest, kwargs = it.fast
                 ins = [f"env[{k!r}].t" if sharded(k) else f"env[{k!r}]" for k in it.keys]
                 ns[f"R{pos}"], ns[f"W{pos}"] = rest, kwargs
-                if n.target in VIEWS:       # through call_op's fallback for a shard laid out otherwise
-                    ns[f"F{pos}"] = it.fn
-                    call = f"call_view(F{pos}, ({', '.join(ins)},), R{pos}, W{pos})"
-                else:                       # the op's C++ entry (OpOverload.__call__ forwards to it)
-                    args = ins + ([f"*R{pos}"] if rest else []) + ([f"**W{pos}"] if kwargs else [])
-                    fn = it.fn
-                    if pos in writes:
-                        fn, i, off, numel, shape = writes[pos]
-                        args.append(f"out=B({i}, {off}, {numel}, {shape!r})")
-                    ns[f"C{pos}"] = getattr(fn, "_op", fn)
-                    call = f"C{pos}({', '.join(args)})"
+                args = ins + ([f"*R{pos}"] if rest else []) + ([f"**W{pos}"] if kwargs else [])
+                fn = it.fn
+                if pos in writes:
+                    fn, i, off, numel, shape = writes[pos]
+                    args.append(f"out=B({i}, {off}, {numel}, {shape!r})")
+                # the op's Python binding where one resolves to it (local_ops.binding), else its C++ entry
+                ns[f"C{pos}"] = (pos not in writes and binding(fn)) or getattr(fn, "_op", fn)
+                call = out = f"C{pos}({', '.join(args)})"
+                if n.target in VIEWS:       # call_view's fallback for a shard laid out otherwise than on one device
+                    ns[f"F{pos}"], out = it.fn, "_v"
+                    lines += ["    try:", f"        _v = {call}", "    except RuntimeError:",
+                              f"        _v = call_view(F{pos}, ({', '.join(ins)},), R{pos}, W{pos})"]
                 if it.out_r[0]:
-                    lines.append(f"    env[{(n.idx, 0)!r}] = {call}")
+                    lines.append(f"    env[{(n.idx, 0)!r}] = {out}")
                 else:
                     ns[f"E{pos}"], ns[f"S{pos}"] = it.expect[0], n.outs[0].shape
-                    lines.append(f"    env[{(n.idx, 0)!r}] = Sharded({call}, E{pos}, S{pos})")
+                    lines.append(f"    env[{(n.idx, 0)!r}] = Sharded({out}, E{pos}, S{pos})")
                 lines += [f"    env.pop({k!r}, None)" for k in it.frees]
             else:
                 ns[f"I{pos}"] = it

@@ -35,8 +35,10 @@ Loss (`HandRun.forward_backward`): every source normalizes as torchtitan 0.2.2's
 summed loss over the global count of valid labels, that count all-reduced over the data-parallel ranks before the
 forward (8 bytes). Every source then computes one device's gradient of the mean loss, as autopar does; a rank's
 plain mean would weight each rank's tokens by 1 / its own count (not the same gradient when labels carry
-ignore_index). Not so an MoE's router aux loss (per layer, a product of two means over the tokens): the plans that
-split the batch compute each rank's own shard's, as DDP does for any such term; autopar computes the model's.
+ignore_index). An MoE's router aux loss (per layer, a product of two means over the tokens) is the model's too: the
+plans that split the batch all-reduce each layer's router statistics over the data-parallel ranks
+(`global_router_means`, as Megatron-LM's global aux loss does: 2 x experts floats a layer), where plain DDP would
+give each rank its own shard's aux loss, another gradient (until 2026-12 the benchmark's hand plans did that).
 """
 from __future__ import annotations
 
@@ -256,6 +258,41 @@ def tp_experts(model: nn.Module, tp_mesh) -> None:
 IGNORE_INDEX = -100         # F.cross_entropy's default, the models' loss
 
 
+class _SumOverRanks(torch.autograd.Function):
+    """all_reduce(sum) of a small tensor over the data-parallel group in the forward; in the backward, this rank's
+    gradient times `run.aux_grad_factor` (the engine's divisor over the rank's loss scale, HandRun.forward_backward):
+    the sum's gradient reaches each rank's own tokens once, and after the engine's averaging over the ranks and
+    the loss scale, with the weight one device gives it."""
+
+    @staticmethod
+    def forward(ctx, x, group, run):
+        import torch.distributed as dist
+        ctx.run = run
+        y = x.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.run.aux_grad_factor, None, None
+
+
+def global_router_means(model: nn.Module, run: "HandRun") -> None:
+    """MoE models in a plan that splits the batch: the router aux loss's statistics (each expert's share of the routed
+    tokens, its mean probability) over the global batch, as the model defines them, not over each rank's shard: each
+    layer's token sums all-reduced over the data-parallel ranks in one collective (2 x experts floats), as
+    Megatron-LM's global aux loss does. Batches split evenly (HandRun.local_inputs), so the global count is the
+    local one times the ranks."""
+    def token_means(moe, mask, probs):
+        e = mask.shape[1]
+        sums = _SumOverRanks.apply(torch.cat([mask.sum(0), probs.sum(0)]), run.dp_group, run)
+        n = mask.shape[0] * run.dp_size
+        return sums[:e] / n, sums[e:] / n
+    for blk in _blocks(model):
+        if getattr(blk, "is_moe", False):
+            blk.moe.token_means = token_means.__get__(blk.moe)
+
+
 def global_tokens(labels: torch.Tensor, group) -> torch.Tensor:
     """The number of valid labels (!= IGNORE_INDEX) of the global batch: this rank's count, summed over the
     data-parallel `group` (None: this rank holds the whole batch), as torchtitan 0.2.2's train_step counts them."""
@@ -287,6 +324,7 @@ class HandRun:
         model's 0 / 0 mean)."""
         labels = local[-1]
         scale = (labels != IGNORE_INDEX).sum().item() * self.divides / global_tokens(labels, self.dp_group).item()
+        self.aux_grad_factor = self.divides / scale if scale else 0.0      # global_router_means
         with self.context():
             (self.module(*local) * scale).backward()
         if self.after_backward is not None:
@@ -336,7 +374,15 @@ def _allreduce_grads(params, group, bucket_bytes=25 * 2 ** 20):
 
 def apply_hand(source: str, model_name: str, model: nn.Module, mesh, world_mesh) -> HandRun:
     """Parallelize `model` (full weights on this rank's CPU) in place as the hand plan `source` on the DeviceMesh
-    `mesh` (dims ("dp",) or ("dp", "tp")); `world_mesh` is a 1-D mesh over every rank (DDP / FSDP2 use it)."""
+    `mesh` (dims ("dp",) or ("dp", "tp")); `world_mesh` is a 1-D mesh over every rank (DDP / FSDP2 use it). An MoE
+    whose batch the plan splits computes its router aux loss over the global batch (global_router_means)."""
+    run = _apply(source, model_name, model, mesh, world_mesh)
+    if family_of(model_name) == "moe" and run.dp_group is not None and run.dp_size > 1:
+        global_router_means(model, run)
+    return run
+
+
+def _apply(source: str, model_name: str, model: nn.Module, mesh, world_mesh) -> HandRun:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module

@@ -388,12 +388,12 @@ def write_all(rows, prefix, command, seconds, readme=False) -> list[str]:
            "Every source computes one device's gradient of the mean loss: the hand plans and torchtitan normalize "
            "it as torchtitan 0.2.2's train_step does (each rank's summed loss over the global count of valid labels, "
            "that count all-reduced over the data-parallel ranks before the forward: 8 bytes; "
-           "benchmarks/hand_plans.py), autopar by its plan (its graph executor returns the global loss). Except "
+           "benchmarks/hand_plans.py), autopar by its plan (its graph executor returns the global loss). "
            "moe-debug's router aux loss (per layer, the product of the experts' load and mean probability over the "
-           "tokens): the hand plans that split the batch (ddp, fsdp2, fsdp2_tp) compute each rank's own shard's, as "
-           "DDP does for any such term, not the model's; autopar computes the model's, all-reducing every layer's "
-           "load and mean probability in one collective at the end of the forward (autopar/schedule.py; with the "
-           "loss's sum and count: 320 bytes a step more than DDP, 3 all_reduces a step against DDP's 4).", ""]
+           "tokens) is the model's in every source: the hand plans that split the batch all-reduce each layer's "
+           "load and mean probability over the data-parallel ranks (hand_plans.global_router_means, Megatron-LM's "
+           "global aux loss: 64 bytes a layer, 5 all_reduces in the forward); autopar all-reduces every layer's in "
+           "one collective at the end of the forward, with the loss's sum and count (autopar/schedule.py).", ""]
     md += table_measured(meas) + [""]
     md += ["## Modeled (autopar's cost model; hand plans as forced parameter placements)", "",
            "modeled step = compute + exposed comm (param/grad comm overlaps compute); objective = what the solver "
@@ -439,7 +439,8 @@ def main(argv=None):
     global commit
     run_commit = d["commit"]
     commit = lambda: run_commit           # noqa: E731  (the files state the commit of the run, not of today)
-    cmd = f"{d['command']}  (tables and plots re-rendered by: python benchmarks/report.py {' '.join(argv or sys.argv[1:])})"
+    note = "  (tables and plots re-rendered by: "
+    cmd = f"{d['command'].split(note)[0]}{note}python benchmarks/report.py {' '.join(argv or sys.argv[1:])})"
     paths = write_all(rows, args.out, cmd, d.get("seconds", 0.0), readme=args.readme)
     print("\n".join(f"wrote {p}" for p in paths))
 

@@ -538,3 +538,43 @@ def test_loss_reduce_on_a_2d_mesh_chains_or_flattens_by_the_cost_model(launch):
         pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
         rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
     assert rep.ok, (rep.failures[:5], rep.collective_diff)
+
+
+def test_op_bindings_compute_what_their_overloads_compute():
+    """The compiled programs call an op's Python binding instead of its OpOverload where local_ops.binding lists
+    one: on sample arguments of the kinds captured graphs hold (tensors, Python scalars, dim lists, keywords),
+    each binding gives its overload's values, dtype, shape and strides (views: the same storage)."""
+    from autopar.backends.local_ops import binding
+    aten = torch.ops.aten
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
+    b3, b3t = torch.randn(2, 3, 4, generator=g), torch.randn(2, 4, 5, generator=g)
+    cases = {
+        aten.view.default: [(x, [4, 3])],
+        aten.expand.default: [(x[:, :1], [3, 4]), (x[:1], [3, 4], {"implicit": True})],
+        aten.t.default: [(x,)], aten.permute.default: [(b3, [2, 0, 1])], aten.transpose.int: [(b3, 0, 2)],
+        aten.unsqueeze.default: [(x, 1)], aten.squeeze.dim: [(x[:1], 0)], aten.detach.default: [(x,)],
+        aten.mm.default: [(x, y.t())], aten.bmm.default: [(b3, b3t)],
+        aten.mul.Tensor: [(x, y), (x, 2.5), (x.int(), 3)], aten.mul.Scalar: [(x, 0.5), (x.int(), 2)],
+        aten.add.Tensor: [(x, y), (x, y, {"alpha": 2}), (x, 1)], aten.sub.Tensor: [(x, y), (x, 1.5)],
+        aten.div.Tensor: [(x, y), (x, 3)], aten.div.Scalar: [(x, 4.0), (x.int(), 2)], aten.neg.default: [(x,)],
+        aten.pow.Tensor_Scalar: [(x, 2), (x.abs(), 0.5)], aten.rsqrt.default: [(x.abs() + 1,)],
+        aten.exp.default: [(x,)], aten.sum.dim_IntList: [(b3, [1]), (b3, [0, 2], True), (x, [1], False,
+                                                                                          {"dtype": torch.float64})],
+        aten.sum.default: [(x,)], aten.mean.dim: [(b3, [-1], True)], aten.clone.default: [
+            (x.t(),), (x.t(), {"memory_format": torch.contiguous_format})],
+        aten.silu.default: [(x,)], aten._softmax.default: [(x, -1, False)],
+        aten._softmax_backward_data.default: [(y, torch.softmax(x, -1), -1, torch.float32)],
+    }
+    from autopar.backends import local_ops
+    binding(aten.mm.default)
+    assert set(local_ops._BINDINGS) == set(cases)              # every listed binding is checked here
+    for op, samples in cases.items():
+        for args in samples:
+            kwargs = args[-1] if isinstance(args[-1], dict) else {}
+            args = args[:-1] if kwargs else args
+            want, got = op(*args, **kwargs), binding(op)(*args, **kwargs)
+            assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), (op, args)
+            torch.testing.assert_close(got, want, rtol=0, atol=0, msg=str(op))
+            if op._schema.returns[0].alias_info is not None:       # a view: of the same storage
+                assert got.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr(), op

@@ -27,6 +27,19 @@ def test_world4_hand_plans_give_one_devices_gradients(tmp_path):
     assert all(r["err"] == r0["err"] for r in res)               # every rank compared the same full gradients
 
 
+def test_world4_moe_hand_plans_compute_the_global_router_aux_loss(tmp_path):
+    """An MoE's router aux loss is a product of two means over the whole batch: the hand plans that split the batch
+    all-reduce each layer's router statistics (hand_plans.global_router_means) and give one device's gradients; the
+    control, DDP with each rank's own shard's aux loss, gives another gradient."""
+    res = launch(_rank_hand_grads, 4, [BENCH, [["4", "ddp"], ["4", "fsdp2"], ["2x2", "tp"], ["2x2", "fsdp2_tp"]],
+                                       "moe-tiny", {"aux_loss_coef": 1.0}], tmp_path)
+    r0 = res[0]
+    for case, err in r0["err"].items():
+        assert err < TOL, (case, err)
+    assert r0["control_err"] > 1e-3, r0["control_err"]
+    assert all(r["err"] == r0["err"] for r in res)
+
+
 # ---- one rank (tests/_dist.py runs it) -----------------------------------------------------------------------
 
 def _full(t):
@@ -35,21 +48,22 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _rank_hand_grads(bench, cases):
-    import torch
+def _rank_hand_grads(bench, cases, model=MODEL, overrides=None):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     sys.path.insert(0, bench)
-    from hand_plans import IGNORE_INDEX, apply_hand
+    from hand_plans import IGNORE_INDEX, _apply, apply_hand
     from autopar import models as M
+    ov = overrides or {}
+    build = lambda: M.build_model(model, device="cpu", seed=0, **ov)        # noqa: E731
     world = dist.get_world_size()
     world_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     two_d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    tokens, labels = M.example_inputs(MODEL, batch=4, device="cpu", seed=0)
+    tokens, labels = M.example_inputs(model, batch=4, device="cpu", seed=0, **ov)
     labels = labels.clone()
     labels[0, 3:] = IGNORE_INDEX                # shard 0 of 4 keeps 3 labels, shard 1 (of 2 and 4) loses half
     labels[1, ::2] = IGNORE_INDEX
-    ref = M.build_model(MODEL, device="cpu", seed=0)
+    ref = build()
     ref(tokens, labels).backward()
     want = {n: p.grad for n, p in ref.named_parameters()}
 
@@ -65,11 +79,15 @@ def _rank_hand_grads(bench, cases):
     out = {"err": {}, "n_params": {}}
     for mesh_s, src in cases:
         mesh = world_mesh if mesh_s == "4" else two_d
-        run = apply_hand(src, MODEL, M.build_model(MODEL, device="cpu", seed=0), mesh, world_mesh)
+        run = apply_hand(src, model, build(), mesh, world_mesh)
         run.forward_backward(run.local_inputs((tokens, labels)))
         out["err"][f"{mesh_s} {src}"], out["n_params"][f"{mesh_s} {src}"] = rel_err(run.module)
-    run = apply_hand("ddp", MODEL, M.build_model(MODEL, device="cpu", seed=0), world_mesh, world_mesh)
-    run.module(*run.local_inputs((tokens, labels))).backward()          # the control: each rank's plain mean
+    if model == MODEL:      # the control: each rank's plain mean
+        run = apply_hand("ddp", model, build(), world_mesh, world_mesh)
+        run.module(*run.local_inputs((tokens, labels))).backward()
+    else:                   # the control: the loss normalized as above, each rank's own shard's router aux loss
+        run = _apply("ddp", model, build(), world_mesh, world_mesh)
+        run.forward_backward(run.local_inputs((tokens, labels)))
     out["control_err"] = rel_err(run.module)[0]
     out["valid_per_shard"] = [int((s != IGNORE_INDEX).sum()) for s in labels.chunk(world, 0)]
     return out

@@ -95,9 +95,15 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(xt)
         mask = torch.zeros_like(probs).scatter(1, idx, torch.ones_like(w))
-        frac = mask.mean(0) / self.top_k
-        aux = self.n_experts * (frac * probs.mean(0)).sum()
+        load, mean_probs = self.token_means(mask, probs)
+        aux = self.n_experts * (load / self.top_k * mean_probs).sum()
         return out.view(bs, seqlen, dim), aux
+
+    def token_means(self, mask: torch.Tensor, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router statistics of the aux loss, each expert's share of the routed tokens and its mean probability:
+        means over every token of the batch. A plan written by hand that splits the batch replaces this with means
+        over the global batch (benchmarks/hand_plans.py); autopar needs nothing: it plans the model as written."""
+        return mask.mean(0), probs.mean(0)
 
 
 class MoEBlock(nn.Module):

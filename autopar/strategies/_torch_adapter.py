@@ -364,12 +364,19 @@ def outside_local_tensor_mode():
     return lt.maybe_disable_local_tensor_mode() if lt is not None else contextlib.nullcontext()
 
 
+_LT: list = []
+
+
 def _local_tensor_module():
-    try:
-        from torch.distributed import _local_tensor as lt
-    except ImportError:          # torch builds without LocalTensorMode: nothing is ever simulated
-        return None
-    return lt
+    """torch.distributed._local_tensor, or None on builds without LocalTensorMode (nothing is ever simulated);
+    looked up once: the executor asks on every value it stores."""
+    if not _LT:
+        try:
+            from torch.distributed import _local_tensor as lt
+        except ImportError:
+            lt = None
+        _LT.append(lt)
+    return _LT[0]
 
 
 def local_of(dt: DTensor) -> torch.Tensor:
