@@ -372,6 +372,56 @@ def _allreduce_grads(params, group, bucket_bytes=25 * 2 ** 20):
             off += g.numel()
 
 
+def engine_collectives(source: str, model_name: str, model: nn.Module, world: int) -> dict | None:
+    """What torch's engines issue in one step of the hand plan `source` (apply_hand) on `world` ranks, from the
+    model's parameters alone: {kind: {"count", "bytes"}} in the plan's byte convention, or None where torch's
+    schedule is not modelled here (tp, fsdp2_tp, torchtitan: their collectives follow DTensor's redistributes).
+      * every source: the count of valid labels, one 8-byte all_reduce before the forward (HandRun), and for an MoE
+        each layer's router statistics (global_router_means: 2 x experts floats).
+      * ddp: every gradient once, in DDP's buckets (its reducer's limits after the first step: 1 MiB, then 25 MiB;
+        counted with torch's own assignment over the parameters in reverse order, as the backward makes them).
+      * fsdp2: per unit (each block, then the root) the padded parameters (dim 0 padded to a multiple of the ranks):
+        all_gathered in the forward and again in the backward (reshard_after_forward=True) except the root's,
+        which FSDP2 keeps gathered for the backward, and one reduce_scatter of the gradients."""
+    import torch.distributed as dist
+    if source not in ("ddp", "fsdp2"):
+        return None
+    out: dict = {}
+
+    def add(kind, nbytes, count=1):
+        e = out.setdefault(kind, {"count": 0, "bytes": 0})
+        e["count"] += count
+        e["bytes"] += nbytes
+    add("all_reduce", 8)
+    blocks = _blocks(model)
+    if family_of(model_name) == "moe":
+        for blk in blocks:
+            if getattr(blk, "is_moe", False):
+                add("all_reduce", 2 * blk.moe.n_experts * 4)
+    params = [p for p in model.parameters() if p.requires_grad]
+    if source == "ddp":
+        first, cap = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2 ** 20), 25 * 2 ** 20
+        buckets, _ = dist._compute_bucket_assignment_by_size(list(reversed(params)), [first, cap])
+        add("all_reduce", sum(p.numel() * p.element_size() for p in params), len(buckets))
+        return out
+
+    if any(p.dim() == 0 for p in params):
+        return None
+
+    def padded(ps):
+        return sum(-(-p.shape[0] // world) * world * (p.numel() // max(p.shape[0], 1)) * p.element_size() for p in ps)
+    in_blocks = set()
+    for blk in blocks:
+        ps = [p for p in blk.parameters() if p.requires_grad]
+        in_blocks |= {id(p) for p in ps}
+        add("all_gather", 2 * padded(ps), 2)
+        add("reduce_scatter", padded(ps))
+    root = [p for p in params if id(p) not in in_blocks]
+    add("all_gather", padded(root))
+    add("reduce_scatter", padded(root))
+    return out
+
+
 def apply_hand(source: str, model_name: str, model: nn.Module, mesh, world_mesh) -> HandRun:
     """Parallelize `model` (full weights on this rank's CPU) in place as the hand plan `source` on the DeviceMesh
     `mesh` (dims ("dp",) or ("dp", "tp")); `world_mesh` is a 1-D mesh over every rank (DDP / FSDP2 use it). An MoE
