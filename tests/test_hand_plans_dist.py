@@ -24,6 +24,9 @@ def test_world4_hand_plans_give_one_devices_gradients(tmp_path):
         assert err < TOL, (case, err)
     assert r0["n_params"] and all(n == r0["n_params"]["4 ddp"] for n in r0["n_params"].values())
     assert r0["control_err"] > 1e-3, r0["control_err"]          # the plain per-rank mean is another gradient
+    assert set(r0["engine"]) == {"4 ddp", "4 fsdp2", "2x2 ddp"}  # what torch issued = hand_plans.engine_collectives
+    for case, (got, pred) in r0["engine"].items():
+        assert got == pred, (case, got, pred)
     assert all(r["err"] == r0["err"] for r in res)               # every rank compared the same full gradients
 
 
@@ -38,6 +41,9 @@ def test_world4_moe_hand_plans_compute_the_global_router_aux_loss(tmp_path):
         assert err < TOL, (case, err)
     assert r0["control_err"] > 1e-3, r0["control_err"]
     assert all(r["err"] == r0["err"] for r in res)
+    assert set(r0["engine"]) == {"4 ddp", "4 fsdp2"}             # + each MoE layer's router statistics
+    for case, (got, pred) in r0["engine"].items():
+        assert got == pred, (case, got, pred)
 
 
 # ---- one rank (tests/_dist.py runs it) -----------------------------------------------------------------------
@@ -52,7 +58,9 @@ def _rank_hand_grads(bench, cases, model=MODEL, overrides=None):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     sys.path.insert(0, bench)
-    from hand_plans import IGNORE_INDEX, _apply, apply_hand
+    from hand_plans import IGNORE_INDEX, _apply, apply_hand, engine_collectives
+    from measure import comm_summary
+    from autopar.backends.engines_comm import CollectiveCounter
     from autopar import models as M
     ov = overrides or {}
     build = lambda: M.build_model(model, device="cpu", seed=0, **ov)        # noqa: E731
@@ -76,12 +84,18 @@ def _rank_hand_grads(bench, cases, model=MODEL, overrides=None):
             n += 1
         return max(errs), n
 
-    out = {"err": {}, "n_params": {}}
+    out = {"err": {}, "n_params": {}, "engine": {}}
     for mesh_s, src in cases:
         mesh = world_mesh if mesh_s == "4" else two_d
         run = apply_hand(src, model, build(), mesh, world_mesh)
-        run.forward_backward(run.local_inputs((tokens, labels)))
+        with CollectiveCounter(mesh) as cc:
+            run.forward_backward(run.local_inputs((tokens, labels)))
         out["err"][f"{mesh_s} {src}"], out["n_params"][f"{mesh_s} {src}"] = rel_err(run.module)
+        pred = engine_collectives(src, model, build(), world)
+        if pred is not None:        # DDP's first step runs one bucket (its rebuilt buckets come after): bytes only
+            got = comm_summary(cc.records)
+            out["engine"][f"{mesh_s} {src}"] = [{k: v["bytes"] if src == "ddp" else v for k, v in d.items()}
+                                                 for d in (got, pred)]
     if model == MODEL:      # the control: each rank's plain mean
         run = apply_hand("ddp", model, build(), world_mesh, world_mesh)
         run.module(*run.local_inputs((tokens, labels))).backward()
