@@ -39,6 +39,7 @@ def _group(rows):
 
 def annotate(rows) -> None:
     """Fill the ratio and byte-match columns in place."""
+    traces = _traced(rows)
     for (_, _, kind), rs in _group(rows).items():
         for key, col in (("modeled_step_s", "ratio_to_best_hand"), ("objective_s", "ratio_objective_to_best_hand"),
                          ("measured_step_s", "measured_ratio_to_best_hand")):
@@ -51,10 +52,15 @@ def annotate(rows) -> None:
             continue
         modeled = {(r["mesh"], r["source"]): r for r in rows if r["kind"] == "modeled" and r["model"] == rs[0]["model"]}
         for r in rs:
-            eng = _engine_prediction(r)
+            eng, by = _engine_prediction(r), "engine"
+            if eng is None and f"{r['model']} {r['mesh']} {r['source']}" in traces:
+                eng, by = traces[f"{r['model']} {r['mesh']} {r['source']}"], "trace"
+                if "error" in eng:
+                    r["note"] = (r.get("note") or "") + f" [not traced: {eng['error']}]"
+                    eng = None
             if eng is not None:
                 r["predicted_comm_bytes"] = sum(v["bytes"] for v in eng.values())
-                r["predicted_collectives"], r["predicted_by"] = eng, "engine"
+                r["predicted_collectives"], r["predicted_by"] = eng, by
             # autopar-torch lowers the same plan (same planner call: cluster cpu-gloo, same mesh and inputs)
             m = modeled.get((r["mesh"], "autopar" if r["source"] == "autopar-torch" else r["source"]))
             if m is not None and r.get("plan_hash") and m.get("plan_hash") and r["plan_hash"] != m["plan_hash"]:
@@ -77,6 +83,14 @@ def annotate(rows) -> None:
 
 
 _MODELS: dict = {}
+
+
+def _traced(rs) -> dict:
+    """The measured tp / fsdp2_tp / torchtitan rows' collectives traced on the fake process group (hand_trace.py)."""
+    sys.path.insert(0, HERE)
+    from hand_trace import TRACED, traced
+    return traced([(r["model"], r["mesh"], r["source"]) for r in rs
+                   if r["source"] in TRACED and r.get("status") == "ok" and r["kind"] == "measured"])
 
 
 def _engine_prediction(r) -> dict | None:
@@ -300,13 +314,14 @@ def _goals(rows, planning_json) -> list[str]:
     res6 = [r for r in meas if r.get("comm_bytes_match") is not None]
     auto6 = [r for r in res6 if r["source"] == "autopar"]
     torch6 = [r for r in res6 if r["source"] == "autopar-torch"]
-    hand6 = [r for r in res6 if not r["source"].startswith("autopar") and r.get("predicted_by") != "engine"]
+    hand6 = [r for r in res6 if not r["source"].startswith("autopar") and r.get("predicted_by") is None]
     eng6 = [r for r in res6 if r.get("predicted_by") == "engine"]
+    trace6 = [r for r in res6 if r.get("predicted_by") == "trace"]
 
     def _miss(rs):
         return [f"{r['model']} {r['mesh']} {r['source']}: measured {r['comm_bytes'] / 1e6:.3f} MB vs predicted "
                 f"{r['predicted_comm_bytes'] / 1e6:.3f} MB" for r in rs if not r["comm_bytes_match"]]
-    bad_a, bad_t, bad_h, bad_e = _miss(auto6), _miss(torch6), _miss(hand6), _miss(eng6)
+    bad_a, bad_t, bad_h, bad_e, bad_r = _miss(auto6), _miss(torch6), _miss(hand6), _miss(eng6), _miss(trace6)
     lines.append(f"6. Measured comm bytes per step == predicted (+-1%): autopar's rows (its plan, run by its "
                  f"executor) {len(auto6) - len(bad_a)}/{len(auto6)} -> {'MET' if auto6 and not bad_a else 'MISSED'}"
                  + (f" (misses: {'; '.join(bad_a)})" if bad_a else "")
@@ -322,12 +337,14 @@ def _goals(rows, planning_json) -> list[str]:
                     f"engine_collectives, from the parameters alone) {len(eng6) - len(bad_e)}/{len(eng6)} -> "
                     f"{'MET' if not bad_e else 'MISSED'}" + (f" (misses: {'; '.join(bad_e)})" if bad_e else "")
                     if eng6 else "")
-                 + f"; tp, fsdp2_tp and torchtitan rows {len(hand6) - len(bad_h)}/{len(hand6)} -> "
-                 f"{'MET' if hand6 and not bad_h else 'not predicted'}"
-                 " (torch's schedule for them, DTensor's redistributes inside the TP styles, is not modelled: their "
-                 "'predicted' is autopar's cost model of the best execution of the hand plan's parameter "
-                 "layout, with activations chosen by the solver; the measured column is what torch runs)"
-                 + DETAIL + (f" (misses: {'; '.join(bad_h)})" if bad_h else ""))
+                 + (f"; tp, fsdp2_tp and torchtitan rows, predicted by tracing the same hand plan on the fake "
+                    f"process group (hand_trace.py: one process, no data moved) {len(trace6) - len(bad_r)}/"
+                    f"{len(trace6)} -> {'MET' if not bad_r else 'MISSED'}" + (f" (misses: {'; '.join(bad_r)})"
+                                                                                if bad_r else "") if trace6 else "")
+                 + (f"; hand rows without a prediction of torch's schedule {len(hand6) - len(bad_h)}/{len(hand6)} "
+                    "(their 'predicted' is autopar's cost model of the best execution of the hand plan's parameter "
+                    "layout, with activations chosen by the solver)" + (f" (differ: {'; '.join(bad_h)})" if bad_h
+                                                                        else "") if hand6 else "") + DETAIL)
     return lines
 
 
@@ -416,8 +433,10 @@ def write_all(rows, prefix, command, seconds, readme=False) -> list[str]:
            "reduce_scatter input, all_reduce size). Peak = model state at step start (parameters, optimizer state, "
            "buffers, and the gradient buckets an engine keeps between steps: DDP's reducer, autopar-torch's "
            "gradient hook, autopar's executor) + allocation peak during the step (torch.profiler), max over ranks. 'predicted': for autopar's rows, its plan (run by its graph "
-           "executor, `autopar.parallelize`); for hand rows, autopar's cost model of the best execution of the hand "
-           "plan's parameter layout (activations chosen by the solver), which is not the schedule torch runs. "
+           "executor, `autopar.parallelize`); for hand rows, comm: torch's own schedule of the hand plan (ddp, fsdp2: "
+           "hand_plans.engine_collectives, rules from the parameters; tp, fsdp2_tp, torchtitan: the same hand plan "
+           "traced on the fake process group, benchmarks/hand_trace.py), peak memory: autopar's cost model of the "
+           "best execution of the hand plan's parameter layout (activations chosen by the solver). "
            "autopar-torch is `autopar.parallelize(..., backend='auto')`: autopar's plan lowered to fully_shard / "
            "parallelize_module (backends/engines.py), with the modules the engines cannot express run by the graph "
            "backend (backends/engines_mixed.py); n/a where that leaves the whole model to the graph backend. "

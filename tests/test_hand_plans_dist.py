@@ -146,3 +146,40 @@ def _rank_titan_grads(bench):
         out[tp] = max(float((_full(p.grad) - want[n].grad).abs().max() / want[n].grad.abs().max())
                       for n, p in model.named_parameters())
     return out
+
+
+def test_world4_tp_hand_plan_traced_on_the_fake_group_issues_what_a_real_run_does(tmp_path):
+    """benchmarks/hand_trace.py predicts a tp hand plan's collectives by tracing it on the fake process group (the
+    harness's prediction for the tp / fsdp2_tp / torchtitan rows): the counted training step equals the one a real
+    4-rank gloo run issues, kind by kind, in count and bytes (with fsdp2_tp, both mesh dims)."""
+    sys.path.insert(0, BENCH)
+    from hand_trace import traced
+    cases = [["mlp-tiny", "2x2", "tp"], ["mlp-tiny", "2x2", "fsdp2_tp"]]
+    res = launch(_rank_counted_step, 4, [BENCH, cases], tmp_path)
+    want = traced([tuple(c) for c in cases])
+    for c in cases:
+        key = " ".join(c)
+        assert res[0][key] and res[0][key] == want[key], (key, res[0][key], want[key])
+
+
+def _rank_counted_step(bench, cases):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    sys.path.insert(0, bench)
+    from bench_config import QUICK_MEASURED
+    from measure import build, comm_summary
+    from autopar import models as M
+    from autopar.backends.engines_comm import CollectiveCounter
+    world_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    two_d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    out = {}
+    for model_key, mesh_s, src in cases:
+        cfg = QUICK_MEASURED[model_key]
+        x = M.example_inputs(cfg["name"], batch=cfg["batch"], seq=cfg["seq"], device="cpu", seed=0,
+                             **cfg["overrides"])
+        run = build(src, cfg, two_d if mesh_s == "2x2" else world_mesh, world_mesh, x)
+        run.step()
+        with CollectiveCounter(two_d) as cc:
+            run.step()
+        out[f"{model_key} {mesh_s} {src}"] = comm_summary(cc.records)
+    return out
