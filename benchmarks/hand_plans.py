@@ -372,7 +372,7 @@ def _allreduce_grads(params, group, bucket_bytes=25 * 2 ** 20):
             off += g.numel()
 
 
-def engine_collectives(source: str, model_name: str, model: nn.Module, world: int) -> dict | None:
+def hand_collectives(source: str, model_name: str, model: nn.Module, world: int) -> dict | None:
     """What torch's engines issue in one step of the hand plan `source` (apply_hand) on `world` ranks, from the
     model's parameters alone: {kind: {"count", "bytes"}} in the plan's byte convention, or None where torch's
     schedule is not modelled here (tp, fsdp2_tp, torchtitan: their collectives follow DTensor's redistributes).

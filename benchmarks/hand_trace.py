@@ -4,7 +4,7 @@ the plan source exactly as the measured run does (measure.build: apply_hand / to
 runs one training step to warm up and counts the next one's collectives (CollectiveCounter), as the measured run
 counts them. Which collectives torch issues, and their sizes, follow from shapes and placements alone, so the trace
 is what a real group issues; the values it computes are garbage (the fake group moves no data) and are not looked
-at. ddp and fsdp2 are predicted by rules instead (hand_plans.engine_collectives).
+at. ddp and fsdp2 are predicted by rules instead (hand_plans.hand_collectives).
 
     python benchmarks/hand_trace.py '[["llama3-debug", "2x2", "tp"], ...]'
     # prints {"model mesh source": {kind: {"count", "bytes"}}}

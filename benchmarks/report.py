@@ -94,21 +94,21 @@ def _traced(rs) -> dict:
 
 
 def _engine_prediction(r) -> dict | None:
-    """A measured hand row's collectives as torch's engines schedule them (hand_plans.engine_collectives: ddp and
+    """A measured hand row's collectives as torch's engines schedule them (hand_plans.hand_collectives: ddp and
     fsdp2), from the benchmark's model config; None for the other sources (and configs the harness does not
     define)."""
     if r.get("source") not in ("ddp", "fsdp2") or r.get("status") != "ok":
         return None
     sys.path.insert(0, HERE)
     from bench_config import MEASURED, QUICK_MEASURED, WORLD
-    from hand_plans import engine_collectives
+    from hand_plans import hand_collectives
     cfg = {**MEASURED, **QUICK_MEASURED}.get(r["model"])
     if cfg is None:
         return None
     if r["model"] not in _MODELS:
         from autopar import models as M
         _MODELS[r["model"]] = M.build_model(cfg["name"], device="cpu", seed=0, **cfg["overrides"])
-    return engine_collectives(r["source"], cfg["name"], _MODELS[r["model"]], r.get("world") or WORLD)
+    return hand_collectives(r["source"], cfg["name"], _MODELS[r["model"]], r.get("world") or WORLD)
 
 
 def _kinds(d) -> str:
@@ -334,7 +334,7 @@ def _goals(rows, planning_json) -> list[str]:
                     f"{len(torch6) - len(bad_t)}/{len(torch6)} equal to that prediction"
                     + (f" (differ: {'; '.join(bad_t)})" if bad_t else "") if torch6 else "")
                  + (f"; ddp and fsdp2 rows, predicted as torch's engines schedule them (hand_plans."
-                    f"engine_collectives, from the parameters alone) {len(eng6) - len(bad_e)}/{len(eng6)} -> "
+                    f"hand_collectives, from the parameters alone) {len(eng6) - len(bad_e)}/{len(eng6)} -> "
                     f"{'MET' if not bad_e else 'MISSED'}" + (f" (misses: {'; '.join(bad_e)})" if bad_e else "")
                     if eng6 else "")
                  + (f"; tp, fsdp2_tp and torchtitan rows, predicted by tracing the same hand plan on the fake "
@@ -434,7 +434,7 @@ def write_all(rows, prefix, command, seconds, readme=False) -> list[str]:
            "buffers, and the gradient buckets an engine keeps between steps: DDP's reducer, autopar-torch's "
            "gradient hook, autopar's executor) + allocation peak during the step (torch.profiler), max over ranks. 'predicted': for autopar's rows, its plan (run by its graph "
            "executor, `autopar.parallelize`); for hand rows, comm: torch's own schedule of the hand plan (ddp, fsdp2: "
-           "hand_plans.engine_collectives, rules from the parameters; tp, fsdp2_tp, torchtitan: the same hand plan "
+           "hand_plans.hand_collectives, rules from the parameters; tp, fsdp2_tp, torchtitan: the same hand plan "
            "traced on the fake process group, benchmarks/hand_trace.py), peak memory: autopar's cost model of the "
            "best execution of the hand plan's parameter layout (activations chosen by the solver). "
            "autopar-torch is `autopar.parallelize(..., backend='auto')`: autopar's plan lowered to fully_shard / "

@@ -24,7 +24,7 @@ def test_world4_hand_plans_give_one_devices_gradients(tmp_path):
         assert err < TOL, (case, err)
     assert r0["n_params"] and all(n == r0["n_params"]["4 ddp"] for n in r0["n_params"].values())
     assert r0["control_err"] > 1e-3, r0["control_err"]          # the plain per-rank mean is another gradient
-    assert set(r0["engine"]) == {"4 ddp", "4 fsdp2", "2x2 ddp"}  # what torch issued = hand_plans.engine_collectives
+    assert set(r0["engine"]) == {"4 ddp", "4 fsdp2", "2x2 ddp"}  # what torch issued = hand_plans.hand_collectives
     for case, (got, pred) in r0["engine"].items():
         assert got == pred, (case, got, pred)
     assert all(r["err"] == r0["err"] for r in res)               # every rank compared the same full gradients
@@ -58,7 +58,7 @@ def _rank_hand_grads(bench, cases, model=MODEL, overrides=None):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     sys.path.insert(0, bench)
-    from hand_plans import IGNORE_INDEX, _apply, apply_hand, engine_collectives
+    from hand_plans import IGNORE_INDEX, _apply, apply_hand, hand_collectives
     from measure import comm_summary
     from autopar.backends.engines_comm import CollectiveCounter
     from autopar import models as M
@@ -91,7 +91,7 @@ def _rank_hand_grads(bench, cases, model=MODEL, overrides=None):
         with CollectiveCounter(mesh) as cc:
             run.forward_backward(run.local_inputs((tokens, labels)))
         out["err"][f"{mesh_s} {src}"], out["n_params"][f"{mesh_s} {src}"] = rel_err(run.module)
-        pred = engine_collectives(src, model, build(), world)
+        pred = hand_collectives(src, model, build(), world)
         if pred is not None:        # DDP's first step runs one bucket (its rebuilt buckets come after): bytes only
             got = comm_summary(cc.records)
             out["engine"][f"{mesh_s} {src}"] = [{k: v["bytes"] if src == "ddp" else v for k, v in d.items()}
