@@ -36,9 +36,9 @@ summed loss over the global count of valid labels, that count all-reduced over t
 forward (8 bytes). Every source then computes one device's gradient of the mean loss, as autopar does; a rank's
 plain mean would weight each rank's tokens by 1 / its own count (not the same gradient when labels carry
 ignore_index). An MoE's router aux loss (per layer, a product of two means over the tokens) is the model's too: the
-plans that split the batch all-reduce each layer's router statistics over the data-parallel ranks
-(`global_router_means`, as Megatron-LM's global aux loss does: 2 x experts floats a layer), where plain DDP would
-give each rank its own shard's aux loss, another gradient (until 2026-12 the benchmark's hand plans did that).
+plans that split the batch all-reduce the router statistics over the data-parallel ranks (`global_router_means`:
+2 x experts floats a layer, every layer's in one all_reduce after the last), where plain DDP would give each rank
+its own shard's aux loss, another gradient (until 2026-12 the benchmark's hand plans did that).
 """
 from __future__ import annotations
 
@@ -278,19 +278,36 @@ class _SumOverRanks(torch.autograd.Function):
 
 
 def global_router_means(model: nn.Module, run: "HandRun") -> None:
-    """MoE models in a plan that splits the batch: the router aux loss's statistics (each expert's share of the routed
-    tokens, its mean probability) over the global batch, as the model defines them, not over each rank's shard: each
-    layer's token sums all-reduced over the data-parallel ranks in one collective (2 x experts floats), as
-    Megatron-LM's global aux loss does. Batches split evenly (HandRun.local_inputs), so the global count is the
-    local one times the ranks."""
+    """MoE models in a plan that splits the batch: the router aux loss over the global batch, as the model defines it
+    (per layer, each expert's share of the routed tokens times its mean probability, means over every token), not
+    over each rank's shard. As an expert would write it by hand: every MoE layer's token sums (2 x experts floats)
+    are kept through the forward and all-reduced over the data-parallel ranks in ONE collective after the last
+    layer (Megatron-LM's global aux loss reduces per layer), the aux loss computed from them there: each layer's
+    `token_means` records its sums and hands the layer zeros, `logits_and_aux` adds the global aux loss. Batches
+    split evenly (HandRun.local_inputs), so the global count is the local one times the ranks."""
+    sums: list = []
+    moes = [blk.moe for blk in _blocks(model) if getattr(blk, "is_moe", False)]
+    if not moes:
+        return
+
     def token_means(moe, mask, probs):
-        e = mask.shape[1]
-        sums = _SumOverRanks.apply(torch.cat([mask.sum(0), probs.sum(0)]), run.dp_group, run)
-        n = mask.shape[0] * run.dp_size
-        return sums[:e] / n, sums[e:] / n
-    for blk in _blocks(model):
-        if getattr(blk, "is_moe", False):
-            blk.moe.token_means = token_means.__get__(blk.moe)
+        sums.append(torch.cat([mask.sum(0), probs.sum(0)]))
+        zero = probs.new_zeros(probs.shape[1])
+        return zero, zero
+
+    def logits_and_aux(tokens):
+        sums.clear()
+        logits, aux = model_logits_and_aux(tokens)          # each layer's own aux loss is 0 here
+        total = _SumOverRanks.apply(torch.cat(sums), run.dp_group, run)
+        for moe, s in zip(moes, total.split([2 * m.n_experts for m in moes])):
+            n = tokens.numel() * run.dp_size
+            load, mean_probs = s[:moe.n_experts] / n, s[moe.n_experts:] / n
+            aux = aux + moe.n_experts * (load / moe.top_k * mean_probs).sum()     # as MoE.forward computes it
+        return logits, aux
+    model_logits_and_aux = model.logits_and_aux
+    for moe in moes:
+        moe.token_means = token_means.__get__(moe)
+    model.logits_and_aux = logits_and_aux
 
 
 def global_tokens(labels: torch.Tensor, group) -> torch.Tensor:
@@ -377,7 +394,7 @@ def hand_collectives(source: str, model_name: str, model: nn.Module, world: int)
     model's parameters alone: {kind: {"count", "bytes"}} in the plan's byte convention, or None where torch's
     schedule is not modelled here (tp, fsdp2_tp, torchtitan: their collectives follow DTensor's redistributes).
       * every source: the count of valid labels, one 8-byte all_reduce before the forward (HandRun), and for an MoE
-        each layer's router statistics (global_router_means: 2 x experts floats).
+        every layer's router statistics in one all_reduce (global_router_means: 2 x experts floats a layer).
       * ddp: every gradient once, in DDP's buckets (its reducer's limits after the first step: 1 MiB, then 25 MiB;
         counted with torch's own assignment over the parameters in reverse order, as the backward makes them).
       * fsdp2: per unit (each block, then the root) the padded parameters (dim 0 padded to a multiple of the ranks):
@@ -394,10 +411,9 @@ def hand_collectives(source: str, model_name: str, model: nn.Module, world: int)
         e["bytes"] += nbytes
     add("all_reduce", 8)
     blocks = _blocks(model)
-    if family_of(model_name) == "moe":
-        for blk in blocks:
-            if getattr(blk, "is_moe", False):
-                add("all_reduce", 2 * blk.moe.n_experts * 4)
+    moes = [blk.moe for blk in blocks if getattr(blk, "is_moe", False)]
+    if family_of(model_name) == "moe" and moes:
+        add("all_reduce", sum(2 * m.n_experts * 4 for m in moes))
     params = [p for p in model.parameters() if p.requires_grad]
     if source == "ddp":
         first, cap = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2 ** 20), 25 * 2 ** 20

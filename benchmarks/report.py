@@ -446,9 +446,9 @@ def write_all(rows, prefix, command, seconds, readme=False) -> list[str]:
            "benchmarks/hand_plans.py), autopar by its plan (its graph executor returns the global loss). "
            "moe-debug's router aux loss (per layer, the product of the experts' load and mean probability over the "
            "tokens) is the model's in every source: the hand plans that split the batch all-reduce each layer's "
-           "load and mean probability over the data-parallel ranks (hand_plans.global_router_means, Megatron-LM's "
-           "global aux loss: 64 bytes a layer, 5 all_reduces in the forward); autopar all-reduces every layer's in "
-           "one collective at the end of the forward, with the loss's sum and count (autopar/schedule.py).", ""]
+           "load and mean probability over the data-parallel ranks, every layer's in one all_reduce after the last layer "
+           "(hand_plans.global_router_means: 64 bytes a layer); autopar all-reduces them in one collective at the end "
+           "of the forward too, with the loss's sum and count (autopar/schedule.py).", ""]
     md += table_measured(meas) + [""]
     md += ["## Modeled (autopar's cost model; hand plans as forced parameter placements)", "",
            "modeled step = compute + exposed comm (param/grad comm overlaps compute); objective = what the solver "
