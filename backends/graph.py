@@ -140,6 +140,31 @@ class ParallelModule(nn.Module):
         need = torch.is_grad_enabled() and any(p.requires_grad for p in params)
         return _Step.apply(prog, ins, buffers, need, *params)
 
+    def attach_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Let a fused optimizer (torch.optim.Adam/AdamW(..., fused=True)...) step this module's DTensor parameters
+        without DTensor building a spec per parameter per step: torch's optimizers keep each parameter's `step`
+        count as a plain scalar tensor, which DTensor's dispatch of the fused op replicates anew on every call
+        (~20 us a parameter). A step post-hook turns those counts into replicated DTensors on the parameter's mesh,
+        once, after the step that creates them; the values and the update are the same. Returns `opt`."""
+        mine = {id(p) for p in self.parameters()}
+        rep = {}
+
+        def to_dtensor(o, args, kwargs):
+            for group in o.param_groups:
+                if not group.get("fused"):
+                    continue
+                for p in group["params"]:
+                    st = o.state.get(p)
+                    s = st.get("step") if st else None
+                    if id(p) not in mine or not isinstance(s, torch.Tensor) or isinstance(s, DTensor) or s.dim() \
+                            or s.device != p.device:
+                        continue
+                    mesh = p.device_mesh
+                    pls = rep.setdefault(mesh.ndim, tuple(to_placement("R") for _ in range(mesh.ndim)))
+                    st["step"] = make_dtensor(s, mesh, pls, s.shape, s.stride())
+        opt.register_step_post_hook(to_dtensor)
+        return opt
+
     def shard_inputs(self, *inputs) -> tuple:
         """Each rank's DTensor of a global batch at the plan's input placements (local slicing, no communication);
         pass the result to the module like the global tensors."""

@@ -121,7 +121,7 @@ def build(source, cfg, mesh, world_mesh, x):
     if source == "autopar":
         import autopar
         pm = autopar.parallelize(model, mesh, x, cluster="cpu-gloo")
-        opt = _adamw(pm.parameters())
+        opt = pm.attach_optimizer(_adamw(pm.parameters()))      # step counts as DTensors (backends/graph.py)
 
         def step():
             pm(*x).backward()

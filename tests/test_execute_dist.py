@@ -165,8 +165,24 @@ def job_extras(cases, tmp, device):
               "accum_err": max((c - 2 * a).abs().max().item() for a, c in zip(g1, g3)),
               "ref_err": max((a - ref.get_parameter(k).grad).abs().max().item() for k, a in zip(names, g1)),
               "in_place": len(dp.program.write_at), "copied": sum(map(len, dp.program.copy_at.values()))}
+    # attach_optimizer: fused AdamW's per-parameter step counts become replicated DTensors after the first step;
+    # the training it does is the same to the bit
+    runs = {}
+    for attach in (False, True):
+        m = autopar.parallelize(build_model(name, device="cpu", seed=1, **ov), mesh, x, force=force)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+        if attach:
+            m.attach_optimizer(opt)
+        for _ in range(3):
+            m(*x).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs[attach] = ([global_value(p).clone() for p in m.parameters()],
+                        sorted({type(st["step"]).__name__ for st in opt.state.values()}))
+    attached = {"diff": max((a - b).abs().max().item() for a, b in zip(runs[False][0], runs[True][0])),
+                "plain_steps": runs[False][1], "attached_steps": runs[True][1]}
     out = {"dcp_diff": dcp_diff, "same_loss": same_loss, "local_shapes": local_shapes, "input_placements": in_pl,
-           "mismatch": mismatch, "bucket": bucket}
+           "mismatch": mismatch, "bucket": bucket, "attached": attached}
     out.update(job_train(cases[1:], tmp, device))          # and train the other cases in the same group
     return out
 
@@ -228,6 +244,8 @@ def test_world2_gloo_train_dcp_sharded_inputs_and_plan_mismatch(tmp_path):
         assert b["in_place"] >= 1 and b["in_place"] + b["copied"] == 7, b
         assert res["dcp_diff"] == 0.0
         assert res["same_loss"]
+        a = res["attached"]
+        assert a["diff"] == 0.0 and a["plain_steps"] == ["Tensor"] and a["attached_steps"] == ["DTensor"], a
         assert "ranks hold different plans" in res["mismatch"] and "ranks [0]" in res["mismatch"] \
             and "ranks [1]" in res["mismatch"], res["mismatch"]
     # inputs the plan shards arrive as this rank's slice (batch 32 over 2 ranks) without communication
