@@ -215,6 +215,26 @@ def _local_lookup(n, ins, outs):
     return 0 not in _sharded_dims(outs[0]) and not _partial(ins[1]) and not _arg(n, "scale_grad_by_freq")
 
 
+def _local_nll(g, n, ins, outs) -> bool:
+    """The loss on batch shards, locally: no class weights, log-probs (batch, classes) and targets split alike along
+    the batch only. The forward's sum and count (reduction=sum) are then this rank's partial sums; the backward from
+    a replicated gradient and a replicated count of the whole batch (reduction sum or mean) is this rank's shard of
+    the input's gradient. Anything else (class weights, vocab-sharded log-probs, a per-rank mean) goes through
+    DTensor's dispatch."""
+    fw = n.target is aten.nll_loss_forward.default
+    j = 0 if fw else 1                                  # the log-probs among the tensor inputs
+    r = n.inputs()[j]
+    x, t = ins[j], ins[j + 1]
+    if _arg(n, "weight") is not None or len(g.nodes[r.node].outs[r.out].shape) != 2 or \
+            any(p not in ("R", "S0") for p in x) or tuple(x) != tuple(t):
+        return False
+    if fw:
+        want = tuple("P" if p == "S0" else "R" for p in x)
+        return _arg(n, "reduction") == 2 and all(tuple(o) == want for o in outs)
+    grad, count = ins[0], ins[3]
+    return _arg(n, "reduction") in (1, 2) and tuple(outs[0]) == tuple(x) and all(p == "R" for p in (*grad, *count))
+
+
 def local_args(g, n, ins, outs, mesh_shape, device=None):
     """(args, kwargs) that run op `n` on local shards exactly, for ops whose global-shape arguments have a local
     counterpart known ahead of time; None where only DTensor's dispatch can run it. The plan's strategy (DTensor's
@@ -245,6 +265,8 @@ def local_args(g, n, ins, outs, mesh_shape, device=None):
         return n.args, n.kwargs
     if op in (aten.embedding.default, aten.embedding_dense_backward.default):
         return (n.args, n.kwargs) if _local_lookup(n, ins, outs) else None
+    if op in (aten.nll_loss_forward.default, aten.nll_loss_backward.default):
+        return (n.args, n.kwargs) if _local_nll(g, n, ins, outs) else None
     if op not in _SIZE_ARG and op not in _ON_DIM and op not in _NORM:
         return None
 
