@@ -146,8 +146,7 @@ class ParallelModule(nn.Module):
         count as a plain scalar tensor, which DTensor's dispatch of the fused op replicates anew on every call
         (~20 us a parameter). A step post-hook turns those counts into replicated DTensors on the parameter's mesh,
         once, after the step that creates them; the values and the update are the same. Returns `opt`."""
-        mine = {id(p) for p in self.parameters()}
-        rep = {}
+        mine, prog = {id(p) for p in self.parameters()}, self.program
 
         def to_dtensor(o, args, kwargs):
             for group in o.param_groups:
@@ -159,9 +158,7 @@ class ParallelModule(nn.Module):
                     if id(p) not in mine or not isinstance(s, torch.Tensor) or isinstance(s, DTensor) or s.dim() \
                             or s.device != p.device:
                         continue
-                    mesh = p.device_mesh
-                    pls = rep.setdefault(mesh.ndim, tuple(to_placement("R") for _ in range(mesh.ndim)))
-                    st["step"] = make_dtensor(s, mesh, pls, s.shape, s.stride())
+                    st["step"] = make_dtensor(s, prog.mesh, prog.rep, s.shape, s.stride())
         opt.register_step_post_hook(to_dtensor)
         return opt
 

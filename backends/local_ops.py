@@ -3,8 +3,8 @@
 `local_exact`: ops whose arguments carry no global shape run unchanged on the shards. `local_args`: ops whose
 global-shape argument has a local counterpart known ahead of time (a view's size becomes the output's local
 shape; a cut or a norm along an unsharded dim runs unchanged). `binder` / `fast_args`: an op's arguments bound
-once per instruction. `call_op`: one op, with the fallback for views on inputs laid out otherwise than on one
-device. `attention_*_math`: the CPU flash-attention contract as exact math, for devices without that kernel.
+once per instruction. `call_op` / `view_of_copy`: one op, with the fallback for views on inputs laid out otherwise
+than on one device. `attention_*_math`: the CPU flash-attention contract as exact math, for devices without that kernel.
 """
 from __future__ import annotations
 
@@ -62,9 +62,15 @@ def call_op(fn, args, kwargs):
     try:
         return fn(*args, **kwargs)
     except RuntimeError as e:
-        if fn not in VIEWS or "view size is not compatible" not in str(e):
-            raise
-        return fn(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
+        return view_of_copy(fn, e, args, kwargs)
+
+
+def view_of_copy(fn, err: RuntimeError, args, kwargs):
+    """After `fn(*args, **kwargs)` raised `err`: a view that cannot alias its input's layout, from a contiguous copy
+    of the input; any other error is raised again (call_op; the compiled programs call it from their except)."""
+    if fn not in VIEWS or "view size is not compatible" not in str(err):
+        raise err
+    return fn(args[0].clone(memory_format=torch.contiguous_format), *args[1:], **kwargs)
 
 
 _LOCAL_OK: dict = {}
@@ -146,11 +152,6 @@ def binding(op):
             aten._softmax_backward_data.default: torch._softmax_backward_data,
         }
     return _BINDINGS.get(op)
-
-
-def call_view(fn, tensors, rest, kwargs):
-    """A view in compiled code: on an input laid out otherwise than on one device, from a contiguous copy."""
-    return call_op(fn, [*tensors, *rest], kwargs)
 
 
 def fast_args(args, kwargs, fn):
@@ -241,8 +242,8 @@ def local_args(g, n, ins, outs, mesh_shape, device=None):
     own) fixes the placements; here: a size argument becomes the output's local shape (views, expand,
     slice_backward, new_zeros...), ops that cut, select or normalize along a dim run unchanged when that dim is not
     sharded (split, slice, topk, layer_norm), `*_like` ops make the shard of their input's shard when both are at
-    the same placement, not partial, and lookups run on local indices (`_local_lookup`). A captured device (meta)
-    becomes `device`."""
+    the same placement, not partial, lookups run on local indices (`_local_lookup`) and an unweighted loss on
+    batch shards as partial sums (`_local_nll`). A captured device (meta) becomes `device`."""
     op = n.target
     if _masked(ins, outs):
         return None

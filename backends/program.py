@@ -12,7 +12,8 @@ op runs, the placement of each output the plan expects, and which values die aft
     `local_ops.local_exact`), where DTensor's dispatch would run the same local op; and ops whose global-shape
     argument has a local counterpart known ahead (`local_ops.local_args`: view/reshape/expand/new_zeros with the
     output's local shape, split/slice/select/topk/layer_norm along an unsharded dim, zeros_like/ones_like of a shard
-    at its own placement, embedding lookups into a table whose rows are not sharded).
+    at its own placement, embedding lookups into a table whose rows are not sharded, an unweighted nll loss on batch
+    shards).
     Attention runs the captured CPU kernel on CPU; on other devices an exact math formulation with the same
     (out, logsumexp) contract, since the CPU kernel does not exist there.
   - "factory": arange/zeros/... with the meta device of the capture replaced by the mesh's device.
@@ -38,7 +39,7 @@ from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor,
 
 from .comm import executed_placements, finish_bucket, group_name, launch_bucket, launch_filled, redistribute_local
 from .local_ops import (VIEWS, local_shape, attention_bw_math, attention_fw_math, binder, binding, call_op,
-                        call_view, fast_args, local_args, local_exact)
+                        fast_args, local_args, local_exact, view_of_copy)
 
 aten = torch.ops.aten
 
@@ -591,7 +592,7 @@ class Program:
         in `writes` makes its output in a gradient bucket's slice (its out= overload on B(bucket, offset, n,
         shape), `_in_place`)."""
         P, writes = self.P, writes or {}
-        ns = {"Sharded": Sharded, "call_view": call_view}
+        ns = {"Sharded": Sharded, "view_of_copy": view_of_copy}
         sharded = lambda k: not all(p == "R" for p in P[k[0]].out[k[1]])      # what env holds for a value
         lines = ["def run(env, L, run1, B=None):"]
         for pos, it in enumerate(instrs):
@@ -608,10 +609,10 @@ class Program:
                 # the op's Python binding where one resolves to it (local_ops.binding), else its C++ entry
                 ns[f"C{pos}"] = (pos not in writes and binding(fn)) or getattr(fn, "_op", fn)
                 call = out = f"C{pos}({', '.join(args)})"
-                if n.target in VIEWS:       # call_view's fallback for a shard laid out otherwise than on one device
+                if n.target in VIEWS:       # a shard laid out otherwise than on one device: a view of its copy
                     ns[f"F{pos}"], out = it.fn, "_v"
-                    lines += ["    try:", f"        _v = {call}", "    except RuntimeError:",
-                              f"        _v = call_view(F{pos}, ({', '.join(ins)},), R{pos}, W{pos})"]
+                    lines += ["    try:", f"        _v = {call}", "    except RuntimeError as _e:",
+                              f"        _v = view_of_copy(F{pos}, _e, ({', '.join(ins)}, *R{pos}), W{pos})"]
                 if it.out_r[0]:
                     lines.append(f"    env[{(n.idx, 0)!r}] = {out}")
                 else:

@@ -299,8 +299,8 @@ def global_router_means(model: nn.Module, run: "HandRun") -> None:
         sums.clear()
         logits, aux = model_logits_and_aux(tokens)          # each layer's own aux loss is 0 here
         total = _SumOverRanks.apply(torch.cat(sums), run.dp_group, run)
+        n = tokens.numel() * run.dp_size
         for moe, s in zip(moes, total.split([2 * m.n_experts for m in moes])):
-            n = tokens.numel() * run.dp_size
             load, mean_probs = s[:moe.n_experts] / n, s[moe.n_experts:] / n
             aux = aux + moe.n_experts * (load / moe.top_k * mean_probs).sum()     # as MoE.forward computes it
         return logits, aux
@@ -389,7 +389,7 @@ def _allreduce_grads(params, group, bucket_bytes=25 * 2 ** 20):
             off += g.numel()
 
 
-def hand_collectives(source: str, model_name: str, model: nn.Module, world: int) -> dict | None:
+def hand_collectives(source: str, model: nn.Module, world: int) -> dict | None:
     """What torch's engines issue in one step of the hand plan `source` (apply_hand) on `world` ranks, from the
     model's parameters alone: {kind: {"count", "bytes"}} in the plan's byte convention, or None where torch's
     schedule is not modelled here (tp, fsdp2_tp, torchtitan: their collectives follow DTensor's redistributes).
@@ -412,7 +412,7 @@ def hand_collectives(source: str, model_name: str, model: nn.Module, world: int)
     add("all_reduce", 8)
     blocks = _blocks(model)
     moes = [blk.moe for blk in blocks if getattr(blk, "is_moe", False)]
-    if family_of(model_name) == "moe" and moes:
+    if moes:
         add("all_reduce", sum(2 * m.n_experts * 4 for m in moes))
     params = [p for p in model.parameters() if p.requires_grad]
     if source == "ddp":

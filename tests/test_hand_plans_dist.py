@@ -91,7 +91,7 @@ def _rank_hand_grads(bench, cases, model=MODEL, overrides=None):
         with CollectiveCounter(mesh) as cc:
             run.forward_backward(run.local_inputs((tokens, labels)))
         out["err"][f"{mesh_s} {src}"], out["n_params"][f"{mesh_s} {src}"] = rel_err(run.module)
-        pred = hand_collectives(src, model, build(), world)
+        pred = hand_collectives(src, build(), world)
         if pred is not None:        # DDP's first step runs one bucket (its rebuilt buckets come after): bytes only
             got = comm_summary(cc.records)
             out["engine"][f"{mesh_s} {src}"] = [{k: v["bytes"] if src == "ddp" else v for k, v in d.items()}
