@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -21,8 +22,9 @@ COLUMNS = ["model", "mesh", "source", "kind", "cluster", "status", "modeled_step
 
 def commit() -> str:
     r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
-    dirty = subprocess.run(["git", "status", "--porcelain", "--", "autopar", "passes", "backends", "benchmarks"],
-                           capture_output=True, text=True, cwd=HERE).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--", "autopar", "passes", "backends", "benchmarks",
+                            ":(exclude)benchmarks/results"],       # paths from the repository root, not from here
+                           capture_output=True, text=True, cwd=os.path.dirname(HERE)).stdout.strip()
     return r.stdout.strip() + ("+uncommitted changes" if dirty else "")
 
 
@@ -41,6 +43,38 @@ def annotate(rows) -> None:
     """Fill the ratio and byte-match columns in place."""
     traces = _traced(rows)
     for (_, _, kind), rs in _group(rows).items():
+        if kind == "measured":       # first the modeled figures a measured row takes (its ratios use them)
+            modeled = {(r["mesh"], r["source"]): r for r in rows
+                       if r["kind"] == "modeled" and r["model"] == rs[0]["model"]}
+            for r in rs:
+                eng, by = _engine_prediction(r), "engine"
+                if eng is None and f"{r['model']} {r['mesh']} {r['source']}" in traces:
+                    eng, by = traces[f"{r['model']} {r['mesh']} {r['source']}"], "trace"
+                    if "error" in eng:
+                        _add_note(r, f"not traced: {eng['error']}")
+                        eng = None
+                if eng is not None:
+                    r["predicted_comm_bytes"] = sum(v["bytes"] for v in eng.values())
+                    r["predicted_collectives"], r["predicted_by"] = eng, by
+                # autopar-torch lowers the same plan (same planner call: cluster cpu-gloo, same mesh and inputs)
+                m = modeled.get((r["mesh"], "autopar" if r["source"] == "autopar-torch" else r["source"]))
+                if m is not None and r.get("plan_hash") and m.get("plan_hash") and r["plan_hash"] != m["plan_hash"]:
+                    _add_note(r, f"the ranks planned {r['plan_hash']}, the modeled row {m['plan_hash']}: predicted "
+                                 f"figures are the ranks' own")
+                if r.get("predicted_comm_bytes") is None and m is not None and m.get("status") == "ok":
+                    r["predicted_comm_bytes"] = m.get("predicted_comm_bytes")
+                    r["predicted_peak_mem_bytes"] = m.get("predicted_peak_mem_bytes")
+                    r["predicted_collectives"] = m.get("predicted_collectives")
+                if m is not None and m.get("status") == "ok":
+                    r.setdefault("modeled_step_s", m.get("modeled_step_s"))
+                    r["plan_s"] = m.get("plan_s")
+                if _ok(r, "comm_bytes") and r.get("predicted_comm_bytes") is not None:
+                    a, b = r["comm_bytes"], r["predicted_comm_bytes"]
+                    r["comm_bytes_match"] = (a == b == 0) or (b > 0 and abs(a - b) <= 0.01 * b)
+                if r.get("comm") is not None:
+                    r["comm_by_kind"] = _kinds(r["comm"])
+                if r.get("predicted_collectives") is not None:
+                    r["predicted_by_kind"] = _kinds(r["predicted_collectives"])
         for key, col in (("modeled_step_s", "ratio_to_best_hand"), ("objective_s", "ratio_objective_to_best_hand"),
                          ("measured_step_s", "measured_ratio_to_best_hand")):
             hand = [r[key] for r in rs if r["source"] in HAND and _ok(r, key)]
@@ -48,38 +82,12 @@ def annotate(rows) -> None:
             for r in rs:
                 if _ok(r, key) and best:
                     r[col] = r[key] / best
-        if kind != "measured":
-            continue
-        modeled = {(r["mesh"], r["source"]): r for r in rows if r["kind"] == "modeled" and r["model"] == rs[0]["model"]}
-        for r in rs:
-            eng, by = _engine_prediction(r), "engine"
-            if eng is None and f"{r['model']} {r['mesh']} {r['source']}" in traces:
-                eng, by = traces[f"{r['model']} {r['mesh']} {r['source']}"], "trace"
-                if "error" in eng:
-                    r["note"] = (r.get("note") or "") + f" [not traced: {eng['error']}]"
-                    eng = None
-            if eng is not None:
-                r["predicted_comm_bytes"] = sum(v["bytes"] for v in eng.values())
-                r["predicted_collectives"], r["predicted_by"] = eng, by
-            # autopar-torch lowers the same plan (same planner call: cluster cpu-gloo, same mesh and inputs)
-            m = modeled.get((r["mesh"], "autopar" if r["source"] == "autopar-torch" else r["source"]))
-            if m is not None and r.get("plan_hash") and m.get("plan_hash") and r["plan_hash"] != m["plan_hash"]:
-                r["note"] = (r.get("note") or "") + f" [the ranks planned {r['plan_hash']}, the modeled row " \
-                                                    f"{m['plan_hash']}: predicted figures are the ranks' own]"
-            if r.get("predicted_comm_bytes") is None and m is not None and m.get("status") == "ok":
-                r["predicted_comm_bytes"] = m.get("predicted_comm_bytes")
-                r["predicted_peak_mem_bytes"] = m.get("predicted_peak_mem_bytes")
-                r["predicted_collectives"] = m.get("predicted_collectives")
-            if m is not None and m.get("status") == "ok":
-                r.setdefault("modeled_step_s", m.get("modeled_step_s"))
-                r["plan_s"] = m.get("plan_s")
-            if _ok(r, "comm_bytes") and r.get("predicted_comm_bytes") is not None:
-                a, b = r["comm_bytes"], r["predicted_comm_bytes"]
-                r["comm_bytes_match"] = (a == b == 0) or (b > 0 and abs(a - b) <= 0.01 * b)
-            if r.get("comm") is not None:
-                r["comm_by_kind"] = _kinds(r["comm"])
-            if r.get("predicted_collectives") is not None:
-                r["predicted_by_kind"] = _kinds(r["predicted_collectives"])
+
+
+def _add_note(r, text: str) -> None:
+    """Append "[text]" to a row's note once: a re-render annotates the rows it wrote again."""
+    if f"[{text}]" not in (r.get("note") or ""):
+        r["note"] = (r.get("note") or "") + f" [{text}]"
 
 
 _MODELS: dict = {}
@@ -498,6 +506,8 @@ def main(argv=None):
         for k in ("ratio_to_best_hand", "ratio_objective_to_best_hand", "measured_ratio_to_best_hand",
                   "comm_bytes_match"):
             r.pop(k, None)
+        if r.get("note"):                 # the bracketed notes annotate adds (stacked by re-renders before 2026-12)
+            r["note"] = re.sub(r" \[(the ranks planned|not traced:)[^\]]*\]", "", r["note"])
     global commit
     run_commit, now = d["commit"], commit()
     commit = lambda: run_commit           # noqa: E731  (the files state the commit of the run, not of today)
