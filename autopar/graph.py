@@ -1,8 +1,8 @@
 """autopar's IR: a flat, topologically ordered list of aten op nodes of the joint forward+backward graph.
 
 A node's tensor arguments are `Ref(node, out)` placeholders; everything else (ints, dtypes, shapes) is kept as is.
-Nodes of kind "param" / "buffer" / "input" are the graph's leaves; `Graph.outputs` names the loss and, per
-parameter FQN, the node holding its gradient.
+Nodes of kind "param" / "buffer" / "input" are the graph's leaves; the graph's outputs are the loss, per
+parameter FQN the node holding its gradient, and per mutated buffer its new value (`Graph.outputs()`).
 """
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ class Node:
         return f"%{self.idx}:{op_name(self.target)}"
 
     _ins: list | None = field(default=None, repr=False, compare=False)
+    user_op: str | None = field(default=None, repr=False, compare=False)   # the torch call it ran for (messages)
 
     def inputs(self) -> list[Ref]:
         """Tensor arguments in flatten order (the order DTensor's strategies list input specs)."""
@@ -113,6 +114,9 @@ class Graph:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)   # tensors the model closed over
     input_grads: dict[int, Ref] = field(default_factory=dict)   # input position -> its gradient (output="activation")
     activation: bool = False           # `loss` is a part's output activation, its backward seeded from outside
+    # buffer FQN -> its new value after the forward (BatchNorm's running stats): outputs of the step, like the loss,
+    # which the executor writes into the buffer
+    state_updates: dict[str, Ref] = field(default_factory=dict)
 
     def __post_init__(self):
         for n in self.nodes:
@@ -120,6 +124,10 @@ class Graph:
         for n in self.nodes:
             for r in n.inputs():
                 self.nodes[r.node].users.append(n.idx)
+
+    def outputs(self) -> list[Ref]:
+        """Every value the step hands out: the loss, the gradients, input gradients and buffer updates."""
+        return [self.loss, *self.grads.values(), *self.input_grads.values(), *self.state_updates.values()]
 
     def meta(self, r: Ref) -> TensorMeta:
         return self.nodes[r.node].outs[r.out]

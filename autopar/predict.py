@@ -60,6 +60,8 @@ def predict(state):
             meta, cls = g.meta(g.grads[nodes[i].target]), "grad"
         elif j == "loss":
             meta, cls = g.meta(g.loss), "act"
+        elif j == "state":
+            meta, cls = g.meta(g.state_updates[nodes[i].target]), "act"
         else:
             r = nodes[i].inputs()[j]
             meta = g.meta(r)
@@ -125,7 +127,7 @@ def last_uses(g):
     for n in g.nodes:
         for r in n.inputs():
             last[(r.node, r.out)] = n.idx
-    for r in [g.loss, *g.input_grads.values()]:
+    for r in [g.loss, *g.input_grads.values(), *g.state_updates.values()]:
         last[(r.node, r.out)] = len(g.nodes)
     return last, {(r.node, r.out) for r in g.grads.values()}
 

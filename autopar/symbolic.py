@@ -68,11 +68,12 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
     for (i, j), (src, dst, cs) in state.redistributes.items():
         if (state.shares or {}).get((i, j)):       # runs its first consumer's redistribute: no collective of its own
             continue
-        pick = lambda g: g.grads[g.nodes[i].target] if j == "opt" else g.loss if j == "loss" else g.nodes[i].inputs()[j]
+        pick = lambda g: g.grads[g.nodes[i].target] if j == "opt" else g.loss if j == "loss" else \
+            g.state_updates[g.nodes[i].target] if j == "state" else g.nodes[i].inputs()[j]
         r1, r2 = pick(g1), pick(g2)
         m1, m2 = g1.meta(r1), g2.meta(r2)
         bk = bucket_of.get(g1.nodes[i].target) if j == "opt" else None
-        cls = "grad" if j == "opt" else "act" if j == "loss" or param_root(g1, r1.node) is None else "param"
+        cls = "grad" if j == "opt" else "act" if j in ("loss", "state") or param_root(g1, r1.node) is None else "param"
         for step, c in enumerate(cs):
             if bk is not None:              # a gradient bucket (chain): one collective of the summed size (below)
                 if not isinstance(state.buckets[bk]["mesh_dim"], list) or step == 0:   # a flattened chain: once

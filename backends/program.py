@@ -171,7 +171,7 @@ class Program:
             for r in n.inputs():
                 if (r.node, r.out) not in last or when(n.idx) > when(last[(r.node, r.out)]):
                     last[(r.node, r.out)] = n.idx
-        for r in [g.loss, *g.grads.values(), *g.input_grads.values()]:
+        for r in g.outputs():
             last[(r.node, r.out)] = len(g.nodes)
         frees: dict[int, list] = {}
         for key, i in last.items():
@@ -281,7 +281,7 @@ class Program:
         readers = Counter((r.node, r.out) for n in g.nodes for r in n.inputs())   # ops reading each value
         read = set(readers)                                                       # values some op reads
         read |= {k for k, c in Counter((r.node, r.out) for r in g.grads.values()).items() if c > 1}
-        readers.update((r.node, r.out) for r in [g.loss, *g.grads.values(), *g.input_grads.values()])  # + results
+        readers.update((r.node, r.out) for r in g.outputs())                     # + results
         for i, bs in self.chains.items():
             if not all(b["to"] == "R" for b in bs):
                 continue
@@ -489,6 +489,8 @@ class Program:
             for idx, t in self.constants:
                 env[(idx, 0)] = t.to(self.device)
             self.run_fw(env, None, self._run1)
+            if g.state_updates:
+                self._write_state(env, buffers)
             loss = env[(g.loss.node, g.loss.out)]
             if g.activation:
                 return _local(loss).clone(), (env if keep else None)
@@ -500,6 +502,22 @@ class Program:
                                      f"reduction to Replicate; the global loss cannot be returned")
             out = loss.clone()
         return out, (env if keep else None)
+
+    def _write_state(self, env: dict, buffers: dict):
+        """Each buffer the forward updates (BatchNorm's running statistics) takes its new value in place, at the
+        buffer's placement (the plan's redistribute where the update was computed elsewhere). A backward op that
+        reads the buffer's old value reads a copy of it."""
+        g = self.g
+        for fqn, r in g.state_updates.items():
+            b = g.buffers[fqn]
+            v = env[(r.node, r.out)]
+            if (b, "state") in self.red:
+                src, dst, _ = self.red[(b, "state")]
+                v = self.redistribute(v, src, dst, (b, "state"))
+            if (b, 0) in env:
+                old = env[(b, 0)]
+                env[(b, 0)] = Sharded(old.t.clone(), old.strs, old.shape) if type(old) is Sharded else old.clone()
+            local_of(buffers[fqn]).copy_(_local(v))
 
     def backward_part(self, env: dict, grad_out: torch.Tensor) -> tuple[dict, dict]:
         """The backward of a part's forward from this rank's local piece of the output's gradient: (parameter

@@ -220,6 +220,8 @@ def run(state) -> None:
                 edge_count[(rep[r.node], r.out, rv, j)] += 1
     for fqn, r in g.grads.items():                    # optimizer step: grad must match the parameter's placement
         edge_count[(rep[r.node], r.out, rep[g.params[fqn]], "opt")] += 1
+    for fqn, r in g.state_updates.items():            # a buffer's new value is written at the buffer's placement
+        edge_count[(rep[r.node], r.out, rep[g.buffers[fqn]], "state")] += 1
     matrices: dict[tuple[int, int], np.ndarray] = {}
     ovl_matrices: dict[tuple[int, int], np.ndarray] = {}     # the overlappable part of each matrix
     mat_cache: dict = {}
@@ -229,7 +231,7 @@ def run(state) -> None:
         g1, g2 = gid[root[p]], gid[root[v]]
         meta = nodes[p].outs[o]
         src = [S[p][x].out[o] for x in choice[p]]
-        dst = [S[v][x].out[0] if j == "opt" else S[v][x].ins[j] for x in choice[v]]
+        dst = [S[v][x].out[0] if j in ("opt", "state") else S[v][x].ins[j] for x in choice[v]]
         us, ui = _uniq(src)
         vs, vi = _uniq(dst)
         opt = j == "opt"              # gradient into the optimizer step: bucketed reductions pay latency per bucket
@@ -402,7 +404,7 @@ def _coalesce(edge_count, nodes, S, choice, gid, root, matrices, pricing, mesh_s
     that of one all_reduce of their summed size."""
     by_pair = defaultdict(list)
     for (p, o, v, j), c in edge_count.items():
-        if j != "opt":
+        if j not in ("opt", "state"):
             by_pair[(p, v)].append((o, j, c))
     fits: dict = {}                                 # (src, dst) -> all-reduced into Replicate
     for (p, v), es in by_pair.items():

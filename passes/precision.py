@@ -58,6 +58,7 @@ def run(state) -> None:
     g.inputs = [new_idx[v] for v in g.inputs]
     g.loss = fix(g.loss)
     g.input_grads = {k: fix(r) for k, r in g.input_grads.items()}
+    g.state_updates = {k: fix(r) for k, r in g.state_updates.items()}
     g.grads = {k: Ref(grad_node[k]) if k in grad_node else fix(r) for k, r in g.grads.items()}
     g.__post_init__()                                     # users lists
     state.extras["mixed_precision"] = dict(mp, grad_casts=len(grad_node))

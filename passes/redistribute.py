@@ -1,6 +1,7 @@
 """Pass: an explicit redistribute (its collectives, on which mesh dim, how many bytes) wherever a consumer needs
 a placement other than its producer's, including each gradient into its parameter's optimizer step and the loss
-into Replicate (a training step returns the global loss on every rank).
+into Replicate (a training step returns the global loss on every rank), and each buffer update (BatchNorm's
+running statistics) into its buffer's placement.
 
 Several consumers of one activation that need it at the same placement in the same phase (the normed input of
 wq, wk and wv gathered from a sequence shard) share one redistribute: the first consumer runs it, the others
@@ -54,6 +55,11 @@ def run(state) -> None:
         if src != dst:          # a bucketed reduction is flattened, or not, per bucket (passes/buckets.py)
             flat = None if bucket_steps(src, dst) else cluster
             red[(p, "opt")] = (src, dst, collectives(src, dst, g.meta(r), mesh_shape, flat))
+    for fqn, r in g.state_updates.items():            # a buffer's new value, written at the buffer's placement
+        b = g.buffers[fqn]
+        src, dst = P[r.node].out[r.out], P[b].out[0]
+        if src != dst:
+            red[(b, "state")] = (src, dst, collectives(src, dst, g.meta(r), mesh_shape, cluster))
     src, dst = P[g.loss.node].out[g.loss.out], ("R",) * len(mesh_shape)
     if src != dst and not g.activation:                # the step returns the loss itself (global view)
         red[(g.loss.node, "loss")] = (src, dst, collectives(src, dst, g.meta(g.loss), mesh_shape, cluster))

@@ -71,9 +71,27 @@ class Counter(nn.Module):
         return self.lin(x).sum()
 
 
-def test_buffer_mutation_is_rejected():
-    with pytest.raises(autopar.CaptureError, match=r"in-place op aten\.add_.*buffer"):
-        autopar.plan(Counter(), (2,), (torch.randn(4, 8),))
+class WeightBump(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.bias.add_(1)
+        return self.lin(x).sum()
+
+
+def test_buffer_mutation_is_a_state_update():
+    p, st = autopar.plan(Counter(), (2,), (torch.randn(4, 8),), return_state=True)
+    g = st.graph
+    r = g.state_updates["steps"]
+    assert g.nodes[r.node].target is torch.ops.aten.add.Tensor and g.nodes[r.node].inputs()[0].node == g.buffers["steps"]
+
+
+def test_parameter_mutation_is_rejected():
+    with pytest.raises(autopar.CaptureError, match=r"mutates parameter 'lin\.bias' in place.*module '<root>'.*add_"):
+        autopar.plan(WeightBump(), (2,), (torch.randn(4, 8),))
 
 
 def test_non_scalar_output_needs_loss_fn():
