@@ -51,6 +51,7 @@ class _Recorder(TorchDispatchMode):
         self.functional: dict = {}
         self.memo: dict = {}
         self.user_op = user_op or (lambda: None)    # the torch-level call being run, for messages
+        self.decomposing = 0
 
     def where(self) -> str:
         """The user's module and op an aten op runs for (a decomposition's inner op names its outer call; in the
@@ -99,6 +100,16 @@ class _Recorder(TorchDispatchMode):
         return tree_unflatten([torch.empty_strided(v[0], v[1], dtype=v[2], device="meta") if t else v
                                for v, t in zip(vals, is_t)], spec)
 
+    def decompose(self, func, decomp, args, kwargs):
+        """Record `func` as the ops of its decomposition (composite ops a decomposition calls, such as flatten,
+        as theirs: below autograd nothing else would split them)."""
+        self.decomposing += 1
+        try:
+            with self:
+                return decomp(*args, **kwargs) if decomp is not None else func.decompose(*args, **kwargs)
+        finally:
+            self.decomposing -= 1
+
     def exact_mean_loss(self, func, types, args):
         """Record a mean nll_loss as (sum of the losses, total weight) -> their quotient. Sharded on the batch,
         both are partial sums, so the plan's reduction of each gives the single device's mean exactly, whatever
@@ -117,6 +128,10 @@ class _Recorder(TorchDispatchMode):
                                f" a tensor value decides Python control flow, which a static plan cannot capture")
         if func is aten.copy.default:
             func, args, kwargs = _copy_as_clone(args, kwargs)
+        decomp = _BN_DECOMPOSE.get(func)
+        if decomp is not None or self.decomposing and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+            return self.decompose(func, decomp, args, kwargs)
         if func._schema.is_mutable and func not in _MUTATING_OK:
             raise CaptureError(f"op {func} in {self.where()} mutates a tensor that functionalization could not"
                                f" turn into a functional op")
@@ -155,6 +170,29 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _var_mean(x, dim=None, *, correction=None, keepdim=False):
+    """var_mean as the two means it is (torch._decomp's lands in prims): over a sharded batch both are partial
+    means the plan all-reduces, which gives one device's statistics."""
+    mean = aten.mean.dim(x, dim, keepdim=True)
+    d = aten.sub.Tensor(x, mean)
+    n = x.numel() // max(1, mean.numel())
+    var = aten.sum.dim_IntList(aten.mul.Tensor(d, d), dim, keepdim)
+    var = aten.div.Tensor(var, max(0, n - (1 if correction is None else correction)))
+    return var, (mean if keepdim else aten.squeeze.dims(mean, dim))
+
+
+def _bn_decompositions() -> dict:
+    """Batch norm's forward (with its running-statistics update) and backward, from torch._decomp: reductions over
+    the batch and pointwise ops, so a batch-sharded plan computes the global batch's statistics (SyncBatchNorm's
+    semantics) with all_reduces the solver prices like any other."""
+    from torch._decomp import decomposition_table as table
+    ops = (aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit_no_training.default,
+           aten.native_batch_norm_backward.default)
+    out = {op: table[op] for op in ops}
+    out[aten.var_mean.correction] = _var_mean
+    return out
+
+
 def _copy_as_clone(args, kwargs):
     """Functionalization writes `dst.copy_(src)` (autograd's CopySlices backward of an in-place op on a view, a
     user's copy_) as copy(dst, src), whose value is src laid out as dst: where the shapes and dtypes agree and dst is
@@ -171,6 +209,9 @@ def _copy_as_clone(args, kwargs):
 
 class _NoMemo(Exception):
     pass
+
+
+_BN_DECOMPOSE = _bn_decompositions()
 
 
 def _key(a):

@@ -158,3 +158,12 @@ def test_error_names_the_user_op_not_its_decomposition():
             return y.mean()
     with pytest.raises(CaptureError, match=r"module '<root>' \(in __bool__\)"):
         capture(Item(), (torch.randn(4, D),))
+
+
+def test_batchnorm_train_is_reductions_and_pointwise():
+    """Batch norm and its backward are recorded through torch._decomp's decompositions (no fused batch-norm op),
+    so a reduction over a sharded batch is a partial the plan all-reduces."""
+    g = capture(_BNNet(nn.BatchNorm2d(4), (8, 4, 5, 5)).train(), (torch.randn(8, 4, 5, 5),))
+    names = {str(t) for t in ops_of(g)}
+    assert not any("batch_norm" in s for s in names), names
+    assert {"aten.mean.dim", "aten.sum.dim_IntList", "aten.rsqrt.default"} <= names, names
