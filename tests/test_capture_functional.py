@@ -167,3 +167,29 @@ def test_batchnorm_train_is_reductions_and_pointwise():
     names = {str(t) for t in ops_of(g)}
     assert not any("batch_norm" in s for s in names), names
     assert {"aten.mean.dim", "aten.sum.dim_IntList", "aten.rsqrt.default"} <= names, names
+
+
+def test_torchtitan_llama3_debugmodel_captures_and_plans():
+    """torchtitan's Llama-3 debug model (nn.RMSNorm, whose CPU decomposition adds in place to a temporary)."""
+    import dataclasses
+    titan = pytest.importorskip("torchtitan.models.llama3")
+    args = dataclasses.replace(titan.llama3_args["debugmodel"], dim=64, n_layers=2, n_heads=4, vocab_size=128,
+                               max_seq_len=64)
+    with torch.device("meta"):
+        model = titan.Transformer(args)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cpu"))
+
+    class WithLoss(nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.model = m
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
+    ids = torch.randint(0, 128, (2, 16))
+    g = capture(WithLoss(model), (ids, ids.roll(-1, 1)))
+    assert not mutable(g) and not g.state_updates
+    plan = autopar.plan(WithLoss(model), (2, 2), (ids, ids.roll(-1, 1)), allow_replicate=True)
+    assert "model.layers.0.attention_norm.weight" in plan.params
