@@ -187,7 +187,7 @@ def _bn_decompositions() -> dict:
     semantics) with all_reduces the solver prices like any other."""
     from torch._decomp import decomposition_table as table
     ops = (aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit_no_training.default,
-           aten.native_batch_norm_backward.default)
+           aten.native_batch_norm.default, aten.native_batch_norm_backward.default)   # the last two: eval, no stats
     out = {op: table[op] for op in ops}
     out[aten.var_mean.correction] = _var_mean
     return out

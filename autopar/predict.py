@@ -31,7 +31,15 @@ def build_plan(state) -> Plan:
                  "seconds": sol.seconds, "n_vars": sol.n_vars, "n_constraints": sol.n_constraints},
                 [[k, v] for k, v in state.timings.items()], state.regions, {k: len(v) for k, v in (state.coverage or {}).items()},
                 {"torch": torch.__version__, "budget_bytes": state.budget, "precision": repr(state.precision),
-                 **state.extras}, buckets=[dict(b) for b in state.buckets or []])
+                 **state.extras, **_state_meta(g)}, buckets=[dict(b) for b in state.buckets or []])
+
+
+def _state_meta(g) -> dict:
+    """The buffers the step updates (Graph.state_updates) and the node output holding each new value; absent when
+    none (plans without state keep their hash)."""
+    if not g.state_updates:
+        return {}
+    return {"state_updates": {fqn: [r.node, r.out] for fqn, r in g.state_updates.items()}}
 
 
 def predict(state):

@@ -163,6 +163,23 @@ class _Graph:
         return mod == "" or m == mod or m.startswith(mod + ".")
 
 
+def _check_state_updates(low, plan, data, in_part):
+    """A module that updates a buffer from the batch in its forward (BatchNorm in training mode): on batch shards
+    FSDP/DDP run it on each rank's shard, so it normalizes with that shard's statistics and each rank's running
+    statistics drift apart; the plan computes the global batch's (SyncBatchNorm's semantics). Not expressible."""
+    if not data:
+        return
+    dn = "+".join(plan.mesh_names[d] for d in data)
+    mods: dict = {}
+    for fqn in plan.meta.get("state_updates", {}):
+        mods.setdefault(fqn.rsplit(".", 1)[0] if "." in fqn else "", []).append(fqn)
+    for mod, fqns in sorted(mods.items()):
+        if not in_part(mod):
+            low.reasons.append((f"module {mod or '<root>'}", f"updates buffers {fqns} in its forward (BatchNorm's "
+                                f"running statistics); on batch shards over {dn} FSDP/DDP would compute them per "
+                                f"rank from its shard, the plan from the global batch"))
+
+
 def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, parts=()) -> TorchLowering:
     """What of `plan` fully_shard / parallelize_module can express, and how (see the module docstring).
     units: FSDP unit FQNs to use instead of the plan's blocks (validated); styles: {module FQN: ParallelStyle or
@@ -210,6 +227,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
         (low.shard_dims if any(p[d][0] == "S" for p in own.values()) else low.replicate_dims).append(d)
     recognize_mean_loss(low, G, plan, data)
     _check_batch_shards(low, G, plan, inputs, data, [x for x in loss_fed if x[1] in data])
+    _check_state_updates(low, plan, data, in_part)
     _recognize_fsdp(low, G, plan, units)
     if low.tp_dim is not None:
         from .engines_tp import recognize_tp

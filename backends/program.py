@@ -517,7 +517,8 @@ class Program:
             if (b, 0) in env:
                 old = env[(b, 0)]
                 env[(b, 0)] = Sharded(old.t.clone(), old.strs, old.shape) if type(old) is Sharded else old.clone()
-            local_of(buffers[fqn]).copy_(_local(v))
+            buf = buffers[fqn]
+            (local_of(buf) if isinstance(buf, DTensor) else buf).copy_(_local(v))
 
     def backward_part(self, env: dict, grad_out: torch.Tensor) -> tuple[dict, dict]:
         """The backward of a part's forward from this rank's local piece of the output's gradient: (parameter

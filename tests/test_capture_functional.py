@@ -163,10 +163,12 @@ def test_error_names_the_user_op_not_its_decomposition():
 def test_batchnorm_train_is_reductions_and_pointwise():
     """Batch norm and its backward are recorded through torch._decomp's decompositions (no fused batch-norm op),
     so a reduction over a sharded batch is a partial the plan all-reduces."""
-    g = capture(_BNNet(nn.BatchNorm2d(4), (8, 4, 5, 5)).train(), (torch.randn(8, 4, 5, 5),))
-    names = {str(t) for t in ops_of(g)}
-    assert not any("batch_norm" in s for s in names), names
-    assert {"aten.mean.dim", "aten.sum.dim_IntList", "aten.rsqrt.default"} <= names, names
+    for mode, bn in (("train", nn.BatchNorm2d(4)), ("eval", nn.BatchNorm2d(4)),
+                     ("train", nn.BatchNorm2d(4, track_running_stats=False))):
+        g = capture(getattr(_BNNet(bn, (8, 4, 5, 5)), mode)(), (torch.randn(8, 4, 5, 5),))
+        names = {str(t) for t in ops_of(g)}
+        assert not any("batch_norm" in s for s in names), (mode, names)
+        assert {"aten.sum.dim_IntList", "aten.rsqrt.default"} <= names, (mode, names)
 
 
 def test_torchtitan_llama3_debugmodel_captures_and_plans():
@@ -193,3 +195,30 @@ def test_torchtitan_llama3_debugmodel_captures_and_plans():
     assert not mutable(g) and not g.state_updates
     plan = autopar.plan(WithLoss(model), (2, 2), (ids, ids.roll(-1, 1)), allow_replicate=True)
     assert "model.layers.0.attention_norm.weight" in plan.params
+
+
+def test_engines_refuse_batchnorm_on_batch_shards():
+    """backend="torch": a BatchNorm in training mode on a batch-sharded plan is not what FSDP/DDP compute, so the
+    engines' recognizer names the module (auto then runs the graph backend)."""
+    import sys
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from _clusters import SHAPES
+    from autopar.backends.engines import recognize
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+            self.bn = nn.BatchNorm1d(D)
+
+        def forward(self, x):
+            return self.bn(self.lin(x)).pow(2).mean()
+    x = (torch.randn(64, D),)
+    pin = lambda n: {0: "S0"} if n.kind == "input" else None
+    plan = autopar.plan(Net().train(), (2,), x, cluster=SHAPES, pin=pin)
+    assert set(plan.meta["state_updates"]) == {"bn.running_mean", "bn.running_var", "bn.num_batches_tracked"}
+    low = recognize(plan, Net())
+    assert any(part == "module bn" and "running statistics" in why for part, why in low.reasons), low.reasons
+    plan_eval = autopar.plan(Net().eval(), (2,), x, cluster=SHAPES, pin=pin)
+    assert "state_updates" not in plan_eval.meta
+    assert not any(part == "module bn" for part, _ in recognize(plan_eval, Net()).reasons)
