@@ -113,6 +113,8 @@ class Graph:
     constants: dict[str, torch.Tensor] = field(default_factory=dict)   # tensors the model closed over
     input_grads: dict[int, Ref] = field(default_factory=dict)   # input position -> its gradient (output="activation")
     activation: bool = False           # `loss` is a part's output activation, its backward seeded from outside
+    io: Any = None                     # model_io.ModelIO: how the model is called; input targets are its leaf indices
+    guards: list = field(default_factory=list)   # guards.Guard: data-dependent checks the capture specialized on
 
     def __post_init__(self):
         for n in self.nodes:
