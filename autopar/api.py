@@ -15,6 +15,7 @@ from .pipeline import PASSES, PlanState, run_passes
 from .plan import Plan
 from .predict import build_plan
 from .solver import InfeasibleMemoryError
+from .strategies._torch_adapter import outside_local_tensor_mode
 
 
 def _gc_paused(fn):
@@ -104,7 +105,8 @@ def plan(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | 
         variants.append(MIXED_BF16)
     results, infeasible = [], []
     for mp in variants:
-        graph = capture(model, io, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output)
+        with outside_local_tensor_mode():       # capture runs on meta tensors, never on simulated ranks' values
+            graph = capture(model, io, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output)
         state = PlanState(graph, mesh, cl, precision, budget,
                           {"force": force, "replicate_ops": [str(o) for o in replicate_ops],
                            "allow_replicate": allow_replicate, "time_limit": time_limit, "mixed_precision": mp,

@@ -49,6 +49,7 @@ class _Recorder(TorchDispatchMode):
         self.origin: dict[int, torch.Tensor] = {}   # id(meta tensor made from data) -> that data (_Constants)
         self.const_module: dict[str, str] = {}
         self.guards: list = []
+        self.input_names: list[str] = []            # the model_io leaf names, for messages
 
     def leaf(self, t: torch.Tensor, kind: str, target) -> int:
         module = target.rsplit(".", 1)[0] if kind in ("param", "buffer") and "." in target else ""
@@ -118,6 +119,7 @@ class _Recorder(TorchDispatchMode):
             gd.expected = gd.evaluate(self.real_leaf)
         except NoRealValue as e:
             kind, name = e.leaf
+            name = self.input_names[name] if kind == "input" and self.input_names else name
             raise CaptureError(f"data-dependent control flow or .item() in module '{where}': a tensor value decides "
                                f"Python control flow and it depends on {kind} '{name}', which has no real value here "
                                f"(meta device); capture specializes such checks on real example values, so pass "
@@ -327,6 +329,7 @@ def capture(model: nn.Module, example_inputs, loss_fn=None, param_dtype: torch.d
     bufs = {k: rec.leaf(t, "buffer", k) for k, t in meta_buffers.items()}
     inputs = [rec.leaf(x, "input", i) for i, x in enumerate(meta_inputs) if isinstance(x, torch.Tensor)]
     _real_leaves(rec, io, named, buffers, cast)
+    rec.input_names = io.names
     call_args, call_kwargs = io.call_args(meta_inputs)
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = nn.modules.module.register_module_forward_hook(post)

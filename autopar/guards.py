@@ -55,8 +55,10 @@ class Guard:
         res = res[self.out] if isinstance(res, (tuple, list)) else res
         return res.item()
 
-    def inputs_read(self) -> list[str]:
-        return [f"{kind} {name}" for kind, name in self.leaves]
+    def inputs_read(self, input_names=None) -> list[str]:
+        """What the check reads: 'input attention_mask', 'param lin.weight'..."""
+        return [f"input '{input_names[name]}'" if kind == "input" and input_names else f"{kind} '{name}'"
+                for kind, name in self.leaves]
 
 
 def _cpu(a):
@@ -100,14 +102,14 @@ def build_guard(nodes: list[Node], ref: Ref, module: str) -> Guard:
     return Guard(leaves, ops, ref.out, None, module, text)
 
 
-def check_guards(guards: list[Guard], leaf_value, where: str):
+def check_guards(guards: list[Guard], leaf_value, where: str, input_names=None):
     """Raise when a guard's value differs from the example's (before any collective of the step)."""
     for gd in guards:
         got = gd.evaluate(leaf_value)
         if got != gd.expected:
             raise GuardError(
                 f"{where}: the plan was captured with a data-dependent check in module '{gd.module or '<root>'}' "
-                f"({gd.ops_text}, reading {', '.join(gd.inputs_read())}) that gave {gd.expected!r} on the example "
+                f"({gd.ops_text}, reading {', '.join(gd.inputs_read(input_names))}) that gave {gd.expected!r} on the example "
                 f"inputs; this step's inputs give {got!r}, so the model would take another path than the plan. "
                 f"Plan again with example inputs like these (autopar.parallelize(...)).")
 

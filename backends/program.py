@@ -394,7 +394,8 @@ class Program:
             v = {"input": lambda: leaves[name], "param": lambda: params[name], "buffer": lambda: buffers[name],
                  "constant": lambda: self.g.constants[name]}[kind]()
             return (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-        check_guards(self.g.guards, value, "autopar.parallelize module")
+        check_guards(self.g.guards, value, f"autopar.parallelize({self.g.io.model_name if self.g.io else 'model'})",
+                     self.input_names)
 
     def prepare_inputs(self, inputs) -> list:
         """Validate a call's inputs (the model_io leaves of the call) against the example inputs; return DTensors

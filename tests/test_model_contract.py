@@ -2,6 +2,8 @@
 constants with data, data-dependent checks specialized with guards, unused parameters, bad arguments."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -177,5 +179,42 @@ def test_transformers_models_plan_with_no_wrapper():
     ]
     for model, kw in cases:
         model.eval()        # dropout off: random in-place ops are the functional capture's part, not this test's
-        p = autopar.plan(model, MESH, kw, cluster="cpu-gloo", allow_replicate=True)
-        assert p.params, type(model).__name__
+        p = autopar.plan(model, (2,), kw, cluster="cpu-gloo", allow_replicate=True, time_limit=10)
+        assert set(p.params) >= {k for k, _ in model.named_parameters()}, type(model).__name__
+
+
+def test_llama_runs_with_its_mask_check_guarded():
+    """LlamaForCausalLM with use_cache=False and an attention mask: transformers' mask code asks whether the mask
+    is all ones (`.all()` on a tensor): specialized on the example, run on 2 simulated ranks equal to one device,
+    and a padded batch (which would take the other path) is refused naming the module and the input."""
+    tr = pytest.importorskip("transformers")
+    from _simulated import simulated
+    from autopar.backends.verify import global_value
+    from autopar.strategies._torch_adapter import outside_local_tensor_mode
+    tr.utils.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (4, 16))
+    cfg = tr.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         intermediate_size=64, num_key_value_heads=2, max_position_embeddings=32)
+    model = tr.LlamaForCausalLM(cfg).eval()
+    ref = copy.deepcopy(model)
+    kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False)
+    with simulated((2,)) as mesh:
+        pm = autopar.parallelize(model, mesh, kw)
+        assert len(pm.program.g.guards) == 1
+        out = pm(**kw)
+        out.loss.backward()
+        with outside_local_tensor_mode():
+            r = ref(**kw)
+            r.loss.backward()
+        assert type(out) is type(r)
+        assert abs(global_value(out.loss).item() - r.loss.item()) <= 1e-6 + 1e-4 * abs(r.loss.item())
+        named = dict(pm.named_parameters())
+        for k, p in ref.named_parameters():
+            err = (global_value(named[k].grad) - p.grad).abs().max().item()
+            assert err <= 1e-6 + 1e-4 * p.grad.abs().max().item(), k
+        padded = dict(kw, attention_mask=torch.ones_like(ids).index_fill(1, torch.tensor([0]), 0))
+        with pytest.raises(GuardError, match="module 'model'.*reading input 'attention_mask'.*gave True"):
+            pm(**padded)
+        with pytest.raises(ValueError, match="'use_cache' is True but the plan was captured with False"):
+            pm(**dict(kw, use_cache=True))
