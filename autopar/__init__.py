@@ -15,7 +15,7 @@ __all__ = ["plan", "Plan", "MeshSpec", "ClusterSpec", "CLUSTERS", "get_cluster",
            "CaptureError", "InfeasibleMemoryError", "NoStrategyError", "SolverTimeLimitError", "parallelize"]
 
 
-def parallelize(model, mesh, example_inputs, *, backend: str = "graph", **kwargs):
+def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", **kwargs):
     """Plan `model` for the DeviceMesh `mesh` and return a module that runs each training step SPMD on this rank
     (see autopar.backends.graph.parallelize; imported on first use so planning never loads the backends).
 

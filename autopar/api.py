@@ -10,10 +10,12 @@ import torch.nn as nn
 from .capture import capture
 from .cost import TrainingPrecision, get_cluster
 from .mesh import as_mesh_spec
+from .model_io import ModelIO
 from .pipeline import PASSES, PlanState, run_passes
 from .plan import Plan
 from .predict import build_plan
 from .solver import InfeasibleMemoryError
+from .strategies._torch_adapter import outside_local_tensor_mode
 
 
 def _gc_paused(fn):
@@ -32,13 +34,18 @@ def _gc_paused(fn):
 
 
 @_gc_paused
-def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None, memory_budget: float | None = None,
+def plan(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | None = None, cluster="h100",
+         loss_fn=None, memory_budget: float | None = None,
          precision: TrainingPrecision | None = None, force: dict | None = None, replicate_ops=(),
          allow_replicate: bool = False, time_limit: float = 60.0, dump_after=(), return_state: bool = False,
          allow_bf16: bool = False, allow_checkpointing: bool = True, pipeline=None, pin=None,
          overlap: bool = False, mip_rel_gap: float = 1e-3, output: str = "loss") -> Plan:
     """Plan how to run one training step of `model` on `mesh`.
 
+    example_inputs / example_kwargs: one step's global inputs, called as `model(*example_inputs, **example_kwargs)`;
+        example_inputs may be a dict of keyword inputs instead. Tensors are the step's inputs; other values
+        (use_cache=False, None, ints) are constants of the plan. The loss is the output when it is a tensor, else
+        `out.loss` (a ModelOutput), `out["loss"]` (a dict), `out[0]` (a tuple), or `loss_fn(out)` (autopar/model_io.py).
     mesh: a DeviceMesh, a MeshSpec, 'AxB', or a shape tuple (meshes you do not have are fine).
     cluster: a name from autopar.cost.CLUSTERS or a path to a calibrated cluster JSON.
     memory_budget: bytes per rank (default: 90% of the device's memory).
@@ -65,6 +72,7 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
         schedule and micro-batch count jointly with each stage's per-op plan; a mesh with a dim named "pp" does
         so too. The plan's `stages` and `schedule` are filled; `force` then names placements on the stage submesh.
     """
+    io = ModelIO.from_example(model, example_inputs, example_kwargs)     # bad arguments: named, before capture
     mesh = as_mesh_spec(mesh)
     cl = get_cluster(cluster)
     if precision is None:
@@ -80,6 +88,8 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
         from .pipeline_plan import plan_pipeline
         if return_state:
             raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")
+        if example_kwargs or isinstance(example_inputs, dict):
+            raise ValueError("pipeline plans take positional example_inputs only (no keyword inputs)")
         return plan_pipeline(model, mesh, example_inputs, cluster=cl, precision=precision, budget=budget,
                              loss_fn=loss_fn, force=force, replicate_ops=replicate_ops,
                              allow_replicate=allow_replicate, time_limit=time_limit, pipeline=pipeline or "auto")
@@ -89,14 +99,14 @@ def plan(model: nn.Module, mesh, example_inputs, *, cluster="h100", loss_fn=None
             raise ValueError(f"force names unknown parameter '{fqn}'")
         if len(pl) != mesh.ndim:
             raise ValueError(f"force['{fqn}'] = {pl} needs one placement per mesh dim {mesh.names}")
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     from .passes.precision import MIXED_BF16, choose
     variants = [None]
     if allow_bf16 and any(p.dtype == torch.float32 for p in model.parameters()):
         variants.append(MIXED_BF16)
     results, infeasible = [], []
     for mp in variants:
-        graph = capture(model, inputs, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output)
+        with outside_local_tensor_mode():       # capture runs on meta tensors, never on simulated ranks' values
+            graph = capture(model, io, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output)
         state = PlanState(graph, mesh, cl, precision, budget,
                           {"force": force, "replicate_ops": [str(o) for o in replicate_ops],
                            "allow_replicate": allow_replicate, "time_limit": time_limit, "mixed_precision": mp,

@@ -26,6 +26,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .graph import Graph, Node, Ref, TensorMeta, map_refs
+from .guards import NoRealValue, build_guard
+from .model_io import ModelIO, pick_loss
 
 aten = torch.ops.aten
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -59,6 +61,11 @@ class _Recorder(TorchDispatchMode):
         node = torch._C._current_autograd_node() if self.phase == "bw" else None
         op = node.name() if node is not None else self.user_op()
         return f"module '{self.module_path() or '<root>'}'" + (f" (in {op})" if op else "")
+        self.real: dict[tuple, torch.Tensor] = {}   # (leaf kind, target) -> its real value, where it has one
+        self.origin: dict[int, torch.Tensor] = {}   # id(meta tensor made from data) -> that data (_Constants)
+        self.const_module: dict[str, str] = {}
+        self.guards: list = []
+        self.input_names: list[str] = []            # the model_io leaf names, for messages
 
     def leaf(self, t: torch.Tensor, kind: str, target) -> int:
         module = target.rsplit(".", 1)[0] if kind in ("param", "buffer") and "." in target else ""
@@ -110,6 +117,51 @@ class _Recorder(TorchDispatchMode):
         finally:
             self.decomposing -= 1
 
+    def constant(self, a: torch.Tensor) -> str:
+        """Name a tensor the graph did not make as a constant leaf, holding its data: a meta tensor made from data
+        (torch.tensor(..., device=meta): no dispatch sees it) has its CPU twin from _Constants; an empty one needs
+        none. A meta constant with no data left here is refused after capture if the graph still reads it."""
+        name = f"const{len(self.constants)}"
+        if a.device.type == "meta":
+            a = self.origin.get(id(a), torch.empty(a.shape, dtype=a.dtype) if a.numel() == 0 else a)
+        self.constants[name] = a
+        self.const_module[name] = self.module_path()
+        if a.device.type != "meta":
+            self.real[("constant", name)] = a
+        return name
+
+    def specialize(self, t: torch.Tensor):
+        """A tensor's value decides the model's Python (`.item()`, `bool(t)`): evaluate the recorded cone that made
+        it on the real example values, hand the value back and keep the check as a guard the runtime re-checks
+        (torch.export's specialization). Refused when the cone reads something with no data (meta weights)."""
+        where = self.module_path() or "<root>"
+        r = self.ref.get(id(t))
+        if r is None:
+            if t.device.type != "meta":
+                return t.item()     # a constant the model closed over: its value cannot change
+            r = Ref(self.leaf(t, "constant", self.constant(t)))
+        try:
+            gd = build_guard(self.nodes, r, where)
+            gd.expected = gd.evaluate(self.real_leaf)
+        except NoRealValue as e:
+            kind, name = e.leaf
+            name = self.input_names[name] if kind == "input" and self.input_names else name
+            raise CaptureError(f"data-dependent control flow or .item() in module '{where}': a tensor value decides "
+                               f"Python control flow and it depends on {kind} '{name}', which has no real value here "
+                               f"(meta device); capture specializes such checks on real example values, so pass "
+                               f"real example inputs and weights") from None
+        except Exception as e:
+            raise CaptureError(f"data-dependent control flow or .item() in module '{where}': evaluating the check on "
+                               f"the example values failed: {type(e).__name__}: {e}") from e
+        self.guards.append(gd)
+        return gd.expected
+
+    def real_leaf(self, leaf: tuple) -> torch.Tensor:
+        v = self.real.get(leaf)
+        if v is None:
+            raise NoRealValue(leaf)
+        return v
+
     def exact_mean_loss(self, func, types, args):
         """Record a mean nll_loss as (sum of the losses, total weight) -> their quotient. Sharded on the batch,
         both are partial sums, so the plan's reduction of each gives the single device's mean exactly, whatever
@@ -124,8 +176,7 @@ class _Recorder(TorchDispatchMode):
         if func in NLL_LOSSES and len(args) == 5 and args[3] == _MEAN:
             return self.exact_mean_loss(func, types, args)
         if func is aten._local_scalar_dense.default:
-            raise CaptureError(f"data-dependent control flow or .item() in {self.where()}:"
-                               f" a tensor value decides Python control flow, which a static plan cannot capture")
+            return self.specialize(args[0])
         if func is aten.copy.default:
             func, args, kwargs = _copy_as_clone(args, kwargs)
         decomp = _BN_DECOMPOSE.get(func)
@@ -147,9 +198,7 @@ class _Recorder(TorchDispatchMode):
             if isinstance(a, torch.Tensor):
                 r = self.ref.get(id(a))
                 if r is None:   # a tensor from outside the graph (e.g. a CPU constant): record it as a leaf
-                    name = f"const{len(self.constants)}"
-                    self.constants[name] = a
-                    r = Ref(self.leaf(a, "constant", name))
+                    r = Ref(self.leaf(a, "constant", self.constant(a)))
                 ins.append(r)
                 return r
             t = type(a)
@@ -283,6 +332,32 @@ def _batch_norm(func, args, kwargs):
                                                  a["eps"])[0]
 
 
+class _Constants(TorchFunctionMode):
+    """torch.tensor(data, device=meta) and its kin make a meta tensor without any dispatch the recorder sees, so
+    its data would be lost: make the same tensor on the CPU too and tell the recorder, which records it as a
+    constant with that data."""
+    FNS = (torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor)
+
+    def __init__(self, rec: "_Recorder"):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in self.FNS and isinstance(out, torch.Tensor) and out.device.type == "meta" \
+                and id(out) not in self.rec.ref:
+            try:
+                with torch._C._DisableTorchDispatch():
+                    real = func(*args, **{**kwargs, "device": "cpu"})
+            except Exception:       # made from meta data itself: nothing to keep
+                real = None
+            if isinstance(real, torch.Tensor) and real.device.type == "cpu":
+                self.rec.origin[id(out)] = real.detach()
+                self.rec.keep.append(out)
+        return out
+
+
 def _label_backward_nodes(module_fqn: dict[nn.Module, str], start_seq: dict[nn.Module, int]):
     """Forward hooks that tag each autograd node created inside a module with that module's path."""
     def pre(mod, args):
@@ -316,9 +391,13 @@ def to_meta(t: torch.Tensor, requires_grad: bool = False, dtype: torch.dtype | N
     return m.requires_grad_(requires_grad) if requires_grad else m
 
 
-def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, param_dtype: torch.dtype | None = None,
-            output: str = "loss") -> Graph:
+def capture(model: nn.Module, example_inputs, loss_fn=None, param_dtype: torch.dtype | None = None,
+            output: str = "loss", example_kwargs: dict | None = None) -> Graph:
     """Record the joint fw+bw aten graph of `model` on meta tensors. The model itself is not changed or run.
+    example_inputs / example_kwargs: the example call (autopar/model_io.py: a tuple, a dict of keyword inputs, or
+    a ModelIO); the graph's inputs are its tensor leaves, the rest are constants of the capture (Graph.io).
+    The loss is picked from the output by model_io.pick_loss (tensor, ModelOutput.loss, dict["loss"], tuple[0],
+    or loss_fn(out)). Parameters the loss does not reach get no gradient (absent from Graph.grads).
     param_dtype: run with floating-point parameters in this dtype (the graph of FSDP2 mixed precision).
     output: "loss" (the model returns a scalar loss; the backward starts from ones_like(loss)) or "activation"
     (a part of a model: it returns one tensor whose incoming gradient seeds the backward, recorded as
@@ -327,8 +406,8 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, param_dtype: 
     if output not in ("loss", "activation"):
         raise ValueError(f"output must be 'loss' or 'activation', got {output!r}")
     act = output == "activation"
-    if not isinstance(example_inputs, (tuple, list)):
-        example_inputs = (example_inputs,)
+    io = example_inputs if isinstance(example_inputs, ModelIO) else \
+        ModelIO.from_example(model, example_inputs, example_kwargs)
     named = dict(model.named_parameters())
     aliases = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
@@ -336,11 +415,11 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, param_dtype: 
             if q is p and k != fqn:
                 aliases[fqn] = k
     buffers = dict(model.named_buffers())
-    meta_params = {k: to_meta(p, p.requires_grad, param_dtype if p.is_floating_point() else None)
-                   for k, p in named.items()}
+    cast = lambda p: param_dtype if param_dtype is not None and p.is_floating_point() else None
+    meta_params = {k: to_meta(p, p.requires_grad, cast(p)) for k, p in named.items()}
     meta_buffers = {k: to_meta(b) for k, b in buffers.items()}
     meta_inputs = [to_meta(x, act and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
-                   for x in example_inputs]
+                   for x in io.leaves]
     module_fqn = {m: fqn for fqn, m in model.named_modules()}
     modstack: list[str] = []
     start_seq: dict[nn.Module, int] = {}
@@ -364,19 +443,28 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, param_dtype: 
     f_params = {k: _to_functional(t) for k, t in meta_params.items()}
     f_buffers = {k: _to_functional(t) for k, t in meta_buffers.items()}
     f_inputs = [_to_functional(x) if isinstance(x, torch.Tensor) else x for x in meta_inputs]
+    _real_leaves(rec, io, named, buffers, cast)
+    rec.input_names = io.names
+    call_args, call_kwargs = io.call_args(f_inputs)
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = nn.modules.module.register_module_forward_hook(post)
     try:
-        with fused, rec, _functionalization():
-            out = torch.func.functional_call(model, {**f_params, **f_buffers}, tuple(f_inputs))
-            loss = loss_fn(out) if loss_fn is not None else out
+        with fused, _Constants(rec), rec, _functionalization():
+            out = torch.func.functional_call(model, {**f_params, **f_buffers}, call_args, call_kwargs)
             if act:
+                loss = loss_fn(out) if loss_fn is not None else out
                 if not isinstance(loss, torch.Tensor):
                     raise CaptureError(f"a module run as part of a model must return one tensor; got "
                                        f"{type(loss).__name__}")
-            elif not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise CaptureError("the model must return a scalar loss (or pass loss_fn=...); got "
-                                   f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+            else:
+                try:
+                    loss, io.out_kind = pick_loss(out, loss_fn, type(model).__name__)
+                except TypeError as e:
+                    raise CaptureError(str(e)) from None
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise CaptureError("the model must return a scalar loss (or pass loss_fn=...); got "
+                                       f"{type(loss).__name__}"
+                                       f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
             if not loss.requires_grad:
                 raise CaptureError("the loss does not depend on any trainable parameter")
             updates = _mutations(rec, f_buffers, meta_buffers)
@@ -394,18 +482,19 @@ def capture(model: nn.Module, example_inputs: tuple, loss_fn=None, param_dtype: 
     finally:
         h1.remove()
         h2.remove()
-    unused = [k for k, g in zip(train, grads) if g is None]
-    if unused:
-        raise CaptureError(f"parameters receive no gradient from the loss: {unused[:8]}"
-                           f"{' ...' if len(unused) > 8 else ''}; freeze them (requires_grad=False) or use them")
-    loss_ref, grad_refs = rec.ref[id(loss)], {k: rec.ref[id(gr)] for k, gr in zip(train, grads)}
+    # a parameter the loss does not reach keeps no gradient (None), as on one device and under DDP/FSDP2
+    loss_ref = rec.ref[id(loss)]
+    grad_refs = {k: rec.ref[id(gr)] for k, gr in zip(train, grads) if gr is not None}
     in_refs = {i: rec.ref[id(gr)] for i, gr in in_grads.items() if gr is not None}
     roots = [loss_ref, *grad_refs.values(), *in_refs.values(), *updates.values()]
     nodes, fix = _drop_dead(rec.nodes, [r.node for r in roots])
     remap = lambda d: {k: fix(Ref(v)).node for k, v in d.items()}
-    return Graph(nodes, remap(params), remap(bufs), [fix(Ref(i)).node for i in inputs], fix(loss_ref),
-                 {k: fix(r) for k, r in grad_refs.items()}, aliases, rec.constants,
-                 {i: fix(r) for i, r in in_refs.items()}, act, {k: fix(r) for k, r in updates.items()})
+    _check_constants(nodes, rec)
+    g = Graph(nodes, remap(params), remap(bufs), [fix(Ref(i)).node for i in inputs], fix(loss_ref),
+              {k: fix(r) for k, r in grad_refs.items()}, aliases, rec.constants,
+              {i: fix(r) for i, r in in_refs.items()}, act, {k: fix(r) for k, r in updates.items()})
+    g.io, g.guards = io, rec.guards
+    return g
 
 
 class _functionalization:
@@ -460,6 +549,31 @@ def _refuse_mutations(rec: _Recorder, wrapped: dict, originals: dict, what: str)
         raise CaptureError(f"the forward mutates {what} {k!r} in place (in module '{n.module or '<root>'}', op "
                            f"{op}); autopar plans a forward that leaves parameters and inputs unchanged: compute a "
                            f"new tensor instead")
+
+
+def _real_leaves(rec: _Recorder, io: ModelIO, params: dict, buffers: dict, cast):
+    """Real values of the leaves, for evaluating data-dependent checks (guards): the example inputs, and the
+    model's own parameters and buffers where they are not on the meta device."""
+    for i, x in enumerate(io.leaves):
+        if isinstance(x, torch.Tensor) and x.device.type != "meta":
+            rec.real[("input", i)] = x.detach()
+    for kind, d in (("param", params), ("buffer", buffers)):
+        for k, t in d.items():
+            if t.device.type != "meta":
+                c = cast(t) if kind == "param" else None
+                rec.real[(kind, k)] = t.detach().to(c) if c is not None else t.detach()
+
+
+def _check_constants(nodes: list[Node], rec: _Recorder):
+    """A meta constant the graph reads has no data to run with: refuse it here, naming the module, rather than
+    fail at the first step ("Cannot copy out of meta tensor")."""
+    read = {r.node for n in nodes if n.kind == "op" for r in n.inputs()}
+    for n in nodes:
+        if n.kind == "constant" and n.idx in read and rec.constants[n.target].device.type == "meta":
+            where = rec.const_module.get(n.target) or "<root>"
+            raise CaptureError(f"module '{where}' uses a tensor of shape {tuple(n.out.shape)} on the meta device "
+                               f"that capture did not see made (its values are unknown); make it in forward with a "
+                               f"torch factory or torch.tensor(...), or register it as a buffer")
 
 
 def _drop_dead(nodes: list[Node], roots: list[int]):

@@ -117,6 +117,8 @@ class Graph:
     # buffer FQN -> its new value after the forward (BatchNorm's running stats): outputs of the step, like the loss,
     # which the executor writes into the buffer
     state_updates: dict[str, Ref] = field(default_factory=dict)
+    io: Any = None                     # model_io.ModelIO: how the model is called; input targets are its leaf indices
+    guards: list = field(default_factory=list)   # guards.Guard: data-dependent checks the capture specialized on
 
     def __post_init__(self):
         for n in self.nodes:

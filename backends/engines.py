@@ -504,12 +504,17 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
     after tensor parallelism and checkpointing, before FSDP)."""
     if backend not in ("torch", "mixed", "auto"):
         raise ValueError(f"backend must be 'torch', 'mixed' or 'auto' here, got {backend!r}")
+    # keyword inputs (autopar/model_io.py) plan like positional ones; the engines run the user's own module, which
+    # takes them itself; the graph parts of "mixed" are split by positional calls, so keyword inputs skip them
+    kw = plan_kwargs.pop("example_kwargs", None)
+    if isinstance(example_inputs, dict):
+        example_inputs, kw = (), {**example_inputs, **(kw or {})}
     ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     replan = None
     plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")   # also the parts'
     if planned is None:
         from .engines_plan import plan_for_engines
-        planned, replan = plan_for_engines(model, mesh, ex, **plan_kwargs)
+        planned, replan = plan_for_engines(model, mesh, ex, **({"example_kwargs": kw} if kw else {}), **plan_kwargs)
     plan, state = planned
     low = recognize(plan, model, units=units, styles=styles)
     if replan:
@@ -523,7 +528,8 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
         raise EngineLoweringError("the plan cannot be lowered to fully_shard / parallelize_module (use "
                                   "backend='auto', 'mixed' or 'graph'):\n" +
                                   "\n".join(f"  {part}: {why}" for part, why in low.reasons))
-    mixed, why = _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs)
+    mixed, why = _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs) if not kw else \
+        (None, "keyword inputs: graph parts are split off positional calls only")
     if mixed is not None and backend == "auto":    # the faster of the two by the cost model
         from .engines_comm import engine_step_time
         t_mixed, t_graph = engine_step_time(plan, mixed, plan_kwargs["cluster"]), plan.predicted["step_s"]
@@ -540,7 +546,7 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
         model.autopar_dump = _dump(plan, mixed, "torch + graph parts")
         return model
     from .graph import parallelize as graph_parallelize
-    pm = graph_parallelize(model, mesh, ex, planned=(plan, state))
+    pm = graph_parallelize(model, mesh, ex, example_kwargs=kw, planned=(plan, state))
     low.notes.append(f"the whole model runs on the graph backend: {why}")
     pm.autopar_dump, pm.autopar_fallback = _dump(plan, low, "graph"), why
     return pm

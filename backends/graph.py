@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.model_io import ModelIO
 from autopar.strategies._torch_adapter import make_dtensor, per_rank, to_placement
 
 from .comm import agree_on_plan, redistribute_local
@@ -49,23 +50,27 @@ def _device(mesh) -> torch.device:
     return torch.device(mesh.device_type, mod.current_device())
 
 
-def parallelize(model: nn.Module, mesh, example_inputs, *, planned=None, attention: str = "auto",
-                **plan_kwargs) -> "ParallelModule":
+def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | None = None, planned=None,
+                attention: str = "auto", **plan_kwargs) -> "ParallelModule":
     """Plan `model` for `mesh` (autopar.plan, same keyword options: cluster, memory_budget, force, ...) and
     return a module that runs one SPMD training step per call on this rank.
 
-    example_inputs: the global inputs of one step (their shapes are the only shapes the module accepts).
+    example_inputs / example_kwargs: the global inputs of one step, positional and keyword (example_inputs may be
+        a dict of keyword inputs); their shapes are the only shapes the module accepts, and its non-tensor inputs
+        are constants of the plan. The module is called like the model (`pm(**batch)`); it returns the loss in the
+        container the model returns (`pm(**batch).loss` for a transformers model), or the loss tensor.
     planned: a `(plan, state)` pair from `autopar.plan(..., return_state=True)` for this model, inputs and mesh
         shape (skips planning; the ranks still check that they agree).
     attention: "auto" (the captured CPU kernel on CPU, an exact math formulation elsewhere), "kernel" or "math".
     """
+    ModelIO.from_example(model, example_inputs, example_kwargs)     # bad arguments: named, before anything runs
     _check_mesh(mesh)
-    ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     if planned is None:
         import autopar
         plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
         plan_kwargs.setdefault("overlap", False)     # this executor runs each collective where the plan puts it
-        plan, state = autopar.plan(model, mesh, ex, return_state=True, **plan_kwargs)
+        plan, state = autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True,
+                                   **plan_kwargs)
     else:
         if plan_kwargs:
             raise TypeError(f"planned=... given together with plan options {sorted(plan_kwargs)}")
@@ -74,7 +79,11 @@ def parallelize(model: nn.Module, mesh, example_inputs, *, planned=None, attenti
         raise ValueError(f"the plan is for mesh {tuple(plan.mesh_shape)} but the mesh is {tuple(mesh.shape)}")
     device = _device(mesh)
     agree_on_plan(mesh, plan.hash(), device)
-    prog = Program(state, plan, mesh, device, ex, attention=attention)
+    io = state.graph.io
+    if io is None:      # a graph captured before the model contract existed: positional inputs only
+        io = ModelIO.from_example(model, example_inputs, example_kwargs)
+        state.graph.io = io
+    prog = Program(state, plan, mesh, device, io.leaves, attention=attention)
     return ParallelModule(model, prog)
 
 
@@ -131,14 +140,18 @@ class ParallelModule(nn.Module):
                                 [(f, *at(f)) for f, _ in self.named_buffers()])
         return self._slot_cache
 
-    def forward(self, *inputs):
+    def forward(self, *args, **kwargs):
+        """One step, called like the model; returns the loss (in the model's container kind, model_io.wrap_loss)."""
         prog = self.program
-        ins = prog.prepare_inputs(inputs)
+        leaves = prog.g.io.flatten_call(args, kwargs)
         pslots, bslots = self._slots()
         params = [mod._parameters[leaf] for mod, leaf in pslots]
         buffers = {f: mod._buffers[leaf] for f, mod, leaf in bslots}
+        ins = prog.prepare_inputs(leaves)
+        # every rank evaluates the same global values, so a broken guard stops all of them alike (no hang)
+        prog.check_guards(leaves, dict(zip(prog.param_fqns, params)), buffers)
         need = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-        return _Step.apply(prog, ins, buffers, need, *params)
+        return prog.g.io.wrap_loss(_Step.apply(prog, ins, buffers, need, *params))
 
     def attach_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Let a fused optimizer (torch.optim.Adam/AdamW(..., fused=True)...) step this module's DTensor parameters
@@ -162,10 +175,18 @@ class ParallelModule(nn.Module):
         opt.register_step_post_hook(to_dtensor)
         return opt
 
-    def shard_inputs(self, *inputs) -> tuple:
-        """Each rank's DTensor of a global batch at the plan's input placements (local slicing, no communication);
-        pass the result to the module like the global tensors."""
-        return tuple(self.program.prepare_inputs(inputs))
+    def shard_inputs(self, *args, **kwargs) -> tuple:
+        """Each rank's DTensor of a global batch's tensor inputs at the plan's input placements (local slicing, no
+        communication), in the order of the call's tensor leaves. A positional-only call gets back a tuple to pass
+        to the module like the global tensors; `shard_batch` keeps the call's keywords."""
+        return tuple(self.program.prepare_inputs(self.program.g.io.flatten_call(args, kwargs)))
+
+    def shard_batch(self, *args, **kwargs) -> tuple[tuple, dict]:
+        """(args, kwargs) of the call with each tensor replaced by this rank's DTensor at its planned placement."""
+        io = self.program.g.io
+        leaves = io.flatten_call(args, kwargs)
+        it = iter(self.program.prepare_inputs(leaves))
+        return io.call_args([next(it) if isinstance(x, torch.Tensor) else x for x in leaves])
 
 
 def _distribute(t: torch.Tensor, mesh, placements, device) -> DTensor:

@@ -214,7 +214,9 @@ class Program:
             it.strides = {}
             it.swapped = it.contig = False
             it.out_r = [o is None or all(p == "R" for p in o) for o in outs]
-            args, kwargs = n.args, n.kwargs
+            # tensors the forward makes or moves (arange, masks, caches, .to(device=...)) were recorded on the meta
+            # device of the capture: they are made on the run device
+            args, kwargs = _to_device(n.args, device), _to_device(n.kwargs, device)
             all_r = all(p == "R" for pl in ins for p in pl) and all(it.out_r)
             if n.phase == "bw" and n.target is aten.ones_like.default and n.inputs() == [g.loss]:
                 it.mode = "seed"
@@ -229,7 +231,7 @@ class Program:
             else:
                 local = local_args(g, n, ins, outs, tuple(mesh.shape), device)
                 if local is not None:
-                    it.mode, (args, kwargs) = "local", local
+                    it.mode, (args, kwargs) = "local", _to_device(local, device)
                 else:
                     it.mode = "dtensor"
             it.keys = [(r.node, r.out) for r in n.inputs()]
@@ -372,36 +374,56 @@ class Program:
         g = self.g
         pos = {g.nodes[i].target: i for i in g.inputs}
         self.input_node = pos
+        self.input_names = list(g.io.names) if g.io is not None else [str(i) for i in range(len(self.example))]
         for i, x in enumerate(self.example):
             if isinstance(x, torch.Tensor):
                 if i not in pos or tuple(g.nodes[pos[i]].out.shape) != tuple(x.shape):
-                    raise ValueError(f"example input {i} (shape {tuple(x.shape)}) does not match the captured graph")
+                    raise ValueError(f"example input '{self.input_names[i]}' (shape {tuple(x.shape)}) does not "
+                                     f"match the captured graph")
+
+    def check_guards(self, leaves: list, params: dict, buffers: dict):
+        """Every data-dependent check the capture specialized on (autopar/guards.py) gives its example value on
+        this step's global inputs, else GuardError naming the module, before the step runs any collective. A
+        sharded leaf a guard reads is gathered (the same collective on every rank, in guard order)."""
+        if not self.g.guards:
+            return
+        from autopar.guards import check_guards
+
+        def value(leaf):
+            kind, name = leaf
+            v = {"input": lambda: leaves[name], "param": lambda: params[name], "buffer": lambda: buffers[name],
+                 "constant": lambda: self.g.constants[name]}[kind]()
+            return (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        check_guards(self.g.guards, value, f"autopar.parallelize({self.g.io.model_name if self.g.io else 'model'})",
+                     self.input_names)
 
     def prepare_inputs(self, inputs) -> list:
-        """Validate a call's inputs against the example inputs; return DTensors at the plan's placements (the local
-        slice of a global tensor, no communication; a DTensor at other placements is redistributed)."""
+        """Validate a call's inputs (the model_io leaves of the call) against the example inputs; return DTensors
+        at the plan's placements (the local slice of a global tensor, no communication; a DTensor at other
+        placements is redistributed)."""
         if len(inputs) != len(self.example):
             raise TypeError(f"the parallelized module takes {len(self.example)} inputs (like its example inputs), "
                             f"got {len(inputs)}")
-        out = []
+        out, names = [], self.input_names
         for i, (x, ex) in enumerate(zip(inputs, self.example)):
             if not isinstance(ex, torch.Tensor):
-                if x != ex:
-                    raise ValueError(f"input {i} is {x!r} but the plan was captured with {ex!r}; non-tensor inputs "
-                                     f"are baked into the plan")
+                if x is not ex and x != ex:
+                    raise ValueError(f"input '{names[i]}' is {x!r} but the plan was captured with {ex!r}; "
+                                     f"non-tensor inputs are baked into the plan")
                 continue
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"input {i} must be a tensor like the example input, got {type(x).__name__}")
+                raise TypeError(f"input '{names[i]}' must be a tensor like the example input, got "
+                                f"{type(x).__name__}")
             if tuple(x.shape) != tuple(ex.shape):
-                raise ValueError(f"input {i} has global shape {tuple(x.shape)} but the plan was made for the example "
-                                 f"input shape {tuple(ex.shape)}; call autopar.parallelize with example inputs of "
-                                 f"the new shape (a plan is specific to its shapes)")
+                raise ValueError(f"input '{names[i]}' has global shape {tuple(x.shape)} but the plan was made for the "
+                                 f"example input shape {tuple(ex.shape)}; call autopar.parallelize with example "
+                                 f"inputs of the new shape (a plan is specific to its shapes)")
             if x.dtype != ex.dtype:
-                raise ValueError(f"input {i} has dtype {x.dtype} but the example input has {ex.dtype}")
+                raise ValueError(f"input '{names[i]}' has dtype {x.dtype} but the example input has {ex.dtype}")
             want = self.P[self.input_node[i]].out[0]
             if isinstance(x, DTensor):
                 if x.device_mesh != self.mesh:
-                    raise ValueError(f"input {i} is a DTensor on another device mesh ({x.device_mesh})")
+                    raise ValueError(f"input '{names[i]}' is a DTensor on another device mesh ({x.device_mesh})")
                 have = placement_strs(x)
                 if have != want:
                     x = self._dt(self.redistribute(x, have, want))

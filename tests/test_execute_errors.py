@@ -44,12 +44,13 @@ def test_input_shape_differs_from_example(mlp):
     with fake_world(2), lt.LocalTensorMode(frozenset(range(2))):
         pm = autopar.parallelize(model, init_device_mesh("cpu", (2,)), x, planned=planned)
         tokens = example_inputs("mlp-tiny", batch=4, seq=6, **OV)[0]
-        with pytest.raises(ValueError, match=r"input 0 has global shape \(4, 6\) but the plan was made for the "
-                                             r"example input shape \(4, 4\)"):
+        with pytest.raises(ValueError, match=r"input 'tokens' has global shape \(4, 6\) but the plan was made for "
+                                             r"the example input shape \(4, 4\)"):
             pm(tokens, x[1])
-        with pytest.raises(ValueError, match=r"input 1 has dtype torch.int32 but the example input has torch.int64"):
+        with pytest.raises(ValueError, match=r"input 'labels' has dtype torch.int32 but the example input has "
+                                             r"torch.int64"):
             pm(x[0], x[1].int())
-        with pytest.raises(TypeError, match="takes 2 inputs"):
+        with pytest.raises(TypeError, match="missing a required argument: 'labels'"):
             pm(x[0])
 
 

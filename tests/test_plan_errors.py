@@ -56,8 +56,10 @@ class Gate(nn.Module):
 
 
 def test_data_dependent_control_flow_names_module():
-    with pytest.raises(autopar.CaptureError, match=r"data-dependent control flow.*module 'gate'"):
-        autopar.plan(Branchy(), (2,), (torch.randn(4, 8),))
+    # on real example values such a check is specialized and guarded (tests/test_model_contract.py); on meta
+    # inputs there is nothing to specialize on
+    with pytest.raises(autopar.CaptureError, match=r"data-dependent control flow.*module 'gate'.*input 'x'"):
+        autopar.plan(Branchy(), (2,), (torch.randn(4, 8, device="meta"),))
 
 
 class Counter(nn.Module):
@@ -126,7 +128,7 @@ def test_bad_mesh_string_and_cluster():
         autopar.get_cluster("tpu-v9")
 
 
-def test_unused_parameter_is_named():
+def test_unused_parameter_gets_no_gradient():
     class Unused(nn.Module):
         def __init__(self):
             super().__init__()
@@ -134,5 +136,5 @@ def test_unused_parameter_is_named():
 
         def forward(self, x):
             return self.a(x).sum()
-    with pytest.raises(autopar.CaptureError, match=r"b\.weight"):
-        autopar.plan(Unused(), (2,), (torch.randn(2, 4),))
+    p, state = autopar.plan(Unused(), (2,), (torch.randn(2, 4),), return_state=True)
+    assert "b.weight" in p.params and "b.weight" not in state.graph.grads and "a.weight" in state.graph.grads
