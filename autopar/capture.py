@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .graph import Graph, Node, Ref, TensorMeta, map_refs
+from .strategies import decomposition_for
 
 aten = torch.ops.aten
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -43,6 +44,7 @@ class _Recorder(TorchDispatchMode):
         self.constants: dict[str, torch.Tensor] = {}
         self.functional: dict = {}
         self.memo: dict = {}
+        self.origin = None      # the op with no placement rule whose decomposition is being recorded
 
     def leaf(self, t: torch.Tensor, kind: str, target) -> int:
         module = target.rsplit(".", 1)[0] if kind in ("param", "buffer") and "." in target else ""
@@ -93,6 +95,16 @@ class _Recorder(TorchDispatchMode):
         total, weight = self.__torch_dispatch__(func, types, (*args[:3], _SUM, args[4]), {})
         return self.__torch_dispatch__(aten.div.Tensor, types, (total, weight), {}), weight
 
+    def decompose(self, func, decomp, args, kwargs):
+        """An op with no placement rule as torch's decomposition of it (strategies.decomposition_for): its pieces
+        are recorded (each may decompose further), with `func` as their origin for error messages."""
+        outer, self.origin = self.origin, self.origin or func
+        try:
+            with self:
+                return decomp(*args, **kwargs)
+        finally:
+            self.origin = outer
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in NLL_LOSSES and len(args) == 5 and args[3] == _MEAN:
@@ -100,6 +112,9 @@ class _Recorder(TorchDispatchMode):
         if func is aten._local_scalar_dense.default:
             raise CaptureError(f"data-dependent control flow or .item() in module '{self.module_path() or '<root>'}':"
                                f" a tensor value decides Python control flow, which a static plan cannot capture")
+        decomp = decomposition_for(func)
+        if decomp is not None and (out := self.decompose(func, decomp, args, kwargs)) is not NotImplemented:
+            return out
         if func._schema.is_mutable and func not in _MUTATING_OK:
             raise CaptureError(f"in-place op {func} in module '{self.module_path() or '<root>'}' mutates a tensor"
                                f" (e.g. a buffer update); the plan cannot keep mutated state consistent across ranks")
@@ -128,7 +143,7 @@ class _Recorder(TorchDispatchMode):
         rkwargs = {k: conv(v) for k, v in kwargs.items()}
         flat, _ = tree_flatten(out)
         outs = tuple(TensorMeta(tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None for o in flat)
-        n = Node(len(self.nodes), "op", func, rargs, rkwargs, outs, self.phase, self.module_path())
+        n = Node(len(self.nodes), "op", func, rargs, rkwargs, outs, self.phase, self.module_path(), origin=self.origin)
         n._ins = ins
         self.nodes.append(n)
         for i, o in enumerate(flat):
