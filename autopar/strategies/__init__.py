@@ -100,6 +100,16 @@ def decomposition_for(op):
     return fn
 
 
+def user_op(node) -> str:
+    """The op a user's code called for this node: the op whose torch decomposition produced it, else its own."""
+    return str(node.origin or node.target)
+
+
+def describe(node) -> str:
+    """The node for a message: its name, and the op it was decomposed from."""
+    return node.name if node.origin is None else f"{node.name} (in torch's decomposition of {node.origin})"
+
+
 _CORE: list = []
 
 
