@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .graph import Graph, Node, Ref, TensorMeta, map_refs
 from .guards import NoRealValue, build_guard
 from .model_io import ModelIO, pick_loss
+from .strategies import decomposition_for
 
 aten = torch.ops.aten
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -54,6 +55,12 @@ class _Recorder(TorchDispatchMode):
         self.memo: dict = {}
         self.user_op = user_op or (lambda: None)    # the torch-level call being run, for messages
         self.decomposing = 0
+        self.real: dict[tuple, torch.Tensor] = {}   # (leaf kind, target) -> its real value, where it has one
+        self.origin: dict[int, torch.Tensor] = {}   # id(meta tensor made from data) -> that data (_Constants)
+        self.const_module: dict[str, str] = {}
+        self.guards: list = []
+        self.input_names: list[str] = []            # the model_io leaf names, for messages
+        self.decomp_origin = None   # the user-level op whose decomposition is being recorded
 
     def where(self) -> str:
         """The user's module and op an aten op runs for (a decomposition's inner op names its outer call; in the
@@ -61,11 +68,6 @@ class _Recorder(TorchDispatchMode):
         node = torch._C._current_autograd_node() if self.phase == "bw" else None
         op = node.name() if node is not None else self.user_op()
         return f"module '{self.module_path() or '<root>'}'" + (f" (in {op})" if op else "")
-        self.real: dict[tuple, torch.Tensor] = {}   # (leaf kind, target) -> its real value, where it has one
-        self.origin: dict[int, torch.Tensor] = {}   # id(meta tensor made from data) -> that data (_Constants)
-        self.const_module: dict[str, str] = {}
-        self.guards: list = []
-        self.input_names: list[str] = []            # the model_io leaf names, for messages
 
     def leaf(self, t: torch.Tensor, kind: str, target) -> int:
         module = target.rsplit(".", 1)[0] if kind in ("param", "buffer") and "." in target else ""
@@ -108,14 +110,18 @@ class _Recorder(TorchDispatchMode):
                                for v, t in zip(vals, is_t)], spec)
 
     def decompose(self, func, decomp, args, kwargs):
-        """Record `func` as the ops of its decomposition (composite ops a decomposition calls, such as flatten,
-        as theirs: below autograd nothing else would split them)."""
+        """Record `func` as the ops of its decomposition: batch norm's from torch._decomp, an op with no placement
+        rule as strategies.decomposition_for gives it (may return NotImplemented), and composite ops a
+        decomposition calls (flatten...) as theirs, since below autograd nothing else would split them. Their
+        nodes carry `func` as their origin, for messages."""
+        outer, self.decomp_origin = self.decomp_origin, self.decomp_origin or func
         self.decomposing += 1
         try:
             with self:
                 return decomp(*args, **kwargs) if decomp is not None else func.decompose(*args, **kwargs)
         finally:
             self.decomposing -= 1
+            self.decomp_origin = outer
 
     def constant(self, a: torch.Tensor) -> str:
         """Name a tensor the graph did not make as a constant leaf, holding its data: a meta tensor made from data
@@ -183,6 +189,9 @@ class _Recorder(TorchDispatchMode):
         if decomp is not None or self.decomposing and torch._C._dispatch_has_kernel_for_dispatch_key(
                 func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
             return self.decompose(func, decomp, args, kwargs)
+        decomp = decomposition_for(func)
+        if decomp is not None and (out := self.decompose(func, decomp, args, kwargs)) is not NotImplemented:
+            return out
         if func._schema.is_mutable and func not in _MUTATING_OK:
             raise CaptureError(f"op {func} in {self.where()} mutates a tensor that functionalization could not"
                                f" turn into a functional op")
@@ -209,7 +218,8 @@ class _Recorder(TorchDispatchMode):
         rkwargs = {k: conv(v) for k, v in kwargs.items()}
         flat, _ = tree_flatten(out)
         outs = tuple(TensorMeta(tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None for o in flat)
-        n = Node(len(self.nodes), "op", func, rargs, rkwargs, outs, self.phase, self.module_path())
+        n = Node(len(self.nodes), "op", func, rargs, rkwargs, outs, self.phase, self.module_path(),
+                 origin=self.decomp_origin)
         n._ins, n.user_op = ins, self.user_op()
         self.nodes.append(n)
         for i, o in enumerate(flat):

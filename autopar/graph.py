@@ -40,6 +40,7 @@ class Node:
     phase: str = "fw"              # "fw" | "bw" (bw: run by autograd's backward)
     module: str = ""               # module path that produced the node, "" for the root
     users: list[int] = field(default_factory=list)
+    origin: Any = None             # the user-level op whose torch decomposition produced this node, else None
 
     @property
     def name(self) -> str:

@@ -236,14 +236,31 @@ def _local_nll(g, n, ins, outs) -> bool:
     return _arg(n, "reduction") in (1, 2) and tuple(outs[0]) == tuple(x) and all(p == "R" for p in (*grad, *count))
 
 
+_CONV = (aten.convolution.default, aten.convolution_backward.default)
+
+
+def _local_conv(n, ins, outs) -> bool:
+    """A convolution (forward or backward) on batch shards, locally: activations split along the batch only
+    (possibly over several mesh dims, which DTensor's convolution handler cannot run), weights replicated. The
+    forward's output is then this rank's batch shard; the backward's grad_input too, its grad_weight / grad_bias
+    this rank's partial sums (P on the mesh dims that split the batch)."""
+    batch_only = lambda pl: all(p in ("R", "S0") for p in pl)
+    if n.target is aten.convolution.default:
+        return batch_only(ins[0]) and all(p == "R" for pl in ins[1:] for p in pl) and tuple(outs[0]) == tuple(ins[0])
+    go, x, w = ins
+    want = tuple("P" if p == "S0" else "R" for p in x)
+    return batch_only(x) and tuple(go) == tuple(x) and all(p == "R" for p in w) and \
+        (outs[0] is None or tuple(outs[0]) == tuple(x)) and all(o is None or tuple(o) == want for o in outs[1:])
+
+
 def local_args(g, n, ins, outs, mesh_shape, device=None):
     """(args, kwargs) that run op `n` on local shards exactly, for ops whose global-shape arguments have a local
     counterpart known ahead of time; None where only DTensor's dispatch can run it. The plan's strategy (DTensor's
     own) fixes the placements; here: a size argument becomes the output's local shape (views, expand,
     slice_backward, new_zeros...), ops that cut, select or normalize along a dim run unchanged when that dim is not
     sharded (split, slice, topk, layer_norm), `*_like` ops make the shard of their input's shard when both are at
-    the same placement, not partial, lookups run on local indices (`_local_lookup`) and an unweighted loss on
-    batch shards as partial sums (`_local_nll`). A captured device (meta) becomes `device`."""
+    the same placement, not partial, lookups run on local indices (`_local_lookup`), an unweighted loss on
+    batch shards as partial sums (`_local_nll`) and a convolution on batch shards (`_local_conv`). A captured device (meta) becomes `device`."""
     op = n.target
     if _masked(ins, outs):
         return None
@@ -268,6 +285,8 @@ def local_args(g, n, ins, outs, mesh_shape, device=None):
         return (n.args, n.kwargs) if _local_lookup(n, ins, outs) else None
     if op in (aten.nll_loss_forward.default, aten.nll_loss_backward.default):
         return (n.args, n.kwargs) if _local_nll(g, n, ins, outs) else None
+    if op in _CONV:
+        return (n.args, n.kwargs) if _local_conv(n, ins, outs) else None
     if op not in _SIZE_ARG and op not in _ON_DIM and op not in _NORM:
         return None
 

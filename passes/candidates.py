@@ -7,7 +7,7 @@ Replicate-only are listed in `state.coverage`; by default they are an error (`al
 """
 from __future__ import annotations
 
-from autopar.strategies import NoStrategyError, Strategy, leaf_strategies, node_strategies
+from autopar.strategies import NoStrategyError, Strategy, describe, leaf_strategies, node_strategies, user_op
 
 
 def run(state) -> None:
@@ -52,7 +52,7 @@ def run(state) -> None:
     fallback = {}
     for n in g.ops():
         if sources[n.idx].startswith("fallback"):
-            fallback.setdefault(str(n.target), []).append((n.name, n.module, sources[n.idx]))
+            fallback.setdefault(user_op(n), []).append((describe(n), n.module, sources[n.idx]))
     state.coverage = fallback
     allowed = set(state.options.get("replicate_ops", ()))
     bad = {op: v for op, v in fallback.items() if op not in allowed}

@@ -70,6 +70,56 @@ def _factory(args, kwargs, metas):
     return []          # every rank builds the same tensor: only the all-Replicate strategy
 
 
+# ---- ops with no rule: torch's own decompositions ------------------------------------------------------------------
+
+_DECOMP: dict = {}
+
+
+def has_rule(op) -> bool:
+    """An own rule or a DTensor strategy (per mesh dim or full-mesh) exists for `op`."""
+    return op in RULES or adapter.has_single_dim(op) or adapter.has_full(op)
+
+
+def decomposition_for(op):
+    """torch's decomposition of `op` (torch._decomp's table, then core ATen's) when `op` has no placement rule,
+    else None: the recorder (autopar/capture.py) runs it in place of the op, so the graph holds ops that have rules
+    (mse_loss -> sub, pow, mean; its backward -> sub, mul). Never for ops whose identity the plan or the executor
+    needs: mutating or aliasing ops (capture's functionalization handles them), random ops (the executor draws
+    them from its generator), and ops with a rule (their rule shards them better than their pieces')."""
+    got = _DECOMP.get(op, False)
+    if got is not False:
+        return got
+    fn = None
+    s = getattr(op, "_schema", None)
+    if s is not None and not has_rule(op) and not s.is_mutable and \
+            all(r.alias_info is None for r in s.returns) and torch.Tag.nondeterministic_seeded not in op.tags:
+        fn = torch._decomp.decomposition_table.get(op)
+        if fn is None:
+            fn = _core_aten().get(op)
+    _DECOMP[op] = fn
+    return fn
+
+
+def user_op(node) -> str:
+    """The op a user's code called for this node: the op whose torch decomposition produced it, else its own."""
+    return str(node.origin or node.target)
+
+
+def describe(node) -> str:
+    """The node for a message: its name, and the op it was decomposed from."""
+    return node.name if node.origin is None else f"{node.name} (in torch's decomposition of {node.origin})"
+
+
+_CORE: list = []
+
+
+def _core_aten() -> dict:
+    if not _CORE:
+        from torch._decomp import core_aten_decompositions
+        _CORE.append(dict(core_aten_decompositions().items()))
+    return _CORE[0]
+
+
 # ---- expansion over the mesh -------------------------------------------------------------------------------------
 
 def divides(meta: TensorMeta, pl: Placements, mesh_shape) -> bool:
@@ -146,7 +196,10 @@ def node_strategies(node: Node, meta_of, mesh_shape: tuple[int, ...], in_cands: 
                 adapter.single_dim_rules(op, node.args, node.kwargs, meta_of)
             tensor_outs = [i for i, m in enumerate(node.outs) if m is not None]
             width = len(tensor_outs) + len(ins)
-            rules = [r for r in rules if len(r) == width]
+            # a rule may list every output of the schema, also those this call does not compute (e.g.
+            # convolution_backward's grad_input of a first layer): keep the entries of the computed ones
+            rules = [r if len(r) == width else tuple(r[i] for i in tensor_outs) + tuple(r[n_out:])
+                     for r in rules if len(r) in (width, n_out + len(ins))]
             metas = [node.outs[i] for i in tensor_outs] + in_metas
             res = []
             for combo in expand(rules, metas, mesh_shape):
