@@ -8,9 +8,11 @@ rank 0's values before the first step:
   by the other ranks, the figure stated in `init_comm`): a broadcast of the full tensor (B x (world - 1)), or a
   scatter of every rank's own shard (the sum of the other ranks' shards: B x (world - 1) / k for a tensor split k
   ways). A replicated tensor is broadcast, a sharded one scattered. The tensors of one way and one dtype travel in
-  ONE collective over the world group (DTensor's distribute_tensor issues one scatter / broadcast per mesh dim per
-  tensor, each from coordinate 0 of that dim's groups: on a 2x2 gloo mesh a replicated tensor costs it 4 B over
-  2 collectives, where one world broadcast costs 3 B).
+  ONE collective over the world group. DTensor's distribute_tensor(src_data_rank=0) issues one scatter /
+  broadcast per mesh dim per tensor, each from coordinate 0 of that dim's groups, so the groups off rank 0 first
+  pass on their own values: measured on a 2x2 gloo mesh (bytes received, tensor of B bytes), [R, R] 4 B in 2
+  broadcasts where one world broadcast takes 3 B; [S0, R] 2 B (a scatter, a broadcast) where one scatter takes
+  1.5 B; [S0, S0] 1.5 B in 2 scatters where one takes 0.75 B.
 * `agreed_seed`: rank 0's `torch.initial_seed()` (reading it leaves the generator as it is), broadcast.
 * `check_replicas`: per parameter / buffer a (sum, sum |x|) float64 checksum of the local shard, max- and
   min-reduced in one all_reduce per mesh dim over the ranks that hold replicas of it on that dim; a mismatch
