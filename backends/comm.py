@@ -277,7 +277,8 @@ _KIND = {
     # c10d (process-group) ops
     "allreduce_": "all_reduce", "_allgather_base_": "all_gather", "allgather_": "all_gather",
     "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter", "alltoall_base_": "all_to_all",
-    "alltoall_": "all_to_all", "broadcast_": "broadcast", "allgather_into_tensor_coalesced_": "all_gather",
+    "alltoall_": "all_to_all", "broadcast_": "broadcast", "scatter_": "scatter",
+    "allgather_into_tensor_coalesced_": "all_gather",
     "reduce_scatter_tensor_coalesced_": "reduce_scatter", "allreduce_coalesced_": "all_reduce",
 }
 

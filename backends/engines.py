@@ -494,14 +494,46 @@ def local_inputs(model_or_lowering, mesh, *inputs):
 
 
 def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = "torch", units=None, styles=None,
-                      planned=None, compile_blocks=None, **plan_kwargs):
+                      planned=None, compile_blocks=None, assume_identical: bool = False, check_replicas: bool = True,
+                      **plan_kwargs):
     """Plan `model` for `mesh` and lower it: backend "torch" (the user's own module, parallelized in place by the
     engines; EngineLoweringError if the plan does not fit them), "mixed" (the engines for what they express, the
     graph backend for the modules they cannot, backends/engines_mixed.py; the whole model on the graph backend
     when no such split exists) or "auto" ("mixed", but a split is kept only when the cost model predicts it no
     slower than the graph backend running the whole plan). The dump says which part went where and why.
     compile_blocks: torch.compile keyword arguments to compile each repeated block in place (torchtitan's order:
-    after tensor parallelism and checkpointing, before FSDP)."""
+    after tensor parallelism and checkpointing, before FSDP).
+    assume_identical / check_replicas: as autopar.backends.graph.parallelize (rank 0's parameters and buffers are
+    broadcast before the engines shard them, `model.autopar_init_comm`; a replica checksum before the first step).
+    The user's RNG state is left as it was; `model.autopar_rng_seed` is rank 0's torch.initial_seed()."""
+    import torch
+    from .graph import _device
+    dev = _device(mesh)
+    with torch.random.fork_rng(devices=[] if mesh.device_type == "cpu" else [dev]):
+        return _parallelize_torch(model, mesh, example_inputs, backend, units, styles, planned, compile_blocks,
+                                  assume_identical, check_replicas, plan_kwargs)
+
+
+def _take_rank0(model, mesh, assume_identical, check_replicas) -> str:
+    """Rank 0's state on every rank before the engines shard the model, the first-step check; the dump's line."""
+    from . import state
+    from .graph import _device
+    if assume_identical or state.simulated_world():
+        model.autopar_init_comm = {"skipped": "assume_identical=True" if assume_identical else "one process",
+                                   "broadcast_bytes": 0, "scatter_bytes": 0, "collectives": 0}
+        line = f"state from rank 0: skipped ({model.autopar_init_comm['skipped']})"
+    else:
+        c = model.autopar_init_comm = state.broadcast_module(model, mesh)
+        line = (f"state from rank 0: {c['broadcast_bytes']:,d} B once (parameters and buffers broadcast before the "
+                f"engines shard them, {c['collectives']} collectives)")
+    model.autopar_rng_seed = state.agreed_seed(_device(mesh))
+    if check_replicas:
+        state.install_first_step_check(model, mesh, _device(mesh))
+    return line
+
+
+def _parallelize_torch(model, mesh, example_inputs, backend, units, styles, planned, compile_blocks, assume_identical,
+                       check_replicas, plan_kwargs):
     if backend not in ("torch", "mixed", "auto"):
         raise ValueError(f"backend must be 'torch', 'mixed' or 'auto' here, got {backend!r}")
     # keyword inputs (autopar/model_io.py) plan like positional ones; the engines run the user's own module, which
@@ -520,9 +552,10 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
     if replan:
         low.notes.insert(0, replan)
     if low.expressible:
+        init = _take_rank0(model, mesh, assume_identical, check_replicas)
         apply_lowering(model, mesh, low, compile_blocks)
         model._autopar_plan = plan
-        model.autopar_dump = _dump(plan, low, "torch")
+        model.autopar_dump = _dump(plan, low, "torch", init)
         return model
     if backend == "torch":
         raise EngineLoweringError("the plan cannot be lowered to fully_shard / parallelize_module (use "
@@ -538,15 +571,17 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
                                 f"slower ({t_mixed * 1e3:.2f} ms a step: their collectives) than the graph backend "
                                 f"running the plan ({t_graph * 1e3:.2f} ms)")
     if mixed is not None:
+        init = _take_rank0(model, mesh, assume_identical, check_replicas)
         apply_lowering(model, mesh, mixed, compile_blocks)
         from .engines_mixed import install_parts
         from .graph import _device
         install_parts(model, mesh, mixed, _device(mesh))
         model._autopar_plan = plan
-        model.autopar_dump = _dump(plan, mixed, "torch + graph parts")
+        model.autopar_dump = _dump(plan, mixed, "torch + graph parts", init)
         return model
     from .graph import parallelize as graph_parallelize
-    pm = graph_parallelize(model, mesh, ex, example_kwargs=kw, planned=(plan, state))
+    pm = graph_parallelize(model, mesh, ex, example_kwargs=kw, planned=(plan, state),
+                           assume_identical=assume_identical, check_replicas=check_replicas)
     low.notes.append(f"the whole model runs on the graph backend: {why}")
     pm.autopar_dump, pm.autopar_fallback = _dump(plan, low, "graph"), why
     return pm
@@ -586,11 +621,11 @@ def _compare_collectives(plan, low) -> None:
                          ("; the graph parts run their own plans" if low.parts else "") + ")")
 
 
-def _dump(plan, low, backend) -> str:
+def _dump(plan, low, backend, init: str = "") -> str:
     if backend != "graph":
         _compare_collectives(plan, low)
     head = f"backend: {backend}" + (
         "" if backend == "torch" else
         " (the torch engines for the rest, the graph backend for the modules marked '-> graph')" if low.parts else
         " (fallback: the torch engines cannot express the parts marked '-> graph')")
-    return head + "\n" + low.report() + "\n" + plan.summary()
+    return head + "\n" + (init + "\n" if init else "") + low.report() + "\n" + plan.summary()

@@ -23,6 +23,7 @@ from autopar.model_io import ModelIO
 from autopar.strategies._torch_adapter import make_dtensor, per_rank, to_placement
 
 from .comm import agree_on_plan, redistribute_local
+from .state import agreed_seed, check_replicas, simulated_world, sync_from_rank0
 from .program import ExecutionError, Program, placement_strs
 
 __all__ = ["parallelize", "ParallelModule", "ExecutionError"]
@@ -51,7 +52,8 @@ def _device(mesh) -> torch.device:
 
 
 def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | None = None, planned=None,
-                attention: str = "auto", **plan_kwargs) -> "ParallelModule":
+                attention: str = "auto", assume_identical: bool = False, check_replicas: bool = True,
+                **plan_kwargs) -> "ParallelModule":
     """Plan `model` for `mesh` (autopar.plan, same keyword options: cluster, memory_budget, force, ...) and
     return a module that runs one SPMD training step per call on this rank.
 
@@ -62,9 +64,25 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: 
     planned: a `(plan, state)` pair from `autopar.plan(..., return_state=True)` for this model, inputs and mesh
         shape (skips planning; the ranks still check that they agree).
     attention: "auto" (the captured CPU kernel on CPU, an exact math formulation elsewhere), "kernel" or "math".
+    assume_identical: the model's parameters and buffers are already the same on every rank (as DTensor's
+        src_data_rank=None): skip taking rank 0's values (backends/state.py; `pm.init_comm` states the cost).
+    check_replicas: on the first call, check that ranks holding replicas of a parameter or buffer agree.
+    The user's random number generator state is left as it was; the program's random ops draw from a generator
+    seeded by rank 0's torch.initial_seed() (`pm.program.rng_seed`).
     """
     ModelIO.from_example(model, example_inputs, example_kwargs)     # bad arguments: named, before anything runs
     _check_mesh(mesh)
+    with torch.random.fork_rng(devices=_rng_devices(mesh)):
+        return _parallelize(model, mesh, example_inputs, example_kwargs, planned, attention, assume_identical,
+                            check_replicas, plan_kwargs)
+
+
+def _rng_devices(mesh) -> list:
+    return [] if mesh.device_type == "cpu" else [_device(mesh)]
+
+
+def _parallelize(model, mesh, example_inputs, example_kwargs, planned, attention, assume_identical, check_replicas,
+                 plan_kwargs):
     if planned is None:
         import autopar
         plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
@@ -84,7 +102,8 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: 
         io = ModelIO.from_example(model, example_inputs, example_kwargs)
         state.graph.io = io
     prog = Program(state, plan, mesh, device, io.leaves, attention=attention)
-    return ParallelModule(model, prog)
+    prog.rng_seed = agreed_seed(device)
+    return ParallelModule(model, prog, assume_identical=assume_identical, check_replicas=check_replicas)
 
 
 class _Step(torch.autograd.Function):
@@ -106,25 +125,37 @@ class ParallelModule(nn.Module):
     an nn.Parameter(DTensor) at its planned placement; calling it runs one SPMD step. The original module is not
     modified. `plan` is the Plan it runs; `program` the executor."""
 
-    def __init__(self, model: nn.Module, prog: Program):
+    def __init__(self, model: nn.Module, prog: Program, assume_identical: bool = False, check_replicas: bool = True):
         super().__init__()
         self.program = prog
         self.plan = prog.plan
         mesh = prog.mesh
         self._orig_class = type(model).__name__
         made: dict[int, nn.Parameter] = {}
+        state = []                                   # (fqn, dtensor, placement strings, the model's tensor)
         for fqn, p in model.named_parameters(remove_duplicate=False):
             if id(p) in made:
                 _register(self, fqn, made[id(p)], param=True)
                 continue
-            made[id(p)] = nn.Parameter(_distribute(p, mesh, prog.param_placement(fqn), prog.device),
-                                       requires_grad=p.requires_grad)
+            pl = prog.param_placement(fqn)
+            made[id(p)] = nn.Parameter(_distribute(p, mesh, pl, prog.device), requires_grad=p.requires_grad)
             _register(self, fqn, made[id(p)], param=True)
+            state.append((fqn, made[id(p)], pl, p))
         for fqn, b in model.named_buffers():
-            _register(self, fqn, _distribute(b, mesh, prog.buffer_placement(fqn), prog.device), param=False)
+            pl = prog.buffer_placement(fqn)
+            _register(self, fqn, _distribute(b, mesh, pl, prog.device), param=False)
+            state.append((fqn, self.get_buffer(fqn), pl, b))
+        self.init_comm = _take_rank0(state, mesh, prog.device, assume_identical)
+        self._state_entries = [(f, isinstance(dt, nn.Parameter), pl) for f, dt, pl, _ in state]
+        if check_replicas:
+            self._first_check = self.register_forward_pre_hook(_check_first_step)
 
     def extra_repr(self) -> str:
-        return f"autopar {self._orig_class} on mesh {tuple(self.program.mesh.shape)}, plan {self.plan.hash()}"
+        c = self.init_comm
+        how = c.get("skipped") or (f"{c['broadcast_bytes'] + c['scatter_bytes']:,d} B once ({c['broadcast_bytes']:,d} "
+                                   f"broadcast, {c['scatter_bytes']:,d} scattered, {c['collectives']} collectives)")
+        return (f"autopar {self._orig_class} on mesh {tuple(self.program.mesh.shape)}, plan {self.plan.hash()}; "
+                f"state from rank 0: {how}")
 
     def _slots(self):
         """(module, name) of every parameter and buffer the program reads, found once: a forward reads the current
@@ -201,6 +232,34 @@ def _distribute(t: torch.Tensor, mesh, placements, device) -> DTensor:
         if own is not local:
             dt = make_dtensor(own, mesh, pl, dt.shape, dt.stride())
     return dt
+
+
+def _take_rank0(state, mesh, device, assume_identical: bool) -> dict:
+    """Overwrite every rank's shards in `state` [(fqn, dtensor, placements, the model's own full tensor)] with rank
+    0's values (backends/state.py); returns the one-time cost."""
+    if assume_identical:
+        return {"skipped": "skipped (assume_identical=True)", "broadcast_bytes": 0, "scatter_bytes": 0}
+    if simulated_world():
+        return {"skipped": "none (one process simulates every rank)", "broadcast_bytes": 0, "scatter_bytes": 0}
+    partial = lambda pl: any(p[0] == "P" for p in pl)
+    # a partial placement's shards are not pieces of the full value: it travels whole (a copy: the user's model is
+    # never written) and is split again here
+    fulls = [t.detach().to(device, copy=True) if partial(pl) else t.detach() for _, _, pl, t in state]
+    with torch.no_grad():                  # to_local() is then the DTensor's own local tensor, written in place
+        cost = sync_from_rank0([(f, full, pl, dt.to_local()) for (f, dt, pl, _), full in zip(state, fulls)], mesh)
+        for (fqn, dt, pl, _), full in zip(state, fulls):
+            if partial(pl):
+                dt.to_local().copy_(_distribute(full, mesh, pl, device).to_local())
+    return cost
+
+
+def _check_first_step(module, args):
+    """Forward pre-hook, once: the replica checksum (backends/state.py) before the first step."""
+    module._first_check.remove()
+    with torch.no_grad():
+        entries = [(f, (module.get_parameter(f) if param else module.get_buffer(f)).to_local(), pl)
+                   for f, param, pl in module._state_entries]
+    check_replicas(entries, module.program.mesh, module.program.device, what=f"autopar {module._orig_class}: ")
 
 
 def _register(root: nn.Module, fqn: str, t, param: bool):

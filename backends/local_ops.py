@@ -308,3 +308,60 @@ def local_args(g, n, ins, outs, mesh_shape, device=None):
             return None
         args[1] = local
     return tuple(args), n.kwargs
+
+
+# ---- random ops ---------------------------------------------------------------------------------------------------
+# Each rank draws the FULL global random tensor from the program's generator (seeded alike and advanced alike on
+# every rank) and keeps its own piece: replicated outputs hold the same values on every rank, sharded ones each
+# rank its part of the one global tensor, whatever the plan. The draws are the kernels one device runs on the
+# global shape (bernoulli_(p), uniform_, normal_, rand, randn, randint), so a program seeded with s draws what
+# torch.manual_seed(s) then the eager model draws (checked for float32 on CPU: native_dropout's mask is
+# empty_like(x).bernoulli_(1 - p), bernoulli(probs) is rand < probs). DTensor's RNG tracker would give the same on
+# CUDA (Philox offsets, no full draw) but refuses CPU meshes in torch 2.13.
+RANDOM = {aten.bernoulli.p, aten.bernoulli.default, aten.native_dropout.default, aten.rand_like.default,
+          aten.randn_like.default, aten.rand.default, aten.randn.default, aten.uniform.default,
+          aten.normal_functional.default, aten.randint.default, aten.randint.low, aten.randint_like.default,
+          aten.randint_like.low_dtype}
+RANDOM_LIKE = RANDOM - {aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low}
+
+
+def draw_random(fn, node, args, kwargs, gen, device, piece, outside):
+    """Outputs of random op `fn` on this rank: `args`/`kwargs` hold local shards; `piece(full, k)` cuts this
+    rank's piece of output k out of a full global tensor; `outside()` suspends LocalTensorMode for the draw (one
+    draw, not one per simulated rank). None: the op draws nothing here (native_dropout in eval), run it as is."""
+    kw = dict(kwargs)                                   # every argument by its schema name
+    for a, v in zip(fn._schema.arguments, args):
+        kw[a.name] = v
+    m = node.outs[0]
+    shape, dtype = tuple(m.shape), m.dtype
+    if fn is aten.native_dropout.default and kw.get("train") is False:
+        return None
+    with outside():
+        full = _draw_full(fn, kw, shape, dtype, device, gen)
+    if fn is aten.bernoulli.default:                # one uniform per element, compared with its probability
+        return [(piece(full, 0) < kw["self"]).to(dtype)]
+    if fn is aten.native_dropout.default:
+        p = kw["p"]
+        mask = piece(full, 0)
+        out = kw["input"].mul(mask).mul_(0.0 if p == 1 else 1.0 / (1.0 - p))
+        return [out, mask.to(node.outs[1].dtype)]
+    return [piece(full, 0)]
+
+
+def _draw_full(fn, kw, shape, dtype, device, gen):
+    new = lambda: torch.empty(shape, dtype=dtype, device=device)
+    if fn is aten.bernoulli.p:
+        return new().bernoulli_(kw["p"], generator=gen)
+    if fn is aten.native_dropout.default:
+        return new().bernoulli_(1.0 - kw["p"], generator=gen)
+    if fn in (aten.bernoulli.default, aten.rand_like.default, aten.rand.default):
+        return torch.rand(shape, dtype=dtype, device=device, generator=gen)
+    if fn in (aten.randn_like.default, aten.randn.default):
+        return torch.randn(shape, dtype=dtype, device=device, generator=gen)
+    if fn is aten.uniform.default:
+        return new().uniform_(kw.get("from", 0.0), kw.get("to", 1.0), generator=gen)
+    if fn is aten.normal_functional.default:
+        return new().normal_(kw.get("mean", 0.0), kw.get("std", 1.0), generator=gen)
+    if fn in (aten.randint.default, aten.randint.low, aten.randint_like.default, aten.randint_like.low_dtype):
+        return torch.randint(kw.get("low", 0), kw["high"], shape, dtype=dtype, device=device, generator=gen)
+    raise NotImplementedError(f"random op {fn}")

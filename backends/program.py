@@ -40,6 +40,7 @@ from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor,
 from .comm import executed_placements, finish_bucket, group_name, launch_bucket, launch_filled, redistribute_local
 from .local_ops import (VIEWS, local_shape, attention_bw_math, attention_fw_math, binder, binding, call_op,
                         fast_args, local_args, local_exact, view_of_copy)
+from .local_ops import RANDOM, draw_random
 
 aten = torch.ops.aten
 
@@ -220,6 +221,8 @@ class Program:
             all_r = all(p == "R" for pl in ins for p in pl) and all(it.out_r)
             if n.phase == "bw" and n.target is aten.ones_like.default and n.inputs() == [g.loss]:
                 it.mode = "seed"
+            elif n.target in RANDOM:          # drawn from the program's generator (local_ops.draw_random)
+                it.mode = "random"
             elif not n.inputs():
                 it.mode = "factory"
             elif n.target in (SDPA, SDPA_BW):
@@ -669,6 +672,30 @@ class Program:
         exec(compile("\n".join(lines), f"<autopar program: {len(instrs)} instructions>", "exec"), ns)
         return ns["run"]
 
+    # ---- randomness: one generator per program, seeded alike on every rank -------------------------------------
+    def manual_seed(self, seed: int) -> None:
+        """Seed the generator the program's random ops draw from (parallelize seeds it with rank 0's
+        torch.initial_seed(); call on every rank alike)."""
+        self.rng_seed = int(seed)
+        self._rng = torch.Generator(device=self.device).manual_seed(self.rng_seed)
+
+    def rng(self) -> torch.Generator:
+        if getattr(self, "_rng", None) is None:
+            seed = getattr(self, "rng_seed", None)
+            self.manual_seed(torch.initial_seed() if seed is None else seed)
+        return self._rng
+
+    def _random(self, it, local: list) -> list:
+        """A random op's outputs on this rank: its piece of the global random tensor (local_ops.draw_random)."""
+        n, rep = it.node, ("R",) * self.mesh.ndim
+        args, kwargs = it.bind(local)
+        piece = lambda full, k: redistribute_local(full, rep, it.expect[k], self.mesh)
+        res = draw_random(it.fn, n, args, kwargs, self.rng(), self.device, piece, outside_local_tensor_mode)
+        if res is None:
+            res = _flat(call_op(it.fn, args, kwargs))
+        return [None if not isinstance(t, torch.Tensor) else t if r else Sharded(t, s, m.shape)
+                for t, r, s, m in zip(res, it.out_r, it.expect, n.outs)]
+
     def _run1(self, it, env):
         """Run one instruction (the compiled program's path for everything but plain local ops)."""
         n = it.node
@@ -733,6 +760,8 @@ class Program:
                 elif isinstance(t, torch.Tensor):
                     raise ExecutionError(f"{it.name}: output {k} is not a DTensor")
                 outs.append(t)
+        elif mode == "random":
+            outs = self._random(it, [v.t if type(v) is Sharded else v for v in vals])
         elif mode == "factory":
             res = it.fn(*_to_device(n.args, self.device), **_to_device(n.kwargs, self.device))
             outs = [self._wrap(t, s, m) if t is not None else None for t, s, m in zip(_flat(res), it.expect, n.outs)]

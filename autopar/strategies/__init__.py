@@ -64,8 +64,23 @@ def _pool_bw(args, kwargs, metas):
     return [("S0",) * n, ("S1",) * n]
 
 
+@rule(aten.bernoulli.p, aten.bernoulli.default, aten.rand_like.default, aten.randn_like.default,
+      aten.uniform.default, aten.normal_functional.default, aten.randint_like.default, aten.randint_like.low_dtype)
+def _random_like(args, kwargs, metas):
+    # a random tensor of the input's shape: at whatever placement the input takes, never partial (the executor
+    # draws the global tensor and keeps this rank's piece: backends/local_ops.draw_random)
+    return [(f"S{d}", f"S{d}") for d in range(len(metas[0].shape))]
+
+
+@rule(aten.native_dropout.default)
+def _dropout(args, kwargs, metas):
+    # input -> (output, mask), all at the input's placement
+    return [(f"S{d}",) * 3 for d in range(len(metas[0].shape))]
+
+
 @rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
-      aten.full.default, aten.scalar_tensor.default, aten.empty.memory_format, aten.randn.default)
+      aten.full.default, aten.scalar_tensor.default, aten.empty.memory_format, aten.randn.default, aten.rand.default,
+      aten.randint.default, aten.randint.low)
 def _factory(args, kwargs, metas):
     return []          # every rank builds the same tensor: only the all-Replicate strategy
 
