@@ -22,6 +22,8 @@ import numpy as np
 import highspy
 from scipy.sparse import coo_array
 
+from . import dominance
+
 
 class InfeasibleMemoryError(ValueError):
     """No plan fits the memory budget; the message states the smallest achievable peak."""
@@ -244,7 +246,7 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
 
 def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: list[tuple[list[np.ndarray], float]],
           time_limit: float = 60.0, mip_rel_gap: float = 1e-6, overlap=None, max_lps: int | None = None,
-          lambda_search_s: float = float("inf"), fixed=(), shared=()) -> SolveResult:
+          lambda_search_s: float = float("inf"), fixed=(), shared=(), reduce: bool = True) -> SolveResult:
     """Minimize sum lin[g][x_g] + sum edges[g1,g2][x_g1, x_g2] (+ exposed overlappable time) subject to `mem`.
 
     overlap: (ovl_lin, ovl_edges, capacity) for comm that overlaps compute (parameter gathers, gradient
@@ -257,10 +259,25 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
     continuous y >= each joining x or z column and e >= sum W col - y, costing F (y + e).
     shared: [(F, [((g1, g2), W)])] (plain objective only): F times the max over the listed edges of W[choice of g1,
     choice of g2] (g1 == g2: W's diagonal), e.g. a redistribute several consumers share, paid once (W: its price
-    where the pair makes that transition); y >= each edge's W-weighted columns, costing F y."""
+    where the pair makes that transition); y >= each edge's W-weighted columns, costing F y.
+    reduce: drop dominated strategies first (autopar/dominance.py; exact), the choice is in the original indices."""
     t0 = time.perf_counter()
     if overlap is not None and (fixed or shared):
         raise ValueError("bucket and shared charges are priced by the plain objective only (overlap=None)")
+    keep = dominance.reduce(lin, edges, mem, overlap, fixed, shared) if reduce else None
+    if keep is None:
+        return _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_search_s, fixed, shared, t0)
+    lin, edges, mem, overlap, fixed, shared = dominance.restrict(keep, lin, edges, mem, overlap, fixed, shared)
+    res = _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_search_s, fixed, shared, t0)
+    back = lambda ch: [int(k[c]) for k, c in zip(keep, ch)]    # noqa: E731
+    res.choice = back(res.choice)
+    if res.candidates is not None:
+        res.candidates = [(F, back(ch)) for F, ch in res.candidates]
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_search_s, fixed, shared, t0):
     m = _build(lin, edges, mem, overlap, fixed, shared)
     if overlap is not None:
         return _solve_overlap(m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0,

@@ -1,0 +1,168 @@
+"""Planning time of small models (the toy models that once took a minute) and of the benchmark configurations,
+with each plan's objective and hash, so a solver change can be checked for speed and for plan quality at once.
+
+Each case: `autopar.plan(..., return_state=True)` timed with perf_counter (capture included), `--repeat` times in
+this process (the median is reported), with the per-pass times of the median run and the MILP's size.
+
+    python benchmarks/bench_planning_models.py [--only NAME ...] [--repeat 3] [--json out.json] [--md out.md]
+
+Cases:
+- llama-tiny 2x2 as `python -m autopar.examples.train` plans it (cpu-gloo cluster, fsdp+tp pinned), and with
+  tests/_clusters.py SHAPES (a cost model on which sharding pays), unpinned;
+- transformers LlamaForCausalLM / GPT2LMHeadModel, 2 layers, hidden 64, SHAPES, 2x2: wrapped in a module taking
+  (input_ids, labels) and returning `.loss` (dropout 0, use_cache=False, a 4-D causal mask so transformers' mask
+  code makes no data-dependent checks);
+- the benchmark configurations as benchmarks/harness.py models them (cpu-gloo fp32 on 4 / 2x2; llama3-8b bf16 on
+  an (8, 8) H100 mesh).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path[:0] = [HERE, os.path.join(ROOT, "tests")]
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+
+
+class LossOf(nn.Module):
+    """(input_ids, labels) -> out.loss of a transformers causal LM, with a 4-D additive causal mask."""
+
+    def __init__(self, lm):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids, labels):
+        T = input_ids.shape[1]
+        mask = torch.full((T, T), float("-inf"), device=input_ids.device).triu(1)[None, None]
+        return self.lm(input_ids=input_ids, attention_mask=mask.expand(input_ids.shape[0], 1, T, T),
+                       labels=labels).loss
+
+
+def _hf(kind):
+    import transformers as T
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = T.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                            attention_dropout=0.0, use_cache=False)
+        lm = T.LlamaForCausalLM(cfg)
+    else:
+        cfg = T.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0,
+                           embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        lm = T.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 256, (2, 32))
+    return LossOf(lm), (ids, ids.clone())
+
+
+def _zoo(name, dtype, batch, seq, overrides, device):
+    from autopar import models as M
+    return (M.build_model(name, device=device, dtype=dtype, **overrides),
+            M.example_inputs(name, batch=batch, seq=seq, device=device, **overrides))
+
+
+def _mesh(s):
+    from autopar import MeshSpec
+    shape = tuple(int(v) for v in s.split("x"))
+    return MeshSpec(shape, ("dp",) if len(shape) == 1 else ("dp", "tp"))
+
+
+def cases():
+    """name -> () -> (model, inputs, mesh, plan kwargs)."""
+    from _clusters import SHAPES
+    from autopar.backends.verify import fsdp_tp_force
+    from bench_config import MEASURED, SCALE_CLUSTER, scale_batch
+
+    def tiny_train():
+        m, x = _zoo("llama-tiny", torch.float32, None, None, {}, "cpu")
+        return m, x, _mesh("2x2"), dict(cluster="cpu-gloo", force=fsdp_tp_force(m, (2, 2)))
+    out = {"llama-tiny 2x2 train.py (cpu-gloo, fsdp+tp)": tiny_train,
+           "llama-tiny 2x2 SHAPES": lambda: (*_zoo("llama-tiny", torch.float32, None, None, {}, "cpu"),
+                                             _mesh("2x2"), dict(cluster=SHAPES)),
+           "hf-llama 2L h64 2x2 SHAPES": lambda: (*_hf("llama"), _mesh("2x2"), dict(cluster=SHAPES)),
+           "hf-gpt2 2L h64 2x2 SHAPES": lambda: (*_hf("gpt2"), _mesh("2x2"), dict(cluster=SHAPES))}
+    for key, mesh in (("llama3-debug", "2x2"), ("gpt2-smallish", "4"), ("moe-debug", "4"), ("moe-debug", "2x2"),
+                      ("mlp-heavy", "2x2")):
+        c = MEASURED[key]
+        out[f"{key} {mesh} cpu-gloo"] = (lambda c=c, mesh=mesh: (
+            *_zoo(c["name"], torch.float32, c["batch"], c["seq"], c["overrides"], "meta"), _mesh(mesh),
+            dict(cluster="cpu-gloo")))
+    out["llama3-8b 8x8 h100"] = lambda: (*_zoo("llama3-8b", torch.bfloat16, scale_batch("8x8"), 8192, {}, "meta"),
+                                         _mesh("8x8"), dict(cluster=SCALE_CLUSTER))
+    return out
+
+
+def run_case(build, repeat):
+    import autopar
+    runs = []
+    for _ in range(repeat):
+        model, x, mesh, kw = build()
+        t, c = time.perf_counter(), time.process_time()
+        plan, state = autopar.plan(model, mesh, x, return_state=True, **kw)
+        runs.append((time.perf_counter() - t, plan, state, time.process_time() - c))
+    runs.sort(key=lambda r: r[0])
+    s, plan, state, cpu = runs[len(runs) // 2]
+    timings = state.timings.items() if isinstance(state.timings, dict) else state.timings
+    return {"plan_s": s, "all_s": [r[0] for r in runs], "cpu_s": cpu, "passes": {k: round(v, 3) for k, v in timings},
+            "objective": plan.solver["objective"], "gap": plan.solver.get("gap"), "status": plan.solver.get("status"),
+            "vars": plan.solver.get("n_vars"), "rows": plan.solver.get("n_constraints"), "hash": plan.hash(),
+            "nodes": len(plan.nodes)}
+
+
+def markdown(rows, cmd) -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    lines = ["# Planning time of small models and the benchmark configurations", "",
+             f"command: `{cmd}`  commit: `{commit}`  machine: {os.cpu_count()} cores shared with other "
+             "jobs (plan: wall-clock median of the runs, capture included; CPU: this process's CPU seconds in that run, "
+             "less sensitive to the machine's load)",
+             "", "| case | plan (s) | runs (s) | CPU (s) | solve (s) | costs (s) | candidates (s) | MILP vars / rows | objective (s) "
+             "| solver | plan hash |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        if "error" in r:
+            lines.append(f"| {name} | error: {r['error'][:120]} ||||||||||")
+            continue
+        p = r["passes"]
+        lines.append(f"| {name} | {r['plan_s']:.2f} | {' '.join(f'{v:.2f}' for v in r['all_s'])} | "
+                     f"{r['cpu_s']:.2f} | {p.get('solve', 0):.2f} | {p.get('costs', 0):.2f} | {p.get('candidates', 0):.2f} | "
+                     f"{r['vars']} / {r['rows']} | {r['objective']:.6g} | {r['status']} | `{r['hash'][:12]}` |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", nargs="*", help="substrings of case names")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--md", default=os.path.join(HERE, "results", "planning_models.md"))
+    args = ap.parse_args(argv)
+    rows = {}
+    for name, build in cases().items():
+        if args.only and not any(o in name for o in args.only):
+            continue
+        try:
+            rows[name] = r = run_case(build, args.repeat)
+        except Exception as e:        # a case that cannot plan is a row saying why, not a lost table
+            rows[name] = {"error": f"{type(e).__name__}: {e}"}
+            print(f"{name}: {rows[name]['error'][:300]}", flush=True)
+            continue
+        print(f"{name}: {r['plan_s']:.2f} s (runs {' '.join(f'{v:.2f}' for v in r['all_s'])}; CPU {r['cpu_s']:.2f} s), objective "
+              f"{r['objective']:.6g}, {r['vars']} vars, hash {r['hash'][:12]}, passes {r['passes']}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.md and not args.only:
+        with open(args.md, "w") as f:
+            f.write(markdown(rows, "python benchmarks/bench_planning_models.py " + " ".join(argv or sys.argv[1:])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
