@@ -152,12 +152,12 @@ class _Recorder(TorchDispatchMode):
         except NoRealValue as e:
             kind, name = e.leaf
             name = self.input_names[name] if kind == "input" and self.input_names else name
-            raise CaptureError(f"data-dependent control flow or .item() in module '{where}': a tensor value decides "
+            raise CaptureError(f"data-dependent control flow or .item() in {self.where()}: a tensor value decides "
                                f"Python control flow and it depends on {kind} '{name}', which has no real value here "
                                f"(meta device); capture specializes such checks on real example values, so pass "
                                f"real example inputs and weights") from None
         except Exception as e:
-            raise CaptureError(f"data-dependent control flow or .item() in module '{where}': evaluating the check on "
+            raise CaptureError(f"data-dependent control flow or .item() in {self.where()}: evaluating the check on "
                                f"the example values failed: {type(e).__name__}: {e}") from e
         self.guards.append(gd)
         return gd.expected
