@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from autopar.strategies._torch_adapter import outside_local_tensor_mode
+
 SRC = 0                          # the global rank whose values every rank takes
 
 
@@ -139,7 +141,8 @@ def _unflatten(flat, dst) -> None:
 
 def agreed_seed(device) -> int:
     """Rank 0's torch.initial_seed(), on every rank (one 8-byte broadcast; the generators are not advanced)."""
-    s = torch.initial_seed()
+    with outside_local_tensor_mode():       # LocalTensorMode hands out a per-rank seed
+        s = int(torch.initial_seed())
     if simulated_world():
         return s
     t = torch.tensor([s - 2 ** 64 if s >= 2 ** 63 else s], dtype=torch.int64, device=device)
