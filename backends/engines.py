@@ -515,21 +515,9 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
 
 
 def _take_rank0(model, mesh, assume_identical, check_replicas) -> str:
-    """Rank 0's state on every rank before the engines shard the model, the first-step check; the dump's line."""
-    from . import state
     from .graph import _device
-    if assume_identical or state.simulated_world():
-        model.autopar_init_comm = {"skipped": "assume_identical=True" if assume_identical else "one process",
-                                   "broadcast_bytes": 0, "scatter_bytes": 0, "collectives": 0}
-        line = f"state from rank 0: skipped ({model.autopar_init_comm['skipped']})"
-    else:
-        c = model.autopar_init_comm = state.broadcast_module(model, mesh)
-        line = (f"state from rank 0: {c['broadcast_bytes']:,d} B once (parameters and buffers broadcast before the "
-                f"engines shard them, {c['collectives']} collectives)")
-    model.autopar_rng_seed = state.agreed_seed(_device(mesh))
-    if check_replicas:
-        state.install_first_step_check(model, mesh, _device(mesh))
-    return line
+    from .state import prepare_engine_model
+    return prepare_engine_model(model, mesh, _device(mesh), assume_identical, check_replicas)
 
 
 def _parallelize_torch(model, mesh, example_inputs, backend, units, styles, planned, compile_blocks, assume_identical,

@@ -676,13 +676,15 @@ class Program:
     def manual_seed(self, seed: int) -> None:
         """Seed the generator the program's random ops draw from (parallelize seeds it with rank 0's
         torch.initial_seed(); call on every rank alike)."""
-        self.rng_seed = int(seed)
-        self._rng = torch.Generator(device=self.device).manual_seed(self.rng_seed)
+        with outside_local_tensor_mode():   # one generator for every simulated rank, as for every real one
+            self.rng_seed = int(seed)
+            self._rng = torch.Generator(device=self.device).manual_seed(self.rng_seed)
 
     def rng(self) -> torch.Generator:
         if getattr(self, "_rng", None) is None:
             seed = getattr(self, "rng_seed", None)
-            self.manual_seed(torch.initial_seed() if seed is None else seed)
+            with outside_local_tensor_mode():
+                self.manual_seed(int(torch.initial_seed()) if seed is None else seed)
         return self._rng
 
     def _random(self, it, local: list) -> list:

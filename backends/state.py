@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import _disable_current_modes
 
+from autopar.strategies._torch_adapter import outside_local_tensor_mode
+
 SRC = 0                          # the global rank whose values every rank takes
 
 
@@ -139,7 +141,8 @@ def _unflatten(flat, dst) -> None:
 
 def agreed_seed(device) -> int:
     """Rank 0's torch.initial_seed(), on every rank (one 8-byte broadcast; the generators are not advanced)."""
-    s = torch.initial_seed()
+    with outside_local_tensor_mode():       # LocalTensorMode hands out a per-rank seed
+        s = int(torch.initial_seed())
     if simulated_world():
         return s
     t = torch.tensor([s - 2 ** 64 if s >= 2 ** 63 else s], dtype=torch.int64, device=device)
@@ -238,3 +241,20 @@ def install_first_step_check(model, mesh, device) -> None:
             entries = engine_entries(module, mesh)
         check_replicas(entries, mesh, device, what=f"autopar {type(module).__name__}: ")
     handle = model.register_forward_pre_hook(hook)
+
+
+def prepare_engine_model(model, mesh, device, assume_identical: bool, check_replicas: bool) -> str:
+    """Before the engines shard `model`: rank 0's state on every rank (model.autopar_init_comm), the agreed seed
+    (model.autopar_rng_seed), the first-step replica check; returns the dump's line saying what it cost."""
+    if assume_identical or simulated_world():
+        model.autopar_init_comm = {"skipped": "assume_identical=True" if assume_identical else "one process",
+                                   "broadcast_bytes": 0, "scatter_bytes": 0, "collectives": 0}
+        line = f"state from rank 0: skipped ({model.autopar_init_comm['skipped']})"
+    else:
+        c = model.autopar_init_comm = broadcast_module(model, mesh)
+        line = (f"state from rank 0: {c['broadcast_bytes']:,d} B once (parameters and buffers broadcast before the "
+                f"engines shard them, {c['collectives']} collectives)")
+    model.autopar_rng_seed = agreed_seed(device)
+    if check_replicas:
+        install_first_step_check(model, mesh, device)
+    return line

@@ -190,3 +190,47 @@ def test_world4_dropout_equals_one_device_on_every_plan(tmp_path):
         assert all(pl == ["R", "R"] for pl in out["random_pl replicated"]), out["random_pl replicated"]
         # the tensor-parallel plan: the mask split over the batch (dp) and the hidden dim (tp)
         assert ["S0", "S1"] in out["random_pl tensor_parallel"], out["random_pl tensor_parallel"]
+
+
+@pytest.mark.parametrize("plan_kind", ["data_parallel", "tensor_parallel"])
+def test_simulated_ranks_draw_one_devices_masks(plan_kind):
+    """The same under LocalTensorMode (all 4 ranks in one process, tests/_simulated.py): the draw happens once,
+    outside the mode, and each simulated rank keeps its piece; training equals one device seeded alike
+    (the losses of 3 SGD steps, every gradient of the first) and the step's collectives are the plan's."""
+    import autopar
+    from _simulated import simulated
+    from autopar.backends.engines_ref import batch_pin
+    gen = torch.Generator().manual_seed(9)
+    x, y = torch.randn(B, D, generator=gen), torch.randint(0, C, (B,), generator=gen)
+    model = _model(0.5)
+    names = [k for k, _ in model.named_parameters()]
+    kw = dict(force={k: ("R", "R") for k in names}, pin=batch_pin([0, 1], (B, 1))) if plan_kind == "data_parallel" \
+        else dict(force={"fc1.weight": ("R", "S0"), "fc1.bias": ("R", "S0"), "fc2.weight": ("R", "S1")},
+                  pin=batch_pin([0], (B, 1)))
+    planned = autopar.plan(model, autopar.MeshSpec((2, 2), ("dp", "tp")), (x, y), cluster="cpu-gloo", overlap=False,
+                           return_state=True, **kw)
+    # the reference first, on its own: LocalTensorMode sets the global generator around every op it runs, and
+    # leaving it (outside_local_tensor_mode) restores it, so a reference run between simulated steps would redraw
+    ref = _run(copy.deepcopy(model), x, y, seed=SEED)
+    from autopar.backends.comm import CommCounter, compare
+    from autopar.backends.verify import global_value
+    torch.manual_seed(SEED)         # outside LocalTensorMode (inside it, it would seed per-rank generators)
+    with simulated((2, 2)) as mesh:
+        pm = autopar.parallelize(model, mesh, (x, y), planned=planned)
+        opt = torch.optim.SGD(pm.parameters(), lr=0.5)
+        losses, grads = [], None
+        for s in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            with CommCounter(mesh) as cc:
+                loss = pm(x, y)
+                loss.backward()
+            if s == 0:
+                diff = compare(cc.records, pm.plan.collectives())
+                grads = {k: global_value(p.grad) for k, p in pm.named_parameters()}
+            losses.append(global_value(loss).item())
+            opt.step()
+    assert not diff, diff
+    assert _worst((losses, grads), ref) <= 1.0, (losses, ref[0])
+    drawn = [n["placement"]["out"][0] for n in planned[0].nodes if n["kind"] == "op" and
+             n["name"].split(":")[-1].split(".")[0] in ("bernoulli", "rand_like")]
+    assert drawn and all(any(p != "R" for p in pl) for pl in drawn), drawn
