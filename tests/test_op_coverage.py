@@ -335,6 +335,31 @@ def _run_candidate(n, g, val, cand, mesh, mode):
     return None
 
 
+def _handmade(op, *tensors):
+    """(graph, values, node, candidates) of one op on the given one-device tensors, for ops the recorder does not
+    produce yet (aten.copy: what functionalization makes of an in-place copy_), candidates from every leaf
+    placement."""
+    from autopar.graph import Graph, Node, Ref
+    from autopar.strategies import leaf_strategies, node_strategies
+    from autopar.graph import TensorMeta
+    metas = [TensorMeta(tuple(t.shape), t.dtype) for t in tensors]
+    out = op(*tensors)
+    nodes = [Node(j, "input", j, outs=(m,)) for j, m in enumerate(metas)]
+    nodes.append(Node(len(tensors), "op", op, tuple(Ref(j) for j in range(len(tensors))), {},
+                      (TensorMeta(tuple(out.shape), out.dtype),)))
+    g = Graph(nodes, {}, {}, list(range(len(tensors))), Ref(len(tensors)), {})
+    val = {Ref(j): t for j, t in enumerate(tensors)} | {Ref(len(tensors)): out}
+    cands = [[s.out[0] for s in leaf_strategies(m, MESH)] + [("P",) * len(MESH)] * m.dtype.is_floating_point
+             for m in metas]
+    return g, val, nodes[-1], node_strategies(nodes[-1], g.meta, MESH, cands)[0]
+
+
+def _handmade_ops():
+    torch.manual_seed(0)
+    return [_handmade(aten.copy.default, torch.randn(4, 8, 6), torch.randn(8, 6)),
+            _handmade(aten.copy.default, torch.zeros(4, 8, dtype=torch.float64), torch.randn(4, 1))]
+
+
 PER_OP = 2      # nodes per op (of distinct input ranks / dtypes): the same op on other sizes takes the same path
 
 
@@ -364,6 +389,7 @@ def test_every_candidate_executes():
                 seen.add(key)
                 per_op[n.target] += 1
                 work.append((name, g, val, n, strategies[n.idx]))
+    work += [("handmade", *w) for w in _handmade_ops()]
     with simulated(MESH) as mesh:
         mode = torch.distributed._local_tensor.enabled_local_tensor_mode()
         for name, g, val, n, cands in work:

@@ -66,9 +66,10 @@ def _pool_bw(args, kwargs, metas):
 
 
 @rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
-      aten.full.default, aten.scalar_tensor.default, aten.empty.memory_format, aten.randn.default)
+      aten.full.default, aten.scalar_tensor.default, aten.empty.memory_format, aten.randn.default,
+      aten.lift_fresh_copy.default)
 def _factory(args, kwargs, metas):
-    return []          # every rank builds the same tensor: only the all-Replicate strategy
+    return []          # every rank builds (or copies, lift_fresh_copy: a constant) the same tensor: all-Replicate
 
 
 def _broadcast(shapes, out_shape):
@@ -90,6 +91,16 @@ def _where_scalar(args, kwargs, metas):
     # which has no rule)
     shapes = [m.shape for m in metas]
     return _broadcast(shapes, tuple(torch.broadcast_shapes(*shapes)))
+
+
+@rule(aten.copy.default)
+def _copy(args, kwargs, metas):
+    # copy(self, src): src broadcast into self's shape and dtype (what functionalization makes of x.copy_(y)):
+    # pointwise in src; a partial src stays partial (a sum of broadcasts is the broadcast of the sum)
+    rules = _broadcast([m.shape for m in metas], tuple(metas[0].shape))
+    if metas[0].dtype.is_floating_point and metas[1].dtype.is_floating_point:
+        rules += [("P", "R", "P"), ("P", "P", "P")]
+    return rules
 
 
 def _except(nd, skip, width):
