@@ -357,7 +357,8 @@ def _handmade(op, *tensors):
 def _handmade_ops():
     torch.manual_seed(0)
     return [_handmade(aten.copy.default, torch.randn(4, 8, 6), torch.randn(8, 6)),
-            _handmade(aten.copy.default, torch.zeros(4, 8, dtype=torch.float64), torch.randn(4, 1))]
+            _handmade(aten.copy.default, torch.zeros(4, 8, dtype=torch.float64), torch.randn(4, 1)),
+            _handmade(aten.fill.Tensor, torch.randn(4, 8), torch.tensor(3.0))]
 
 
 PER_OP = 2      # nodes per op (of distinct input ranks / dtypes): the same op on other sizes takes the same path

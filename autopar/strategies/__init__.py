@@ -67,7 +67,7 @@ def _pool_bw(args, kwargs, metas):
 
 @rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
       aten.full.default, aten.scalar_tensor.default, aten.empty.memory_format, aten.randn.default,
-      aten.lift_fresh_copy.default)
+      aten.lift_fresh_copy.default, aten.lift_fresh.default)
 def _factory(args, kwargs, metas):
     return []          # every rank builds (or copies, lift_fresh_copy: a constant) the same tensor: all-Replicate
 
@@ -91,6 +91,12 @@ def _where_scalar(args, kwargs, metas):
     # which has no rule)
     shapes = [m.shape for m in metas]
     return _broadcast(shapes, tuple(torch.broadcast_shapes(*shapes)))
+
+
+@rule(aten.fill.Tensor)
+def _fill(args, kwargs, metas):
+    # fill(self, value): the 0-dim value everywhere in self's shape (functionalized fill_): self's dims shard
+    return _broadcast([m.shape for m in metas], tuple(metas[0].shape))
 
 
 @rule(aten.copy.default)
