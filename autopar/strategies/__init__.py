@@ -183,8 +183,11 @@ def user_op(node) -> str:
 
 
 def describe(node) -> str:
-    """The node for a message: its name, and the op it was decomposed from."""
-    return node.name if node.origin is None else f"{node.name} (in torch's decomposition of {node.origin})"
+    """The node for a message: its name, the op it was decomposed from and the user's torch call it ran in
+    (`Node.user_op`, where the recorder notes it)."""
+    call = getattr(node, "user_op", None)
+    return node.name + (f" (in torch's decomposition of {node.origin})" if node.origin is not None else "") + \
+        (f", called from {call}" if call else "")
 
 
 _CORE: list = []
