@@ -237,6 +237,8 @@ def _local_nll(g, n, ins, outs) -> bool:
 
 
 _CONV = (aten.convolution.default, aten.convolution_backward.default)
+_PAD_BW = (aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
+           aten.replication_pad3d_backward.default)
 
 
 def _local_conv(n, ins, outs) -> bool:
@@ -260,7 +262,8 @@ def local_args(g, n, ins, outs, mesh_shape, device=None):
     slice_backward, new_zeros...), ops that cut, select or normalize along a dim run unchanged when that dim is not
     sharded (split, slice, topk, layer_norm), `*_like` ops make the shard of their input's shard when both are at
     the same placement, not partial, lookups run on local indices (`_local_lookup`), an unweighted loss on
-    batch shards as partial sums (`_local_nll`) and a convolution on batch shards (`_local_conv`). A captured device (meta) becomes `device`."""
+    batch shards as partial sums (`_local_nll`), a convolution on batch shards (`_local_conv`) and a replication
+    pad's backward along unpadded dims. A captured device (meta) becomes `device`."""
     op = n.target
     if _masked(ins, outs):
         return None
@@ -287,6 +290,10 @@ def local_args(g, n, ins, outs, mesh_shape, device=None):
         return (n.args, n.kwargs) if _local_nll(g, n, ins, outs) else None
     if op in _CONV:
         return (n.args, n.kwargs) if _local_conv(n, ins, outs) else None
+    if op in _PAD_BW:       # the padding names the trailing dims only: exact while those are whole
+        k, nd = len(_arg(n, "padding")) // 2, len(n.out.shape)
+        ok = not _partial(*ins) and all(d < nd - k for pl in (*ins, outs[0]) for d in _sharded_dims(pl))
+        return (n.args, n.kwargs) if ok else None
     if op not in _SIZE_ARG and op not in _ON_DIM and op not in _NORM:
         return None
 

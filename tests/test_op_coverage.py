@@ -152,6 +152,24 @@ class _Encoder(nn.Module):
         return F.cross_entropy(self.head(self.enc(x).mean(1)), y)
 
 
+class _Misc(nn.Module):
+    """Ops with rules of autopar's own (glu, cdist, replication-pad backward, torch.where with a scalar, adaptive
+    max-pool backward) and ops whose torch decompositions must land on ruled ops (hardswish, logsigmoid)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 64)
+
+    def forward(self, x, y):
+        h = self.lin(x)                                             # (8, 64)
+        a = F.glu(h, -1)                                            # (8, 32)
+        d = torch.cdist(a[:, :16].unsqueeze(0), a[:, 16:].unsqueeze(0)).squeeze(0)     # (8, 8)
+        img = F.pad(h.view(2, 4, 8, 8), (1, 1, 1, 1), mode="replicate")                 # (2, 4, 10, 10)
+        p = F.adaptive_max_pool2d(img, 2).flatten(1)                # (2, 16)
+        w = torch.where(h > 0, h, 0.5) + F.hardswish(h) + F.logsigmoid(h)
+        return F.mse_loss(d, y) + p.pow(2).mean() + w.mean()
+
+
 def _models():
     """Small models whose ops cover matmuls, convolution, pooling, norms, softmax, embedding, attention (fused and
     GQA), MoE routing (topk, gather/scatter), losses, reductions and views, forward and backward."""
@@ -159,7 +177,8 @@ def _models():
     torch.manual_seed(0)
     out = {"mlp-mse": (Regression(d=16, h=32), (torch.randn(8, 16), torch.randn(8, 16))),
            "losses": (Regression(d=16, h=32, loss="many"), (torch.randn(8, 16), torch.rand(8, 16))),
-           "patch-embed": (PatchEmbed(d=16), (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,))))}
+           "patch-embed": (PatchEmbed(d=16), (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))),
+           "misc": (_Misc(), (torch.randn(8, 16), torch.randn(8, 8)))}
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 1)
     out["nn-encoder"] = _Encoder(enc), (torch.randn(4, 8, 32), torch.randint(0, 10, (4,)))
     for name, ov in [("llama-tiny", dict(dim=32, n_layers=1, vocab_size=64)),
@@ -316,6 +335,32 @@ def _run_candidate(n, g, val, cand, mesh, mode):
     return None
 
 
+def _handmade(op, *tensors):
+    """(graph, values, node, candidates) of one op on the given one-device tensors, for ops the recorder does not
+    produce yet (aten.copy: what functionalization makes of an in-place copy_), candidates from every leaf
+    placement."""
+    from autopar.graph import Graph, Node, Ref
+    from autopar.strategies import leaf_strategies, node_strategies
+    from autopar.graph import TensorMeta
+    metas = [TensorMeta(tuple(t.shape), t.dtype) for t in tensors]
+    out = op(*tensors)
+    nodes = [Node(j, "input", j, outs=(m,)) for j, m in enumerate(metas)]
+    nodes.append(Node(len(tensors), "op", op, tuple(Ref(j) for j in range(len(tensors))), {},
+                      (TensorMeta(tuple(out.shape), out.dtype),)))
+    g = Graph(nodes, {}, {}, list(range(len(tensors))), Ref(len(tensors)), {})
+    val = {Ref(j): t for j, t in enumerate(tensors)} | {Ref(len(tensors)): out}
+    cands = [[s.out[0] for s in leaf_strategies(m, MESH)] + [("P",) * len(MESH)] * m.dtype.is_floating_point
+             for m in metas]
+    return g, val, nodes[-1], node_strategies(nodes[-1], g.meta, MESH, cands)[0]
+
+
+def _handmade_ops():
+    torch.manual_seed(0)
+    return [_handmade(aten.copy.default, torch.randn(4, 8, 6), torch.randn(8, 6)),
+            _handmade(aten.copy.default, torch.zeros(4, 8, dtype=torch.float64), torch.randn(4, 1)),
+            _handmade(aten.fill.Tensor, torch.randn(4, 8), torch.tensor(3.0))]
+
+
 PER_OP = 2      # nodes per op (of distinct input ranks / dtypes): the same op on other sizes takes the same path
 
 
@@ -345,6 +390,7 @@ def test_every_candidate_executes():
                 seen.add(key)
                 per_op[n.target] += 1
                 work.append((name, g, val, n, strategies[n.idx]))
+    work += [("handmade", *w) for w in _handmade_ops()]
     with simulated(MESH) as mesh:
         mode = torch.distributed._local_tensor.enabled_local_tensor_mode()
         for name, g, val, n, cands in work:
@@ -360,3 +406,39 @@ def test_every_candidate_executes():
     print(f"{len(work)} distinct ops, {ran} candidates run, {skipped} skipped (masked-partial inputs)")
     assert not failures, f"{len(failures)} of {ran} candidates fail:\n" + "\n".join(failures[:40])
     assert ran > 1000
+
+
+class _Act(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return F.hardswish(self.proj(x))
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _Act()
+
+    def forward(self, x):
+        return self.block(x).sum()
+
+
+def test_no_rule_error_names_the_users_op(monkeypatch):
+    """An op whose torch decomposition holds an op with no rule: the error names the user-level op (here
+    hardswish's backward, with the rule for torch.where-with-a-scalar taken away so that its decomposition ends
+    in prims.where) and the user's module, not the internal op alone; replicate_ops takes that name."""
+    import autopar.strategies as S
+    monkeypatch.delitem(S.RULES, aten.where.ScalarSelf)
+    monkeypatch.setattr(S, "_DECOMP", {})
+    monkeypatch.setattr(S, "_CACHE", {})
+    with pytest.raises(autopar.NoStrategyError) as e:
+        autopar.plan(_Net(), MESH, (torch.randn(8, 16),), cluster=SHAPES)
+    msg = str(e.value)
+    assert "aten.hardswish_backward.default:" in msg and "module 'block'" in msg, msg
+    assert "in torch's decomposition of aten.hardswish_backward.default" in msg, msg
+    p = autopar.plan(_Net(), MESH, (torch.randn(8, 16),), cluster=SHAPES,
+                     replicate_ops=["aten.hardswish_backward.default"])
+    assert set(p.coverage) == {"aten.hardswish_backward.default"}, p.coverage

@@ -57,7 +57,8 @@ def _attention_bw(args, kwargs, metas):
     return [("S0",) * 9, ("S1",) * 9]
 
 
-@rule(aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default)
+@rule(aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default,
+      aten.adaptive_max_pool2d_backward.default)
 def _pool_bw(args, kwargs, metas):
     # grad_out, self (, indices) -> grad_in, all (N, C, H, W): shard batch or channels
     n = 1 + len(metas)
@@ -80,9 +81,84 @@ def _dropout(args, kwargs, metas):
 
 @rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
       aten.full.default, aten.scalar_tensor.default, aten.empty.memory_format, aten.randn.default, aten.rand.default,
-      aten.randint.default, aten.randint.low)
+      aten.randint.default, aten.randint.low, aten.lift_fresh_copy.default, aten.lift_fresh.default)
 def _factory(args, kwargs, metas):
-    return []          # every rank builds the same tensor: only the all-Replicate strategy
+    return []          # every rank builds (or copies, lift_fresh_copy: a constant) the same tensor: all-Replicate
+
+
+def _broadcast(shapes, out_shape):
+    """Per-mesh-dim rules of a pointwise op with broadcasting: shard an output dim and the inputs' matching dims
+    (an input broadcast along it, or without it, stays replicated)."""
+    nd, rules = len(out_shape), []
+    for d in range(nd):
+        r = [f"S{d}"]
+        for sh in shapes:
+            k = d - (nd - len(sh))
+            r.append(f"S{k}" if k >= 0 and sh[k] == out_shape[d] else "R")
+        rules.append(tuple(r))
+    return rules
+
+
+@rule(aten.where.ScalarSelf, aten.where.ScalarOther, aten.where.Scalar)
+def _where_scalar(args, kwargs, metas):
+    # torch.where with a Python scalar branch: pointwise (torch's decomposition of it lowers to prims.where,
+    # which has no rule)
+    shapes = [m.shape for m in metas]
+    return _broadcast(shapes, tuple(torch.broadcast_shapes(*shapes)))
+
+
+@rule(aten.fill.Tensor)
+def _fill(args, kwargs, metas):
+    # fill(self, value): the 0-dim value everywhere in self's shape (functionalized fill_): self's dims shard
+    return _broadcast([m.shape for m in metas], tuple(metas[0].shape))
+
+
+@rule(aten.copy.default)
+def _copy(args, kwargs, metas):
+    # copy(self, src): src broadcast into self's shape and dtype (what functionalization makes of x.copy_(y)):
+    # pointwise in src; a partial src stays partial (a sum of broadcasts is the broadcast of the sum)
+    rules = _broadcast([m.shape for m in metas], tuple(metas[0].shape))
+    if metas[0].dtype.is_floating_point and metas[1].dtype.is_floating_point:
+        rules += [("P", "R", "P"), ("P", "P", "P")]
+    return rules
+
+
+def _except(nd, skip, width):
+    """Rules sharding every tensor of the op alike along any dim of `nd` except those in `skip`."""
+    return [(f"S{d}",) * width for d in range(nd) if d not in skip]
+
+
+@rule(aten.glu.default, aten.glu_backward.default)
+def _glu(args, kwargs, metas):
+    # glu(x, dim) halves x along dim: any other dim shards (its decomposition, tensor_split, has no rule)
+    nd = len(metas[-1].shape)
+    dim = (args[-1] if len(args) > len(metas) else kwargs.get("dim", -1)) % nd
+    return _except(nd, {dim}, 1 + len(metas))
+
+
+@rule(aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
+      aten.replication_pad3d_backward.default)
+def _pad_bw(args, kwargs, metas):
+    # grad_output, self -> grad_input: the padded trailing dims stay whole, the others (batch, channels) shard
+    nd = len(metas[1].shape)
+    k = len(args[2] if len(args) > 2 else kwargs["padding"]) // 2
+    return _except(nd, set(range(nd - k, nd)), 3)
+
+
+@rule(aten._cdist_forward.default)
+def _cdist_fw(args, kwargs, metas):
+    # x1 (..., P, M), x2 (..., R, M) -> (..., P, R): batch dims, x1's rows or x2's rows shard
+    nd = len(metas[0].shape)
+    return _except(nd - 2, (), 3) + [(f"S{nd - 2}", f"S{nd - 2}", "R"), (f"S{nd - 1}", "R", f"S{nd - 2}")]
+
+
+@rule(aten._cdist_backward.default)
+def _cdist_bw(args, kwargs, metas):
+    # grad (..., P, R), x1 (..., P, M), x2 (..., R, M), cdist (..., P, R) -> grad_x1 (..., P, M): x1's rows shard
+    # alike; x2's rows shard with grad/cdist columns, each rank's grad_x1 a partial sum over its rows of x2
+    nd = len(metas[1].shape)
+    a, b = f"S{nd - 2}", f"S{nd - 1}"
+    return _except(nd - 2, (), 5) + [(a, a, a, "R", a), ("P", b, "R", a, b)]
 
 
 # ---- ops with no rule: torch's own decompositions ------------------------------------------------------------------
@@ -121,8 +197,11 @@ def user_op(node) -> str:
 
 
 def describe(node) -> str:
-    """The node for a message: its name, and the op it was decomposed from."""
-    return node.name if node.origin is None else f"{node.name} (in torch's decomposition of {node.origin})"
+    """The node for a message: its name, the op it was decomposed from and the user's torch call it ran in
+    (`Node.user_op`, where the recorder notes it)."""
+    call = getattr(node, "user_op", None)
+    return node.name + (f" (in torch's decomposition of {node.origin})" if node.origin is not None else "") + \
+        (f", called from {call}" if call else "")
 
 
 _CORE: list = []
