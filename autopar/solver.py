@@ -261,18 +261,16 @@ def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: 
     shared: [(F, [((g1, g2), W)])] (plain objective only): F times the max over the listed edges of W[choice of g1,
     choice of g2] (g1 == g2: W's diagonal), e.g. a redistribute several consumers share, paid once (W: its price
     where the pair makes that transition); y >= each edge's W-weighted columns, costing F y.
-    reduce: drop dominated strategies (autopar/dominance.py; exact; the choice is in the original indices): first
-    with an overlap objective; with the plain one only when the LP leaves a gap (an integral LP, the common case,
-    gains nothing from it, measured: the LP's time is in its z columns, which the reduction barely shrinks)."""
+    reduce: drop dominated strategies first (autopar/dominance.py; exact; the choice is in the original indices).
+    It costs ~0.15 s on 4k strategies and an integral LP gains little (its time is in the z columns, which the
+    reduction barely shrinks), but a fractional one gains much: torchtitan's 8B at 64 layers went from 19 to 7 CPU s
+    (the fractional groups' branch and bound), llama-tiny 2x2 (examples/train.py) from 3.9 to 0.6 (integral LP)."""
     t0 = time.perf_counter()
     if overlap is not None and (fixed or shared):
         raise ValueError("bucket and shared charges are priced by the plain objective only (overlap=None)")
     args = (lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_search_s, fixed, shared, t0)
-    if reduce and overlap is not None:    # several LPs and a local search: always worth the reduction first
-        res = _reduced(*args)
-        if res is not None:
-            return res
-    return _solve(*args, reduce=reduce)
+    res = _reduced(*args) if reduce else None
+    return res if res is not None else _solve(*args)
 
 
 def _reduced(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_search_s, fixed, shared, t0):
@@ -291,8 +289,7 @@ def _reduced(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_
     return res
 
 
-def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_search_s, fixed, shared, t0,
-           reduce=False):
+def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_search_s, fixed, shared, t0):
     m = _build(lin, edges, mem, overlap, fixed, shared)
     if overlap is not None:
         return _solve_overlap(m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0,
@@ -316,13 +313,6 @@ def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_se
         if restricted is not None and restricted[1] <= lp_bound * (1 + mip_rel_gap) + 1e-15:
             h, x, method = restricted[2], restricted[0], "LP relaxation, fractional groups by branch and bound"
         else:
-            # before branch and bound (presolve and root cuts over every column: seconds), the problem without
-            # its dominated strategies: near-tied ones are what leave the LP fractional, and without them it is
-            # often integral (llama-tiny 2x2, examples/train.py's configuration: 3.9 -> 1.0 CPU s)
-            res = _reduced(lin, edges, mem, time_limit, mip_rel_gap, None, max_lps, lambda_search_s, fixed,
-                           shared, t0) if reduce else None
-            if res is not None:
-                return res
             h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper,
                        max(1.0, time_limit - (time.perf_counter() - t0)))
             x, h = _branch_and_bound(h, m.nx, mip_rel_gap)   # unseeded: seeded, HiGHS returned stale vectors
