@@ -121,17 +121,18 @@ def markdown(rows, cmd) -> str:
                             cwd=ROOT).stdout.strip()
     lines = ["# Planning time of small models and the benchmark configurations", "",
              f"command: `{cmd}`  commit: `{commit}`  machine: {os.cpu_count()} cores shared with other "
-             "jobs (plan: wall-clock median of the runs, capture included; CPU: this process's CPU seconds in that run, "
-             "less sensitive to the machine's load)",
-             "", "| case | plan (s) | runs (s) | CPU (s) | solve (s) | costs (s) | candidates (s) | MILP vars / rows | objective (s) "
-             "| solver | plan hash |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "jobs (plan: wall-clock median of the runs, capture included; CPU: this process's CPU seconds in "
+             "that run, less sensitive to the machine's load)", "",
+             "| case | plan (s) | runs (s) | CPU (s) | solve (s) | costs (s) | candidates (s) | MILP vars / rows "
+             "| objective (s) | solver | plan hash |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in rows.items():
         if "error" in r:
             lines.append(f"| {name} | error: {r['error'][:120]} ||||||||||")
             continue
         p = r["passes"]
         lines.append(f"| {name} | {r['plan_s']:.2f} | {' '.join(f'{v:.2f}' for v in r['all_s'])} | "
-                     f"{r['cpu_s']:.2f} | {p.get('solve', 0):.2f} | {p.get('costs', 0):.2f} | {p.get('candidates', 0):.2f} | "
+                     f"{r['cpu_s']:.2f} | {p.get('solve', 0):.2f} | {p.get('costs', 0):.2f} | "
+                     f"{p.get('candidates', 0):.2f} | "
                      f"{r['vars']} / {r['rows']} | {r['objective']:.6g} | {r['status']} | `{r['hash'][:12]}` |")
     return "\n".join(lines) + "\n"
 
@@ -153,7 +154,8 @@ def main(argv=None):
             rows[name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{name}: {rows[name]['error'][:300]}", flush=True)
             continue
-        print(f"{name}: {r['plan_s']:.2f} s (runs {' '.join(f'{v:.2f}' for v in r['all_s'])}; CPU {r['cpu_s']:.2f} s), objective "
+        runs = " ".join(f"{v:.2f}" for v in r["all_s"])
+        print(f"{name}: {r['plan_s']:.2f} s (runs {runs}; CPU {r['cpu_s']:.2f} s), objective "
               f"{r['objective']:.6g}, {r['vars']} vars, hash {r['hash'][:12]}, passes {r['passes']}", flush=True)
     if args.json:
         with open(args.json, "w") as f:

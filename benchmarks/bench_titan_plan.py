@@ -126,7 +126,8 @@ def main(argv=None):
         if "error" in r:
             print(f"{L} layers: ERROR {r['error']}", flush=True)
             continue
-        print(f"{L} layers: cold {r['cold_s']:.2f} s (runs {r['all_cold_s']}; CPU {r['cold_cpu_s']:.2f} s), warm {r['warm_s']:.2f} s, "
+        print(f"{L} layers: cold {r['cold_s']:.2f} s (runs {r['all_cold_s']}; CPU {r['cold_cpu_s']:.2f} s), "
+              f"warm {r['warm_s']:.2f} s, "
               f"capture+assembly {r['capture_and_rest_s']:.2f} s, passes {r['passes']}, {r['nodes']} nodes, "
               f"MILP {r['vars']} vars / {r['rows']} rows, {r['status']}, tp dim {r['tp_dim']}, "
               f"Megatron-style: {r['megatron']}", flush=True)
@@ -139,13 +140,15 @@ def main(argv=None):
     if args.md:
         cmd = "python benchmarks/bench_titan_plan.py " + " ".join(argv if argv is not None else sys.argv[1:])
         lines = [f"command: `{cmd.strip()}`  machine: {os.cpu_count()} cores (shared)", "",
-                 "| layers | cold (s) | runs (s) | cold CPU (s) | warm (s) | capture + assembly (s) | passes (s) | MILP vars | "
+                 "| layers | cold (s) | runs (s) | cold CPU (s) | warm (s) | capture + assembly (s) | passes (s) "
+                 "| MILP vars | "
                  "Megatron TP |", "|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             if "error" in r:
                 lines.append(f"| {r['layers']} | error: {r['error'][:200]} |||||||")
             else:
-                lines.append(f"| {r['layers']} | {r['cold_s']:.2f} | {r['all_cold_s']} | {r['cold_cpu_s']:.2f} | {r['warm_s']:.2f} | "
+                lines.append(f"| {r['layers']} | {r['cold_s']:.2f} | {r['all_cold_s']} | {r['cold_cpu_s']:.2f} | "
+                             f"{r['warm_s']:.2f} | "
                              f"{r['capture_and_rest_s']:.2f} | "
                              + " ".join(f"{k} {v:.2f}" for k, v in r["passes"].items() if v >= 0.01)
                              + f" | {r['vars']} | {r['megatron']} |")
