@@ -376,22 +376,36 @@ def job(names, variant="as-is", work=None):
     return out
 
 
+def preload():
+    """What every rank imports, imported once before the ranks are forked (forked.py): autopar, its executor and
+    the zoo's libraries."""
+    import autopar  # noqa: F401
+    import autopar.backends.comm  # noqa: F401
+    import autopar.backends.graph  # noqa: F401
+    import autopar.backends.verify  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+    import _clusters  # noqa: F401
+    import zoo
+    zoo.preload()
+
+
 def run_suite(names, variant, tmp, timeout) -> tuple[list[dict], str]:
-    """One 4-rank launch of `job` (tests/_dist.py) over `names`: (merged records, '' or why the launch failed).
-    A launch that fails part-way (a rank crashed or hung, or the closing barrier broke after an autopar
-    collective timed out) still gives the records the ranks saved; the models after them are marked not run."""
+    """One 4-rank launch of `job` over `names` (forked.py: imports once, 4 forked ranks): (merged records, '' or
+    why the launch failed). A launch that fails part-way (a rank crashed or hung, or the closing barrier broke after
+    an autopar collective timed out) still gives the records the ranks saved; the models after them are marked
+    not run."""
     import tempfile
-    from pathlib import Path
-    from _dist import launch
+    import forked
     work = tempfile.mkdtemp(prefix="work_", dir=tmp)
-    try:
-        return merge(launch(job, 4, [list(names), variant, work], tmp, timeout=timeout)), ""
-    except AssertionError as e:
-        why = str(e)
-    results = []
+    results, why = forked.launch(os.path.abspath(__file__), "job", 4, [list(names), variant, work],
+                                 tempfile.mkdtemp(prefix="ranks_", dir=tmp), timeout)
+    if not why:
+        return merge(results), ""
     for r in range(4):
-        p = Path(work) / f"partial_{r}.json"
-        results.append(json.loads(p.read_text()) if p.exists() else {"rank": r, "checks": [], "plans": []})
+        p = os.path.join(work, f"partial_{r}.json")
+        if results[r] is None:
+            results[r] = json.load(open(p)) if os.path.exists(p) else {"rank": r, "checks": [], "plans": []}
     done = {c["model"] for c in results[0]["checks"]}
     results[0]["checks"] += [{"model": n, "variant": variant, "ok": False, "stage": "launch",
                               "error": why.splitlines()[0]} for n in names if n not in done]
