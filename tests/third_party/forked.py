@@ -59,7 +59,9 @@ def launch(job_file, fn_name, world, args, run_dir, timeout) -> tuple[list, str]
     tails = "\n".join(f"---- {p.name} (last {LOG_TAIL} chars) ----\n{p.read_text(errors='replace')[-LOG_TAIL:]}"
                       for p in [run_dir / "zygote.log"] + [run_dir / f"rank{r}.log" for r in range(world)]
                       if p.exists())
-    return results, f"the launch failed (zygote exit {code}; ranks without a result: " \
+    zlog = (run_dir / "zygote.log").read_text(errors="replace").strip().splitlines() if code != 0 else []
+    last = f": {zlog[-1][:200]}" if zlog else ""
+    return results, f"the launch failed (zygote exit {code}{last}; ranks without a result: " \
                     f"{[r for r, x in enumerate(results) if x is None]})\n{tails}"
 
 

@@ -493,8 +493,11 @@ def preload():
     transformers.logging.set_verbosity_error()
     for cls in set(re.findall(r'"([A-Z]\w+(?:For\w+|Model|Config))"', inspect.getsource(sys.modules[__name__]))):
         getattr(transformers, cls, None)
-    for m in ("llama3", "qwen3"):
-        importlib.import_module(f"torchtitan.models.{m}")
+    try:
+        for m in ("llama3", "qwen3"):
+            importlib.import_module(f"torchtitan.models.{m}")
+    except Exception:           # e.g. triton missing (the test extra has it): those entries fail at their build
+        pass
 
 
 def loss_of(out) -> torch.Tensor:
