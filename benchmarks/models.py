@@ -92,9 +92,10 @@ def render(command, sections, commit_id) -> str:
            "dropout probability set to 0 (the randomness of issue 23 point 3 is not reproducible across ranks "
            "yet); the 8x8 plan is of the model as built, dropout on. Where the SHAPES plan shards no parameter (data "
            "parallel pays on models this small), the model is planned again with its parameters pinned FSDP-like "
-           "on dp (`backends/verify.fsdp_force`), the planner choosing the rest (said in the 2x2 run column). "
-           "The solver's time limit is 30 s for every plan (`PLAN_TIME_LIMIT_S`). Placements: parameters with a Shard on some "
-           "mesh dim, of all, and how many on each dim. Max error: the largest |diff| over the loss, gradients, "
+           "on dp (`fsdp_pins` in tests/third_party/zoo_check.py), the planner choosing the rest (said in the 2x2 "
+           "run column). The solver's time limit is 30 s for every plan (`PLAN_TIME_LIMIT_S`). Placements: "
+           "parameters with a Shard on some mesh dim, of all, and how many on each dim. Max error: the largest "
+           "|diff| over the loss, gradients, "
            "parameters and buffers. Stages: build, capture (recording the graph or the call's inputs), plan, "
            "parallelize, step, compare.\n"]
     for title, recs, wall in sections:

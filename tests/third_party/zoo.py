@@ -169,6 +169,17 @@ def gpt_bigcode():
                vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64, multi_query=True)
 
 
+def phi3():
+    return _lm("Phi3ForCausalLM", "Phi3Config", "decoder LM, fused qkv and gate/up projections, GQA",
+               changed=SMALL + "; pad_token_id=0 (the default 32000 is outside the small vocab)", pad_token_id=0,
+               **_LLAMA_LIKE)
+
+
+def stablelm():
+    return _lm("StableLmForCausalLM", "StableLmConfig", "decoder LM, LayerNorm, partial rotary (25%), GQA",
+               **_LLAMA_LIKE)
+
+
 def mixtral():
     return _lm("MixtralForCausalLM", "MixtralConfig", "decoder LM, MoE (4 experts, top-2 routing), GQA",
                changed=SMALL + "; 4 experts; output_router_logits=True so the aux loss is in .loss",
@@ -216,6 +227,12 @@ def electra():
 def albert():
     return _mlm("AlbertForMaskedLM", "AlbertConfig", "encoder masked LM, one layer's weights shared by all layers",
                 embedding_size=32, **_ENC)
+
+
+def deberta_v2():
+    return _mlm("DebertaV2ForMaskedLM", "DebertaV2Config", "encoder masked LM, disentangled relative attention",
+                relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=8, max_relative_positions=16,
+                **_ENC)
 
 
 def _seq2seq(cls_name, config_name, family, **cfg):
@@ -271,6 +288,12 @@ def convnext():
     return _classify("ConvNextForImageClassification", "ConvNextConfig",
                      "CNN, depthwise 7x7 conv, channels-last LayerNorm, layer scale, stochastic depth",
                      hidden_sizes=[16, 32], depths=[1, 1], num_stages=2)
+
+
+def mobilenet_v2():
+    return _classify("MobileNetV2ForImageClassification", "MobileNetV2Config",
+                     "CNN, inverted residuals, depthwise convs, BatchNorm2d (train), ReLU6",
+                     depth_multiplier=0.25, finegrained_output=False, image_size=32)
 
 
 def clip():
@@ -451,12 +474,30 @@ def torchvision_resnet():
 
 
 ZOO = {f.__name__: f for f in (
-    gpt2, opt, llama, qwen2, qwen3, mistral, gemma2, gpt_neox, phi, gptj, falcon, bloom, gpt_bigcode,
+    gpt2, opt, llama, qwen2, qwen3, mistral, gemma2, gpt_neox, phi, gptj, falcon, bloom, gpt_bigcode, phi3, stablelm,
     mixtral, olmoe, qwen2_moe,
-    bert, roberta, distilbert, electra, albert, t5, bart,
-    vit, swin, resnet, convnext, clip,
+    bert, roberta, distilbert, electra, albert, deberta_v2, t5, bart,
+    vit, swin, resnet, convnext, mobilenet_v2, clip,
     titan_llama3, titan_qwen3,
     nn_transformer, nn_transformer_encoder, torchvision_resnet)}
+
+
+def preload():
+    """Import the libraries the builders use, running no tensor op (forked.py forks the ranks after this): every
+    transformers class named in this file, and torchtitan's model packages."""
+    import importlib
+    import inspect
+    import re
+    import sys
+    import transformers
+    transformers.logging.set_verbosity_error()
+    for cls in set(re.findall(r'"([A-Z]\w+(?:For\w+|Model|Config))"', inspect.getsource(sys.modules[__name__]))):
+        getattr(transformers, cls, None)
+    try:
+        for m in ("llama3", "qwen3"):
+            importlib.import_module(f"torchtitan.models.{m}")
+    except Exception:           # e.g. triton missing (the test extra has it): those entries fail at their build
+        pass
 
 
 def loss_of(out) -> torch.Tensor:

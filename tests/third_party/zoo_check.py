@@ -47,8 +47,8 @@ STEPS, LR = 3, 1e-3
 # noise below 1e-8 and changes the update of the real gradients (1e-3 and up) by under 10%.
 ADAM_EPS = 1e-4
 # When the SHAPES plan replicates every parameter (data parallel pays on models this small), the model is planned
-# again with its parameters pinned FSDP-like on the dp dim (backends/verify.fsdp_force: Shard(0) where it divides),
-# the planner choosing everything else, so the check covers sharded parameters (their gathers and gradient
+# again with its parameters pinned FSDP-like on the dp dim (Shard(0) where it divides),
+# the planner choosing everything else (fsdp_pins), so the check covers sharded parameters (their gathers and gradient
 # reduce-scatters). A memory budget under the replicated state would do it too, but made the MILP of 2-layer
 # models hit its time limit (gpt2, opt: > 60 s) where the pinned plan takes ~1 s.
 # The MILP's time limit for every plan here (autopar's default is 60 s): issue 23 wants each suite model planned in
@@ -237,17 +237,28 @@ def check_model(name, variant, mesh, cluster) -> dict:
     return rec
 
 
+def fsdp_pins(model, mesh_shape) -> dict:
+    """Every parameter Shard(0) on mesh dim 0 where that divides it, replicated elsewhere and for 0-d parameters
+    (CLIP's logit_scale; backends/verify.fsdp_force indexes shape[0] of those and raises IndexError)."""
+    out = {}
+    for k, p in model.named_parameters():
+        pl = ["R"] * len(mesh_shape)
+        if p.ndim and p.shape[0] % mesh_shape[0] == 0:
+            pl[0] = "S0"
+        out[k] = tuple(pl)
+    return out
+
+
 def _plan_2x2(model, mesh, args, kwargs, cluster, rec):
     """The 2x2 plan under `cluster`; planned again with FSDP-pinned parameters when it shards none."""
     import autopar
-    from autopar.backends.verify import fsdp_force
     plan, state = autopar.plan(model, mesh, example_inputs=args, cluster=cluster, overlap=False, return_state=True,
                                time_limit=PLAN_TIME_LIMIT_S, **call_kwargs(kwargs))
     if placements_summary(plan.params)["sharded"]:
         return plan, state
     rec["forced"] = "parameters pinned FSDP on dp (the SHAPES plan replicated them all: data parallel)"
     return autopar.plan(model, mesh, example_inputs=args, cluster=cluster, overlap=False, return_state=True,
-                        force=fsdp_force(model, tuple(mesh.shape), 0), time_limit=PLAN_TIME_LIMIT_S,
+                        force=fsdp_pins(model, tuple(mesh.shape)), time_limit=PLAN_TIME_LIMIT_S,
                         **call_kwargs(kwargs))
 
 
@@ -376,22 +387,36 @@ def job(names, variant="as-is", work=None):
     return out
 
 
+def preload():
+    """What every rank imports, imported once before the ranks are forked (forked.py): autopar, its executor and
+    the zoo's libraries."""
+    import autopar  # noqa: F401
+    import autopar.backends.comm  # noqa: F401
+    import autopar.backends.graph  # noqa: F401
+    import autopar.backends.verify  # noqa: F401
+    import torch.distributed.device_mesh  # noqa: F401
+    import torch.distributed.tensor  # noqa: F401
+    import _clusters  # noqa: F401
+    import zoo
+    zoo.preload()
+
+
 def run_suite(names, variant, tmp, timeout) -> tuple[list[dict], str]:
-    """One 4-rank launch of `job` (tests/_dist.py) over `names`: (merged records, '' or why the launch failed).
-    A launch that fails part-way (a rank crashed or hung, or the closing barrier broke after an autopar
-    collective timed out) still gives the records the ranks saved; the models after them are marked not run."""
+    """One 4-rank launch of `job` over `names` (forked.py: imports once, 4 forked ranks): (merged records, '' or
+    why the launch failed). A launch that fails part-way (a rank crashed or hung, or the closing barrier broke after
+    an autopar collective timed out) still gives the records the ranks saved; the models after them are marked
+    not run."""
     import tempfile
-    from pathlib import Path
-    from _dist import launch
+    import forked
     work = tempfile.mkdtemp(prefix="work_", dir=tmp)
-    try:
-        return merge(launch(job, 4, [list(names), variant, work], tmp, timeout=timeout)), ""
-    except AssertionError as e:
-        why = str(e)
-    results = []
+    results, why = forked.launch(os.path.abspath(__file__), "job", 4, [list(names), variant, work],
+                                 tempfile.mkdtemp(prefix="ranks_", dir=tmp), timeout)
+    if not why:
+        return merge(results), ""
     for r in range(4):
-        p = Path(work) / f"partial_{r}.json"
-        results.append(json.loads(p.read_text()) if p.exists() else {"rank": r, "checks": [], "plans": []})
+        p = os.path.join(work, f"partial_{r}.json")
+        if results[r] is None:
+            results[r] = json.load(open(p)) if os.path.exists(p) else {"rank": r, "checks": [], "plans": []}
     done = {c["model"] for c in results[0]["checks"]}
     results[0]["checks"] += [{"model": n, "variant": variant, "ok": False, "stage": "launch",
                               "error": why.splitlines()[0]} for n in names if n not in done]
