@@ -130,6 +130,9 @@ class _Recorder(TorchDispatchMode):
         name = f"const{len(self.constants)}"
         if a.device.type == "meta":
             a = self.origin.get(id(a), torch.empty(a.shape, dtype=a.dtype) if a.numel() == 0 else a)
+        # made under functionalization (an empty KV cache's torch.empty): keep the plain tensor, not its wrapper,
+        # which the executor could not mix with its plain tensors
+        a = _inner(a)
         self.constants[name] = a
         self.const_module[name] = self.module_path()
         if a.device.type != "meta":
