@@ -34,6 +34,8 @@ aten = torch.ops.aten
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
 SDPA_BW = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _MUTATING_OK = {aten.detach_.default}
+# ops making an uninitialized buffer: a random fill of one (dropout's mask) draws in its layout (_draw_stride)
+_FRESH = {aten.empty_like.default, aten.empty_strided.default, aten.empty.memory_format, aten.empty_permuted.default}
 NLL_LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 _MEAN, _SUM = 1, 2      # torch's Reduction enum
 
@@ -123,6 +125,17 @@ class _Recorder(TorchDispatchMode):
             self.decomposing -= 1
             self.decomp_origin = outer
 
+    def _draw_stride(self, func, args, flat, ins):
+        """The layout one device fills a random op's draw in (Node.stride; None: contiguous). Functional calls
+        lay out their output as the meta kernel does; dropout's in-place bernoulli_ on empty_like(x), which
+        functionalization records as bernoulli.p of that fresh buffer (whose output is contiguous), fills the
+        buffer's own layout."""
+        out = flat[0] if flat and isinstance(flat[0], torch.Tensor) else None
+        if func is torch.ops.aten.bernoulli.p and ins and isinstance(args[0], torch.Tensor) and \
+                self.nodes[ins[0].node].target in _FRESH:
+            out = args[0]
+        return None if out is None or out.is_contiguous() else tuple(out.stride())
+
     def constant(self, a: torch.Tensor) -> str:
         """Name a tensor the graph did not make as a constant leaf, holding its data: a meta tensor made from data
         (torch.tensor(..., device=meta): no dispatch sees it) has its CPU twin from _Constants; an empty one needs
@@ -130,6 +143,9 @@ class _Recorder(TorchDispatchMode):
         name = f"const{len(self.constants)}"
         if a.device.type == "meta":
             a = self.origin.get(id(a), torch.empty(a.shape, dtype=a.dtype) if a.numel() == 0 else a)
+        # made under functionalization (an empty KV cache's torch.empty): keep the plain tensor, not its wrapper,
+        # which the executor could not mix with its plain tensors
+        a = _inner(a)
         self.constants[name] = a
         self.const_module[name] = self.module_path()
         if a.device.type != "meta":
@@ -221,6 +237,8 @@ class _Recorder(TorchDispatchMode):
         n = Node(len(self.nodes), "op", func, rargs, rkwargs, outs, self.phase, self.module_path(),
                  origin=self.decomp_origin)
         n._ins, n.user_op = ins, self.user_op()
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            n.stride = self._draw_stride(func, args, flat, ins)
         self.nodes.append(n)
         for i, o in enumerate(flat):
             if isinstance(o, torch.Tensor):

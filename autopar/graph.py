@@ -50,6 +50,9 @@ class Node:
 
     _ins: list | None = field(default=None, repr=False, compare=False)
     user_op: str | None = field(default=None, repr=False, compare=False)   # the torch call it ran for (messages)
+    # a random op's first output's strides on one device: the kernels fill memory in order, so the layout decides
+    # which element gets which draw (dropout on a transposed activation); None: contiguous
+    stride: tuple | None = field(default=None, repr=False, compare=False)
 
     def inputs(self) -> list[Ref]:
         """Tensor arguments in flatten order (the order DTensor's strategies list input specs)."""

@@ -344,7 +344,7 @@ def draw_random(fn, node, args, kwargs, gen, device, piece, outside):
     if fn is aten.native_dropout.default and kw.get("train") is False:
         return None
     with outside():
-        full = _draw_full(fn, kw, shape, dtype, device, gen)
+        full = _draw_full(fn, kw, shape, dtype, device, gen, getattr(node, "stride", None))
     if fn is aten.bernoulli.default:                # one uniform per element, compared with its probability
         return [(piece(full, 0) < kw["self"]).to(dtype)]
     if fn is aten.native_dropout.default:
@@ -355,20 +355,24 @@ def draw_random(fn, node, args, kwargs, gen, device, piece, outside):
     return [piece(full, 0)]
 
 
-def _draw_full(fn, kw, shape, dtype, device, gen):
-    new = lambda: torch.empty(shape, dtype=dtype, device=device)
+def _draw_full(fn, kw, shape, dtype, device, gen, stride=None):
+    """The global random tensor, drawn as one device does: the `*_like` ops and the in-place fills of an
+    `empty_like` (dropout) fill memory in order, so the tensor is laid out with the strides one device's had
+    (rand(shape) is empty(shape).uniform_(0, 1), randn normal_(0, 1), randint random_(low, high))."""
+    new = lambda d=dtype: (torch.empty(shape, dtype=d, device=device) if stride is None else
+                           torch.empty_strided(shape, stride, dtype=d, device=device))
     if fn is aten.bernoulli.p:
         return new().bernoulli_(kw["p"], generator=gen)
     if fn is aten.native_dropout.default:
         return new().bernoulli_(1.0 - kw["p"], generator=gen)
     if fn in (aten.bernoulli.default, aten.rand_like.default, aten.rand.default):
-        return torch.rand(shape, dtype=dtype, device=device, generator=gen)
+        return new().uniform_(0.0, 1.0, generator=gen)
     if fn in (aten.randn_like.default, aten.randn.default):
-        return torch.randn(shape, dtype=dtype, device=device, generator=gen)
+        return new().normal_(0.0, 1.0, generator=gen)
     if fn is aten.uniform.default:
         return new().uniform_(kw.get("from", 0.0), kw.get("to", 1.0), generator=gen)
     if fn is aten.normal_functional.default:
         return new().normal_(kw.get("mean", 0.0), kw.get("std", 1.0), generator=gen)
     if fn in (aten.randint.default, aten.randint.low, aten.randint_like.default, aten.randint_like.low_dtype):
-        return torch.randint(kw.get("low", 0), kw["high"], shape, dtype=dtype, device=device, generator=gen)
+        return new().random_(kw.get("low", 0), kw["high"], generator=gen)
     raise NotImplementedError(f"random op {fn}")
