@@ -428,11 +428,14 @@ class _Net(nn.Module):
 
 def test_no_rule_error_names_the_users_op(monkeypatch):
     """An op whose torch decomposition holds an op with no rule: the error names the user-level op (here
-    hardswish's backward, with the rule for torch.where-with-a-scalar taken away so that its decomposition ends
-    in prims.where) and the user's module, not the internal op alone; replicate_ops takes that name."""
+    hardswish's backward, whose decomposition ends in torch.where, with DTensor's rules for where.self hidden)
+    and the user's module, not the internal op alone; replicate_ops takes that name."""
     import autopar.strategies as S
-    monkeypatch.delitem(S.RULES, aten.where.ScalarSelf)
-    monkeypatch.setattr(S, "_DECOMP", {})
+    for name in ("has_single_dim", "has_full"):
+        known = getattr(S.adapter, name)
+        monkeypatch.setattr(S.adapter, name, lambda op, known=known: op is not aten.where.self and known(op))
+    monkeypatch.delitem(S.RULES, aten.where.self, raising=False)
+    monkeypatch.setattr(S, "_DECOMP", {aten.where.self: None})
     monkeypatch.setattr(S, "_CACHE", {})
     with pytest.raises(autopar.NoStrategyError) as e:
         autopar.plan(_Net(), MESH, (torch.randn(8, 16),), cluster=SHAPES)
