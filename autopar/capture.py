@@ -28,6 +28,7 @@ SDPA_BW = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _MUTATING_OK = {aten.detach_.default}
 NLL_LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 _MEAN, _SUM = 1, 2      # torch's Reduction enum
+_META = torch.device("meta")
 
 
 class CaptureError(RuntimeError):
@@ -151,6 +152,11 @@ class _Recorder(TorchDispatchMode):
             return self.exact_mean_loss(func, types, args)
         if func is aten._local_scalar_dense.default:
             return self.specialize(args[0])
+        dev = kwargs.get("device")
+        if isinstance(dev, torch.device) and dev.type != "meta":
+            # a tensor made or moved to a device (torch.arange(n), x.cpu(), .to("cuda")): capture runs on meta and
+            # the run makes it on the run device (backends/program.py _to_device), so it is recorded on meta
+            kwargs = {**kwargs, "device": _META}
         if func._schema.is_mutable and func not in _MUTATING_OK:
             raise CaptureError(f"in-place op {func} in module '{self.module_path() or '<root>'}' mutates a tensor"
                                f" (e.g. a buffer update); the plan cannot keep mutated state consistent across ranks")
