@@ -38,6 +38,7 @@ _MUTATING_OK = {aten.detach_.default}
 _FRESH = {aten.empty_like.default, aten.empty_strided.default, aten.empty.memory_format, aten.empty_permuted.default}
 NLL_LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 _MEAN, _SUM = 1, 2      # torch's Reduction enum
+_META = torch.device("meta")
 
 
 class CaptureError(RuntimeError):
@@ -199,6 +200,11 @@ class _Recorder(TorchDispatchMode):
             return self.exact_mean_loss(func, types, args)
         if func is aten._local_scalar_dense.default:
             return self.specialize(args[0])
+        dev = kwargs.get("device")
+        if isinstance(dev, torch.device) and dev.type != "meta":
+            # a tensor made or moved to a device (torch.arange(n), x.cpu(), .to("cuda")): capture runs on meta and
+            # the run makes it on the run device (backends/program.py _to_device), so it is recorded on meta
+            kwargs = {**kwargs, "device": _META}
         if func is aten.copy.default:
             func, args, kwargs = _copy_as_clone(args, kwargs)
         decomp = _BN_DECOMPOSE.get(func)

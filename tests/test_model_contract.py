@@ -143,44 +143,96 @@ def test_data_dependent_check_on_meta_weights_is_refused():
         capture(OnWeight(), (torch.randn(2, 8),))
 
 
-def test_forward_made_constants_keep_their_data():
-    class Made(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
+class _Made(nn.Module):
+    """Tensors made and moved in forward: from data on the input's device (no dispatch sees it on meta), empty,
+    factories on the input's device and on the default device, a mask moved with .to(device=...), a .cpu()."""
 
-        def forward(self, x):
-            c = torch.tensor([1.0, 2.0, 3.0, 4.0], device=x.device)       # no dispatch sees this on meta
-            e = torch.tensor([], device=x.device)
-            m = (torch.arange(4, device=x.device) < 2).to(device=x.device, dtype=x.dtype)
-            return (self.lin(torch.cat([x * c * m, e.view(0, 4).expand(0, 4)]))).sum()
-    g = capture(Made(), (torch.randn(3, 4),))
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        c = torch.tensor([1.0, 2.0, 3.0, 4.0], device=x.device)
+        e = torch.tensor([], device=x.device)
+        m = (torch.arange(4, device=x.device) < 2).to(device=x.device, dtype=x.dtype)
+        pos = torch.arange(4, dtype=x.dtype)                    # the default (CPU) device
+        k = x.abs().sum().cpu()
+        # (no view of the empty tensor: DTensor's view strategy never returns on a 0-sized reshape)
+        return (torch.cat([self.lin(x * c * m + pos).flatten(), e]) * k).sum()
+
+
+def test_forward_made_constants_keep_their_data():
+    x = torch.randn(4, 4)
+    g = capture(_Made(), (x,))
     vals = [v for v in g.constants.values() if v.numel()]
     assert any(torch.equal(v, torch.tensor([1.0, 2.0, 3.0, 4.0])) for v in vals)
     assert all(v.device.type == "cpu" for v in g.constants.values())
+    devices = {a for n in g.ops() for a in n.kwargs.values() if isinstance(a, torch.device)}
+    assert devices == {torch.device("meta")}        # made on the run device at run time
+    from _simulated import simulated
+    from autopar.backends.verify import global_value
+    from autopar.strategies._torch_adapter import outside_local_tensor_mode
+    model = _Made()
+    ref = copy.deepcopy(model)
+    with simulated((2,)) as mesh:
+        pm = autopar.parallelize(model, mesh, (x,), pin=lambda n: {0: "S0"} if n.kind == "input" else None)
+        loss = pm(x)
+        loss.backward()
+        with outside_local_tensor_mode():
+            r = ref(x)
+            r.backward()
+        assert abs(global_value(loss).item() - r.item()) <= 1e-6 + 1e-4 * abs(r.item())
+        err = (global_value(pm.lin.weight.grad) - ref.lin.weight.grad).abs().max().item()
+        assert err <= 1e-6 + 1e-4 * ref.lin.weight.grad.abs().max().item()
 
 
-def test_transformers_models_plan_with_no_wrapper():
+def _hf_cases():
     tr = pytest.importorskip("transformers")
     tr.utils.logging.set_verbosity_error()
     torch.manual_seed(0)
-    ids = torch.randint(0, 128, (2, 16))
+    ids = torch.randint(0, 128, (4, 16))
     small = dict(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
-    cases = [
-        (tr.GPT2LMHeadModel(tr.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=128, n_positions=32)),
-         dict(input_ids=ids, labels=ids)),
-        (tr.LlamaForCausalLM(tr.LlamaConfig(**small, num_key_value_heads=2, max_position_embeddings=32)),
-         dict(input_ids=ids, labels=ids, use_cache=False)),
-        (tr.BertForMaskedLM(tr.BertConfig(**small, max_position_embeddings=32)),
-         dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)),
-        (tr.ViTForImageClassification(tr.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                                   intermediate_size=64, image_size=16, patch_size=8, num_labels=3)),
-         dict(pixel_values=torch.randn(2, 3, 16, 16), labels=torch.tensor([0, 2]))),
-    ]
-    for model, kw in cases:
-        model.eval()        # dropout off: random in-place ops are the functional capture's part, not this test's
-        p = autopar.plan(model, (2,), kw, cluster="cpu-gloo", allow_replicate=True, time_limit=10)
-        assert set(p.params) >= {k for k, _ in model.named_parameters()}, type(model).__name__
+    return {
+        "gpt2": lambda: (tr.GPT2LMHeadModel(tr.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=128,
+                                                          n_positions=32)), dict(input_ids=ids, labels=ids)),
+        "llama": lambda: (tr.LlamaForCausalLM(tr.LlamaConfig(**small, num_key_value_heads=2,
+                                                             max_position_embeddings=32)),
+                          dict(input_ids=ids, labels=ids)),
+        "bert": lambda: (tr.BertForMaskedLM(tr.BertConfig(**small, max_position_embeddings=32)),
+                         dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)),
+        "vit": lambda: (tr.ViTForImageClassification(tr.ViTConfig(hidden_size=32, num_hidden_layers=1,
+                                                                  num_attention_heads=4, intermediate_size=64,
+                                                                  image_size=16, patch_size=8, num_labels=3)),
+                        dict(pixel_values=torch.randn(2, 3, 16, 16), labels=torch.tensor([0, 2]))),
+    }
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "vit"])
+def test_transformers_models_run_with_no_wrapper(name):
+    """*ForCausalLM / *ForMaskedLM / *ForImageClassification with keyword inputs and labels, default cache on:
+    plan, then one step on 2 simulated ranks with the batch sharded (forward-made masks, caches and positions made
+    on the run device), loss in the model's own ModelOutput, loss and every gradient equal to one device."""
+    from _simulated import simulated
+    from autopar.backends.verify import global_value
+    from autopar.strategies._torch_adapter import outside_local_tensor_mode
+    model, kw = _hf_cases()[name]()
+    model.eval()        # dropout off: random in-place ops are the functional capture's part, not this test's
+    ref = copy.deepcopy(model)
+    with simulated((2,)) as mesh:
+        pm = autopar.parallelize(model, mesh, kw, pin=lambda n: {0: "S0"} if n.kind == "input" else None)
+        assert set(pm.plan.params) >= {k for k, _ in model.named_parameters()}
+        out = pm(**kw)
+        out.loss.backward()
+        with outside_local_tensor_mode():
+            r = ref(**kw)
+            r.loss.backward()
+        assert type(out) is type(r) and out.logits is None
+        assert abs(global_value(out.loss).item() - r.loss.item()) <= 1e-6 + 1e-4 * abs(r.loss.item())
+        named = dict(pm.named_parameters())
+        for k, p in ref.named_parameters():
+            err = (global_value(named[k].grad) - p.grad).abs().max().item()
+            assert err <= 1e-6 + 1e-4 * p.grad.abs().max().item(), k
+        assert pm.plan.collectives(), "batch-sharded: the gradients are reduced"
 
 
 def test_llama_runs_with_its_mask_check_guarded():
