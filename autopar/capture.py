@@ -285,8 +285,9 @@ def _copy_as_clone(args, kwargs):
             "non_blocking", len(args) > 2 and args[2]) and src.device == dst.device:
         if dst.is_contiguous():
             return aten.clone.default, (src,), {"memory_format": torch.contiguous_format}
-        if src.stride() == dst.stride():
-            return aten.clone.default, (src,), {}
+        # dst a strided view (T5's `shifted[..., 1:] = ids[..., :-1]`, a slice_scatter's source): the value is
+        # src's, only its layout differs, and the plan's values carry no layout (views are re-applied on them)
+        return aten.clone.default, (src,), {}
     return aten.copy.default, args, kwargs
 
 
@@ -371,6 +372,20 @@ class _Constants(TorchFunctionMode):
     its data would be lost: make the same tensor on the CPU too and tell the recorder, which records it as a
     constant with that data."""
     FNS = (torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor)
+    # `x[..., [-2], :]`: Python turns the int list into an index tensor on x's device with no dispatch either
+    INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
+
+    def _index(self, idx, device):
+        """The index with each list of ints/bools made a tensor whose CPU twin the recorder knows."""
+        if isinstance(idx, tuple):
+            return tuple(self._index(i, device) for i in idx)
+        if isinstance(idx, list) and idx and all(type(i) in (int, bool) for i in idx):
+            with torch._C._DisableTorchDispatch():      # as Python makes it: no op the recorder sees
+                real, out = torch.tensor(idx), torch.tensor(idx, device=device)
+            self.rec.origin[id(out)] = real
+            self.rec.keep.append(out)
+            return out
+        return idx
 
     def __init__(self, rec: "_Recorder"):
         super().__init__()
@@ -378,6 +393,9 @@ class _Constants(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in self.INDEXING and len(args) >= 2 and isinstance(args[0], torch.Tensor) \
+                and args[0].device.type == "meta":
+            args = (args[0], self._index(args[1], args[0].device), *args[2:])
         out = func(*args, **kwargs)
         if func in self.FNS and isinstance(out, torch.Tensor) and out.device.type == "meta" \
                 and id(out) not in self.rec.ref:

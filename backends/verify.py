@@ -28,7 +28,7 @@ def fsdp_force(model: nn.Module, mesh_shape, dim: int = 0) -> dict:
     out = {}
     for k, p in model.named_parameters():
         pl = ["R"] * len(mesh_shape)
-        if p.shape[0] % mesh_shape[dim] == 0:
+        if p.dim() and p.shape[0] % mesh_shape[dim] == 0:      # a 0-dim parameter (CLIP's logit scale): whole
             pl[dim] = "S0"
         out[k] = tuple(pl)
     return out
