@@ -507,9 +507,8 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
     broadcast before the engines shard them, `model.autopar_init_comm`; a replica checksum before the first step).
     The user's RNG state is left as it was; `model.autopar_rng_seed` is rank 0's torch.initial_seed()."""
     import torch
-    from .graph import _device
-    dev = _device(mesh)
-    with torch.random.fork_rng(devices=[] if mesh.device_type == "cpu" else [dev]):
+    from .graph import _rng_devices
+    with torch.random.fork_rng(devices=_rng_devices(mesh)):
         return _parallelize_torch(model, mesh, example_inputs, backend, units, styles, planned, compile_blocks,
                                   assume_identical, check_replicas, plan_kwargs)
 
