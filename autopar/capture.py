@@ -341,9 +341,25 @@ class _FusedAttention(TorchFunctionMode):
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
-            if mask is None and dropout == 0.0 and not kwargs.get("enable_gqa", False):
-                return SDPA(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
+            if mask is None and dropout == 0.0:
+                if kwargs.get("enable_gqa", False):
+                    k, v = _gqa_expand(q, k), _gqa_expand(q, v)
+                if k is not None and v is not None:
+                    return SDPA(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
         return func(*args, **kwargs)
+
+
+def _gqa_expand(q, kv):
+    """SDPA's enable_gqa semantics (torch's math path: kv.repeat_interleave(Hq // Hkv, dim=-3)) made explicit, so
+    that grouped-query attention is the fused op too: its math decomposition flattens (batch, heads) into one bmm
+    dim, where DTensor's view rule cannot keep the heads sharded, and head-parallel (Megatron) attention would have
+    no candidate. None when the head counts do not divide (the call then runs as given, and errors as torch does)."""
+    hq, hkv = q.size(-3), kv.size(-3)
+    if hq == hkv:
+        return kv
+    if hkv == 0 or hq % hkv:
+        return None
+    return kv.repeat_interleave(hq // hkv, dim=-3)
 
 
 _BN_ARGS = {F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
