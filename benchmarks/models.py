@@ -57,7 +57,8 @@ def row(rec) -> str:
     if not rec["ok"]:
         why.append(f"2x2 {rec['stage']}: {rec['error']}")
     drop = "; ".join(x for x in ("dropout set to 0" if rec.get("dropout_off") else "",
-                                 "params pinned FSDP on dp" if rec.get("forced") else "") if x)
+                                 "params pinned FSDP on dp" if rec.get("forced") else "",
+                                 rec.get("check_dtype", "")) if x)
     return (f"| {rec['model']} | {_esc(rec.get('family', ''))} | {plan8} | {_pl(p8.get('placements'))} | "
             f"{_pl(rec.get('placements_2x2'))} | {coll} | {err} | {verdict} | {drop} | {_esc('; '.join(why))} |")
 
