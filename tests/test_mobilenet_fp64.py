@@ -91,8 +91,11 @@ def test_mobilenet_blocks_fp64_2x2_equal_one_device():
         pm = autopar.parallelize(model, mesh, args, planned=(plan, state))
         counter = CommCounter(pm.program.mesh)
         got = _steps(pm, args, first=lambda: counter)
-    # the plan is parallel: the depthwise convolution's weight sharded, the batch split, collectives issued
+    # the plan is parallel: the depthwise convolution's weight sharded, its input split on the batch, collectives
     assert plan.params["block1.conv_3x3.convolution.weight"][0] == "S0", plan.params
+    dw = [n["placement"]["ins"][0] for n in plan.nodes if n["kind"] == "op" and n["module"] ==
+          "block1.conv_3x3.convolution" and "convolution" in str(n["target"])]
+    assert dw and all(pl[0] == "S0" for pl in dw), dw
     assert len(counter.records) > 0
     for what, a, b in (("grad", got["grads"], ref["grads"]), ("", got["state"], ref["state"])):
         for k, r in b.items():
