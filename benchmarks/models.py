@@ -57,7 +57,8 @@ def row(rec) -> str:
     if not rec["ok"]:
         why.append(f"2x2 {rec['stage']}: {rec['error']}")
     drop = "; ".join(x for x in ("dropout set to 0" if rec.get("dropout_off") else "",
-                                 "params pinned FSDP on dp" if rec.get("forced") else "") if x)
+                                 "params pinned FSDP on dp" if rec.get("forced") else "",
+                                 rec.get("check_dtype", "")) if x)
     return (f"| {rec['model']} | {_esc(rec.get('family', ''))} | {plan8} | {_pl(p8.get('placements'))} | "
             f"{_pl(rec.get('placements_2x2'))} | {coll} | {err} | {verdict} | {drop} | {_esc('; '.join(why))} |")
 
@@ -93,7 +94,9 @@ def render(command, sections, commit_id) -> str:
            "pm.program.manual_seed(s) (each random tensor drawn whole in eager's order and layout, each rank keeping "
            "its piece), so the comparison is exact. SHAPES alone replicates every parameter of models this small "
            "(data parallel pays), so the 2x2 plan pins the parameters FSDP-like on dp (`fsdp_pins` in "
-           "tests/third_party/zoo_check.py) and the planner chooses every other placement. The solver's time limit is 30 s for every plan (`PLAN_TIME_LIMIT_S`). Placements: "
+           "tests/third_party/zoo_check.py) and the planner chooses every other placement. A model whose 2x2 run says "
+           "float64 is checked in float64 (its float32 training is not reproducible to the tolerance even on one "
+           "device: benchmarks/results/precision.md); its (8, 8) plan is of the float32 model. The solver's time limit is 30 s for every plan (`PLAN_TIME_LIMIT_S`). Placements: "
            "parameters with a Shard on some mesh dim, of all, and how many on each dim. Max error: the largest "
            "|diff| over the loss, gradients, "
            "parameters and buffers. Stages: build, capture (recording the graph or the call's inputs), plan, "

@@ -10,6 +10,7 @@ one training step, and `notes`, a dict:
   mode     "train" (every entry is built in train() mode, as a user trains it)
   loss     how the loss is made: "model" (the model computes it from labels=) or the wrapper that adds it
   changed  config values set away from the library's defaults, and why (only to make the model small)
+  check_dtype  (some entries) the dtype the 2x2 check casts the model and its floating inputs to
 
 Sizes: hidden 32-64, 2 layers, vocab 128-256, sequence 16, batch 8 (a 2x2 mesh divides it). Models that return
 logits only (torchtitan's, torch.nn's, the hand CNN) are wrapped in `WithLoss`, the loss their trainers compute
@@ -291,9 +292,14 @@ def convnext():
 
 
 def mobilenet_v2():
-    return _classify("MobileNetV2ForImageClassification", "MobileNetV2Config",
-                     "CNN, inverted residuals, depthwise convs, BatchNorm2d (train), ReLU6",
-                     depth_multiplier=0.25, finegrained_output=False, image_size=32)
+    model, args, kwargs, notes = _classify("MobileNetV2ForImageClassification", "MobileNetV2Config",
+                                           "CNN, inverted residuals, depthwise convs, BatchNorm2d (train), ReLU6",
+                                           depth_multiplier=0.25, finegrained_output=False, image_size=32)
+    # Its float32 training is not reproducible to the 2x2 check's tolerance even on one device (1 vs 2 threads: 4
+    # grads and 99 params outside it; the linear bottlenecks' BN bias grads are zero analytically, so max|ref| is
+    # noise; benchmarks/results/precision.md), so its 2x2 check runs in float64; the (8, 8) plan keeps float32.
+    notes["check_dtype"] = torch.float64
+    return model, args, kwargs, notes
 
 
 def clip():
