@@ -14,8 +14,8 @@ Checkpoint and resume (autopar/examples/checkpoint.py, torch.distributed.checkpo
     torchrun --standalone --nproc-per-node 4 --max-restarts 1 -m autopar.examples.train --steps 20 \
         --checkpoint-dir ckpt --checkpoint-every 5 --resume
 
-writes the model, the optimizer, the step counter and the program's random generator state after every 5th step
-(and the last); `--resume` starts from the last complete checkpoint in the directory (from step 1 when there is
+writes the model, the optimizer, the step counter and the random generator states (the graph program's, torch's)
+after every 5th step (and the last); `--resume` starts from the last complete checkpoint in the directory (from step 1 when there is
 none), so a job that torchrun restarts after a failure continues where its last checkpoint left it. The batch of
 step i is a function of i alone (the data position is the step counter), so the resumed steps compute the losses
 of an uninterrupted run. Each step logs one line, `step i loss x ...`, steps counted from 1; a restarted attempt
@@ -66,6 +66,8 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
         ap.error("--resume needs --checkpoint-dir")
+    if args.checkpoint_every < 0 or args.kill_after_step is not None and args.kill_after_step < 1:
+        ap.error("--checkpoint-every must be >= 0 and --kill-after-step >= 1")
     return args
 
 
@@ -183,6 +185,9 @@ def main(argv=None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     init_process_group("nccl" if dev == "cuda" else "gloo", timedelta(seconds=120))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.kill_rank is not None and not 0 <= args.kill_rank < world:
+        dist.destroy_process_group()
+        raise SystemExit(f"--kill-rank {args.kill_rank} is not a rank of this job (world size {world})")
     try:
         shape = tuple(int(s) for s in args.mesh.split("x"))
         names = ("dp", "tp") if len(shape) == 2 else ("dp",) if len(shape) == 1 else None
