@@ -267,13 +267,12 @@ def one_process(tmp) -> dict:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     ref_losses, ref_params = reference()
     out = {}
+    from torch.distributed.checkpoint.state_dict import set_state_dict
     model = _build(7)
     opt = _opt(model)
-    _init_optim(model, opt)
-    sd = {"model": model.state_dict(), "optim": _plain_optim_sd(model, opt)}
+    sd = _state(model, opt)              # get_state_dict needs no process group either
     dcp.load(sd, checkpoint_id=f"{tmp}/graph", no_dist=True)
-    model.load_state_dict(sd["model"])
-    opt.load_state_dict(_from_fqn_optim_sd(model, sd["optim"], opt))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     out["no_dist"] = _compare(run_steps(model, opt, range(K, N)), _params(model), ref_losses, ref_params, first=K)
     dcp_to_torch_save(f"{tmp}/graph", f"{tmp}/graph.pt")
     plain = _build(7)
@@ -282,35 +281,6 @@ def one_process(tmp) -> dict:
     with torch.no_grad():
         out["torch_save_loss"] = _diff(float(plain(x, y)), ref_losses[K])
     return out
-
-
-def _init_optim(model, opt):
-    """Create the optimizer's state (as get_state_dict does): a step with zero gradients and lr 0."""
-    for g in opt.param_groups:
-        g["lr_keep"], g["lr"] = g["lr"], 0.0
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    for g in opt.param_groups:
-        g["lr"] = g.pop("lr_keep")
-
-
-def _plain_optim_sd(model, opt) -> dict:
-    """The optimizer's state dict keyed by parameter FQN, as get_state_dict writes it."""
-    names = [k for k, _ in model.named_parameters()]
-    sd = opt.state_dict()
-    state = {names[i]: v for i, v in sd["state"].items()}
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-              for g in sd["param_groups"]]
-    return {"state": state, "param_groups": groups}
-
-
-def _from_fqn_optim_sd(model, osd, opt) -> dict:
-    names = [k for k, _ in model.named_parameters()]
-    idx = {n: i for i, n in enumerate(names)}
-    return {"state": {idx[n]: v for n, v in osd["state"].items()},
-            "param_groups": [{**g, "params": [idx[n] for n in g["params"]]} for g in osd["param_groups"]]}
 
 
 @pytest.fixture(scope="module")
