@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .graph import Graph, Node, Ref, TensorMeta, map_refs
 from .guards import NoRealValue, build_guard
 from .model_io import ModelIO, pick_loss
-from .strategies import decomposition_for
+from .strategies import decomposition_for, meta_kernel, restride_decomposition
 
 aten = torch.ops.aten
 SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -91,19 +91,21 @@ class _Recorder(TorchDispatchMode):
         """Run `func` on meta tensors. Repeated blocks call the same ops on the same shapes over and over, and
         meta kernels written in Python (torch._refs) dominate capture time; so a functional op (no aliased or
         mutated output) seen before with the same input metadata returns fresh meta tensors of the recorded
-        output metadata instead of running again."""
+        output metadata instead of running again. An op whose meta kernel refuses what its device kernels take
+        (strategies.meta_kernel: _grouped_mm in float32) runs that function instead."""
+        impl = meta_kernel(func) or func
         if func not in self.functional:
             s = func._schema
             self.functional[func] = not s.is_mutable and all(r.alias_info is None for r in s.returns)
         if not self.functional[func]:
-            return func(*args, **kwargs)
+            return impl(*args, **kwargs)
         try:
             key = (func, _key(args), _key(kwargs))
             hit = self.memo.get(key)
         except (TypeError, _NoMemo):
-            return func(*args, **kwargs)
+            return impl(*args, **kwargs)
         if hit is None:
-            out = func(*args, **kwargs)
+            out = impl(*args, **kwargs)
             flat, spec = tree_flatten(out)
             if all(not isinstance(o, torch.Tensor) or o.device.type == "meta" for o in flat):
                 self.memo[key] = (spec, [(o.shape, o.stride(), o.dtype) if isinstance(o, torch.Tensor) else o
@@ -212,7 +214,7 @@ class _Recorder(TorchDispatchMode):
         if decomp is not None or self.decomposing and torch._C._dispatch_has_kernel_for_dispatch_key(
                 func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
             return self.decompose(func, decomp, args, kwargs)
-        decomp = decomposition_for(func)
+        decomp = restride_decomposition(func, args, kwargs) or decomposition_for(func)
         if decomp is not None and (out := self.decompose(func, decomp, args, kwargs)) is not NotImplemented:
             return out
         if func._schema.is_mutable and func not in _MUTATING_OK:

@@ -55,6 +55,53 @@ def attention_bw_math(gout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *
 VIEWS = (aten.view.default, aten._unsafe_view.default)
 
 
+# ---- ops whose device kernel takes less than what capture recorded ------------------------------------------------
+
+def histc_any(x, bins=100, min=0, max=0):
+    """histc where the device kernel counts floating values only (CPU): capture runs the model on meta, so a
+    model choosing its input's dtype by device (transformers' MoE: `.float()` on cpu/mps, `.int()` elsewhere)
+    records the integer form. The counts of the same values as float32, exact below 2**24, in the recorded dtype."""
+    if x.is_floating_point() or x.device.type != "cpu":
+        return aten.histc.default(x, bins, min, max)
+    return aten.histc.default(x.float(), bins, min, max).to(x.dtype)
+
+
+def _gmm_aligned(t: torch.Tensor) -> bool:
+    """The layout `_grouped_mm`'s kernels take (torch's meta check): unit stride on one of the last two dims and
+    the other a multiple of 16 bytes, at least that dim's extent."""
+    e, al, st, sh = t.dim() - 1, 16 // t.element_size(), t.stride(), t.shape
+    if st[e - 1] == 1 and st[e] >= max(1, sh[e - 1]):
+        return st[e] % al == 0
+    return st[e] == 1 and st[e - 1] >= max(1, sh[e]) and st[e - 1] % al == 0
+
+
+def grouped_mm_any(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """`_grouped_mm` on operands laid out as its kernel needs: a local shard (N or K of a size whose slice is not
+    16-byte aligned), a gathered value or an expanded gradient is copied into a row-major layout with its row
+    stride padded to 16 bytes (the same values; the padding is never read)."""
+    def aligned(t):
+        if _gmm_aligned(t):
+            return t
+        al = 16 // t.element_size()
+        ld = -(-max(t.shape[-1], 1) // al) * al
+        out = t.new_empty_strided(tuple(t.shape), _padded_strides(tuple(t.shape), ld))
+        out.copy_(t)
+        return out
+    return aten._grouped_mm.default(aligned(mat_a), aligned(mat_b), offs, bias, out_dtype)
+
+
+def _padded_strides(shape, ld):
+    """Row-major strides of `shape` with the last dim's rows `ld` elements apart."""
+    out, step = [1], ld
+    for s in reversed(shape[:-1]):
+        out.insert(0, step)
+        step *= max(s, 1)
+    return tuple(out)
+
+
+LOCAL_IMPL = {aten.histc.default: histc_any, aten._grouped_mm.default: grouped_mm_any}
+
+
 def call_op(fn, args, kwargs):
     """Run one op. A view whose input has another memory layout here than on one device (a gathered shard, a
     kernel's output order) cannot alias it; no value is mutated in place in a captured step (capture rejects

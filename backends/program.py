@@ -40,7 +40,7 @@ from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor,
 from .comm import executed_placements, finish_bucket, group_name, launch_bucket, launch_filled, redistribute_local
 from .local_ops import (VIEWS, local_shape, attention_bw_math, attention_fw_math, binder, binding, call_op,
                         fast_args, local_args, local_exact, view_of_copy)
-from .local_ops import RANDOM, draw_random
+from .local_ops import LOCAL_IMPL, RANDOM, draw_random
 
 aten = torch.ops.aten
 
@@ -211,7 +211,7 @@ class Program:
                        for j, r in enumerate(n.inputs()) if (n.idx, j) in self.red]
             it.expect = outs
             it.frees = frees.get(n.idx, [])
-            it.fn = n.target
+            it.fn = LOCAL_IMPL.get(n.target, n.target)    # ops whose kernel needs more than the graph gives
             it.strides = {}
             it.swapped = it.contig = False
             it.out_r = [o is None or all(p == "R" for p in o) for o in outs]

@@ -141,6 +141,109 @@ def test_vit_for_image_classification():
 
 
 
+class GroupedMoE(nn.Module):
+    """transformers' grouped_mm experts (integrations/moe.py) in miniature: top-k routing, tokens sorted by expert,
+    per-expert counts by histc (of the ids as int off the CPU, as that code chooses by device: capture records the
+    int form), int32 offsets, two torch._grouped_mm in float32 (the second on a transposed weight) and the inverse
+    permutation. N=24 is 16-byte aligned whole but not in quarters: the executor realigns such local shards."""
+
+    def __init__(self, d=16, h=24, experts=4, k=2, classes=10):
+        super().__init__()
+        self.k, self.e = k, experts
+        self.router = nn.Linear(d, experts, bias=False)
+        self.up = nn.Parameter(torch.randn(experts, d, h) * d ** -0.5)         # (G, K, N)
+        self.down = nn.Parameter(torch.randn(experts, d, h) * h ** -0.5)       # (G, N, K), used transposed
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, x, y):
+        b, s, d = x.shape
+        t = x.reshape(-1, d)
+        w, ids = self.router(t).softmax(-1).topk(self.k, -1)
+        ids_g, perm = torch.sort(ids.reshape(-1))
+        counts = torch.histc(ids_g.float() if ids_g.device.type == "cpu" else ids_g.int(), bins=self.e, min=0,
+                             max=self.e - 1)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        h = F.silu(torch._grouped_mm(t[perm // self.k], self.up, offs=offs))
+        o = torch._grouped_mm(h, self.down.transpose(-2, -1), offs=offs) * w.reshape(-1)[perm].unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.numel(), device=x.device)
+        o = o[inv].view(b * s, self.k, d).sum(1)
+        return F.cross_entropy(self.head(o.view(b, s, d).mean(1)), y)
+
+
+class Pooled(nn.Module):
+    """Swin's pooler: adaptive_avg_pool1d(h.transpose(1, 2), 1) over tokens. torch computes a mean and restrides it
+    in place for the channels-last input (as_strided_); its backward is as_strided_scatter + as_strided."""
+
+    def __init__(self, d=16, classes=10):
+        super().__init__()
+        self.proj, self.head = nn.Linear(d, d), nn.Linear(d, classes)
+
+    def forward(self, x, y):
+        p = F.adaptive_avg_pool1d(self.proj(x).transpose(1, 2), 1)
+        return F.cross_entropy(self.head(p.flatten(1)), y)
+
+
+def test_grouped_mm_meta_shapes():
+    """Capture's meta function for _grouped_mm (torch's own refuses float32) gives the CPU kernel's output shape and
+    dtype for each layout: 2d x 3d (experts), 2d x 2d (its weight gradient), 3d x 2d, 3d x 3d."""
+    from autopar.strategies import meta_kernel
+    fn, offs = meta_kernel(aten._grouped_mm.default), torch.tensor([3, 3, 8], dtype=torch.int32)
+    for a, b, o in [((8, 16), (3, 16, 12), offs), ((16, 8), (8, 12), offs), ((3, 8, 16), (16, 12), offs),
+                    ((3, 8, 16), (3, 16, 12), None)]:
+        x, w = torch.randn(a), torch.randn(b)
+        want = aten._grouped_mm.default(x, w, o)
+        got = fn(x.to("meta"), w.to("meta"), None if o is None else o.to("meta"))
+        assert (got.shape, got.dtype) == (want.shape, want.dtype), (a, b)
+    with pytest.raises(RuntimeError, match="int32"):
+        fn(torch.empty(8, 16, device="meta"), torch.empty(3, 16, 12, device="meta"), offs.long().to("meta"))
+
+
+def test_grouped_mm_moe_trains_sharded():
+    """The MoE model captures (its backward is _grouped_mm again: dgrad 2d x 3d, wgrad 2d x 2d), plans with no op
+    replicated for want of a rule, and trains equal to one device on the 2x2 mesh with the experts' weights
+    sharded column-wise (N) on tp: out sharded on N."""
+    torch.manual_seed(0)
+    model = GroupedMoE()
+    x, y = torch.randn(8, 8, 16), torch.randint(0, 10, (8,))
+    plan, state, _ = _check_trains(model, (x, y), force={"up": ("R", "S2")})
+    assert not plan.coverage, plan.coverage
+    gmm = [n for n in state.graph.ops() if n.target is aten._grouped_mm.default]
+    layouts = sorted((len(state.graph.meta(n.inputs()[0]).shape), len(state.graph.meta(n.inputs()[1]).shape))
+                     for n in gmm)
+    assert layouts == [(2, 2), (2, 2), (2, 3), (2, 3), (2, 3)], layouts      # fw x2, dgrad x1 (x needs none), wgrad x2
+    assert plan.params["up"][1] == "S2", plan.params
+
+
+def test_layout_only_as_strided_is_a_view():
+    """Swin's pooler: the as_strided torch's adaptive pooling restrides with, and the as_strided_scatter /
+    as_strided of its backward, select the tensor's own elements in order: recorded as views (which have rules),
+    and the model trains equal to one device. A genuine strided window stays as_strided and is refused by name."""
+    from autopar.capture import capture
+    torch.manual_seed(0)
+    model = Pooled(d=128)
+    x, y = torch.randn(64, 16, 128), torch.randint(0, 10, (64,))
+    g = capture(model, (x, y))
+    ops = {n.target for n in g.ops()}
+    assert not ops & {aten.as_strided.default, aten.as_strided_scatter.default}, sorted(map(str, ops))
+    assert {str(n.origin) for n in g.ops() if n.origin is not None} >= {"aten.as_strided.default",
+                                                                        "aten.as_strided_scatter.default"}
+    plan, state, _ = _check_trains(model, (x, y))
+    assert not plan.coverage, plan.coverage
+    views = [state.placement[n.idx].ins[0] for n in state.graph.ops() if n.origin is aten.as_strided.default]
+    assert views and all(any(p[0] == "S" for p in pl) for pl in views), views      # run on shards
+
+    class Window(nn.Module):            # every other feature: not a view of the tensor's elements in order
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return self.lin(x).as_strided((x.shape[0], 8), (16, 2)).pow(2).mean()
+    with pytest.raises(autopar.NoStrategyError, match=r"aten.as_strided.default: .* called from as_strided in module"):
+        autopar.plan(Window(), MESH, (torch.randn(8, 16),), cluster=SHAPES)
+
+
 # ---- every candidate of every rule runs on the executor -------------------------------------------------------------
 
 class _Encoder(nn.Module):
@@ -178,7 +281,9 @@ def _models():
     out = {"mlp-mse": (Regression(d=16, h=32), (torch.randn(8, 16), torch.randn(8, 16))),
            "losses": (Regression(d=16, h=32, loss="many"), (torch.randn(8, 16), torch.rand(8, 16))),
            "patch-embed": (PatchEmbed(d=16), (torch.randn(4, 3, 16, 16), torch.randint(0, 10, (4,)))),
-           "misc": (_Misc(), (torch.randn(8, 16), torch.randn(8, 8)))}
+           "misc": (_Misc(), (torch.randn(8, 16), torch.randn(8, 8))),
+           "grouped-moe": (GroupedMoE(), (torch.randn(2, 4, 16), torch.randint(0, 10, (2,)))),
+           "pooled": (Pooled(), (torch.randn(4, 6, 16), torch.randint(0, 10, (4,))))}
     enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True), 1)
     out["nn-encoder"] = _Encoder(enc), (torch.randn(4, 8, 32), torch.randint(0, 10, (4,)))
     for name, ov in [("llama-tiny", dict(dim=32, n_layers=1, vocab_size=64)),
@@ -203,13 +308,15 @@ def _candidates(model, inputs):
 
 def _values(g, model, inputs) -> dict:
     """Every value of the graph computed on one device (full tensors), by Ref."""
+    from autopar.backends.local_ops import LOCAL_IMPL
     from autopar.backends.program import _to_device
     from autopar.graph import Ref, map_refs
     params, bufs, val, cpu = dict(model.named_parameters()), dict(model.named_buffers()), {}, torch.device("cpu")
     with torch.no_grad():
         for n in g.nodes:
             if n.kind == "op":
-                res = n.target(*_to_device(map_refs(n.args, val.get), cpu), **_to_device(map_refs(n.kwargs, val.get), cpu))
+                fn = LOCAL_IMPL.get(n.target, n.target)     # histc of int ids: the CPU kernel counts floats
+                res = fn(*_to_device(map_refs(n.args, val.get), cpu), **_to_device(map_refs(n.kwargs, val.get), cpu))
             else:
                 res = {"param": params, "buffer": bufs, "input": inputs, "constant": g.constants}[n.kind][n.target]
             flat = list(res) if isinstance(res, (tuple, list)) else [res]

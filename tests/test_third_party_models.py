@@ -26,18 +26,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.slow, pytest.mark.timeout(1200)]
 LAUNCH_TIMEOUT_S = 1100
 
 # What fails today (python benchmarks/models.py; benchmarks/results/models.md): stage and first line of the error.
-PLAN_8X8_FAILS: dict[str, str] = {
-    'mixtral': "capture: CaptureError: op aten._grouped_mm.default in module 'model.layers.0.mlp.experts' (in ...",
-    'olmoe': "capture: CaptureError: op aten._grouped_mm.default in module 'model.layers.0.mlp.experts' (in _g...",
-    'qwen2_moe': "capture: CaptureError: op aten._grouped_mm.default in module 'model.layers.0.mlp.experts' (i...",
-    'swin': 'plan: NoStrategyError: no placement rule (and no DTensor decomposition) for these ops; they could...',
-}
+PLAN_8X8_FAILS: dict[str, str] = {}
 CHECK_2X2_FAILS: dict[str, str] = {
-    'mixtral': "capture: CaptureError: op aten._grouped_mm.default in module 'model.layers.0.mlp.experts' (in ...",
-    'olmoe': "capture: CaptureError: op aten._grouped_mm.default in module 'model.layers.0.mlp.experts' (in _g...",
-    'qwen2_moe': "capture: CaptureError: op aten._grouped_mm.default in module 'model.layers.0.mlp.experts' (i...",
     't5': 'plan: SolverTimeLimitError: the solver found no plan within time_limit=30 s (HiGHS: Time limit reac...',
-    'swin': 'plan: NoStrategyError: no placement rule (and no DTensor decomposition) for these ops; they could...',
 }
 # Fails on some runs only: the 2x2 MILP ends near its 30 s limit (zoo_check.PLAN_TIME_LIMIT_S) under load
 FLAKY = {"t5"}

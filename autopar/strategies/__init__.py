@@ -326,3 +326,7 @@ def node_strategies(node: Node, meta_of, mesh_shape: tuple[int, ...], in_cands: 
 
 def num_shards(pl: Placements, mesh_shape) -> int:
     return math.prod(n for p, n in zip(pl, mesh_shape) if p[0] == "S")
+
+
+from .grouped_mm import meta_kernel  # noqa: E402,F401  (registers aten._grouped_mm's rule)
+from .strided import restride_decomposition  # noqa: E402,F401
