@@ -37,9 +37,9 @@ class ShapeMismatchError(RuntimeError):
 
 
 def signature(leaves) -> tuple:
-    """The cache key part of one call's inputs: (shape, dtype) per tensor leaf, None for every other leaf (those are
-    constants of the plan, checked against the example by Program.prepare_inputs)."""
-    return tuple((tuple(x.shape), str(x.dtype)) if isinstance(x, torch.Tensor) else None for x in leaves)
+    """The cache key part of one call's inputs: the global shape of each tensor leaf, None for every other leaf
+    (dtypes and non-tensor values are the plan's own, checked against the example by Program.prepare_inputs)."""
+    return tuple(tuple(x.shape) if isinstance(x, torch.Tensor) else None for x in leaves)
 
 
 class PlanCache:
@@ -86,7 +86,8 @@ class PlanCache:
                 plan, state = autopar.plan(self.model, prog0.mesh, args, example_kwargs=kwargs, return_state=True,
                                            force=force, pin=pin, backward=backward, **opts)
             except ValueError as e:
-                raise ValueError(f"re-planning for new input shapes failed: {e}{_undivided(prog0, sig)}") from e
+                raise ValueError(f"re-planning for new input shapes {_shapes(sig)} failed: {e}"
+                                 f"{_undivided(prog0, sig)}") from e
         t_plan = time.perf_counter() - t0
         agree_on_plan(prog0.mesh, plan.hash(), prog0.device)
         prog = Program(state, plan, prog0.mesh, prog0.device, state.graph.io.leaves, attention=self.attention)
@@ -126,7 +127,7 @@ class PlanCache:
 
 
 def _shapes(sig) -> str:
-    return ", ".join(f"{tuple(s[0])}" for s in sig if s is not None)
+    return ", ".join(f"{s}" for s in sig if s is not None)
 
 
 def _pins(prog0, user_pin):
@@ -153,10 +154,10 @@ def _undivided(prog0, sig) -> str:
             if p.startswith("S"):
                 d = int(p[1:])
                 n = prog0.mesh.size(m)
-                if d < len(s[0]) and s[0][d] % n:
+                if d < len(s) and s[d] % n:
                     name = prog0.input_names[pos] if pos < len(prog0.input_names) else pos
                     mname = (prog0.mesh.mesh_dim_names or [None] * prog0.mesh.ndim)[m] or m
-                    out.append(f"input '{name}' dim {d} has size {s[0][d]}, which mesh dim {m} ('{mname}', {n} "
+                    out.append(f"input '{name}' dim {d} has size {s[d]}, which mesh dim {m} ('{mname}', {n} "
                                f"ranks) does not divide")
     return ("; " + "; ".join(out) + " (the planner shards only evenly: drop the pin that shards it, or pass a "
             "batch that divides)") if out else ""
