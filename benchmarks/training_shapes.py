@@ -117,10 +117,14 @@ def _run(args, world):
 
     micro = [batch(b0, s0, 10 + k) for k in range(args.micro)]
     res["fsdp"] = _accumulate(pm, micro, mesh)
-    # DDP-like: every parameter replicated, every activation batch-sharded: the gradients are all_reduced
-    ddp = autopar.parallelize(model, mesh, batch(b0, s0), cluster="cpu-gloo",
-                              force={k: ("R",) for k, _ in model.named_parameters()}, pin=batch_pin([0], (b0, s0)))
-    res["ddp"] = _accumulate(ddp, micro, mesh)
+    # DDP-like: every parameter replicated, every activation batch-sharded: the gradients are all_reduced.
+    # batch_pin finds activations by their leading size (batch or batch*seq): a seq whose batch*seq is no weight's
+    # size (gpt2-tiny: 64, 192, 256)
+    s1 = args.ddp_seq
+    ddp = autopar.parallelize(model, mesh, batch(b0, s1), cluster="cpu-gloo",
+                              force={k: ("R",) for k, _ in model.named_parameters()}, pin=batch_pin([0], (b0, s1)))
+    res["ddp"] = _accumulate(ddp, [batch(b0, s1, 10 + k) for k in range(args.micro)], mesh)
+    res["ddp"]["shape"] = [b0, s1]
     return res
 
 
@@ -178,6 +182,7 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per shape (median)")
     ap.add_argument("--micro", type=int, default=4, help="accumulation micro-steps")
+    ap.add_argument("--ddp-seq", type=int, default=20, help="sequence length of the DDP-like accumulation run")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "training_shapes.md"))
     args = ap.parse_args(argv)
     cmd = "python benchmarks/training_shapes.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -187,6 +192,7 @@ def main(argv=None):
         with open(os.path.join(tmp, "res.json")) as f:
             r = json.load(f)
     ms = lambda s: "-" if s is None else f"{1e3 * s:.1f}"
+    b0 = args.batch
     md = [f"## Shapes that change, gradient accumulation ({r['model']}, {r['world']} gloo ranks, CPU)", "",
           f"Command: `{cmd.strip()}`", "", __doc__.split("\n\n", 2)[2].strip(), "",
           f"Machine: {os.cpu_count()} CPU cores shared by the ranks, torch {torch.__version__}. The plan shards "
@@ -205,8 +211,9 @@ def main(argv=None):
            "cached program (no planning, no agreement collective). A first step of a new shape is: the ranks "
            "agreeing on it (one all_gather_object), planning, agreeing on the plan hash (one all_reduce), building "
            "the program, then the step.", ""]
-    for name, what in (("fsdp", "FSDP-like plan (parameters Shard(0) on dp)"),
-                       ("ddp", "DDP-like plan (parameters replicated, activations batch-sharded)")):
+    for name, what in (("fsdp", f"FSDP-like plan (parameters Shard(0) on dp), batch {b0}x{args.seq}"),
+                       ("ddp", f"DDP-like plan (parameters replicated, activations batch-sharded), batch "
+                               f"{b0}x{args.ddp_seq}")):
         md += _acc_md(r[name], what, ms)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
@@ -229,9 +236,11 @@ def _acc_md(r, what, ms) -> list:
     tot_acc, tot_each = sum(a["n"] for a in r["acc"]), sum(a["n"] for a in r["each"])
     md += ["", f"Collectives over the {len(r['acc'])} micro-steps: {tot_acc} accumulating vs {tot_each} reducing "
            f"each. The accumulated gradient equals the sum of the reduced ones (largest |diff| / (1e-6 + 1e-4 "
-           f"max|ref|) = {r['acc_vs_each']:.3g}). Memory: between micro-steps a rank holds its unsharded local "
-           f"gradients ({r['acc'][0]['held_bytes']:,d} B) where a reduced step leaves the sharded ones "
-           f"({r['sharded_grad_bytes']:,d} B of parameters' local shards).", ""]
+           f"max|ref|) = {r['acc_vs_each']:.3g}). Memory: between micro-steps a rank holds its local gradients as "
+           f"the backward makes them, before any reduction: {r['acc'][0]['held_bytes']:,d} B, against "
+           f"{r['sharded_grad_bytes']:,d} B for gradients at the parameters' placements (a reduce-scattered "
+           f"gradient is held unsharded; a weight gradient the plan computes sharded from gathered activations "
+           f"stays sharded and needs no reduction).", ""]
     return md
 
 
