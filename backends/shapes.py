@@ -50,13 +50,15 @@ class PlanCache:
         self.model = model                    # re-captured for a new shape (never run, never written)
         self.first = first
         # parallelize's defaults where the first plan came ready-made (planned=...)
-        self.plan_kwargs = dict(plan_kwargs) or {"cluster": "cpu-gloo" if first.mesh.device_type == "cpu" else "h100",
-                                                 "overlap": False}
+        cpu = first.mesh.device_type == "cpu"
+        self.plan_kwargs = dict(plan_kwargs) or {"cluster": "cpu-gloo" if cpu else "h100", "overlap": False}
         self.attention = attention
         self.programs = {(signature(first.example), training, True): first}
         self.training0 = training
         self.modes0 = [(m, m.training) for m in model.modules()]     # the modes the first plan was captured in
-        self.replans: list[dict] = []         # one record per plan made after the first: key, seconds
+        # one record per plan made after the first: its key, plan_s (autopar.plan), total_s (with the agreements
+        # and building the program)
+        self.replans: list[dict] = []
         self._group = None
 
     def program(self, leaves, training: bool, backward: bool):
@@ -73,6 +75,7 @@ class PlanCache:
         t0 = time.perf_counter()
         prog0 = self.first
         self._agree(sig, prog0)
+        t1 = time.perf_counter()
         io = prog0.g.io
         leaves = [x.full_tensor() if isinstance(x, DTensor) else x for x in leaves]
         args, kwargs = io.call_args(leaves)
@@ -88,7 +91,7 @@ class PlanCache:
             except ValueError as e:
                 raise ValueError(f"re-planning for new input shapes {_shapes(sig)} failed: {e}"
                                  f"{_undivided(prog0, sig)}") from e
-        t_plan = time.perf_counter() - t0
+        t_plan = time.perf_counter() - t1
         agree_on_plan(prog0.mesh, plan.hash(), prog0.device)
         prog = Program(state, plan, prog0.mesh, prog0.device, state.graph.io.leaves, attention=self.attention)
         prog.rng = prog0.rng                  # one random stream for every shape (pm.program.manual_seed seeds it)

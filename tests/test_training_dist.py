@@ -143,7 +143,8 @@ def job(tmp):
         out["eval"] = (got, ref(*x6).item())
     ev = pm.programs[max(pm.programs, key=lambda k: (not k[1], not k[2]))]
     out["eval_plan"] = {"buckets": len(ev.plan.buckets), "bw_nodes": sum(n.phase == "bw" for n in ev.g.nodes),
-                        "collectives": [list(r) for r in cc.records], "diff": compare(cc.records, ev.plan.collectives()),
+                        "collectives": [list(r) for r in cc.records],
+                        "diff": compare(cc.records, ev.plan.collectives()),
                         "train_plan_collectives": len(pm.plan.collectives())}
     pm.train(), ref.train()
 
