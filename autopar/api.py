@@ -39,7 +39,8 @@ def plan(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | 
          precision: TrainingPrecision | None = None, force: dict | None = None, replicate_ops=(),
          allow_replicate: bool = False, time_limit: float = 60.0, dump_after=(), return_state: bool = False,
          allow_bf16: bool = False, allow_checkpointing: bool = True, pipeline=None, pin=None,
-         overlap: bool = False, mip_rel_gap: float = 1e-3, output: str = "loss") -> Plan:
+         overlap: bool = False, mip_rel_gap: float = 1e-3, output: str = "loss",
+         backward: bool = True) -> Plan:
     """Plan how to run one training step of `model` on `mesh`.
 
     example_inputs / example_kwargs: one step's global inputs, called as `model(*example_inputs, **example_kwargs)`;
@@ -68,6 +69,7 @@ def plan(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | 
     output: "loss" (default: the model returns its scalar loss) or "activation": the model is a part of a model,
         returning one tensor whose gradient comes from outside; its input gradients are outputs of the step
         (how backend="auto" runs the modules the engines cannot express, backends/engines_mixed.py).
+    backward: False plans the forward alone (evaluation: no backward nodes, no gradients, no buckets).
     pipeline: "auto" (or a dict narrowing the search, see passes/stages.py) plans pipeline stages, submeshes,
         schedule and micro-batch count jointly with each stage's per-op plan; a mesh with a dim named "pp" does
         so too. The plan's `stages` and `schedule` are filled; `force` then names placements on the stage submesh.
@@ -106,7 +108,8 @@ def plan(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | 
     results, infeasible = [], []
     for mp in variants:
         with outside_local_tensor_mode():       # capture runs on meta tensors, never on simulated ranks' values
-            graph = capture(model, io, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output)
+            graph = capture(model, io, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output,
+                            backward=backward)
         state = PlanState(graph, mesh, cl, precision, budget,
                           {"force": force, "replicate_ops": [str(o) for o in replicate_ops],
                            "allow_replicate": allow_replicate, "time_limit": time_limit, "mixed_precision": mp,

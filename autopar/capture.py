@@ -463,7 +463,7 @@ def to_meta(t: torch.Tensor, requires_grad: bool = False, dtype: torch.dtype | N
 
 
 def capture(model: nn.Module, example_inputs, loss_fn=None, param_dtype: torch.dtype | None = None,
-            output: str = "loss", example_kwargs: dict | None = None) -> Graph:
+            output: str = "loss", example_kwargs: dict | None = None, backward: bool = True) -> Graph:
     """Record the joint fw+bw aten graph of `model` on meta tensors. The model itself is not changed or run.
     example_inputs / example_kwargs: the example call (autopar/model_io.py: a tuple, a dict of keyword inputs, or
     a ModelIO); the graph's inputs are its tensor leaves, the rest are constants of the capture (Graph.io).
@@ -473,7 +473,8 @@ def capture(model: nn.Module, example_inputs, loss_fn=None, param_dtype: torch.d
     output: "loss" (the model returns a scalar loss; the backward starts from ones_like(loss)) or "activation"
     (a part of a model: it returns one tensor whose incoming gradient seeds the backward, recorded as
     ones_like(output) in the backward, and the gradients of its floating-point inputs are outputs too:
-    Graph.input_grads)."""
+    Graph.input_grads).
+    backward=False: the forward alone (evaluation under no_grad): no backward nodes, no gradients."""
     if output not in ("loss", "activation"):
         raise ValueError(f"output must be 'loss' or 'activation', got {output!r}")
     act = output == "activation"
@@ -547,7 +548,8 @@ def capture(model: nn.Module, example_inputs, loss_fn=None, param_dtype: torch.d
             wrt = [f_params[k] for k in train]
             xs = [i for i, x in enumerate(meta_inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
             seed = torch.ones_like(loss) if act else None       # the incoming gradient, taken at run time
-            grads = torch.autograd.grad(loss, wrt + [f_inputs[i] for i in xs], seed, allow_unused=True)
+            grads = torch.autograd.grad(loss, wrt + [f_inputs[i] for i in xs], seed, allow_unused=True) \
+                if backward else [None] * (len(wrt) + len(xs))
             loss, grads = _inner(loss), [_inner(gr) for gr in grads]
             grads, in_grads = grads[:len(train)], dict(zip(xs, grads[len(train):]))
     finally:

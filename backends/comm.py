@@ -136,13 +136,14 @@ def _permuted(p: str, order) -> str:
 
 
 def executed_placements(src, dst) -> tuple[str, ...]:
-    """The placements a value has after `redistribute_local` (dst, except "Pm" targets stay as they were)."""
-    return tuple(s if d == "Pm" else d for s, d in zip(src, dst))
+    """The placements a value has after `redistribute_local` (dst, except "Pm" targets stay as they were, or
+    replicated where they were sharded: the indices of a vocab-sharded table are whole on every rank)."""
+    return tuple(("R" if s[0] == "S" else s) if d == "Pm" else d for s, d in zip(src, dst))
 
 
 def apply_step(x: torch.Tensor, mesh, m: int, a: str, b: str) -> torch.Tensor:
     n = mesh.size(m)
-    if a == b or b == "Pm":
+    if a == b or (b == "Pm" and a[0] != "S"):
         return x
     if n == 1:                          # a size-1 mesh dim: only the placement label changes
         return x
@@ -153,7 +154,7 @@ def apply_step(x: torch.Tensor, mesh, m: int, a: str, b: str) -> torch.Tensor:
         if b[0] == "S":
             return _all_to_all(x, d, int(b[1:]), n, name)
         x = _all_gather(x, d, n, name)
-        return _from_replicate(x, mesh, m, b)
+        return _from_replicate(x, mesh, m, "R" if b == "Pm" else b)     # sharded indices: gathered whole
     if a[0] == "P":
         if a == "Pa":
             x = x / n                    # values whose mean is the total -> values whose sum is the total

@@ -14,6 +14,8 @@ incoming gradient) in its backward, which returns each gradient at its parameter
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -22,11 +24,13 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from autopar.model_io import ModelIO
 from autopar.strategies._torch_adapter import make_dtensor, per_rank, to_placement
 
+from .accumulate import Accumulator
 from .comm import agree_on_plan, redistribute_local
+from .shapes import PlanCache, ShapeMismatchError
 from .state import agreed_seed, check_replicas, simulated_world, sync_from_rank0
 from .program import ExecutionError, Program, placement_strs
 
-__all__ = ["parallelize", "ParallelModule", "ExecutionError"]
+__all__ = ["parallelize", "ParallelModule", "ExecutionError", "ShapeMismatchError"]
 
 
 def _check_mesh(mesh):
@@ -58,9 +62,10 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: 
     return a module that runs one SPMD training step per call on this rank.
 
     example_inputs / example_kwargs: the global inputs of one step, positional and keyword (example_inputs may be
-        a dict of keyword inputs); their shapes are the only shapes the module accepts, and its non-tensor inputs
-        are constants of the plan. The module is called like the model (`pm(**batch)`); it returns the loss in the
-        container the model returns (`pm(**batch).loss` for a transformers model), or the loss tensor.
+        a dict of keyword inputs); a call with other shapes (or in eval mode) plans again, once per shape
+        (backends/shapes.py); its non-tensor inputs are constants of the plan. The module is called like the model
+        (`pm(**batch)`); it returns the loss in the container the model returns (`pm(**batch).loss` for a
+        transformers model), or the loss tensor.
     planned: a `(plan, state)` pair from `autopar.plan(..., return_state=True)` for this model, inputs and mesh
         shape (skips planning; the ranks still check that they agree).
     attention: "auto" (the captured CPU kernel on CPU, an exact math formulation elsewhere), "kernel" or "math".
@@ -103,21 +108,27 @@ def _parallelize(model, mesh, example_inputs, example_kwargs, planned, attention
         state.graph.io = io
     prog = Program(state, plan, mesh, device, io.leaves, attention=attention)
     prog.rng_seed = agreed_seed(device)
-    return ParallelModule(model, prog, assume_identical=assume_identical, check_replicas=check_replicas)
+    pm = ParallelModule(model, prog, assume_identical=assume_identical, check_replicas=check_replicas)
+    pm._plans = PlanCache(model, prog, plan_kwargs, attention, model.training)    # options of plans for new shapes
+    return pm
 
 
 class _Step(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, prog, inputs, buffers, need_backward, *params):
+    def forward(ctx, prog, inputs, buffers, need_backward, acc, *params):
         loss, env = prog.forward(dict(zip(prog.param_fqns, params)), inputs, buffers, keep=need_backward)
-        ctx.prog, ctx.env = prog, env
+        ctx.prog, ctx.env, ctx.acc = prog, env, acc
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grads = ctx.prog.backward(ctx.env, grad_loss)
+        acc, sync = ctx.acc     # (Accumulator, sync): no_sync micro-steps accumulate (backends/accumulate.py)
+        if sync and acc.prog is None:
+            grads = ctx.prog.backward(ctx.env, grad_loss)
+        else:
+            grads = acc.backward(ctx.prog, ctx.env, grad_loss, sync)
         ctx.env = None
-        return (None, None, None, None, *[grads.get(f) for f in ctx.prog.param_fqns])
+        return (None, None, None, None, None, *[grads.get(f) for f in ctx.prog.param_fqns])
 
 
 class ParallelModule(nn.Module):
@@ -131,6 +142,9 @@ class ParallelModule(nn.Module):
         self.plan = prog.plan
         mesh = prog.mesh
         self._orig_class = type(model).__name__
+        self.train(model.training)                   # the mode the plan was captured in
+        self._plans = PlanCache(model, prog, {}, "auto", model.training)
+        self._acc, self._sync = Accumulator(), True
         made: dict[int, nn.Parameter] = {}
         state = []                                   # (fqn, dtensor, placement strings, the model's tensor)
         for fqn, p in model.named_parameters(remove_duplicate=False):
@@ -157,32 +171,65 @@ class ParallelModule(nn.Module):
         return (f"autopar {self._orig_class} on mesh {tuple(self.program.mesh.shape)}, plan {self.plan.hash()}; "
                 f"state from rank 0: {how}")
 
-    def _slots(self):
-        """(module, name) of every parameter and buffer the program reads, found once: a forward reads the current
-        tensors through them (a walk of the module tree per step cost milliseconds on small models)."""
+    def _slots(self, prog):
+        """(module, name) of every parameter and buffer the program reads, found once per program: a forward reads
+        the current tensors through them (a walk of the module tree per step cost milliseconds on small models)."""
         if getattr(self, "_slot_cache", None) is None:
+            self._slot_cache = {}
+        if prog not in self._slot_cache:
             def at(fqn):
                 *path, leaf = fqn.split(".")
                 mod = self
                 for name in path:
                     mod = mod._modules[name]
                 return mod, leaf
-            self._slot_cache = ([at(f) for f in self.program.param_fqns],
-                                [(f, *at(f)) for f, _ in self.named_buffers()])
-        return self._slot_cache
+            self._slot_cache[prog] = ([at(f) for f in prog.param_fqns],
+                                      [(f, *at(f)) for f, _ in self.named_buffers()])
+        return self._slot_cache[prog]
 
     def forward(self, *args, **kwargs):
         """One step, called like the model; returns the loss (in the model's container kind, model_io.wrap_loss)."""
-        prog = self.program
-        leaves = prog.g.io.flatten_call(args, kwargs)
-        pslots, bslots = self._slots()
+        leaves = self.program.g.io.flatten_call(args, kwargs)
+        grad = torch.is_grad_enabled()
+        prog = self._plans.program(leaves, self.training, grad)     # this call's shapes and mode (shapes.py)
+        pslots, bslots = self._slots(prog)
         params = [mod._parameters[leaf] for mod, leaf in pslots]
         buffers = {f: mod._buffers[leaf] for f, mod, leaf in bslots}
         ins = prog.prepare_inputs(leaves)
         # every rank evaluates the same global values, so a broken guard stops all of them alike (no hang)
         prog.check_guards(leaves, dict(zip(prog.param_fqns, params)), buffers)
-        need = torch.is_grad_enabled() and any(p.requires_grad for p in params)
-        return prog.g.io.wrap_loss(_Step.apply(prog, ins, buffers, need, *params))
+        need = grad and any(p.requires_grad for p in params)
+        return prog.g.io.wrap_loss(_Step.apply(prog, ins, buffers, need, (self._acc, self._sync), *params))
+
+    @property
+    def programs(self) -> dict:
+        """Every Program made so far: {(input (shape, dtype)s, training, backward): Program}; `program` is the
+        first (parallelize's), `plan_cache.replans` what each later one cost to plan."""
+        return self._plans.programs
+
+    @property
+    def plan_cache(self) -> PlanCache:
+        return self._plans
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        """As FSDP2's: False makes each backward accumulate this rank's local gradients with no gradient
+        collective (backends/accumulate.py); True again: the next backward reduces the accumulated sum once."""
+        self._sync = bool(requires)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """As DDP's: the micro-steps whose forward runs inside accumulate local gradients with no gradient
+        collective; the first backward of a forward run outside reduces everything accumulated, once."""
+        was, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = was
+
+    def accumulated_bytes(self) -> int:
+        """Bytes of unreduced gradients this rank holds between accumulation micro-steps (unsharded for
+        sharded parameters, as FSDP2 without gradient sync)."""
+        return self._acc.accumulated_bytes()
 
     def attach_optimizer(self, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Let a fused optimizer (torch.optim.Adam/AdamW(..., fused=True)...) step this module's DTensor parameters

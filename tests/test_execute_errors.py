@@ -41,12 +41,16 @@ def mlp():
 
 def test_input_shape_differs_from_example(mlp):
     model, x, planned = mlp
+    x6 = example_inputs("mlp-tiny", batch=4, seq=6, **OV)       # made outside: the same values on every rank
+    with torch.no_grad():
+        want = model(*x6)
     with fake_world(2), lt.LocalTensorMode(frozenset(range(2))):
         pm = autopar.parallelize(model, init_device_mesh("cpu", (2,)), x, planned=planned)
-        tokens = example_inputs("mlp-tiny", batch=4, seq=6, **OV)[0]
-        with pytest.raises(ValueError, match=r"input 'tokens' has global shape \(4, 6\) but the plan was made for "
-                                             r"the example input shape \(4, 4\)"):
-            pm(tokens, x[1])
+        assert torch.allclose(pm(*x6).detach(), want, atol=1e-6)     # another shape: its own plan
+        assert len(pm.programs) == 2
+        with pytest.raises(ValueError, match=r"re-planning for new input shapes \(4, 6\), \(4, 4\) failed: Expected "
+                                             r"input batch_size \(24\) to match target batch_size \(16\)"):
+            pm(x6[0], x[1])
         with pytest.raises(ValueError, match=r"input 'labels' has dtype torch.int32 but the example input has "
                                              r"torch.int64"):
             pm(x[0], x[1].int())

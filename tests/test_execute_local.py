@@ -304,6 +304,21 @@ def test_all_to_all_is_a_real_all_to_all():
     assert all(torch.equal(t, torch.arange(32.).view(8, 4)[:, r:r + 1]) for r, t in y._local_tensors.items())
 
 
+def test_sharded_indices_into_a_masked_partial_are_gathered():
+    """Indices sharded on the batch that a vocab-sharded embedding reads ("Pm": masked by DTensor's rule) come whole
+    on every rank, with the all_gather the planner prices (autopar.redistribute.collectives)."""
+    from autopar.backends.comm import executed_placements
+    ids = torch.arange(8).view(4, 2)
+    with simulated((2,)) as mesh:
+        x0 = redistribute_local(per_rank(ids), ("R",), ("S0",), mesh)
+        c = CommCounter(mesh)
+        with c:
+            y = redistribute_local(x0, ("S0",), ("Pm",), mesh)
+    assert executed_placements(("S0",), ("Pm",)) == ("R",) and executed_placements(("R",), ("Pm",)) == ("R",)
+    assert [r[:2] for r in c.records] == [("all_gather", 0)]
+    assert all(torch.equal(t, ids) for t in y._local_tensors.values())
+
+
 def test_uneven_shard_is_a_clear_error():
     with simulated((4,)) as mesh:
         x = DTensor.from_local(torch.randn(6, 4), mesh, [to_placement("R")], run_check=False)
