@@ -16,34 +16,34 @@ backward ops from the autograd node they run for (labelled with its module when 
 `F.scaled_dot_product_attention` is captured as one fused attention op (the CPU flash kernel's schema; with
 enable_gqa, after an explicit kv head repeat) rather than the math decomposition meta tensors would fall back to;
 backends map it to the device's kernel.
+
+The parts: the recorder and capture() here; the torch-function modes that rewrite calls before dispatch in
+capture_modes.py; the functionalization helpers in functionalize.py; batch norm's rewrites in batch_norm.py.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .batch_norm import BN_DECOMPOSE
+from .capture_error import CaptureError
+from .capture_modes import SDPA, SDPA_BW, Constants, FusedAttention
+from .functionalize import copy_as_clone, functionalization, mutations, refuse_mutations, to_functional, unwrap
 from .graph import Graph, Node, Ref, TensorMeta, map_refs
 from .guards import NoRealValue, build_guard
 from .model_io import ModelIO, pick_loss
 from .strategies import decomposition_for, meta_kernel, restride_decomposition
 
+__all__ = ["CaptureError", "NLL_LOSSES", "SDPA", "SDPA_BW", "capture", "to_meta"]
 aten = torch.ops.aten
-SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
-SDPA_BW = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 _MUTATING_OK = {aten.detach_.default}
 # ops making an uninitialized buffer: a random fill of one (dropout's mask) draws in its layout (_draw_stride)
 _FRESH = {aten.empty_like.default, aten.empty_strided.default, aten.empty.memory_format, aten.empty_permuted.default}
 NLL_LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 _MEAN, _SUM = 1, 2      # torch's Reduction enum
 _META = torch.device("meta")
-
-
-class CaptureError(RuntimeError):
-    """The model could not be captured as a static graph; the message names the module and op at fault."""
 
 
 class _Recorder(TorchDispatchMode):
@@ -60,7 +60,7 @@ class _Recorder(TorchDispatchMode):
         self.user_op = user_op or (lambda: None)    # the torch-level call being run, for messages
         self.decomposing = 0
         self.real: dict[tuple, torch.Tensor] = {}   # (leaf kind, target) -> its real value, where it has one
-        self.origin: dict[int, torch.Tensor] = {}   # id(meta tensor made from data) -> that data (_Constants)
+        self.origin: dict[int, torch.Tensor] = {}   # id(meta tensor made from data) -> that data (Constants)
         self.const_module: dict[str, str] = {}
         self.guards: list = []
         self.input_names: list[str] = []            # the model_io leaf names, for messages
@@ -142,14 +142,14 @@ class _Recorder(TorchDispatchMode):
 
     def constant(self, a: torch.Tensor) -> str:
         """Name a tensor the graph did not make as a constant leaf, holding its data: a meta tensor made from data
-        (torch.tensor(..., device=meta): no dispatch sees it) has its CPU twin from _Constants; an empty one needs
+        (torch.tensor(..., device=meta): no dispatch sees it) has its CPU twin from Constants; an empty one needs
         none. A meta constant with no data left here is refused after capture if the graph still reads it."""
         name = f"const{len(self.constants)}"
         if a.device.type == "meta":
             a = self.origin.get(id(a), torch.empty(a.shape, dtype=a.dtype) if a.numel() == 0 else a)
         # made under functionalization (an empty KV cache's torch.empty): keep the plain tensor, not its wrapper,
         # which the executor could not mix with its plain tensors
-        a = _inner(a)
+        a = unwrap(a)
         self.constants[name] = a
         self.const_module[name] = self.module_path()
         if a.device.type != "meta":
@@ -209,8 +209,8 @@ class _Recorder(TorchDispatchMode):
             # the run makes it on the run device (backends/program.py _to_device), so it is recorded on meta
             kwargs = {**kwargs, "device": _META}
         if func is aten.copy.default:
-            func, args, kwargs = _copy_as_clone(args, kwargs)
-        decomp = _BN_DECOMPOSE.get(func)
+            func, args, kwargs = copy_as_clone(args, kwargs)
+        decomp = BN_DECOMPOSE.get(func)
         if decomp is not None or self.decomposing and torch._C._dispatch_has_kernel_for_dispatch_key(
                 func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
             return self.decompose(func, decomp, args, kwargs)
@@ -256,49 +256,8 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def _var_mean(x, dim=None, *, correction=None, keepdim=False):
-    """var_mean as the two means it is (torch._decomp's lands in prims): over a sharded batch both are partial
-    means the plan all-reduces, which gives one device's statistics."""
-    mean = aten.mean.dim(x, dim, keepdim=True)
-    d = aten.sub.Tensor(x, mean)
-    n = x.numel() // max(1, mean.numel())
-    var = aten.sum.dim_IntList(aten.mul.Tensor(d, d), dim, keepdim)
-    var = aten.div.Tensor(var, max(0, n - (1 if correction is None else correction)))
-    return var, (mean if keepdim else aten.squeeze.dims(mean, dim))
-
-
-def _bn_decompositions() -> dict:
-    """Batch norm's forward (with its running-statistics update) and backward, from torch._decomp: reductions over
-    the batch and pointwise ops, so a batch-sharded plan computes the global batch's statistics (SyncBatchNorm's
-    semantics) with all_reduces the solver prices like any other."""
-    from torch._decomp import decomposition_table as table
-    ops = (aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit_no_training.default,
-           aten.native_batch_norm.default, aten.native_batch_norm_backward.default)   # the last two: eval, no stats
-    out = {op: table[op] for op in ops}
-    out[aten.var_mean.correction] = _var_mean
-    return out
-
-
-def _copy_as_clone(args, kwargs):
-    """Functionalization writes `dst.copy_(src)` (autograd's CopySlices backward of an in-place op on a view, a
-    user's copy_) as copy(dst, src), whose value is src laid out as dst: where the shapes and dtypes agree and dst is
-    contiguous (or laid out as src), that is clone(src) in dst's layout, an op with a placement rule."""
-    dst, src = args[0], args[1]
-    if isinstance(src, torch.Tensor) and src.shape == dst.shape and src.dtype == dst.dtype and not kwargs.get(
-            "non_blocking", len(args) > 2 and args[2]) and src.device == dst.device:
-        if dst.is_contiguous():
-            return aten.clone.default, (src,), {"memory_format": torch.contiguous_format}
-        # dst a strided view (T5's `shifted[..., 1:] = ids[..., :-1]`, a slice_scatter's source): the value is
-        # src's, only its layout differs, and the plan's values carry no layout (views are re-applied on them)
-        return aten.clone.default, (src,), {}
-    return aten.copy.default, args, kwargs
-
-
 class _NoMemo(Exception):
     pass
-
-
-_BN_DECOMPOSE = _bn_decompositions()
 
 
 def _key(a):
@@ -315,118 +274,6 @@ def _key(a):
         raise _NoMemo
     return a
 
-
-class _FusedAttention(TorchFunctionMode):
-    """Route F.scaled_dot_product_attention to one fused attention op (forward and backward nodes), and keep the
-    user-level torch call being run (`current`, e.g. linalg_qr), so that an error inside its decomposition names
-    it. The mode is off while its handler runs, so it sees only the outermost calls."""
-
-    def __init__(self):
-        super().__init__()
-        self.current = None
-
-    def user_op(self) -> str | None:
-        return getattr(self.current, "__name__", None) if self.current is not None else None
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        prev, self.current = self.current, func
-        try:
-            return self._call(func, args, kwargs)
-        finally:
-            self.current = prev
-
-    def _call(self, func, args, kwargs):
-        if func is F.batch_norm or func is torch.batch_norm:
-            return _batch_norm(func, args, kwargs)
-        if func is F.scaled_dot_product_attention:
-            q, k, v = args[:3]
-            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
-            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
-            if mask is None and dropout == 0.0:
-                if kwargs.get("enable_gqa", False):
-                    k, v = _gqa_expand(q, k), _gqa_expand(q, v)
-                if k is not None and v is not None:
-                    return SDPA(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
-        return func(*args, **kwargs)
-
-
-def _gqa_expand(q, kv):
-    """SDPA's enable_gqa semantics (torch's math path: kv.repeat_interleave(Hq // Hkv, dim=-3)) made explicit, so
-    that grouped-query attention is the fused op too: its math decomposition flattens (batch, heads) into one bmm
-    dim, where DTensor's view rule cannot keep the heads sharded, and head-parallel (Megatron) attention would have
-    no candidate. None when the head counts do not divide (the call then runs as given, and errors as torch does)."""
-    hq, hkv = q.size(-3), kv.size(-3)
-    if hq == hkv:
-        return kv
-    if hkv == 0 or hq % hkv:
-        return None
-    return kv.repeat_interleave(hq // hkv, dim=-3)
-
-
-_BN_ARGS = {F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
-            torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps",
-                               "cudnn_enabled")}
-_BN_DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
-
-
-def _batch_norm(func, args, kwargs):
-    """Batch norm that updates running statistics, as `_native_batch_norm_legit`, whose schema declares the
-    update (native_batch_norm's does not, so functionalization would drop it): functionalization turns it into
-    `_native_batch_norm_legit_functional` with the new statistics as outputs. aot_autograd makes the same swap
-    (torch._decomp `native_batch_norm_decomposition`, on the Python dispatcher's Autograd key)."""
-    a = {**_BN_DEFAULTS, **dict(zip(_BN_ARGS[func], args)), **kwargs}
-    rm, rv = a["running_mean"], a["running_var"]
-    if not a["training"] or rm is None or rv is None:
-        return func(*args, **kwargs)
-    if a["input"].dim() < 2 or a["input"].numel() // a["input"].shape[1] <= 1:
-        return func(*args, **kwargs)        # its own error ("Expected more than 1 value per channel")
-    return aten._native_batch_norm_legit.default(a["input"], a["weight"], a["bias"], rm, rv, True, a["momentum"],
-                                                 a["eps"])[0]
-
-
-class _Constants(TorchFunctionMode):
-    """torch.tensor(data, device=meta) and its kin make a meta tensor without any dispatch the recorder sees, so
-    its data would be lost: make the same tensor on the CPU too and tell the recorder, which records it as a
-    constant with that data."""
-    FNS = (torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor)
-    # `x[..., [-2], :]`: Python turns the int list into an index tensor on x's device with no dispatch either
-    INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
-
-    def _index(self, idx, device):
-        """The index with each list of ints/bools made a tensor whose CPU twin the recorder knows."""
-        if isinstance(idx, tuple):
-            return tuple(self._index(i, device) for i in idx)
-        if isinstance(idx, list) and idx and all(type(i) in (int, bool) for i in idx):
-            with torch._C._DisableTorchDispatch():      # as Python makes it: no op the recorder sees
-                real, out = torch.tensor(idx), torch.tensor(idx, device=device)
-            self.rec.origin[id(out)] = real
-            self.rec.keep.append(out)
-            return out
-        return idx
-
-    def __init__(self, rec: "_Recorder"):
-        super().__init__()
-        self.rec = rec
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self.INDEXING and len(args) >= 2 and isinstance(args[0], torch.Tensor) \
-                and args[0].device.type == "meta":
-            args = (args[0], self._index(args[1], args[0].device), *args[2:])
-        out = func(*args, **kwargs)
-        if func in self.FNS and isinstance(out, torch.Tensor) and out.device.type == "meta" \
-                and id(out) not in self.rec.ref:
-            try:
-                with torch._C._DisableTorchDispatch():
-                    real = func(*args, **{**kwargs, "device": "cpu"})
-            except Exception:       # made from meta data itself: nothing to keep
-                real = None
-            if isinstance(real, torch.Tensor) and real.device.type == "cpu":
-                self.rec.origin[id(out)] = real.detach()
-                self.rec.keep.append(out)
-        return out
 
 
 def _label_backward_nodes(module_fqn: dict[nn.Module, str], start_seq: dict[nn.Module, int]):
@@ -481,77 +328,39 @@ def capture(model: nn.Module, example_inputs, loss_fn=None, param_dtype: torch.d
     io = example_inputs if isinstance(example_inputs, ModelIO) else \
         ModelIO.from_example(model, example_inputs, example_kwargs)
     named = dict(model.named_parameters())
-    aliases = {}
-    for fqn, p in model.named_parameters(remove_duplicate=False):
-        for k, q in named.items():
-            if q is p and k != fqn:
-                aliases[fqn] = k
+    aliases = _tied_aliases(model, named)
     buffers = dict(model.named_buffers())
     cast = lambda p: param_dtype if param_dtype is not None and p.is_floating_point() else None
     meta_params = {k: to_meta(p, p.requires_grad, cast(p)) for k, p in named.items()}
     meta_buffers = {k: to_meta(b) for k, b in buffers.items()}
     meta_inputs = [to_meta(x, act and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
                    for x in io.leaves]
-    module_fqn = {m: fqn for fqn, m in model.named_modules()}
     modstack: list[str] = []
-    start_seq: dict[nn.Module, int] = {}
-    pre_lbl, post_lbl = _label_backward_nodes(module_fqn, start_seq)
-
-    def pre(mod, args):
-        if mod in module_fqn:
-            modstack.append(module_fqn[mod])
-        pre_lbl(mod, args)
-
-    def post(mod, args, out):
-        if mod in module_fqn and modstack and modstack[-1] == module_fqn[mod]:
-            modstack.pop()
-        post_lbl(mod, args, out)
-
-    fused = _FusedAttention()
+    pre, post = _module_hooks(model, modstack)
+    fused = FusedAttention()
     rec = _Recorder(modstack, fused.user_op)
     params = {k: rec.leaf(t, "param", k) for k, t in meta_params.items()}
     bufs = {k: rec.leaf(t, "buffer", k) for k, t in meta_buffers.items()}
     inputs = [rec.leaf(x, "input", i) for i, x in enumerate(meta_inputs) if isinstance(x, torch.Tensor)]
-    f_params = {k: _to_functional(t) for k, t in meta_params.items()}
-    f_buffers = {k: _to_functional(t) for k, t in meta_buffers.items()}
-    f_inputs = [_to_functional(x) if isinstance(x, torch.Tensor) else x for x in meta_inputs]
+    f_params = {k: to_functional(t) for k, t in meta_params.items()}
+    f_buffers = {k: to_functional(t) for k, t in meta_buffers.items()}
+    f_inputs = [to_functional(x) if isinstance(x, torch.Tensor) else x for x in meta_inputs]
     _real_leaves(rec, io, named, buffers, cast)
     rec.input_names = io.names
     call_args, call_kwargs = io.call_args(f_inputs)
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = nn.modules.module.register_module_forward_hook(post)
     try:
-        with fused, _Constants(rec), rec, _functionalization():
+        with fused, Constants(rec), rec, functionalization():
             out = torch.func.functional_call(model, {**f_params, **f_buffers}, call_args, call_kwargs)
-            if act:
-                loss = loss_fn(out) if loss_fn is not None else out
-                if not isinstance(loss, torch.Tensor):
-                    raise CaptureError(f"a module run as part of a model must return one tensor; got "
-                                       f"{type(loss).__name__}")
-            else:
-                try:
-                    loss, io.out_kind = pick_loss(out, loss_fn, type(model).__name__)
-                except TypeError as e:
-                    raise CaptureError(str(e)) from None
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise CaptureError("the model must return a scalar loss (or pass loss_fn=...); got "
-                                       f"{type(loss).__name__}"
-                                       f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
-            if not loss.requires_grad:
-                raise CaptureError("the loss does not depend on any trainable parameter")
-            updates = _mutations(rec, f_buffers, meta_buffers)
-            _refuse_mutations(rec, f_params, meta_params, "parameter")
-            _refuse_mutations(rec, {i: x for i, x in enumerate(f_inputs) if isinstance(x, torch.Tensor)},
-                              dict(enumerate(meta_inputs)), "input")
+            loss = _loss_of(out, loss_fn, act, model, io)
+            updates = mutations(rec, f_buffers, meta_buffers)
+            refuse_mutations(rec, f_params, meta_params, "parameter")
+            refuse_mutations(rec, {i: x for i, x in enumerate(f_inputs) if isinstance(x, torch.Tensor)},
+                             dict(enumerate(meta_inputs)), "input")
             train = [k for k, t in meta_params.items() if t.requires_grad]
-            rec.phase = "bw"
-            wrt = [f_params[k] for k in train]
             xs = [i for i, x in enumerate(meta_inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
-            seed = torch.ones_like(loss) if act else None       # the incoming gradient, taken at run time
-            grads = torch.autograd.grad(loss, wrt + [f_inputs[i] for i in xs], seed, allow_unused=True) \
-                if backward else [None] * (len(wrt) + len(xs))
-            loss, grads = _inner(loss), [_inner(gr) for gr in grads]
-            grads, in_grads = grads[:len(train)], dict(zip(xs, grads[len(train):]))
+            loss, grads, in_grads = _backward(rec, loss, [f_params[k] for k in train], f_inputs, xs, act, backward)
     finally:
         h1.remove()
         h2.remove()
@@ -570,58 +379,66 @@ def capture(model: nn.Module, example_inputs, loss_fn=None, param_dtype: torch.d
     return g
 
 
-class _functionalization:
-    """C++ functionalization on for the block (with views reapplied as views, as aot_autograd does)."""
-
-    def __enter__(self):
-        torch._enable_functionalization(reapply_views=True)
-
-    def __exit__(self, *exc):
-        torch._disable_functionalization()
-
-
-def _to_functional(t: torch.Tensor) -> torch.Tensor:
-    """t wrapped as a functional tensor, its requires_grad carried over (autograd runs on the wrapper)."""
-    f = torch._to_functional_tensor(t)
-    torch._mirror_autograd_meta_to(t, f)
-    return f
+def _tied_aliases(model: nn.Module, named: dict) -> dict[str, str]:
+    """{fqn: the fqn named_parameters() keeps} for each tied parameter's other names."""
+    aliases = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        for k, q in named.items():
+            if q is p and k != fqn:
+                aliases[fqn] = k
+    return aliases
 
 
-def _inner(t):
-    """The meta tensor holding a functional tensor's current value (after its pending updates)."""
-    if not isinstance(t, torch.Tensor) or not torch._is_functional_tensor(t):
-        return t
-    torch._sync(t)
-    return torch._from_functional_tensor(t)
+def _module_hooks(model: nn.Module, modstack: list[str]):
+    """Global forward (pre-)hooks keeping `modstack`, the path of the module running now (forward nodes' module),
+    and labelling the autograd nodes each module makes (backward nodes' module)."""
+    module_fqn = {m: fqn for fqn, m in model.named_modules()}
+    start_seq: dict[nn.Module, int] = {}
+    pre_lbl, post_lbl = _label_backward_nodes(module_fqn, start_seq)
+
+    def pre(mod, args):
+        if mod in module_fqn:
+            modstack.append(module_fqn[mod])
+        pre_lbl(mod, args)
+
+    def post(mod, args, out):
+        if mod in module_fqn and modstack and modstack[-1] == module_fqn[mod]:
+            modstack.pop()
+        post_lbl(mod, args, out)
+    return pre, post
 
 
-def _mutations(rec: _Recorder, wrapped: dict, originals: dict) -> dict:
-    """{name: Ref of the new value} of the wrapped leaves the forward mutated (in place, or through a view)."""
-    out = {}
-    for k, f in wrapped.items():
-        torch._sync(f)
-        new = torch._from_functional_tensor(f)
-        if new is originals[k]:
-            continue
-        if torch._functionalize_has_metadata_mutation(f):
-            raise CaptureError(f"the forward changes the shape or strides of '{k}' in place; a plan keeps each "
-                               f"tensor's shape")
-        r = rec.ref.get(id(new))
-        if r is None:
-            raise CaptureError(f"the forward replaces '{k}' with a tensor from outside the graph")
-        out[k] = r
-    return out
+def _loss_of(out, loss_fn, act: bool, model: nn.Module, io: ModelIO) -> torch.Tensor:
+    """The tensor the backward starts from: the part's output (act), or the model's scalar loss."""
+    if act:
+        loss = loss_fn(out) if loss_fn is not None else out
+        if not isinstance(loss, torch.Tensor):
+            raise CaptureError(f"a module run as part of a model must return one tensor; got "
+                               f"{type(loss).__name__}")
+    else:
+        try:
+            loss, io.out_kind = pick_loss(out, loss_fn, type(model).__name__)
+        except TypeError as e:
+            raise CaptureError(str(e)) from None
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise CaptureError("the model must return a scalar loss (or pass loss_fn=...); got "
+                               f"{type(loss).__name__}"
+                               f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+    if not loss.requires_grad:
+        raise CaptureError("the loss does not depend on any trainable parameter")
+    return loss
 
 
-def _refuse_mutations(rec: _Recorder, wrapped: dict, originals: dict, what: str) -> None:
-    """A parameter or user input mutated by the forward: refused (one step's in-place change of a weight or of
-    the caller's batch would have to be carried between ranks and steps with single-device semantics)."""
-    for k, r in _mutations(rec, wrapped, originals).items():
-        n = rec.nodes[r.node]
-        op = getattr(n, "user_op", None) or n.name
-        raise CaptureError(f"the forward mutates {what} {k!r} in place (in module '{n.module or '<root>'}', op "
-                           f"{op}); autopar plans a forward that leaves parameters and inputs unchanged: compute a "
-                           f"new tensor instead")
+def _backward(rec: _Recorder, loss, wrt: list, f_inputs: list, xs: list[int], act: bool, backward: bool):
+    """Record the backward: the gradients of `wrt` and of inputs `xs`, unwrapped to the recorded meta tensors;
+    returns (loss, parameter gradients, {input index: gradient}). backward=False (evaluation under no_grad): no
+    backward nodes, every gradient None."""
+    rec.phase = "bw"
+    seed = torch.ones_like(loss) if act else None       # the incoming gradient, taken at run time
+    grads = torch.autograd.grad(loss, wrt + [f_inputs[i] for i in xs], seed, allow_unused=True) \
+        if backward else [None] * (len(wrt) + len(xs))
+    loss, grads = unwrap(loss), [unwrap(gr) for gr in grads]
+    return loss, grads[:len(wrt)], dict(zip(xs, grads[len(wrt):]))
 
 
 def _real_leaves(rec: _Recorder, io: ModelIO, params: dict, buffers: dict, cast):

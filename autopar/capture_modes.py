@@ -1,0 +1,109 @@
+"""The TorchFunctionModes capture runs under: they rewrite torch-level calls before they reach dispatch, where the
+recorder (autopar/capture.py) sees only aten ops. FusedAttention turns F.scaled_dot_product_attention into one fused
+attention op (with enable_gqa, after an explicit kv head repeat) and batch norm with running statistics into the op
+whose schema declares the update; Constants keeps the data of tensors made from Python data on the meta device.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from .batch_norm import batch_norm_legit
+
+aten = torch.ops.aten
+SDPA = aten._scaled_dot_product_flash_attention_for_cpu.default
+SDPA_BW = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+class FusedAttention(TorchFunctionMode):
+    """Route F.scaled_dot_product_attention to one fused attention op (forward and backward nodes), and keep the
+    user-level torch call being run (`current`, e.g. linalg_qr), so that an error inside its decomposition names
+    it. The mode is off while its handler runs, so it sees only the outermost calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.current = None
+
+    def user_op(self) -> str | None:
+        return getattr(self.current, "__name__", None) if self.current is not None else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        prev, self.current = self.current, func
+        try:
+            return self._call(func, args, kwargs)
+        finally:
+            self.current = prev
+
+    def _call(self, func, args, kwargs):
+        if func is F.batch_norm or func is torch.batch_norm:
+            return batch_norm_legit(func, args, kwargs)
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+            if mask is None and dropout == 0.0:
+                if kwargs.get("enable_gqa", False):
+                    k, v = _gqa_expand(q, k), _gqa_expand(q, v)
+                if k is not None and v is not None:
+                    return SDPA(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
+        return func(*args, **kwargs)
+
+
+def _gqa_expand(q, kv):
+    """SDPA's enable_gqa semantics (torch's math path: kv.repeat_interleave(Hq // Hkv, dim=-3)) made explicit, so
+    that grouped-query attention is the fused op too: its math decomposition flattens (batch, heads) into one bmm
+    dim, where DTensor's view rule cannot keep the heads sharded, and head-parallel (Megatron) attention would have
+    no candidate. None when the head counts do not divide (the call then runs as given, and errors as torch does)."""
+    hq, hkv = q.size(-3), kv.size(-3)
+    if hq == hkv:
+        return kv
+    if hkv == 0 or hq % hkv:
+        return None
+    return kv.repeat_interleave(hq // hkv, dim=-3)
+
+
+
+class Constants(TorchFunctionMode):
+    """torch.tensor(data, device=meta) and its kin make a meta tensor without any dispatch the recorder sees, so
+    its data would be lost: make the same tensor on the CPU too and tell the recorder, which records it as a
+    constant with that data."""
+    FNS = (torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor)
+    # `x[..., [-2], :]`: Python turns the int list into an index tensor on x's device with no dispatch either
+    INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
+
+    def _index(self, idx, device):
+        """The index with each list of ints/bools made a tensor whose CPU twin the recorder knows."""
+        if isinstance(idx, tuple):
+            return tuple(self._index(i, device) for i in idx)
+        if isinstance(idx, list) and idx and all(type(i) in (int, bool) for i in idx):
+            with torch._C._DisableTorchDispatch():      # as Python makes it: no op the recorder sees
+                real, out = torch.tensor(idx), torch.tensor(idx, device=device)
+            self.rec.origin[id(out)] = real
+            self.rec.keep.append(out)
+            return out
+        return idx
+
+    def __init__(self, rec):
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.INDEXING and len(args) >= 2 and isinstance(args[0], torch.Tensor) \
+                and args[0].device.type == "meta":
+            args = (args[0], self._index(args[1], args[0].device), *args[2:])
+        out = func(*args, **kwargs)
+        if func in self.FNS and isinstance(out, torch.Tensor) and out.device.type == "meta" \
+                and id(out) not in self.rec.ref:
+            try:
+                with torch._C._DisableTorchDispatch():
+                    real = func(*args, **{**kwargs, "device": "cpu"})
+            except Exception:       # made from meta data itself: nothing to keep
+                real = None
+            if isinstance(real, torch.Tensor) and real.device.type == "cpu":
+                self.rec.origin[id(out)] = real.detach()
+                self.rec.keep.append(out)
+        return out
