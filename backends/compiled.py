@@ -100,7 +100,9 @@ def _graph(instrs, ins, outs) -> fx.GraphModule:
     """The segment as an FX graph of aten ops: placeholders for its inputs, one node per op (getitem per output of
     a multi-output op), its outputs as a tuple."""
     g = fx.Graph()
-    vals = {k: g.placeholder(f"v{k[0]}_{k[1]}") for k in ins}
+    # names by position, not by node: the segments of repeated blocks are the same graph, which Inductor's FX graph
+    # cache then compiles once
+    vals = {k: g.placeholder(f"a{i}") for i, k in enumerate(ins)}
     for it in instrs:
         n = it.node
         args, kwargs = it.bind([vals[k] for k in it.keys])

@@ -23,6 +23,7 @@ from autopar.model_io import ModelIO
 from autopar.strategies._torch_adapter import make_dtensor, per_rank, to_placement
 
 from .comm import agree_on_plan, redistribute_local
+from .compiled import compile_option
 from .state import agreed_seed, check_replicas, simulated_world, sync_from_rank0
 from .program import ExecutionError, Program, placement_strs
 
@@ -75,6 +76,7 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: 
     """
     ModelIO.from_example(model, example_inputs, example_kwargs)     # bad arguments: named, before anything runs
     _check_mesh(mesh)
+    compile_option(compile)
     with torch.random.fork_rng(devices=_rng_devices(mesh)):
         return _parallelize(model, mesh, example_inputs, example_kwargs, planned, attention, assume_identical,
                             check_replicas, plan_kwargs, compile)
