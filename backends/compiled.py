@@ -2,22 +2,22 @@
 
 The program (backends/program.py) is a list of instructions per phase. A maximal run of instructions that are plain
 local ops (no redistribute before them, no DTensor dispatch, no random draw, no factory, no loss seed) is a
-*segment*: it becomes one FX graph of aten ops on local shards, compiled with `torch.compile(backend=...)`
-(Inductor by default). Everything else runs as in the eager program, through its one-instruction interpreter
-(`run1`), so:
+*segment*: one FX graph of aten ops on local shards, compiled by a torch.compile backend's compiler (Inductor by
+default). Everything else runs as in the eager program, through its one-instruction interpreter (`run1`), so:
   - every collective (redistributes, loss-tail groups, gradient buckets) is issued by the same code, in the same
     order, and counted by the same counters;
   - random ops stay outside the compiled regions and draw from the program's generator
-    (backends/local_ops.py draw_random), the masks one device draws;
+    (backends/local_ops.py draw_random): the masks one device draws;
   - a gradient bucket is launched right after the instruction that completes it: a backward segment ends there.
 Within a segment a view becomes a reshape (a shard laid out otherwise than on one device cannot alias its input:
 the eager program copies it, local_ops.view_of_copy; no value is mutated in a captured step, so the values are the
-same). Segments shorter than `min_ops` run their FX graph uncompiled (a compiled call's guards and wrappers cost
-more than a few ops). Gradients are copied into their bucket's flat buffer after the segment that makes them
-instead of being computed in it (the eager program's out= writes, which a compiled graph does not take).
-A compiled segment runs with the Python dispatch modes suspended (Dynamo cannot trace under them): a mode that
-counts collectives (backends/comm.py CommCounter, CommDebugMode) still sees every one, since none is in a segment;
-a mode that counts ops (FlopCounterMode) does not see the compiled ones.
+same). Gradients are copied into their bucket's flat buffer after the segment that makes them (the eager program
+makes some in place with out= overloads, which a compiled graph does not take).
+A segment is compiled on its first call by the backend's compiler itself (Inductor's compile_fx, AOTAutograd for
+"aot_eager") given the graph and the call's inputs, not through a Dynamo frame: the graph is already aten ops, and
+a Dynamo call's guards and wrappers cost about as much as the few dozen small ops of a typical segment. Segments
+shorter than `min_ops` run their FX graph uncompiled. Python dispatch modes active while a segment compiles (a
+collective counter) are suspended for it; no segment holds a collective, so a counter still sees every one.
 """
 from __future__ import annotations
 
@@ -78,17 +78,32 @@ class Segment:
             self.wrap.append(None if it.out_r[k[1]] else (it.expect[k[1]], tuple(it.node.outs[k[1]].shape)))
         self.drops = [k for k in freed if k not in made or k not in self.outs]
         self.gm = _graph(instrs, ins, self.outs)
-        self.fn = torch.compile(self.gm, backend=backend, fullgraph=True, dynamic=False) \
-            if self.n_ops >= min_ops else self.gm
-        self.compiled = self.fn is not self.gm
+        self.backend = backend
+        self.compiled = self.n_ops >= min_ops
+        self.fns: dict = {}                  # input strides -> the compiled function for them
+        self.compile_s = 0.0
+
+    def _compile(self, vals, key):
+        """The segment compiled for these inputs' layouts by the torch.compile backend's compiler itself (given the
+        FX graph and example inputs, as Dynamo would give them): no Dynamo frame, no guards, a fraction of a
+        torch.compile call's cost; shapes are the plan's, and a new layout compiles again (`key`)."""
+        import time
+        from torch._dynamo import lookup_backend
+        t0 = time.perf_counter()
+        with _python_dispatch._disable_current_modes():     # a user's mode (a counter) must not see the tracing
+            gm = _graph(self.instrs, self.ins, self.outs)    # a fresh graph: compilers may rewrite theirs
+            fn = self.fns[key] = lookup_backend(self.backend)(gm, list(vals))
+        self.compile_s += time.perf_counter() - t0
+        return fn
 
     def __call__(self, env, Sharded):
         vals = [env[k].t if s else env[k] for k, s in zip(self.ins, self.in_sharded)]
-        if self.compiled and _python_dispatch._get_current_dispatch_mode() is not None:
-            with _python_dispatch._disable_current_modes():     # Dynamo refuses to trace under a user's mode
-                res = self.fn(*vals)
+        if self.compiled:
+            key = tuple(t.stride() for t in vals)
+            fn = self.fns.get(key) or self._compile(vals, key)
+            res = fn(*vals)
         else:
-            res = self.fn(*vals)
+            res = self.gm(*vals)
         for k, t, w in zip(self.outs, res, self.wrap):
             if isinstance(t, torch.Tensor):
                 env[k] = t if w is None else Sharded(t, w[0], w[1])
@@ -164,4 +179,5 @@ def build(prog, instrs: list, launch_at, ready, backend: str, min_ops: int = 3):
 def summary(segs) -> dict:
     """How much of a phase is compiled: segments, compiled segments, ops in them."""
     return {"segments": len(segs), "compiled": sum(s.compiled for s in segs),
-            "compiled_ops": sum(s.n_ops for s in segs if s.compiled), "ops": sum(s.n_ops for s in segs)}
+            "compiled_ops": sum(s.n_ops for s in segs if s.compiled), "ops": sum(s.n_ops for s in segs),
+            "compile_s": round(sum(s.compile_s for s in segs), 2)}
