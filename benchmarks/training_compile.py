@@ -192,7 +192,7 @@ def _table(rows, cmd, world) -> str:
     lines = [f"# Eager vs compiled graph backend ({world} gloo ranks, CPU)", "",
              f"`{cmd}` (backends/compiled.py; one run, eager and compiled steps alternating; median of the timed "
              f"steps; compile s: the time the segments took to compile in the compiled program's first step, "
-             f"with an empty Inductor cache; machine load at the start: {os.getloadavg()[0]:.1f} on "
+             f"with an empty Inductor cache; load average at the end: {os.getloadavg()[0]:.1f} on "
              f"{os.cpu_count()} cores).", "",
              "| model | ops/step | compiled ops (segments) fw / bw | eager ms/step | compiled ms/step | eager/compiled "
              "| compile s | collectives/step (same as eager, = plan) | loss, grad max rel diff |",

@@ -124,11 +124,14 @@ def _rank(rank, world, port, names, backend, out_path):
     dist.destroy_process_group()
 
 
-def _table(rows, cmd) -> str:
+def _table(rows, cmd, backend) -> str:
     n_ok = sum(bool(r.get("pass")) for r in rows)
-    lines = [f"# compile= on the suite's models (2 gloo ranks, CPU)", "", f"`{cmd}`: {n_ok} of {len(rows)} pass "
-             "(compiled = eager to 1e-5 relative in the losses of 2 seeded steps and every first-step gradient; "
-             "the same collectives, = the plan's).", "",
+    before = [r["model"] for r in rows if r.get("stage") in ("build", "capture", "plan", "eager")]
+    lines = [f"# compile={backend!r} on the suite's models (2 gloo ranks, CPU)", "",
+             f"`{cmd}`: {n_ok} of {len(rows)} pass (compiled = eager to 1e-5 relative in the losses of 2 seeded "
+             f"steps and every first-step gradient; the same collectives, = the plan's). "
+             f"{len(before)} fail before anything is compiled (capture, plan or the eager program: "
+             f"{', '.join(before) or 'none'}; see benchmarks/results/models.md).", "",
              "| model | pass | sharded params | collectives/step (same) | compiled ops fw / bw (segments) | first step "
              "eager / compiled s | worst (|diff| / (1e-7 + 1e-5 max), where) | failed stage: error |",
              "|---|---|---|---|---|---|---|---|"]
@@ -163,7 +166,7 @@ def main(argv=None):
     finally:
         rows = json.load(open(res)) if os.path.exists(res) else []
         cmd = "python benchmarks/training_compile_suite.py" + (" " + " ".join(sys.argv[1:]) if sys.argv[1:] else "")
-        text = _table(rows, cmd)
+        text = _table(rows, cmd, a.backend)
         print(text)
         with open(a.out, "w") as f:
             f.write(text)
