@@ -92,7 +92,7 @@ def _model(name, mesh, backend, SHAPES, CommCounter, compare, zc):
     (ce, de, fe, _, e), (cc_, dc, fc, seg, c) = res["eager"], res["compiled"]
     rec.update(collectives=len(cc_), same_collectives=ce == cc_, plan_diff=dc, first_s=[round(fe, 2), round(fc, 1)],
                segments=seg, worst=list(_worst(c, e)), loss_eager=e[0], loss_compiled=c[0])
-    rec["pass"] = rec["same_collectives"] and not dc and rec["worst"][0] <= 1.0 and len(cc_) > 0
+    rec["pass"] = rec["same_collectives"] and not dc and not de and rec["worst"][0] <= 1.0 and len(cc_) > 0
     return rec
 
 
