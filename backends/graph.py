@@ -26,6 +26,7 @@ from autopar.strategies._torch_adapter import make_dtensor, per_rank, to_placeme
 
 from .accumulate import Accumulator
 from .comm import agree_on_plan, redistribute_local
+from .compiled import compile_option
 from .shapes import PlanCache, ShapeMismatchError
 from .state import agreed_seed, check_replicas, simulated_world, sync_from_rank0
 from .program import ExecutionError, Program, placement_strs
@@ -57,7 +58,7 @@ def _device(mesh) -> torch.device:
 
 def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | None = None, planned=None,
                 attention: str = "auto", assume_identical: bool = False, check_replicas: bool = True,
-                **plan_kwargs) -> "ParallelModule":
+                compile=False, **plan_kwargs) -> "ParallelModule":
     """Plan `model` for `mesh` (autopar.plan, same keyword options: cluster, memory_budget, force, ...) and
     return a module that runs one SPMD training step per call on this rank.
 
@@ -72,14 +73,18 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: 
     assume_identical: the model's parameters and buffers are already the same on every rank (as DTensor's
         src_data_rank=None): skip taking rank 0's values (backends/state.py; `pm.init_comm` states the cost).
     check_replicas: on the first call, check that ranks holding replicas of a parameter or buffer agree.
+    compile: True (Inductor) or a torch.compile backend name ("aot_eager", "eager"): each rank's local program is
+        compiled between its collectives (backends/compiled.py); the collectives and random draws are unchanged.
+        `torch.compile(pm)` also works, with or without it: Dynamo runs the program as an opaque call.
     The user's random number generator state is left as it was; the program's random ops draw from a generator
     seeded by rank 0's torch.initial_seed() (`pm.program.rng_seed`).
     """
     ModelIO.from_example(model, example_inputs, example_kwargs)     # bad arguments: named, before anything runs
     _check_mesh(mesh)
+    compile_option(compile)
     with torch.random.fork_rng(devices=_rng_devices(mesh)):
         return _parallelize(model, mesh, example_inputs, example_kwargs, planned, attention, assume_identical,
-                            check_replicas, plan_kwargs)
+                            check_replicas, plan_kwargs, compile)
 
 
 def _rng_devices(mesh) -> list:
@@ -87,7 +92,7 @@ def _rng_devices(mesh) -> list:
 
 
 def _parallelize(model, mesh, example_inputs, example_kwargs, planned, attention, assume_identical, check_replicas,
-                 plan_kwargs):
+                 plan_kwargs, compile=False):
     if planned is None:
         import autopar
         plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
@@ -106,7 +111,7 @@ def _parallelize(model, mesh, example_inputs, example_kwargs, planned, attention
     if io is None:      # a graph captured before the model contract existed: positional inputs only
         io = ModelIO.from_example(model, example_inputs, example_kwargs)
         state.graph.io = io
-    prog = Program(state, plan, mesh, device, io.leaves, attention=attention)
+    prog = Program(state, plan, mesh, device, io.leaves, attention=attention, compile=compile)
     prog.rng_seed = agreed_seed(device)
     pm = ParallelModule(model, prog, assume_identical=assume_identical, check_replicas=check_replicas)
     pm._plans = PlanCache(model, prog, plan_kwargs, attention, model.training)    # options of plans for new shapes
@@ -187,6 +192,9 @@ class ParallelModule(nn.Module):
                                       [(f, *at(f)) for f, _ in self.named_buffers()])
         return self._slot_cache[prog]
 
+    # torch.compile(pm): Dynamo runs the step as one opaque call (tracing the generated program's Python, the
+    # executor's bookkeeping and its collectives fails or takes minutes); compile=True compiles its local segments
+    @torch.compiler.disable
     def forward(self, *args, **kwargs):
         """One step, called like the model; returns the loss (in the model's container kind, model_io.wrap_loss)."""
         leaves = self.program.g.io.flatten_call(args, kwargs)
@@ -300,6 +308,7 @@ def _take_rank0(state, mesh, device, assume_identical: bool) -> dict:
     return cost
 
 
+@torch.compiler.disable
 def _check_first_step(module, args):
     """Forward pre-hook, once: the replica checksum (backends/state.py) before the first step."""
     module._first_check.remove()

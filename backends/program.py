@@ -149,7 +149,7 @@ class _Instr:
 
 
 class Program:
-    def __init__(self, state, plan, mesh, device, example_inputs, attention: str = "auto"):
+    def __init__(self, state, plan, mesh, device, example_inputs, attention: str = "auto", compile=None):
         if attention not in ("auto", "kernel", "math"):
             raise ValueError(f"attention must be 'auto', 'kernel' or 'math', got {attention!r}")
         g = state.graph
@@ -262,11 +262,18 @@ class Program:
                 group_name(self.mesh, bs[0]["mesh_dim"])
             at = max(pos.get(g.grads[f].node, len(self.bw) - 1) for f in bs[0]["params"])
             self.bucket_ready.setdefault(at, []).append(i)
+        from .compiled import build, compile_option
+        self.compile_backend = compile_option(compile)      # local segments compiled between the collectives
         self._plan_bucket_copies()
         self.bucket_out = self._bucket_outputs()
         self.after = set(self.bucket_ready) | set(self.copy_at)     # backward positions with bucket work
-        self.run_fw = self._compile(self.fw, ())
-        self.run_bw = self._compile(self.bw, self.after, self.write_at)
+        if self.compile_backend is None:
+            self.run_fw = self._compile(self.fw, ())
+            self.run_bw = self._compile(self.bw, self.after, self.write_at)
+        else:
+            self.run_fw, self.fw_segments = build(self, self.fw, (), (), self.compile_backend)
+            self.run_bw, self.bw_segments = build(self, self.bw, self.after, set(self.bucket_ready),
+                                                  self.compile_backend)
 
     def _plan_bucket_copies(self):
         """All_reduce buckets (real process groups) are filled as the backward goes, as DDP's reducer fills its
@@ -306,7 +313,8 @@ class Program:
             dtype = getattr(torch, bs[0]["dtype"].split(".")[-1])
             self.flat_sizes[i] = (off, dtype, [sl[2] for _, sl, _, _ in plan])
             for at, sl, key, drop in plan:
-                root = self._in_place(key, sl[2], dtype, pos, readers) if drop else None
+                # a compiled segment makes its gradients, which are then copied into the bucket (compiled.py)
+                root = self._in_place(key, sl[2], dtype, pos, readers) if drop and not self.compile_backend else None
                 if root is None:
                     self.copy_at.setdefault(at, []).append((i, sl, key, drop))
                 else:

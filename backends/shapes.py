@@ -93,7 +93,8 @@ class PlanCache:
                                  f"{_undivided(prog0, sig)}") from e
         t_plan = time.perf_counter() - t1
         agree_on_plan(prog0.mesh, plan.hash(), prog0.device)
-        prog = Program(state, plan, prog0.mesh, prog0.device, state.graph.io.leaves, attention=self.attention)
+        prog = Program(state, plan, prog0.mesh, prog0.device, state.graph.io.leaves, attention=self.attention,
+                       compile=prog0.compile_backend)     # compile= carries over to every shape's program
         prog.rng = prog0.rng                  # one random stream for every shape (pm.program.manual_seed seeds it)
         for f in prog.param_fqns:
             if prog.param_placement(f) != prog0.param_placement(f):
