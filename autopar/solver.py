@@ -288,9 +288,10 @@ def _shared_cuts(m: _Model, x, tol=1e-9):
     of sums is weaker (a producer split between classes pays the max of averages). Returns (rows: [(columns,
     coefficients)]) of the most violated such cut per charge."""
     out = []
+    frac = (x > 1e-6) & (x < 1 - 1e-6)
     for y, parts, classes in m.shared:
-        if classes is None:
-            continue
+        if classes is None or not any(frac[c].any() for c, _, _ in parts):
+            continue                      # integral columns: the producer's mass is in one class, nothing to cut
         labels = _joined_classes(*classes)
         parts = [(c, w, labels[ks]) for c, w, ks in parts]
         nc = 1 + int(labels.max())
