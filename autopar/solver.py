@@ -56,13 +56,38 @@ class SolveResult:
 
 
 def _classes(C: np.ndarray, axis: int):
-    """Distinct rows (axis 0) or columns (axis 1) of C, in first-seen order, and each row's class index."""
+    """Each distinct row (axis 0) or column (axis 1) of C's first index, in first-seen order, and each row's class."""
     M = np.ascontiguousarray(C if axis == 0 else C.T)
     seen: dict = {}
     inv = np.array([seen.setdefault(row.tobytes(), len(seen)) for row in M], dtype=np.int64)
     first = np.zeros(len(seen), dtype=np.int64)
     first[inv[::-1]] = np.arange(len(inv))[::-1]
-    return M[first], inv
+    return first, inv
+
+
+class _Rows:
+    """The constraint matrix's entries, collected as arrays: row(cols, vals, lo, hi) appends one row."""
+
+    def __init__(self):
+        self.r, self.rows, self.cols, self.vals, self.lo, self.hi = 0, [], [], [], [], []
+
+    def block(self, rows, cols, vals, n, lo, hi):
+        """n rows at once: entries (rows relative to the first new row, cols, vals)."""
+        self.rows.append(self.r + np.asarray(rows, np.int64))
+        self.cols.append(np.asarray(cols, np.int64))
+        self.vals.append(np.broadcast_to(np.asarray(vals, float), (len(self.cols[-1]),)))
+        self.lo.append(np.full(n, lo, float))
+        self.hi.append(np.full(n, hi, float))
+        self.r += n
+
+    def row(self, cols, vals, lo, hi):
+        self.block(np.zeros(len(cols), np.int64), cols, vals, 1, lo, hi)
+
+    def matrix(self, ncols):
+        cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)   # noqa: E731
+        A = coo_array((cat(self.vals, float), (cat(self.rows, np.int64), cat(self.cols, np.int64))),
+                      shape=(self.r, ncols)).tocsc()
+        return A, cat(self.lo, float), cat(self.hi, float)
 
 
 @dataclass
@@ -77,7 +102,8 @@ class _Model:
     edges: list                # (z0, A, B, a_of, b_of, g1, g2) per edge with transportation variables
     cap: np.ndarray            # the compute capacity part of ovl, per variable (x only)
     fixed: list = ()           # (y column, e column, columns that join it, their weights) per bucket charge
-    shared: list = ()          # (y column, [(columns, weights) of one consumer edge]) per shared charge
+    shared: list = ()          # per shared charge: (y column, [(columns, weights, their producer choices) per consumer
+    #                            edge], (number of producer choices, the edges' producer classes) or None)
 
     @property
     def upper(self) -> np.ndarray:
@@ -101,8 +127,8 @@ class _Model:
         for y, e, cols, w in self.fixed:
             v[y] = v[cols].max()
             v[e] = max(0.0, float(w @ v[cols]) - v[y])
-        for y, parts in self.shared:
-            v[y] = max(float(w @ v[c]) for c, w in parts)
+        for y, parts, _ in self.shared:
+            v[y] = max(float(w @ v[c]) for c, w, _ in parts)
         return v
 
 
@@ -112,11 +138,9 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
     cost = [np.concatenate(lin)]
     ovl_lin, ovl_edges, capacity = overlap if overlap is not None else (None, {}, None)
     ocost = [np.concatenate(ovl_lin) - np.concatenate(capacity)] if overlap is not None else [np.zeros(nx)]
-    rows, cols, vals, lo, hi = [], [], [], [], []
-    r = 0
-    for gi, c in enumerate(lin):                          # one strategy per group
-        rows += [r] * len(c); cols += list(range(off[gi], off[gi + 1])); vals += [1.0] * len(c)
-        lo.append(1.0); hi.append(1.0); r += 1
+    R = _Rows()
+    sizes = np.diff(off)                                  # one strategy per group
+    R.block(np.repeat(np.arange(len(lin)), sizes), np.arange(nx), 1.0, len(lin), 1.0, 1.0)
     nz, zs = nx, []
     trig: dict = {}                                       # edge -> [(bucket charge, weights of the choices joining it)]
     trig_cols = [{} for _ in fixed]                       # per bucket charge: {column joining it: weight}
@@ -145,11 +169,9 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
         O = np.zeros_like(C) if O is None else O
         Ts = trig.get(key, [])
         Ws = weights.get(key, [])
-        _, a_of = _classes(np.hstack([C, O] + [T for _, T in Ts] + Ws), 0)   # distinct producer rows
-        _, b_of = _classes(np.vstack([C, O] + [T for _, T in Ts] + Ws), 1)   # distinct consumer columns
-        A, B = int(a_of.max()) + 1, int(b_of.max()) + 1
-        fa = [int(np.flatnonzero(a_of == a)[0]) for a in range(A)]
-        fb = [int(np.flatnonzero(b_of == b)[0]) for b in range(B)]
+        fa, a_of = _classes(np.hstack([C, O] + [T for _, T in Ts] + Ws), 0)   # distinct producer rows
+        fb, b_of = _classes(np.vstack([C, O] + [T for _, T in Ts] + Ws), 1)   # distinct consumer columns
+        A, B = len(fa), len(fb)
         small, osmall = C[np.ix_(fa, fb)], O[np.ix_(fa, fb)]
         if A == 1:
             where_x[key] = ("x", g2)
@@ -170,79 +192,133 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
         z0 = nz
         nz += A * B
         zs.append((z0, A, B, a_of, b_of, g1, g2))
-        where_x[key] = ("z", z0, B, fa, fb)
+        where_x[key] = ("z", z0, B, fa, fb, a_of)
         for s, W in Ts:
             Ws = W[np.ix_(fa, fb)]
             ab = np.argwhere(Ws > 0)
-            join(s, [z0 + a * B + b for a, b in ab], [Ws[a, b] for a, b in ab])
+            join(s, z0 + ab[:, 0] * B + ab[:, 1], Ws[ab[:, 0], ab[:, 1]])
         cost.append(small.reshape(-1))
         ocost.append(osmall.reshape(-1))
-        for a in range(A):                                # sum_b z[a, b] = sum_{k in a} x[g1, k]
-            rows += [r] * B; cols += [z0 + a * B + b for b in range(B)]; vals += [1.0] * B
-            ks = np.flatnonzero(a_of == a)
-            rows += [r] * len(ks); cols += list(off[g1] + ks); vals += [-1.0] * len(ks)
-            lo.append(0.0); hi.append(0.0); r += 1
-        for b in range(B):                                # sum_a z[a, b] = sum_{k in b} x[g2, k]
-            rows += [r] * A; cols += [z0 + a * B + b for a in range(A)]; vals += [1.0] * A
-            ks = np.flatnonzero(b_of == b)
-            rows += [r] * len(ks); cols += list(off[g2] + ks); vals += [-1.0] * len(ks)
-            lo.append(0.0); hi.append(0.0); r += 1
+        za, zb = np.divmod(np.arange(A * B), B)
+        ka, kb = np.arange(len(a_of)), np.arange(len(b_of))
+        # sum_b z[a, b] = sum_{k in a} x[g1, k]; then sum_a z[a, b] = sum_{k in b} x[g2, k]
+        R.block(np.concatenate([za, a_of]), np.concatenate([z0 + za * B + zb, off[g1] + ka]),
+                np.concatenate([np.ones(A * B), -np.ones(len(ka))]), A, 0.0, 0.0)
+        R.block(np.concatenate([zb, b_of]), np.concatenate([z0 + za * B + zb, off[g2] + kb]),
+                np.concatenate([np.ones(A * B), -np.ones(len(kb))]), B, 0.0, 0.0)
     ys = []
     for s, (F, _) in enumerate(fixed):                   # y >= each column joining; e >= sum w col - y; F (y + e)
-        cols_s = sorted(trig_cols[s])
-        if not cols_s:
+        cols_s = np.array(sorted(trig_cols[s]), np.int64)
+        if not len(cols_s):
             continue
         w = np.array([trig_cols[s][c] for c in cols_s])
         y, e = nz, nz + 1
         nz += 2
-        ys.append((y, e, np.array(cols_s), w))
+        ys.append((y, e, cols_s, w))
         cost.append(np.array([F, F]))
         ocost.append(np.zeros(2))
-        for c in cols_s:
-            rows += [r, r]; cols += [y, c]; vals += [1.0, -1.0]
-            lo.append(0.0); hi.append(np.inf); r += 1
-        rows += [r] * (len(cols_s) + 2); cols += [y, e] + cols_s; vals += [1.0, 1.0] + list(-w)
-        lo.append(0.0); hi.append(np.inf); r += 1
+        n = len(cols_s)
+        R.block(np.repeat(np.arange(n), 2), np.column_stack([np.full(n, y), cols_s]).reshape(-1),
+                np.tile([1.0, -1.0], n), n, 0.0, np.inf)
+        R.row(np.concatenate([[y, e], cols_s]), np.concatenate([[1.0, 1.0], -w]), 0.0, np.inf)
     sh = []
     for F, where in shared:                               # y >= each consumer edge's W-weighted columns; F y
         y = nz
         nz += 1
-        parts = []
+        parts, grps = [], []
         unit = max(max(float(np.abs(W).max()) for _, W in where), 1e-300)   # y in units of the largest price:
         for (g1, g2), W in where:                                           # matrix entries of order 1
             W = np.asarray(W, float) / unit
+            n1 = len(lin[g1])
             if g1 == g2:                                  # the group's own choices
                 k = np.flatnonzero(np.diag(W))
-                part, w = off[g1] + k, np.diag(W)[k]
+                part, w, ks, grp = off[g1] + k, np.diag(W)[k], k, None
             elif where_x[(g1, g2)][0] == "x":             # one side has a single class
                 g = where_x[(g1, g2)][1]
                 w = W[0, :] if g == g2 else W[:, 0]
                 k = np.flatnonzero(w)
                 part, w = off[g] + k, w[k]
+                ks, grp = (np.zeros(len(k), np.int64), np.zeros(n1, np.int64)) if g == g2 else (k, None)
             else:                                         # W is constant on each (producer, consumer) class block
-                _, z0, B, fa, fb = where_x[(g1, g2)]
+                _, z0, B, fa, fb, a_of = where_x[(g1, g2)]
                 Wc = W[np.ix_(fa, fb)]
                 ab = np.argwhere(Wc != 0)
                 part, w = z0 + ab[:, 0] * B + ab[:, 1], Wc[ab[:, 0], ab[:, 1]]
+                ks, grp = fa[ab[:, 0]], a_of
             if not len(part):
                 continue
-            parts.append((part, w))
-            rows += [r] * (len(part) + 1); cols += [y] + list(part); vals += [1.0] + list(-w)
-            lo.append(0.0); hi.append(np.inf); r += 1
-        sh.append((y, parts))
+            parts.append((part, w, ks))
+            grps.append(grp)
+            R.row(np.concatenate([[y], part]), np.concatenate([[1.0], -w]), 0.0, np.inf)
+        one = len(parts) > 1 and len({k[0] for k, _ in where}) == 1     # one producer: a cut can tighten it
+        sh.append((y, parts, (len(lin[where[0][0][0]]), grps) if one else None))
         cost.append(np.array([F * unit]))
         ocost.append(np.zeros(1))
     for coefs, budget in mem:
         vec = np.concatenate(coefs)
         idx = np.flatnonzero(vec)
-        rows += [r] * len(idx); cols += list(idx); vals += list(vec[idx])
-        lo.append(-np.inf); hi.append(budget); r += 1
-    A_ = coo_array((vals, (rows, cols)), shape=(r, nz)).tocsc()
+        R.row(idx, vec[idx], -np.inf, budget)
+    A_, lo, hi = R.matrix(nz)
     cap = np.zeros(nz)
     if overlap is not None:
         cap[:nx] = np.concatenate(capacity)
-    return _Model(A_, np.asarray(lo, float), np.asarray(hi, float), np.concatenate(cost), np.concatenate(ocost),
-                  off, zs, cap, ys, sh)
+    return _Model(A_, lo, hi, np.concatenate(cost), np.concatenate(ocost), off, zs, cap, ys, sh)
+
+
+def _joined_classes(n, grps):
+    """Classes of a charge's n producer choices that no consumer edge's columns straddle (the join of the edges'
+    producer classes; grps: per edge its class per choice, None where each choice is its own column)."""
+    from scipy.sparse.csgraph import connected_components
+    src = [np.arange(n)]
+    dst = [np.arange(n)]
+    for grp in grps:
+        if grp is None:
+            continue
+        _, first, inv = np.unique(grp, return_index=True, return_inverse=True)
+        src.append(np.arange(n))
+        dst.append(first[inv])
+    a, b = np.concatenate(src), np.concatenate(dst)
+    return connected_components(coo_array((np.ones(len(a)), (a, b)), shape=(n, n)), directed=False)[1]
+
+
+def _shared_cuts(m: _Model, x, tol=1e-9):
+    """Cuts for the shared charges the LP solution x underprices. A charge max_e S_e (S_e: consumer edge e's
+    weighted columns) is, for a one-hot plan, sum over producer classes c of max_e S_e(c) (only the producer's
+    class is nonzero), so y >= sum_c S_{e(c)}(c) holds for every choice e(c) of one edge per class; the LP's max
+    of sums is weaker (a producer split between classes pays the max of averages). Returns (rows: [(columns,
+    coefficients)]) of the most violated such cut per charge."""
+    out = []
+    frac = (x > 1e-6) & (x < 1 - 1e-6)
+    for y, parts, classes in m.shared:
+        if classes is None or not any(frac[c].any() for c, _, _ in parts):
+            continue                      # integral columns: the producer's mass is in one class, nothing to cut
+        labels = _joined_classes(*classes)
+        parts = [(c, w, labels[ks]) for c, w, ks in parts]
+        nc = 1 + int(labels.max())
+        per = np.array([np.bincount(lab, weights=w * x[c], minlength=nc) for c, w, lab in parts])
+        best = per.argmax(axis=0)
+        if per.max(axis=0).sum() <= x[y] + tol:
+            continue
+        cs, ws = [np.array([y])], [np.array([1.0])]
+        for e, (c, w, lab) in enumerate(parts):
+            sel = best[lab] == e
+            cs.append(c[sel])
+            ws.append(-w[sel])
+        out.append((np.concatenate(cs), np.concatenate(ws)))
+    return out
+
+
+def _add_cuts(h, m: _Model, cuts) -> None:
+    """Add rows 0 <= coefficients . columns to the HiGHS instance and to the model (so later instances have them)."""
+    from scipy.sparse import vstack
+    starts = np.cumsum([0] + [len(c) for c, _ in cuts])[:-1].astype(np.int32)
+    idx = np.concatenate([c for c, _ in cuts]).astype(np.int32)
+    val = np.concatenate([w for _, w in cuts])
+    n = len(cuts)
+    h.addRows(n, np.zeros(n), np.full(n, np.inf), len(idx), starts, idx, val)
+    rows = np.repeat(np.arange(n), [len(c) for c, _ in cuts])
+    m.A = vstack([m.A, coo_array((val, (rows, idx)), shape=(n, m.A.shape[1]))]).tocsc()
+    m.lo, m.hi = np.append(m.lo, np.zeros(n)), np.append(m.hi, np.full(n, np.inf))
 
 
 def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: list[tuple[list[np.ndarray], float]],
@@ -292,8 +368,9 @@ def _reduced(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_
 def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_search_s, fixed, shared, t0):
     m = _build(lin, edges, mem, overlap, fixed, shared)
     if overlap is not None:
-        return _solve_overlap(m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0,
-                              max_lps or len(LAMBDAS), lambda_search_s)
+        from .solver_overlap import LAMBDAS, solve_overlap
+        return solve_overlap(m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0,
+                             max_lps or len(LAMBDAS), lambda_search_s)
     scale = max(float(np.abs(m.cost).max()), 1e-30)
     h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper, time_limit)
     # The LP relaxation is a lower bound; when its optimum is integral it is the MILP optimum (gap 0). This is
@@ -302,6 +379,13 @@ def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_se
     # otherwise the model is solved again, in a fresh HiGHS instance, with integral placement variables.
     h.run()
     x = _solution(h, m.A.shape[1])
+    for _ in range(CUT_ROUNDS):           # a fractional LP: tighten the shared charges it underprices, warm started
+        cuts = [] if x is None or _integral(x[:m.nx]) else _shared_cuts(m, x)
+        if not cuts:
+            break
+        _add_cuts(h, m, cuts)
+        h.run()
+        x = _solution(h, m.A.shape[1])
     method = "LP relaxation (integral)"
     lp_bound = float(h.getInfo().objective_function_value) * scale if x is not None else None
     if x is not None and not _integral(x[:m.nx]):
@@ -330,6 +414,9 @@ def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_se
     return SolveResult(_choice(x, m.off), obj, bound, gap, time.perf_counter() - t0,
                        (f"optimal within {mip_rel_gap:g} relative gap ({method})" if gap > 1e-9 else
                         f"optimal ({method})") if status == "Optimal" else status, m.A.shape[1], m.A.shape[0])
+
+
+CUT_ROUNDS = 10     # rounds of shared-charge cuts on a fractional LP relaxation
 
 
 def _restricted(m: _Model, x, scale, mip_rel_gap, time_limit):
@@ -378,184 +465,6 @@ def _branch_and_bound(h, nx, mip_rel_gap, incumbent=None):
 
 def _choice(x, off) -> list[int]:
     return [int(np.argmax(x[off[i]:off[i + 1]])) for i in range(len(off) - 1)]
-
-
-# Up to this many variables, an overlap objective whose Lagrangian search leaves a gap is finished by branch and
-# bound (seeded with the search's best plan); above it the search's plan is returned with its proven gap.
-EXACT_OVERLAP_VARS = 20_000
-LAMBDAS = (0.0, 0.5)     # the Lagrangian weights tried, in order (each one LP)
-
-
-def _solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lambda_search_s) -> SolveResult:
-    """min F(x) = base(x) + max(0, ovl(x)), ovl = overlappable comm - capacity.
-
-    Since max(0, y) = max over lam in [0, 1] of lam * y, every lam gives a lower bound
-    L(lam) = min_x base(x) + lam * ovl(x): an ordinary placement LP (solved cold: warm starts after a cost change
-    measured to stall), whose plan x_lam is also a candidate (upper bound F(x_lam)). lam = 0 whose plan hides
-    everything (ovl <= 0) is optimal outright, the common compute-bound case. Otherwise the LAMBDAS are tried
-    (at most max_lps, all of them by default), then the plain objective (every collective in full), and each plan found is improved by
-    a local search (_polish) under the exact F. A remaining gap is closed by branch and bound on the exact model
-    (one continuous variable e >= ovl, e >= 0) when the model is small, seeded with the best plan; otherwise the
-    best plan is returned with its gap to the best bound. All plans found are returned as candidates (the solve
-    pass picks among them by the full prediction, which counts gradient buckets exactly)."""
-    nz = m.A.shape[1]
-    scale = max(float(np.abs(m.cost).max()), float(np.abs(m.ovl).max()), 1e-30)
-    h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper, time_limit)
-    idx = np.arange(nz, dtype=np.int32)
-    best, best_F, bound, n_lp = None, np.inf, -np.inf, 0
-    mem_rows = m.A[m.lo == -np.inf] if np.any(m.lo == -np.inf) else None
-    mem_hi = m.hi[m.lo == -np.inf]
-    lam, slowest_lp, tried, cands = 0.0, 0.0, [], []
-    for _ in range(max_lps):
-        if lam > 0:
-            h.changeColsCost(nz, idx, (m.cost + lam * m.ovl) / scale)
-            h.clearSolver()               # cold dual simplex: a warm start after a cost change can stall for minutes
-        left = time_limit - (time.perf_counter() - t0)
-        cap = left if n_lp == 0 else min(left, max(1.0, 5 * slowest_lp))   # a stalling lam is given up on
-        h.setOptionValue("time_limit", h.getRunTime() + max(cap, 0.01))     # HiGHS's clock runs across runs
-        t_lp = time.perf_counter()
-        h.run()
-        slowest_lp = max(slowest_lp, time.perf_counter() - t_lp)
-        n_lp += 1
-        if n_lp > 1 and h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-            break                         # a degenerate lam that simplex cannot settle in time: keep what we have
-        x = _solution(h, nz)
-        if x is None:
-            raise _no_solution(h.modelStatusToString(h.getModelStatus()), time_limit)
-        bound = max(bound, float(h.getInfo().objective_function_value) * scale)
-        ch = _choice(x, m.off)
-        F = _value(m, ch, mem_rows, mem_hi)
-        if F is not None:
-            cands.append(ch)
-            if F < best_F - 1e-15:
-                best, best_F = ch, F
-        if best_F - bound <= 1e-4 * max(best_F, 1e-30):
-            break
-        tried.append(lam)
-        if float(m.ovl @ x) <= 0 or len(tried) >= len(LAMBDAS) or time.perf_counter() - t0 > lambda_search_s:
-            break                         # lam = 0 hides everything it exposes: larger lam only bound lower
-        lam = LAMBDAS[len(tried)]
-    if best is not None and best_F - bound > 1e-4 * max(best_F, 1e-30):
-        # one more plan: every collective paid in full (the plain objective; good when little can hide)
-        h.changeColsCost(nz, idx, (m.cost + m.ovl + m.cap) / scale)
-        h.clearSolver()
-        h.setOptionValue("time_limit", h.getRunTime() + max(1.0, 5 * slowest_lp))
-        h.run()
-        n_lp += 1
-        x = _solution(h, nz) if h.getModelStatus() == highspy.HighsModelStatus.kOptimal else None
-        ch = None if x is None else _choice(x, m.off)
-        if ch is not None and _value(m, ch, mem_rows, mem_hi) is not None:
-            cands.append(ch)
-        # then a local search from each distinct plan found: one group at a time to its best strategy
-        for ch in list({tuple(c): c for c in cands}.values()):
-            ch = _polish(ch, *problem)
-            F = _value(m, ch, mem_rows, mem_hi)
-            if F is not None:
-                cands.append(ch)
-                if F < best_F - 1e-15:
-                    best, best_F = ch, F
-    found = sorted({tuple(c): (_value(m, c, mem_rows, mem_hi), list(c)) for c in cands}.values(),
-                   key=lambda fc: fc[0])
-    gap = (best_F - bound) / best_F if best is not None and best_F > 0 else 0.0
-    method = f"Lagrangian search, {n_lp} LPs"
-    if best is not None and gap <= 1e-4:
-        return SolveResult(best, best_F, bound, max(gap, 0.0), time.perf_counter() - t0, f"optimal ({method})",
-                           nz, m.A.shape[0], found)
-    left = time_limit - (time.perf_counter() - t0)
-    if nz <= EXACT_OVERLAP_VARS and left > 1.0:
-        e_col = m.A.shape[1]
-        A2 = _with_overlap_row(m, scale)
-        h2 = _model(np.append(m.cost, scale) / scale, A2, np.append(m.lo, -np.inf), np.append(m.hi, 0.0),
-                    np.append(m.upper, np.inf), left)
-        seed = None if best is None else np.append(m.one_hot(best), max(0.0, float(m.ovl @ m.one_hot(best))) / scale)
-        x, h2 = _branch_and_bound(h2, m.nx, mip_rel_gap, seed)
-        if x is not None:
-            info = h2.getInfo()
-            status = h2.modelStatusToString(h2.getModelStatus())
-            obj = float(info.objective_function_value) * scale
-            return SolveResult(_choice(x[:e_col], m.off), obj, max(bound, float(info.mip_dual_bound) * scale),
-                               float(info.mip_gap), time.perf_counter() - t0,
-                               f"optimal (branch and bound after {method})" if status == "Optimal" else status,
-                               e_col + 1, A2.shape[0])
-    if best is None:                      # every LP optimum rounded out of the budget: the exact plain model
-        plain = solve([c + o for c, o in zip(problem[0], problem[2][0])], _plain_edges(problem), problem[3],
-                      time_limit=max(1.0, time_limit - (time.perf_counter() - t0)), mip_rel_gap=mip_rel_gap)
-        plain.status = f"{plain.status}; plain objective (no overlap plan found within the budget)"
-        return plain
-    return SolveResult(best, best_F, bound, gap, time.perf_counter() - t0,
-                       f"best found ({method}; gap {gap:.2%} to the Lagrangian bound)", nz, m.A.shape[0], found)
-
-
-def _plain_edges(problem):
-    """Edge costs with the overlappable part paid in full (with lin + ovl_lin: compute + all comm)."""
-    edges, oedges = problem[1], problem[2][1]
-    out = dict(edges)
-    for k, O in oedges.items():
-        out[k] = out[k] + O if k in out else O
-    return out
-
-
-def _value(m: _Model, ch, mem_rows, mem_hi):
-    """F of an integral choice (base + exposed overlappable time), None when it breaks the memory budget."""
-    v = m.one_hot(ch)
-    if mem_rows is not None and not np.all(mem_rows @ v <= mem_hi + 1e-6 * np.maximum(1.0, np.abs(mem_hi))):
-        return None
-    return float(m.cost @ v) + max(0.0, float(m.ovl @ v))
-
-
-def _polish(choice, lin, edges, overlap, mem, passes: int = 8) -> list[int]:
-    """Coordinate descent on F = base + max(0, ovl - capacity): each group in turn moves to the strategy that
-    lowers F most with the others fixed (within every memory row), until a pass changes nothing."""
-    olin, oedges, cap = overlap
-    G, ch = len(lin), list(choice)
-    adj = [[] for _ in range(G)]
-    for key in set(edges) | set(oedges):
-        a, b = key
-        adj[a].append((b, edges.get(key), oedges.get(key), False))
-        adj[b].append((a, edges.get(key), oedges.get(key), True))
-
-    def vecs(g):
-        base, ov = lin[g].copy(), olin[g] - cap[g]
-        for o, C, O, transposed in adj[g]:
-            if C is not None:
-                base = base + (C[ch[o], :] if transposed else C[:, ch[o]])
-            if O is not None:
-                ov = ov + (O[ch[o], :] if transposed else O[:, ch[o]])
-        return base, ov
-    B = sum(float(lin[g][ch[g]]) for g in range(G)) + sum(
-        float(C[ch[a], ch[b]]) for (a, b), C in edges.items())
-    V = sum(float(olin[g][ch[g]] - cap[g][ch[g]]) for g in range(G)) + sum(
-        float(O[ch[a], ch[b]]) for (a, b), O in oedges.items())
-    used = [sum(float(c[g][ch[g]]) for g in range(G)) for c, _ in mem]
-    for _ in range(passes):
-        moved = False
-        for g in range(G):
-            if len(lin[g]) < 2:
-                continue
-            base, ov = vecs(g)
-            Bn, Vn = B - base[ch[g]] + base, V - ov[ch[g]] + ov
-            F = Bn + np.maximum(0.0, Vn)
-            ok = np.ones(len(F), dtype=bool)
-            for (c, budget), u in zip(mem, used):
-                ok &= u - c[g][ch[g]] + c[g] <= budget * (1 + 1e-9)
-            F = np.where(ok, F, np.inf)
-            k = int(np.argmin(F))
-            if F[k] < B + max(0.0, V) - 1e-12 * max(1.0, abs(B)):
-                used = [u - c[g][ch[g]] + c[g][k] for (c, _), u in zip(mem, used)]
-                B, V, ch[g], moved = float(Bn[k]), float(Vn[k]), k, True
-        if not moved:
-            break
-    return ch
-
-
-def _with_overlap_row(m: _Model, scale):
-    """The constraint matrix with a column e and the row ovl(x)/scale - e <= 0."""
-    from scipy.sparse import hstack, vstack
-    nz = m.A.shape[1]
-    A = hstack([m.A, coo_array((m.A.shape[0], 1))])
-    row = coo_array((np.append(m.ovl / scale, -1.0), (np.zeros(nz + 1, dtype=np.int64), np.arange(nz + 1))),
-                    shape=(1, nz + 1))
-    return vstack([A, row]).tocsc()
 
 
 _BANNER_SHOWN = False

@@ -5,6 +5,12 @@ Each case: `autopar.plan(..., return_state=True)` timed with perf_counter (captu
 this process (the median is reported), with the per-pass times of the median run and the MILP's size.
 
     python benchmarks/bench_planning_models.py [--only NAME ...] [--repeat 3] [--json out.json] [--md out.md]
+    python benchmarks/bench_planning_models.py --zoo [NAME ...] [--json out.json]
+
+--zoo: the third-party suite (tests/third_party/zoo.py), each model in a process of its own (a lone run, imports
+paid before the clock starts): its (8, 8) "h100" plan and its 2x2 SHAPES plan with the FSDP pins of
+tests/third_party/zoo_check.py (overlap=False), as the suite plans them; wall and CPU seconds, the passes, the MILP's
+size, objective and status. Written as the section "Third-party suite" of --md (the rest of the file is kept).
 
 Cases:
 - llama-tiny 2x2 as `python -m autopar.examples.train` plans it (cpu-gloo cluster, fsdp+tp pinned), and with
@@ -137,13 +143,114 @@ def markdown(rows, cmd) -> str:
     return "\n".join(lines) + "\n"
 
 
+ZOO_SECTION = "## Third-party suite"
+
+
+def zoo_child(name) -> dict:
+    """In a fresh process: model `name`'s 8x8 h100 plan and 2x2 SHAPES plan (fsdp pins), each timed."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "third_party"))
+    import autopar
+    import zoo_check
+    from _clusters import SHAPES
+    out = {}
+    for which in ("8x8", "2x2"):
+        model, args, kwargs, _ = zoo_check.build(name)
+        if which == "8x8":
+            mesh, kw = autopar.MeshSpec((8, 8), ("dp", "tp")), dict(cluster="h100")
+        else:
+            mesh = autopar.MeshSpec((2, 2), ("dp", "tp"))
+            kw = dict(cluster=SHAPES, overlap=False, force=zoo_check.fsdp_pins(model, (2, 2)))
+        t, c = time.perf_counter(), time.process_time()
+        try:
+            plan, state = autopar.plan(model, mesh, example_inputs=args, return_state=True,
+                                       time_limit=zoo_check.PLAN_TIME_LIMIT_S, **kw, **zoo_check.call_kwargs(kwargs))
+        except Exception as e:        # a model that cannot plan is a row saying why
+            out[which] = {"error": zoo_check.error_line(e)}
+            continue
+        wall, cpu = time.perf_counter() - t, time.process_time() - c
+        passes = dict(state.timings)
+        out[which] = {"plan_s": wall, "cpu_s": cpu, "capture_s": wall - sum(passes.values()),
+                      "passes": {k: round(v, 3) for k, v in passes.items()}, "objective": plan.solver["objective"],
+                      "status": plan.solver.get("status"), "vars": plan.solver.get("n_vars"),
+                      "rows": plan.solver.get("n_constraints"), "hash": plan.hash()}
+    return out
+
+
+def run_zoo(names, timeout=900) -> dict:
+    """Each model's zoo_child in a process of its own; {name: {"8x8": ..., "2x2": ...}}."""
+    rows = {}
+    for name in names:
+        cmd = [sys.executable, os.path.abspath(__file__), "--zoo-child", name]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+            line = [x for x in p.stdout.splitlines() if x.startswith("{")]
+            rows[name] = json.loads(line[-1]) if line else {"error": (p.stderr.strip().splitlines() or ["?"])[-1]}
+        except subprocess.TimeoutExpired:
+            rows[name] = {"error": f"no result within {timeout} s"}
+        for which, r in rows[name].items() if "error" not in rows[name] else ():
+            print(f"{name} {which}: " + (r["error"] if "error" in r else
+                  f"{r['plan_s']:.2f} s (CPU {r['cpu_s']:.2f} s), objective {r['objective']:.6g}, {r['vars']} vars, "
+                  f"{r['status']}"), flush=True)
+        if "error" in rows[name]:
+            print(f"{name}: {rows[name]['error']}", flush=True)
+    return rows
+
+
+def zoo_markdown(rows, cmd) -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    lines = [ZOO_SECTION, "", f"command: `{cmd}`  commit: `{commit}`  machine: {os.cpu_count()} cores shared with "
+             "other jobs. Each model in a process of its own: the (8, 8) h100 plan, then the 2x2 SHAPES plan with "
+             "the suite's FSDP pins (tests/third_party/zoo_check.py). plan: wall seconds, capture included; CPU: "
+             "this process's CPU seconds (less sensitive to the machine's load); solve: the solve pass (dominance, "
+             "MILP build, HiGHS).", "",
+             "| model | 8x8 plan (s) | 8x8 CPU (s) | 8x8 solve (s) | 8x8 vars | 8x8 objective (s) | 2x2 plan (s) | "
+             "2x2 CPU (s) | 2x2 solve (s) | 2x2 vars | 2x2 objective (s) | 2x2 solver |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        cells = []
+        for which in ("8x8", "2x2"):
+            x = r.get(which, r)
+            if "error" in x:
+                cells.append(f"error: {x['error'][:80]} |||||")
+                if which == "2x2":
+                    cells[-1] = cells[-1][:-1]
+                continue
+            cells.append(f"{x['plan_s']:.2f} | {x['cpu_s']:.2f} | {x['passes'].get('solve', 0):.2f} | {x['vars']} | "
+                         f"{x['objective']:.6g}" + (f" | {x['status']}" if which == "2x2" else ""))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _write_zoo_section(path, text) -> None:
+    old = open(path).read() if os.path.exists(path) else ""
+    keep = old.split(ZOO_SECTION)[0].rstrip()
+    with open(path, "w") as f:
+        f.write((keep + "\n\n" if keep else "") + text)
+
+
 def main(argv=None):
+    if argv is None and sys.argv[1:2] == ["--zoo-child"]:
+        print(json.dumps(zoo_child(sys.argv[2])), flush=True)
+        return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", help="substrings of case names")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=os.path.join(HERE, "results", "planning_models.md"))
+    ap.add_argument("--zoo", nargs="*", default=None, help="the third-party suite (all models, or these)")
     args = ap.parse_args(argv)
+    if args.zoo is not None:
+        sys.path.insert(0, os.path.join(ROOT, "tests", "third_party"))
+        from zoo import ZOO
+        rows = run_zoo(args.zoo or list(ZOO))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        if args.md and not args.zoo:
+            _write_zoo_section(args.md, zoo_markdown(rows, "python benchmarks/bench_planning_models.py " +
+                                                     " ".join(argv or sys.argv[1:])))
+        return 0
     rows = {}
     for name, build in cases().items():
         if args.only and not any(o in name for o in args.only):

@@ -261,3 +261,28 @@ def test_shared_redistribute_priced_once(name, mesh):
     assert st_.shares, "the plan shares no redistribute: the case is not exercised"
     assert abs(plan.solver["objective"] - plan.predicted["step_s"]) <= 1e-9 * plan.predicted["step_s"], \
         (plan.solver["objective"], plan.predicted["step_s"])
+
+
+def test_shared_charge_cuts_make_the_relaxation_integral(monkeypatch):
+    """One value (group 0) read by two consumers, each needing it at a placement d in one of its choices: the shared
+    charge (a price per producer choice, paid once when any consumer takes d) relaxed as one y >= each consumer's
+    weighted pair columns leaves the LP fractional (a producer split between its choices pays the max of the
+    averages); the cut per producer class (autopar/solver.py _shared_cuts) makes the LP integral, at the enumerated
+    optimum (found by a random search: without the cuts this instance goes to branch and bound)."""
+    import autopar.solver as S
+    lin = [np.array([1.0, 0.2]), np.array([2.0, 1.1]), np.array([0.0, 1.5])]
+    edges = {(0, 1): np.array([[0.6, 0.4], [1.3, 0.4]]), (0, 2): np.array([[1.2, 1.2], [1.9, 0.1]])}
+    price = np.array([2.9, 2.0])
+    shared = [(1.0, [((0, 1), np.outer(price, [0.0, 1.0])), ((0, 2), np.outer(price, [1.0, 0.0]))])]
+    mem = [(np.zeros(2), np.zeros(2), np.zeros(2)), 1.0]
+
+    def value(c):
+        return (sum(v[k] for v, k in zip(lin, c)) + sum(C[c[a], c[b]] for (a, b), C in edges.items())
+                + max(W[c[a], c[b]] for (a, b), W in shared[0][1]))
+    want = min(value(c) for c in itertools.product(range(2), repeat=3))
+    res = solve(lin, edges, [mem], shared=shared, reduce=False)
+    assert res.status == "optimal (LP relaxation (integral))"
+    assert abs(res.objective - want) < 1e-9 and abs(value(res.choice) - want) < 1e-9
+    monkeypatch.setattr(S, "CUT_ROUNDS", 0)
+    res = solve(lin, edges, [mem], shared=shared, reduce=False)
+    assert "branch and bound" in res.status and abs(res.objective - want) < 1e-9
