@@ -27,11 +27,9 @@ LAUNCH_TIMEOUT_S = 1100
 
 # What fails today (python benchmarks/models.py; benchmarks/results/models.md): stage and first line of the error.
 PLAN_8X8_FAILS: dict[str, str] = {}
-CHECK_2X2_FAILS: dict[str, str] = {
-    't5': 'plan: SolverTimeLimitError: the solver found no plan within time_limit=30 s (HiGHS: Time limit reac...',
-}
-# Fails on some runs only: the 2x2 MILP ends near its 30 s limit (zoo_check.PLAN_TIME_LIMIT_S) under load
-FLAKY = {"t5"}
+CHECK_2X2_FAILS: dict[str, str] = {}
+# Fails on some runs only (none today)
+FLAKY: set[str] = set()
 
 
 def _params(known: dict):
