@@ -100,7 +100,9 @@ def job_dropout(names):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("mname,masks", [("nn_transformer_encoder", 8), ("nn_transformer", 20)])
+# nn.Transformer (encoder-decoder) with its default dropout is in the third-party suite (dp-sharded masks); the
+# encoder here also draws masks sharded on tp, and the suite is what CI time allows once
+@pytest.mark.parametrize("mname,masks", [("nn_transformer_encoder", 8)])
 def test_default_dropout_equals_one_device_4_ranks(tmp_path, mname, masks):
     res = launch(job_dropout, 4, [[mname]], tmp_path, timeout=540)
     print(res[0])

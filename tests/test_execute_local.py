@@ -134,7 +134,7 @@ BUDGETED = [("mlp-tiny", dict(dim=8, hidden=16, n_layers=2, vocab=16), (2,), 0.5
             ("mlp-tiny", dict(dim=8, hidden=16, n_layers=2, vocab=16), (4,), 0.5)]
 
 
-@sweep(40)
+@sweep(20)
 @given(which=st.sampled_from(range(len(BUDGETED))), seed=st.integers(0, 10_000), lr=st.sampled_from([0.05, 0.5]))
 def test_sweep_memory_budget(which, seed, lr):
     name, ov, mesh, frac = BUDGETED[which]
