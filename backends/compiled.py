@@ -27,7 +27,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _python_dispatch
 
-from .local_ops import VIEWS
+from .local_ops import LOCAL_IMPL, VIEWS
 
 aten = torch.ops.aten
 BACKENDS = ("inductor", "aot_eager", "eager")
@@ -44,9 +44,15 @@ def compile_option(compile) -> str | None:
     raise ValueError(f"compile must be True, False or a torch.compile backend among {BACKENDS}, got {compile!r}")
 
 
+_EAGER_KERNELS = frozenset(LOCAL_IMPL.values())    # wrappers fixing what a CPU kernel refuses: run them eagerly
+
+
 def compilable(it) -> bool:
-    """An instruction the compiled program runs inside a segment: a local op on local shards, nothing around it."""
-    return it.mode == "local" and not it.conv and not it.groups and not it.contig and not it.swapped
+    """An instruction the compiled program runs inside a segment: a local op on local shards, nothing around it.
+    Ops with a local_ops.LOCAL_IMPL wrapper (histc on ints, _grouped_mm's alignment copies) stay eager: the
+    wrapper's host-side fixes are not what a compiler traces (`offs has to be 1D` from _grouped_mm under tracing)."""
+    return it.mode == "local" and not it.conv and not it.groups and not it.contig and not it.swapped \
+        and it.fn not in _EAGER_KERNELS
 
 
 def _single(fn) -> bool:
