@@ -20,16 +20,15 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ranks import run_ranks     # benchmarks/ranks.py (the script's folder is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 _LLAMA = dict(dim=256, n_layers=2, n_heads=8, n_kv_heads=4, vocab_size=1024, ffn_dim=768, max_seq_len=256)
@@ -39,11 +38,6 @@ CONFIGS = {   # name: (model, overrides, batch, seq, cluster autopar plans with)
     "mlp-dtensor": ("mlp-heavy", dict(dim=256, hidden=1024, n_layers=2, vocab=512), 8, 128, "cpu-gloo"),
 }
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def hand_tp(model, mesh):
@@ -139,11 +133,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "execute"))
     args = ap.parse_args(argv)
     cmd = "python benchmarks/bench_execute.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(args.world, _free_port(), args, tmp), nprocs=args.world,
-                           start_method="spawn")
-        with open(os.path.join(tmp, "res.json")) as f:
-            results = json.load(f)
+    results = run_ranks(worker, args.world, args)
     csv = [f"# {cmd.strip()}", "config,side,median_step_s,min_step_s,max_step_s,timed_steps,ratio_autopar_over_hand"]
     md = [f"# autopar SPMD program vs the same placements by hand, {args.world} gloo ranks, CPU", "",
           f"Command: `{cmd.strip()}`", "", __doc__.split("\n\n", 2)[2].strip(), "",

@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ import torch  # noqa: E402
 
 from bench_config import (MEASURED, MEASURED_MESHES, QUICK_MEASURED, QUICK_MESHES, QUICK_SCALE, SCALE,  # noqa: E402
                           SCALE_CLUSTER, WORLD, scale_batch)
+from ranks import free_port  # noqa: E402
 from hand_plans import HAND_SOURCES, NotApplicable, forced_placements, state_bytes_lower_bound  # noqa: E402
 
 MODELED_SOURCES = ("autopar",) + HAND_SOURCES
@@ -154,12 +154,6 @@ def modeled_rows(key, name, overrides, dtype, batch, seq, mesh_str, sources, clu
 
 # ---- measured -----------------------------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measured_rows(key, meshes, sources, steps, warmup, launch_timeout, gloo_timeout=120.0) -> list[dict]:
     """Launch benchmarks/measure.py on WORLD gloo ranks for one model; relaunch without a source that crashed or
     hung the launch (its row says so). Rows for meshes that do not fit the world are marked, not run."""
@@ -185,7 +179,7 @@ def measured_rows(key, meshes, sources, steps, warmup, launch_timeout, gloo_time
     for attempt in range(4):
         if os.path.exists(out):
             os.remove(out)
-        port, procs, logs = _free_port(), [], []
+        port, procs, logs = free_port(), [], []
         env_base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                     "WORLD_SIZE": str(WORLD)}
         cmd = [sys.executable, os.path.join(HERE, "measure.py"), "--model", key, "--meshes", *run_meshes,

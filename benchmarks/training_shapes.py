@@ -16,25 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from collections import Counter
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from ranks import run_ranks     # benchmarks/ranks.py (the script's folder is on sys.path)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _timed(fn):
@@ -186,11 +179,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "training_shapes.md"))
     args = ap.parse_args(argv)
     cmd = "python benchmarks/training_shapes.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(worker, args=(args.world, _free_port(), args, tmp), nprocs=args.world,
-                           start_method="spawn")
-        with open(os.path.join(tmp, "res.json")) as f:
-            r = json.load(f)
+    r = run_ranks(worker, args.world, args)
     ms = lambda s: "-" if s is None else f"{1e3 * s:.1f}"
     b0 = args.batch
     md = [f"## Shapes that change, gradient accumulation ({r['model']}, {r['world']} gloo ranks, CPU)", "",
