@@ -23,7 +23,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -71,55 +70,46 @@ class HandDTensor(torch.nn.Module):
         return loss.redistribute(placements=rep).to_local() if isinstance(loss, DTensor) else loss
 
 
-def worker(rank, world, port, args, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
-    try:
-        import autopar
-        from autopar.backends.verify import tp_force
-        from autopar.models import build_model, example_inputs
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        results = {}
-        for cfg in args.configs:
-            name, ov, batch, seq, cluster = CONFIGS[cfg]
-            model = build_model(name, device="cpu", seed=0, **ov)
-            batches = [example_inputs(name, batch=batch, seq=seq, seed=s, **ov)
-                       for s in range(args.warmup + args.steps)]
-            tp = cfg.startswith("llama-tp")
-            kw = {"force": tp_force(model, (world,))} if tp else {}
-            kw["cluster"] = args.cluster or cluster
-            t = time.perf_counter()
-            pm = autopar.parallelize(model, mesh, batches[0], **kw)
-            plan_s = time.perf_counter() - t
-            hand = hand_tp(copy.deepcopy(model), mesh) if tp else \
-                HandDTensor(copy.deepcopy(model), mesh, pm.plan.param_placements())
-            sides = {"autopar": (pm, torch.optim.SGD(pm.parameters(), lr=args.lr)),
-                     "hand": (hand, torch.optim.SGD(hand.parameters(), lr=args.lr))}
-            times = {k: [] for k in sides}
-            losses = {k: [] for k in sides}
-            for i, x in enumerate(batches):
-                for k, (m, opt) in (sides.items() if i % 2 == 0 else reversed(sides.items())):
-                    dist.barrier()
-                    t = time.perf_counter()
-                    loss = m(*x)
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad(set_to_none=True)
-                    dist.barrier()
-                    if i >= args.warmup:
-                        times[k].append(time.perf_counter() - t)
-                    losses[k].append(float(loss.detach()))
-            results[cfg] = {"plan_s": plan_s, "times": times, "losses": losses, "cluster": kw["cluster"],
-                            "collectives": {k: v["count"] for k, v in pm.plan.predicted["collectives"].items()}}
-        if rank == 0:
-            with open(os.path.join(out, "res.json"), "w") as f:
-                json.dump(results, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+def _run(args, world):
+    """One rank's measurements of every config (benchmarks/ranks.py runs it on each rank)."""
+    import autopar
+    from autopar.backends.verify import tp_force
+    from autopar.models import build_model, example_inputs
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    results = {}
+    for cfg in args.configs:
+        name, ov, batch, seq, cluster = CONFIGS[cfg]
+        model = build_model(name, device="cpu", seed=0, **ov)
+        batches = [example_inputs(name, batch=batch, seq=seq, seed=s, **ov)
+                   for s in range(args.warmup + args.steps)]
+        tp = cfg.startswith("llama-tp")
+        kw = {"force": tp_force(model, (world,))} if tp else {}
+        kw["cluster"] = args.cluster or cluster
+        t = time.perf_counter()
+        pm = autopar.parallelize(model, mesh, batches[0], **kw)
+        plan_s = time.perf_counter() - t
+        hand = hand_tp(copy.deepcopy(model), mesh) if tp else \
+            HandDTensor(copy.deepcopy(model), mesh, pm.plan.param_placements())
+        sides = {"autopar": (pm, torch.optim.SGD(pm.parameters(), lr=args.lr)),
+                 "hand": (hand, torch.optim.SGD(hand.parameters(), lr=args.lr))}
+        times = {k: [] for k in sides}
+        losses = {k: [] for k in sides}
+        for i, x in enumerate(batches):
+            for k, (m, opt) in (sides.items() if i % 2 == 0 else reversed(sides.items())):
+                dist.barrier()
+                t = time.perf_counter()
+                loss = m(*x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                dist.barrier()
+                if i >= args.warmup:
+                    times[k].append(time.perf_counter() - t)
+                losses[k].append(float(loss.detach()))
+        results[cfg] = {"plan_s": plan_s, "times": times, "losses": losses, "cluster": kw["cluster"],
+                        "collectives": {k: v["count"] for k, v in pm.plan.predicted["collectives"].items()}}
+    return results
 
 
 def main(argv=None):
@@ -133,7 +123,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "execute"))
     args = ap.parse_args(argv)
     cmd = "python benchmarks/bench_execute.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = run_ranks(worker, args.world, args)
+    results = run_ranks(_run, args.world, args)
     csv = [f"# {cmd.strip()}", "config,side,median_step_s,min_step_s,max_step_s,timed_steps,ratio_autopar_over_hand"]
     md = [f"# autopar SPMD program vs the same placements by hand, {args.world} gloo ranks, CPU", "",
           f"Command: `{cmd.strip()}`", "", __doc__.split("\n\n", 2)[2].strip(), "",

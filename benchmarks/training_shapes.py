@@ -14,13 +14,11 @@ Times are medians over `--steps` steps, barrier to barrier on rank 0.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from collections import Counter
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -36,21 +34,6 @@ def _timed(fn):
     out = fn()
     dist.barrier()
     return time.perf_counter() - t, out
-
-
-def worker(rank, world, port, args, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
-    try:
-        res = _run(args, world)
-        if rank == 0:
-            with open(os.path.join(out, "res.json"), "w") as f:
-                json.dump(res, f)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _run(args, world):
@@ -179,7 +162,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results", "training_shapes.md"))
     args = ap.parse_args(argv)
     cmd = "python benchmarks/training_shapes.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    r = run_ranks(worker, args.world, args)
+    r = run_ranks(_run, args.world, args)
     ms = lambda s: "-" if s is None else f"{1e3 * s:.1f}"
     b0 = args.batch
     md = [f"## Shapes that change, gradient accumulation ({r['model']}, {r['world']} gloo ranks, CPU)", "",
