@@ -1,8 +1,9 @@
 """autopar: a compiler-style auto-parallelizer for PyTorch training.
 
-    plan = autopar.plan(model, mesh, example_inputs=(tokens, labels), cluster="h100")
-    print(plan.dump())
+plan = autopar.plan(model, mesh, example_inputs=(tokens, labels), cluster="h100")
+print(plan.dump())
 """
+
 from .api import plan
 from .capture import CaptureError
 from .cost import CLUSTERS, ClusterSpec, TrainingPrecision, get_cluster
@@ -11,8 +12,20 @@ from .plan import Plan
 from .solver import InfeasibleMemoryError, SolverTimeLimitError
 from .strategies import NoStrategyError
 
-__all__ = ["plan", "Plan", "MeshSpec", "ClusterSpec", "CLUSTERS", "get_cluster", "TrainingPrecision",
-           "CaptureError", "InfeasibleMemoryError", "NoStrategyError", "SolverTimeLimitError", "parallelize"]
+__all__ = [
+    "plan",
+    "Plan",
+    "MeshSpec",
+    "ClusterSpec",
+    "CLUSTERS",
+    "get_cluster",
+    "TrainingPrecision",
+    "CaptureError",
+    "InfeasibleMemoryError",
+    "NoStrategyError",
+    "SolverTimeLimitError",
+    "parallelize",
+]
 
 
 def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", **kwargs):
@@ -27,9 +40,13 @@ def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", **k
     autopar.backends.engines."""
     if backend == "graph":
         from .backends.graph import parallelize as _parallelize
+
         return _parallelize(model, mesh, example_inputs, **kwargs)
     if backend in ("torch", "mixed", "auto"):
         from .backends.engines import parallelize_torch
+
         return parallelize_torch(model, mesh, example_inputs, backend=backend, **kwargs)
     raise ValueError(f"backend must be 'graph', 'torch', 'mixed' or 'auto', got {backend!r}")
+
+
 __version__ = "0.1.0"

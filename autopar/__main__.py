@@ -1,4 +1,5 @@
 """Command line: `python -m autopar plan --model llama3-8b --mesh 8x8 --cluster h100`."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,9 @@ import time
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="autopar", description=__doc__)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("plan", help="plan a named example model on a (simulated) mesh; print the summary, write the dump")
+    p = sub.add_parser(
+        "plan", help="plan a named example model on a (simulated) mesh; print the summary, write the dump"
+    )
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--mesh", default="8x8", help="mesh shape, e.g. 8, 8x8, 2x4x8")
     p.add_argument("--names", default=None, help="mesh dim names, e.g. dp,tp")
@@ -26,6 +29,7 @@ def main(argv=None) -> int:
     import autopar
     from autopar import models
     from autopar.mesh import MeshSpec
+
     mesh = MeshSpec.parse(args.mesh, args.names)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype]
     if dtype is None:
@@ -34,12 +38,15 @@ def main(argv=None) -> int:
     model = models.build_model(args.model, device="meta", dtype=dtype, **over)
     inputs = models.example_inputs(args.model, batch=args.batch, seq=args.seq, device="meta", **over)
     t = time.perf_counter()
-    pl = autopar.plan(model, mesh, inputs, cluster=args.cluster,
-                      memory_budget=args.memory_gb * 1e9 if args.memory_gb else None)
+    pl = autopar.plan(
+        model, mesh, inputs, cluster=args.cluster, memory_budget=args.memory_gb * 1e9 if args.memory_gb else None
+    )
     dt = time.perf_counter() - t
     print(pl.summary())
-    print(f"\nplanned {args.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, inputs "
-          f"{[tuple(x.shape) for x in inputs]}) in {dt:.2f} s")
+    print(
+        f"\nplanned {args.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, inputs "
+        f"{[tuple(x.shape) for x in inputs]}) in {dt:.2f} s"
+    )
     path = args.dump or f"{args.model}_{args.mesh}.dump.txt"
     with open(path, "w") as f:
         f.write(pl.dump())

@@ -1,4 +1,5 @@
 """Public entry points: `plan` (no GPUs needed) and, in backends, `parallelize`."""
+
 from __future__ import annotations
 
 import functools
@@ -21,6 +22,7 @@ from .strategies._torch_adapter import outside_local_tensor_mode
 def _gc_paused(fn):
     """Planning builds ~10^5 small objects that all stay alive until the plan is returned; Python's cyclic
     collector would rescan them again and again for nothing (measured: 1.3 s of a 5 s plan of the 8B shape)."""
+
     @functools.wraps(fn)
     def run(*args, **kwargs):
         was = gc.isenabled()
@@ -30,17 +32,36 @@ def _gc_paused(fn):
         finally:
             if was:
                 gc.enable()
+
     return run
 
 
 @_gc_paused
-def plan(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | None = None, cluster="h100",
-         loss_fn=None, memory_budget: float | None = None,
-         precision: TrainingPrecision | None = None, force: dict | None = None, replicate_ops=(),
-         allow_replicate: bool = False, time_limit: float = 60.0, dump_after=(), return_state: bool = False,
-         allow_bf16: bool = False, allow_checkpointing: bool = True, pipeline=None, pin=None,
-         overlap: bool = False, mip_rel_gap: float = 1e-3, output: str = "loss",
-         backward: bool = True) -> Plan:
+def plan(
+    model: nn.Module,
+    mesh,
+    example_inputs=None,
+    *,
+    example_kwargs: dict | None = None,
+    cluster="h100",
+    loss_fn=None,
+    memory_budget: float | None = None,
+    precision: TrainingPrecision | None = None,
+    force: dict | None = None,
+    replicate_ops=(),
+    allow_replicate: bool = False,
+    time_limit: float = 60.0,
+    dump_after=(),
+    return_state: bool = False,
+    allow_bf16: bool = False,
+    allow_checkpointing: bool = True,
+    pipeline=None,
+    pin=None,
+    overlap: bool = False,
+    mip_rel_gap: float = 1e-3,
+    output: str = "loss",
+    backward: bool = True,
+) -> Plan:
     """Plan how to run one training step of `model` on `mesh`.
 
     example_inputs / example_kwargs: one step's global inputs, called as `model(*example_inputs, **example_kwargs)`;
@@ -74,7 +95,7 @@ def plan(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | 
         schedule and micro-batch count jointly with each stage's per-op plan; a mesh with a dim named "pp" does
         so too. The plan's `stages` and `schedule` are filled; `force` then names placements on the stage submesh.
     """
-    io = ModelIO.from_example(model, example_inputs, example_kwargs)     # bad arguments: named, before capture
+    io = ModelIO.from_example(model, example_inputs, example_kwargs)  # bad arguments: named, before capture
     mesh = as_mesh_spec(mesh)
     cl = get_cluster(cluster)
     if precision is None:
@@ -88,13 +109,25 @@ def plan(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | 
         raise ValueError(f"output={output!r} plans a part of a model: no pipeline, no loss_fn")
     if pipeline or "pp" in mesh.names:
         from .pipeline_plan import plan_pipeline
+
         if return_state:
             raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")
         if example_kwargs or isinstance(example_inputs, dict):
             raise ValueError("pipeline plans take positional example_inputs only (no keyword inputs)")
-        return plan_pipeline(model, mesh, example_inputs, cluster=cl, precision=precision, budget=budget,
-                             loss_fn=loss_fn, force=force, replicate_ops=replicate_ops,
-                             allow_replicate=allow_replicate, time_limit=time_limit, pipeline=pipeline or "auto")
+        return plan_pipeline(
+            model,
+            mesh,
+            example_inputs,
+            cluster=cl,
+            precision=precision,
+            budget=budget,
+            loss_fn=loss_fn,
+            force=force,
+            replicate_ops=replicate_ops,
+            allow_replicate=allow_replicate,
+            time_limit=time_limit,
+            pipeline=pipeline or "auto",
+        )
     names = dict(model.named_parameters())
     for fqn, pl in force.items():
         if fqn not in names:
@@ -102,19 +135,34 @@ def plan(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | 
         if len(pl) != mesh.ndim:
             raise ValueError(f"force['{fqn}'] = {pl} needs one placement per mesh dim {mesh.names}")
     from .passes.precision import MIXED_BF16, choose
+
     variants = [None]
     if allow_bf16 and any(p.dtype == torch.float32 for p in model.parameters()):
         variants.append(MIXED_BF16)
     results, infeasible = [], []
     for mp in variants:
-        with outside_local_tensor_mode():       # capture runs on meta tensors, never on simulated ranks' values
-            graph = capture(model, io, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output,
-                            backward=backward)
-        state = PlanState(graph, mesh, cl, precision, budget,
-                          {"force": force, "replicate_ops": [str(o) for o in replicate_ops],
-                           "allow_replicate": allow_replicate, "time_limit": time_limit, "mixed_precision": mp,
-                           "mip_rel_gap": float(mip_rel_gap),
-                           "allow_checkpointing": allow_checkpointing, "pin": pin, "overlap": bool(overlap)})
+        with outside_local_tensor_mode():  # capture runs on meta tensors, never on simulated ranks' values
+            graph = capture(
+                model, io, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output, backward=backward
+            )
+        state = PlanState(
+            graph,
+            mesh,
+            cl,
+            precision,
+            budget,
+            {
+                "force": force,
+                "replicate_ops": [str(o) for o in replicate_ops],
+                "allow_replicate": allow_replicate,
+                "time_limit": time_limit,
+                "mixed_precision": mp,
+                "mip_rel_gap": float(mip_rel_gap),
+                "allow_checkpointing": allow_checkpointing,
+                "pin": pin,
+                "overlap": bool(overlap),
+            },
+        )
         try:
             run_passes(state, PASSES, dump_after=dump_after)
         except InfeasibleMemoryError as e:
@@ -127,5 +175,5 @@ def plan(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | 
         raise infeasible[-1][1]
     _, state, p = choose(results, infeasible) if len(variants) > 1 else results[0]
     p.meta["dumps"] = state.dumps if dump_after else {}
-    p.meta["loss_fn"] = loss_fn is not None     # the loss is computed outside the module (engines_loss.py)
+    p.meta["loss_fn"] = loss_fn is not None  # the loss is computed outside the module (engines_loss.py)
     return (p, state) if return_state else p

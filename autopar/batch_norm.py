@@ -2,6 +2,7 @@
 statistics update (so functionalization keeps it), and its forward and backward (and var_mean) decomposed into
 reductions and pointwise ops that have placement rules.
 """
+
 from __future__ import annotations
 
 import torch
@@ -10,9 +11,20 @@ import torch.nn.functional as F
 aten = torch.ops.aten
 
 
-_BN_ARGS = {F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
-            torch.batch_norm: ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum", "eps",
-                               "cudnn_enabled")}
+_BN_ARGS = {
+    F.batch_norm: ("input", "running_mean", "running_var", "weight", "bias", "training", "momentum", "eps"),
+    torch.batch_norm: (
+        "input",
+        "weight",
+        "bias",
+        "running_mean",
+        "running_var",
+        "training",
+        "momentum",
+        "eps",
+        "cudnn_enabled",
+    ),
+}
 _BN_DEFAULTS = {"weight": None, "bias": None, "training": False, "momentum": 0.1, "eps": 1e-5}
 
 
@@ -26,9 +38,10 @@ def batch_norm_legit(func, args, kwargs):
     if not a["training"] or rm is None or rv is None:
         return func(*args, **kwargs)
     if a["input"].dim() < 2 or a["input"].numel() // a["input"].shape[1] <= 1:
-        return func(*args, **kwargs)        # its own error ("Expected more than 1 value per channel")
-    return aten._native_batch_norm_legit.default(a["input"], a["weight"], a["bias"], rm, rv, True, a["momentum"],
-                                                 a["eps"])[0]
+        return func(*args, **kwargs)  # its own error ("Expected more than 1 value per channel")
+    return aten._native_batch_norm_legit.default(
+        a["input"], a["weight"], a["bias"], rm, rv, True, a["momentum"], a["eps"]
+    )[0]
 
 
 def _var_mean(x, dim=None, *, correction=None, keepdim=False):
@@ -47,8 +60,13 @@ def _bn_decompositions() -> dict:
     the batch and pointwise ops, so a batch-sharded plan computes the global batch's statistics (SyncBatchNorm's
     semantics) with all_reduces the solver prices like any other."""
     from torch._decomp import decomposition_table as table
-    ops = (aten._native_batch_norm_legit_functional.default, aten._native_batch_norm_legit_no_training.default,
-           aten.native_batch_norm.default, aten.native_batch_norm_backward.default)   # the last two: eval, no stats
+
+    ops = (
+        aten._native_batch_norm_legit_functional.default,
+        aten._native_batch_norm_legit_no_training.default,
+        aten.native_batch_norm.default,
+        aten.native_batch_norm_backward.default,
+    )  # the last two: eval, no stats
     out = {op: table[op] for op in ops}
     out[aten.var_mean.correction] = _var_mean
     return out

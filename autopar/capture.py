@@ -20,6 +20,7 @@ backends map it to the device's kernel.
 The parts: the recorder and capture() here; the torch-function modes that rewrite calls before dispatch in
 capture_modes.py; the functionalization helpers in functionalize.py; batch norm's rewrites in batch_norm.py.
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,7 +43,7 @@ _MUTATING_OK = {aten.detach_.default}
 # ops making an uninitialized buffer: a random fill of one (dropout's mask) draws in its layout (_draw_stride)
 _FRESH = {aten.empty_like.default, aten.empty_strided.default, aten.empty.memory_format, aten.empty_permuted.default}
 NLL_LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
-_MEAN, _SUM = 1, 2      # torch's Reduction enum
+_MEAN, _SUM = 1, 2  # torch's Reduction enum
 _META = torch.device("meta")
 
 
@@ -51,20 +52,20 @@ class _Recorder(TorchDispatchMode):
         super().__init__()
         self.nodes: list[Node] = []
         self.ref: dict[int, Ref] = {}
-        self.keep: list[torch.Tensor] = []          # keeps ids stable while recording
+        self.keep: list[torch.Tensor] = []  # keeps ids stable while recording
         self.modstack = modstack
         self.phase = "fw"
         self.constants: dict[str, torch.Tensor] = {}
         self.functional: dict = {}
         self.memo: dict = {}
-        self.user_op = user_op or (lambda: None)    # the torch-level call being run, for messages
+        self.user_op = user_op or (lambda: None)  # the torch-level call being run, for messages
         self.decomposing = 0
-        self.real: dict[tuple, torch.Tensor] = {}   # (leaf kind, target) -> its real value, where it has one
-        self.origin: dict[int, torch.Tensor] = {}   # id(meta tensor made from data) -> that data (Constants)
+        self.real: dict[tuple, torch.Tensor] = {}  # (leaf kind, target) -> its real value, where it has one
+        self.origin: dict[int, torch.Tensor] = {}  # id(meta tensor made from data) -> that data (Constants)
         self.const_module: dict[str, str] = {}
         self.guards: list = []
-        self.input_names: list[str] = []            # the model_io leaf names, for messages
-        self.decomp_origin = None   # the user-level op whose decomposition is being recorded
+        self.input_names: list[str] = []  # the model_io leaf names, for messages
+        self.decomp_origin = None  # the user-level op whose decomposition is being recorded
 
     def where(self) -> str:
         """The user's module and op an aten op runs for (a decomposition's inner op names its outer call; in the
@@ -108,12 +109,16 @@ class _Recorder(TorchDispatchMode):
             out = impl(*args, **kwargs)
             flat, spec = tree_flatten(out)
             if all(not isinstance(o, torch.Tensor) or o.device.type == "meta" for o in flat):
-                self.memo[key] = (spec, [(o.shape, o.stride(), o.dtype) if isinstance(o, torch.Tensor) else o
-                                         for o in flat], [isinstance(o, torch.Tensor) for o in flat])
+                self.memo[key] = (
+                    spec,
+                    [(o.shape, o.stride(), o.dtype) if isinstance(o, torch.Tensor) else o for o in flat],
+                    [isinstance(o, torch.Tensor) for o in flat],
+                )
             return out
         spec, vals, is_t = hit
-        return tree_unflatten([torch.empty_strided(v[0], v[1], dtype=v[2], device="meta") if t else v
-                               for v, t in zip(vals, is_t)], spec)
+        return tree_unflatten(
+            [torch.empty_strided(v[0], v[1], dtype=v[2], device="meta") if t else v for v, t in zip(vals, is_t)], spec
+        )
 
     def decompose(self, func, decomp, args, kwargs):
         """Record `func` as the ops of its decomposition: batch norm's from torch._decomp, an op with no placement
@@ -135,8 +140,12 @@ class _Recorder(TorchDispatchMode):
         functionalization records as bernoulli.p of that fresh buffer (whose output is contiguous), fills the
         buffer's own layout."""
         out = flat[0] if flat and isinstance(flat[0], torch.Tensor) else None
-        if func is torch.ops.aten.bernoulli.p and ins and isinstance(args[0], torch.Tensor) and \
-                self.nodes[ins[0].node].target in _FRESH:
+        if (
+            func is torch.ops.aten.bernoulli.p
+            and ins
+            and isinstance(args[0], torch.Tensor)
+            and self.nodes[ins[0].node].target in _FRESH
+        ):
             out = args[0]
         return None if out is None or out.is_contiguous() else tuple(out.stride())
 
@@ -164,7 +173,7 @@ class _Recorder(TorchDispatchMode):
         r = self.ref.get(id(t))
         if r is None:
             if t.device.type != "meta":
-                return t.item()     # a constant the model closed over: its value cannot change
+                return t.item()  # a constant the model closed over: its value cannot change
             r = Ref(self.leaf(t, "constant", self.constant(t)))
         try:
             gd = build_guard(self.nodes, r, where)
@@ -172,13 +181,17 @@ class _Recorder(TorchDispatchMode):
         except NoRealValue as e:
             kind, name = e.leaf
             name = self.input_names[name] if kind == "input" and self.input_names else name
-            raise CaptureError(f"data-dependent control flow or .item() in {self.where()}: a tensor value decides "
-                               f"Python control flow and it depends on {kind} '{name}', which has no real value here "
-                               f"(meta device); capture specializes such checks on real example values, so pass "
-                               f"real example inputs and weights") from None
+            raise CaptureError(
+                f"data-dependent control flow or .item() in {self.where()}: a tensor value decides "
+                f"Python control flow and it depends on {kind} '{name}', which has no real value here "
+                f"(meta device); capture specializes such checks on real example values, so pass "
+                f"real example inputs and weights"
+            ) from None
         except Exception as e:
-            raise CaptureError(f"data-dependent control flow or .item() in {self.where()}: evaluating the check on "
-                               f"the example values failed: {type(e).__name__}: {e}") from e
+            raise CaptureError(
+                f"data-dependent control flow or .item() in {self.where()}: evaluating the check on "
+                f"the example values failed: {type(e).__name__}: {e}"
+            ) from e
         self.guards.append(gd)
         return gd.expected
 
@@ -211,40 +224,50 @@ class _Recorder(TorchDispatchMode):
         if func is aten.copy.default:
             func, args, kwargs = copy_as_clone(args, kwargs)
         decomp = BN_DECOMPOSE.get(func)
-        if decomp is not None or self.decomposing and torch._C._dispatch_has_kernel_for_dispatch_key(
-                func.name(), torch._C.DispatchKey.CompositeImplicitAutograd):
+        if (
+            decomp is not None
+            or self.decomposing
+            and torch._C._dispatch_has_kernel_for_dispatch_key(
+                func.name(), torch._C.DispatchKey.CompositeImplicitAutograd
+            )
+        ):
             return self.decompose(func, decomp, args, kwargs)
         decomp = restride_decomposition(func, args, kwargs) or decomposition_for(func)
         if decomp is not None and (out := self.decompose(func, decomp, args, kwargs)) is not NotImplemented:
             return out
         if func._schema.is_mutable and func not in _MUTATING_OK:
-            raise CaptureError(f"op {func} in {self.where()} mutates a tensor that functionalization could not"
-                               f" turn into a functional op")
+            raise CaptureError(
+                f"op {func} in {self.where()} mutates a tensor that functionalization could not"
+                f" turn into a functional op"
+            )
         try:
             out = self.run(func, args, kwargs)
         except Exception as e:
-            raise CaptureError(f"op {func} in {self.where()} failed on meta tensors"
-                               f" (data-dependent shape?): {e}") from e
+            raise CaptureError(
+                f"op {func} in {self.where()} failed on meta tensors (data-dependent shape?): {e}"
+            ) from e
 
         ins: list[Ref] = []
 
         def conv(a):
             if isinstance(a, torch.Tensor):
                 r = self.ref.get(id(a))
-                if r is None:   # a tensor from outside the graph (e.g. a CPU constant): record it as a leaf
+                if r is None:  # a tensor from outside the graph (e.g. a CPU constant): record it as a leaf
                     r = Ref(self.leaf(a, "constant", self.constant(a)))
                 ins.append(r)
                 return r
             t = type(a)
             if (t is list or t is tuple) and a and not isinstance(a[0], (int, float, bool, torch.SymInt)):
-                return t(conv(x) for x in a)    # aten lists are homogeneous: int[] / float[] stay as they are
+                return t(conv(x) for x in a)  # aten lists are homogeneous: int[] / float[] stay as they are
             return a
+
         rargs = tuple(conv(a) for a in args)
         rkwargs = {k: conv(v) for k, v in kwargs.items()}
         flat, _ = tree_flatten(out)
         outs = tuple(TensorMeta(tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None for o in flat)
-        n = Node(len(self.nodes), "op", func, rargs, rkwargs, outs, self.phase, self.module_path(),
-                 origin=self.decomp_origin)
+        n = Node(
+            len(self.nodes), "op", func, rargs, rkwargs, outs, self.phase, self.module_path(), origin=self.decomp_origin
+        )
         n._ins, n.user_op = ins, self.user_op()
         if torch.Tag.nondeterministic_seeded in func.tags:
             n.stride = self._draw_stride(func, args, flat, ins)
@@ -275,9 +298,9 @@ def _key(a):
     return a
 
 
-
 def _label_backward_nodes(module_fqn: dict[nn.Module, str], start_seq: dict[nn.Module, int]):
     """Forward hooks that tag each autograd node created inside a module with that module's path."""
+
     def pre(mod, args):
         if mod in module_fqn:
             start_seq[mod] = _next_seq()
@@ -295,6 +318,7 @@ def _label_backward_nodes(module_fqn: dict[nn.Module, str], start_seq: dict[nn.M
             seen.add(fn)
             fn.metadata.setdefault("autopar_module", fqn)
             stack.extend(f for f, _ in fn.next_functions)
+
     return pre, post
 
 
@@ -309,8 +333,15 @@ def to_meta(t: torch.Tensor, requires_grad: bool = False, dtype: torch.dtype | N
     return m.requires_grad_(requires_grad) if requires_grad else m
 
 
-def capture(model: nn.Module, example_inputs, loss_fn=None, param_dtype: torch.dtype | None = None,
-            output: str = "loss", example_kwargs: dict | None = None, backward: bool = True) -> Graph:
+def capture(
+    model: nn.Module,
+    example_inputs,
+    loss_fn=None,
+    param_dtype: torch.dtype | None = None,
+    output: str = "loss",
+    example_kwargs: dict | None = None,
+    backward: bool = True,
+) -> Graph:
     """Record the joint fw+bw aten graph of `model` on meta tensors. The model itself is not changed or run.
     example_inputs / example_kwargs: the example call (autopar/model_io.py: a tuple, a dict of keyword inputs, or
     a ModelIO); the graph's inputs are its tensor leaves, the rest are constants of the capture (Graph.io).
@@ -325,16 +356,18 @@ def capture(model: nn.Module, example_inputs, loss_fn=None, param_dtype: torch.d
     if output not in ("loss", "activation"):
         raise ValueError(f"output must be 'loss' or 'activation', got {output!r}")
     act = output == "activation"
-    io = example_inputs if isinstance(example_inputs, ModelIO) else \
-        ModelIO.from_example(model, example_inputs, example_kwargs)
+    io = (
+        example_inputs
+        if isinstance(example_inputs, ModelIO)
+        else ModelIO.from_example(model, example_inputs, example_kwargs)
+    )
     named = dict(model.named_parameters())
     aliases = _tied_aliases(model, named)
     buffers = dict(model.named_buffers())
     cast = lambda p: param_dtype if param_dtype is not None and p.is_floating_point() else None
     meta_params = {k: to_meta(p, p.requires_grad, cast(p)) for k, p in named.items()}
     meta_buffers = {k: to_meta(b) for k, b in buffers.items()}
-    meta_inputs = [to_meta(x, act and x.is_floating_point()) if isinstance(x, torch.Tensor) else x
-                   for x in io.leaves]
+    meta_inputs = [to_meta(x, act and x.is_floating_point()) if isinstance(x, torch.Tensor) else x for x in io.leaves]
     modstack: list[str] = []
     pre, post = _module_hooks(model, modstack)
     fused = FusedAttention()
@@ -356,8 +389,12 @@ def capture(model: nn.Module, example_inputs, loss_fn=None, param_dtype: torch.d
             loss = _loss_of(out, loss_fn, act, model, io)
             updates = mutations(rec, f_buffers, meta_buffers)
             refuse_mutations(rec, f_params, meta_params, "parameter")
-            refuse_mutations(rec, {i: x for i, x in enumerate(f_inputs) if isinstance(x, torch.Tensor)},
-                             dict(enumerate(meta_inputs)), "input")
+            refuse_mutations(
+                rec,
+                {i: x for i, x in enumerate(f_inputs) if isinstance(x, torch.Tensor)},
+                dict(enumerate(meta_inputs)),
+                "input",
+            )
             train = [k for k, t in meta_params.items() if t.requires_grad]
             xs = [i for i, x in enumerate(meta_inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
             loss, grads, in_grads = _backward(rec, loss, [f_params[k] for k in train], f_inputs, xs, act, backward)
@@ -372,9 +409,19 @@ def capture(model: nn.Module, example_inputs, loss_fn=None, param_dtype: torch.d
     nodes, fix = _drop_dead(rec.nodes, [r.node for r in roots])
     remap = lambda d: {k: fix(Ref(v)).node for k, v in d.items()}
     _check_constants(nodes, rec)
-    g = Graph(nodes, remap(params), remap(bufs), [fix(Ref(i)).node for i in inputs], fix(loss_ref),
-              {k: fix(r) for k, r in grad_refs.items()}, aliases, rec.constants,
-              {i: fix(r) for i, r in in_refs.items()}, act, {k: fix(r) for k, r in updates.items()})
+    g = Graph(
+        nodes,
+        remap(params),
+        remap(bufs),
+        [fix(Ref(i)).node for i in inputs],
+        fix(loss_ref),
+        {k: fix(r) for k, r in grad_refs.items()},
+        aliases,
+        rec.constants,
+        {i: fix(r) for i, r in in_refs.items()},
+        act,
+        {k: fix(r) for k, r in updates.items()},
+    )
     g.io, g.guards = io, rec.guards
     return g
 
@@ -405,6 +452,7 @@ def _module_hooks(model: nn.Module, modstack: list[str]):
         if mod in module_fqn and modstack and modstack[-1] == module_fqn[mod]:
             modstack.pop()
         post_lbl(mod, args, out)
+
     return pre, post
 
 
@@ -413,17 +461,18 @@ def _loss_of(out, loss_fn, act: bool, model: nn.Module, io: ModelIO) -> torch.Te
     if act:
         loss = loss_fn(out) if loss_fn is not None else out
         if not isinstance(loss, torch.Tensor):
-            raise CaptureError(f"a module run as part of a model must return one tensor; got "
-                               f"{type(loss).__name__}")
+            raise CaptureError(f"a module run as part of a model must return one tensor; got {type(loss).__name__}")
     else:
         try:
             loss, io.out_kind = pick_loss(out, loss_fn, type(model).__name__)
         except TypeError as e:
             raise CaptureError(str(e)) from None
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise CaptureError("the model must return a scalar loss (or pass loss_fn=...); got "
-                               f"{type(loss).__name__}"
-                               f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+            raise CaptureError(
+                "the model must return a scalar loss (or pass loss_fn=...); got "
+                f"{type(loss).__name__}"
+                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}"
+            )
     if not loss.requires_grad:
         raise CaptureError("the loss does not depend on any trainable parameter")
     return loss
@@ -434,11 +483,14 @@ def _backward(rec: _Recorder, loss, wrt: list, f_inputs: list, xs: list[int], ac
     returns (loss, parameter gradients, {input index: gradient}). backward=False (evaluation under no_grad): no
     backward nodes, every gradient None."""
     rec.phase = "bw"
-    seed = torch.ones_like(loss) if act else None       # the incoming gradient, taken at run time
-    grads = torch.autograd.grad(loss, wrt + [f_inputs[i] for i in xs], seed, allow_unused=True) \
-        if backward else [None] * (len(wrt) + len(xs))
+    seed = torch.ones_like(loss) if act else None  # the incoming gradient, taken at run time
+    grads = (
+        torch.autograd.grad(loss, wrt + [f_inputs[i] for i in xs], seed, allow_unused=True)
+        if backward
+        else [None] * (len(wrt) + len(xs))
+    )
     loss, grads = unwrap(loss), [unwrap(gr) for gr in grads]
-    return loss, grads[:len(wrt)], dict(zip(xs, grads[len(wrt):]))
+    return loss, grads[: len(wrt)], dict(zip(xs, grads[len(wrt) :]))
 
 
 def _real_leaves(rec: _Recorder, io: ModelIO, params: dict, buffers: dict, cast):
@@ -461,9 +513,11 @@ def _check_constants(nodes: list[Node], rec: _Recorder):
     for n in nodes:
         if n.kind == "constant" and n.idx in read and rec.constants[n.target].device.type == "meta":
             where = rec.const_module.get(n.target) or "<root>"
-            raise CaptureError(f"module '{where}' uses a tensor of shape {tuple(n.out.shape)} on the meta device "
-                               f"that capture did not see made (its values are unknown); make it in forward with a "
-                               f"torch factory or torch.tensor(...), or register it as a buffer")
+            raise CaptureError(
+                f"module '{where}' uses a tensor of shape {tuple(n.out.shape)} on the meta device "
+                f"that capture did not see made (its values are unknown); make it in forward with a "
+                f"torch factory or torch.tensor(...), or register it as a buffer"
+            )
 
 
 def _drop_dead(nodes: list[Node], roots: list[int]):

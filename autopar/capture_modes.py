@@ -3,6 +3,7 @@ recorder (autopar/capture.py) sees only aten ops. FusedAttention turns F.scaled_
 attention op (with enable_gqa, after an explicit kv head repeat) and batch norm with running statistics into the op
 whose schema declares the update; Constants keeps the data of tensors made from Python data on the meta device.
 """
+
 from __future__ import annotations
 
 import torch
@@ -65,11 +66,11 @@ def _gqa_expand(q, kv):
     return kv.repeat_interleave(hq // hkv, dim=-3)
 
 
-
 class Constants(TorchFunctionMode):
     """torch.tensor(data, device=meta) and its kin make a meta tensor without any dispatch the recorder sees, so
     its data would be lost: make the same tensor on the CPU too and tell the recorder, which records it as a
     constant with that data."""
+
     FNS = (torch.tensor, torch.as_tensor, torch.asarray, torch.Tensor.new_tensor)
     # `x[..., [-2], :]`: Python turns the int list into an index tensor on x's device with no dispatch either
     INDEXING = (torch.Tensor.__getitem__, torch.Tensor.__setitem__)
@@ -79,7 +80,7 @@ class Constants(TorchFunctionMode):
         if isinstance(idx, tuple):
             return tuple(self._index(i, device) for i in idx)
         if isinstance(idx, list) and idx and all(type(i) in (int, bool) for i in idx):
-            with torch._C._DisableTorchDispatch():      # as Python makes it: no op the recorder sees
+            with torch._C._DisableTorchDispatch():  # as Python makes it: no op the recorder sees
                 real, out = torch.tensor(idx), torch.tensor(idx, device=device)
             self.rec.origin[id(out)] = real
             self.rec.keep.append(out)
@@ -92,16 +93,24 @@ class Constants(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in self.INDEXING and len(args) >= 2 and isinstance(args[0], torch.Tensor) \
-                and args[0].device.type == "meta":
+        if (
+            func in self.INDEXING
+            and len(args) >= 2
+            and isinstance(args[0], torch.Tensor)
+            and args[0].device.type == "meta"
+        ):
             args = (args[0], self._index(args[1], args[0].device), *args[2:])
         out = func(*args, **kwargs)
-        if func in self.FNS and isinstance(out, torch.Tensor) and out.device.type == "meta" \
-                and id(out) not in self.rec.ref:
+        if (
+            func in self.FNS
+            and isinstance(out, torch.Tensor)
+            and out.device.type == "meta"
+            and id(out) not in self.rec.ref
+        ):
             try:
                 with torch._C._DisableTorchDispatch():
                     real = func(*args, **{**kwargs, "device": "cpu"})
-            except Exception:       # made from meta data itself: nothing to keep
+            except Exception:  # made from meta data itself: nothing to keep
                 real = None
             if isinstance(real, torch.Tensor) and real.device.type == "cpu":
                 self.rec.origin[id(out)] = real.detach()

@@ -14,11 +14,12 @@ leave the LP relaxation with fractional mixes of near-equal columns, and branch 
 (presolve and root cuts on ~50k columns) proving what one dominance check settles: llama-tiny on a 2x2 mesh with
 the cpu-gloo preset and fsdp+tp pinned went from branch and bound (5-10 s) to an integral LP (~1 s).
 """
+
 from __future__ import annotations
 
 import numpy as np
 
-_TOL = 1e-12          # relative to each block's largest magnitude: equal up to rounding counts as equal
+_TOL = 1e-12  # relative to each block's largest magnitude: equal up to rounding counts as equal
 
 
 def _undominated(M: np.ndarray) -> np.ndarray:
@@ -26,11 +27,11 @@ def _undominated(M: np.ndarray) -> np.ndarray:
     tolerance relative to each column's magnitude) means j dominates i."""
     n = len(M)
     tol = _TOL * np.maximum(1.0, np.abs(M).max(axis=0))
-    J, I = np.nonzero(~np.eye(n, dtype=bool))     # candidate pairs: j may dominate i
-    for c in range(0, M.shape[1], _CHUNK):        # a few columns rule out most pairs: test them chunk by chunk
+    J, I = np.nonzero(~np.eye(n, dtype=bool))  # candidate pairs: j may dominate i
+    for c in range(0, M.shape[1], _CHUNK):  # a few columns rule out most pairs: test them chunk by chunk
         if not len(J):
             return np.ones(n, dtype=bool)
-        S, t = M[:, c:c + _CHUNK], tol[c:c + _CHUNK]
+        S, t = M[:, c : c + _CHUNK], tol[c : c + _CHUNK]
         ok = np.all(S[J] <= S[I] + t, axis=1)
         J, I = J[ok], I[ok]
     if not len(J):
@@ -39,7 +40,7 @@ def _undominated(M: np.ndarray) -> np.ndarray:
     le[J, I] = True
     eq = le & le.T
     idx = np.arange(n)
-    dom = le & (~eq | (idx[:, None] < idx[None, :]))    # strictly better somewhere, or equal and listed first
+    dom = le & (~eq | (idx[:, None] < idx[None, :]))  # strictly better somewhere, or equal and listed first
     return ~dom.any(axis=0)
 
 
@@ -52,7 +53,7 @@ def _terms(lin, edges, mem, overlap, fixed, shared):
     G = len(lin)
     own = [[np.asarray(lin[g], dtype=float)] for g in range(G)]
     mats = [[] for _ in range(G)]
-    if overlap is not None:          # the overlap objective's exposed part, and olin alone for its plain one
+    if overlap is not None:  # the overlap objective's exposed part, and olin alone for its plain one
         olin, oedges, cap = overlap
         for g in range(G):
             own[g] += [np.asarray(olin[g], float) - np.asarray(cap[g], float), np.asarray(olin[g], float)]
@@ -86,14 +87,14 @@ def reduce(lin, edges, mem, overlap=None, fixed=(), shared=(), rounds: int = 8):
             cols = [v[k, None] for v in own[g]]
             cols += [(W[np.ix_(keep[o], k)].T if tr else W[np.ix_(k, keep[o])]) for W, o, tr in mats[g]]
             M = np.hstack(cols)
-            M = M[:, np.any(M != M[:1], axis=0)]           # a term equal for all strategies decides nothing
+            M = M[:, np.any(M != M[:1], axis=0)]  # a term equal for all strategies decides nothing
             alive = _undominated(M) if M.shape[1] else np.arange(len(k)) == 0
             if not alive.all():
                 keep[g] = k[alive]
                 changed.add(g)
         if not changed:
             break
-        dirty = {o for g in changed for _, o, _ in mats[g]}   # only a shrunk group's neighbours can change
+        dirty = {o for g in changed for _, o, _ in mats[g]}  # only a shrunk group's neighbours can change
     if all(len(k) == len(c) for k, c in zip(keep, lin)):
         return None
     return keep
@@ -101,17 +102,21 @@ def reduce(lin, edges, mem, overlap=None, fixed=(), shared=(), rounds: int = 8):
 
 def restrict(keep, lin, edges, mem, overlap=None, fixed=(), shared=()):
     """The problem with only the kept strategies (same argument shapes as autopar.solver.solve's)."""
+
     def ix(W, g1, g2):
         W = np.asarray(W, dtype=float)
         return np.diag(np.diag(W)[keep[g1]]) if g1 == g2 else W[np.ix_(keep[g1], keep[g2])]
+
     lin2 = [np.asarray(c)[k] for c, k in zip(lin, keep)]
     edges2 = {(a, b): ix(C, a, b) for (a, b), C in edges.items()}
     mem2 = [([np.asarray(c)[k] for c, k in zip(coefs, keep)], budget) for coefs, budget in mem]
     if overlap is not None:
         olin, oedges, cap = overlap
-        overlap = ([np.asarray(c)[k] for c, k in zip(olin, keep)], {(a, b): ix(O, a, b) for (a, b), O in
-                                                                    oedges.items()},
-                   [np.asarray(c)[k] for c, k in zip(cap, keep)])
+        overlap = (
+            [np.asarray(c)[k] for c, k in zip(olin, keep)],
+            {(a, b): ix(O, a, b) for (a, b), O in oedges.items()},
+            [np.asarray(c)[k] for c, k in zip(cap, keep)],
+        )
     fixed2 = [(F, [(key, ix(W, *key)) for key, W in where]) for F, where in fixed]
     shared2 = [(F, [(key, ix(W, *key)) for key, W in where]) for F, where in shared]
     return lin2, edges2, mem2, overlap, fixed2, shared2

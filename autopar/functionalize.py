@@ -2,6 +2,7 @@
 wrapped as functional tensors and unwrapped to their current value, the leaves the forward mutated (a buffer's
 state update; a parameter or input: refused), and functionalization's copy(dst, src) as the clone it is.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -50,8 +51,9 @@ def mutations(rec: _Recorder, wrapped: dict, originals: dict) -> dict:
         if new is originals[k]:
             continue
         if torch._functionalize_has_metadata_mutation(f):
-            raise CaptureError(f"the forward changes the shape or strides of '{k}' in place; a plan keeps each "
-                               f"tensor's shape")
+            raise CaptureError(
+                f"the forward changes the shape or strides of '{k}' in place; a plan keeps each tensor's shape"
+            )
         r = rec.ref.get(id(new))
         if r is None:
             raise CaptureError(f"the forward replaces '{k}' with a tensor from outside the graph")
@@ -65,9 +67,11 @@ def refuse_mutations(rec: _Recorder, wrapped: dict, originals: dict, what: str) 
     for k, r in mutations(rec, wrapped, originals).items():
         n = rec.nodes[r.node]
         op = getattr(n, "user_op", None) or n.name
-        raise CaptureError(f"the forward mutates {what} {k!r} in place (in module '{n.module or '<root>'}', op "
-                           f"{op}); autopar plans a forward that leaves parameters and inputs unchanged: compute a "
-                           f"new tensor instead")
+        raise CaptureError(
+            f"the forward mutates {what} {k!r} in place (in module '{n.module or '<root>'}', op "
+            f"{op}); autopar plans a forward that leaves parameters and inputs unchanged: compute a "
+            f"new tensor instead"
+        )
 
 
 def copy_as_clone(args, kwargs):
@@ -75,8 +79,13 @@ def copy_as_clone(args, kwargs):
     user's copy_) as copy(dst, src), whose value is src laid out as dst: where the shapes and dtypes agree and dst is
     contiguous (or laid out as src), that is clone(src) in dst's layout, an op with a placement rule."""
     dst, src = args[0], args[1]
-    if isinstance(src, torch.Tensor) and src.shape == dst.shape and src.dtype == dst.dtype and not kwargs.get(
-            "non_blocking", len(args) > 2 and args[2]) and src.device == dst.device:
+    if (
+        isinstance(src, torch.Tensor)
+        and src.shape == dst.shape
+        and src.dtype == dst.dtype
+        and not kwargs.get("non_blocking", len(args) > 2 and args[2])
+        and src.device == dst.device
+    ):
         if dst.is_contiguous():
             return aten.clone.default, (src,), {"memory_format": torch.contiguous_format}
         # dst a strided view (T5's `shifted[..., 1:] = ids[..., :-1]`, a slice_scatter's source): the value is

@@ -4,6 +4,7 @@ A node's tensor arguments are `Ref(node, out)` placeholders; everything else (in
 Nodes of kind "param" / "buffer" / "input" are the graph's leaves; the graph's outputs are the loss, per
 parameter FQN the node holding its gradient, and per mutated buffer its new value (`Graph.outputs()`).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,7 +25,7 @@ class TensorMeta:
     shape: tuple[int, ...]
     dtype: torch.dtype
 
-    def __post_init__(self):     # sizes are read in every cost loop: computed once (not fields: eq/hash ignore them)
+    def __post_init__(self):  # sizes are read in every cost loop: computed once (not fields: eq/hash ignore them)
         object.__setattr__(self, "numel", math.prod(self.shape))
         object.__setattr__(self, "nbytes", self.numel * self.dtype.itemsize)
 
@@ -32,15 +33,15 @@ class TensorMeta:
 @dataclass
 class Node:
     idx: int
-    kind: str                      # "op" | "param" | "buffer" | "input" | "constant"
-    target: Any                    # OpOverload for ops; FQN / input position for leaves
+    kind: str  # "op" | "param" | "buffer" | "input" | "constant"
+    target: Any  # OpOverload for ops; FQN / input position for leaves
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     outs: tuple[TensorMeta | None, ...] = ()
-    phase: str = "fw"              # "fw" | "bw" (bw: run by autograd's backward)
-    module: str = ""               # module path that produced the node, "" for the root
+    phase: str = "fw"  # "fw" | "bw" (bw: run by autograd's backward)
+    module: str = ""  # module path that produced the node, "" for the root
     users: list[int] = field(default_factory=list)
-    origin: Any = None             # the user-level op whose torch decomposition produced this node, else None
+    origin: Any = None  # the user-level op whose torch decomposition produced this node, else None
 
     @property
     def name(self) -> str:
@@ -49,7 +50,7 @@ class Node:
         return f"%{self.idx}:{op_name(self.target)}"
 
     _ins: list | None = field(default=None, repr=False, compare=False)
-    user_op: str | None = field(default=None, repr=False, compare=False)   # the torch call it ran for (messages)
+    user_op: str | None = field(default=None, repr=False, compare=False)  # the torch call it ran for (messages)
     # a random op's first output's strides on one device: the kernels fill memory in order, so the layout decides
     # which element gets which draw (dropout on a transposed activation); None: contiguous
     stride: tuple | None = field(default=None, repr=False, compare=False)
@@ -72,7 +73,7 @@ def op_name(target) -> str:
     s = _NAMES.get(target)
     if s is None:
         s = str(target)
-        s = _NAMES[target] = s[len("aten."):] if s.startswith("aten.") else s
+        s = _NAMES[target] = s[len("aten.") :] if s.startswith("aten.") else s
     return s
 
 
@@ -88,6 +89,7 @@ def flat_args(args, kwargs):
                 walk(x)
         else:
             out.append(a)
+
     walk(args)
     walk(kwargs)
     return out
@@ -109,20 +111,20 @@ def map_refs(a, fn):
 @dataclass
 class Graph:
     nodes: list[Node]
-    params: dict[str, int]             # param FQN -> node idx
-    buffers: dict[str, int]            # buffer FQN -> node idx
-    inputs: list[int]                  # example input position -> node idx
+    params: dict[str, int]  # param FQN -> node idx
+    buffers: dict[str, int]  # buffer FQN -> node idx
+    inputs: list[int]  # example input position -> node idx
     loss: Ref
-    grads: dict[str, Ref]              # param FQN -> gradient ref
-    aliases: dict[str, str] = field(default_factory=dict)   # tied param FQN -> the FQN it shares storage with
-    constants: dict[str, torch.Tensor] = field(default_factory=dict)   # tensors the model closed over
-    input_grads: dict[int, Ref] = field(default_factory=dict)   # input position -> its gradient (output="activation")
-    activation: bool = False           # `loss` is a part's output activation, its backward seeded from outside
+    grads: dict[str, Ref]  # param FQN -> gradient ref
+    aliases: dict[str, str] = field(default_factory=dict)  # tied param FQN -> the FQN it shares storage with
+    constants: dict[str, torch.Tensor] = field(default_factory=dict)  # tensors the model closed over
+    input_grads: dict[int, Ref] = field(default_factory=dict)  # input position -> its gradient (output="activation")
+    activation: bool = False  # `loss` is a part's output activation, its backward seeded from outside
     # buffer FQN -> its new value after the forward (BatchNorm's running stats): outputs of the step, like the loss,
     # which the executor writes into the buffer
     state_updates: dict[str, Ref] = field(default_factory=dict)
-    io: Any = None                     # model_io.ModelIO: how the model is called; input targets are its leaf indices
-    guards: list = field(default_factory=list)   # guards.Guard: data-dependent checks the capture specialized on
+    io: Any = None  # model_io.ModelIO: how the model is called; input targets are its leaf indices
+    guards: list = field(default_factory=list)  # guards.Guard: data-dependent checks the capture specialized on
 
     def __post_init__(self):
         for n in self.nodes:

@@ -7,6 +7,7 @@ to the model, and keeps the cone with the value as a `Guard`. A plan is valid on
 gives the same value again: the runtime evaluates each guard on a step's global inputs before the step (the cones
 are small) and stops with a clear error when one differs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -29,7 +30,8 @@ class Guard:
     """A small program: `ops` [(target, args, kwargs)] whose Refs point at earlier entries of `ops` (node =
     position) or at `leaves` (node = -1 - position); the value of the last op's `out`, made a Python scalar, must
     equal `expected`."""
-    leaves: list[tuple]                # ("input", leaf index) | ("param", FQN) | ("buffer", FQN) | ("constant", name)
+
+    leaves: list[tuple]  # ("input", leaf index) | ("param", FQN) | ("buffer", FQN) | ("constant", name)
     ops: list[tuple]
     out: int
     expected: object
@@ -49,6 +51,7 @@ class Guard:
             else:
                 v = vals[("op", r.node)]
             return v[r.out] if isinstance(v, (tuple, list)) else v
+
         for k, (target, args, kwargs) in enumerate(self.ops):
             vals[("op", k)] = target(*_cpu(map_refs(args, get)), **_cpu(map_refs(kwargs, get)))
         res = vals[("op", len(self.ops) - 1)]
@@ -57,8 +60,10 @@ class Guard:
 
     def inputs_read(self, input_names=None) -> list[str]:
         """What the check reads: 'input attention_mask', 'param lin.weight'..."""
-        return [f"input '{input_names[name]}'" if kind == "input" and input_names else f"{kind} '{name}'"
-                for kind, name in self.leaves]
+        return [
+            f"input '{input_names[name]}'" if kind == "input" and input_names else f"{kind} '{name}'"
+            for kind, name in self.leaves
+        ]
 
 
 def _cpu(a):
@@ -95,7 +100,7 @@ def build_guard(nodes: list[Node], ref: Ref, module: str) -> Guard:
         ops.append((n.target, map_refs(n.args, fix), map_refs(n.kwargs, fix)))
         pos[i] = len(ops) - 1
     text = " -> ".join(str(t).removeprefix("aten.") for t, _, _ in ops[-4:])
-    if not ops:     # the scalar of a leaf itself: an identity op keeps evaluate() uniform
+    if not ops:  # the scalar of a leaf itself: an identity op keeps evaluate() uniform
         ops.append((torch.ops.aten.alias.default, (Ref(pos[ref.node], ref.out),), {}))
         ref = Ref(len(ops) - 1, 0)
         text = "its value"
@@ -111,7 +116,8 @@ def check_guards(guards: list[Guard], leaf_value, where: str, input_names=None):
                 f"{where}: the plan was captured with a data-dependent check in module '{gd.module or '<root>'}' "
                 f"({gd.ops_text}, reading {', '.join(gd.inputs_read(input_names))}) that gave {gd.expected!r} on the example "
                 f"inputs; this step's inputs give {got!r}, so the model would take another path than the plan. "
-                f"Plan again with example inputs like these (autopar.parallelize(...)).")
+                f"Plan again with example inputs like these (autopar.parallelize(...))."
+            )
 
 
 class GuardError(ValueError):

@@ -1,4 +1,5 @@
 """Mesh specs: the shape and dim names of a device mesh, real (`DeviceMesh`) or simulated (`MeshSpec`)."""
+
 from __future__ import annotations
 
 import math
@@ -17,8 +18,15 @@ class MeshSpec:
             raise ValueError(f"MeshSpec shape must be a non-empty tuple of positive ints, got {self.shape!r}")
         names = self.names
         if names is None:
-            names = ("dp",) if len(shape) == 1 else ("dp", "tp") if len(shape) == 2 else \
-                ("pp", "dp", "tp") if len(shape) == 3 else tuple(f"d{i}" for i in range(len(shape)))
+            names = (
+                ("dp",)
+                if len(shape) == 1
+                else ("dp", "tp")
+                if len(shape) == 2
+                else ("pp", "dp", "tp")
+                if len(shape) == 3
+                else tuple(f"d{i}" for i in range(len(shape)))
+            )
         names = tuple(names)
         if len(names) != len(shape):
             raise ValueError(f"MeshSpec has {len(shape)} dims {shape} but {len(names)} names {names}")

@@ -8,6 +8,7 @@ differs otherwise). `pick_loss` finds the loss in what the model returns (a tens
 ModelOutput, `out["loss"]` of a dict, `out[0]` of a tuple, or `loss_fn(out)`); `wrap_loss` gives a parallel module's
 result back in the same kind of container with only the loss set, so `pm(**batch).loss` works as on the model.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -45,7 +46,7 @@ class ModelIO:
         arguments = self._bind(args, kwargs)
         self.leaves, self.spec, self.names = self._flatten(arguments)
         self.tensor_leaves = [i for i, x in enumerate(self.leaves) if isinstance(x, torch.Tensor)]
-        self.out_kind = None            # set by pick_loss on the captured output
+        self.out_kind = None  # set by pick_loss on the captured output
 
     @classmethod
     def from_example(cls, model, example_inputs, example_kwargs=None) -> "ModelIO":
@@ -55,12 +56,16 @@ class ModelIO:
         if example_kwargs is not None and not isinstance(example_kwargs, Mapping):
             raise TypeError(f"example_kwargs must be a dict of keyword inputs, got {type(example_kwargs).__name__}")
         if example_inputs is None and not example_kwargs:
-            raise TypeError(f"example_inputs is None: pass one step's global inputs of {type(model).__name__} as a "
-                            f"tuple (positional), a dict (keyword inputs) or example_kwargs={{...}}")
+            raise TypeError(
+                f"example_inputs is None: pass one step's global inputs of {type(model).__name__} as a "
+                f"tuple (positional), a dict (keyword inputs) or example_kwargs={{...}}"
+            )
         if isinstance(example_inputs, Mapping):
             if example_kwargs:
-                raise TypeError("example_inputs is a dict (keyword inputs) and example_kwargs is given too: pass "
-                                "the keyword inputs once")
+                raise TypeError(
+                    "example_inputs is a dict (keyword inputs) and example_kwargs is given too: pass "
+                    "the keyword inputs once"
+                )
             args, kwargs = (), dict(example_inputs)
         elif example_inputs is None:
             args, kwargs = (), dict(example_kwargs)
@@ -73,11 +78,15 @@ class ModelIO:
         io = cls(model, args, kwargs)
         for i, x in enumerate(io.leaves):
             if type(x).__module__ == "numpy" and hasattr(x, "shape"):
-                raise TypeError(f"input '{io.names[i]}' of {io.model_name} is a numpy array: pass a torch.Tensor "
-                                f"(torch.as_tensor(...))")
+                raise TypeError(
+                    f"input '{io.names[i]}' of {io.model_name} is a numpy array: pass a torch.Tensor "
+                    f"(torch.as_tensor(...))"
+                )
         if not io.tensor_leaves:
-            raise TypeError(f"the example inputs of {io.model_name} hold no tensor (got {io.describe()}); pass the "
-                            f"step's input tensors")
+            raise TypeError(
+                f"the example inputs of {io.model_name} hold no tensor (got {io.describe()}); pass the "
+                f"step's input tensors"
+            )
         return io
 
     def _bind(self, args: tuple, kwargs: dict) -> dict:
@@ -121,11 +130,14 @@ class ModelIO:
         for i, (x, ex) in enumerate(zip(leaves, self.leaves)):
             if isinstance(ex, torch.Tensor):
                 if not isinstance(x, torch.Tensor):
-                    raise TypeError(f"input '{self.names[i]}' must be a tensor like the example input, got "
-                                    f"{type(x).__name__}")
+                    raise TypeError(
+                        f"input '{self.names[i]}' must be a tensor like the example input, got {type(x).__name__}"
+                    )
             elif not _same_constant(x, ex):
-                raise ValueError(f"input '{self.names[i]}' is {x!r} but the plan was captured with {ex!r}; "
-                                 f"non-tensor inputs are constants of the plan: plan again for other values")
+                raise ValueError(
+                    f"input '{self.names[i]}' is {x!r} but the plan was captured with {ex!r}; "
+                    f"non-tensor inputs are constants of the plan: plan again for other values"
+                )
         return leaves
 
     def _explain(self, arguments: dict):
@@ -133,14 +145,18 @@ class ModelIO:
         example = tree_unflatten(list(self.leaves), self.spec)
         diff = sorted(set(arguments) ^ set(example))
         if diff:
-            raise TypeError(f"the call passes other arguments than the example inputs the plan was captured with: "
-                            f"{', '.join(diff)} (example: {', '.join(example)}); pass the same arguments")
+            raise TypeError(
+                f"the call passes other arguments than the example inputs the plan was captured with: "
+                f"{', '.join(diff)} (example: {', '.join(example)}); pass the same arguments"
+            )
         for k, v in arguments.items():
             if isinstance(example[k], torch.Tensor) and not isinstance(v, torch.Tensor):
                 raise TypeError(f"input '{k}' must be a tensor like the example input, got {type(v).__name__}")
             if self._flatten({k: v})[1] != self._flatten({k: example[k]})[1]:
-                raise TypeError(f"input '{k}' has another structure than in the example inputs: "
-                                f"{type(v).__name__} where the example had {type(example[k]).__name__}")
+                raise TypeError(
+                    f"input '{k}' has another structure than in the example inputs: "
+                    f"{type(v).__name__} where the example had {type(example[k]).__name__}"
+                )
         raise TypeError("the call's inputs have another structure than the example inputs")
 
     def wrap_loss(self, loss: torch.Tensor):
@@ -152,7 +168,7 @@ class ModelIO:
             return {"loss": loss}
         if kind == "tuple":
             return (loss,)
-        return kind(loss=loss)          # a ModelOutput class
+        return kind(loss=loss)  # a ModelOutput class
 
 
 def _same_constant(x, ex) -> bool:
@@ -162,7 +178,7 @@ def _same_constant(x, ex) -> bool:
         return False
     try:
         return bool(x == ex)
-    except Exception:       # objects with no meaningful equality (a cache object): only the same one
+    except Exception:  # objects with no meaningful equality (a cache object): only the same one
         return False
 
 
@@ -176,16 +192,20 @@ def pick_loss(out, loss_fn=None, model_name: str = "the model"):
     if isinstance(out, Mapping):
         if "loss" not in out or out["loss"] is None:
             keys = [k for k, v in out.items() if v is not None]
-            raise TypeError(f"{model_name} returned a {type(out).__name__} without a loss (fields: {keys}); pass "
-                            f"the labels among the inputs (e.g. labels=...) or loss_fn=...")
+            raise TypeError(
+                f"{model_name} returned a {type(out).__name__} without a loss (fields: {keys}); pass "
+                f"the labels among the inputs (e.g. labels=...) or loss_fn=..."
+            )
         kind = "dict" if type(out) is dict else type(out)
         if kind != "dict" and not _rebuilds(kind):
             kind = "dict"
         return out["loss"], kind
     if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
         return out[0], "tuple"
-    raise TypeError(f"{model_name} returned {type(out).__name__}: expected a loss tensor, a ModelOutput/dict with "
-                    f"a 'loss', or a tuple whose first item is the loss; or pass loss_fn=...")
+    raise TypeError(
+        f"{model_name} returned {type(out).__name__}: expected a loss tensor, a ModelOutput/dict with "
+        f"a 'loss', or a tuple whose first item is the loss; or pass loss_fn=..."
+    )
 
 
 def _rebuilds(cls) -> bool:

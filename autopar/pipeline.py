@@ -1,5 +1,6 @@
 """The pass manager: runs the passes of `passes/` in order on one PlanState, times each, verifies the state
 after each, and can dump the annotated graph after any pass."""
+
 from __future__ import annotations
 
 import importlib
@@ -37,14 +38,14 @@ class PlanState:
     follow: Any = None
     cost: Any = None
     solution: Any = None
-    placement: Any = None         # per node: chosen Strategy
-    redistributes: Any = None     # (consumer node, input index | "opt") -> (src, dst, collectives)
-    shares: Any = None            # (consumer, input) -> (consumer, input) whose redistribute of the same value it reuses
-    coalesced: Any = None         # (consumer, input) -> (consumer, input) whose all_reduce also carries this input
-    fw_order: Any = None          # forward op nodes in order of execution where a loss-tail group reorders them
-    buckets: Any = None           # gradient buckets [{kind, mesh_dim, group, from, to, dtype, params, bytes}]
-    recompute: Any = None         # checkpointed blocks [{"block": FQN, "nodes": [idx]}] (checkpointing pass)
-    extras: dict = field(default_factory=dict)   # decisions copied into Plan.meta (precision, checkpointing)
+    placement: Any = None  # per node: chosen Strategy
+    redistributes: Any = None  # (consumer node, input index | "opt") -> (src, dst, collectives)
+    shares: Any = None  # (consumer, input) -> (consumer, input) whose redistribute of the same value it reuses
+    coalesced: Any = None  # (consumer, input) -> (consumer, input) whose all_reduce also carries this input
+    fw_order: Any = None  # forward op nodes in order of execution where a loss-tail group reorders them
+    buckets: Any = None  # gradient buckets [{kind, mesh_dim, group, from, to, dtype, params, bytes}]
+    recompute: Any = None  # checkpointed blocks [{"block": FQN, "nodes": [idx]}] (checkpointing pass)
+    extras: dict = field(default_factory=dict)  # decisions copied into Plan.meta (precision, checkpointing)
 
 
 class VerificationError(AssertionError):
@@ -63,8 +64,14 @@ def verify(state: PlanState, after: str) -> None:
             s = state.placement[n.idx]
             if s is None or s not in state.strategies[n.idx]:
                 r = state.rep[n.idx] if s is not None and state.rep is not None else n.idx
-                why = "" if r == n.idx else (f": {s} was chosen for its representative {g.nodes[r].name} (module "
-                                             f"'{g.nodes[r].module}') but is not among its own candidates")
+                why = (
+                    ""
+                    if r == n.idx
+                    else (
+                        f": {s} was chosen for its representative {g.nodes[r].name} (module "
+                        f"'{g.nodes[r].module}') but is not among its own candidates"
+                    )
+                )
                 raise VerificationError(f"after {after}: node {n.name} has no single chosen placement{why}")
     if state.redistributes is not None:
         for n in g.ops():
@@ -72,8 +79,9 @@ def verify(state: PlanState, after: str) -> None:
                 have = state.placement[r.node].out[r.out]
                 want = state.placement[n.idx].ins[j]
                 if have != want and (n.idx, j) not in state.redistributes:
-                    raise VerificationError(f"after {after}: {n.name} input {j} is {have} but needs {want} and no "
-                                            f"redistribute is planned")
+                    raise VerificationError(
+                        f"after {after}: {n.name} input {j} is {have} but needs {want} and no redistribute is planned"
+                    )
 
 
 def _verify_repeated_layers(state: PlanState, after: str) -> None:
@@ -94,7 +102,8 @@ def _verify_repeated_layers(state: PlanState, after: str) -> None:
             raise VerificationError(
                 f"after {after}: node {n.name} (module '{n.module}') repeats {g.nodes[r].name} (module "
                 f"'{g.nodes[r].module}') but lacks {len(missing)} of its {len(S[r])} candidates, e.g. {missing[0]}; "
-                f"the representative's choice would not be valid for it")
+                f"the representative's choice would not be valid for it"
+            )
 
 
 def run_passes(state: PlanState, passes=PASSES, dump_after=(), check=True) -> PlanState:
@@ -107,5 +116,6 @@ def run_passes(state: PlanState, passes=PASSES, dump_after=(), check=True) -> Pl
             verify(state, name)
         if name in dump_after or "all" in dump_after:
             from .plan import dump_state
+
             state.dumps[name] = dump_state(state)
     return state

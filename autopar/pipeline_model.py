@@ -34,6 +34,7 @@ enumerates the bottleneck t = max c_k in increasing order, solves min sum f subj
 (dynamic program over the stage index), and stops once (m v - 1) t alone exceeds the best total; `brute_force` is
 the reference the tests hold it to.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -48,25 +49,28 @@ INF = float("inf")
 
 @dataclass(frozen=True)
 class ScheduleSpec:
-    name: str              # torch's name (torch.distributed.pipelining.schedules.get_schedule_class)
+    name: str  # torch's name (torch.distributed.pipelining.schedules.get_schedule_class)
     torch_class: str
     stages_per_rank: tuple  # the v values autopar tries
-    style: str             # stage -> rank mapping: "loop" or "v"
-    split_backward: bool   # runs B (input grad) and W (weight grad) as separate actions
+    style: str  # stage -> rank mapping: "loop" or "v"
+    split_backward: bool  # runs B (input grad) and W (weight grad) as separate actions
 
     @property
     def multi(self) -> bool:
         return self.stages_per_rank != (1,)
 
 
-SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
-    ScheduleSpec("GPipe", "ScheduleGPipe", (1,), "loop", False),
-    ScheduleSpec("1F1B", "Schedule1F1B", (1,), "loop", False),
-    ScheduleSpec("Interleaved1F1B", "ScheduleInterleaved1F1B", (2, 4), "loop", False),
-    ScheduleSpec("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", (2, 4), "loop", True),
-    ScheduleSpec("ZBVZeroBubble", "ScheduleZBVZeroBubble", (2,), "v", True),
-    ScheduleSpec("DualPipeV", "ScheduleDualPipeV", (2,), "v", True),
-)}
+SCHEDULES: dict[str, ScheduleSpec] = {
+    s.name: s
+    for s in (
+        ScheduleSpec("GPipe", "ScheduleGPipe", (1,), "loop", False),
+        ScheduleSpec("1F1B", "Schedule1F1B", (1,), "loop", False),
+        ScheduleSpec("Interleaved1F1B", "ScheduleInterleaved1F1B", (2, 4), "loop", False),
+        ScheduleSpec("InterleavedZeroBubble", "ScheduleInterleavedZeroBubble", (2, 4), "loop", True),
+        ScheduleSpec("ZBVZeroBubble", "ScheduleZBVZeroBubble", (2,), "v", True),
+        ScheduleSpec("DualPipeV", "ScheduleDualPipeV", (2,), "v", True),
+    )
+}
 
 
 def get_schedule(name: str) -> ScheduleSpec:
@@ -192,8 +196,8 @@ def rank_act_peak(order: tuple, act: list[float], split_backward: bool) -> list[
 @dataclass
 class Simulation:
     step_s: float
-    busy_s: list            # per rank
-    events: list            # per rank: [(start, end, stage, kind, micro-batch)]
+    busy_s: list  # per rank
+    events: list  # per rank: [(start, end, stage, kind, micro-batch)]
 
     @property
     def bubble_fraction(self) -> float:
@@ -209,8 +213,8 @@ def simulate(order: tuple, rank_of: tuple, F: list, B: list, W: list, p2p: list)
     M = 1 + max((a[2] for r in order for a in r), default=0)
     full = [b + w for b, w in zip(B, W)]
     lat = [p2p[k] if k < S - 1 and rank_of[k] != rank_of[k + 1] else 0.0 for k in range(S)]
-    end_f: dict = {}            # (stage * M + micro-batch) -> end of its forward
-    end_g: dict = {}            # ... -> end of its input-gradient backward (B or I)
+    end_f: dict = {}  # (stage * M + micro-batch) -> end of its forward
+    end_g: dict = {}  # ... -> end of its input-gradient backward (B or I)
     pos, free = [0] * p, [0.0] * p
     events = [[] for _ in range(p)]
     waiting: dict = {}
@@ -239,7 +243,7 @@ def simulate(order: tuple, rank_of: tuple, F: list, B: list, W: list, p2p: list)
                 else:
                     start = max(t_free, t)
                 dur = W[s]
-            else:                                       # "B" (full) or "I" (input gradient)
+            else:  # "B" (full) or "I" (input gradient)
                 t = end_f.get(key)
                 if t is None:
                     wait = (0, key)
@@ -305,15 +309,17 @@ def timeline(sim: Simulation, width: int = 96) -> list[str]:
 
 def first_events(sim: Simulation, n: int = 12) -> list[str]:
     """The first n actions of each rank as torch names them (e.g. 0F0 1B3), with start times."""
-    return [f"rank {r:>3}: " + " ".join(f"{s}{k}{i}@{t0 * 1e3:.2f}ms" for t0, _, s, k, i in ev[:n])
-            for r, ev in enumerate(sim.events)]
+    return [
+        f"rank {r:>3}: " + " ".join(f"{s}{k}{i}@{t0 * 1e3:.2f}ms" for t0, _, s, k, i in ev[:n])
+        for r, ev in enumerate(sim.events)
+    ]
 
 
 # ---- the dynamic program -------------------------------------------------------------------------------------
 @dataclass
 class Partition:
-    bounds: list            # S + 1 cluster indices, 0 = b_0 < ... < b_S = n
-    variants: list          # intra-op variant per stage
+    bounds: list  # S + 1 cluster indices, 0 = b_0 < ... < b_S = n
+    variants: list  # intra-op variant per stage
     proxy_s: float
     recompute: list = None  # checkpointed blocks per stage
 
@@ -333,11 +339,11 @@ def stage_options(costs: list, xfer, spec, p: int, v: int, m: int, q: int, cap: 
     for vi, cv in enumerate(costs):
         PF, PB, PW, Pd, Ps, Pa = (pre(a) for a in (cv.F, cv.B, cv.W, cv.dp, cv.state, cv.act))
         Pn, Psv, Prt = pre(cv.blk.astype(float)), pre(cv.save), pre(cv.rtime)
-        x = np.pad(np.asarray(xfer[vi], dtype=float), (1, 1))       # x[b]: transfer over boundary b (0, n: none)
+        x = np.pad(np.asarray(xfer[vi], dtype=float), (1, 1))  # x[b]: transfer over boundary b (0, n: none)
         comp = (PF[i] - PF[j]) + (PB[i] - PB[j]) + (PW[i] - PW[j]) + x[j] + x[i]
         mem0 = (Ps[i] - Ps[j]) + q * (Pa[i] - Pa[j])
         nb = np.maximum(Pn[i] - Pn[j], 1.0)
-        blk_act = np.concatenate([[0.0], np.where(cv.blk, cv.act, 0.0)])     # blk_act[i]: cluster i - 1
+        blk_act = np.concatenate([[0.0], np.where(cv.blk, cv.act, 0.0)])  # blk_act[i]: cluster i - 1
         amax = np.maximum.accumulate(np.where(ok, blk_act[i], 0.0), axis=1)  # largest block activation in [j, i)
         save = (Psv[i] - Psv[j]) / nb
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -356,8 +362,18 @@ def stage_options(costs: list, xfer, spec, p: int, v: int, m: int, q: int, cap: 
     return np.stack(Cs), np.stack(Fs), np.stack(Rs)
 
 
-def partition(costs: list, xfer, spec, p: int, v: int, m: int, inflight: list[int], cap: float,
-              tol: float = 0.0, recompute: bool = True) -> Partition | None:
+def partition(
+    costs: list,
+    xfer,
+    spec,
+    p: int,
+    v: int,
+    m: int,
+    inflight: list[int],
+    cap: float,
+    tol: float = 0.0,
+    recompute: bool = True,
+) -> Partition | None:
     """Exact minimum of the closed form over contiguous partitions of the n clusters into S = p*v stages, an
     intra-op variant per stage and its checkpointed-block count (stage_options), every stage within `cap` bytes
     with inflight[k] micro-batches in flight, legal cuts only. costs: per variant, arrays over clusters (F, B, W,
@@ -370,7 +386,7 @@ def partition(costs: list, xfer, spec, p: int, v: int, m: int, inflight: list[in
     legal = np.ones(n + 1, dtype=bool)
     legal[1:n] = np.all([cv.legal for cv in costs], axis=0)
     cut_ok = legal[:, None] & legal[None, :]
-    by_q = {}                                   # stages with the same in-flight count share their options
+    by_q = {}  # stages with the same in-flight count share their options
     for q in set(inflight[:S]):
         C, Fm, R = stage_options(costs, xfer, spec, p, v, m, q, cap, recompute)
         C = np.where(cut_ok[None], C, INF)
@@ -403,7 +419,7 @@ def partition(costs: list, xfer, spec, p: int, v: int, m: int, inflight: list[in
         return None
     cmin_cluster = np.min([cv.F + cv.B + cv.W for cv in costs], axis=0)
     t_low = max(float(cmin_cluster.sum()) / S, float(cmin_cluster.max())) * (1 - 1e-12)
-    lo, hi = int(np.searchsorted(vals, t_low)), len(vals) - 1   # smallest feasible bottleneck
+    lo, hi = int(np.searchsorted(vals, t_low)), len(vals) - 1  # smallest feasible bottleneck
     while lo < hi:
         mid = (lo + hi) // 2
         if np.isfinite(solve(vals[mid])[0]):
@@ -448,6 +464,10 @@ def brute_force(costs: list, xfer, spec, p, v, m, inflight, cap, recompute: bool
             fs = [opts[inflight[k]][1][vs[k], bounds[k], bounds[k + 1]] for k in range(S)]
             val = proxy_coef(m, v) * max(cs) + sum(fs)
             if best is None or val < best.proxy_s - 1e-15:
-                best = Partition(bounds, list(vs), float(val),
-                                 [int(opts[inflight[k]][2][vs[k], bounds[k], bounds[k + 1]]) for k in range(S)])
+                best = Partition(
+                    bounds,
+                    list(vs),
+                    float(val),
+                    [int(opts[inflight[k]][2][vs[k], bounds[k], bounds[k + 1]]) for k in range(S)],
+                )
     return best

@@ -12,6 +12,7 @@ the next stage), `schedule` (name, micro-batch count and shapes, bubble, timelin
 even-split baseline), `params` (placements on the stage submesh, from the intra-op plan of the stage that holds each
 parameter) and `predicted`.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,9 @@ def _cluster_names(prefix: str, n_blocks: int) -> list[str]:
     return ["pre"] + [f"{prefix}.{i}" for i in range(n_blocks)] + ["post"]
 
 
-def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_of, mesh, inputs, cluster, budget,
-                        times) -> Plan:
+def build_pipeline_plan(
+    best, top, n_candidates, ops, model, prefix, reps, pos_of, mesh, inputs, cluster, budget, times
+) -> Plan:
     p, v, m, spec, smesh = best["p"], best["v"], best["m"], best["spec"], best["mesh"]
     S = p * v
     part = best["part"]
@@ -78,17 +80,35 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
         a, b = part.bounds[k], part.bounds[k + 1]
         cv = costs[part.variants[k]]
         r = best["rank_of"][k]
-        rec = {"index": k, "pp_rank": r, "clusters": names[a:b], "params": per_stage_params[k],
-               "n_params": sum(numel[f] for f in per_stage_params[k]),
-               "graph_ops": int(sum(cv.ops[a:b])),
-               "submesh": {"shape": list(smesh.shape), "names": list(smesh.names),
-                           "ranks": [r * ranks_per_stage, (r + 1) * ranks_per_stage - 1]},
-               "intra_op": cv.name, "recompute_blocks": best["recompute"][k],
-               "time": {"F_s": best["F"][k], "B_s": best["B"][k], "W_s": best["W"][k],
-                        "per_microbatch_s": best["F"][k] + best["B"][k] + best["W"][k], "dp_comm_s": best["dp"][k]},
-               "memory": {"state_bytes": best["state"][k], "act_bytes_per_microbatch": best["act"][k],
-                          "inflight_microbatches": best["inflight"][k],
-                          "recompute_transient_bytes": best["transient"][k], "rank_peak_bytes": best["rank_mem"][r]}}
+        rec = {
+            "index": k,
+            "pp_rank": r,
+            "clusters": names[a:b],
+            "params": per_stage_params[k],
+            "n_params": sum(numel[f] for f in per_stage_params[k]),
+            "graph_ops": int(sum(cv.ops[a:b])),
+            "submesh": {
+                "shape": list(smesh.shape),
+                "names": list(smesh.names),
+                "ranks": [r * ranks_per_stage, (r + 1) * ranks_per_stage - 1],
+            },
+            "intra_op": cv.name,
+            "recompute_blocks": best["recompute"][k],
+            "time": {
+                "F_s": best["F"][k],
+                "B_s": best["B"][k],
+                "W_s": best["W"][k],
+                "per_microbatch_s": best["F"][k] + best["B"][k] + best["W"][k],
+                "dp_comm_s": best["dp"][k],
+            },
+            "memory": {
+                "state_bytes": best["state"][k],
+                "act_bytes_per_microbatch": best["act"][k],
+                "inflight_microbatches": best["inflight"][k],
+                "recompute_transient_bytes": best["transient"][k],
+                "rank_peak_bytes": best["rank_mem"][r],
+            },
+        }
         if k < S - 1:
             nb, link, t = best["xfer"][k]
             rec["send"] = {"bytes": nb, "tensors": int(cv.ntensors[b - 1]), "link": link, "time_s": t}
@@ -111,28 +131,72 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
 
     def row(r):
         ev = r.get("even")
-        return {"pp": r["p"], "stage_mesh": list(r["mesh"].shape), "stage_mesh_names": list(r["mesh"].names),
-                "n_microbatches": r["m"], "schedule": r["spec"].name, "stages_per_rank": r["v"],
-                "step_s": r["step_s"], "bubble": r["bubble"], "peak_mem_bytes": r["peak_mem"],
-                "bounds": r["part"].bounds, "proxy_s": _finite(r["part"].proxy_s),
-                "even_split_step_s": ev["step_s"] if ev else None}
-    schedule = {"name": spec.name if S > 1 else "none", "torch_class": spec.torch_class if S > 1 else None,
-                "n_microbatches": m, "stages_per_rank": v, "num_stages": S, "pp": p,
-                "stage_mesh_shape": list(smesh.shape), "stage_mesh_names": list(smesh.names),
-                "layer_prefix": prefix, "clusters": names, "bounds": part.bounds,
-                "batch_shapes": shapes, "microbatch_shapes": mb_shapes, "local_batch_shapes": local,
-                "batch_placement": batch_pl,
-                "step_s": best["step_s"], "pipeline_s": best["pipeline_s"], "exposed_dp_s": best["exposed_dp_s"],
-                "bubble_fraction": best["bubble"], "proxy_step_s": _finite(part.proxy_s),
-                "timeline": pm.timeline(sim), "first_actions": pm.first_events(sim, 10),
-                "even_split": None if best["even"] is None else
-                {"step_s": best["even"]["step_s"], "bubble": best["even"]["bubble"],
-                 "peak_mem_bytes": best["even"]["peak_mem"], "fits": best["even"]["fits"],
-                 "bounds": best["even"]["bounds"], "recompute": best["even"]["recompute"],
-                 "stage_s": [f + b + w for f, b, w in zip(best["even"]["F"], best["even"]["B"], best["even"]["W"])]},
-                "candidates": [row(r) for r in top], "n_candidates": n_candidates,
-                "search": {k: times[k] for k in ("configs", "pruned", "intra_op_keys", "pp_degrees", "stage_meshes",
-                                                  "total_s", "intra_op_s", "stage_plans_wall_s", "search_wall_s")}}
+        return {
+            "pp": r["p"],
+            "stage_mesh": list(r["mesh"].shape),
+            "stage_mesh_names": list(r["mesh"].names),
+            "n_microbatches": r["m"],
+            "schedule": r["spec"].name,
+            "stages_per_rank": r["v"],
+            "step_s": r["step_s"],
+            "bubble": r["bubble"],
+            "peak_mem_bytes": r["peak_mem"],
+            "bounds": r["part"].bounds,
+            "proxy_s": _finite(r["part"].proxy_s),
+            "even_split_step_s": ev["step_s"] if ev else None,
+        }
+
+    schedule = {
+        "name": spec.name if S > 1 else "none",
+        "torch_class": spec.torch_class if S > 1 else None,
+        "n_microbatches": m,
+        "stages_per_rank": v,
+        "num_stages": S,
+        "pp": p,
+        "stage_mesh_shape": list(smesh.shape),
+        "stage_mesh_names": list(smesh.names),
+        "layer_prefix": prefix,
+        "clusters": names,
+        "bounds": part.bounds,
+        "batch_shapes": shapes,
+        "microbatch_shapes": mb_shapes,
+        "local_batch_shapes": local,
+        "batch_placement": batch_pl,
+        "step_s": best["step_s"],
+        "pipeline_s": best["pipeline_s"],
+        "exposed_dp_s": best["exposed_dp_s"],
+        "bubble_fraction": best["bubble"],
+        "proxy_step_s": _finite(part.proxy_s),
+        "timeline": pm.timeline(sim),
+        "first_actions": pm.first_events(sim, 10),
+        "even_split": None
+        if best["even"] is None
+        else {
+            "step_s": best["even"]["step_s"],
+            "bubble": best["even"]["bubble"],
+            "peak_mem_bytes": best["even"]["peak_mem"],
+            "fits": best["even"]["fits"],
+            "bounds": best["even"]["bounds"],
+            "recompute": best["even"]["recompute"],
+            "stage_s": [f + b + w for f, b, w in zip(best["even"]["F"], best["even"]["B"], best["even"]["W"])],
+        },
+        "candidates": [row(r) for r in top],
+        "n_candidates": n_candidates,
+        "search": {
+            k: times[k]
+            for k in (
+                "configs",
+                "pruned",
+                "intra_op_keys",
+                "pp_degrees",
+                "stage_meshes",
+                "total_s",
+                "intra_op_s",
+                "stage_plans_wall_s",
+                "search_wall_s",
+            )
+        },
+    }
     # whole-step collectives: activation redistributes once per micro-batch, dp comm once per step, p2p
     coll = {}
     for k in range(S):
@@ -147,29 +211,55 @@ def build_pipeline_plan(best, top, n_candidates, ops, model, prefix, reps, pos_o
     if n_x:
         d = coll.setdefault("send_recv", {"count": 0, "bytes": 0})
         d["count"] += 2 * m * n_x * smesh.size
-        d["bytes"] += int(2 * m * smesh.size * sum(x[0] for k, x in enumerate(best["xfer"])
-                                                   if best["rank_of"][k] != best["rank_of"][k + 1]))
+        d["bytes"] += int(
+            2
+            * m
+            * smesh.size
+            * sum(x[0] for k, x in enumerate(best["xfer"]) if best["rank_of"][k] != best["rank_of"][k + 1])
+        )
     busy = max(sim.busy_s)
     p2p_s = sum(x[2] for x in best["xfer"]) * 2 * m
     rank_state = [sum(best["state"][k] for k in range(S) if best["rank_of"][k] == r) for r in range(p)]
     exposed = best["exposed_dp_s"] + best["exposed_p2p_s"]
-    predicted = {"step_s": best["step_s"], "compute_s": best["step_s"] - exposed, "comm_s": p2p_s + max(best["dp"]),
-                 "exposed_comm_s": exposed, "busy_s": busy, "bubble_s": best["step_s"] - exposed - busy,
-                 "state_mem_bytes": max(rank_state),
-                 "act_peak_bytes": max(best["rank_mem"][r] - rank_state[r] for r in range(p)),
-                 "peak_mem_bytes": best["peak_mem"], "collectives": coll, "budget_bytes": budget,
-                 "bubble_fraction": best["bubble"]}
+    predicted = {
+        "step_s": best["step_s"],
+        "compute_s": best["step_s"] - exposed,
+        "comm_s": p2p_s + max(best["dp"]),
+        "exposed_comm_s": exposed,
+        "busy_s": busy,
+        "bubble_s": best["step_s"] - exposed - busy,
+        "state_mem_bytes": max(rank_state),
+        "act_peak_bytes": max(best["rank_mem"][r] - rank_state[r] for r in range(p)),
+        "peak_mem_bytes": best["peak_mem"],
+        "collectives": coll,
+        "budget_bytes": budget,
+        "bubble_fraction": best["bubble"],
+    }
     solver = dict(main.solver)
     solver["seconds"] = sum(pl.solver["seconds"] for pl in ops.plans)
     solver["intra_op_variants"] = [c.name for c in costs]
     full_shape = (p,) + tuple(smesh.shape) if "pp" not in getattr(mesh, "names", ()) else tuple(mesh.shape)
     full_names = ("pp",) + tuple(smesh.names) if "pp" not in getattr(mesh, "names", ()) else tuple(mesh.names)
-    return Plan(full_shape, full_names, cluster.name, main.nodes, params, predicted, solver,
-                [["stages: intra-op plans (summed over workers)", times["intra_op_s"]],
-                 ["stages: total", times["total_s"]]],
-                main.regions, main.coverage,
-                {**main.meta, "pipeline": True, "nodes": "the per-op plan of the representative sub-model (one "
-                 "block per distinct block) of the stage plan most stages use"}, stages, schedule)
+    return Plan(
+        full_shape,
+        full_names,
+        cluster.name,
+        main.nodes,
+        params,
+        predicted,
+        solver,
+        [["stages: intra-op plans (summed over workers)", times["intra_op_s"]], ["stages: total", times["total_s"]]],
+        main.regions,
+        main.coverage,
+        {
+            **main.meta,
+            "pipeline": True,
+            "nodes": "the per-op plan of the representative sub-model (one "
+            "block per distinct block) of the stage plan most stages use",
+        },
+        stages,
+        schedule,
+    )
 
 
 def evaluate_fitted(costs, bounds, r, cluster, budget, recompute=True) -> dict:
@@ -183,7 +273,7 @@ def evaluate_fitted(costs, bounds, r, cluster, budget, recompute=True) -> dict:
     variants, rec = [], []
     for k in range(S):
         a, b = bounds[k], bounds[k + 1]
-        if recompute == "all":          # a hand layout that checkpoints every block (Megatron / torchtitan "full")
+        if recompute == "all":  # a hand layout that checkpoints every block (Megatron / torchtitan "full")
             j = int(np.argmin([(cv.F[a:b] + cv.B[a:b] + cv.W[a:b] + cv.rtime[a:b]).sum() for cv in costs]))
             variants.append(j)
             rec.append(int(costs[j].blk[a:b].sum()))
@@ -193,12 +283,13 @@ def evaluate_fitted(costs, bounds, r, cluster, budget, recompute=True) -> dict:
             j = int(np.argmin(C[:, a, b]))
             variants.append(j)
             rec.append(int(R[j, a, b]))
-        else:                               # nothing fits: every block checkpointed, leanest variant
+        else:  # nothing fits: every block checkpointed, leanest variant
             j = int(np.argmin([cv.state[a:b].sum() + fl[k] * (cv.act[a:b] - cv.save[a:b]).sum() for cv in costs]))
             variants.append(j)
             rec.append(int(costs[j].blk[a:b].sum()) if recompute else 0)
-    return evaluate(costs, bounds, variants, rec, r["spec"], r["p"], v, r["m"], r["order"], cluster,
-                    r["mesh"].size, budget) | {"bounds": bounds, "variants": variants}
+    return evaluate(
+        costs, bounds, variants, rec, r["spec"], r["p"], v, r["m"], r["order"], cluster, r["mesh"].size, budget
+    ) | {"bounds": bounds, "variants": variants}
 
 
 def _dp_inflight(order, S, spec, v):
@@ -237,8 +328,9 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
         part = pm.partition(cvs, xfer, spec, p, v, m, fl, cap, tol, bool(recompute))
         if part is None:
             break
-        ev = evaluate(cvs, part.bounds, part.variants, part.recompute, spec, p, v, m, order, cluster, smesh.size,
-                      budget)
+        ev = evaluate(
+            cvs, part.bounds, part.variants, part.recompute, spec, p, v, m, order, cluster, smesh.size, budget
+        )
         if ev["fits"] and (best is None or ev["step_s"] < best["step_s"]):
             best = {**base, **ev, "part": part}
         if ev["fits"] and ev["peak_mem"] > 0.95 * budget or cap >= budget:
@@ -248,7 +340,7 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
 
 
 # ---- the search ------------------------------------------------------------------------------------------------
-_FORKED: tuple = ()     # what forked workers inherit: (model, prefix, reps, pos_of, ctx)
+_FORKED: tuple = ()  # what forked workers inherit: (model, prefix, reps, pos_of, ctx)
 
 
 def _one_stage_plan(job):
@@ -263,11 +355,22 @@ def _stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=No
     core, at most 2 unless `workers` says otherwise): each is an independent capture + intra-op solve."""
     import multiprocessing as mp
     import os
+
     global _FORKED
     jobs = []
     for smesh, mb in keys:
-        jobs.append((smesh, tuple(((mb,) + tuple(x.shape[1:]), x.dtype, None) if isinstance(x, torch.Tensor) and
-                                  x.dim() and x.shape[0] == Bsz else (None, None, x) for x in inputs), Bsz // mb))
+        jobs.append(
+            (
+                smesh,
+                tuple(
+                    ((mb,) + tuple(x.shape[1:]), x.dtype, None)
+                    if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == Bsz
+                    else (None, None, x)
+                    for x in inputs
+                ),
+                Bsz // mb,
+            )
+        )
     if workers is None:
         workers = min(2, os.cpu_count() or 1) if len(jobs) >= 4 else 1
     _FORKED = (model, prefix, reps, pos_of, ctx)
@@ -281,12 +384,13 @@ def _stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=No
         _FORKED = ()
     return dict(zip(keys, out))
 
+
 def _search_share(share):
     """Configurations share[0]::share[1] in lower-bound order: DP + simulation each, skipping those whose lower
     bound exceeds margin x the best step found so far (here)."""
     configs, cache, cluster, budget, hand, tol, recompute, margin = _FORKED
     results, best, pruned = [], INF, 0
-    for c in configs[share[0]::share[1]]:
+    for c in configs[share[0] :: share[1]]:
         if c["lb"] > margin * best:
             pruned += 1
             continue
@@ -297,7 +401,7 @@ def _search_share(share):
         r = search_config(c, order, cache[c["key"]], cluster, budget, hand, tol, recompute)
         if r["fits"]:
             best = min(best, r["step_s"])
-        if share[1] > 1:     # travels back to the parent: drop what is cheap to rebuild for the few kept
+        if share[1] > 1:  # travels back to the parent: drop what is cheap to rebuild for the few kept
             r = {k: val for k, val in r.items() if k not in ("sim", "order")}
         results.append(r)
     return results, pruned
@@ -308,6 +412,7 @@ def _search(job, workers=None):
     least what one process would)."""
     import multiprocessing as mp
     import os
+
     global _FORKED
     if workers is None:
         workers = min(2, os.cpu_count() or 1) if len(job[0]) >= 8 else 1
@@ -359,12 +464,25 @@ def microbatch_counts(B: int, p: int, dp: int, opts) -> list:
         ms = [m for m in opts["n_microbatches"] if B % m == 0 and (B // m) % dp == 0]
     else:
         ms = [m for m in _divisors(B) if (B // m) % dp == 0 and (m >= p if p > 1 else m == 1)]
-        ms = sorted(ms, key=lambda m: B // m)[:opts.get("max_microbatch_options", 3)]
+        ms = sorted(ms, key=lambda m: B // m)[: opts.get("max_microbatch_options", 3)]
     return sorted(ms)
 
 
-def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, loss_fn=None, force=None,
-                  replicate_ops=(), allow_replicate=False, time_limit=60.0, pipeline="auto"):
+def plan_pipeline(
+    model,
+    mesh,
+    example_inputs,
+    *,
+    cluster,
+    precision,
+    budget,
+    loss_fn=None,
+    force=None,
+    replicate_ops=(),
+    allow_replicate=False,
+    time_limit=60.0,
+    pipeline="auto",
+):
     """Choose pp degree, stage submesh, micro-batch count, schedule, stages per rank, stage boundaries and each
     stage's per-op plan; returns a Plan with `stages` and `schedule` filled (see module docstring).
 
@@ -376,6 +494,7 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
     prune_margin (1.25), dp_tol (1e-3: relative tolerance of the bottleneck scan; 0 = exact), top (candidates
     kept in the report)."""
     from .solver import InfeasibleMemoryError
+
     t_start = time.perf_counter()
     opts = dict(pipeline) if isinstance(pipeline, dict) else {}
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
@@ -384,18 +503,28 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
         raise ValueError("pipeline planning needs a batched first input (the batch dim 0 is split into micro-batches)")
     Bsz = tensors[0].shape[0]
     prefix = find_layers(model)
-    blocks = list(model.get_submodule(prefix).values()) if isinstance(model.get_submodule(prefix), nn.ModuleDict) \
+    blocks = (
+        list(model.get_submodule(prefix).values())
+        if isinstance(model.get_submodule(prefix), nn.ModuleDict)
         else list(model.get_submodule(prefix))
+    )
     sigs = [layer_signature(b) for b in blocks]
     reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
     pos_of = [reps.index(sigs.index(s)) for s in sigs]
     n = len(blocks) + 2
     tied = {a for a, _ in model.named_parameters(remove_duplicate=False)} - {a for a, _ in model.named_parameters()}
-    ctx = {"cluster": cluster, "precision": precision, "loss_fn": loss_fn, "force": dict(force or {}),
-           "replicate_ops": [str(o) for o in replicate_ops], "allow_replicate": allow_replicate,
-           "time_limit": time_limit, "n_variants": int(opts.get("n_variants", 2)),
-           "dp_shards_batch": bool(opts.get("dp_shards_batch", True)),
-           "recompute": opts.get("recompute", True)}
+    ctx = {
+        "cluster": cluster,
+        "precision": precision,
+        "loss_fn": loss_fn,
+        "force": dict(force or {}),
+        "replicate_ops": [str(o) for o in replicate_ops],
+        "allow_replicate": allow_replicate,
+        "time_limit": time_limit,
+        "n_variants": int(opts.get("n_variants", 2)),
+        "dp_shards_batch": bool(opts.get("dp_shards_batch", True)),
+        "recompute": opts.get("recompute", True),
+    }
     names = [k for k in opts.get("schedules") or pm.SCHEDULES]
     specs = [pm.get_schedule(k) for k in names]
     hand = opts.get("layers_per_stage")
@@ -415,14 +544,35 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
             continue
         for spec in specs:
             for v in (opts.get("stages_per_rank") or spec.stages_per_rank) if p > 1 else (1,):
-                if (p == 1 and spec.name != "GPipe") or (v > 1) != spec.multi or p * v > n or \
-                        (hand and len(hand) != p * v):
+                if (
+                    (p == 1 and spec.name != "GPipe")
+                    or (v > 1) != spec.multi
+                    or p * v > n
+                    or (hand and len(hand) != p * v)
+                ):
                     continue
-                configs.append({"p": p, "mesh": smesh, "m": m, "spec": spec, "v": v, "key": key,
-                                "lb": lower_bound(cache[key].costs(), spec, p, v, m)})
+                configs.append(
+                    {
+                        "p": p,
+                        "mesh": smesh,
+                        "m": m,
+                        "spec": spec,
+                        "v": v,
+                        "key": key,
+                        "lb": lower_bound(cache[key].costs(), spec, p, v, m),
+                    }
+                )
     configs.sort(key=lambda c: c["lb"])
-    job = (configs, cache, cluster, budget, hand, float(opts.get("dp_tol", 1e-3)), ctx["recompute"],
-           float(opts.get("prune_margin", 1.25)))
+    job = (
+        configs,
+        cache,
+        cluster,
+        budget,
+        hand,
+        float(opts.get("dp_tol", 1e-3)),
+        ctx["recompute"],
+        float(opts.get("prune_margin", 1.25)),
+    )
     t_search = time.perf_counter()
     results, pruned = _search(job, opts.get("workers"))
     t_search = time.perf_counter() - t_search
@@ -430,24 +580,53 @@ def plan_pipeline(model, mesh, example_inputs, *, cluster, precision, budget, lo
     fitting = [r for r in results if r["fits"]]
     if not fitting:
         low = min((r["peak_mem"] for r in results), default=INF)
-        raise InfeasibleMemoryError(f"no pipeline plan fits {budget / 1e9:.3f} GB per rank on {mesh}: smallest "
-                                    f"peak found {low / 1e9:.3f} GB over {len(results)} candidates")
+        raise InfeasibleMemoryError(
+            f"no pipeline plan fits {budget / 1e9:.3f} GB per rank on {mesh}: smallest "
+            f"peak found {low / 1e9:.3f} GB over {len(results)} candidates"
+        )
     fitting.sort(key=lambda r: (r["step_s"], r["p"] * r["v"], r["m"]))
-    top = fitting[:int(opts.get("top", 12))]
-    for r in top[:5]:       # the torchtitan-style even layer split of the same configuration, for comparison
+    top = fitting[: int(opts.get("top", 12))]
+    for r in top[:5]:  # the torchtitan-style even layer split of the same configuration, for comparison
         if r.get("order") is None:
             r["order"] = pm.actions(r["spec"], r["p"], r["m"], r["v"])
         S = r["p"] * r["v"]
-        r["even"] = evaluate_fitted(cache[r["key"]].costs(), even_bounds(len(blocks), S), r, cluster, budget,
-                                    ctx["recompute"]) if S <= len(blocks) else None
+        r["even"] = (
+            evaluate_fitted(cache[r["key"]].costs(), even_bounds(len(blocks), S), r, cluster, budget, ctx["recompute"])
+            if S <= len(blocks)
+            else None
+        )
     t0 = top[0]
-    best = top[0] = {**t0, **evaluate(cache[t0["key"]].costs(), t0["part"].bounds, t0["part"].variants,
-                                      t0["part"].recompute, t0["spec"], t0["p"], t0["v"], t0["m"], t0["order"],
-                                      cluster, t0["mesh"].size, budget, detail=True)}
-    stats = {"intra_op_s": t_intra, "total_s": time.perf_counter() - t_start, "configs": len(configs),
-             "stage_plans_wall_s": t_keys, "search_wall_s": t_search,
-             "pruned": pruned, "intra_op_keys": len(cache), "pp_degrees": sorted({c["p"] for c in configs}),
-             "stage_meshes": sorted({"x".join(map(str, c["mesh"].shape)) + "(" + ",".join(c["mesh"].names) + ")"
-                                     for c in configs})}
-    return build_pipeline_plan(best, top, len(results), cache[best["key"]], model,
-                               prefix, reps, pos_of, mesh, inputs, cluster, budget, stats)
+    best = top[0] = {
+        **t0,
+        **evaluate(
+            cache[t0["key"]].costs(),
+            t0["part"].bounds,
+            t0["part"].variants,
+            t0["part"].recompute,
+            t0["spec"],
+            t0["p"],
+            t0["v"],
+            t0["m"],
+            t0["order"],
+            cluster,
+            t0["mesh"].size,
+            budget,
+            detail=True,
+        ),
+    }
+    stats = {
+        "intra_op_s": t_intra,
+        "total_s": time.perf_counter() - t_start,
+        "configs": len(configs),
+        "stage_plans_wall_s": t_keys,
+        "search_wall_s": t_search,
+        "pruned": pruned,
+        "intra_op_keys": len(cache),
+        "pp_degrees": sorted({c["p"] for c in configs}),
+        "stage_meshes": sorted(
+            {"x".join(map(str, c["mesh"].shape)) + "(" + ",".join(c["mesh"].names) + ")" for c in configs}
+        ),
+    }
+    return build_pipeline_plan(
+        best, top, len(results), cache[best["key"]], model, prefix, reps, pos_of, mesh, inputs, cluster, budget, stats
+    )

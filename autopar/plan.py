@@ -1,5 +1,6 @@
 """The Plan: what the passes decided, as plain data. `dump()` is deterministic text meant to be read and diffed;
 `save`/`load` round-trip it as JSON; `param_placements()` gives torch Placements per parameter FQN."""
+
 from __future__ import annotations
 
 import hashlib
@@ -28,17 +29,18 @@ class Plan:
     params: dict[str, list[str]]
     predicted: dict
     solver: dict
-    timings: list = field(default_factory=list)     # [pass, seconds] in run order
+    timings: list = field(default_factory=list)  # [pass, seconds] in run order
     regions: list = field(default_factory=list)
     coverage: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)
     stages: list = field(default_factory=list)
     schedule: dict = field(default_factory=dict)
-    buckets: list = field(default_factory=list)     # gradient buckets (passes/buckets.py): one collective each
+    buckets: list = field(default_factory=list)  # gradient buckets (passes/buckets.py): one collective each
 
     # ---- queries --------------------------------------------------------------------------------------------
     def param_placements(self) -> dict:
         from .strategies._torch_adapter import to_placement
+
         return {k: tuple(to_placement(p) for p in v) for k, v in self.params.items()}
 
     def collectives(self) -> list[tuple[str, int, int]]:
@@ -47,14 +49,20 @@ class Plan:
         out = []
         for n in self.nodes:
             for r in n.get("redistribute", []):
-                if "bucket" not in r:                   # bucketed gradient reductions: their bucket's collective
+                if "bucket" not in r:  # bucketed gradient reductions: their bucket's collective
                     out += [(c[0], _dim(c[1]), c[2]) for c in r["collectives"]]
         return out + [(b["kind"], _dim(b["mesh_dim"]), b["bytes"]) for b in self.buckets]
 
     def hash(self) -> str:
-        body = json.dumps({"mesh": self.mesh_shape, "params": self.params, "buckets": self.buckets,
-                           "nodes": [[n["placement"], n.get("redistribute", [])] for n in self.nodes]},
-                          sort_keys=True)
+        body = json.dumps(
+            {
+                "mesh": self.mesh_shape,
+                "params": self.params,
+                "buckets": self.buckets,
+                "nodes": [[n["placement"], n.get("redistribute", [])] for n in self.nodes],
+            },
+            sort_keys=True,
+        )
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     # ---- persistence ----------------------------------------------------------------------------------------
@@ -78,23 +86,31 @@ class Plan:
         (pass times, solve seconds) so the text is identical for identical plans."""
         p = self.predicted
         mesh = " x ".join(f"{n}={s}" for n, s in zip(self.mesh_names, self.mesh_shape))
-        lines = [f"autopar plan  mesh [{mesh}]  cluster {self.cluster}  plan {self.hash()}",
-                 f"predicted step {p['step_s'] * 1e3:.3f} ms = compute {p['compute_s'] * 1e3:.3f} ms + exposed comm "
-                 f"{p['exposed_comm_s'] * 1e3:.3f} ms (all comm {p['comm_s'] * 1e3:.3f} ms)",
-                 f"peak memory per rank {p['peak_mem_bytes'] / 2**30:.3f} GiB (model state "
-                 f"{p['state_mem_bytes'] / 2**30:.3f} GiB, activation peak {p['act_peak_bytes'] / 2**30:.3f} GiB)",
-                 "collectives per step: " + (", ".join(f"{k} x{v['count']} {v['bytes'] / 1e6:.3f} MB"
-                                                      for k, v in sorted(p["collectives"].items(),
-                                                                         key=lambda kv: _KIND_ORDER.index(kv[0])))
-                                             or "none"),
-                 f"solver {self.solver['status']}  objective {self.solver['objective'] * 1e3:.4f} ms  gap "
-                 f"{self.solver['gap']:.2e}  {self.solver['n_vars']} vars"
-                 + (f"  {self.solver['seconds']:.2f} s" if timings else "")]
+        lines = [
+            f"autopar plan  mesh [{mesh}]  cluster {self.cluster}  plan {self.hash()}",
+            f"predicted step {p['step_s'] * 1e3:.3f} ms = compute {p['compute_s'] * 1e3:.3f} ms + exposed comm "
+            f"{p['exposed_comm_s'] * 1e3:.3f} ms (all comm {p['comm_s'] * 1e3:.3f} ms)",
+            f"peak memory per rank {p['peak_mem_bytes'] / 2**30:.3f} GiB (model state "
+            f"{p['state_mem_bytes'] / 2**30:.3f} GiB, activation peak {p['act_peak_bytes'] / 2**30:.3f} GiB)",
+            "collectives per step: "
+            + (
+                ", ".join(
+                    f"{k} x{v['count']} {v['bytes'] / 1e6:.3f} MB"
+                    for k, v in sorted(p["collectives"].items(), key=lambda kv: _KIND_ORDER.index(kv[0]))
+                )
+                or "none"
+            ),
+            f"solver {self.solver['status']}  objective {self.solver['objective'] * 1e3:.4f} ms  gap "
+            f"{self.solver['gap']:.2e}  {self.solver['n_vars']} vars"
+            + (f"  {self.solver['seconds']:.2f} s" if timings else ""),
+        ]
         if timings:
             lines.append("pass times " + "  ".join(f"{k} {v:.2f}s" for k, v in self.timings))
         if self.coverage:
-            lines.append("replicate-only ops (no placement rule, accepted by the user): " +
-                         ", ".join(f"{k} x{v}" for k, v in sorted(self.coverage.items())))
+            lines.append(
+                "replicate-only ops (no placement rule, accepted by the user): "
+                + ", ".join(f"{k} x{v}" for k, v in sorted(self.coverage.items()))
+            )
         if self.stages:
             lines += self.stage_summary()
         lines.append("")
@@ -104,32 +120,41 @@ class Plan:
 
     def stage_summary(self) -> list[str]:
         """Pipeline plans: the schedule, one row per stage (clusters, modeled time and memory), the timeline."""
-        sc, gib = self.schedule, 2 ** 30
+        sc, gib = self.schedule, 2**30
         mb = " ".join("x".join(map(str, s)) for s in sc.get("microbatch_shapes", []))
         ev = sc.get("even_split")
-        lines = [f"pipeline: {sc['num_stages']} stages on pp={sc['pp']} ({sc['stages_per_rank']} per rank), stage "
-                 f"submesh {'x'.join(map(str, sc['stage_mesh_shape']))}({','.join(sc['stage_mesh_names'])}), "
-                 f"schedule {sc['name']}, {sc['n_microbatches']} micro-batches of {mb}",
-                 f"  step {sc['step_s'] * 1e3:.3f} ms (pipeline {sc['pipeline_s'] * 1e3:.3f} ms + exposed dp comm "
-                 f"{sc['exposed_dp_s'] * 1e3:.3f} ms; closed form "
-                 f"{'-' if sc['proxy_step_s'] is None else format(sc['proxy_step_s'] * 1e3, '.3f')} ms), bubble "
-                 f"{sc['bubble_fraction'] * 100:.1f}%" + (f"; even layer split {ev['step_s'] * 1e3:.3f} ms, bubble "
-                                                           f"{ev['bubble'] * 100:.1f}%" if ev else ""),
-                 f"  {'stage':>5} {'rank':>4} {'clusters':<30} {'params':>9} {'F ms':>9} {'B ms':>9} {'W ms':>9} "
-                 f"{'dp ms':>8} {'state GiB':>9} {'act/mb GiB':>10} {'in-flight':>9} {'rank GiB':>9}  send"]
+        lines = [
+            f"pipeline: {sc['num_stages']} stages on pp={sc['pp']} ({sc['stages_per_rank']} per rank), stage "
+            f"submesh {'x'.join(map(str, sc['stage_mesh_shape']))}({','.join(sc['stage_mesh_names'])}), "
+            f"schedule {sc['name']}, {sc['n_microbatches']} micro-batches of {mb}",
+            f"  step {sc['step_s'] * 1e3:.3f} ms (pipeline {sc['pipeline_s'] * 1e3:.3f} ms + exposed dp comm "
+            f"{sc['exposed_dp_s'] * 1e3:.3f} ms; closed form "
+            f"{'-' if sc['proxy_step_s'] is None else format(sc['proxy_step_s'] * 1e3, '.3f')} ms), bubble "
+            f"{sc['bubble_fraction'] * 100:.1f}%"
+            + (f"; even layer split {ev['step_s'] * 1e3:.3f} ms, bubble {ev['bubble'] * 100:.1f}%" if ev else ""),
+            f"  {'stage':>5} {'rank':>4} {'clusters':<30} {'params':>9} {'F ms':>9} {'B ms':>9} {'W ms':>9} "
+            f"{'dp ms':>8} {'state GiB':>9} {'act/mb GiB':>10} {'in-flight':>9} {'rank GiB':>9}  send",
+        ]
         for st in self.stages:
             cl = st["clusters"]
             where = cl[0] if len(cl) == 1 else f"{cl[0]}..{cl[-1]} ({len(cl)})"
             t, m = st["time"], st["memory"]
-            send = f"{st['send']['bytes'] / 1e6:.2f} MB {st['send']['link']} {st['send']['time_s'] * 1e3:.3f} ms" \
-                if "send" in st else "-"
-            lines.append(f"  {st['index']:>5} {st['pp_rank']:>4} {where:<30} {st['n_params'] / 1e6:>8.2f}M "
-                         f"{t['F_s'] * 1e3:>9.3f} {t['B_s'] * 1e3:>9.3f} {t['W_s'] * 1e3:>9.3f} "
-                         f"{t['dp_comm_s'] * 1e3:>8.3f} {m['state_bytes'] / gib:>9.3f} "
-                         f"{m['act_bytes_per_microbatch'] / gib:>10.4f} {m['inflight_microbatches']:>9} "
-                         f"{m['rank_peak_bytes'] / gib:>9.3f}  {send}")
-        lines.append("  timeline (one row per pp rank; F forward, B backward, I input-grad, W weight-grad, lower case: "
-                     "the rank's later stage, '.' idle)")
+            send = (
+                f"{st['send']['bytes'] / 1e6:.2f} MB {st['send']['link']} {st['send']['time_s'] * 1e3:.3f} ms"
+                if "send" in st
+                else "-"
+            )
+            lines.append(
+                f"  {st['index']:>5} {st['pp_rank']:>4} {where:<30} {st['n_params'] / 1e6:>8.2f}M "
+                f"{t['F_s'] * 1e3:>9.3f} {t['B_s'] * 1e3:>9.3f} {t['W_s'] * 1e3:>9.3f} "
+                f"{t['dp_comm_s'] * 1e3:>8.3f} {m['state_bytes'] / gib:>9.3f} "
+                f"{m['act_bytes_per_microbatch'] / gib:>10.4f} {m['inflight_microbatches']:>9} "
+                f"{m['rank_peak_bytes'] / gib:>9.3f}  {send}"
+            )
+        lines.append(
+            "  timeline (one row per pp rank; F forward, B backward, I input-grad, W weight-grad, lower case: "
+            "the rank's later stage, '.' idle)"
+        )
         lines += ["  " + r for r in sc.get("timeline", [])]
         return lines
 
@@ -137,7 +162,7 @@ class Plan:
         """Module FQN (repeated layers folded to '*') -> a readable description of its parameters' placements."""
         rows = defaultdict(set)
         shapes = {n["target"]: n["shape"][0] for n in self.nodes if n["kind"] == "param"}
-        if self.stages:     # pipeline plans: placements are on the stage submesh; nodes hold representative blocks
+        if self.stages:  # pipeline plans: placements are on the stage submesh; nodes hold representative blocks
             folded = {re.sub(r"\.(\d+)\.", ".*.", g): s for g, s in shapes.items()}
             for f in self.params:
                 shapes.setdefault(f, folded.get(re.sub(r"\.(\d+)\.", ".*.", f)))
@@ -147,8 +172,9 @@ class Plan:
         out = []
         for key in sorted(rows):
             variants = sorted(rows[key])
-            shape = next((shapes[f] for f in self.params if f in shapes and re.sub(r"\.(\d+)\.", ".*.", f) == key),
-                         [])      # a tied alias (e.g. lm_head.weight) has no parameter node of its own
+            shape = next(
+                (shapes[f] for f in self.params if f in shapes and re.sub(r"\.(\d+)\.", ".*.", f) == key), []
+            )  # a tied alias (e.g. lm_head.weight) has no parameter node of its own
             desc = "; ".join(_describe(key, shape, v, self._param_mesh_names()) for v in variants)
             out.append(f"  {key:<44} {desc}")
         return out
@@ -163,30 +189,48 @@ class Plan:
 
     def dump(self) -> str:
         """Deterministic annotated graph: identical plans give identical text (no wall-clock figures)."""
-        lines = [self.summary(timings=False), "", "graph (one line per node: op, phase, module, output shapes, placement; "
-                                     "then the redistributes its inputs need)"]
+        lines = [
+            self.summary(timings=False),
+            "",
+            "graph (one line per node: op, phase, module, output shapes, placement; "
+            "then the redistributes its inputs need)",
+        ]
         for n in self.nodes:
             outs = " ".join("x".join(map(str, s)) if s is not None else "-" for s in n["shape"])
             pl = " ".join("[" + ",".join(p) + "]" if p is not None else "-" for p in n["placement"]["out"])
             ins = " ".join("[" + ",".join(p) + "]" for p in n["placement"]["ins"])
             where = n["module"] or "<root>"
-            lines.append(f"{n['name']:<44} {n['phase']} {where:<32} {outs:<18} out {pl} in {ins}"
-                         + (f"  t={n['time_s'] * 1e6:.2f}us" if n.get("time_s") else ""))
+            lines.append(
+                f"{n['name']:<44} {n['phase']} {where:<32} {outs:<18} out {pl} in {ins}"
+                + (f"  t={n['time_s'] * 1e6:.2f}us" if n.get("time_s") else "")
+            )
             for r in n.get("redistribute", []):
                 cs = ", ".join(f"{c[0]}(dim {self._dim_name(c[1])}, {c[2] / 1e6:.3f} MB)" for c in r["collectives"])
-                lines.append(f"    input {r['input']}: [{','.join(r['src'])}] -> [{','.join(r['dst'])}]"
-                             + (f"  in gradient bucket {r['bucket']}" if "bucket" in r else f"  {cs}" if cs
-                                else f"  (shares {r['shares'][0]} input {r['shares'][1]})" if "shares" in r
-                                else f"  (in {_co(r['coalesced'])}'s all_reduce)" if "coalesced" in r
-                                else "  (local)"))
+                lines.append(
+                    f"    input {r['input']}: [{','.join(r['src'])}] -> [{','.join(r['dst'])}]"
+                    + (
+                        f"  in gradient bucket {r['bucket']}"
+                        if "bucket" in r
+                        else f"  {cs}"
+                        if cs
+                        else f"  (shares {r['shares'][0]} input {r['shares'][1]})"
+                        if "shares" in r
+                        else f"  (in {_co(r['coalesced'])}'s all_reduce)"
+                        if "coalesced" in r
+                        else "  (local)"
+                    )
+                )
         if self.buckets:
             lines += ["", "gradient buckets (one collective each, issued after the backward in this order)"]
             names = self._param_mesh_names()
             for k, b in enumerate(self.buckets):
                 dim = "+".join(names[d] for d in dims_of(b["mesh_dim"]))
-                lines.append(f"  bucket {k}: {b['kind']}(dim {dim}, {b['bytes'] / 1e6:.3f} MB) "
-                             f"[{b['from']}] -> [{b['to']}] {b['dtype']}, {len(b['params'])} gradients: "
-                             + ", ".join(b["params"][:6]) + (" ..." if len(b["params"]) > 6 else ""))
+                lines.append(
+                    f"  bucket {k}: {b['kind']}(dim {dim}, {b['bytes'] / 1e6:.3f} MB) "
+                    f"[{b['from']}] -> [{b['to']}] {b['dtype']}, {len(b['params'])} gradients: "
+                    + ", ".join(b["params"][:6])
+                    + (" ..." if len(b["params"]) > 6 else "")
+                )
         return "\n".join(lines) + "\n"
 
 
@@ -196,7 +240,9 @@ def _describe(key: str, shape, pl, names) -> str:
     for p, name in zip(pl, names):
         if p == "R":
             parts.append(f"replicate on {name}")
-        elif len(shape) == 2 and leaf == "weight" and not key.endswith(("embeddings.weight", "wte.weight", "wpe.weight")):
+        elif (
+            len(shape) == 2 and leaf == "weight" and not key.endswith(("embeddings.weight", "wte.weight", "wpe.weight"))
+        ):
             parts.append(f"{'colwise' if p == 'S0' else 'rowwise'} on {name}")
         elif key.endswith(("embeddings.weight", "wte.weight", "wpe.weight")):
             parts.append(f"{'vocab-sharded' if p == 'S0' else 'dim-sharded'} on {name}")
@@ -230,15 +276,26 @@ def _dtype_name(dt) -> str:
 
 
 def node_record(n, s, red, time_s, source) -> dict:
-    return {"idx": n.idx, "name": n.name, "kind": n.kind, "target": n.target if n.kind != "op" else op_name(n.target),
-            "phase": n.phase, "module": n.module,
-            "shape": [list(m.shape) if m is not None else None for m in n.outs],
-            "dtype": [_dtype_name(m.dtype) if m is not None else None for m in n.outs],
-            "placement": {"out": [list(p) if p is not None else None for p in s.out], "ins": [list(p) for p in s.ins]},
-            "redistribute": red, "time_s": time_s, "source": source,
-            "inputs": [[r.node, r.out] for r in n.inputs()],     # producer (node idx, output) per tensor input
-            **({"consts": {str(i): a for i, a in enumerate(n.args) if type(a) in (int, float, bool)}}
-               if n.kind == "op" else {})}                      # scalar positional arguments (ignore_index, dims)
+    return {
+        "idx": n.idx,
+        "name": n.name,
+        "kind": n.kind,
+        "target": n.target if n.kind != "op" else op_name(n.target),
+        "phase": n.phase,
+        "module": n.module,
+        "shape": [list(m.shape) if m is not None else None for m in n.outs],
+        "dtype": [_dtype_name(m.dtype) if m is not None else None for m in n.outs],
+        "placement": {"out": [list(p) if p is not None else None for p in s.out], "ins": [list(p) for p in s.ins]},
+        "redistribute": red,
+        "time_s": time_s,
+        "source": source,
+        "inputs": [[r.node, r.out] for r in n.inputs()],  # producer (node idx, output) per tensor input
+        **(
+            {"consts": {str(i): a for i, a in enumerate(n.args) if type(a) in (int, float, bool)}}
+            if n.kind == "op"
+            else {}
+        ),
+    }  # scalar positional arguments (ignore_index, dims)
 
 
 def _co(c) -> str:

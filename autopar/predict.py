@@ -6,6 +6,7 @@ with compute (prefetch, bucketing): exposed = activation comm + max(0, param/gra
 rank = model state at the storage placements (params, grads, optimizer state) + the activation liveness peak of
 the fw+bw order, with each redistributed input held while its consumer runs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,17 +22,40 @@ def build_plan(state) -> Plan:
     g, P, cluster = state.graph, state.placement, state.cluster
     predicted, red_by_node, times = predict(state)
     sol = state.solution
-    records = [node_record(n, P[n.idx], red_by_node.get(n.idx, []), times[n.idx], state.sources[n.idx])
-               for n in g.nodes]
+    records = [
+        node_record(n, P[n.idx], red_by_node.get(n.idx, []), times[n.idx], state.sources[n.idx]) for n in g.nodes
+    ]
     params = {fqn: list(P[i].out[0]) for fqn, i in g.params.items()}
     for alias, base in g.aliases.items():
         params.setdefault(alias, params[base])
-    return Plan(state.mesh.shape, state.mesh.names, cluster.name, records, params, predicted,
-                {"status": sol.status, "objective": sol.objective, "bound": sol.bound, "gap": sol.gap,
-                 "seconds": sol.seconds, "n_vars": sol.n_vars, "n_constraints": sol.n_constraints},
-                [[k, v] for k, v in state.timings.items()], state.regions, {k: len(v) for k, v in (state.coverage or {}).items()},
-                {"torch": torch.__version__, "budget_bytes": state.budget, "precision": repr(state.precision),
-                 **state.extras, **_state_meta(g)}, buckets=[dict(b) for b in state.buckets or []])
+    return Plan(
+        state.mesh.shape,
+        state.mesh.names,
+        cluster.name,
+        records,
+        params,
+        predicted,
+        {
+            "status": sol.status,
+            "objective": sol.objective,
+            "bound": sol.bound,
+            "gap": sol.gap,
+            "seconds": sol.seconds,
+            "n_vars": sol.n_vars,
+            "n_constraints": sol.n_constraints,
+        },
+        [[k, v] for k, v in state.timings.items()],
+        state.regions,
+        {k: len(v) for k, v in (state.coverage or {}).items()},
+        {
+            "torch": torch.__version__,
+            "budget_bytes": state.budget,
+            "precision": repr(state.precision),
+            **state.extras,
+            **_state_meta(g),
+        },
+        buckets=[dict(b) for b in state.buckets or []],
+    )
 
 
 def _state_meta(g) -> dict:
@@ -58,11 +82,20 @@ def predict(state):
         leads.setdefault(lead, []).append((i, j))
     for (i, j), (src, dst, cs) in sorted(state.redistributes.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         bucket = bucket_of.get(nodes[i].target) if j == "opt" else None
-        if bucket is not None:            # carried by its bucket's one collective (counted below)
+        if bucket is not None:  # carried by its bucket's one collective (counted below)
             t = grad_reduce_time(src, dst, g.meta(g.grads[nodes[i].target]), mesh_shape, cluster, len(g.grads))
-            red_by_node.setdefault(i, []).append({"input": j, "src": list(src), "dst": list(dst), "time_s": t,
-                                                  "collectives": [c.to_json() for c in cs], "class": "grad",
-                                                  "param": nodes[i].target, "bucket": bucket})
+            red_by_node.setdefault(i, []).append(
+                {
+                    "input": j,
+                    "src": list(src),
+                    "dst": list(dst),
+                    "time_s": t,
+                    "collectives": [c.to_json() for c in cs],
+                    "class": "grad",
+                    "param": nodes[i].target,
+                    "bucket": bucket,
+                }
+            )
             continue
         if j == "opt":
             meta, cls = g.meta(g.grads[nodes[i].target]), "grad"
@@ -75,19 +108,28 @@ def predict(state):
             meta = g.meta(r)
             cls = "param" if param_root(g, r.node) is not None else "act"
         shared = (state.shares or {}).get((i, j)) or coalesced.get((i, j))
-        if (i, j) in leads:               # its all_reduce carries the coalesced inputs too
-            meta = TensorMeta((meta.numel + sum(g.meta(nodes[a].inputs()[b]).numel for a, b in leads[(i, j)]),),
-                              meta.dtype)
+        if (i, j) in leads:  # its all_reduce carries the coalesced inputs too
+            meta = TensorMeta(
+                (meta.numel + sum(g.meta(nodes[a].inputs()[b]).numel for a, b in leads[(i, j)]),), meta.dtype
+            )
         t = 0.0 if shared else redistribute_time(src, dst, meta, mesh_shape, cluster)
         comm[cls] += t
-        red_by_node.setdefault(i, []).append({"input": j, "src": list(src), "dst": list(dst), "time_s": t,
-                                              "collectives": [c.to_json() for c in cs], "class": cls})
+        red_by_node.setdefault(i, []).append(
+            {
+                "input": j,
+                "src": list(src),
+                "dst": list(dst),
+                "time_s": t,
+                "collectives": [c.to_json() for c in cs],
+                "class": cls,
+            }
+        )
         if (i, j) in coalesced:
-            a, b = coalesced[(i, j)]          # an input of this op, or of a later one (the loss tail's group)
+            a, b = coalesced[(i, j)]  # an input of this op, or of a later one (the loss tail's group)
             red_by_node[i][-1]["coalesced"] = b if a == i else f"{nodes[a].name}:{b}"
         elif shared:
             red_by_node[i][-1]["shares"] = [nodes[shared[0]].name, shared[1]]
-        if cls != "act":     # which parameter this gather / gradient reduction is for (backends group them)
+        if cls != "act":  # which parameter this gather / gradient reduction is for (backends group them)
             red_by_node[i][-1]["param"] = nodes[i].target if j == "opt" else param_root(g, r.node)
         for c in cs:
             k = kinds.setdefault(c.kind, {"count": 0, "bytes": 0})
@@ -107,25 +149,37 @@ def predict(state):
         times.append(tcache[key])
     compute = sum(times)
     recompute_s = 0.0
-    if state.recompute:                   # activation checkpointing: checkpointed blocks run their forward twice
+    if state.recompute:  # activation checkpointing: checkpointed blocks run their forward twice
         from autopar.passes.checkpointing import recompute_seconds
+
         recompute_s = recompute_seconds(state, times)
         compute += recompute_s
     overlappable = comm["param"] + comm["grad"]
     exposed = comm["act"] + (max(0.0, overlappable - compute) if state.options.get("overlap", False) else overlappable)
     state_mem = state_bytes(g, P, mesh_shape, state.precision)
     act_peak = liveness_peak(g, P, mesh_shape, state.recompute)
-    predicted = {"step_s": compute + exposed, "compute_s": compute, "comm_s": sum(comm.values()),
-                 "exposed_comm_s": exposed, "comm_by_class_s": comm, "state_mem_bytes": state_mem,
-                 "act_peak_bytes": act_peak, "peak_mem_bytes": state_mem + act_peak, "collectives": kinds,
-                 "budget_bytes": state.budget, "recompute_s": recompute_s}
+    predicted = {
+        "step_s": compute + exposed,
+        "compute_s": compute,
+        "comm_s": sum(comm.values()),
+        "exposed_comm_s": exposed,
+        "comm_by_class_s": comm,
+        "state_mem_bytes": state_mem,
+        "act_peak_bytes": act_peak,
+        "peak_mem_bytes": state_mem + act_peak,
+        "collectives": kinds,
+        "budget_bytes": state.budget,
+        "recompute_s": recompute_s,
+    }
     return predicted, red_by_node, times
 
 
 def state_bytes(g, P, mesh_shape, precision) -> float:
     """Parameters, gradients and optimizer state per rank at the parameters' storage placements."""
-    return sum(g.nodes[i].out.numel * precision.bytes_per_param / num_shards(P[i].out[0], mesh_shape)
-               for i in g.params.values())
+    return sum(
+        g.nodes[i].out.numel * precision.bytes_per_param / num_shards(P[i].out[0], mesh_shape)
+        for i in g.params.values()
+    )
 
 
 def last_uses(g):
@@ -145,6 +199,7 @@ def liveness_peak(g, P, mesh_shape, recompute=None) -> float:
     recompute: checkpointed blocks (passes/checkpointing.py), whose saved activations are dropped and recomputed."""
     if recompute:
         from autopar.passes.checkpointing import liveness_peak_checkpointed
+
         return liveness_peak_checkpointed(g, P, mesh_shape, recompute)
     last, grad_refs = last_uses(g)
     frees: dict[int, list] = {}

@@ -11,6 +11,7 @@ be removed or added by one collective plus local reshuffles. When the in-order w
 `steps` falls back to an executable order: unshard from the innermost mesh dim outwards, then shard outer
 first (as DTensor does). The backends execute exactly these steps, so predicted == measured collectives.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,10 +24,10 @@ from .graph import TensorMeta
 
 @dataclass(frozen=True)
 class Collective:
-    kind: str          # all_gather | all_reduce | reduce_scatter | all_to_all
-    mesh_dim: int      # a tuple of mesh dims for one collective over their flattened group (gradient buckets)
-    nbytes: int        # full size over the group (the all_gather output, reduce_scatter input, all_reduce size)
-    group: int         # ranks in the group
+    kind: str  # all_gather | all_reduce | reduce_scatter | all_to_all
+    mesh_dim: int  # a tuple of mesh dims for one collective over their flattened group (gradient buckets)
+    nbytes: int  # full size over the group (the all_gather output, reduce_scatter input, all_reduce size)
+    group: int  # ranks in the group
 
     def to_json(self):
         return [self.kind, self.mesh_dim, self.nbytes, self.group]
@@ -36,8 +37,9 @@ def _partial(p):
     return p[0] == "P"
 
 
-def collectives(src: tuple[str, ...], dst: tuple[str, ...], meta: TensorMeta, mesh_shape,
-                cluster=None) -> tuple[Collective, ...]:
+def collectives(
+    src: tuple[str, ...], dst: tuple[str, ...], meta: TensorMeta, mesh_shape, cluster=None
+) -> tuple[Collective, ...]:
     """The collectives that take a tensor from `src` to `dst`; with a `cluster`, a chain of all_reduces over several
     mesh dims is one all_reduce over their flattened group where the cluster's cost model says that is faster
     (`flat_reduce`), as the planner prices it and the executor runs it."""
@@ -61,9 +63,9 @@ def _step_ok(cur, m, b) -> bool:
     """Can mesh dim m go from cur[m] to b with one collective (standard DTensor layouts before and after)?"""
     a = cur[m]
     if a[0] == "S" and _sharders(cur, int(a[1:]))[-1] != m:
-        return False                       # m is not the innermost mesh dim sharding that tensor dim
+        return False  # m is not the innermost mesh dim sharding that tensor dim
     if b[0] == "S" and any(k > m for k in _sharders(cur, int(b[1:])) if k != m):
-        return False                       # a mesh dim inside m already shards the target tensor dim
+        return False  # a mesh dim inside m already shards the target tensor dim
     return True
 
 
@@ -71,7 +73,7 @@ def _step_ok(cur, m, b) -> bool:
 def steps(src: tuple[str, ...], dst: tuple[str, ...]) -> tuple[tuple[int, str, str], ...]:
     """The ordered single-mesh-dim changes (mesh_dim, from, to) that turn `src` into `dst`."""
     cur, out = list(src), []
-    for m in range(len(src)):              # the plain walk over mesh dims, when every step is legal
+    for m in range(len(src)):  # the plain walk over mesh dims, when every step is legal
         if cur[m] != dst[m]:
             if not _step_ok(cur, m, dst[m]):
                 break
@@ -81,13 +83,13 @@ def steps(src: tuple[str, ...], dst: tuple[str, ...]) -> tuple[tuple[int, str, s
         return tuple(out)
     cur, out = list(src), []
     ndim = 1 + max([int(p[1:]) for p in src + dst if p[0] == "S"], default=0)
-    keep = set()                           # per tensor dim: mesh dims in the common prefix of src/dst sharders
+    keep = set()  # per tensor dim: mesh dims in the common prefix of src/dst sharders
     for d in range(ndim):
         for a, b in zip(_sharders(src, d), _sharders(dst, d)):
             if a != b:
                 break
             keep.add(a)
-    for m in reversed(range(len(src))):    # unshard innermost first (all_to_all straight to dst when legal)
+    for m in reversed(range(len(src))):  # unshard innermost first (all_to_all straight to dst when legal)
         if cur[m][0] == "S" and m not in keep:
             b = dst[m]
             if b[0] == "S":
@@ -97,7 +99,7 @@ def steps(src: tuple[str, ...], dst: tuple[str, ...]) -> tuple[tuple[int, str, s
                 b = b if not later and not blocked and _step_ok(cur, m, b) else "R"
             out.append((m, cur[m], b))
             cur[m] = b
-    for m in range(len(src)):              # then reduce / shard / rescale, outer first
+    for m in range(len(src)):  # then reduce / shard / rescale, outer first
         if cur[m] != dst[m]:
             assert _step_ok(cur, m, dst[m]), (src, dst, m, cur)
             out.append((m, cur[m], dst[m]))
@@ -140,8 +142,10 @@ def _time(src, dst, nbytes, mesh_shape, cluster):
     if flat:
         return collective_time("all_reduce", flat.nbytes, flat.group, link_of(cluster, mesh_shape, flat.mesh_dim))
     links = _links(cluster, mesh_shape)
-    return sum(collective_time(c.kind, c.nbytes, c.group, links[c.mesh_dim])
-               for c in _collectives(src, dst, nbytes, mesh_shape))
+    return sum(
+        collective_time(c.kind, c.nbytes, c.group, links[c.mesh_dim])
+        for c in _collectives(src, dst, nbytes, mesh_shape)
+    )
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -169,7 +173,7 @@ def _links(cluster, mesh_shape):
 # together: one collective per bucket of up to BUCKET_BYTES, paying the latency once. passes/buckets.py forms
 # the buckets; the MILP prices each such reduction as its bandwidth plus a share of a bucket's latency
 # (grad_reduce_time), the prediction counts each real bucket's latency once.
-BUCKET_BYTES = 25 * 2**20      # DDP's default bucket_cap_mb
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 
 
 @functools.lru_cache(maxsize=1 << 12)
@@ -201,11 +205,21 @@ def link_of(cluster, mesh_shape, mesh_dim):
     if len(links) == 1:
         return links[0]
     kinds = {r[0] for k in links for r in k.kinds}
-    return type(links[0])("+".join(dict.fromkeys(k.name for k in links)), max(k.alpha for k in links),
-                          min(k.bw for k in links),
-                          tuple((kind, max(k.of(kind)[0] for k in links), min(k.of(kind)[1] for k in links),
-                                 max(k.launch_of(kind) for k in links)) for kind in kinds),
-                          max(k.launch for k in links))
+    return type(links[0])(
+        "+".join(dict.fromkeys(k.name for k in links)),
+        max(k.alpha for k in links),
+        min(k.bw for k in links),
+        tuple(
+            (
+                kind,
+                max(k.of(kind)[0] for k in links),
+                min(k.of(kind)[1] for k in links),
+                max(k.launch_of(kind) for k in links),
+            )
+            for kind in kinds
+        ),
+        max(k.launch for k in links),
+    )
 
 
 def _all_reduce_time(nbytes, mesh_shape, cluster, mesh_dim, share):

@@ -12,6 +12,7 @@ all_reduce of their summed size, as XLA's all-reduce combiner does, instead of o
 groups the plan's reductions of them (the redistribute pass) and returns the forward's order of execution, with each
 group's consumers after its last source (a lexicographic topological sort: otherwise the graph's own order).
 """
+
 from __future__ import annotations
 
 import networkx as nx
@@ -25,20 +26,26 @@ HELD_NUMEL = 1024
 
 
 def _fw_consumers(g, r) -> list[tuple[int, int]]:
-    return [(u, j) for u in dict.fromkeys(g.nodes[r.node].users) if g.nodes[u].kind == "op" and
-            g.nodes[u].phase == "fw" for j, x in enumerate(g.nodes[u].inputs()) if x == r]
+    return [
+        (u, j)
+        for u in dict.fromkeys(g.nodes[r.node].users)
+        if g.nodes[u].kind == "op" and g.nodes[u].phase == "fw"
+        for j, x in enumerate(g.nodes[u].inputs())
+        if x == r
+    ]
 
 
 def tail_values(g, partial) -> set[tuple[int, int]]:
     """(node, output) of every forward value in the loss tail (module docstring) that can be partial (`partial(node,
     output)`: some candidate strategy leaves it P, a sum the ranks hold parts of) and that no other such value's
     consumer computes; parameters' views excluded."""
-    weighted: dict[int, bool] = {}                   # fw op -> it or anything it feeds reads a parameter
+    weighted: dict[int, bool] = {}  # fw op -> it or anything it feeds reads a parameter
     for n in reversed(g.nodes):
         if n.kind != "op" or n.phase != "fw":
             continue
         weighted[n.idx] = any(param_root(g, r.node) is not None for r in n.inputs()) or any(
-            weighted[u] for u in n.users if g.nodes[u].kind == "op" and g.nodes[u].phase == "fw")
+            weighted[u] for u in n.users if g.nodes[u].kind == "op" and g.nodes[u].phase == "fw"
+        )
     found = {}
     for n in g.nodes:
         if n.kind != "op" or n.phase != "fw" or param_root(g, n.idx) is not None:
@@ -68,7 +75,7 @@ def coalesce_tail(g, red: dict, shares: dict, coalesced: dict, mesh_shape, clust
     order; `red` and `coalesced` are updated in place (the other members carry no collective and name that input).
     partial: as for tail_values. Returns the forward nodes' order of execution, or None when nothing was grouped."""
     tail = tail_values(g, partial)
-    units: dict = {}            # (consumer, input) of a collective -> its inputs it carries (node-local coalescing)
+    units: dict = {}  # (consumer, input) of a collective -> its inputs it carries (node-local coalescing)
     for (v, j), (src, dst, cs) in red.items():
         if not isinstance(j, int) or not cs or (v, j) in shares or g.nodes[v].phase != "fw":
             continue
@@ -81,28 +88,33 @@ def coalesce_tail(g, red: dict, shares: dict, coalesced: dict, mesh_shape, clust
     H = nx.DiGraph()
     H.add_nodes_from(fw)
     H.add_edges_from((r.node, i) for i in fw for r in g.nodes[i].inputs() if g.nodes[r.node].kind == "op")
-    groups: list[dict] = []     # {"key", "units", "sources", "after"}: sources = producers, after = consumers' reach
-    for (v, j) in sorted(units, key=lambda u: u[0]):
+    groups: list[dict] = []  # {"key", "units", "sources", "after"}: sources = producers, after = consumers' reach
+    for v, j in sorted(units, key=lambda u: u[0]):
         src, dst, _ = red[(v, j)]
         srcs = {g.nodes[a].inputs()[b].node for a, b in units[(v, j)]}
         reach = nx.descendants(H, v) | {v}
         key = (tuple("P" if x == "Pa" else x for x in src), tuple(dst), g.meta(g.nodes[v].inputs()[j]).dtype)
         for grp in groups:
             if grp["key"] == key and not (grp["after"] & srcs) and not (reach & grp["sources"]):
-                grp["units"].append((v, j)); grp["sources"] |= srcs; grp["after"] |= reach
+                grp["units"].append((v, j))
+                grp["sources"] |= srcs
+                grp["after"] |= reach
                 break
         else:
             groups.append({"key": key, "units": [(v, j)], "sources": set(srcs), "after": set(reach)})
     groups = [grp for grp in groups if len(grp["units"]) > 1]
     if not groups:
         return None
-    for k, grp in enumerate(groups):                # the collective after its last source, before any consumer
+    for k, grp in enumerate(groups):  # the collective after its last source, before any consumer
         H.add_edges_from((s, ("group", k)) for s in grp["sources"])
         H.add_edges_from((("group", k), v) for v, _ in grp["units"])
     try:
-        order = [x for x in nx.lexicographical_topological_sort(H, key=lambda x: x if isinstance(x, int) else -1)
-                 if isinstance(x, int)]
-    except nx.NetworkXUnfeasible:                   # (cannot happen: no member reads another's consumer)
+        order = [
+            x
+            for x in nx.lexicographical_topological_sort(H, key=lambda x: x if isinstance(x, int) else -1)
+            if isinstance(x, int)
+        ]
+    except nx.NetworkXUnfeasible:  # (cannot happen: no member reads another's consumer)
         return None
     at = {i: k for k, i in enumerate(order)}
     for grp in groups:

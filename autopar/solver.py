@@ -12,6 +12,7 @@ Strategies dominated in every term are dropped first (autopar/dominance.py; exac
 models otherwise leave the LP fractional and branch and bound runs for seconds. Same inputs give the same model and
 the same answer on every rank (HiGHS is deterministic, run single threaded).
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,10 @@ def _no_solution(status: str, time_limit: float):
     """The error for a solve that returned no plan: out of time, or infeasible (the memory rows)."""
     if "infeasible" in status.lower():
         return InfeasibleMemoryError(f"the placement model has no solution ({status})")
-    return SolverTimeLimitError(f"the solver found no plan within time_limit={time_limit:g} s (HiGHS: {status}); "
-                                f"raise autopar.plan(time_limit=...)")
+    return SolverTimeLimitError(
+        f"the solver found no plan within time_limit={time_limit:g} s (HiGHS: {status}); "
+        f"raise autopar.plan(time_limit=...)"
+    )
 
 
 @dataclass
@@ -52,7 +55,7 @@ class SolveResult:
     status: str
     n_vars: int
     n_constraints: int
-    candidates: list = None        # other plans found on the way, [(objective, choice)] best first (overlap search)
+    candidates: list = None  # other plans found on the way, [(objective, choice)] best first (overlap search)
 
 
 def _classes(C: np.ndarray, axis: int):
@@ -84,25 +87,27 @@ class _Rows:
         self.block(np.zeros(len(cols), np.int64), cols, vals, 1, lo, hi)
 
     def matrix(self, ncols):
-        cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)   # noqa: E731
-        A = coo_array((cat(self.vals, float), (cat(self.rows, np.int64), cat(self.cols, np.int64))),
-                      shape=(self.r, ncols)).tocsc()
+        cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros(0, dt)  # noqa: E731
+        A = coo_array(
+            (cat(self.vals, float), (cat(self.rows, np.int64), cat(self.cols, np.int64))), shape=(self.r, ncols)
+        ).tocsc()
         return A, cat(self.lo, float), cat(self.hi, float)
 
 
 @dataclass
 class _Model:
     """The MILP's arrays: x (one-hot strategy per group) then z (transportation variables per edge)."""
-    A: object                  # constraint matrix (csc)
+
+    A: object  # constraint matrix (csc)
     lo: np.ndarray
     hi: np.ndarray
-    cost: np.ndarray           # objective per variable (seconds)
-    ovl: np.ndarray            # overlap row per variable: overlappable comm - capacity (seconds)
-    off: np.ndarray            # group g's x variables: off[g]:off[g+1]
-    edges: list                # (z0, A, B, a_of, b_of, g1, g2) per edge with transportation variables
-    cap: np.ndarray            # the compute capacity part of ovl, per variable (x only)
-    fixed: list = ()           # (y column, e column, columns that join it, their weights) per bucket charge
-    shared: list = ()          # per shared charge: (y column, [(columns, weights, their producer choices) per consumer
+    cost: np.ndarray  # objective per variable (seconds)
+    ovl: np.ndarray  # overlap row per variable: overlappable comm - capacity (seconds)
+    off: np.ndarray  # group g's x variables: off[g]:off[g+1]
+    edges: list  # (z0, A, B, a_of, b_of, g1, g2) per edge with transportation variables
+    cap: np.ndarray  # the compute capacity part of ovl, per variable (x only)
+    fixed: list = ()  # (y column, e column, columns that join it, their weights) per bucket charge
+    shared: list = ()  # per shared charge: (y column, [(columns, weights, their producer choices) per consumer
     #                            edge], (number of producer choices, the edges' producer classes) or None)
 
     @property
@@ -139,28 +144,29 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
     ovl_lin, ovl_edges, capacity = overlap if overlap is not None else (None, {}, None)
     ocost = [np.concatenate(ovl_lin) - np.concatenate(capacity)] if overlap is not None else [np.zeros(nx)]
     R = _Rows()
-    sizes = np.diff(off)                                  # one strategy per group
+    sizes = np.diff(off)  # one strategy per group
     R.block(np.repeat(np.arange(len(lin)), sizes), np.arange(nx), 1.0, len(lin), 1.0, 1.0)
     nz, zs = nx, []
-    trig: dict = {}                                       # edge -> [(bucket charge, weights of the choices joining it)]
-    trig_cols = [{} for _ in fixed]                       # per bucket charge: {column joining it: weight}
+    trig: dict = {}  # edge -> [(bucket charge, weights of the choices joining it)]
+    trig_cols = [{} for _ in fixed]  # per bucket charge: {column joining it: weight}
 
     def join(s, cols, w):
         for c, x in zip(cols, w):
             trig_cols[s][int(c)] = trig_cols[s].get(int(c), 0.0) + float(x)
+
     for s, (_, where) in enumerate(fixed):
         for (g1, g2), W in where:
-            if g1 == g2:                                  # inside one group: its own choices
+            if g1 == g2:  # inside one group: its own choices
                 k = np.flatnonzero(np.diag(W) > 0)
                 join(s, off[g1] + k, np.diag(W)[k])
             else:
                 trig.setdefault((g1, g2), []).append((s, W))
-    weights: dict = {}                                    # edge -> the W of the shared charges on it
+    weights: dict = {}  # edge -> the W of the shared charges on it
     for _, where in shared:
         for (g1, g2), W in where:
             if g1 != g2:
                 weights.setdefault((g1, g2), []).append(np.asarray(W, float))
-    where_x: dict = {}                                    # edge -> how its pairs are columns: ("z", ...) or ("x", ...)
+    where_x: dict = {}  # edge -> how its pairs are columns: ("z", ...) or ("x", ...)
     for key in sorted(set(edges) | set(ovl_edges) | set(trig) | set(weights)):
         g1, g2 = key
         C, O = edges.get(key), ovl_edges.get(key)
@@ -169,22 +175,22 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
         O = np.zeros_like(C) if O is None else O
         Ts = trig.get(key, [])
         Ws = weights.get(key, [])
-        fa, a_of = _classes(np.hstack([C, O] + [T for _, T in Ts] + Ws), 0)   # distinct producer rows
-        fb, b_of = _classes(np.vstack([C, O] + [T for _, T in Ts] + Ws), 1)   # distinct consumer columns
+        fa, a_of = _classes(np.hstack([C, O] + [T for _, T in Ts] + Ws), 0)  # distinct producer rows
+        fb, b_of = _classes(np.vstack([C, O] + [T for _, T in Ts] + Ws), 1)  # distinct consumer columns
         A, B = len(fa), len(fb)
         small, osmall = C[np.ix_(fa, fb)], O[np.ix_(fa, fb)]
         if A == 1:
             where_x[key] = ("x", g2)
-            cost[0][off[g2]:off[g2 + 1]] += small[0][b_of]
-            ocost[0][off[g2]:off[g2 + 1]] += osmall[0][b_of]
+            cost[0][off[g2] : off[g2 + 1]] += small[0][b_of]
+            ocost[0][off[g2] : off[g2 + 1]] += osmall[0][b_of]
             for s, W in Ts:
                 k = np.flatnonzero(W[0] > 0)
                 join(s, off[g2] + k, W[0][k])
             continue
         if B == 1:
             where_x[key] = ("x", g1)
-            cost[0][off[g1]:off[g1 + 1]] += small[:, 0][a_of]
-            ocost[0][off[g1]:off[g1 + 1]] += osmall[:, 0][a_of]
+            cost[0][off[g1] : off[g1 + 1]] += small[:, 0][a_of]
+            ocost[0][off[g1] : off[g1 + 1]] += osmall[:, 0][a_of]
             for s, W in Ts:
                 k = np.flatnonzero(W[:, 0] > 0)
                 join(s, off[g1] + k, W[:, 0][k])
@@ -202,12 +208,24 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
         za, zb = np.divmod(np.arange(A * B), B)
         ka, kb = np.arange(len(a_of)), np.arange(len(b_of))
         # sum_b z[a, b] = sum_{k in a} x[g1, k]; then sum_a z[a, b] = sum_{k in b} x[g2, k]
-        R.block(np.concatenate([za, a_of]), np.concatenate([z0 + za * B + zb, off[g1] + ka]),
-                np.concatenate([np.ones(A * B), -np.ones(len(ka))]), A, 0.0, 0.0)
-        R.block(np.concatenate([zb, b_of]), np.concatenate([z0 + za * B + zb, off[g2] + kb]),
-                np.concatenate([np.ones(A * B), -np.ones(len(kb))]), B, 0.0, 0.0)
+        R.block(
+            np.concatenate([za, a_of]),
+            np.concatenate([z0 + za * B + zb, off[g1] + ka]),
+            np.concatenate([np.ones(A * B), -np.ones(len(ka))]),
+            A,
+            0.0,
+            0.0,
+        )
+        R.block(
+            np.concatenate([zb, b_of]),
+            np.concatenate([z0 + za * B + zb, off[g2] + kb]),
+            np.concatenate([np.ones(A * B), -np.ones(len(kb))]),
+            B,
+            0.0,
+            0.0,
+        )
     ys = []
-    for s, (F, _) in enumerate(fixed):                   # y >= each column joining; e >= sum w col - y; F (y + e)
+    for s, (F, _) in enumerate(fixed):  # y >= each column joining; e >= sum w col - y; F (y + e)
         cols_s = np.array(sorted(trig_cols[s]), np.int64)
         if not len(cols_s):
             continue
@@ -218,28 +236,34 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
         cost.append(np.array([F, F]))
         ocost.append(np.zeros(2))
         n = len(cols_s)
-        R.block(np.repeat(np.arange(n), 2), np.column_stack([np.full(n, y), cols_s]).reshape(-1),
-                np.tile([1.0, -1.0], n), n, 0.0, np.inf)
+        R.block(
+            np.repeat(np.arange(n), 2),
+            np.column_stack([np.full(n, y), cols_s]).reshape(-1),
+            np.tile([1.0, -1.0], n),
+            n,
+            0.0,
+            np.inf,
+        )
         R.row(np.concatenate([[y, e], cols_s]), np.concatenate([[1.0, 1.0], -w]), 0.0, np.inf)
     sh = []
-    for F, where in shared:                               # y >= each consumer edge's W-weighted columns; F y
+    for F, where in shared:  # y >= each consumer edge's W-weighted columns; F y
         y = nz
         nz += 1
         parts, grps = [], []
-        unit = max(max(float(np.abs(W).max()) for _, W in where), 1e-300)   # y in units of the largest price:
-        for (g1, g2), W in where:                                           # matrix entries of order 1
+        unit = max(max(float(np.abs(W).max()) for _, W in where), 1e-300)  # y in units of the largest price:
+        for (g1, g2), W in where:  # matrix entries of order 1
             W = np.asarray(W, float) / unit
             n1 = len(lin[g1])
-            if g1 == g2:                                  # the group's own choices
+            if g1 == g2:  # the group's own choices
                 k = np.flatnonzero(np.diag(W))
                 part, w, ks, grp = off[g1] + k, np.diag(W)[k], k, None
-            elif where_x[(g1, g2)][0] == "x":             # one side has a single class
+            elif where_x[(g1, g2)][0] == "x":  # one side has a single class
                 g = where_x[(g1, g2)][1]
                 w = W[0, :] if g == g2 else W[:, 0]
                 k = np.flatnonzero(w)
                 part, w = off[g] + k, w[k]
                 ks, grp = (np.zeros(len(k), np.int64), np.zeros(n1, np.int64)) if g == g2 else (k, None)
-            else:                                         # W is constant on each (producer, consumer) class block
+            else:  # W is constant on each (producer, consumer) class block
                 _, z0, B, fa, fb, a_of = where_x[(g1, g2)]
                 Wc = W[np.ix_(fa, fb)]
                 ab = np.argwhere(Wc != 0)
@@ -250,7 +274,7 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
             parts.append((part, w, ks))
             grps.append(grp)
             R.row(np.concatenate([[y], part]), np.concatenate([[1.0], -w]), 0.0, np.inf)
-        one = len(parts) > 1 and len({k[0] for k, _ in where}) == 1     # one producer: a cut can tighten it
+        one = len(parts) > 1 and len({k[0] for k, _ in where}) == 1  # one producer: a cut can tighten it
         sh.append((y, parts, (len(lin[where[0][0][0]]), grps) if one else None))
         cost.append(np.array([F * unit]))
         ocost.append(np.zeros(1))
@@ -269,6 +293,7 @@ def _joined_classes(n, grps):
     """Classes of a charge's n producer choices that no consumer edge's columns straddle (the join of the edges'
     producer classes; grps: per edge its class per choice, None where each choice is its own column)."""
     from scipy.sparse.csgraph import connected_components
+
     src = [np.arange(n)]
     dst = [np.arange(n)]
     for grp in grps:
@@ -291,7 +316,7 @@ def _shared_cuts(m: _Model, x, tol=1e-9):
     frac = (x > 1e-6) & (x < 1 - 1e-6)
     for y, parts, classes in m.shared:
         if classes is None or not any(frac[c].any() for c, _, _ in parts):
-            continue                      # integral columns: the producer's mass is in one class, nothing to cut
+            continue  # integral columns: the producer's mass is in one class, nothing to cut
         labels = _joined_classes(*classes)
         parts = [(c, w, labels[ks]) for c, w, ks in parts]
         nc = 1 + int(labels.max())
@@ -311,6 +336,7 @@ def _shared_cuts(m: _Model, x, tol=1e-9):
 def _add_cuts(h, m: _Model, cuts) -> None:
     """Add rows 0 <= coefficients . columns to the HiGHS instance and to the model (so later instances have them)."""
     from scipy.sparse import vstack
+
     starts = np.cumsum([0] + [len(c) for c, _ in cuts])[:-1].astype(np.int32)
     idx = np.concatenate([c for c, _ in cuts]).astype(np.int32)
     val = np.concatenate([w for _, w in cuts])
@@ -321,9 +347,19 @@ def _add_cuts(h, m: _Model, cuts) -> None:
     m.lo, m.hi = np.append(m.lo, np.zeros(n)), np.append(m.hi, np.full(n, np.inf))
 
 
-def solve(lin: list[np.ndarray], edges: dict[tuple[int, int], np.ndarray], mem: list[tuple[list[np.ndarray], float]],
-          time_limit: float = 60.0, mip_rel_gap: float = 1e-6, overlap=None, max_lps: int | None = None,
-          lambda_search_s: float = float("inf"), fixed=(), shared=(), reduce: bool = True) -> SolveResult:
+def solve(
+    lin: list[np.ndarray],
+    edges: dict[tuple[int, int], np.ndarray],
+    mem: list[tuple[list[np.ndarray], float]],
+    time_limit: float = 60.0,
+    mip_rel_gap: float = 1e-6,
+    overlap=None,
+    max_lps: int | None = None,
+    lambda_search_s: float = float("inf"),
+    fixed=(),
+    shared=(),
+    reduce: bool = True,
+) -> SolveResult:
     """Minimize sum lin[g][x_g] + sum edges[g1,g2][x_g1, x_g2] (+ exposed overlappable time) subject to `mem`.
 
     overlap: (ovl_lin, ovl_edges, capacity) for comm that overlaps compute (parameter gathers, gradient
@@ -357,7 +393,7 @@ def _reduced(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_
         return None
     lin, edges, mem, overlap, fixed, shared = dominance.restrict(keep, lin, edges, mem, overlap, fixed, shared)
     res = _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_search_s, fixed, shared, t0)
-    back = lambda ch: [int(k[c]) for k, c in zip(keep, ch)]    # noqa: E731
+    back = lambda ch: [int(k[c]) for k, c in zip(keep, ch)]  # noqa: E731
     res.choice = back(res.choice)
     if res.candidates is not None:
         res.candidates = [(F, back(ch)) for F, ch in res.candidates]
@@ -369,8 +405,10 @@ def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_se
     m = _build(lin, edges, mem, overlap, fixed, shared)
     if overlap is not None:
         from .solver_overlap import LAMBDAS, solve_overlap
-        return solve_overlap(m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0,
-                             max_lps or len(LAMBDAS), lambda_search_s)
+
+        return solve_overlap(
+            m, (lin, edges, overlap, mem), time_limit, mip_rel_gap, t0, max_lps or len(LAMBDAS), lambda_search_s
+        )
     scale = max(float(np.abs(m.cost).max()), 1e-30)
     h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper, time_limit)
     # The LP relaxation is a lower bound; when its optimum is integral it is the MILP optimum (gap 0). This is
@@ -379,8 +417,8 @@ def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_se
     # otherwise the model is solved again, in a fresh HiGHS instance, with integral placement variables.
     h.run()
     x = _solution(h, m.A.shape[1])
-    for _ in range(CUT_ROUNDS):           # a fractional LP: tighten the shared charges it underprices, warm started
-        cuts = [] if x is None or _integral(x[:m.nx]) else _shared_cuts(m, x)
+    for _ in range(CUT_ROUNDS):  # a fractional LP: tighten the shared charges it underprices, warm started
+        cuts = [] if x is None or _integral(x[: m.nx]) else _shared_cuts(m, x)
         if not cuts:
             break
         _add_cuts(h, m, cuts)
@@ -388,7 +426,7 @@ def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_se
         x = _solution(h, m.A.shape[1])
     method = "LP relaxation (integral)"
     lp_bound = float(h.getInfo().objective_function_value) * scale if x is not None else None
-    if x is not None and not _integral(x[:m.nx]):
+    if x is not None and not _integral(x[: m.nx]):
         # the groups the LP left fractional, solved as a MILP with every other group fixed at its LP choice (a
         # small problem): when that plan is within the gap of the LP bound it is proven optimal (within the gap)
         # and the full branch and bound (seconds of root cuts on the 8B plan) is skipped
@@ -397,9 +435,8 @@ def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_se
         if restricted is not None and restricted[1] <= lp_bound * (1 + mip_rel_gap) + 1e-15:
             h, x, method = restricted[2], restricted[0], "LP relaxation, fractional groups by branch and bound"
         else:
-            h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper,
-                       max(1.0, time_limit - (time.perf_counter() - t0)))
-            x, h = _branch_and_bound(h, m.nx, mip_rel_gap)   # unseeded: seeded, HiGHS returned stale vectors
+            h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper, max(1.0, time_limit - (time.perf_counter() - t0)))
+            x, h = _branch_and_bound(h, m.nx, mip_rel_gap)  # unseeded: seeded, HiGHS returned stale vectors
             method = "branch and bound"
     status = h.modelStatusToString(h.getModelStatus())
     if x is None:
@@ -408,15 +445,24 @@ def _solve(lin, edges, mem, time_limit, mip_rel_gap, overlap, max_lps, lambda_se
     obj = float(info.objective_function_value) * scale
     if method == "branch and bound":
         bound, gap = float(info.mip_dual_bound) * scale, float(info.mip_gap)
-    else:       # the LP relaxation's optimum bounds every plan (equal to obj when it was integral)
+    else:  # the LP relaxation's optimum bounds every plan (equal to obj when it was integral)
         bound = lp_bound
         gap = max(0.0, (obj - bound) / max(abs(obj), 1e-30))
-    return SolveResult(_choice(x, m.off), obj, bound, gap, time.perf_counter() - t0,
-                       (f"optimal within {mip_rel_gap:g} relative gap ({method})" if gap > 1e-9 else
-                        f"optimal ({method})") if status == "Optimal" else status, m.A.shape[1], m.A.shape[0])
+    return SolveResult(
+        _choice(x, m.off),
+        obj,
+        bound,
+        gap,
+        time.perf_counter() - t0,
+        (f"optimal within {mip_rel_gap:g} relative gap ({method})" if gap > 1e-9 else f"optimal ({method})")
+        if status == "Optimal"
+        else status,
+        m.A.shape[1],
+        m.A.shape[0],
+    )
 
 
-CUT_ROUNDS = 10     # rounds of shared-charge cuts on a fractional LP relaxation
+CUT_ROUNDS = 10  # rounds of shared-charge cuts on a fractional LP relaxation
 
 
 def _restricted(m: _Model, x, scale, mip_rel_gap, time_limit):
@@ -424,9 +470,9 @@ def _restricted(m: _Model, x, scale, mip_rel_gap, time_limit):
     left integral at its LP choice (branch and bound over the fractional groups only); None if infeasible."""
     lo, hi = np.zeros(m.nx), np.ones(m.nx)
     for g in range(len(m.off) - 1):
-        seg = x[m.off[g]:m.off[g + 1]]
+        seg = x[m.off[g] : m.off[g + 1]]
         if _integral(seg):
-            lo[m.off[g]:m.off[g + 1]] = hi[m.off[g]:m.off[g + 1]] = np.round(seg)
+            lo[m.off[g] : m.off[g + 1]] = hi[m.off[g] : m.off[g + 1]] = np.round(seg)
     h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper, time_limit)
     h.changeColsBounds(m.nx, np.arange(m.nx, dtype=np.int32), lo, hi)
     xr, h = _branch_and_bound(h, m.nx, mip_rel_gap)
@@ -464,7 +510,7 @@ def _branch_and_bound(h, nx, mip_rel_gap, incumbent=None):
 
 
 def _choice(x, off) -> list[int]:
-    return [int(np.argmax(x[off[i]:off[i + 1]])) for i in range(len(off) - 1)]
+    return [int(np.argmax(x[off[i] : off[i + 1]])) for i in range(len(off) - 1)]
 
 
 _BANNER_SHOWN = False
@@ -489,8 +535,13 @@ def _highs():
 
 def _model(c, A, lo, hi, upper, time_limit):
     h = _highs()
-    for k, v in (("output_flag", False), ("presolve", "off"), ("threads", 1), ("random_seed", 0),
-                 ("time_limit", float(time_limit))):
+    for k, v in (
+        ("output_flag", False),
+        ("presolve", "off"),
+        ("threads", 1),
+        ("random_seed", 0),
+        ("time_limit", float(time_limit)),
+    ):
         h.setOptionValue(k, v)
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = A.shape[1], A.shape[0]
@@ -504,7 +555,7 @@ def _model(c, A, lo, hi, upper, time_limit):
 
 def _solution(h, n):
     """The primal solution when one was found (optimal, or feasible at the time limit), else None."""
-    if h.getInfo().primal_solution_status != 2:           # kSolutionStatusFeasible
+    if h.getInfo().primal_solution_status != 2:  # kSolutionStatusFeasible
         return None
     return np.asarray(h.getSolution().col_value[:n])
 

@@ -1,5 +1,6 @@
 """The overlap objective of autopar/solver.py's MILP (plan(overlap=True)): min base(x) + max(0, ovl(x)), by a
 Lagrangian search over LPs, a local search, and branch and bound on small models."""
+
 from __future__ import annotations
 
 import time
@@ -8,12 +9,12 @@ import numpy as np
 import highspy
 from scipy.sparse import coo_array
 
-from .solver import (SolveResult, _Model, _branch_and_bound, _choice, _model, _no_solution, _solution, solve)
+from .solver import SolveResult, _Model, _branch_and_bound, _choice, _model, _no_solution, _solution, solve
 
 # Up to this many variables, an overlap objective whose Lagrangian search leaves a gap is finished by branch and
 # bound (seeded with the search's best plan); above it the search's plan is returned with its proven gap.
 EXACT_OVERLAP_VARS = 20_000
-LAMBDAS = (0.0, 0.5)     # the Lagrangian weights tried, in order (each one LP)
+LAMBDAS = (0.0, 0.5)  # the Lagrangian weights tried, in order (each one LP)
 
 
 def solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lambda_search_s) -> SolveResult:
@@ -39,16 +40,16 @@ def solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lamb
     for _ in range(max_lps):
         if lam > 0:
             h.changeColsCost(nz, idx, (m.cost + lam * m.ovl) / scale)
-            h.clearSolver()               # cold dual simplex: a warm start after a cost change can stall for minutes
+            h.clearSolver()  # cold dual simplex: a warm start after a cost change can stall for minutes
         left = time_limit - (time.perf_counter() - t0)
-        cap = left if n_lp == 0 else min(left, max(1.0, 5 * slowest_lp))   # a stalling lam is given up on
-        h.setOptionValue("time_limit", h.getRunTime() + max(cap, 0.01))     # HiGHS's clock runs across runs
+        cap = left if n_lp == 0 else min(left, max(1.0, 5 * slowest_lp))  # a stalling lam is given up on
+        h.setOptionValue("time_limit", h.getRunTime() + max(cap, 0.01))  # HiGHS's clock runs across runs
         t_lp = time.perf_counter()
         h.run()
         slowest_lp = max(slowest_lp, time.perf_counter() - t_lp)
         n_lp += 1
         if n_lp > 1 and h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-            break                         # a degenerate lam that simplex cannot settle in time: keep what we have
+            break  # a degenerate lam that simplex cannot settle in time: keep what we have
         x = _solution(h, nz)
         if x is None:
             raise _no_solution(h.modelStatusToString(h.getModelStatus()), time_limit)
@@ -63,7 +64,7 @@ def solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lamb
             break
         tried.append(lam)
         if float(m.ovl @ x) <= 0 or len(tried) >= len(LAMBDAS) or time.perf_counter() - t0 > lambda_search_s:
-            break                         # lam = 0 hides everything it exposes: larger lam only bound lower
+            break  # lam = 0 hides everything it exposes: larger lam only bound lower
         lam = LAMBDAS[len(tried)]
     if best is not None and best_F - bound > 1e-4 * max(best_F, 1e-30):
         # one more plan: every collective paid in full (the plain objective; good when little can hide)
@@ -84,36 +85,62 @@ def solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lamb
                 cands.append(ch)
                 if F < best_F - 1e-15:
                     best, best_F = ch, F
-    found = sorted({tuple(c): (_value(m, c, mem_rows, mem_hi), list(c)) for c in cands}.values(),
-                   key=lambda fc: fc[0])
+    found = sorted({tuple(c): (_value(m, c, mem_rows, mem_hi), list(c)) for c in cands}.values(), key=lambda fc: fc[0])
     gap = (best_F - bound) / best_F if best is not None and best_F > 0 else 0.0
     method = f"Lagrangian search, {n_lp} LPs"
     if best is not None and gap <= 1e-4:
-        return SolveResult(best, best_F, bound, max(gap, 0.0), time.perf_counter() - t0, f"optimal ({method})",
-                           nz, m.A.shape[0], found)
+        return SolveResult(
+            best, best_F, bound, max(gap, 0.0), time.perf_counter() - t0, f"optimal ({method})", nz, m.A.shape[0], found
+        )
     left = time_limit - (time.perf_counter() - t0)
     if nz <= EXACT_OVERLAP_VARS and left > 1.0:
         e_col = m.A.shape[1]
         A2 = _with_overlap_row(m, scale)
-        h2 = _model(np.append(m.cost, scale) / scale, A2, np.append(m.lo, -np.inf), np.append(m.hi, 0.0),
-                    np.append(m.upper, np.inf), left)
+        h2 = _model(
+            np.append(m.cost, scale) / scale,
+            A2,
+            np.append(m.lo, -np.inf),
+            np.append(m.hi, 0.0),
+            np.append(m.upper, np.inf),
+            left,
+        )
         seed = None if best is None else np.append(m.one_hot(best), max(0.0, float(m.ovl @ m.one_hot(best))) / scale)
         x, h2 = _branch_and_bound(h2, m.nx, mip_rel_gap, seed)
         if x is not None:
             info = h2.getInfo()
             status = h2.modelStatusToString(h2.getModelStatus())
             obj = float(info.objective_function_value) * scale
-            return SolveResult(_choice(x[:e_col], m.off), obj, max(bound, float(info.mip_dual_bound) * scale),
-                               float(info.mip_gap), time.perf_counter() - t0,
-                               f"optimal (branch and bound after {method})" if status == "Optimal" else status,
-                               e_col + 1, A2.shape[0])
-    if best is None:                      # every LP optimum rounded out of the budget: the exact plain model
-        plain = solve([c + o for c, o in zip(problem[0], problem[2][0])], _plain_edges(problem), problem[3],
-                      time_limit=max(1.0, time_limit - (time.perf_counter() - t0)), mip_rel_gap=mip_rel_gap)
+            return SolveResult(
+                _choice(x[:e_col], m.off),
+                obj,
+                max(bound, float(info.mip_dual_bound) * scale),
+                float(info.mip_gap),
+                time.perf_counter() - t0,
+                f"optimal (branch and bound after {method})" if status == "Optimal" else status,
+                e_col + 1,
+                A2.shape[0],
+            )
+    if best is None:  # every LP optimum rounded out of the budget: the exact plain model
+        plain = solve(
+            [c + o for c, o in zip(problem[0], problem[2][0])],
+            _plain_edges(problem),
+            problem[3],
+            time_limit=max(1.0, time_limit - (time.perf_counter() - t0)),
+            mip_rel_gap=mip_rel_gap,
+        )
         plain.status = f"{plain.status}; plain objective (no overlap plan found within the budget)"
         return plain
-    return SolveResult(best, best_F, bound, gap, time.perf_counter() - t0,
-                       f"best found ({method}; gap {gap:.2%} to the Lagrangian bound)", nz, m.A.shape[0], found)
+    return SolveResult(
+        best,
+        best_F,
+        bound,
+        gap,
+        time.perf_counter() - t0,
+        f"best found ({method}; gap {gap:.2%} to the Lagrangian bound)",
+        nz,
+        m.A.shape[0],
+        found,
+    )
 
 
 def _plain_edges(problem):
@@ -152,10 +179,11 @@ def _polish(choice, lin, edges, overlap, mem, passes: int = 8) -> list[int]:
             if O is not None:
                 ov = ov + (O[ch[o], :] if transposed else O[:, ch[o]])
         return base, ov
-    B = sum(float(lin[g][ch[g]]) for g in range(G)) + sum(
-        float(C[ch[a], ch[b]]) for (a, b), C in edges.items())
+
+    B = sum(float(lin[g][ch[g]]) for g in range(G)) + sum(float(C[ch[a], ch[b]]) for (a, b), C in edges.items())
     V = sum(float(olin[g][ch[g]] - cap[g][ch[g]]) for g in range(G)) + sum(
-        float(O[ch[a], ch[b]]) for (a, b), O in oedges.items())
+        float(O[ch[a], ch[b]]) for (a, b), O in oedges.items()
+    )
     used = [sum(float(c[g][ch[g]]) for g in range(G)) for c, _ in mem]
     for _ in range(passes):
         moved = False
@@ -181,8 +209,10 @@ def _polish(choice, lin, edges, overlap, mem, passes: int = 8) -> list[int]:
 def _with_overlap_row(m: _Model, scale):
     """The constraint matrix with a column e and the row ovl(x)/scale - e <= 0."""
     from scipy.sparse import hstack, vstack
+
     nz = m.A.shape[1]
     A = hstack([m.A, coo_array((m.A.shape[0], 1))])
-    row = coo_array((np.append(m.ovl / scale, -1.0), (np.zeros(nz + 1, dtype=np.int64), np.arange(nz + 1))),
-                    shape=(1, nz + 1))
+    row = coo_array(
+        (np.append(m.ovl / scale, -1.0), (np.zeros(nz + 1, dtype=np.int64), np.arange(nz + 1))), shape=(1, nz + 1)
+    )
     return vstack([A, row]).tocsc()

@@ -8,6 +8,7 @@ exact expression in the batch symbol `b`:
     f = batch_formula(state, model, example_inputs)      # state from autopar.plan(..., return_state=True)
     f["step_s"].subs(b, 64)                              # modeled seconds at global batch 64, same placements
 """
+
 from __future__ import annotations
 
 import sympy
@@ -26,17 +27,18 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
     autopar/predict.py prices it: recomputed blocks' forward counted again, a shared redistribute once, and with
     overlap=True parameter gathers and gradient reductions hidden under compute (step = compute + activation comm
     + Max(0, gathers + reductions - compute))."""
-    from passes.costs import global_flops      # the costs pass's FLOP counts, so both agree term by term
+    from passes.costs import global_flops  # the costs pass's FLOP counts, so both agree term by term
+
     b0 = example_inputs[0].shape[batch_dim]
-    grow = lambda t: t.new_empty(t.shape[:batch_dim] + (2 * b0,) + t.shape[batch_dim + 1:], device="meta")
+    grow = lambda t: t.new_empty(t.shape[:batch_dim] + (2 * b0,) + t.shape[batch_dim + 1 :], device="meta")
     g1 = state.graph
     g2 = capture(model, tuple(grow(t) if hasattr(t, "shape") else t for t in example_inputs), loss_fn)
     if [n.target for n in g1.nodes] != [n.target for n in g2.nodes]:
         raise ValueError("the captured graph changes structure with the batch size; no closed form exists")
     P, mesh, dev = state.placement, state.mesh.shape, state.cluster.device
-    k = b / b0 - 1                                        # relative growth over the example batch
+    k = b / b0 - 1  # relative growth over the example batch
 
-    def size(m1, m2, nbytes):                             # nbytes at batch b, from the two captures
+    def size(m1, m2, nbytes):  # nbytes at batch b, from the two captures
         return nbytes * (1 + sympy.Rational(m2.numel - m1.numel, m1.numel) * k) if m1.numel else 0
 
     compute, fc1, fc2 = sympy.Integer(0), {}, {}
@@ -46,8 +48,11 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
             continue
         s = P[n1.idx]
         pairs = list(zip(n1.outs, n2.outs, s.out)) + [(g1.meta(r), g2.meta(r), p) for r, p in zip(n1.inputs(), s.ins)]
-        nbytes = sum(size(m1, m2, sympy.Rational(m1.nbytes, num_shards(p, mesh))) for m1, m2, p in pairs
-                     if m1 is not None and p is not None)
+        nbytes = sum(
+            size(m1, m2, sympy.Rational(m1.nbytes, num_shards(p, mesh)))
+            for m1, m2, p in pairs
+            if m1 is not None and p is not None
+        )
         t = 0 if is_view(n1.target) else nbytes / (dev.mem_bw * dev.mem_eff)
         f1, f2 = global_flops(g1, n1, fc1), global_flops(g2, n2, fc2)
         if f1:
@@ -59,31 +64,41 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
             t = sympy.Max((f1 + (f2 - f1) * k) / work / (dev.flops_for(dtype) * dev.matmul_eff), t)
         times[n1.idx] = t + dev.op_overhead
         compute += times[n1.idx]
-    if state.recompute:                   # activation checkpointing: checkpointed blocks run their forward twice
+    if state.recompute:  # activation checkpointing: checkpointed blocks run their forward twice
         from autopar.passes.checkpointing import recompute_seconds
+
         compute += recompute_seconds(state, times)
     comm = {"act": sympy.Integer(0), "param": sympy.Integer(0), "grad": sympy.Integer(0)}
     bucket_of = {f: k for k, bk in enumerate(state.buckets or []) for f in bk["params"] if bk.get("step", 0) == 0}
     bucket_bytes = [sympy.Integer(0) for _ in state.buckets or []]
     for (i, j), (src, dst, cs) in state.redistributes.items():
-        if (state.shares or {}).get((i, j)):       # runs its first consumer's redistribute: no collective of its own
+        if (state.shares or {}).get((i, j)):  # runs its first consumer's redistribute: no collective of its own
             continue
-        pick = lambda g: g.grads[g.nodes[i].target] if j == "opt" else g.loss if j == "loss" else \
-            g.state_updates[g.nodes[i].target] if j == "state" else g.nodes[i].inputs()[j]
+        pick = lambda g: (
+            g.grads[g.nodes[i].target]
+            if j == "opt"
+            else g.loss
+            if j == "loss"
+            else g.state_updates[g.nodes[i].target]
+            if j == "state"
+            else g.nodes[i].inputs()[j]
+        )
         r1, r2 = pick(g1), pick(g2)
         m1, m2 = g1.meta(r1), g2.meta(r2)
         bk = bucket_of.get(g1.nodes[i].target) if j == "opt" else None
         cls = "grad" if j == "opt" else "act" if j in ("loss", "state") or param_root(g1, r1.node) is None else "param"
         for step, c in enumerate(cs):
-            if bk is not None:              # a gradient bucket (chain): one collective of the summed size (below)
-                if not isinstance(state.buckets[bk]["mesh_dim"], list) or step == 0:   # a flattened chain: once
+            if bk is not None:  # a gradient bucket (chain): one collective of the summed size (below)
+                if not isinstance(state.buckets[bk]["mesh_dim"], list) or step == 0:  # a flattened chain: once
                     bucket_bytes[bk + step] += size(m1, m2, c.nbytes)
                 continue
-            comm[cls] += collective_time(c.kind, size(m1, m2, c.nbytes), c.group,
-                                         link_of(state.cluster, tuple(mesh), c.mesh_dim))
+            comm[cls] += collective_time(
+                c.kind, size(m1, m2, c.nbytes), c.group, link_of(state.cluster, tuple(mesh), c.mesh_dim)
+            )
     for bk, nb in zip(state.buckets or [], bucket_bytes):
-        comm["grad"] += collective_time(bk["kind"], nb, bk["group"], link_of(state.cluster, tuple(mesh),
-                                                                              bk["mesh_dim"]))
+        comm["grad"] += collective_time(
+            bk["kind"], nb, bk["group"], link_of(state.cluster, tuple(mesh), bk["mesh_dim"])
+        )
     compute = sympy.expand(compute)
     act, ovl = sympy.expand(comm["act"]), sympy.expand(comm["param"] + comm["grad"])
     exposed = act + (sympy.Max(0, ovl - compute) if state.options.get("overlap", False) else ovl)

@@ -22,6 +22,7 @@ new one arrives (one extra reduction, counted like any other), so the sum stays 
 Collectives of a micro-step under no_sync: the plan's forward and backward collectives (parameter gathers,
 activation redistributes) less its gradient reductions; the sync step: the plan's full step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -43,8 +44,11 @@ class Accumulator:
 
     def accumulated_bytes(self) -> int:
         """Bytes this rank holds in unreduced gradients between micro-steps."""
-        vals = list(self.flat.values()) + [t for ts in self.lists.values() for t in ts] + \
-            [_local(v) for v in self.loose.values()]
+        vals = (
+            list(self.flat.values())
+            + [t for ts in self.lists.values() for t in ts]
+            + [_local(v) for v in self.loose.values()]
+        )
         return sum(t.numel() * t.element_size() for t in vals)
 
     def backward(self, prog, env: dict, grad_loss: torch.Tensor, sync: bool) -> dict:
@@ -52,7 +56,7 @@ class Accumulator:
         reduced sum of every micro-step since the last sync."""
         out = {}
         if self.prog is not None and self.prog is not prog:
-            out = self.reduce()              # another plan's buckets: reduce what it accumulated, once
+            out = self.reduce()  # another plan's buckets: reduce what it accumulated, once
         self._collect(prog, env, grad_loss)
         if sync:
             for f, g in self.reduce().items():
@@ -67,18 +71,20 @@ class Accumulator:
         env["seed"] = grad_loss
         with torch.no_grad():
             bufs: dict = {}
-            fill = {pos: (lambda pos=pos: prog._copy_grads(pos, env, bufs) if pos in prog.copy_at else None)
-                    for pos in prog.after}
+            fill = {
+                pos: (lambda pos=pos: prog._copy_grads(pos, env, bufs) if pos in prog.copy_at else None)
+                for pos in prog.after
+            }
             prog.run_bw(env, fill, prog._run1, lambda i, off, n, shape: prog._slice(bufs, i, off, n, shape))
             bucketed = set()
             for i, bs in prog.chains.items():
                 bucketed.update(bs[0]["params"])
-                if i in bufs:       # the flat buffer the backward filled
+                if i in bufs:  # the flat buffer the backward filled
                     buf = bufs.pop(i)
                     if i in self.flat:
                         self.flat[i].add_(buf)
-                    else:           # kept: the program must not fill it again next step (it reuses the buffer
-                        self.flat[i] = buf     # it holds when no other tensor shares its storage)
+                    else:  # kept: the program must not fill it again next step (it reuses the buffer
+                        self.flat[i] = buf  # it holds when no other tensor shares its storage)
                         if prog.flat_bufs.get(i) is buf:
                             del prog.flat_bufs[i]
                     continue
@@ -105,6 +111,7 @@ class Accumulator:
         """The accumulated gradients reduced with the plan's collectives (the same buckets, launched after the
         backward rather than during it), each a DTensor at its parameter's placement; the accumulator is emptied."""
         from .comm import launch_bucket, launch_filled
+
         prog = self.prog
         if prog is None:
             return {}

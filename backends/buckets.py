@@ -1,6 +1,7 @@
 """Gradient buckets of a program: which gradients go in which bucket, when each bucket is issued in the backward,
 how its flat buffer is filled (copied into, or made in place by the op that computes a gradient) and what each
 gradient becomes once the bucket is done. `Buckets` is a mixin of `Program` (backends/program.py)."""
+
 from __future__ import annotations
 
 from collections import Counter
@@ -15,8 +16,14 @@ from .local_ops import VIEWS, local_shape
 
 aten = torch.ops.aten
 
-_PASS_VIEWS = (aten.t.default, aten.transpose.int, aten.permute.default, aten.squeeze.dim, aten.unsqueeze.default,
-               *VIEWS)   # views that keep the storage offset: a gradient made through them can be made in place
+_PASS_VIEWS = (
+    aten.t.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.squeeze.dim,
+    aten.unsqueeze.default,
+    *VIEWS,
+)  # views that keep the storage offset: a gradient made through them can be made in place
 _OUT: dict = {}
 
 
@@ -27,10 +34,14 @@ def _out_overload(op):
         s = getattr(op, "_schema", None)
         pkt = getattr(aten, s.name.split("::")[-1], None) if s is not None and s.name.startswith("aten::") else None
         names = [a.name for a in s.arguments] if s is not None else []
-        for ov in (pkt.overloads() if pkt is not None else ()):
+        for ov in pkt.overloads() if pkt is not None else ():
             o = getattr(pkt, ov)._schema
-            if o.is_mutable and [a.name for a in o.arguments] == names + ["out"] and o.arguments[-1].kwarg_only \
-                    and len(o.returns) == 1:
+            if (
+                o.is_mutable
+                and [a.name for a in o.arguments] == names + ["out"]
+                and o.arguments[-1].kwarg_only
+                and len(o.returns) == 1
+            ):
                 _OUT[op] = getattr(pkt, ov)
                 break
     return _OUT[op]
@@ -45,12 +56,12 @@ class Buckets:
         backward position -> the chains whose last gradient that instruction makes."""
         g = self.g
         pos = {it.node.idx: i for i, it in enumerate(self.bw)}
-        self.chains: dict[int, list] = {}          # first bucket of a chain -> its buckets (one per step)
+        self.chains: dict[int, list] = {}  # first bucket of a chain -> its buckets (one per step)
         for i, b in enumerate(self.plan.buckets):
             self.chains.setdefault(b.get("chain", i), []).append(b)
         self.bucket_ready: dict[int, list[int]] = {}
         for i, bs in self.chains.items():
-            if isinstance(bs[0]["mesh_dim"], list):     # a flattened group: made now, on every rank in plan order
+            if isinstance(bs[0]["mesh_dim"], list):  # a flattened group: made now, on every rank in plan order
                 group_name(self.mesh, bs[0]["mesh_dim"])
             at = max(pos.get(g.grads[f].node, len(self.bw) - 1) for f in bs[0]["params"])
             self.bucket_ready.setdefault(at, []).append(i)
@@ -63,17 +74,18 @@ class Buckets:
         `flat_sizes`: bucket -> (elements, dtype, [local shapes]). Under LocalTensorMode (one process simulating
         every rank) buckets are concatenated at launch instead."""
         import torch.distributed as dist
+
         self.copy_at: dict[int, list] = {}
-        self.write_at: dict[int, tuple] = {}   # backward position -> (out= overload, bucket, offset, elements, shape)
+        self.write_at: dict[int, tuple] = {}  # backward position -> (out= overload, bucket, offset, elements, shape)
         self.flat_sizes: dict[int, tuple] = {}
-        self.flat_bufs: dict[int, torch.Tensor] = {}      # bucket -> its flat buffer, kept between steps
+        self.flat_bufs: dict[int, torch.Tensor] = {}  # bucket -> its flat buffer, kept between steps
         if not dist.is_initialized() or dist.get_backend() == "fake":
             return
         g, pos = self.g, {it.node.idx: i for i, it in enumerate(self.bw)}
-        readers = Counter((r.node, r.out) for n in g.nodes for r in n.inputs())   # ops reading each value
-        read = set(readers)                                                       # values some op reads
+        readers = Counter((r.node, r.out) for n in g.nodes for r in n.inputs())  # ops reading each value
+        read = set(readers)  # values some op reads
         read |= {k for k, c in Counter((r.node, r.out) for r in g.grads.values()).items() if c > 1}
-        readers.update((r.node, r.out) for r in g.outputs())                     # + results
+        readers.update((r.node, r.out) for r in g.outputs())  # + results
         for i, bs in self.chains.items():
             if not all(b["to"] == "R" for b in bs):
                 continue
@@ -114,8 +126,7 @@ class Buckets:
             chain.append(it)
             k = it.keys[0]
         it = self.bw[pos[k[0]]] if k[0] in pos else None
-        if it is None or it.fast is None or it.conv or it.groups or k[1] != 0 or readers[k] != 1 \
-                or "out" in it.fast[1]:
+        if it is None or it.fast is None or it.conv or it.groups or k[1] != 0 or readers[k] != 1 or "out" in it.fast[1]:
             return None
         out = _out_overload(it.fn)
         meta = g.nodes[k[0]].outs[0]
@@ -138,7 +149,7 @@ class Buckets:
         buf = bufs.get(i)
         if buf is None:
             buf = bufs[i] = self._bucket_buffer(i)
-        return buf[off:off + n].view(shape)
+        return buf[off : off + n].view(shape)
 
     def _bucket_buffer(self, i: int) -> torch.Tensor:
         """The flat buffer of all_reduce bucket i. The gradients handed out are views of it, so last step's buffer
@@ -150,6 +161,7 @@ class Buckets:
             size, dtype, _ = self.flat_sizes[i]
             buf = self.flat_bufs[i] = torch.empty(size, dtype=dtype, device=self.device)
         return buf
+
     def _at(self, pos: int, env: dict, handles: dict, bufs: dict):
         """After backward instruction pos: copy the gradients it made into their buckets, issue the buckets it
         completes."""
@@ -179,8 +191,9 @@ class Buckets:
                 src, dst, _ = self.red[(g.params[f], "opt")]
                 now = executed_placements(src, dst)
                 if now != self.P[g.params[f]].out[0]:
-                    raise ExecutionError(f"gradient bucket leaves '{f}' at {now}, its parameter at "
-                                         f"{self.P[g.params[f]].out[0]}")
+                    raise ExecutionError(
+                        f"gradient bucket leaves '{f}' at {now}, its parameter at {self.P[g.params[f]].out[0]}"
+                    )
                 outs[i].append((f, _pls(now), tuple(g.meta(g.grads[f]).shape), all(p == "R" for p in now)))
         return outs
 
@@ -191,6 +204,7 @@ class Buckets:
             if i not in handles:
                 self._launch(i, env, handles, bufs)
             for (f, pls, shape, rep), loc in zip(made, finish_bucket(handles.pop(i))):
-                out[f] = make_dtensor(per_rank(collapse(loc)) if rep else loc, mesh, pls, shape,
-                                      _global_stride(loc, shape))
+                out[f] = make_dtensor(
+                    per_rank(collapse(loc)) if rep else loc, mesh, pls, shape, _global_stride(loc, shape)
+                )
         return out

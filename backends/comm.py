@@ -13,6 +13,7 @@ orders the changes so each one is a single collective plus local reshuffles.
 Byte convention (the plan's, autopar/redistribute.py): the full tensor over the group: all_gather output,
 reduce_scatter input, all_reduce size, all_to_all size (local input times the group size).
 """
+
 from __future__ import annotations
 
 import math
@@ -72,11 +73,11 @@ def _from_front(y, d):
 
 
 def _coord(mesh, m):
-    return mesh.get_local_rank(m)        # an int, or a per-rank SymInt under LocalTensorMode
+    return mesh.get_local_rank(m)  # an int, or a per-rank SymInt under LocalTensorMode
 
 
 def _exec_str(p: str) -> str:
-    return "P" if p == "Pm" else p      # a masked partial is executed as a sum partial once unmasked
+    return "P" if p == "Pm" else p  # a masked partial is executed as a sum partial once unmasked
 
 
 def redistribute_local(x: torch.Tensor, src, dst, mesh, flat=None) -> torch.Tensor:
@@ -94,7 +95,7 @@ def redistribute_local(x: torch.Tensor, src, dst, mesh, flat=None) -> torch.Tens
     order = _memory_order(x)
     if order is None:
         order, x = list(range(x.dim())), x.contiguous()
-    if order == sorted(order):             # already in memory order: no permutes (views cost under LocalTensorMode)
+    if order == sorted(order):  # already in memory order: no permutes (views cost under LocalTensorMode)
         return _run_steps(x, mesh, todo, flat, lambda p: p)
     xp = _run_steps(x.permute(order), mesh, todo, flat, lambda p: _permuted(p, order))
     inv = [0] * len(order)
@@ -111,17 +112,22 @@ def _run_steps(x, mesh, todo, flat, pl):
             x = apply_step(x, mesh, m, pl(_exec_str(a)), pl(b))
         return x
     a = _exec_str(todo[0][1])
-    if [m for m, _, _ in todo if mesh.size(m) > 1] != list(flat) or any(_exec_str(s) != a for _, s, _ in todo) \
-            or any(b != "R" for _, _, b in todo):
+    if (
+        [m for m, _, _ in todo if mesh.size(m) > 1] != list(flat)
+        or any(_exec_str(s) != a for _, s, _ in todo)
+        or any(b != "R" for _, _, b in todo)
+    ):
         raise ValueError(f"one all_reduce over mesh dims {list(flat)} cannot take the steps {list(todo)}")
     x = per_rank(x)
-    return _wait(_fn.all_reduce((x / group_size(mesh, flat) if a == "Pa" else x).contiguous(), "sum",
-                                group_name(mesh, flat)), always=True)
+    return _wait(
+        _fn.all_reduce((x / group_size(mesh, flat) if a == "Pa" else x).contiguous(), "sum", group_name(mesh, flat)),
+        always=True,
+    )
 
 
 def _memory_order(x: torch.Tensor):
     """Dims from outermost to innermost in memory, or None if x is not a dense tensor in some dim order."""
-    st, sh = x.stride(), x.shape          # one query each (each is a dispatch under LocalTensorMode)
+    st, sh = x.stride(), x.shape  # one query each (each is a dispatch under LocalTensorMode)
     order = sorted(range(len(sh)), key=lambda d: -st[d])
     expect = 1
     for d in reversed(order):
@@ -145,19 +151,19 @@ def apply_step(x: torch.Tensor, mesh, m: int, a: str, b: str) -> torch.Tensor:
     n = mesh.size(m)
     if a == b or (b == "Pm" and a[0] != "S"):
         return x
-    if n == 1:                          # a size-1 mesh dim: only the placement label changes
+    if n == 1:  # a size-1 mesh dim: only the placement label changes
         return x
     name = group_name(mesh, m)
-    x = per_rank(x)                     # under LocalTensorMode a collective needs every rank's own tensor
+    x = per_rank(x)  # under LocalTensorMode a collective needs every rank's own tensor
     if a[0] == "S":
         d = int(a[1:])
         if b[0] == "S":
             return _all_to_all(x, d, int(b[1:]), n, name)
         x = _all_gather(x, d, n, name)
-        return _from_replicate(x, mesh, m, "R" if b == "Pm" else b)     # sharded indices: gathered whole
+        return _from_replicate(x, mesh, m, "R" if b == "Pm" else b)  # sharded indices: gathered whole
     if a[0] == "P":
         if a == "Pa":
-            x = x / n                    # values whose mean is the total -> values whose sum is the total
+            x = x / n  # values whose mean is the total -> values whose sum is the total
         if b == "R":
             return _wait(_fn.all_reduce(x.contiguous(), "sum", name), always=True)
         if b[0] == "S":
@@ -180,16 +186,16 @@ def launch_bucket(xs: list, mesh, chain: list):
     xs = [per_rank(x) for x in xs]
     shapes = [tuple(x.shape) for x in xs]
     if all(b == "R" for _, _, b in chain):
-        flat = torch.cat([x.reshape(-1) for x in xs])          # a fresh buffer: reduced in place (no extra copy)
+        flat = torch.cat([x.reshape(-1) for x in xs])  # a fresh buffer: reduced in place (no extra copy)
         return launch_filled(flat, mesh, chain, shapes)
-    (m, a, b), = chain
+    ((m, a, b),) = chain
     n, d = mesh.size(m), int(b[1:])
     fronts = []
     for x in xs:
         if x.shape[d] % n:
             raise ValueError(f"reduce_scatter of dim {d} (size {x.shape[d]}) over {n} ranks does not divide evenly")
         fronts.append(_to_front(x / n if a == "Pa" else x, d))
-    flat = torch.cat([f.reshape(n, -1) for f in fronts], dim=1).reshape(-1)      # rank r's chunks, rank by rank
+    flat = torch.cat([f.reshape(n, -1) for f in fronts], dim=1).reshape(-1)  # rank r's chunks, rank by rank
     return b, _fn.reduce_scatter_tensor(flat, "sum", n, group_name(mesh, m)), [tuple(f.shape) for f in fronts], n
 
 
@@ -222,14 +228,15 @@ def finish_bucket(handle) -> list:
 
 def _from_replicate(x, mesh, m, b):
     if b == "R" or b == "Pa":
-        return x                        # the mean of n copies is the value itself
+        return x  # the mean of n copies is the value itself
     if b == "P":
-        return per_rank(x) * (1 - torch.sym_min(_coord(mesh, m), 1))   # the value on coordinate 0, zeros elsewhere
+        return per_rank(x) * (1 - torch.sym_min(_coord(mesh, m), 1))  # the value on coordinate 0, zeros elsewhere
     if b[0] == "S":
         d = int(b[1:])
         if x.shape[d] % mesh.size(m):
-            raise ValueError(f"Shard({d}) of a tensor of shape {tuple(x.shape)} over {mesh.size(m)} ranks does not "
-                             f"divide evenly")
+            raise ValueError(
+                f"Shard({d}) of a tensor of shape {tuple(x.shape)} over {mesh.size(m)} ranks does not divide evenly"
+            )
         size = x.shape[d] // mesh.size(m)
         return torch.narrow_copy(per_rank(x), d, _coord(mesh, m) * size, size)
     raise NotImplementedError(f"redistribute step R -> {b} on mesh dim {m}")
@@ -237,7 +244,7 @@ def _from_replicate(x, mesh, m, b):
 
 def _all_gather(x, d, n, name):
     y = _wait(_fn.all_gather_into_tensor(_to_front(x, d), n, name))
-    return _from_front(y, d)            # contiguous: the layout a single-device op produces (kernels rely on it)
+    return _from_front(y, d)  # contiguous: the layout a single-device op produces (kernels rely on it)
 
 
 def _reduce_scatter(x, d, n, name):
@@ -252,35 +259,47 @@ def _all_to_all(x, d, e, n, name):
     this rank's dim-e chunk of every rank's dim-d shard, concatenated along d in group-rank order."""
     if x.shape[e] % n:
         raise ValueError(f"all_to_all of dim {e} (size {x.shape[e]}) over {n} ranks does not divide evenly")
-    xe = _to_front(x, e)                                        # (x_e, other dims of x in order)
+    xe = _to_front(x, e)  # (x_e, other dims of x in order)
     piece = [xe.shape[0] // n] + list(xe.shape[1:])
     splits = [piece[0]] * n
     y = _wait(_fn.all_to_all_single(xe, splits, splits, name))
-    y = torch.ops.aten._unsafe_view(y, [n] + piece)            # (source rank, e-chunk, other dims)
-    labels = ["n", e] + [i for i in range(x.dim()) if i != e]   # what each axis of y is
+    y = torch.ops.aten._unsafe_view(y, [n] + piece)  # (source rank, e-chunk, other dims)
+    labels = ["n", e] + [i for i in range(x.dim()) if i != e]  # what each axis of y is
     order = []
-    for i in range(x.dim()):                                    # back to x's dim order, the rank axis before d
+    for i in range(x.dim()):  # back to x's dim order, the rank axis before d
         order += ["n", i] if i == d else [i]
     out = torch.permute_copy(y, [labels.index(a) for a in order])
     shape = list(out.shape)
-    shape[d:d + 2] = [shape[d] * shape[d + 1]]
+    shape[d : d + 2] = [shape[d] * shape[d + 1]]
     return torch.ops.aten._unsafe_view(out, shape)
 
 
 # ---- counting ----------------------------------------------------------------------------------------------------
 
 _KIND = {
-    "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter", "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce", "all_to_all_single": "all_to_all", "shard_dim_alltoall": "all_to_all",
+    "all_gather_into_tensor": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter",
+    "all_reduce": "all_reduce",
+    "all_reduce_": "all_reduce",
+    "all_to_all_single": "all_to_all",
+    "shard_dim_alltoall": "all_to_all",
     "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "broadcast": "broadcast",
     # c10d (process-group) ops
-    "allreduce_": "all_reduce", "_allgather_base_": "all_gather", "allgather_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_": "reduce_scatter", "alltoall_base_": "all_to_all",
-    "alltoall_": "all_to_all", "broadcast_": "broadcast", "scatter_": "scatter",
+    "allreduce_": "all_reduce",
+    "_allgather_base_": "all_gather",
+    "allgather_": "all_gather",
+    "_reduce_scatter_base_": "reduce_scatter",
+    "reduce_scatter_": "reduce_scatter",
+    "alltoall_base_": "all_to_all",
+    "alltoall_": "all_to_all",
+    "broadcast_": "broadcast",
+    "scatter_": "scatter",
     "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter", "allreduce_coalesced_": "all_reduce",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "allreduce_coalesced_": "all_reduce",
 }
 
 
@@ -311,6 +330,7 @@ class CommCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         from torch.distributed.tensor import DTensor
+
         if any(issubclass(t, DTensor) for t in types):
             return NotImplemented
         ns = func.namespace
@@ -324,13 +344,13 @@ class CommCounter(TorchDispatchMode):
         for a in args:
             if isinstance(a, str) and a in self.dim_of:
                 return self.dim_of[a], self.mesh.size(self.dim_of[a])
-            if isinstance(a, str) and a in FLAT_GROUPS:           # one collective over several mesh dims
+            if isinstance(a, str) and a in FLAT_GROUPS:  # one collective over several mesh dims
                 return FLAT_GROUPS[a], group_size(self.mesh, FLAT_GROUPS[a])
             if isinstance(a, torch.ScriptObject):
                 pg = dist.ProcessGroup.unbox(a)
                 return self.dim_of.get(pg.group_name, -1), pg.size()
         ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
-        return -1, (ints[0] if ints else 1)      # functional all_gather / reduce_scatter carry the group size
+        return -1, (ints[0] if ints else 1)  # functional all_gather / reduce_scatter carry the group size
 
     def _record(self, op, kind, args):
         m, n = self._group(args)
@@ -358,22 +378,25 @@ def compare(measured, predicted) -> str:
     if a == b:
         return ""
     extra, missing = a - b, b - a
-    return (f"measured {sum(a.values())} collectives, plan predicts {sum(b.values())}; "
-            f"not in the plan: {sorted(extra.items())[:12]}; planned but not run: {sorted(missing.items())[:12]}")
+    return (
+        f"measured {sum(a.values())} collectives, plan predicts {sum(b.values())}; "
+        f"not in the plan: {sorted(extra.items())[:12]}; planned but not run: {sorted(missing.items())[:12]}"
+    )
 
 
 # ---- plan agreement ----------------------------------------------------------------------------------------------
+
 
 def agree_on_plan(mesh, plan_hash: str, device) -> None:
     """All ranks exchange their plan's hash (one all_gather over the whole mesh) before any step runs; any
     difference raises PlanMismatchError on every rank, naming which ranks hold which plan."""
     if dist.get_backend() == "fake":
-        return                           # one process simulates every rank (LocalTensorMode): one plan
-    code = torch.tensor([int(plan_hash[i:i + 8], 16) for i in range(0, 16, 8)], dtype=torch.int64, device=device)
+        return  # one process simulates every rank (LocalTensorMode): one plan
+    code = torch.tensor([int(plan_hash[i : i + 8], 16) for i in range(0, 16, 8)], dtype=torch.int64, device=device)
     world = dist.get_world_size()
     table = torch.zeros(world, code.numel(), dtype=torch.int64, device=device)
     table[dist.get_rank()] = code
-    dist.all_reduce(table)                  # every rank's hash in its own row (a sum of one-row tables)
+    dist.all_reduce(table)  # every rank's hash in its own row (a sum of one-row tables)
     got = table.tolist()
     hashes = ["".join(f"{v:08x}" for v in row) for row in got]
     if len(set(hashes)) != 1:
@@ -381,6 +404,8 @@ def agree_on_plan(mesh, plan_hash: str, device) -> None:
         for r, h in enumerate(hashes):
             by.setdefault(h, []).append(r)
         detail = "; ".join(f"plan {h} on ranks {rs}" for h, rs in sorted(by.items()))
-        raise PlanMismatchError(f"ranks hold different plans ({detail}); this rank ({dist.get_rank()}) has "
-                                f"{plan_hash}. Every rank must call parallelize with the same model config, "
-                                f"example input shapes, mesh and plan options.")
+        raise PlanMismatchError(
+            f"ranks hold different plans ({detail}); this rank ({dist.get_rank()}) has "
+            f"{plan_hash}. Every rank must call parallelize with the same model config, "
+            f"example input shapes, mesh and plan options."
+        )

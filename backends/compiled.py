@@ -19,6 +19,7 @@ a Dynamo call's guards and wrappers cost about as much as the few dozen small op
 shorter than `min_ops` run their FX graph uncompiled. Python dispatch modes active while a segment compiles (a
 collective counter) are suspended for it; no segment holds a collective, so a counter still sees every one.
 """
+
 from __future__ import annotations
 
 import operator
@@ -44,15 +45,21 @@ def compile_option(compile) -> str | None:
     raise ValueError(f"compile must be True, False or a torch.compile backend among {BACKENDS}, got {compile!r}")
 
 
-_EAGER_KERNELS = frozenset(LOCAL_IMPL.values())    # wrappers fixing what a CPU kernel refuses: run them eagerly
+_EAGER_KERNELS = frozenset(LOCAL_IMPL.values())  # wrappers fixing what a CPU kernel refuses: run them eagerly
 
 
 def compilable(it) -> bool:
     """An instruction the compiled program runs inside a segment: a local op on local shards, nothing around it.
     Ops with a local_ops.LOCAL_IMPL wrapper (histc on ints, _grouped_mm's alignment copies) stay eager: the
     wrapper's host-side fixes are not what a compiler traces (`offs has to be 1D` from _grouped_mm under tracing)."""
-    return it.mode == "local" and not it.conv and not it.groups and not it.contig and not it.swapped \
+    return (
+        it.mode == "local"
+        and not it.conv
+        and not it.groups
+        and not it.contig
+        and not it.swapped
         and it.fn not in _EAGER_KERNELS
+    )
 
 
 def _single(fn) -> bool:
@@ -78,7 +85,7 @@ class Segment:
         self.ins = ins
         self.in_sharded = [not all(p == "R" for p in P[k[0]].out[k[1]]) for k in ins]
         self.outs = [k for k in made if k in needed and k not in freed]
-        self.wrap = []                       # (placements, global shape) of a sharded output, else None
+        self.wrap = []  # (placements, global shape) of a sharded output, else None
         for k in self.outs:
             it = made[k]
             self.wrap.append(None if it.out_r[k[1]] else (it.expect[k[1]], tuple(it.node.outs[k[1]].shape)))
@@ -86,7 +93,7 @@ class Segment:
         self.gm = _graph(instrs, ins, self.outs)
         self.backend = backend
         self.compiled = self.n_ops >= min_ops
-        self.fns: dict = {}                  # input strides -> the compiled function for them
+        self.fns: dict = {}  # input strides -> the compiled function for them
         self.compile_s = 0.0
 
     def _compile(self, vals, key):
@@ -95,9 +102,10 @@ class Segment:
         torch.compile call's cost; shapes are the plan's, and a new layout compiles again (`key`)."""
         import time
         from torch._dynamo import lookup_backend
+
         t0 = time.perf_counter()
-        with _python_dispatch._disable_current_modes():     # a user's mode (a counter) must not see the tracing
-            gm = _graph(self.instrs, self.ins, self.outs)    # a fresh graph: compilers may rewrite theirs
+        with _python_dispatch._disable_current_modes():  # a user's mode (a counter) must not see the tracing
+            gm = _graph(self.instrs, self.ins, self.outs)  # a fresh graph: compilers may rewrite theirs
             fn = self.fns[key] = lookup_backend(self.backend)(gm, list(vals))
         self.compile_s += time.perf_counter() - t0
         return fn
@@ -150,6 +158,7 @@ def build(prog, instrs: list, launch_at, ready, backend: str, min_ops: int = 3):
     end of the segment holding pos (a segment ends at every position in `ready`, where a bucket launches).
     Returns (run, segments)."""
     from .program import Sharded
+
     needed = needed_values(prog.g)
     steps, segs, cur = [], [], []
 
@@ -179,11 +188,16 @@ def build(prog, instrs: list, launch_at, ready, backend: str, min_ops: int = 3):
             for p in launches:
                 L[p]()
         return env
+
     return run, segs
 
 
 def summary(segs) -> dict:
     """How much of a phase is compiled: segments, compiled segments, ops in them."""
-    return {"segments": len(segs), "compiled": sum(s.compiled for s in segs),
-            "compiled_ops": sum(s.n_ops for s in segs if s.compiled), "ops": sum(s.n_ops for s in segs),
-            "compile_s": round(sum(s.compile_s for s in segs), 2)}
+    return {
+        "segments": len(segs),
+        "compiled": sum(s.compiled for s in segs),
+        "compiled_ops": sum(s.n_ops for s in segs if s.compiled),
+        "ops": sum(s.n_ops for s in segs),
+        "compile_s": round(sum(s.compile_s for s in segs), 2),
+    }

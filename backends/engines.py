@@ -30,6 +30,7 @@ Whatever the engines cannot express is listed in `TorchLowering.reasons` (naming
 never silently changed. `TorchLowering.code()` is the plan as the code a user would have written (a module FQN
 -> ParallelStyle dict and the fully_shard calls); `lower_to_torch` executes exactly that code on the model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,7 +51,7 @@ class EngineLoweringError(ValueError):
 
 @dataclass
 class Style:
-    cls: str                                   # ColwiseParallel | RowwiseParallel | SequenceParallel | PrepareModuleInput
+    cls: str  # ColwiseParallel | RowwiseParallel | SequenceParallel | PrepareModuleInput
     kwargs: dict = field(default_factory=dict)  # keyword -> Python source
     why: str = ""
 
@@ -60,11 +61,11 @@ class Style:
 
 @dataclass
 class Unit:
-    fqn: str                                   # "" is the root module
+    fqn: str  # "" is the root module
     params: list
     reshard_after_forward: bool
-    shard_dims: dict = field(default_factory=dict)   # param -> tensor dim FSDP shards, when not 0
-    replicated: list = field(default_factory=list)   # replicated on the data dims: ignored by FSDP, grads all-reduced
+    shard_dims: dict = field(default_factory=dict)  # param -> tensor dim FSDP shards, when not 0
+    replicated: list = field(default_factory=list)  # replicated on the data dims: ignored by FSDP, grads all-reduced
     why: str = ""
 
 
@@ -74,9 +75,10 @@ class GradBucket:
     tuples (one dim: that dim's group; several: one collective over their flattened group), run one after the
     other (the plan's chain of buckets over the same gradients). planned: the plan's own bucket (its index in
     plan.buckets, first step); None: gradients the plan reduces otherwise, which the engines must reduce here."""
+
     steps: list
-    params: list                                      # FQNs, in the order the backward produces them
-    nbytes: int                                       # per step (the local gradients' size)
+    params: list  # FQNs, in the order the backward produces them
+    nbytes: int  # per step (the local gradients' size)
     dtype: str
     planned: int | None = None
 
@@ -90,22 +92,22 @@ class TorchLowering:
     replicate_dims: list = field(default_factory=list)
     tp_dim: int | None = None
     idle_dims: list = field(default_factory=list)
-    styles: dict = field(default_factory=dict)        # module FQN (wildcards over repeated blocks) -> Style
-    units: list = field(default_factory=list)         # fully_shard units, root last
-    replicated_grads: list = field(default_factory=list)   # params whose grads are all-reduced by a hook
+    styles: dict = field(default_factory=dict)  # module FQN (wildcards over repeated blocks) -> Style
+    units: list = field(default_factory=list)  # fully_shard units, root last
+    replicated_grads: list = field(default_factory=list)  # params whose grads are all-reduced by a hook
     grad_buckets: list = field(default_factory=list)  # GradBucket: how the hook reduces replicated_grads
-    batch_shards: int = 1                             # ranks that split the batch (product of the data dims)
+    batch_shards: int = 1  # ranks that split the batch (product of the data dims)
     mixed_precision: dict | None = None
-    checkpoint: list = field(default_factory=list)    # block FQNs
+    checkpoint: list = field(default_factory=list)  # block FQNs
     loss_parallel: bool = False
     input_placements: list = field(default_factory=list)
-    reasons: list = field(default_factory=list)       # (part, why it cannot be lowered)
+    reasons: list = field(default_factory=list)  # (part, why it cannot be lowered)
     notes: list = field(default_factory=list)
-    block_fqns: list = field(default_factory=list)    # the plan's repeated blocks ("layers.0", ...)
-    tp_roles: dict = field(default_factory=dict)      # (node, input) -> what a forward redistribute on tp is
-    mean_loss: dict | None = None                     # the loss hook (engines_loss.py): labels, ignore_index, ...
-    parts: dict = field(default_factory=dict)         # module FQN the graph backend runs -> its Part (engines_mixed)
-    part_params: list = field(default_factory=list)   # their parameters (FSDP ignores them, the part reduces them)
+    block_fqns: list = field(default_factory=list)  # the plan's repeated blocks ("layers.0", ...)
+    tp_roles: dict = field(default_factory=dict)  # (node, input) -> what a forward redistribute on tp is
+    mean_loss: dict | None = None  # the loss hook (engines_loss.py): labels, ignore_index, ...
+    parts: dict = field(default_factory=dict)  # module FQN the graph backend runs -> its Part (engines_mixed)
+    part_params: list = field(default_factory=list)  # their parameters (FSDP ignores them, the part reduces them)
 
     @property
     def expressible(self) -> bool:
@@ -113,15 +115,34 @@ class TorchLowering:
 
     def code(self) -> str:
         from .engines_codegen import render
+
         return render(self)
 
     def report(self) -> str:
         from .engines_codegen import report
+
         return report(self)
 
 
-_PASS_THROUGH = {"view", "_unsafe_view", "reshape", "t", "transpose", "permute", "_to_copy", "clone", "detach",
-                 "expand", "alias", "contiguous", "unsqueeze", "squeeze", "slice", "select", "split"}
+_PASS_THROUGH = {
+    "view",
+    "_unsafe_view",
+    "reshape",
+    "t",
+    "transpose",
+    "permute",
+    "_to_copy",
+    "clone",
+    "detach",
+    "expand",
+    "alias",
+    "contiguous",
+    "unsqueeze",
+    "squeeze",
+    "slice",
+    "select",
+    "split",
+}
 
 
 class _Graph:
@@ -129,13 +150,14 @@ class _Graph:
 
     def __init__(self, plan):
         self.plan, self.nodes = plan, plan.nodes
-        self.users = defaultdict(list)                      # node -> [(user, input position, producer output)]
+        self.users = defaultdict(list)  # node -> [(user, input position, producer output)]
         for n in self.nodes:
             for j, (p, o) in enumerate(n.get("inputs", [])):
                 self.users[p].append((n["idx"], j, o))
         if self.nodes and "inputs" not in self.nodes[-1]:
-            raise EngineLoweringError("this plan has no input edges in its node records (saved by an older autopar);"
-                                      " plan it again")
+            raise EngineLoweringError(
+                "this plan has no input edges in its node records (saved by an older autopar); plan it again"
+            )
         self.param_node = {n["target"]: n["idx"] for n in self.nodes if n["kind"] == "param"}
         self.red = {(n["idx"], r["input"]): r for n in self.nodes for r in n.get("redistribute", [])}
 
@@ -175,9 +197,14 @@ def _check_state_updates(low, plan, data, in_part):
         mods.setdefault(fqn.rsplit(".", 1)[0] if "." in fqn else "", []).append(fqn)
     for mod, fqns in sorted(mods.items()):
         if not in_part(mod):
-            low.reasons.append((f"module {mod or '<root>'}", f"updates buffers {fqns} in its forward (BatchNorm's "
-                                f"running statistics); on batch shards over {dn} FSDP/DDP would compute them per "
-                                f"rank from its shard, the plan from the global batch"))
+            low.reasons.append(
+                (
+                    f"module {mod or '<root>'}",
+                    f"updates buffers {fqns} in its forward (BatchNorm's "
+                    f"running statistics); on batch shards over {dn} FSDP/DDP would compute them per "
+                    f"rank from its shard, the plan from the global batch",
+                )
+            )
 
 
 def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, parts=()) -> TorchLowering:
@@ -191,6 +218,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
     low = TorchLowering(plan.hash(), names, shape)
     low.parts = {p: None for p in parts}
     from .engines_mixed import within
+
     in_part = lambda m: within(m, parts)
     low.part_params = [f for f in plan.params if in_part(f.rsplit(".", 1)[0] if "." in f else "")]
     own = {f: pl for f, pl in plan.params.items() if f not in low.part_params}
@@ -200,8 +228,9 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
     loose = [_fed(G, n, loss_fed) for n in inputs]
     # a mesh dim is batch-fed when every input is (a loss input counts only where the batch really is sharded)
     batch = [all(f[d] == "S0" for f in loose) and any(f[d] == "S0" for f in strict) for d in range(len(names))]
-    low.input_placements = [["S0" if batch[d] else n["placement"]["out"][0][d] for d in range(len(names))]
-                            for n in inputs]
+    low.input_placements = [
+        ["S0" if batch[d] else n["placement"]["out"][0][d] for d in range(len(names))] for n in inputs
+    ]
     data, model_dims = [], []
     for d, name in enumerate(names):
         pls = {pl[d] for pl in low.input_placements}
@@ -210,19 +239,31 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
         elif pls <= {"R"}:
             model_dims.append(d)
         else:
-            low.reasons.append((f"mesh dim {name}", f"inputs are placed {sorted(pls)} on it; the engines lower only "
-                                f"batch sharding (Shard(0) of every input) or replication (no context parallelism)"))
+            low.reasons.append(
+                (
+                    f"mesh dim {name}",
+                    f"inputs are placed {sorted(pls)} on it; the engines lower only "
+                    f"batch sharding (Shard(0) of every input) or replication (no context parallelism)",
+                )
+            )
     for d in model_dims:
-        busy = any(p[d] != "R" for p in own.values()) or any(o is not None and o[d] != "R" for n in plan.nodes
-                                                              if n["kind"] == "op" and not in_part(n["module"])
-                                                              for o in n["placement"]["out"])
+        busy = any(p[d] != "R" for p in own.values()) or any(
+            o is not None and o[d] != "R"
+            for n in plan.nodes
+            if n["kind"] == "op" and not in_part(n["module"])
+            for o in n["placement"]["out"]
+        )
         if not busy:
             low.idle_dims.append(d)
         elif low.tp_dim is None:
             low.tp_dim = d
         else:
-            low.reasons.append((f"mesh dim {names[d]}", f"a second tensor-parallel dim (after {names[low.tp_dim]}): "
-                                f"parallelize_module takes one 1-D mesh"))
+            low.reasons.append(
+                (
+                    f"mesh dim {names[d]}",
+                    f"a second tensor-parallel dim (after {names[low.tp_dim]}): parallelize_module takes one 1-D mesh",
+                )
+            )
     for d in data:
         (low.shard_dims if any(p[d][0] == "S" for p in own.values()) else low.replicate_dims).append(d)
     recognize_mean_loss(low, G, plan, data)
@@ -231,30 +272,49 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
     _recognize_fsdp(low, G, plan, units)
     if low.tp_dim is not None:
         from .engines_tp import recognize_tp
+
         recognize_tp(low, G, plan, model, styles)
     elif styles:
-        raise EngineLoweringError(f"styles {sorted(styles)} were forced but the plan has no tensor-parallel dim "
-                                  f"(mesh {dict(zip(names, shape))}, inputs {low.input_placements})")
+        raise EngineLoweringError(
+            f"styles {sorted(styles)} were forced but the plan has no tensor-parallel dim "
+            f"(mesh {dict(zip(names, shape))}, inputs {low.input_placements})"
+        )
     _check_shared(low, plan, model)
     mp = plan.meta.get("mixed_precision")
     if mp:
         low.mixed_precision = {"param_dtype": mp["param_dtype"], "reduce_dtype": mp["reduce_dtype"]}
         if not low.units:
-            low.reasons.append(("mixed precision", "the plan runs bf16 parameters, which the engines express with "
-                                "FSDP2's MixedPrecisionPolicy, but no data-parallel dim shards parameters"))
+            low.reasons.append(
+                (
+                    "mixed precision",
+                    "the plan runs bf16 parameters, which the engines express with "
+                    "FSDP2's MixedPrecisionPolicy, but no data-parallel dim shards parameters",
+                )
+            )
         elif low.replicated_grads:
-            low.reasons.append(("mixed precision", f"parameters {low.replicated_grads[:4]} stay out of FSDP (the "
-                                f"plan replicates them), so MixedPrecisionPolicy would not cast them to bf16"))
+            low.reasons.append(
+                (
+                    "mixed precision",
+                    f"parameters {low.replicated_grads[:4]} stay out of FSDP (the "
+                    f"plan replicates them), so MixedPrecisionPolicy would not cast them to bf16",
+                )
+            )
     low.checkpoint = list(plan.meta.get("checkpointing", {}).get("blocks", []))
     if parts:
         from .engines_mixed import reason_module
+
         low.reasons = [r for r in low.reasons if not in_part(reason_module(*r) or "")]
         for m in [m for m in low.styles if in_part(m)]:
             del low.styles[m]
         for c in low.checkpoint:
             if any(p.startswith(c + ".") or p == c for p in parts):
-                low.reasons.append((f"module {c}", "the plan checkpoints this block, which holds a part the graph "
-                                    "backend runs: its forward (and collectives) would run again in the backward"))
+                low.reasons.append(
+                    (
+                        f"module {c}",
+                        "the plan checkpoints this block, which holds a part the graph "
+                        "backend runs: its forward (and collectives) would run again in the backward",
+                    )
+                )
     _grad_buckets(low, G, plan)
     return low
 
@@ -262,6 +322,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
 def _local_nbytes(low, plan, pnode, fqn) -> int:
     """Bytes of the parameter's gradient on one rank: its shape, split on the tensor-parallel dim."""
     import torch
+
     shape = list(pnode["shape"][0])
     t = low.tp_dim
     if t is not None and plan.params[fqn][t][0] == "S":
@@ -277,6 +338,7 @@ def _grad_buckets(low, G, plan) -> None:
     to the plan's bucket size. The average divides by the number of batch shards (each rank's loss is the mean
     over its own)."""
     from autopar.redistribute import BUCKET_BYTES, dims_of
+
     data = low.replicate_dims + low.shard_dims
     rep = set(low.replicated_grads)
     if not rep or not data:
@@ -295,21 +357,29 @@ def _grad_buckets(low, G, plan) -> None:
             continue
         steps = [dims_of(b["mesh_dim"]) for _, b in sorted(bs, key=lambda kb: kb[1].get("step", 0))]
         dims = [d for s in steps for d in s]
-        ok = (set(params) <= rep and all(b["kind"] == "all_reduce" for _, b in bs) and
-              sorted(dims) == sorted(data) and len(set(dims)) == len(dims))
+        ok = (
+            set(params) <= rep
+            and all(b["kind"] == "all_reduce" for _, b in bs)
+            and sorted(dims) == sorted(data)
+            and len(set(dims)) == len(dims)
+        )
         if not ok:
-            low.notes.append(f"the plan's gradient bucket {first} ({[b['kind'] for _, b in bs]} over "
-                             f"{[dn(s) for s in steps]}) is not the engines' averaging over {dn(data)}; its replicated"
-                             f" gradients are reduced in extra buckets instead")
+            low.notes.append(
+                f"the plan's gradient bucket {first} ({[b['kind'] for _, b in bs]} over "
+                f"{[dn(s) for s in steps]}) is not the engines' averaging over {dn(data)}; its replicated"
+                f" gradients are reduced in extra buckets instead"
+            )
             continue
         nb = sum(size[f] for f in params)
         out.append(GradBucket(steps, list(params), nb, bs[0][1]["dtype"].replace("torch.", ""), first))
         covered |= set(params)
     extra = [f for f in reversed(list(plan.params)) if f in rep and f not in covered]
     if extra:
-        low.notes.append(f"the plan reduces the gradients of {extra[:4]}{' ...' if len(extra) > 4 else ''} otherwise "
-                         f"(e.g. from backward inputs it gathers); the engines' partial gradients are all-reduced over "
-                         f"{dn(data)} in {'an extra bucket' if len(extra) == 1 else 'extra buckets'}")
+        low.notes.append(
+            f"the plan reduces the gradients of {extra[:4]}{' ...' if len(extra) > 4 else ''} otherwise "
+            f"(e.g. from backward inputs it gathers); the engines' partial gradients are all-reduced over "
+            f"{dn(data)} in {'an extra bucket' if len(extra) == 1 else 'extra buckets'}"
+        )
     open_: dict = {}
     for f in extra:
         dt = pnode[f]["dtype"][0]
@@ -336,17 +406,25 @@ def _check_shared(low, plan, model):
         if base == fqn:
             continue
         if unit_of(fqn) != unit_of(base):
-            low.reasons.append((f"parameter {fqn}", f"is the same tensor as {base}, which is in FSDP unit "
-                                f"'{unit_of(base) or '<root>'}' while it is in '{unit_of(fqn) or '<root>'}'; a "
-                                f"shared parameter must live in one unit"))
+            low.reasons.append(
+                (
+                    f"parameter {fqn}",
+                    f"is the same tensor as {base}, which is in FSDP unit "
+                    f"'{unit_of(base) or '<root>'}' while it is in '{unit_of(fqn) or '<root>'}'; a "
+                    f"shared parameter must live in one unit",
+                )
+            )
         elif styled(fqn) or styled(base):
-            low.reasons.append((f"parameter {fqn}", f"is the same tensor as {base}; a ParallelStyle would replace "
-                                f"it in one module only"))
+            low.reasons.append(
+                (
+                    f"parameter {fqn}",
+                    f"is the same tensor as {base}; a ParallelStyle would replace it in one module only",
+                )
+            )
 
 
 def _blocks(plan) -> list[str]:
     return [f"{r['prefix']}.{i}" for r in plan.regions for i in r["layers"]]
-
 
 
 def _recognize_fsdp(low, G, plan, forced_units):
@@ -359,51 +437,79 @@ def _recognize_fsdp(low, G, plan, forced_units):
         for u in forced_units:
             inside = next((b for b in blocks if u.startswith(b + ".")), None)
             if inside:
-                raise EngineLoweringError(f"FSDP unit '{u}' lies inside the repeated block '{inside}': the plan decides"
-                                          f" per block, so a unit must be a whole block (or a union of blocks, or "
-                                          f"the root)")
+                raise EngineLoweringError(
+                    f"FSDP unit '{u}' lies inside the repeated block '{inside}': the plan decides"
+                    f" per block, so a unit must be a whole block (or a union of blocks, or "
+                    f"the root)"
+                )
         unit_fqns = [u for u in forced_units if u] + [""]
     else:
         unit_fqns = blocks + [""]
     unit_of = lambda f: next((u for u in unit_fqns if u and f.startswith(u + ".")), "")
     per_unit = {u: Unit(u, [], False) for u in unit_fqns}
     for fqn, pl in plan.params.items():
-        if fqn not in G.param_node or fqn in low.part_params:   # an alias of a tied parameter; a graph part's
+        if fqn not in G.param_node or fqn in low.part_params:  # an alias of a tied parameter; a graph part's
             continue
         u = per_unit[unit_of(fqn)]
         sh = [pl[d] for d in low.shard_dims]
         rp = [pl[d] for d in low.replicate_dims]
         if any(p != "R" for p in rp):
-            low.reasons.append((f"parameter {fqn}", f"is {pl} but dims {dn(low.replicate_dims)} replicate every other "
-                                f"parameter (HSDP shards on one dim group only)"))
+            low.reasons.append(
+                (
+                    f"parameter {fqn}",
+                    f"is {pl} but dims {dn(low.replicate_dims)} replicate every other "
+                    f"parameter (HSDP shards on one dim group only)",
+                )
+            )
             continue
         if all(p == "R" for p in sh):
             u.replicated.append(fqn)
             continue
         if len(set(sh)) != 1:
-            low.reasons.append((f"parameter {fqn}", f"is {pl}: FSDP2 shards a parameter on one tensor dim over "
-                                f"all of {dn(low.shard_dims)}"))
+            low.reasons.append(
+                (
+                    f"parameter {fqn}",
+                    f"is {pl}: FSDP2 shards a parameter on one tensor dim over all of {dn(low.shard_dims)}",
+                )
+            )
             continue
         k = int(sh[0][1:])
         nodes, edges = G.chain(fqn)
-        bad = [(c, j) for c, j, src in edges if G.rec(c)["kind"] == "op" and
-               any(G.rec(c)["placement"]["ins"][j][d][0] != "R" for d in low.shard_dims)]
+        bad = [
+            (c, j)
+            for c, j, src in edges
+            if G.rec(c)["kind"] == "op" and any(G.rec(c)["placement"]["ins"][j][d][0] != "R" for d in low.shard_dims)
+        ]
         consumers = edges + [(c, 0, None) for c in nodes[1:]]
-        gathers = [c for c, j, _ in consumers if (c, j) in G.red and
-                   any(G.red[(c, j)]["src"][d][0] == "S" and G.red[(c, j)]["dst"][d] == "R" for d in low.shard_dims)]
+        gathers = [
+            c
+            for c, j, _ in consumers
+            if (c, j) in G.red
+            and any(G.red[(c, j)]["src"][d][0] == "S" and G.red[(c, j)]["dst"][d] == "R" for d in low.shard_dims)
+        ]
         if bad:
             c, j = bad[0]
-            low.reasons.append((f"parameter {fqn}", f"is used sharded on {dn(low.shard_dims)} by "
-                                f"{G.rec(c)['name']} in module '{G.rec(c)['module']}' (input {j} "
-                                f"{G.rec(c)['placement']['ins'][j]}): FSDP2 gathers a parameter before every use, and a "
-                                f"ParallelStyle cannot shard it on a mesh dim that also splits the batch (tensor or "
-                                f"expert parallelism on a data-parallel dim)"))
+            low.reasons.append(
+                (
+                    f"parameter {fqn}",
+                    f"is used sharded on {dn(low.shard_dims)} by "
+                    f"{G.rec(c)['name']} in module '{G.rec(c)['module']}' (input {j} "
+                    f"{G.rec(c)['placement']['ins'][j]}): FSDP2 gathers a parameter before every use, and a "
+                    f"ParallelStyle cannot shard it on a mesh dim that also splits the batch (tensor or "
+                    f"expert parallelism on a data-parallel dim)",
+                )
+            )
             continue
         outside = [c for c, _, _ in edges if u.fqn and not G.in_module(c, u.fqn)]
         if outside:
             c = outside[0]
-            low.reasons.append((f"parameter {fqn}", f"is used outside its FSDP unit '{u.fqn}' by {G.rec(c)['name']} in "
-                                f"module '{G.rec(c)['module'] or '<root>'}'; FSDP2 unshards it only while the unit runs"))
+            low.reasons.append(
+                (
+                    f"parameter {fqn}",
+                    f"is used outside its FSDP unit '{u.fqn}' by {G.rec(c)['name']} in "
+                    f"module '{G.rec(c)['module'] or '<root>'}'; FSDP2 unshards it only while the unit runs",
+                )
+            )
             continue
         u.params.append(fqn)
         if k != 0:
@@ -416,33 +522,48 @@ def _recognize_fsdp(low, G, plan, forced_units):
             low.replicated_grads += u.replicated
         if not u.params and u.fqn:
             continue
-        gathered = "re-gathered in the backward" if u.reshard_after_forward else \
-            "kept from the forward's gather (no backward gather)"
-        u.why = (f"{len(u.params)} params sharded on {dn(low.shard_dims)}, gathered before use; {gathered}" +
-                 (f"; {len(u.replicated)} replicated params left out (ignored_params), grads all-reduced"
-                  if u.replicated else ""))
+        gathered = (
+            "re-gathered in the backward"
+            if u.reshard_after_forward
+            else "kept from the forward's gather (no backward gather)"
+        )
+        u.why = f"{len(u.params)} params sharded on {dn(low.shard_dims)}, gathered before use; {gathered}" + (
+            f"; {len(u.replicated)} replicated params left out (ignored_params), grads all-reduced"
+            if u.replicated
+            else ""
+        )
         if low.shard_dims:
             low.units.append(u)
     if len(low.shard_dims) > 1 and low.replicate_dims:
-        low.reasons.append(("data-parallel dims", f"HSDP with a flattened shard group ({dn(low.shard_dims)}) and a "
-                            f"replicate group ({dn(low.replicate_dims)}) is not lowered"))
+        low.reasons.append(
+            (
+                "data-parallel dims",
+                f"HSDP with a flattened shard group ({dn(low.shard_dims)}) and a "
+                f"replicate group ({dn(low.replicate_dims)}) is not lowered",
+            )
+        )
     elif low.shard_dims and low.replicate_dims:
         low.notes.append(f"HSDP: replicate over {dn(low.replicate_dims)}, shard over {dn(low.shard_dims)}")
     elif not low.shard_dims:
-        low.notes.append(f"data parallel over {dn(low.replicate_dims)} with every parameter replicated: gradients "
-                         f"averaged in the plan's buckets (one all_reduce per bucket, started when its last "
-                         f"gradient is ready)")
+        low.notes.append(
+            f"data parallel over {dn(low.replicate_dims)} with every parameter replicated: gradients "
+            f"averaged in the plan's buckets (one all_reduce per bucket, started when its last "
+            f"gradient is ready)"
+        )
 
 
 # ---- applying ------------------------------------------------------------------------------------------------
+
 
 def lower_to_torch(model: nn.Module, mesh, plan, *, units=None, styles=None, compile_blocks=None) -> nn.Module:
     """Parallelize `model` in place with fully_shard / parallelize_module as `plan` says; raises
     EngineLoweringError (listing every reason) when the plan is not expressible. Returns the same module."""
     low = recognize(plan, model, units=units, styles=styles)
     if not low.expressible:
-        raise EngineLoweringError("the plan cannot be lowered to fully_shard / parallelize_module:\n" +
-                                  "\n".join(f"  {part}: {why}" for part, why in low.reasons))
+        raise EngineLoweringError(
+            "the plan cannot be lowered to fully_shard / parallelize_module:\n"
+            + "\n".join(f"  {part}: {why}" for part, why in low.reasons)
+        )
     return apply_lowering(model, mesh, low, compile_blocks)
 
 
@@ -467,8 +588,10 @@ def export_code(plan, model: nn.Module | None = None, *, units=None, styles=None
     printable, importable, editable. Raises EngineLoweringError when the engines cannot express the plan."""
     low = recognize(plan, model, units=units, styles=styles)
     if not low.expressible:
-        raise EngineLoweringError("the plan cannot be exported as fully_shard / parallelize_module code:\n" +
-                                  "\n".join(f"  {part}: {why}" for part, why in low.reasons))
+        raise EngineLoweringError(
+            "the plan cannot be exported as fully_shard / parallelize_module code:\n"
+            + "\n".join(f"  {part}: {why}" for part, why in low.reasons)
+        )
     return low.code()
 
 
@@ -477,6 +600,7 @@ def train_context(model) -> contextlib.AbstractContextManager:
     low = getattr(model, "_autopar_lowering", None)
     if low is not None and low.loss_parallel:
         from torch.distributed.tensor.parallel import loss_parallel
+
         return loss_parallel()
     return contextlib.nullcontext()
 
@@ -493,9 +617,20 @@ def local_inputs(model_or_lowering, mesh, *inputs):
     return tuple(out)
 
 
-def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = "torch", units=None, styles=None,
-                      planned=None, compile_blocks=None, assume_identical: bool = False, check_replicas: bool = True,
-                      **plan_kwargs):
+def parallelize_torch(
+    model: nn.Module,
+    mesh,
+    example_inputs,
+    *,
+    backend: str = "torch",
+    units=None,
+    styles=None,
+    planned=None,
+    compile_blocks=None,
+    assume_identical: bool = False,
+    check_replicas: bool = True,
+    **plan_kwargs,
+):
     """Plan `model` for `mesh` and lower it: backend "torch" (the user's own module, parallelized in place by the
     engines; EngineLoweringError if the plan does not fit them), "mixed" (the engines for what they express, the
     graph backend for the modules they cannot, backends/engines_mixed.py; the whole model on the graph backend
@@ -508,19 +643,43 @@ def parallelize_torch(model: nn.Module, mesh, example_inputs, *, backend: str = 
     The user's RNG state is left as it was; `model.autopar_rng_seed` is rank 0's torch.initial_seed()."""
     import torch
     from .graph import _rng_devices
+
     with torch.random.fork_rng(devices=_rng_devices(mesh)):
-        return _parallelize_torch(model, mesh, example_inputs, backend, units, styles, planned, compile_blocks,
-                                  assume_identical, check_replicas, plan_kwargs)
+        return _parallelize_torch(
+            model,
+            mesh,
+            example_inputs,
+            backend,
+            units,
+            styles,
+            planned,
+            compile_blocks,
+            assume_identical,
+            check_replicas,
+            plan_kwargs,
+        )
 
 
 def _take_rank0(model, mesh, assume_identical, check_replicas) -> str:
     from .graph import _device
     from .state import prepare_engine_model
+
     return prepare_engine_model(model, mesh, _device(mesh), assume_identical, check_replicas)
 
 
-def _parallelize_torch(model, mesh, example_inputs, backend, units, styles, planned, compile_blocks, assume_identical,
-                       check_replicas, plan_kwargs):
+def _parallelize_torch(
+    model,
+    mesh,
+    example_inputs,
+    backend,
+    units,
+    styles,
+    planned,
+    compile_blocks,
+    assume_identical,
+    check_replicas,
+    plan_kwargs,
+):
     if backend not in ("torch", "mixed", "auto"):
         raise ValueError(f"backend must be 'torch', 'mixed' or 'auto' here, got {backend!r}")
     # keyword inputs (autopar/model_io.py) plan like positional ones; the engines run the user's own module, which
@@ -530,9 +689,10 @@ def _parallelize_torch(model, mesh, example_inputs, backend, units, styles, plan
         example_inputs, kw = (), {**example_inputs, **(kw or {})}
     ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     replan = None
-    plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")   # also the parts'
+    plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")  # also the parts'
     if planned is None:
         from .engines_plan import plan_for_engines
+
         planned, replan = plan_for_engines(model, mesh, ex, **({"example_kwargs": kw} if kw else {}), **plan_kwargs)
     plan, state = planned
     low = recognize(plan, model, units=units, styles=styles)
@@ -545,30 +705,49 @@ def _parallelize_torch(model, mesh, example_inputs, backend, units, styles, plan
         model.autopar_dump = _dump(plan, low, "torch", init)
         return model
     if backend == "torch":
-        raise EngineLoweringError("the plan cannot be lowered to fully_shard / parallelize_module (use "
-                                  "backend='auto', 'mixed' or 'graph'):\n" +
-                                  "\n".join(f"  {part}: {why}" for part, why in low.reasons))
-    mixed, why = _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs) if not kw else \
-        (None, "keyword inputs: graph parts are split off positional calls only")
-    if mixed is not None and backend == "auto":    # the faster of the two by the cost model
+        raise EngineLoweringError(
+            "the plan cannot be lowered to fully_shard / parallelize_module (use "
+            "backend='auto', 'mixed' or 'graph'):\n" + "\n".join(f"  {part}: {why}" for part, why in low.reasons)
+        )
+    mixed, why = (
+        _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs)
+        if not kw
+        else (None, "keyword inputs: graph parts are split off positional calls only")
+    )
+    if mixed is not None and backend == "auto":  # the faster of the two by the cost model
         from .engines_comm import engine_step_time
+
         t_mixed, t_graph = engine_step_time(plan, mixed, plan_kwargs["cluster"]), plan.predicted["step_s"]
         if t_mixed > t_graph:
-            mixed, why = None, (f"the engines with graph parts for {', '.join(sorted(mixed.parts))} are predicted "
-                                f"slower ({t_mixed * 1e3:.2f} ms a step: their collectives) than the graph backend "
-                                f"running the plan ({t_graph * 1e3:.2f} ms)")
+            mixed, why = (
+                None,
+                (
+                    f"the engines with graph parts for {', '.join(sorted(mixed.parts))} are predicted "
+                    f"slower ({t_mixed * 1e3:.2f} ms a step: their collectives) than the graph backend "
+                    f"running the plan ({t_graph * 1e3:.2f} ms)"
+                ),
+            )
     if mixed is not None:
         init = _take_rank0(model, mesh, assume_identical, check_replicas)
         apply_lowering(model, mesh, mixed, compile_blocks)
         from .engines_mixed import install_parts
         from .graph import _device
+
         install_parts(model, mesh, mixed, _device(mesh))
         model._autopar_plan = plan
         model.autopar_dump = _dump(plan, mixed, "torch + graph parts", init)
         return model
     from .graph import parallelize as graph_parallelize
-    pm = graph_parallelize(model, mesh, ex, example_kwargs=kw, planned=(plan, state),
-                           assume_identical=assume_identical, check_replicas=check_replicas)
+
+    pm = graph_parallelize(
+        model,
+        mesh,
+        ex,
+        example_kwargs=kw,
+        planned=(plan, state),
+        assume_identical=assume_identical,
+        check_replicas=check_replicas,
+    )
     low.notes.append(f"the whole model runs on the graph backend: {why}")
     pm.autopar_dump, pm.autopar_fallback = _dump(plan, low, "graph"), why
     return pm
@@ -578,16 +757,18 @@ def _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs):
     """(the lowering with graph parts, None) when every reason names a module that can run as a part on the
     graph backend while the engines run the rest (backends/engines_mixed.py); (None, why not) otherwise."""
     from .engines_mixed import choose_parts, plan_parts
+
     try:
         chosen, calls = choose_parts(plan, low, model, ex, recognize)
-    except Exception as e:     # noqa: BLE001 (e.g. a forward that cannot run on meta tensors: recorded, not fatal)
+    except Exception as e:  # noqa: BLE001 (e.g. a forward that cannot run on meta tensors: recorded, not fatal)
         return None, f"the modules the engines cannot express were not split off ({type(e).__name__}: {e})"
     if chosen is None:
         return None, calls
     mixed = recognize(plan, model, units=units, styles=styles, parts=list(chosen))
     if not mixed.expressible:
-        return None, "with " + ", ".join(chosen) + " on the graph backend the engines still cannot express " + \
-            "; ".join(f"{p}: {w}" for p, w in mixed.reasons)
+        return None, "with " + ", ".join(
+            chosen
+        ) + " on the graph backend the engines still cannot express " + "; ".join(f"{p}: {w}" for p, w in mixed.reasons)
     if mixed.tp_dim is not None and any(st.cls == "SequenceParallel" for st in mixed.styles.values()):
         return None, "a part's inputs would be sequence-sharded on the tensor-parallel dim (SequenceParallel)"
     kw = {k: v for k, v in plan_kwargs.items() if k != "force"}
@@ -598,21 +779,28 @@ def _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs):
 def _compare_collectives(plan, low) -> None:
     """A note when what the engines issue (engine_collectives) differs from the plan's own prediction."""
     from .engines_comm import engine_collectives
+
     mine, _ = engine_collectives(plan, low)
     planned = plan.collectives()
     a, b = sum(x[2] for x in mine), sum(x[2] for x in planned)
     if (len(mine), a) != (len(planned), b):
-        low.notes.append(f"the engines issue {len(mine)} collectives, {a:,d} B a step, where the plan predicts "
-                         f"{len(planned)}, {b:,d} B (see the notes above; autograd runs the backward as the "
-                         f"forward's mirror, not the plan's own backward placements" +
-                         ("; the graph parts run their own plans" if low.parts else "") + ")")
+        low.notes.append(
+            f"the engines issue {len(mine)} collectives, {a:,d} B a step, where the plan predicts "
+            f"{len(planned)}, {b:,d} B (see the notes above; autograd runs the backward as the "
+            f"forward's mirror, not the plan's own backward placements"
+            + ("; the graph parts run their own plans" if low.parts else "")
+            + ")"
+        )
 
 
 def _dump(plan, low, backend, init: str = "") -> str:
     if backend != "graph":
         _compare_collectives(plan, low)
     head = f"backend: {backend}" + (
-        "" if backend == "torch" else
-        " (the torch engines for the rest, the graph backend for the modules marked '-> graph')" if low.parts else
-        " (fallback: the torch engines cannot express the parts marked '-> graph')")
+        ""
+        if backend == "torch"
+        else " (the torch engines for the rest, the graph backend for the modules marked '-> graph')"
+        if low.parts
+        else " (fallback: the torch engines cannot express the parts marked '-> graph')"
+    )
     return head + "\n" + (init + "\n" if init else "") + low.report() + "\n" + plan.summary()

@@ -4,6 +4,7 @@ feed the loss it runs on the whole batch (gathered log-softmax, replicated label
 rank's mean over an equal shard (weighted by its counted targets, engines_loss.py), gradients averaged, gives the
 same values. Refused (TorchLowering.reasons): a class-weighted loss on the whole batch, a batch that does not
 split evenly, and any other op the plan runs across batch shards (it couples samples, e.g. batch norm)."""
+
 from __future__ import annotations
 
 import math
@@ -46,11 +47,17 @@ def _batch_uses(G, i, o, d, seen) -> bool:
             continue
         out = ur["shape"][0] if ur["shape"] else None
         rows = (op in _SAME_SHAPE and out == src_shape) or (
-            op in _ROW_VIEWS and out and src_shape and any(
+            op in _ROW_VIEWS
+            and out
+            and src_shape
+            and any(
                 math.prod(src_shape[:k]) == out[0] and math.prod(src_shape[k:]) == math.prod(out[1:])
-                for k in range(1, len(src_shape) + 1)))
-        if not (rows and len(ur["inputs"]) == 1 and ur["placement"]["out"][0][d] == "R"
-                and _batch_uses(G, u, 0, d, seen)):
+                for k in range(1, len(src_shape) + 1)
+            )
+        )
+        if not (
+            rows and len(ur["inputs"]) == 1 and ur["placement"]["out"][0][d] == "R" and _batch_uses(G, u, 0, d, seen)
+        ):
             return False
     return True
 
@@ -87,19 +94,29 @@ def _check_batch_shards(low, G, plan, inputs, data, loss_fed):
     for inp in inputs:
         shape = inp["shape"][0]
         if not shape or shape[0] % n:
-            low.reasons.append((f"input {inp['name']}", f"batch dim {shape[0] if shape else '(scalar)'} does not split "
-                                f"into {n} equal shards over the data-parallel dims {dn}: each engine rank's mean loss "
-                                f"would weigh a different number of samples than the plan's batch mean"))
+            low.reasons.append(
+                (
+                    f"input {inp['name']}",
+                    f"batch dim {shape[0] if shape else '(scalar)'} does not split "
+                    f"into {n} equal shards over the data-parallel dims {dn}: each engine rank's mean loss "
+                    f"would weigh a different number of samples than the plan's batch mean",
+                )
+            )
     for u in sorted({u for _, _, u in loss_fed}):
         rec = G.rec(u)
         if _class_weighted(low, rec):
             continue
         ins = sorted({name for name, _, x in loss_fed if x == u})
-        msg = (f"the plan runs the loss {rec['name']} on the whole batch (inputs {ins} replicated over {dn}); the "
-               f"engines feed those batch-sharded too: each rank's mean over its equal shard" +
-               (", weighted by its share of the counted targets (the loss hook), gradients averaged: the same values"
-                if low.mean_loss else ", gradients averaged: the same values for a plain mean over evenly counted "
-                "targets (labels that ignore_index skips unevenly over the shards would differ)"))
+        msg = (
+            f"the plan runs the loss {rec['name']} on the whole batch (inputs {ins} replicated over {dn}); the "
+            f"engines feed those batch-sharded too: each rank's mean over its equal shard"
+            + (
+                ", weighted by its share of the counted targets (the loss hook), gradients averaged: the same values"
+                if low.mean_loss
+                else ", gradients averaged: the same values for a plain mean over evenly counted "
+                "targets (labels that ignore_index skips unevenly over the shards would differ)"
+            )
+        )
         if msg not in low.notes:
             low.notes.append(msg)
 
@@ -112,8 +129,11 @@ def _class_weighted(low, rec) -> bool:
     per-rank weighted means over batch shards, averaged, are not the batch's weighted mean."""
     if _op(rec) not in ("nll_loss_forward", "nll_loss2d_forward") or len(rec["inputs"]) <= 2:
         return False
-    why = (f"op {rec['name']}", "the plan computes this class-weighted loss on the whole batch; per-rank weighted "
-           "means over batch shards, averaged, are not the batch's weighted mean")
+    why = (
+        f"op {rec['name']}",
+        "the plan computes this class-weighted loss on the whole batch; per-rank weighted "
+        "means over batch shards, averaged, are not the batch's weighted mean",
+    )
     if why not in low.reasons:
         low.reasons.append(why)
     return True
@@ -136,41 +156,63 @@ def _check_batch_ops(low, G, plan, data, dn):
     gather an activation over a data dim: harmless for the loss (each rank's mean over an equal shard, gradients
     averaged: the same values), but any other such op couples samples across the batch (e.g. batch norm)."""
     from .engines_mixed import within
+
     parts = getattr(low, "parts", None) or {}
     in_part = lambda m: within(m, parts)
     for n in plan.nodes:
         for r in n.get("redistribute", []):
-            if r["class"] != "act" or not isinstance(r["input"], int) or not any(
-                    set(dims_of(c[1])) & set(data) for c in r["collectives"]):     # a flattened group's dims too
+            if (
+                r["class"] != "act"
+                or not isinstance(r["input"], int)
+                or not any(set(dims_of(c[1])) & set(data) for c in r["collectives"])
+            ):  # a flattened group's dims too
                 continue
-            if parts and (in_part(n["module"]) or _from_part(plan, n["inputs"][r["input"]][0], in_part) and
-                          all(r["dst"][d] == "S0" for d in data)):
-                continue        # a graph part runs it, or delivers this input batch-sharded (engines_mixed.py)
-            if n["phase"] == "bw":     # backward choices of the planner: gradients are sums over the batch
-                msg = (f"the plan gathers some backward inputs over {dn(data)} (e.g. {n['name']}); autograd on each "
-                       f"rank's batch shard computes the same sums as partial gradients, which FSDP/DDP reduce")
+            if parts and (
+                in_part(n["module"])
+                or _from_part(plan, n["inputs"][r["input"]][0], in_part)
+                and all(r["dst"][d] == "S0" for d in data)
+            ):
+                continue  # a graph part runs it, or delivers this input batch-sharded (engines_mixed.py)
+            if n["phase"] == "bw":  # backward choices of the planner: gradients are sums over the batch
+                msg = (
+                    f"the plan gathers some backward inputs over {dn(data)} (e.g. {n['name']}); autograd on each "
+                    f"rank's batch shard computes the same sums as partial gradients, which FSDP/DDP reduce"
+                )
                 if not any(x.startswith("the plan gathers some backward") for x in low.notes):
                     low.notes.append(msg)
             elif _op(n) in _LOSS_OPS and all(r["src"][d] in ("S0", r["dst"][d]) for d in data):
                 if _class_weighted(low, n):
                     continue
-                msg = (f"the plan gathers the loss input {r['input']} of {n['name']} over {dn(data)}; the engines "
-                       f"average each rank's loss over its equal batch shard instead (same values)")
+                msg = (
+                    f"the plan gathers the loss input {r['input']} of {n['name']} over {dn(data)}; the engines "
+                    f"average each rank's loss over its equal batch shard instead (same values)"
+                )
                 if msg not in low.notes:
                     low.notes.append(msg)
             elif plan.nodes[n["inputs"][r["input"]][0]]["shape"][n["inputs"][r["input"]][1]]:
                 moved = [d for d in data if r["src"][d] != r["dst"][d]] or data
                 src = {r["src"][d] for d in moved}
                 if src == {"S0"}:
-                    what = ("it gathers the batch shards: the op computes on the whole batch, while FSDP/DDP ranks "
-                            "compute on their own shard only")
+                    what = (
+                        "it gathers the batch shards: the op computes on the whole batch, while FSDP/DDP ranks "
+                        "compute on their own shard only"
+                    )
                 elif any(p[0] == "P" for p in src):
-                    what = ("it sums over the batch ranks a value each computes on its shard (an MoE router's "
-                            "expert load for an exact aux loss, or tensor parallelism on a data-parallel dim), while "
-                            "FSDP/DDP ranks compute on their own shard only")
+                    what = (
+                        "it sums over the batch ranks a value each computes on its shard (an MoE router's "
+                        "expert load for an exact aux loss, or tensor parallelism on a data-parallel dim), while "
+                        "FSDP/DDP ranks compute on their own shard only"
+                    )
                 else:
-                    what = ("a tensor sharded on a non-batch dim over the batch ranks (tensor parallelism on a data-"
-                            "parallel dim), which FSDP/DDP do not express")
-                low.reasons.append((f"op {n['name']}", f"in module '{n['module'] or '<root>'}' redistributes input "
-                                    f"{r['input']} [{','.join(r['src'])}] -> [{','.join(r['dst'])}] over the data-"
-                                    f"parallel dims {dn(moved)}: {what}"))
+                    what = (
+                        "a tensor sharded on a non-batch dim over the batch ranks (tensor parallelism on a data-"
+                        "parallel dim), which FSDP/DDP do not express"
+                    )
+                low.reasons.append(
+                    (
+                        f"op {n['name']}",
+                        f"in module '{n['module'] or '<root>'}' redistributes input "
+                        f"{r['input']} [{','.join(r['src'])}] -> [{','.join(r['dst'])}] over the data-"
+                        f"parallel dims {dn(moved)}: {what}",
+                    )
+                )

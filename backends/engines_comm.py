@@ -10,6 +10,7 @@ reduce_scatter INPUT size, all_reduce size, all_to_all local input times the gro
 process group's size and, when a DeviceMesh is given, the mesh dim whose group it ran on (a flattened or multi-dim
 group gets a tuple).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -28,13 +29,13 @@ _fn = torch.ops._c10d_functional
 
 # op packet -> (kind, how to size it)
 _C10D = {
-    "_allgather_base_": ("all_gather", "out0"),          # (output, input, pg, ...)
+    "_allgather_base_": ("all_gather", "out0"),  # (output, input, pg, ...)
     "allgather_into_tensor_coalesced_": ("all_gather", "out_list"),
-    "allgather_": ("all_gather", "nested_out"),          # ([[out per rank]], [in], pg)
-    "_reduce_scatter_base_": ("reduce_scatter", "in1"),   # (output, input, pg, op, ...)
-    "reduce_scatter_": ("reduce_scatter", "nested_in"),   # ([out], [[in per rank]], pg, ...)
+    "allgather_": ("all_gather", "nested_out"),  # ([[out per rank]], [in], pg)
+    "_reduce_scatter_base_": ("reduce_scatter", "in1"),  # (output, input, pg, op, ...)
+    "reduce_scatter_": ("reduce_scatter", "nested_in"),  # ([out], [[in per rank]], pg, ...)
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "in_list"),
-    "allreduce_": ("all_reduce", "list0"),                # ([tensors], pg, ...)
+    "allreduce_": ("all_reduce", "list0"),  # ([tensors], pg, ...)
     "allreduce_coalesced_": ("all_reduce", "list0"),
     "alltoall_base_": ("all_to_all", "in1"),
     "alltoall_": ("all_to_all", "nested_in0"),
@@ -66,8 +67,8 @@ class CommRecord:
     kind: str
     nbytes: int
     group_size: int
-    mesh_dim: object          # int, tuple of ints (a group over several mesh dims) or None
-    path: str                 # "c10d" (FSDP2, eager c10d) or "functional" (DTensor / TP)
+    mesh_dim: object  # int, tuple of ints (a group over several mesh dims) or None
+    path: str  # "c10d" (FSDP2, eager c10d) or "functional" (DTensor / TP)
     dtype: str
 
     def to_json(self):
@@ -92,7 +93,7 @@ class CollectiveCounter(TorchDispatchMode):
             g = mesh.get_group(d)
             self._by_name[g.group_name] = d
             self._by_ranks[tuple(sorted(dist.get_process_group_ranks(g)))] = d
-        if mesh.ndim > 1:   # this rank's group over several dims (a flattened group: FSDP, gradient buckets)
+        if mesh.ndim > 1:  # this rank's group over several dims (a flattened group: FSDP, gradient buckets)
             coord = mesh.get_coordinate()
             for k in range(2, mesh.ndim + 1 if coord is not None else 2):
                 for dims in itertools.combinations(range(mesh.ndim), k):
@@ -130,7 +131,7 @@ class CollectiveCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented      # let DTensor run the op with this mode active: its collectives are seen
+            return NotImplemented  # let DTensor run the op with this mode active: its collectives are seen
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         rec = None
         if ns == "c10d" and name in _C10D:
@@ -159,10 +160,10 @@ class CollectiveCounter(TorchDispatchMode):
             t, nb = args[0][0][0], _nbytes(args[0][0])
         elif how == "nested_in":
             t, nb = args[1][0][0], _nbytes(args[1][0])
-        else:   # nested_in0: alltoall_(outputs, inputs, pg)
+        else:  # nested_in0: alltoall_(outputs, inputs, pg)
             t, nb = args[1][0], _nbytes(args[1])
         n = self._size_of(pg)
-        if kind == "all_to_all":            # the plan's convention: the local input times the group size
+        if kind == "all_to_all":  # the plan's convention: the local input times the group size
             nb *= n
         return CommRecord(kind, nb, n, self._dim_of(pg), "c10d", str(t.dtype).replace("torch.", ""))
 
@@ -220,13 +221,15 @@ def format_compare(expected: dict, measured: dict, mesh_names) -> str:
     for k in keys:
         e, m = expected.get(k, {"count": 0, "bytes": 0}), measured.get(k, {"count": 0, "bytes": 0})
         d = k[1]
-        dn = mesh_names[d] if isinstance(d, int) else "+".join(mesh_names[i] for i in d) if isinstance(d, tuple) \
-            else "?"
+        dn = (
+            mesh_names[d] if isinstance(d, int) else "+".join(mesh_names[i] for i in d) if isinstance(d, tuple) else "?"
+        )
         lines.append(f"{k[0]:<16}{dn:<10}{e['count']:>6} x {e['bytes']:>12,d} B{m['count']:>6} x {m['bytes']:>12,d} B")
     return "\n".join(lines)
 
 
 # ---- what the engines will issue for a lowered plan ------------------------------------------------------------
+
 
 def _nb(shape, dtype: str) -> int:
     n = 1
@@ -264,6 +267,7 @@ def engine_collectives(plan, low) -> tuple[list, list]:
         if t is not None and plan.params[f][t][0] == "S":
             shape[int(plan.params[f][t][1:])] //= tp_n
         return _nb(shape, dtype)
+
     shard_key = low.shard_dims[0] if len(low.shard_dims) == 1 else tuple(low.shard_dims)
     n_shard = 1
     for d in low.shard_dims:
@@ -277,53 +281,70 @@ def engine_collectives(plan, low) -> tuple[list, list]:
         out.append(("reduce_scatter", shard_key, rs))
         for d in low.replicate_dims:
             out.append(("all_reduce", d, rs // n_shard))
-    for b in getattr(low, "grad_buckets", []):    # replicated parameters: one all_reduce per bucket step
+    for b in getattr(low, "grad_buckets", []):  # replicated parameters: one all_reduce per bucket step
         for dims in b.steps:
             out.append(("all_reduce", dims[0] if len(dims) == 1 else tuple(dims), b.nbytes))
         if b.planned is None:
-            notes.append(f"gradients {b.params[:3]}{' ...' if len(b.params) > 3 else ''}: the plan reduces them "
-                         f"otherwise; the engines all-reduce them in an extra bucket ({b.nbytes:,d} B)")
+            notes.append(
+                f"gradients {b.params[:3]}{' ...' if len(b.params) > 3 else ''}: the plan reduces them "
+                f"otherwise; the engines all-reduce them in an extra bucket ({b.nbytes:,d} B)"
+            )
     data = set(low.replicate_dims + low.shard_dims)
-    if getattr(low, "mean_loss", None):          # the loss hook: (weighted loss, count) over the data dims
+    if getattr(low, "mean_loss", None):  # the loss hook: (weighted loss, count) over the data dims
         dims = tuple(low.replicate_dims + low.shard_dims)
         out.append(("all_reduce", dims[0] if len(dims) == 1 else dims, low.mean_loss["nbytes"]))
     seen = set()
     from .engines_mixed import within
+
     parts = getattr(low, "parts", {})
     in_part = lambda m: within(m, parts)
     for n in plan.nodes:
         if parts and in_part(n["module"]):
-            continue                             # run by the graph backend (engines_mixed.py)
+            continue  # run by the graph backend (engines_mixed.py)
         for r in n.get("redistribute", []):
             cs = r["collectives"]
             if r["input"] == "opt":
                 continue
-            if not isinstance(r["input"], int):       # e.g. "loss": the plan reduces the loss value itself
+            if not isinstance(r["input"], int):  # e.g. "loss": the plan reduces the loss value itself
                 if cs:
-                    notes.append(f"{n['name']} {r['input']}: the plan reduces it ({r['src']} -> {r['dst']}); the engines "
-                                 + ("reduce (weighted loss, count) in the loss hook" if low.mean_loss else
-                                    "leave each rank its local loss"))
+                    notes.append(
+                        f"{n['name']} {r['input']}: the plan reduces it ({r['src']} -> {r['dst']}); the engines "
+                        + (
+                            "reduce (weighted loss, count) in the loss hook"
+                            if low.mean_loss
+                            else "leave each rank its local loss"
+                        )
+                    )
                 continue
-            if any(set(dims_of(c[1])) & set(data) for c in cs):       # (over a flattened group of dims too)
+            if any(set(dims_of(c[1])) & set(data) for c in cs):  # (over a flattened group of dims too)
                 src = n["inputs"][r["input"]]
                 shape = plan.nodes[src[0]]["shape"][src[1]]
                 pair = any(q.get("coalesced") == r["input"] for q in n.get("redistribute", []))
                 if r["class"] == "act" and pair and low.mean_loss and len(cs) == 1:
-                    notes.append(f"{n['name']}: the plan's all_reduce of (loss sum, count) over the data dims is the "
-                                 f"loss hook's all_reduce of (weighted loss, count)")
+                    notes.append(
+                        f"{n['name']}: the plan's all_reduce of (loss sum, count) over the data dims is the "
+                        f"loss hook's all_reduce of (weighted loss, count)"
+                    )
                 elif r["class"] == "act":
-                    notes.append(f"{n['name']}: the plan redistributes {'a scalar' if not shape else 'a loss input'} "
-                                 f"({r['src']} -> {r['dst']}) over the data dims; " +
-                                 ("the engines reduce (weighted loss, count) in the loss hook instead" if low.mean_loss
-                                  else "each engine rank averages its own equal batch shard instead"))
+                    notes.append(
+                        f"{n['name']}: the plan redistributes {'a scalar' if not shape else 'a loss input'} "
+                        f"({r['src']} -> {r['dst']}) over the data dims; "
+                        + (
+                            "the engines reduce (weighted loss, count) in the loss hook instead"
+                            if low.mean_loss
+                            else "each engine rank averages its own equal batch shard instead"
+                        )
+                    )
                 continue
             if t is None or n["phase"] != "fw" or not any(c[1] == t for c in cs):
                 continue
             role = low.tp_roles.get((n["idx"], r["input"]))
             key = (tuple(n["inputs"][r["input"]]), tuple(r["src"]), tuple(r["dst"]))
             if key in seen:
-                notes.append(f"{n['name']}: the plan redistributes {plan.nodes[key[0][0]]['name']} again for this "
-                             f"consumer; the style does it once")
+                notes.append(
+                    f"{n['name']}: the plan redistributes {plan.nodes[key[0][0]]['name']} again for this "
+                    f"consumer; the style does it once"
+                )
                 continue
             seen.add(key)
             for kind, d, nb, _ in cs:
@@ -335,9 +356,9 @@ def engine_collectives(plan, low) -> tuple[list, list]:
                 elif kind == "reduce_scatter":
                     out.append(("all_gather", t, nb))
     sp = [m for m, st in low.styles.items() if st.cls == "SequenceParallel"]
-    for part in {id(p): p for p in parts.values()}.values():     # each part's own plan, per instance
+    for part in {id(p): p for p in parts.values()}.values():  # each part's own plan, per instance
         out += part.plan.collectives() * len(part.instances)
-    for f in pnode:                              # SequenceParallel params: partial gradients, all-reduced
+    for f in pnode:  # SequenceParallel params: partial gradients, all-reduced
         if t is not None and any(f.startswith(m + ".") for m in sp):
             out.append(("all_reduce", t, local(f, pnode[f]["dtype"][0])))
     for (i, j), role in low.tp_roles.items():
@@ -349,9 +370,9 @@ def engine_collectives(plan, low) -> tuple[list, list]:
         for d, x in enumerate(pl):
             if x[0] == "S" and d != t:
                 local //= plan.mesh_shape[d]
-        if role == "chunk":                      # RowwiseParallel(input_layouts=Replicate()): backward gathers
+        if role == "chunk":  # RowwiseParallel(input_layouts=Replicate()): backward gathers
             out.append(("all_gather", t, local))
-        elif role == "in_repl":                  # ColwiseParallel on a replicated input: its gradient is partial
+        elif role == "in_repl":  # ColwiseParallel on a replicated input: its gradient is partial
             out.append(("all_reduce", t, local))  # and all-reduced in the backward (Megatron's f operator)
     return out, notes
 
@@ -364,9 +385,12 @@ def engine_step_time(plan, low, cluster) -> float:
     from autopar.cost import get_cluster
     from autopar.cost.comm import collective_time
     from autopar.redistribute import dims_of, link_of
+
     cl, shape = get_cluster(cluster), tuple(plan.mesh_shape)
-    comm = sum(collective_time(kind, nbytes, math.prod(shape[d] for d in dims_of(dim)), link_of(cl, shape, dim))
-               for kind, dim, nbytes in engine_collectives(plan, low)[0])
+    comm = sum(
+        collective_time(kind, nbytes, math.prod(shape[d] for d in dims_of(dim)), link_of(cl, shape, dim))
+        for kind, dim, nbytes in engine_collectives(plan, low)[0]
+    )
     return plan.predicted["compute_s"] + comm
 
 

@@ -20,6 +20,7 @@ backward the Program's backward from the incoming gradient, returning the input 
 parameter gradients reduced by the part's own plan, divided by the number of batch shards (the engines average
 the ranks' gradients over them; the part's global view sums them).
 """
+
 from __future__ import annotations
 
 import math
@@ -63,28 +64,34 @@ def _common(a: str, b: str) -> str:
 @dataclass
 class Part:
     """One planned part, shared by its instances (modules with the same graph and placements)."""
+
     plan: object
     state: object
     prog: object = None
-    boundary: tuple = ()                 # placement of every input, the output and their gradients
-    shards: int = 1                      # batch shards: the parameter gradients are divided by this
-    args: tuple = ()                     # the example call's arguments (meta tensors / constants)
+    boundary: tuple = ()  # placement of every input, the output and their gradients
+    shards: int = 1  # batch shards: the parameter gradients are divided by this
+    args: tuple = ()  # the example call's arguments (meta tensors / constants)
     instances: list = field(default_factory=list)
     why: list = field(default_factory=list)
-    how: str = ""                        # how its plan relates to the whole model's
+    how: str = ""  # how its plan relates to the whole model's
 
 
 def _calls(model, example_inputs, fqns, shards=1, split=()) -> dict:
     """{module FQN: [(args, kwargs, output)]} of the modules `fqns` in one forward of `model` on meta tensors;
     with `split` (positions of the inputs fed batch-sharded), on one rank's inputs: those cut into `shards`."""
     from autopar.capture import to_meta
+
     meta = {k: to_meta(t) for k, t in [*model.named_parameters(), *model.named_buffers()]}
     ins = [to_meta(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     for i in split:
         ins[i] = torch.empty((ins[i].shape[0] // shards, *ins[i].shape[1:]), dtype=ins[i].dtype, device="meta")
     seen: dict = {f: [] for f in fqns}
-    hooks = [model.get_submodule(f).register_forward_hook(
-        lambda m, a, kw, out, f=f: seen[f].append((a, kw, out)), with_kwargs=True) for f in fqns]
+    hooks = [
+        model.get_submodule(f).register_forward_hook(
+            lambda m, a, kw, out, f=f: seen[f].append((a, kw, out)), with_kwargs=True
+        )
+        for f in fqns
+    ]
     try:
         with torch.no_grad():
             torch.func.functional_call(model, meta, tuple(ins))
@@ -112,8 +119,10 @@ def _runs_alone(plan, fqn, calls, local_calls, shards) -> str | None:
         what = "its output" if i == len(args) else f"its argument {i}"
         if isinstance(a, torch.Tensor):
             if not a.shape or tuple(b.shape) != (a.shape[0] // shards, *a.shape[1:]) or a.shape[0] % shards:
-                return (f"{what} (shape {tuple(a.shape)}, {tuple(b.shape)} on one rank) is not cut into the "
-                        f"{shards} batch shards on dim 0 (a part takes and returns batch-sharded tensors)")
+                return (
+                    f"{what} (shape {tuple(a.shape)}, {tuple(b.shape)} on one rank) is not cut into the "
+                    f"{shards} batch shards on dim 0 (a part takes and returns batch-sharded tensors)"
+                )
         elif not isinstance(a, (int, float, bool, type(None))):
             return f"{what} is a {type(a).__name__}"
     idx = {n["idx"]: n for n in plan.nodes}
@@ -135,8 +144,9 @@ def choose_parts(plan, low, model, example_inputs, recognize):
     data = low.replicate_dims + low.shard_dims
     shards = math.prod(plan.mesh_shape[d] for d in data)
     split = [i for i, pl in enumerate(low.input_placements) if data and pl[data[0]] == "S0"]
-    split = [i for k, i in enumerate(i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor))
-             if k in split]
+    split = [
+        i for k, i in enumerate(i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)) if k in split
+    ]
     parts: dict = {}
     calls: dict = {}
     local: dict = {}
@@ -157,13 +167,16 @@ def choose_parts(plan, low, model, example_inputs, recognize):
         for m, why in wanted.items():
             c = next((c for c in chains[m] if alone(c) is None), None)
             if c is None:
-                refused.append(f"no module holding '{m}' can run as a part (" + "; ".join(
-                    f"'{c}': {alone(c)}" for c in chains[m]) + ")")
+                refused.append(
+                    f"no module holding '{m}' can run as a part ("
+                    + "; ".join(f"'{c}': {alone(c)}" for c in chains[m])
+                    + ")"
+                )
                 continue
             owner = next((p for p in parts if c == p or c.startswith(p + ".")), None)
             if owner is None:
                 parts[c] = []
-                for p in [p for p in parts if p.startswith(c + ".")]:      # a part inside it: merged
+                for p in [p for p in parts if p.startswith(c + ".")]:  # a part inside it: merged
                     parts[c] += parts.pop(p)
                 added = True
             parts[owner or c] += why
@@ -178,6 +191,7 @@ def plan_parts(whole, model, mesh, low, chosen: dict, calls: dict, force=None, *
     its boundary pinned (module docstring)."""
     import autopar
     from autopar.capture import capture
+
     data = low.replicate_dims + low.shard_dims
     boundary = tuple("S0" if d in data else "R" for d in range(len(low.mesh_shape)))
     shards = math.prod(low.mesh_shape[d] for d in data)
@@ -187,20 +201,33 @@ def plan_parts(whole, model, mesh, low, chosen: dict, calls: dict, force=None, *
     for fqn, why in chosen.items():
         mod = model.get_submodule(fqn)
         args = calls[fqn][0][0]
-        sub_force = {k[len(fqn) + 1:]: v for k, v in (force or {}).items() if k.startswith(fqn + ".")}
+        sub_force = {k[len(fqn) + 1 :]: v for k, v in (force or {}).items() if k.startswith(fqn + ".")}
         g = capture(mod, args, output="activation")
         kept, edge = _plan_pins(whole, fqn, g), _boundary_pins(g, boundary)
         # instances share a plan (and a Program) when their graphs, forced and kept placements are the same
-        sig = (tuple((n.name, tuple(o.shape) if o is not None else None) for n in g.nodes for o in n.outs),
-               tuple(sorted(sub_force.items())), tuple(sorted((k, tuple(sorted(v.items()))) for k, v in kept.items())))
+        sig = (
+            tuple((n.name, tuple(o.shape) if o is not None else None) for n in g.nodes for o in n.outs),
+            tuple(sorted(sub_force.items())),
+            tuple(sorted((k, tuple(sorted(v.items()))) for k, v in kept.items())),
+        )
         part = planned.get(sig)
         if part is None:
-            solve = lambda pins: autopar.plan(mod, mesh, args, output="activation", force=sub_force,  # noqa: E731
-                                              return_state=True, pin=lambda n: pins.get(n.name), **plan_kwargs)
+            solve = lambda pins: autopar.plan(
+                mod,
+                mesh,
+                args,
+                output="activation",
+                force=sub_force,  # noqa: E731
+                return_state=True,
+                pin=lambda n: pins.get(n.name),
+                **plan_kwargs,
+            )
             try:
                 plan, state = solve({**kept, **edge})
-                how = (f"the plan's placements on {len(set(kept) - set(edge))} of {len(list(g.ops()))} ops, its "
-                       f"boundary pinned")
+                how = (
+                    f"the plan's placements on {len(set(kept) - set(edge))} of {len(list(g.ops()))} ops, its "
+                    f"boundary pinned"
+                )
             except ValueError as e:
                 plan, state = solve(edge)
                 how = f"planned alone (the plan's placements do not fit its boundary: {str(e)[:160]})"
@@ -216,11 +243,13 @@ def _plan_pins(whole, fqn, g) -> dict:
     the part's own graph by (phase, op, output shapes) in order (difflib's longest matching blocks), each matched
     node pinned to the plan's output placements."""
     import difflib
+
     recs = [r for r in whole.nodes if r["kind"] == "op" and within(r["module"], (fqn,))]
     ops = list(g.ops())
     key_r = [(r["phase"], r["target"], tuple(map(tuple, r["shape"]))) for r in recs]
-    key_n = [(n.phase, n.name.split(":", 1)[1], tuple(tuple(o.shape) if o is not None else () for o in n.outs))
-             for n in ops]
+    key_n = [
+        (n.phase, n.name.split(":", 1)[1], tuple(tuple(o.shape) if o is not None else () for o in n.outs)) for n in ops
+    ]
     pins = {}
     for a, b, size in difflib.SequenceMatcher(None, key_r, key_n, autojunk=False).get_matching_blocks():
         for k in range(size):
@@ -273,6 +302,7 @@ def install_parts(model, mesh, low, device) -> None:
     from .comm import agree_on_plan
     from .graph import _distribute
     from .program import Program
+
     for fqn, part in low.parts.items():
         if part.prog is None:
             agree_on_plan(mesh, part.plan.hash(), device)
@@ -280,8 +310,9 @@ def install_parts(model, mesh, low, device) -> None:
         mod = model.get_submodule(fqn)
         for name, p in list(mod.named_parameters()):
             owner, leaf = mod.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-            owner._parameters[leaf] = nn.Parameter(_distribute(p, mesh, part.prog.param_placement(name), device),
-                                                   requires_grad=p.requires_grad)
+            owner._parameters[leaf] = nn.Parameter(
+                _distribute(p, mesh, part.prog.param_placement(name), device), requires_grad=p.requires_grad
+            )
         for name, b in list(mod.named_buffers()):
             owner, leaf = mod.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
             owner._buffers[leaf] = _distribute(b, mesh, part.prog.buffer_placement(name), device)
@@ -291,6 +322,7 @@ def install_parts(model, mesh, low, device) -> None:
 def _forward(fqn, mod, part):
     """The part's forward: checks that it gets this rank's batch shard, then runs _PartStep."""
     from .program import ExecutionError
+
     expect = []
     for i, a in enumerate(part.args):
         if isinstance(a, torch.Tensor):
@@ -301,25 +333,32 @@ def _forward(fqn, mod, part):
 
     def forward(*args, **kwargs):
         if kwargs or len(args) != len(part.args):
-            raise ExecutionError(f"module '{fqn}' (run by autopar's graph backend) was planned for {len(part.args)} "
-                                 f"positional arguments, got {len(args)} and keywords {sorted(kwargs)}")
+            raise ExecutionError(
+                f"module '{fqn}' (run by autopar's graph backend) was planned for {len(part.args)} "
+                f"positional arguments, got {len(args)} and keywords {sorted(kwargs)}"
+            )
         ins = []
         for i, shape, dtype in expect:
             a = args[i]
-            if not isinstance(a, torch.Tensor) or hasattr(a, "placements") or tuple(a.shape) != shape \
-                    or a.dtype != dtype:
+            if (
+                not isinstance(a, torch.Tensor)
+                or hasattr(a, "placements")
+                or tuple(a.shape) != shape
+                or a.dtype != dtype
+            ):
                 got = f"{type(a).__name__} {tuple(a.shape)} {a.dtype}" if isinstance(a, torch.Tensor) else repr(a)
-                raise ExecutionError(f"module '{fqn}' (run by autopar's graph backend) expects as argument {i} this "
-                                     f"rank's plain local piece {shape} {dtype} (its batch shard), got {got}")
+                raise ExecutionError(
+                    f"module '{fqn}' (run by autopar's graph backend) expects as argument {i} this "
+                    f"rank's plain local piece {shape} {dtype} (its batch shard), got {got}"
+                )
             ins.append(a)
         for i, a in enumerate(part.args):
             if not isinstance(a, torch.Tensor) and args[i] != a:
-                raise ExecutionError(f"module '{fqn}': argument {i} is {args[i]!r} but the part was planned with "
-                                     f"{a!r}")
+                raise ExecutionError(f"module '{fqn}': argument {i} is {args[i]!r} but the part was planned with {a!r}")
         params = [mod.get_parameter(f) for f in fqns]
-        need = torch.is_grad_enabled() and (any(p.requires_grad for p in params) or
-                                            any(x.requires_grad for x in ins))
+        need = torch.is_grad_enabled() and (any(p.requires_grad for p in params) or any(x.requires_grad for x in ins))
         return _PartStep.apply(part, mod, need, len(ins), *ins, *params)
+
     return forward
 
 
@@ -327,7 +366,7 @@ def report(low) -> list[str]:
     """The dump lines of the parts."""
     L, seen = [], set()
     for fqn, part in low.parts.items():
-        if part is None:                  # recognized with parts= but not planned (plan_parts) yet
+        if part is None:  # recognized with parts= but not planned (plan_parts) yet
             L.append(f"  -> graph  {fqn}: left to the graph backend (not planned yet)")
             continue
         if id(part) in seen:
@@ -335,13 +374,17 @@ def report(low) -> list[str]:
         seen.add(id(part))
         pred = part.plan.predicted
         kinds = ", ".join(f"{k} x{v['count']} {v['bytes']:,d} B" for k, v in sorted(pred["collectives"].items()))
-        L.append(f"  -> graph  {', '.join(part.instances)}: {part.how} (plan {part.plan.hash()}, boundary "
-                 f"{list(part.boundary)}, predicted step {pred['step_s'] * 1e3:.3f} ms, collectives per call: "
-                 f"{kinds or 'none'}) because")
+        L.append(
+            f"  -> graph  {', '.join(part.instances)}: {part.how} (plan {part.plan.hash()}, boundary "
+            f"{list(part.boundary)}, predicted step {pred['step_s'] * 1e3:.3f} ms, collectives per call: "
+            f"{kinds or 'none'}) because"
+        )
         first = [w for w in part.why if w.startswith(part.instances[0] + ": ")]
         L += [f"             {w}" for w in first[:3]]
         more = len(part.why) - min(3, len(first))
         if more:
-            L.append(f"             ... {more} more reason(s)" + (f", in {len(part.instances) - 1} other instance(s) "
-                                                                   f"alike" if len(part.instances) > 1 else ""))
+            L.append(
+                f"             ... {more} more reason(s)"
+                + (f", in {len(part.instances) - 1} other instance(s) alike" if len(part.instances) > 1 else "")
+            )
     return L

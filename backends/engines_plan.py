@@ -13,6 +13,7 @@ the plan has them, `plan_for_engines` solves it again with those nodes pinned to
 (the nll_loss forward, the node making each parameter gradient): the best plan among the ones the engines run
 as planned, whose prediction is what they issue.
 """
+
 from __future__ import annotations
 
 from autopar.capture import NLL_LOSSES
@@ -29,7 +30,7 @@ def engine_pins(state, data: list[int]) -> dict:
             pin[(d, r.out)] = "P"
             differ |= P[r.node].out[r.out][d] != "P"
     for n in g.ops():
-        if n.target in NLL_LOSSES:              # a loss nll_loss (capture records a mean one as nll_loss(sum))
+        if n.target in NLL_LOSSES:  # a loss nll_loss (capture records a mean one as nll_loss(sum))
             want[n.name] = {d: "P" for d in data}
             differ |= any(o is not None and o[d] != "P" for o in P[n.idx].out for d in data)
     return want if differ else {}
@@ -41,6 +42,7 @@ def plan_for_engines(model, mesh, example_inputs, **plan_kwargs):
     docstring). The note says which nodes were pinned and what it cost (None when the first plan is kept)."""
     import autopar
     from .engines import recognize
+
     first = autopar.plan(model, mesh, example_inputs, return_state=True, **plan_kwargs)
     low = recognize(first[0], model)
     data = low.replicate_dims + low.shard_dims
@@ -50,18 +52,24 @@ def plan_for_engines(model, mesh, example_inputs, **plan_kwargs):
     if not want:
         return first, None
     try:
-        again = autopar.plan(model, mesh, example_inputs, return_state=True, pin=lambda n: want.get(n.name),
-                             **plan_kwargs)
+        again = autopar.plan(
+            model, mesh, example_inputs, return_state=True, pin=lambda n: want.get(n.name), **plan_kwargs
+        )
     except (ValueError, autopar.InfeasibleMemoryError) as e:
-        return first, f"not re-planned for the engines ({type(e).__name__}: {str(e)[:200]}); the lowering differs " \
-                      f"from the plan where the plan gathers over the data dims"
+        return (
+            first,
+            f"not re-planned for the engines ({type(e).__name__}: {str(e)[:200]}); the lowering differs "
+            f"from the plan where the plan gathers over the data dims",
+        )
     if not recognize(again[0], model).expressible:
         return first, "not re-planned for the engines: the re-solved plan is not expressible by them"
     pinned = [k for k in want if "nll_loss" in k]
     p0, p1 = first[0].predicted["step_s"], again[0].predicted["step_s"]
-    note = (f"re-planned for the engines (they compute the loss and every parameter gradient on each rank's batch "
-            f"shard): {len(want)} nodes pinned partial on the data dims"
-            f"{' (loss ' + ', '.join(pinned) + ')' if pinned else ''}; predicted step {p1 * 1e3:.3f} ms, "
-            f"{p0 * 1e3:.3f} ms with the gathers the engines cannot run")
+    note = (
+        f"re-planned for the engines (they compute the loss and every parameter gradient on each rank's batch "
+        f"shard): {len(want)} nodes pinned partial on the data dims"
+        f"{' (loss ' + ', '.join(pinned) + ')' if pinned else ''}; predicted step {p1 * 1e3:.3f} ms, "
+        f"{p0 * 1e3:.3f} ms with the gathers the engines cannot run"
+    )
     again[0].meta["engine_replan"] = note
     return again, note

@@ -14,6 +14,7 @@ autopar has no placement rule for a vocab-sharded cross-entropy (loss_parallel i
 strategy), so the pinned plan uses torchtitan's `loss_parallel=False` variant (output gathered to Replicate);
 `loss_parallel_delta` prices the difference analytically for the comparison.
 """
+
 from __future__ import annotations
 
 import re
@@ -25,23 +26,30 @@ _NORMS = ("attention_norm", "ffn_norm")
 
 def torchtitan_styles(loss_parallel: bool = False) -> dict:
     """torchtitan's apply_tp plan as {module FQN: ParallelStyle source}."""
-    out = {"tok_embeddings": "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))",
-           "norm": "SequenceParallel()",
-           "output": ("ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)"
-                      if loss_parallel else "ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())"),
-           "layers.*.attention_norm": "SequenceParallel()",
-           "layers.*.attention": ("PrepareModuleInput(input_layouts=(Shard(1), None, None), "
-                                  "desired_input_layouts=(Replicate(), None, None))"),
-           "layers.*.attention.wq": "ColwiseParallel()",
-           "layers.*.attention.wk": "ColwiseParallel()",
-           "layers.*.attention.wv": "ColwiseParallel()",
-           "layers.*.attention.wo": "RowwiseParallel(output_layouts=Shard(1))",
-           "layers.*.ffn_norm": "SequenceParallel()",
-           "layers.*.feed_forward": ("PrepareModuleInput(input_layouts=(Shard(1),), "
-                                     "desired_input_layouts=(Replicate(),))"),
-           "layers.*.feed_forward.w1": "ColwiseParallel()",
-           "layers.*.feed_forward.w2": "RowwiseParallel(output_layouts=Shard(1))",
-           "layers.*.feed_forward.w3": "ColwiseParallel()"}
+    out = {
+        "tok_embeddings": "RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))",
+        "norm": "SequenceParallel()",
+        "output": (
+            "ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)"
+            if loss_parallel
+            else "ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())"
+        ),
+        "layers.*.attention_norm": "SequenceParallel()",
+        "layers.*.attention": (
+            "PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))"
+        ),
+        "layers.*.attention.wq": "ColwiseParallel()",
+        "layers.*.attention.wk": "ColwiseParallel()",
+        "layers.*.attention.wv": "ColwiseParallel()",
+        "layers.*.attention.wo": "RowwiseParallel(output_layouts=Shard(1))",
+        "layers.*.ffn_norm": "SequenceParallel()",
+        "layers.*.feed_forward": (
+            "PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))"
+        ),
+        "layers.*.feed_forward.w1": "ColwiseParallel()",
+        "layers.*.feed_forward.w2": "RowwiseParallel(output_layouts=Shard(1))",
+        "layers.*.feed_forward.w3": "ColwiseParallel()",
+    }
     return out
 
 
@@ -53,15 +61,23 @@ def batch_pin(data_dims, batch_shape=None):
     def pin(n):
         if n.kind == "input":
             return {d: "S0" for d in data_dims}
-        if n.kind == "op" and lead and n.outs and n.outs[0] is not None and len(n.outs[0].shape) >= 2 and \
-                all(m is None or (m.shape and m.shape[0] in lead) for m in n.outs):
+        if (
+            n.kind == "op"
+            and lead
+            and n.outs
+            and n.outs[0] is not None
+            and len(n.outs[0].shape) >= 2
+            and all(m is None or (m.shape and m.shape[0] in lead) for m in n.outs)
+        ):
             return {d: "S0" for d in data_dims}
         return None
+
     return pin
 
 
-def torchtitan_placements(model, mesh_names, dp: str | None = "dp", tp: str | None = "tp", batch_shape=None,
-                          sequence_parallel: bool = True):
+def torchtitan_placements(
+    model, mesh_names, dp: str | None = "dp", tp: str | None = "tp", batch_shape=None, sequence_parallel: bool = True
+):
     """(force, pin) for autopar.plan: torchtitan's FSDP(dp) x TP+SP(tp) plan as planner constraints
     (sequence_parallel=False: Megatron TP without SP, norms and the residual stream replicated on tp).
     batch_shape (batch, seq): with a dp dim, every activation whose leading dim is the batch (or batch*seq) is
@@ -96,12 +112,13 @@ def torchtitan_placements(model, mesh_names, dp: str | None = "dp", tp: str | No
         if mod == "norm" or mod.endswith(_NORMS) or (re.fullmatch(r"layers\.\d+", mod) and op == "aten.add.Tensor"):
             want[d_tp] = "S1" if sequence_parallel else "R"
         elif op in ("aten._log_softmax.default", "aten.nll_loss_forward.default"):
-            want[d_tp] = "R"                            # loss_parallel=False: the loss runs replicated on tp
-        elif op == "aten.embedding.default":           # vocab-parallel embedding: masked partial output
+            want[d_tp] = "R"  # loss_parallel=False: the loss runs replicated on tp
+        elif op == "aten.embedding.default":  # vocab-parallel embedding: masked partial output
             want[d_tp] = "Pm"
-        elif mod == "output" and op == "aten.mm.default":   # colwise output projection: vocab-sharded logits
+        elif mod == "output" and op == "aten.mm.default":  # colwise output projection: vocab-sharded logits
             want[d_tp] = "S1"
         return want or None
+
     return force, pin
 
 
@@ -111,6 +128,7 @@ def loss_parallel_delta(plan, tp_dim: int, cluster) -> dict:
     gather before log_softmax and whatever the backward does there) disappear; the sharded cross-entropy instead
     all-reduces three per-token fp32 values (max, sum of exp, target logit) on tp in the forward."""
     from autopar.cost import collective_time
+
     link = cluster.link_for(plan.mesh_shape, tp_dim)
     removed, dropped = 0.0, []
     for rec in plan.nodes:

@@ -15,6 +15,7 @@ Every forward redistribute on t must be one of these (a style's input gather, ou
 anything else (an activation resharded inside plain code, a weight gathered on t) is a reason the engines
 cannot express the plan, naming the op and module.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -44,17 +45,24 @@ def param_style(kind: str, pls: dict, tn: str, what: str | None = None) -> tuple
     if kind == "linear" and w in ("S0", "S1"):
         bias = pls.get("bias")
         if bias not in (None, "S0" if w == "S0" else "R"):
-            return None, (f"weight {w} but bias {bias} on {tn}: Colwise shards the bias with the weight, Rowwise "
-                          f"replicates it")
-        return ("ColwiseParallel", f"weight Shard(0) on {tn}") if w == "S0" else \
-            ("RowwiseParallel", f"weight Shard(1) on {tn}")
+            return None, (
+                f"weight {w} but bias {bias} on {tn}: Colwise shards the bias with the weight, Rowwise replicates it"
+            )
+        return (
+            ("ColwiseParallel", f"weight Shard(0) on {tn}")
+            if w == "S0"
+            else ("RowwiseParallel", f"weight Shard(1) on {tn}")
+        )
     if kind == "embedding" and w in ("S0", "S1"):
-        return ("RowwiseParallel" if w == "S0" else "ColwiseParallel",
-                f"embedding weight {'vocab' if w == 'S0' else 'dim'}-sharded on {tn}")
+        return (
+            "RowwiseParallel" if w == "S0" else "ColwiseParallel",
+            f"embedding weight {'vocab' if w == 'S0' else 'dim'}-sharded on {tn}",
+        )
     if all(v == "R" for v in pls.values()):
         return None, ""
-    return None, (f"{what or kind} with parameters {pls} on {tn}: ParallelStyles shard only nn.Linear and "
-                  f"nn.Embedding weights")
+    return None, (
+        f"{what or kind} with parameters {pls} on {tn}: ParallelStyles shard only nn.Linear and nn.Embedding weights"
+    )
 
 
 def recognize_tp(low, G, plan, model, forced) -> None:
@@ -73,15 +81,20 @@ def recognize_tp(low, G, plan, model, forced) -> None:
                     members[M].add(n["idx"])
     out_of = lambda p, o: G.rec(p)["placement"]["out"][o][t]
     in_of = lambda i, j: G.rec(i)["placement"]["ins"][j][t]
-    explained, styles, gathers, sp_outputs = {}, {}, defaultdict(list), {}   # explained: (node, input) -> role
+    explained, styles, gathers, sp_outputs = {}, {}, defaultdict(list), {}  # explained: (node, input) -> role
 
     def ext_in(M):
-        return [(i, j, p, o) for i in sorted(members[M]) for j, (p, o) in enumerate(G.rec(i)["inputs"])
-                if p not in members[M] and G.rec(p)["kind"] in ("op", "input")]
+        return [
+            (i, j, p, o)
+            for i in sorted(members[M])
+            for j, (p, o) in enumerate(G.rec(i)["inputs"])
+            if p not in members[M] and G.rec(p)["kind"] in ("op", "input")
+        ]
 
     def ext_out(M):
-        return sorted({(i, o) for i in members[M] for u, j, o in G.users[i]
-                       if G.rec(u)["phase"] == "fw" and u not in members[M]})
+        return sorted(
+            {(i, o) for i in members[M] for u, j, o in G.users[i] if G.rec(u)["phase"] == "fw" and u not in members[M]}
+        )
 
     def downstream(i, o, inside):
         """Consumers outside `inside` where the tensor's placement changes or it is used as is by a real op:
@@ -108,7 +121,7 @@ def recognize_tp(low, G, plan, model, forced) -> None:
         """output_layouts for a module whose output is `shard_have` on t, from what consumers want."""
         outs = ext_out(M)
         ends = [e for i, o in outs for e in downstream(i, o, members[M])]
-        moved = [e for e in ends if e[2] != e[3]]          # consumers that need another placement
+        moved = [e for e in ends if e[2] != e[3]]  # consumers that need another placement
         wants = {w for _, _, _, w in moved}
         if not moved:
             if any(_op(G.rec(u)) == "_log_softmax" for u, _, _, _ in ends):
@@ -120,14 +133,19 @@ def recognize_tp(low, G, plan, model, forced) -> None:
             return "Replicate()", ends
         if wants == {"S1"}:
             return "Shard(1)", ends
-        reason(M, f"its output ({shard_have} on {tn}) is wanted as {sorted(wants)} by "
-               f"{[G.rec(u)['name'] for u, _, _, _ in ends][:4]}: one ParallelStyle output layout cannot serve them")
+        reason(
+            M,
+            f"its output ({shard_have} on {tn}) is wanted as {sorted(wants)} by "
+            f"{[G.rec(u)['name'] for u, _, _, _ in ends][:4]}: one ParallelStyle output layout cannot serve them",
+        )
         return "bad", ends
 
     kinds = {M: _kind(M, modules, G, members[M]) for M in mods}
-    sharded_first = lambda kv: (kinds[kv[0]] not in ("linear", "embedding") or
-                                all(v == "R" for v in kv[1].values()), kv[0])
-    for M, pls in sorted(mods.items(), key=sharded_first):       # sharded modules first: they fix boundaries
+    sharded_first = lambda kv: (
+        kinds[kv[0]] not in ("linear", "embedding") or all(v == "R" for v in kv[1].values()),
+        kv[0],
+    )
+    for M, pls in sorted(mods.items(), key=sharded_first):  # sharded modules first: they fix boundaries
         kind = kinds[M]
         w = pls.get("weight")
         xs = [(i, j, p, o) for i, j, p, o in ext_in(M) if G.rec(p)["kind"] != "param"]
@@ -143,7 +161,7 @@ def recognize_tp(low, G, plan, model, forced) -> None:
             (i, j, p, o) = next(x for x in xs)
             have, want = out_of(p, o), in_of(i, j)
             kw = {}
-            if w == "S0":                                          # colwise: replicated input, Shard(-1) output
+            if w == "S0":  # colwise: replicated input, Shard(-1) output
                 if want != "R":
                     reason(M, f"colwise weight (Shard(0) on {tn}) but its input is used as {want}, not replicated")
                     continue
@@ -151,11 +169,14 @@ def recognize_tp(low, G, plan, model, forced) -> None:
                     gathers[(p, o)].append(M)
                     explained[(i, j)] = "in_gather"
                 elif have != "R":
-                    reason(M, f"input is {have} on {tn}; ColwiseParallel takes a replicated or sequence-sharded "
-                           f"(Shard(1)) input")
+                    reason(
+                        M,
+                        f"input is {have} on {tn}; ColwiseParallel takes a replicated or sequence-sharded "
+                        f"(Shard(1)) input",
+                    )
                     continue
                 else:
-                    explained[(i, j)] = "in_repl"       # backward: the input gradient is all-reduced
+                    explained[(i, j)] = "in_repl"  # backward: the input gradient is all-reduced
                 outs = ext_out(M)
                 lay, ends = output_layout(M, out_of(*outs[0]) if outs else "S2")
                 if lay == "bad":
@@ -166,14 +187,17 @@ def recognize_tp(low, G, plan, model, forced) -> None:
                     kw["output_layouts"] = lay
                     explained.update({(u, jj): "out" for u, jj, _, _ in ends})
                 styles[M] = Style(cls, kw, why)
-            else:                                                  # rowwise: Shard(-1) input, partial output
+            else:  # rowwise: Shard(-1) input, partial output
                 last = f"S{len(G.rec(p)['shape'][o]) - 1}"
                 if have == "R" and want == last:
                     kw["input_layouts"] = "Replicate()"
                     explained[(i, j)] = "chunk"
                 elif not (have == want == last):
-                    reason(M, f"rowwise weight (Shard(1) on {tn}) but its input is {have} -> {want}; RowwiseParallel "
-                           f"takes the input sharded on its last dim")
+                    reason(
+                        M,
+                        f"rowwise weight (Shard(1) on {tn}) but its input is {have} -> {want}; RowwiseParallel "
+                        f"takes the input sharded on its last dim",
+                    )
                     continue
                 lay, ends = output_layout(M, "P")
                 if lay in ("bad", None, "loss"):
@@ -190,74 +214,105 @@ def recognize_tp(low, G, plan, model, forced) -> None:
                 reason(M, f"embedding indices are sharded on {tn}")
                 continue
             if w == "S0":
-                explained.update({(i, j): "indices" for i, j, p, o in xs})       # indices masked by the style itself
+                explained.update({(i, j): "indices" for i, j, p, o in xs})  # indices masked by the style itself
             lay, ends = output_layout(M, "Pm" if w == "S0" else "S2")
             if lay in ("bad", "loss") or (lay is None and w == "S0"):
                 if lay != "bad":
                     reason(M, f"vocab-sharded embedding output stays partial on {tn} downstream")
                 continue
             if lay:
-                if not (w == "S0" and lay == "Replicate()"):        # RowwiseParallel's default output
+                if not (w == "S0" and lay == "Replicate()"):  # RowwiseParallel's default output
                     kw["output_layouts"] = lay
                 explained.update({(u, jj): "out_reduce" for u, jj, _, _ in ends})
             styles[M] = Style(cls, kw, why)
-        else:                                                      # every parameter replicated on t
+        else:  # every parameter replicated on t
             # an input another style already redistributes (e.g. a rowwise output reduce-scattered) arrives as wanted
             pairs = {(in_of(i, j) if (i, j) in explained else out_of(p, o), in_of(i, j)) for i, j, p, o in xs}
             if all(h == wnt == "R" for h, wnt in pairs):
-                continue                                           # replicated compute, nothing to do
+                continue  # replicated compute, nothing to do
             if all(h == wnt for h, wnt in pairs) and {h for h, _ in pairs} <= {"S1", "R"}:
-                styles[M] = Style("SequenceParallel", {},
-                                  f"parameters replicated, activations sequence-sharded (Shard(1)) on {tn}")
+                styles[M] = Style(
+                    "SequenceParallel", {}, f"parameters replicated, activations sequence-sharded (Shard(1)) on {tn}"
+                )
                 sp_outputs[M] = [e for i, o in ext_out(M) for e in downstream(i, o, members[M])]
             elif pairs == {("S1", "R")} and modules is not None:
                 n_in = _arity(modules.get(M))
-                styles[M] = Style("PrepareModuleInput", {
-                    "input_layouts": _tup(["Shard(1)"] + ["None"] * (n_in - 1)),
-                    "desired_input_layouts": _tup(["Replicate()"] + ["None"] * (n_in - 1)),
-                    "use_local_output": "True"}, f"gathers its sequence-sharded input on {tn} (plan)")
+                styles[M] = Style(
+                    "PrepareModuleInput",
+                    {
+                        "input_layouts": _tup(["Shard(1)"] + ["None"] * (n_in - 1)),
+                        "desired_input_layouts": _tup(["Replicate()"] + ["None"] * (n_in - 1)),
+                        "use_local_output": "True",
+                    },
+                    f"gathers its sequence-sharded input on {tn} (plan)",
+                )
                 explained.update({(i, j): "pmi" for i, j, p, o in xs})
             else:
-                reason(M, f"replicated parameters on {tn} but activations {sorted(pairs)} (have, want) at its "
-                       f"inputs: neither SequenceParallel nor replicated compute")
+                reason(
+                    M,
+                    f"replicated parameters on {tn} but activations {sorted(pairs)} (have, want) at its "
+                    f"inputs: neither SequenceParallel nor replicated compute",
+                )
 
-    for (p, o), linears in gathers.items():                      # sequence-parallel gathers
+    for (p, o), linears in gathers.items():  # sequence-parallel gathers
         if len(linears) == 1:
             styles[linears[0]].kwargs = {"input_layouts": "Shard(1)", **styles[linears[0]].kwargs}
             continue
         parent = _common_parent(linears)
-        if parent and parent not in styles and not any(parent == m or m.startswith(parent + ".")
-                                                       for m in [G.rec(p)["module"]] if m):
+        if (
+            parent
+            and parent not in styles
+            and not any(parent == m or m.startswith(parent + ".") for m in [G.rec(p)["module"]] if m)
+        ):
             n_in = _arity(modules.get(parent)) if modules is not None else 1
-            styles[parent] = Style("PrepareModuleInput", {
-                "input_layouts": _tup(["Shard(1)"] + ["None"] * (n_in - 1)),
-                "desired_input_layouts": _tup(["Replicate()"] + ["None"] * (n_in - 1))},
-                f"{len(linears)} colwise Linears gather the same sequence-sharded input: once here")
-            low.notes.append(f"the plan gathers {G.rec(p)['name']} once per consumer ({len(linears)} all_gathers on "
-                             f"{tn}); PrepareModuleInput on '{parent}' gathers it once")
+            styles[parent] = Style(
+                "PrepareModuleInput",
+                {
+                    "input_layouts": _tup(["Shard(1)"] + ["None"] * (n_in - 1)),
+                    "desired_input_layouts": _tup(["Replicate()"] + ["None"] * (n_in - 1)),
+                },
+                f"{len(linears)} colwise Linears gather the same sequence-sharded input: once here",
+            )
+            low.notes.append(
+                f"the plan gathers {G.rec(p)['name']} once per consumer ({len(linears)} all_gathers on "
+                f"{tn}); PrepareModuleInput on '{parent}' gathers it once"
+            )
         else:
             for m in linears:
                 styles[m].kwargs = {"input_layouts": "Shard(1)", **styles[m].kwargs}
 
-    gathered_in = [m for m, st in styles.items() if st.cls == "PrepareModuleInput" or
-                   "Shard(1)" in st.kwargs.get("input_layouts", "")]
-    for M, ends in sp_outputs.items():                            # SP output into plain code: hand a local shard
+    gathered_in = [
+        m
+        for m, st in styles.items()
+        if st.cls == "PrepareModuleInput" or "Shard(1)" in st.kwargs.get("input_layouts", "")
+    ]
+    for M, ends in sp_outputs.items():  # SP output into plain code: hand a local shard
         if any(not any(G.in_module(u, g) for g in gathered_in) for u, _, _, _ in ends):
             styles[M].kwargs["use_local_output"] = "True"
-    for n in plan.nodes:                                          # every forward redistribute on t explained?
+    for n in plan.nodes:  # every forward redistribute on t explained?
         if n["phase"] != "fw":
             continue
         for r in n.get("redistribute", []):
             if not isinstance(r["input"], int) or r["src"][t] == r["dst"][t] or (n["idx"], r["input"]) in explained:
                 continue
             if r["class"] == "param":
-                low.reasons.append((f"parameter {r.get('param')}", f"gathered on {tn} ([{','.join(r['src'])}] -> "
-                                    f"[{','.join(r['dst'])}]) before {n['name']}: a parameter sharded on the tensor-"
-                                    f"parallel dim must be used sharded"))
+                low.reasons.append(
+                    (
+                        f"parameter {r.get('param')}",
+                        f"gathered on {tn} ([{','.join(r['src'])}] -> "
+                        f"[{','.join(r['dst'])}]) before {n['name']}: a parameter sharded on the tensor-"
+                        f"parallel dim must be used sharded",
+                    )
+                )
             else:
-                low.reasons.append((f"op {n['name']}", f"in module '{n['module'] or '<root>'}' redistributes input "
-                                    f"{r['input']} [{','.join(r['src'])}] -> [{','.join(r['dst'])}] on {tn}, which no "
-                                    f"ParallelStyle does"))
+                low.reasons.append(
+                    (
+                        f"op {n['name']}",
+                        f"in module '{n['module'] or '<root>'}' redistributes input "
+                        f"{r['input']} [{','.join(r['src'])}] -> [{','.join(r['dst'])}] on {tn}, which no "
+                        f"ParallelStyle does",
+                    )
+                )
     low.styles = dict(sorted(styles.items(), key=lambda kv: _order(kv[0], plan)))
     low.tp_roles = explained
     if forced:
@@ -271,8 +326,11 @@ def _tup(items) -> str:
 def _arity(mod) -> int:
     if mod is None:
         return 1
-    ps = [p for p in inspect.signature(mod.forward).parameters.values()
-          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    ps = [
+        p
+        for p in inspect.signature(mod.forward).parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
     return max(1, len(ps))
 
 
@@ -295,13 +353,18 @@ def _order(fqn, plan) -> int:
 
 def _check_forced(low, forced, tn) -> None:
     from fnmatch import fnmatch
+
     for key, style in forced.items():
         want = style if isinstance(style, str) else type(style).__name__
         hits = [m for m in low.styles if fnmatch(m, key) or m == key]
         if not hits:
-            raise EngineLoweringError(f"style {want} forced on '{key}', but the plan gives that module no "
-                                      f"ParallelStyle on {tn} (its parameters are replicated there)")
+            raise EngineLoweringError(
+                f"style {want} forced on '{key}', but the plan gives that module no "
+                f"ParallelStyle on {tn} (its parameters are replicated there)"
+            )
         for m in hits:
             if low.styles[m].cls != want:
-                raise EngineLoweringError(f"style {want} forced on '{m}' contradicts the plan, which places it as "
-                                          f"{low.styles[m].code()} ({low.styles[m].why})")
+                raise EngineLoweringError(
+                    f"style {want} forced on '{m}' contradicts the plan, which places it as "
+                    f"{low.styles[m].code()} ({low.styles[m].why})"
+                )

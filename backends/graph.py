@@ -12,6 +12,7 @@ placement the plan chose for it, with the plan's own collectives (backends/comm.
 plan. The fw nodes run in an autograd.Function's forward, the bw nodes (from `ones_like(loss)`, which takes the
 incoming gradient) in its backward, which returns each gradient at its parameter's placement.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,17 +37,24 @@ __all__ = ["parallelize", "ParallelModule", "ExecutionError", "ShapeMismatchErro
 
 def _check_mesh(mesh):
     from torch.distributed.device_mesh import DeviceMesh
+
     if not isinstance(mesh, DeviceMesh):
-        raise TypeError(f"parallelize needs a torch DeviceMesh (init_device_mesh(...)) to run on, got "
-                        f"{type(mesh).__name__}; use autopar.plan(...) to plan for a mesh you do not have")
+        raise TypeError(
+            f"parallelize needs a torch DeviceMesh (init_device_mesh(...)) to run on, got "
+            f"{type(mesh).__name__}; use autopar.plan(...) to plan for a mesh you do not have"
+        )
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialized: call dist.init_process_group (or use torchrun) "
-                           "before autopar.parallelize")
+        raise RuntimeError(
+            "torch.distributed is not initialized: call dist.init_process_group (or use torchrun) "
+            "before autopar.parallelize"
+        )
     world = dist.get_world_size()
     if mesh.size() != world:
-        raise ValueError(f"the mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}) but the world has {world} "
-                         f"processes; parallelize runs one rank per process on the whole world: build the mesh "
-                         f"with init_device_mesh(..., ({world},)) or a shape whose product is {world}")
+        raise ValueError(
+            f"the mesh has {mesh.size()} ranks (shape {tuple(mesh.shape)}) but the world has {world} "
+            f"processes; parallelize runs one rank per process on the whole world: build the mesh "
+            f"with init_device_mesh(..., ({world},)) or a shape whose product is {world}"
+        )
 
 
 def _device(mesh) -> torch.device:
@@ -56,9 +64,19 @@ def _device(mesh) -> torch.device:
     return torch.device(mesh.device_type, mod.current_device())
 
 
-def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: dict | None = None, planned=None,
-                attention: str = "auto", assume_identical: bool = False, check_replicas: bool = True,
-                compile=False, **plan_kwargs) -> "ParallelModule":
+def parallelize(
+    model: nn.Module,
+    mesh,
+    example_inputs=None,
+    *,
+    example_kwargs: dict | None = None,
+    planned=None,
+    attention: str = "auto",
+    assume_identical: bool = False,
+    check_replicas: bool = True,
+    compile=False,
+    **plan_kwargs,
+) -> "ParallelModule":
     """Plan `model` for `mesh` (autopar.plan, same keyword options: cluster, memory_budget, force, ...) and
     return a module that runs one SPMD training step per call on this rank.
 
@@ -79,26 +97,48 @@ def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs: 
     The user's random number generator state is left as it was; the program's random ops draw from a generator
     seeded by rank 0's torch.initial_seed() (`pm.program.rng_seed`).
     """
-    ModelIO.from_example(model, example_inputs, example_kwargs)     # bad arguments: named, before anything runs
+    ModelIO.from_example(model, example_inputs, example_kwargs)  # bad arguments: named, before anything runs
     _check_mesh(mesh)
     compile_option(compile)
     with torch.random.fork_rng(devices=_rng_devices(mesh)):
-        return _parallelize(model, mesh, example_inputs, example_kwargs, planned, attention, assume_identical,
-                            check_replicas, plan_kwargs, compile)
+        return _parallelize(
+            model,
+            mesh,
+            example_inputs,
+            example_kwargs,
+            planned,
+            attention,
+            assume_identical,
+            check_replicas,
+            plan_kwargs,
+            compile,
+        )
 
 
 def _rng_devices(mesh) -> list:
     return [] if mesh.device_type == "cpu" else [_device(mesh)]
 
 
-def _parallelize(model, mesh, example_inputs, example_kwargs, planned, attention, assume_identical, check_replicas,
-                 plan_kwargs, compile=False):
+def _parallelize(
+    model,
+    mesh,
+    example_inputs,
+    example_kwargs,
+    planned,
+    attention,
+    assume_identical,
+    check_replicas,
+    plan_kwargs,
+    compile=False,
+):
     if planned is None:
         import autopar
+
         plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
-        plan_kwargs.setdefault("overlap", False)     # this executor runs each collective where the plan puts it
-        plan, state = autopar.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True,
-                                   **plan_kwargs)
+        plan_kwargs.setdefault("overlap", False)  # this executor runs each collective where the plan puts it
+        plan, state = autopar.plan(
+            model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True, **plan_kwargs
+        )
     else:
         if plan_kwargs:
             raise TypeError(f"planned=... given together with plan options {sorted(plan_kwargs)}")
@@ -108,13 +148,13 @@ def _parallelize(model, mesh, example_inputs, example_kwargs, planned, attention
     device = _device(mesh)
     agree_on_plan(mesh, plan.hash(), device)
     io = state.graph.io
-    if io is None:      # a graph captured before the model contract existed: positional inputs only
+    if io is None:  # a graph captured before the model contract existed: positional inputs only
         io = ModelIO.from_example(model, example_inputs, example_kwargs)
         state.graph.io = io
     prog = Program(state, plan, mesh, device, io.leaves, attention=attention, compile=compile)
     prog.rng_seed = agreed_seed(device)
     pm = ParallelModule(model, prog, assume_identical=assume_identical, check_replicas=check_replicas)
-    pm._plans = PlanCache(model, prog, plan_kwargs, attention, model.training)    # options of plans for new shapes
+    pm._plans = PlanCache(model, prog, plan_kwargs, attention, model.training)  # options of plans for new shapes
     return pm
 
 
@@ -127,7 +167,7 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        acc, sync = ctx.acc     # (Accumulator, sync): no_sync micro-steps accumulate (backends/accumulate.py)
+        acc, sync = ctx.acc  # (Accumulator, sync): no_sync micro-steps accumulate (backends/accumulate.py)
         if sync and acc.prog is None:
             grads = ctx.prog.backward(ctx.env, grad_loss)
         else:
@@ -147,11 +187,11 @@ class ParallelModule(nn.Module):
         self.plan = prog.plan
         mesh = prog.mesh
         self._orig_class = type(model).__name__
-        self.train(model.training)                   # the mode the plan was captured in
+        self.train(model.training)  # the mode the plan was captured in
         self._plans = PlanCache(model, prog, {}, "auto", model.training)
         self._acc, self._sync = Accumulator(), True
         made: dict[int, nn.Parameter] = {}
-        state = []                                   # (fqn, dtensor, placement strings, the model's tensor)
+        state = []  # (fqn, dtensor, placement strings, the model's tensor)
         for fqn, p in model.named_parameters(remove_duplicate=False):
             if id(p) in made:
                 _register(self, fqn, made[id(p)], param=True)
@@ -171,10 +211,14 @@ class ParallelModule(nn.Module):
 
     def extra_repr(self) -> str:
         c = self.init_comm
-        how = c.get("skipped") or (f"{c['broadcast_bytes'] + c['scatter_bytes']:,d} B once ({c['broadcast_bytes']:,d} "
-                                   f"broadcast, {c['scatter_bytes']:,d} scattered, {c['collectives']} collectives)")
-        return (f"autopar {self._orig_class} on mesh {tuple(self.program.mesh.shape)}, plan {self.plan.hash()}; "
-                f"state from rank 0: {how}")
+        how = c.get("skipped") or (
+            f"{c['broadcast_bytes'] + c['scatter_bytes']:,d} B once ({c['broadcast_bytes']:,d} "
+            f"broadcast, {c['scatter_bytes']:,d} scattered, {c['collectives']} collectives)"
+        )
+        return (
+            f"autopar {self._orig_class} on mesh {tuple(self.program.mesh.shape)}, plan {self.plan.hash()}; "
+            f"state from rank 0: {how}"
+        )
 
     def _slots(self, prog):
         """(module, name) of every parameter and buffer the program reads, found once per program: a forward reads
@@ -182,14 +226,15 @@ class ParallelModule(nn.Module):
         if getattr(self, "_slot_cache", None) is None:
             self._slot_cache = {}
         if prog not in self._slot_cache:
+
             def at(fqn):
                 *path, leaf = fqn.split(".")
                 mod = self
                 for name in path:
                     mod = mod._modules[name]
                 return mod, leaf
-            self._slot_cache[prog] = ([at(f) for f in prog.param_fqns],
-                                      [(f, *at(f)) for f, _ in self.named_buffers()])
+
+            self._slot_cache[prog] = ([at(f) for f in prog.param_fqns], [(f, *at(f)) for f, _ in self.named_buffers()])
         return self._slot_cache[prog]
 
     # torch.compile(pm): Dynamo runs the step as one opaque call (tracing the generated program's Python, the
@@ -199,7 +244,7 @@ class ParallelModule(nn.Module):
         """One step, called like the model; returns the loss (in the model's container kind, model_io.wrap_loss)."""
         leaves = self.program.g.io.flatten_call(args, kwargs)
         grad = torch.is_grad_enabled()
-        prog = self._plans.program(leaves, self.training, grad)     # this call's shapes and mode (shapes.py)
+        prog = self._plans.program(leaves, self.training, grad)  # this call's shapes and mode (shapes.py)
         pslots, bslots = self._slots(prog)
         params = [mod._parameters[leaf] for mod, leaf in pslots]
         buffers = {f: mod._buffers[leaf] for f, mod, leaf in bslots}
@@ -254,10 +299,16 @@ class ParallelModule(nn.Module):
                 for p in group["params"]:
                     st = o.state.get(p)
                     s = st.get("step") if st else None
-                    if id(p) not in mine or not isinstance(s, torch.Tensor) or isinstance(s, DTensor) or s.dim() \
-                            or s.device != p.device:
+                    if (
+                        id(p) not in mine
+                        or not isinstance(s, torch.Tensor)
+                        or isinstance(s, DTensor)
+                        or s.dim()
+                        or s.device != p.device
+                    ):
                         continue
                     st["step"] = make_dtensor(s, prog.mesh, prog.rep, s.shape, s.stride())
+
         opt.register_step_post_hook(to_dtensor)
         return opt
 
@@ -300,7 +351,7 @@ def _take_rank0(state, mesh, device, assume_identical: bool) -> dict:
     # a partial placement's shards are not pieces of the full value: it travels whole (a copy: the user's model is
     # never written) and is split again here
     fulls = [t.detach().to(device, copy=True) if partial(pl) else t.detach() for _, _, pl, t in state]
-    with torch.no_grad():                  # to_local() is then the DTensor's own local tensor, written in place
+    with torch.no_grad():  # to_local() is then the DTensor's own local tensor, written in place
         cost = sync_from_rank0([(f, full, pl, dt.to_local()) for (f, dt, pl, _), full in zip(state, fulls)], mesh)
         for (fqn, dt, pl, _), full in zip(state, fulls):
             if partial(pl):
@@ -313,8 +364,10 @@ def _check_first_step(module, args):
     """Forward pre-hook, once: the replica checksum (backends/state.py) before the first step."""
     module._first_check.remove()
     with torch.no_grad():
-        entries = [(f, (module.get_parameter(f) if param else module.get_buffer(f)).to_local(), pl)
-                   for f, param, pl in module._state_entries]
+        entries = [
+            (f, (module.get_parameter(f) if param else module.get_buffer(f)).to_local(), pl)
+            for f, param, pl in module._state_entries
+        ]
     check_replicas(entries, module.program.mesh, module.program.device, what=f"autopar {module._orig_class}: ")
 
 

@@ -5,6 +5,7 @@ Values in a program's `env`: a plain tensor is replicated on every mesh dim; any
 runs one instruction (`_run1`: redistributes, DTensor dispatch, factories, random ops, the backward's seed) and
 converts values between those forms and DTensors.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,15 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
 from autopar.graph import map_refs
-from autopar.strategies._torch_adapter import (collapse, local_of, make_dtensor, outside_local_tensor_mode, to_placement,
-                                              to_str, unmask_partial)
+from autopar.strategies._torch_adapter import (
+    collapse,
+    local_of,
+    make_dtensor,
+    outside_local_tensor_mode,
+    to_placement,
+    to_str,
+    unmask_partial,
+)
 
 from .comm import executed_placements, redistribute_local
 from .local_ops import call_op, draw_random
@@ -32,7 +40,7 @@ def placement_strs(dt) -> tuple[str, ...]:
         return _STRS[pls]
     except KeyError:
         s = tuple(to_str(p) for p in pls)
-        if not any(type(p).__name__ == "_MaskPartial" for p in pls):    # those carry a per-call mask buffer
+        if not any(type(p).__name__ == "_MaskPartial" for p in pls):  # those carry a per-call mask buffer
             _STRS[pls] = s
         return s
 
@@ -46,6 +54,7 @@ class Sharded:
     """A value sharded or partial on some mesh dim, as the executor keeps it between ops: this rank's local tensor,
     the placement strings and the global shape. A DTensor is made from it only for an op that runs through
     DTensor's dispatch (and for the gradients handed back), so ops that run on local shards pay no wrapping."""
+
     __slots__ = ("t", "strs", "shape")
 
     def __init__(self, t: torch.Tensor, strs: tuple, shape: tuple):
@@ -97,8 +106,23 @@ def _to_device(a, device):
 
 
 class _Instr:
-    __slots__ = ("node", "mode", "fn", "conv", "groups", "expect", "frees", "name", "strides", "bind", "keys",
-                 "swapped", "contig", "out_r", "fast")
+    __slots__ = (
+        "node",
+        "mode",
+        "fn",
+        "conv",
+        "groups",
+        "expect",
+        "frees",
+        "name",
+        "strides",
+        "bind",
+        "keys",
+        "swapped",
+        "contig",
+        "out_r",
+        "fast",
+    )
 
 
 def _flat(res) -> list:
@@ -182,8 +206,12 @@ class Interpreter:
         got = it.strides.get(key)
         if got is None:
             with outside_local_tensor_mode():
-                mi = iter([torch.empty_strided(sh, st, dtype=_local(v).dtype, device="meta")
-                           for (sh, st), v in zip(metas, vals)])
+                mi = iter(
+                    [
+                        torch.empty_strided(sh, st, dtype=_local(v).dtype, device="meta")
+                        for (sh, st), v in zip(metas, vals)
+                    ]
+                )
                 n = it.node
                 res = n.target(*map_refs(n.args, lambda r: next(mi)), **map_refs(n.kwargs, lambda r: next(mi)))
             got = it.strides[key] = [tuple(t.stride()) if isinstance(t, torch.Tensor) else None for t in _flat(res)]
@@ -202,8 +230,10 @@ class Interpreter:
         res = draw_random(it.fn, n, args, kwargs, self.rng(), self.device, piece, outside_local_tensor_mode)
         if res is None:
             res = _flat(call_op(it.fn, args, kwargs))
-        return [None if not isinstance(t, torch.Tensor) else t if r else Sharded(t, s, m.shape)
-                for t, r, s, m in zip(res, it.out_r, it.expect, n.outs)]
+        return [
+            None if not isinstance(t, torch.Tensor) else t if r else Sharded(t, s, m.shape)
+            for t, r, s, m in zip(res, it.out_r, it.expect, n.outs)
+        ]
 
     def _run1(self, it, env):
         """Run one instruction (the compiled program's path for everything but plain local ops)."""
@@ -236,10 +266,15 @@ class Interpreter:
         for grp in it.groups:
             locs = [_local(env[c[0][1]] if type(c[0]) is tuple else vals[c[0]]) for c in grp]
             locs = [self._as_sum(t, c[1], grp[0][1]) for t, c in zip(locs, grp)]
-            flat = redistribute_local(torch.cat([t.reshape(-1) for t in locs]), grp[0][1], grp[0][2], self.mesh,
-                                      self._flat((n.idx, grp[0][0])))
+            flat = redistribute_local(
+                torch.cat([t.reshape(-1) for t in locs]),
+                grp[0][1],
+                grp[0][2],
+                self.mesh,
+                self._flat((n.idx, grp[0][0])),
+            )
             for (j, _, _, share), t, piece in zip(grp, locs, flat.split([t.numel() for t in locs])):
-                if type(j) is tuple:    # a member at a later consumer (autopar/schedule.py): left where it loads
+                if type(j) is tuple:  # a member at a later consumer (autopar/schedule.py): left where it loads
                     env[j[2]] = collapse(piece.view(t.shape))
                     continue
                 vals[j] = collapse(piece.view(t.shape))
@@ -262,11 +297,15 @@ class Interpreter:
         args, kwargs = it.bind(local)
         res = call_op(it.fn, args, kwargs)
         flat = [res] if isinstance(res, torch.Tensor) else _flat(res)
-        if it.swapped:          # a replacement must hand on the captured kernel's memory layout
-            flat = [_in_layout(t, st) if isinstance(t, torch.Tensor) else t
-                    for t, st in zip(flat, self._out_strides(it, vals))]
-        return [None if not isinstance(t, torch.Tensor) else t if r else Sharded(t, s, m.shape)
-                for t, r, s, m in zip(flat, it.out_r, it.expect, it.node.outs)]
+        if it.swapped:  # a replacement must hand on the captured kernel's memory layout
+            flat = [
+                _in_layout(t, st) if isinstance(t, torch.Tensor) else t
+                for t, st in zip(flat, self._out_strides(it, vals))
+            ]
+        return [
+            None if not isinstance(t, torch.Tensor) else t if r else Sharded(t, s, m.shape)
+            for t, r, s, m in zip(flat, it.out_r, it.expect, it.node.outs)
+        ]
 
     def _run_dtensor(self, it, vals) -> list:
         """The op through DTensor's dispatch; each output must come out at the plan's placement."""
@@ -275,23 +314,32 @@ class Interpreter:
         try:
             res = call_op(it.fn, args, kwargs)
         except Exception as e:
-            raise ExecutionError(f"{it.name} failed on DTensors with input placements "
-                                 f"{[_strs(v) for v in vals]}: {type(e).__name__}: {e}") from e
+            raise ExecutionError(
+                f"{it.name} failed on DTensors with input placements "
+                f"{[_strs(v) for v in vals]}: {type(e).__name__}: {e}"
+            ) from e
         outs = []
         for k, t in enumerate(_flat(res)):
             if isinstance(t, DTensor):
                 t = unmask_partial(t)
                 have = placement_strs(t)
-                if it.expect[k] is not None and have != tuple(it.expect[k]) and all(
-                        a == e or self.mesh.size(d) == 1 for d, (a, e) in enumerate(zip(have, it.expect[k]))):
-                    loc = local_of(t)           # a label of a size-1 mesh dim: the same data, the plan's label
-                    outs.append(Sharded(loc, tuple(it.expect[k]), tuple(n.outs[k].shape))
-                                if any(p != "R" for p in it.expect[k]) else collapse(loc))
+                if (
+                    it.expect[k] is not None
+                    and have != tuple(it.expect[k])
+                    and all(a == e or self.mesh.size(d) == 1 for d, (a, e) in enumerate(zip(have, it.expect[k])))
+                ):
+                    loc = local_of(t)  # a label of a size-1 mesh dim: the same data, the plan's label
+                    outs.append(
+                        Sharded(loc, tuple(it.expect[k]), tuple(n.outs[k].shape))
+                        if any(p != "R" for p in it.expect[k])
+                        else collapse(loc)
+                    )
                     continue
                 if it.expect[k] is None or not _same(have, it.expect[k]):
                     raise ExecutionError(
                         f"{it.name}: output {k} came out of DTensor at {list(have)} but the plan has "
-                        f"{it.expect[k]} (inputs at {[list(_strs(v)) for v in vals]})")
+                        f"{it.expect[k]} (inputs at {[list(_strs(v)) for v in vals]})"
+                    )
                 t = self._store(t)
             elif isinstance(t, torch.Tensor):
                 raise ExecutionError(f"{it.name}: output {k} is not a DTensor")
@@ -301,12 +349,13 @@ class Interpreter:
     def _seed(self, it, env) -> list:
         """Where the backward starts: the incoming gradient (env["seed"]) at the planned placement."""
         n = it.node
-        if self.g.activation:     # seed of a part: this rank's piece of its output's gradient, as planned
+        if self.g.activation:  # seed of a part: this rank's piece of its output's gradient, as planned
             seed = env["seed"].to(self.device)
             want = self.P[self.g.loss.node].out[self.g.loss.out]
             if tuple(it.expect[0]) != tuple(want):
-                raise ExecutionError(f"{it.name}: the output gradient is planned at {it.expect[0]}, the output at "
-                                     f"{want}")
+                raise ExecutionError(
+                    f"{it.name}: the output gradient is planned at {it.expect[0]}, the output at {want}"
+                )
             return [self._wrap(seed, it.expect[0], n.out)]
         # the gradient flowing into the loss, replicated, taken to the planned placement locally
         seed = env["seed"].to(self.device).reshape(n.out.shape)

@@ -6,6 +6,7 @@ shape; a cut or a norm along an unsharded dim runs unchanged). `binder` / `fast_
 once per instruction. `call_op` / `view_of_copy`: one op, with the fallback for views on inputs laid out otherwise
 than on one device. `attention_*_math`: the CPU flash-attention contract as exact math, for devices without that kernel.
 """
+
 from __future__ import annotations
 
 import torch
@@ -20,6 +21,7 @@ class LocalOpError(RuntimeError):
 
 
 # ---- attention on devices without the captured CPU kernel ----------------------------------------------------------
+
 
 def _scores(q, k, is_causal, scale):
     s = scale if scale is not None else q.shape[-1] ** -0.5
@@ -57,6 +59,7 @@ VIEWS = (aten.view.default, aten._unsafe_view.default)
 
 # ---- ops whose device kernel takes less than what capture recorded ------------------------------------------------
 
+
 def histc_any(x, bins=100, min=0, max=0):
     """histc where the device kernel counts floating values only (CPU): capture runs the model on meta, so a
     model choosing its input's dtype by device (transformers' MoE: `.float()` on cpu/mps, `.int()` elsewhere)
@@ -79,6 +82,7 @@ def grouped_mm_any(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     """`_grouped_mm` on operands laid out as its kernel needs: a local shard (N or K of a size whose slice is not
     16-byte aligned), a gathered value or an expanded gradient is copied into a row-major layout with its row
     stride padded to 16 bytes (the same values; the padding is never read)."""
+
     def aligned(t):
         if _gmm_aligned(t):
             return t
@@ -87,6 +91,7 @@ def grouped_mm_any(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
         out = t.new_empty_strided(tuple(t.shape), _padded_strides(tuple(t.shape), ld))
         out.copy_(t)
         return out
+
     return aten._grouped_mm.default(aligned(mat_a), aligned(mat_b), offs, bias, out_dtype)
 
 
@@ -139,9 +144,13 @@ def local_exact(n, ins, outs) -> bool:
     ok = _LOCAL_OK.get(op)
     if ok is None:
         s = op._schema
-        args = str(s).split(") ->")[0]                 # the schema text keeps SymInt (Python's types erase it)
-        ok = _LOCAL_OK[op] = (not s.is_mutable and torch.Tag.nondeterministic_seeded not in op.tags and
-                              "SymInt" not in args and "Device" not in args)
+        args = str(s).split(") ->")[0]  # the schema text keeps SymInt (Python's types erase it)
+        ok = _LOCAL_OK[op] = (
+            not s.is_mutable
+            and torch.Tag.nondeterministic_seeded not in op.tags
+            and "SymInt" not in args
+            and "Device" not in args
+        )
     return ok and not _masked(ins, outs)
 
 
@@ -157,13 +166,15 @@ def binder(args, kwargs):
     Built once per instruction; the common case (tensors only as top-level positional args) is a list copy."""
     tops = _top_refs(args, kwargs)
     if tops is None:
+
         def bind_nested(vals):
             vi = iter(vals)
             return map_refs(args, lambda r: next(vi)), map_refs(kwargs, lambda r: next(vi))
+
         return bind_nested
     base = list(args)
-    if tops == list(range(len(tops))):          # tensors first, then constants: one list concatenation
-        rest = base[len(tops):]
+    if tops == list(range(len(tops))):  # tensors first, then constants: one list concatenation
+        rest = base[len(tops) :]
         return lambda vals: (vals + rest, kwargs)
 
     def bind(vals):
@@ -171,6 +182,7 @@ def binder(args, kwargs):
         for i, v in zip(tops, vals):
             a[i] = v
         return a, kwargs
+
     return bind
 
 
@@ -187,15 +199,32 @@ def binding(op):
     if _BINDINGS is None:
         T, nn = torch.Tensor, torch._C._nn
         _BINDINGS = {
-            aten.view.default: T.view, aten.expand.default: T.expand, aten.t.default: torch.t,
-            aten.permute.default: torch.permute, aten.transpose.int: torch.transpose,
-            aten.unsqueeze.default: torch.unsqueeze, aten.squeeze.dim: torch.squeeze, aten.detach.default: torch.detach,
-            aten.mm.default: torch.mm, aten.bmm.default: torch.bmm, aten.mul.Tensor: torch.mul,
-            aten.mul.Scalar: torch.mul, aten.add.Tensor: torch.add, aten.sub.Tensor: torch.sub,
-            aten.div.Tensor: torch.div, aten.div.Scalar: torch.div, aten.neg.default: torch.neg,
-            aten.pow.Tensor_Scalar: torch.pow, aten.rsqrt.default: torch.rsqrt, aten.exp.default: torch.exp,
-            aten.sum.dim_IntList: torch.sum, aten.sum.default: torch.sum, aten.mean.dim: torch.mean,
-            aten.clone.default: torch.clone, aten.silu.default: nn.silu, aten._softmax.default: torch._softmax,
+            aten.view.default: T.view,
+            aten.expand.default: T.expand,
+            aten.t.default: torch.t,
+            aten.permute.default: torch.permute,
+            aten.transpose.int: torch.transpose,
+            aten.unsqueeze.default: torch.unsqueeze,
+            aten.squeeze.dim: torch.squeeze,
+            aten.detach.default: torch.detach,
+            aten.mm.default: torch.mm,
+            aten.bmm.default: torch.bmm,
+            aten.mul.Tensor: torch.mul,
+            aten.mul.Scalar: torch.mul,
+            aten.add.Tensor: torch.add,
+            aten.sub.Tensor: torch.sub,
+            aten.div.Tensor: torch.div,
+            aten.div.Scalar: torch.div,
+            aten.neg.default: torch.neg,
+            aten.pow.Tensor_Scalar: torch.pow,
+            aten.rsqrt.default: torch.rsqrt,
+            aten.exp.default: torch.exp,
+            aten.sum.dim_IntList: torch.sum,
+            aten.sum.default: torch.sum,
+            aten.mean.dim: torch.mean,
+            aten.clone.default: torch.clone,
+            aten.silu.default: nn.silu,
+            aten._softmax.default: torch._softmax,
             aten._softmax_backward_data.default: torch._softmax_backward_data,
         }
     return _BINDINGS.get(op)
@@ -210,7 +239,7 @@ def fast_args(args, kwargs, fn):
     rets = getattr(fn, "_schema", None)
     if rets is None or len(rets.returns) != 1 or str(rets.returns[0].type) != "Tensor":
         return None
-    return tuple(args[len(tops):]), dict(kwargs)
+    return tuple(args[len(tops) :]), dict(kwargs)
 
 
 def local_shape(shape, strs, mesh_shape):
@@ -239,10 +268,21 @@ def _sharded_dims(pl) -> set:
     return {int(p[1:]) for p in pl if p[0] == "S"}
 
 
-_SIZE_ARG = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
-             aten.slice_backward.default}
-_ON_DIM = {aten.split.Tensor, aten.split_with_sizes.default, aten.slice.Tensor, aten.narrow.default,
-           aten.select.int, aten.slice_backward.default}
+_SIZE_ARG = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.expand.default,
+    aten.slice_backward.default,
+}
+_ON_DIM = {
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.slice.Tensor,
+    aten.narrow.default,
+    aten.select.int,
+    aten.slice_backward.default,
+}
 _NORM = {aten.native_layer_norm.default: 0, aten.native_layer_norm_backward.default: 1}
 
 
@@ -270,11 +310,15 @@ def _local_nll(g, n, ins, outs) -> bool:
     the input's gradient. Anything else (class weights, vocab-sharded log-probs, a per-rank mean) goes through
     DTensor's dispatch."""
     fw = n.target is aten.nll_loss_forward.default
-    j = 0 if fw else 1                                  # the log-probs among the tensor inputs
+    j = 0 if fw else 1  # the log-probs among the tensor inputs
     r = n.inputs()[j]
     x, t = ins[j], ins[j + 1]
-    if _arg(n, "weight") is not None or len(g.nodes[r.node].outs[r.out].shape) != 2 or \
-            any(p not in ("R", "S0") for p in x) or tuple(x) != tuple(t):
+    if (
+        _arg(n, "weight") is not None
+        or len(g.nodes[r.node].outs[r.out].shape) != 2
+        or any(p not in ("R", "S0") for p in x)
+        or tuple(x) != tuple(t)
+    ):
         return False
     if fw:
         want = tuple("P" if p == "S0" else "R" for p in x)
@@ -284,8 +328,11 @@ def _local_nll(g, n, ins, outs) -> bool:
 
 
 _CONV = (aten.convolution.default, aten.convolution_backward.default)
-_PAD_BW = (aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
-           aten.replication_pad3d_backward.default)
+_PAD_BW = (
+    aten.replication_pad1d_backward.default,
+    aten.replication_pad2d_backward.default,
+    aten.replication_pad3d_backward.default,
+)
 
 
 def _local_conv(n, ins, outs) -> bool:
@@ -298,8 +345,13 @@ def _local_conv(n, ins, outs) -> bool:
         return batch_only(ins[0]) and all(p == "R" for pl in ins[1:] for p in pl) and tuple(outs[0]) == tuple(ins[0])
     go, x, w = ins
     want = tuple("P" if p == "S0" else "R" for p in x)
-    return batch_only(x) and tuple(go) == tuple(x) and all(p == "R" for p in w) and \
-        (outs[0] is None or tuple(outs[0]) == tuple(x)) and all(o is None or tuple(o) == want for o in outs[1:])
+    return (
+        batch_only(x)
+        and tuple(go) == tuple(x)
+        and all(p == "R" for p in w)
+        and (outs[0] is None or tuple(outs[0]) == tuple(x))
+        and all(o is None or tuple(o) == want for o in outs[1:])
+    )
 
 
 def local_args(g, n, ins, outs, mesh_shape, device=None):
@@ -327,8 +379,11 @@ def local_args(g, n, ins, outs, mesh_shape, device=None):
             kwargs["device"] = device
         return tuple(args), kwargs
     if op is aten.topk.default:
-        if _partial(ins[0]) or _arg(n, "dim") % max(len(n.outs[0].shape), 1) in _sharded_dims(ins[0]) or \
-                not all(tuple(o) == tuple(ins[0]) for o in outs):
+        if (
+            _partial(ins[0])
+            or _arg(n, "dim") % max(len(n.outs[0].shape), 1) in _sharded_dims(ins[0])
+            or not all(tuple(o) == tuple(ins[0]) for o in outs)
+        ):
             return None
         return n.args, n.kwargs
     if op in (aten.embedding.default, aten.embedding_dense_backward.default):
@@ -337,7 +392,7 @@ def local_args(g, n, ins, outs, mesh_shape, device=None):
         return (n.args, n.kwargs) if _local_nll(g, n, ins, outs) else None
     if op in _CONV:
         return (n.args, n.kwargs) if _local_conv(n, ins, outs) else None
-    if op in _PAD_BW:       # the padding names the trailing dims only: exact while those are whole
+    if op in _PAD_BW:  # the padding names the trailing dims only: exact while those are whole
         k, nd = len(_arg(n, "padding")) // 2, len(n.out.shape)
         ok = not _partial(*ins) and all(d < nd - k for pl in (*ins, outs[0]) for d in _sharded_dims(pl))
         return (n.args, n.kwargs) if ok else None
@@ -347,13 +402,14 @@ def local_args(g, n, ins, outs, mesh_shape, device=None):
     def ndim(j):
         r = n.inputs()[j]
         return len(g.nodes[r.node].outs[r.out].shape)
+
     if op in _ON_DIM:
         cut, nd = (outs[0], len(n.out.shape)) if op is aten.slice_backward.default else (ins[0], ndim(0))
         if _arg(n, "dim") % max(nd, 1) in _sharded_dims(cut):
             return None
     if op in _NORM:
         x, k = _NORM[op], len(_arg(n, "normalized_shape"))
-        if any(d >= ndim(x) - k for pl in ins[:x + 1] for d in _sharded_dims(pl)):
+        if any(d >= ndim(x) - k for pl in ins[: x + 1] for d in _sharded_dims(pl)):
             return None
     args = list(n.args)
     if op in _SIZE_ARG:
@@ -372,10 +428,21 @@ def local_args(g, n, ins, outs, mesh_shape, device=None):
 # torch.manual_seed(s) then the eager model draws (checked for float32 on CPU: native_dropout's mask is
 # empty_like(x).bernoulli_(1 - p), bernoulli(probs) is rand < probs). DTensor's RNG tracker would give the same on
 # CUDA (Philox offsets, no full draw) but refuses CPU meshes in torch 2.13.
-RANDOM = {aten.bernoulli.p, aten.bernoulli.default, aten.native_dropout.default, aten.rand_like.default,
-          aten.randn_like.default, aten.rand.default, aten.randn.default, aten.uniform.default,
-          aten.normal_functional.default, aten.randint.default, aten.randint.low, aten.randint_like.default,
-          aten.randint_like.low_dtype}
+RANDOM = {
+    aten.bernoulli.p,
+    aten.bernoulli.default,
+    aten.native_dropout.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.rand.default,
+    aten.randn.default,
+    aten.uniform.default,
+    aten.normal_functional.default,
+    aten.randint.default,
+    aten.randint.low,
+    aten.randint_like.default,
+    aten.randint_like.low_dtype,
+}
 RANDOM_LIKE = RANDOM - {aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low}
 
 
@@ -383,7 +450,7 @@ def draw_random(fn, node, args, kwargs, gen, device, piece, outside):
     """Outputs of random op `fn` on this rank: `args`/`kwargs` hold local shards; `piece(full, k)` cuts this
     rank's piece of output k out of a full global tensor; `outside()` suspends LocalTensorMode for the draw (one
     draw, not one per simulated rank). None: the op draws nothing here (native_dropout in eval), run it as is."""
-    kw = dict(kwargs)                                   # every argument by its schema name
+    kw = dict(kwargs)  # every argument by its schema name
     for a, v in zip(fn._schema.arguments, args):
         kw[a.name] = v
     m = node.outs[0]
@@ -392,7 +459,7 @@ def draw_random(fn, node, args, kwargs, gen, device, piece, outside):
         return None
     with outside():
         full = _draw_full(fn, kw, shape, dtype, device, gen, getattr(node, "stride", None))
-    if fn is aten.bernoulli.default:                # one uniform per element, compared with its probability
+    if fn is aten.bernoulli.default:  # one uniform per element, compared with its probability
         return [(piece(full, 0) < kw["self"]).to(dtype)]
     if fn is aten.native_dropout.default:
         p = kw["p"]
@@ -406,8 +473,11 @@ def _draw_full(fn, kw, shape, dtype, device, gen, stride=None):
     """The global random tensor, drawn as one device does: the `*_like` ops and the in-place fills of an
     `empty_like` (dropout) fill memory in order, so the tensor is laid out with the strides one device's had
     (rand(shape) is empty(shape).uniform_(0, 1), randn normal_(0, 1), randint random_(low, high))."""
-    new = lambda d=dtype: (torch.empty(shape, dtype=d, device=device) if stride is None else
-                           torch.empty_strided(shape, stride, dtype=d, device=device))
+    new = lambda d=dtype: (
+        torch.empty(shape, dtype=d, device=device)
+        if stride is None
+        else torch.empty_strided(shape, stride, dtype=d, device=device)
+    )
     if fn is aten.bernoulli.p:
         return new().bernoulli_(kw["p"], generator=gen)
     if fn is aten.native_dropout.default:

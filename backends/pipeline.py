@@ -37,6 +37,7 @@ local tensors, the gradients are DTensors on the (dp, tp) submesh); all replicat
 activations over dp inside a stage, FSDP2/DDP run it as plain data parallelism (same values, their own
 collectives).
 """
+
 from __future__ import annotations
 
 import copy
@@ -71,14 +72,17 @@ class _LlamaStage(nn.Module):
 
     def forward(self, x):
         from autopar.models.llama import rope_cos_sin
+
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         if len(self.layers):
             cos, sin = rope_cos_sin(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device, h.dtype)
             for j, layer in enumerate(self.layers.values()):
                 out = _run_block(layer, j < self.recompute, h, cos, sin)
                 if isinstance(out, tuple):
-                    raise NotImplementedError("blocks returning several tensors (MoE aux loss) need a stage boundary "
-                                              "carrying two tensors; the pipeline runtime passes one")
+                    raise NotImplementedError(
+                        "blocks returning several tensors (MoE aux loss) need a stage boundary "
+                        "carrying two tensors; the pipeline runtime passes one"
+                    )
                 h = out
         return self.output(self.norm(h)) if self.output is not None else h
 
@@ -104,6 +108,7 @@ def _run_block(layer, recompute: bool, *args):
     """A block, checkpointed (activations dropped after forward, recomputed before backward) if the plan says so."""
     if recompute:
         from torch.utils.checkpoint import checkpoint
+
         return checkpoint(layer, *args, use_reentrant=False)
     return layer(*args)
 
@@ -112,13 +117,17 @@ def _family(model):
     names = dict(model.named_children())
     if {"tok_embeddings", "layers", "norm", "output"} <= set(names) and hasattr(model, "cfg"):
         if getattr(model.cfg, "n_experts", None):
-            raise NotImplementedError(f"{type(model).__name__}: MoE blocks return (h, aux); the pipeline runtime "
-                                      f"passes one tensor between stages (plan-only for MoE models)")
+            raise NotImplementedError(
+                f"{type(model).__name__}: MoE blocks return (h, aux); the pipeline runtime "
+                f"passes one tensor between stages (plan-only for MoE models)"
+            )
         return _LlamaStage
     if {"embed", "layers", "output"} <= set(names):
         return _MLPStage
-    raise NotImplementedError(f"no pipeline stage adapter for {type(model).__name__}: the runtime knows the Llama "
-                              f"(tok_embeddings/layers/norm/output) and MLP (embed/layers/output) module layouts")
+    raise NotImplementedError(
+        f"no pipeline stage adapter for {type(model).__name__}: the runtime knows the Llama "
+        f"(tok_embeddings/layers/norm/output) and MLP (embed/layers/output) module layouts"
+    )
 
 
 def build_stage_module(model: nn.Module, plan, k: int) -> nn.Module:
@@ -133,16 +142,21 @@ def build_stage_module(model: nn.Module, plan, k: int) -> nn.Module:
     have = {n for n, _ in mod.named_parameters()}
     want = set(st["params"])
     if have != want:
-        raise ValueError(f"stage {k}: module holds parameters {sorted(have ^ want)[:6]} differently from the plan "
-                         f"(plan {len(want)}, module {len(have)})")
+        raise ValueError(
+            f"stage {k}: module holds parameters {sorted(have ^ want)[:6]} differently from the plan "
+            f"(plan {len(want)}, module {len(have)})"
+        )
     return mod
 
 
 def _tp_dims(plan) -> list:
     """Stage-submesh dims (index, name) of size > 1 that are not data-parallel (name not starting with "dp")."""
     sc = plan.schedule
-    return [(d, nm) for d, (nm, size) in enumerate(zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]))
-            if size > 1 and not nm.startswith("dp")]
+    return [
+        (d, nm)
+        for d, (nm, size) in enumerate(zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]))
+        if size > 1 and not nm.startswith("dp")
+    ]
 
 
 def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
@@ -158,6 +172,7 @@ def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
     (block_positions; default: all blocks alike). Raises NotImplementedError, naming the stage, the parameter and
     its placement, for a placement no style expresses (never runs it replicated)."""
     from .engines_tp import _kind, param_style
+
     sc = plan.schedule
     tn, size = sc["stage_mesh_names"][t], sc["stage_mesh_shape"][t]
     modules = dict(mod.named_modules())
@@ -174,7 +189,8 @@ def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
                 f"stage {k}: parameter '{f'{m}.{bad}' if m else bad}' is placed {pl[bad]} on the tensor-parallel "
                 f"stage-mesh dim '{tn}' (size {size}); no ParallelStyle expresses it ({why}). The pipeline runtime "
                 f"shards on '{tn}' only nn.Linear weights (Shard(0) colwise, Shard(1) rowwise, bias with them) and "
-                f"nn.Embedding weights (Shard(0) vocab, Shard(1) dim)")
+                f"nn.Embedding weights (Shard(0) vocab, Shard(1) dim)"
+            )
         if c is not None:
             cls[m] = c
     prefix = sc["layer_prefix"]
@@ -194,8 +210,11 @@ def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
     for m, c in cls.items():
         inside = m and parent(m) in paired
         if isinstance(modules[m], nn.Embedding):
-            styles[m] = "RowwiseParallel(input_layouts=Replicate())" if c == "RowwiseParallel" else \
-                "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
+            styles[m] = (
+                "RowwiseParallel(input_layouts=Replicate())"
+                if c == "RowwiseParallel"
+                else "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())"
+            )
         elif c == "ColwiseParallel":
             styles[m] = "ColwiseParallel()" if inside else "ColwiseParallel(output_layouts=Replicate())"
         else:
@@ -207,6 +226,7 @@ def block_positions(model: nn.Module, prefix: str) -> list:
     """Per block of the model's layer list, its block in the plan's representative sub-model (one block per
     distinct block signature, in order of first appearance: how autopar/pipeline_plan.py builds it)."""
     from autopar.passes.stages import layer_signature
+
     layers = model.get_submodule(prefix)
     sigs = [layer_signature(b) for b in (layers.values() if isinstance(layers, nn.ModuleDict) else layers)]
     reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
@@ -242,7 +262,8 @@ def _megatron_pair(plan, P: str, col: list, row: list) -> bool:
                 else:
                     stack.append(q)
         return ext, hit
-    x_ext, col_reads_row = back(col, row)             # x_ext: what the colwise Linears read from outside P
+
+    x_ext, col_reads_row = back(col, row)  # x_ext: what the colwise Linears read from outside P
     if col_reads_row:
         return False
     for r in row:
@@ -273,20 +294,26 @@ def _check_heads(mod, tp: int, k: int, fqn: str, tn: str) -> None:
     for attr in ("n_heads", "n_kv_heads"):
         n = getattr(mod, attr, None)
         if isinstance(n, int) and n % tp:
-            raise NotImplementedError(f"stage {k}: '{fqn}' has {attr}={n}, not divisible by the {tp} ranks of "
-                                      f"'{tn}': colwise q/k/v projections would split a head")
+            raise NotImplementedError(
+                f"stage {k}: '{fqn}' has {attr}={n}, not divisible by the {tp} ranks of "
+                f"'{tn}': colwise q/k/v projections would split a head"
+            )
 
 
 def _styles(codes: dict) -> dict:
     """The ParallelStyle objects of stage_tp_styles' source strings."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-    make = {"ColwiseParallel()": lambda: ColwiseParallel(),
-            "ColwiseParallel(output_layouts=Replicate())": lambda: ColwiseParallel(output_layouts=Replicate()),
-            "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())":
-                lambda: ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
-            "RowwiseParallel()": lambda: RowwiseParallel(),
-            "RowwiseParallel(input_layouts=Replicate())": lambda: RowwiseParallel(input_layouts=Replicate())}
+
+    make = {
+        "ColwiseParallel()": lambda: ColwiseParallel(),
+        "ColwiseParallel(output_layouts=Replicate())": lambda: ColwiseParallel(output_layouts=Replicate()),
+        "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())": lambda: ColwiseParallel(
+            input_layouts=Replicate(), output_layouts=Replicate()
+        ),
+        "RowwiseParallel()": lambda: RowwiseParallel(),
+        "RowwiseParallel(input_layouts=Replicate())": lambda: RowwiseParallel(input_layouts=Replicate()),
+    }
     return {m: make[code]() for m, code in codes.items()}
 
 
@@ -312,7 +339,8 @@ def check_batch(plan, tensors) -> None:
             raise PipelineShapeError(
                 f"pipeline input {j}: got shape {list(t.shape)}, the plan's static shape on this rank is {w} "
                 f"({m} micro-batches of {mb}); stages were planned and exchange activations for exactly these "
-                f"shapes: re-plan for a different batch or sequence length")
+                f"shapes: re-plan for a different batch or sequence length"
+            )
 
 
 class PipelineRunner:
@@ -323,6 +351,7 @@ class PipelineRunner:
         from torch.distributed.device_mesh import init_device_mesh
         import torch.distributed.pipelining as pp_api
         from autopar.pipeline_model import get_schedule
+
         if not plan.stages or plan.schedule.get("name") in (None, "none"):
             raise ValueError("the plan has no pipeline stages (pp=1): run it with a non-pipeline backend")
         self.plan = plan
@@ -332,8 +361,10 @@ class PipelineRunner:
             mesh = init_device_mesh(self.device.type, tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_names))
         names = tuple(mesh.mesh_dim_names or ())
         if "pp" not in names or tuple(mesh.shape) != tuple(plan.mesh_shape) or names != tuple(plan.mesh_names):
-            raise ValueError(f"mesh {tuple(mesh.shape)}{names} does not match the plan's "
-                             f"{tuple(plan.mesh_shape)}{tuple(plan.mesh_names)}")
+            raise ValueError(
+                f"mesh {tuple(mesh.shape)}{names} does not match the plan's "
+                f"{tuple(plan.mesh_shape)}{tuple(plan.mesh_names)}"
+            )
         self.mesh = mesh
         self.pp_rank = mesh.get_local_rank("pp")
         model = copy.deepcopy(model) if copy_model else model
@@ -364,20 +395,34 @@ class PipelineRunner:
         pl = self.plan.schedule.get("batch_placement")
         for d, nm in tps:
             if pl is not None and pl[d] != "R":
-                raise NotImplementedError(f"stage {k}: the plan splits the batch ({pl[d]}) over mesh dim '{nm}'; "
-                                          f"the pipeline runtime runs data parallelism only over dims named dp*")
+                raise NotImplementedError(
+                    f"stage {k}: the plan splits the batch ({pl[d]}) over mesh dim '{nm}'; "
+                    f"the pipeline runtime runs data parallelism only over dims named dp*"
+                )
         used = [(d, nm) for d, nm in tps if any(self.plan.params[f][d] != "R" for f in self.plan.params)]
         for d, nm in tps:
-            busy = next((n["name"] for n in self.plan.nodes if n["kind"] == "op" and n["phase"] == "fw" and
-                         any(o is not None and o[d] != "R" for o in n["placement"]["out"])), None)
+            busy = next(
+                (
+                    n["name"]
+                    for n in self.plan.nodes
+                    if n["kind"] == "op"
+                    and n["phase"] == "fw"
+                    and any(o is not None and o[d] != "R" for o in n["placement"]["out"])
+                ),
+                None,
+            )
             if (d, nm) not in used and busy:
-                raise NotImplementedError(f"stage {k}: every parameter is replicated on mesh dim '{nm}' but the "
-                                          f"plan shards activations over it (e.g. {busy}); the pipeline runtime "
-                                          f"runs a non-dp dim only as tensor parallelism (sharded Linear/Embedding "
-                                          f"weights) or idle")
+                raise NotImplementedError(
+                    f"stage {k}: every parameter is replicated on mesh dim '{nm}' but the "
+                    f"plan shards activations over it (e.g. {busy}); the pipeline runtime "
+                    f"runs a non-dp dim only as tensor parallelism (sharded Linear/Embedding "
+                    f"weights) or idle"
+                )
         if len(used) > 1:
-            raise NotImplementedError(f"stage {k}: parameters are sharded over several non-dp mesh dims "
-                                      f"{[nm for _, nm in used]}; parallelize_module takes one 1-D mesh")
+            raise NotImplementedError(
+                f"stage {k}: parameters are sharded over several non-dp mesh dims "
+                f"{[nm for _, nm in used]}; parallelize_module takes one 1-D mesh"
+            )
         self.tp_styles.append({})
         if not used:
             return mod
@@ -386,6 +431,7 @@ class PipelineRunner:
         self.tp_styles[-1] = codes
         if codes:
             from torch.distributed.tensor.parallel import parallelize_module
+
             parallelize_module(mod, self.mesh[nm], _styles(codes))
         return mod
 
@@ -402,22 +448,28 @@ class PipelineRunner:
         pls = {f: self.plan.params[f][d] for f in self.plan.stages[k]["params"]}
         if not _batch_dp_sharded(self.plan):
             if any(p != "R" for p in pls.values()):
-                raise NotImplementedError(f"stage {k}: the plan keeps the batch whole on '{nm}' but shards "
-                                          f"parameters there; only data-parallel dp dims are supported")
-            return mod                      # every dp rank computes the same micro-batches: nothing to wrap
+                raise NotImplementedError(
+                    f"stage {k}: the plan keeps the batch whole on '{nm}' but shards "
+                    f"parameters there; only data-parallel dp dims are supported"
+                )
+            return mod  # every dp rank computes the same micro-batches: nothing to wrap
         sub = self.mesh[nm]
-        tp_params = any(hasattr(p, "device_mesh") for p in mod.parameters())     # DTensors on the tp submesh
+        tp_params = any(hasattr(p, "device_mesh") for p in mod.parameters())  # DTensors on the tp submesh
         if all(p == "R" for p in pls.values()):
-            if tp_params:                   # DDP takes no DTensor parameters: FSDP2's replicate (its DDP) does
+            if tp_params:  # DDP takes no DTensor parameters: FSDP2's replicate (its DDP) does
                 from autopar.strategies._torch_adapter import replicate_dtensor_module
+
                 return replicate_dtensor_module(mod, sub)
             from torch.nn.parallel import DistributedDataParallel
+
             return DistributedDataParallel(mod, process_group=sub.get_group())
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor import Shard
+
         by_param = {p: int(pls[f][1:]) if pls[f].startswith("S") else 0 for f, p in mod.named_parameters()}
-        return fully_shard(mod, mesh=sub, reshard_after_forward=False,
-                           shard_placement_fn=lambda p: Shard(by_param.get(p, 0)))
+        return fully_shard(
+            mod, mesh=sub, reshard_after_forward=False, shard_placement_fn=lambda p: Shard(by_param.get(p, 0))
+        )
 
     def check_batch(self, *tensors) -> None:
         check_batch(self.plan, tensors)
@@ -432,6 +484,7 @@ class PipelineRunner:
         there (None elsewhere). The shape check is agreed on by every rank of the mesh first (one int all-reduce
         per mesh dim), so ranks that hold no input raise too instead of waiting for activations that never come."""
         import torch.distributed as dist
+
         err = None
         try:
             self.check_batch(x if self.is_first else None, target if self.is_last else None)
@@ -444,15 +497,17 @@ class PipelineRunner:
             raise err
         if not int(ok.item()):
             sc = self.plan.schedule
-            raise PipelineShapeError(f"pipeline batch rejected on another rank: the plan's static shapes per rank "
-                                     f"are {self.expected_shapes()} ({sc['n_microbatches']} micro-batches of "
-                                     f"{sc['microbatch_shapes']} over the stage submesh)")
+            raise PipelineShapeError(
+                f"pipeline batch rejected on another rank: the plan's static shapes per rank "
+                f"are {self.expected_shapes()} ({sc['n_microbatches']} micro-batches of "
+                f"{sc['microbatch_shapes']} over the stage submesh)"
+            )
         losses = [] if self.is_last else None
         args = (x,) if self.is_first else ()
         kw = {"target": target, "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kw)
         if self.is_last:
-            return torch.stack([l.detach() for l in losses]).mean()
+            return torch.stack([loss.detach() for loss in losses]).mean()
         return None
 
     def named_parameters(self):

@@ -22,6 +22,7 @@ Each instruction list is compiled once to a straight-line Python function (`_com
 through its Python binding where one resolves to it (`local_ops.binding`); gradient buckets are issued from it as
 soon as their last gradient exists.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,10 +33,20 @@ from autopar.redistribute import steps as plan_steps
 from autopar.strategies._torch_adapter import local_of, outside_local_tensor_mode, per_rank, to_placement
 
 from .buckets import Buckets
+
 # ExecutionError, Sharded, placement_strs and _local are imported from here by the other backends and the tests
 from .interpreter import ExecutionError, Interpreter, Sharded, _Instr, _local, _to_device, placement_strs
-from .local_ops import (VIEWS, attention_bw_math, attention_fw_math, binder, binding, fast_args, local_args,
-                        local_exact, view_of_copy)
+from .local_ops import (
+    VIEWS,
+    attention_bw_math,
+    attention_fw_math,
+    binder,
+    binding,
+    fast_args,
+    local_args,
+    local_exact,
+    view_of_copy,
+)
 from .local_ops import LOCAL_IMPL, RANDOM
 
 aten = torch.ops.aten
@@ -62,7 +73,7 @@ class Program(Interpreter, Buckets):
         # source), the backward in the graph's; a value is freed after its last reader in that order
         order = getattr(state, "fw_order", None)
         fw_at = {i: k for k, i in enumerate(order or ())}
-        when = lambda i: fw_at.get(i, i + len(g.nodes))          # a node's place in the order of execution
+        when = lambda i: fw_at.get(i, i + len(g.nodes))  # a node's place in the order of execution
         frees = self._frees(when)
         co = state.coalesced or {}
         conv_share, ext = self._group_reductions(state.shares or {}, co, frees, when)
@@ -106,18 +117,19 @@ class Program(Interpreter, Buckets):
             ck = ("shared", r.node, r.out, self.P[c0].ins[j0])
             conv_share[(c0, j0)], conv_share[(c, j)] = ("store", ck), ("load", ck)
             last_share[ck] = max(last_share.get(ck, c), c, key=when)
-        ext: dict = {}          # lead (consumer, input) of a loss-tail group -> its members at other consumers
+        ext: dict = {}  # lead (consumer, input) of a loss-tail group -> its members at other consumers
         for (c, j), (c0, j0) in sorted(co.items()):
             if c == c0:
-                continue        # inputs of one op: its own group (_instr)
+                continue  # inputs of one op: its own group (_instr)
             r = g.nodes[c].inputs()[j]
             held = conv_share.get((c, j))
-            ck = held[1] if held is not None else ("tail", c, j)    # where the group leaves the member's result
+            ck = held[1] if held is not None else ("tail", c, j)  # where the group leaves the member's result
             if held is None:
                 frees.setdefault(c, []).append(ck)
             conv_share[(c, j)] = ("load", ck)
-            ext.setdefault((c0, j0), []).append((("ext", (r.node, r.out), ck), self.P[r.node].out[r.out],
-                                                 self.P[c].ins[j], None))
+            ext.setdefault((c0, j0), []).append(
+                (("ext", (r.node, r.out), ck), self.P[r.node].out[r.out], self.P[c].ins[j], None)
+            )
         for ck, c in last_share.items():
             frees.setdefault(c, []).append(ck)
         return conv_share, ext
@@ -128,23 +140,32 @@ class Program(Interpreter, Buckets):
         outs = self.P[n.idx].out
         it = _Instr()
         it.node, it.name = n, f"{n.name} (module '{n.module or '<root>'}')"
-        it.conv = [(j, self.P[r.node].out[r.out], ins[j], conv_share.get((n.idx, j)))
-                   for j, r in enumerate(n.inputs()) if (n.idx, j) in self.red]
+        it.conv = [
+            (j, self.P[r.node].out[r.out], ins[j], conv_share.get((n.idx, j)))
+            for j, r in enumerate(n.inputs())
+            if (n.idx, j) in self.red
+        ]
         it.expect = outs
         it.frees = frees.get(n.idx, [])
-        it.fn = LOCAL_IMPL.get(n.target, n.target)    # ops whose kernel needs more than the graph gives
+        it.fn = LOCAL_IMPL.get(n.target, n.target)  # ops whose kernel needs more than the graph gives
         it.strides = {}
         it.swapped = it.contig = False
         it.out_r = [o is None or all(p == "R" for p in o) for o in outs]
         args, kwargs = self._how(it, ins, outs, math)
         it.keys = [(r.node, r.out) for r in n.inputs()]
         it.bind = binder(args, kwargs)
-        if it.mode == "local":      # a change of label on size-1 mesh dims moves no data: an op on local shards
-            it.conv = [c for c in it.conv if c[3] is not None or    # does not need it (one-device meshes)
-                       any(self.mesh.size(m) > 1 for m, _, _ in plan_steps(tuple(c[1]), tuple(c[2])))]
+        if it.mode == "local":  # a change of label on size-1 mesh dims moves no data: an op on local shards
+            it.conv = [
+                c
+                for c in it.conv
+                if c[3] is not None  # does not need it (one-device meshes)
+                or any(self.mesh.size(m) > 1 for m, _, _ in plan_steps(tuple(c[1]), tuple(c[2])))
+            ]
         lead = {j: co[(n.idx, j)][1] for j, *_ in it.conv if co.get((n.idx, j), (None,))[0] == n.idx}
-        it.groups = [[c for c in it.conv if c[0] == j0 or lead.get(c[0]) == j0] + ext.get((n.idx, j0), [])
-                     for j0 in sorted(set(lead.values()) | {j for i, j in ext if i == n.idx})]
+        it.groups = [
+            [c for c in it.conv if c[0] == j0 or lead.get(c[0]) == j0] + ext.get((n.idx, j0), [])
+            for j0 in sorted(set(lead.values()) | {j for i, j in ext if i == n.idx})
+        ]
         it.conv = [c for c in it.conv if not any(c in grp for grp in it.groups)]
         # the common case, a local op with one tensor out: a direct call in the compiled program
         it.fast = fast_args(args, kwargs, it.fn) if it.mode == "local" and not (it.contig or it.swapped) else None
@@ -160,12 +181,12 @@ class Program(Interpreter, Buckets):
         all_r = all(p == "R" for pl in ins for p in pl) and all(it.out_r)
         if n.phase == "bw" and n.target is aten.ones_like.default and n.inputs() == [g.loss]:
             it.mode = "seed"
-        elif n.target in RANDOM:          # drawn from the program's generator (local_ops.draw_random)
+        elif n.target in RANDOM:  # drawn from the program's generator (local_ops.draw_random)
             it.mode = "random"
         elif not n.inputs():
             it.mode = "factory"
         elif n.target in (SDPA, SDPA_BW):
-            it.mode, it.contig = "local", True        # fused kernels want unit inner stride
+            it.mode, it.contig = "local", True  # fused kernels want unit inner stride
             if math:
                 it.fn, it.swapped = (attention_fw_math if n.target is SDPA else attention_bw_math), True
         elif all_r or local_exact(n, ins, outs):
@@ -182,17 +203,19 @@ class Program(Interpreter, Buckets):
         """The forward and backward instruction lists as functions: straight-line Python (`_compile`), or with the
         runs of local ops between collectives compiled by a torch.compile backend (backends/compiled.py)."""
         from .compiled import build, compile_option
-        self.compile_backend = compile_option(compile)      # local segments compiled between the collectives
+
+        self.compile_backend = compile_option(compile)  # local segments compiled between the collectives
         self._plan_bucket_copies()
         self.bucket_out = self._bucket_outputs()
-        self.after = set(self.bucket_ready) | set(self.copy_at)     # backward positions with bucket work
+        self.after = set(self.bucket_ready) | set(self.copy_at)  # backward positions with bucket work
         if self.compile_backend is None:
             self.run_fw = self._compile(self.fw, ())
             self.run_bw = self._compile(self.bw, self.after, self.write_at)
         else:
             self.run_fw, self.fw_segments = build(self, self.fw, (), (), self.compile_backend)
-            self.run_bw, self.bw_segments = build(self, self.bw, self.after, set(self.bucket_ready),
-                                                  self.compile_backend)
+            self.run_bw, self.bw_segments = build(
+                self, self.bw, self.after, set(self.bucket_ready), self.compile_backend
+            )
 
     # ---- leaves ---------------------------------------------------------------------------------------------------
     def param_placement(self, fqn: str) -> tuple[str, ...]:
@@ -212,8 +235,10 @@ class Program(Interpreter, Buckets):
         for i, x in enumerate(self.example):
             if isinstance(x, torch.Tensor):
                 if i not in pos or tuple(g.nodes[pos[i]].out.shape) != tuple(x.shape):
-                    raise ValueError(f"example input '{self.input_names[i]}' (shape {tuple(x.shape)}) does not "
-                                     f"match the captured graph")
+                    raise ValueError(
+                        f"example input '{self.input_names[i]}' (shape {tuple(x.shape)}) does not "
+                        f"match the captured graph"
+                    )
 
     def check_guards(self, leaves: list, params: dict, buffers: dict):
         """Every data-dependent check the capture specialized on (autopar/guards.py) gives its example value on
@@ -225,33 +250,46 @@ class Program(Interpreter, Buckets):
 
         def value(leaf):
             kind, name = leaf
-            v = {"input": lambda: leaves[name], "param": lambda: params[name], "buffer": lambda: buffers[name],
-                 "constant": lambda: self.g.constants[name]}[kind]()
+            v = {
+                "input": lambda: leaves[name],
+                "param": lambda: params[name],
+                "buffer": lambda: buffers[name],
+                "constant": lambda: self.g.constants[name],
+            }[kind]()
             return (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
-        check_guards(self.g.guards, value, f"autopar.parallelize({self.g.io.model_name if self.g.io else 'model'})",
-                     self.input_names)
+
+        check_guards(
+            self.g.guards,
+            value,
+            f"autopar.parallelize({self.g.io.model_name if self.g.io else 'model'})",
+            self.input_names,
+        )
 
     def prepare_inputs(self, inputs) -> list:
         """Validate a call's inputs (the model_io leaves of the call) against the example inputs; return DTensors
         at the plan's placements (the local slice of a global tensor, no communication; a DTensor at other
         placements is redistributed)."""
         if len(inputs) != len(self.example):
-            raise TypeError(f"the parallelized module takes {len(self.example)} inputs (like its example inputs), "
-                            f"got {len(inputs)}")
+            raise TypeError(
+                f"the parallelized module takes {len(self.example)} inputs (like its example inputs), got {len(inputs)}"
+            )
         out, names = [], self.input_names
         for i, (x, ex) in enumerate(zip(inputs, self.example)):
             if not isinstance(ex, torch.Tensor):
                 if x is not ex and x != ex:
-                    raise ValueError(f"input '{names[i]}' is {x!r} but the plan was captured with {ex!r}; "
-                                     f"non-tensor inputs are baked into the plan")
+                    raise ValueError(
+                        f"input '{names[i]}' is {x!r} but the plan was captured with {ex!r}; "
+                        f"non-tensor inputs are baked into the plan"
+                    )
                 continue
             if not isinstance(x, torch.Tensor):
-                raise TypeError(f"input '{names[i]}' must be a tensor like the example input, got "
-                                f"{type(x).__name__}")
+                raise TypeError(f"input '{names[i]}' must be a tensor like the example input, got {type(x).__name__}")
             if tuple(x.shape) != tuple(ex.shape):
-                raise ValueError(f"input '{names[i]}' has global shape {tuple(x.shape)} but the plan was made for the "
-                                 f"example input shape {tuple(ex.shape)}; call autopar.parallelize with example "
-                                 f"inputs of the new shape (a plan is specific to its shapes)")
+                raise ValueError(
+                    f"input '{names[i]}' has global shape {tuple(x.shape)} but the plan was made for the "
+                    f"example input shape {tuple(ex.shape)}; call autopar.parallelize with example "
+                    f"inputs of the new shape (a plan is specific to its shapes)"
+                )
             if x.dtype != ex.dtype:
                 raise ValueError(f"input '{names[i]}' has dtype {x.dtype} but the example input has {ex.dtype}")
             want = self.P[self.input_node[i]].out[0]
@@ -279,8 +317,11 @@ class Program(Interpreter, Buckets):
             for fqn, i in g.buffers.items():
                 env[(i, 0)] = self._store(buffers[fqn])
             for k, idx in enumerate(g.inputs):
-                env[(idx, 0)] = self._wrap(inputs[k].detach(), self.P[idx].out[0], g.nodes[idx].out) \
-                    if g.activation else self._store(inputs[k])
+                env[(idx, 0)] = (
+                    self._wrap(inputs[k].detach(), self.P[idx].out[0], g.nodes[idx].out)
+                    if g.activation
+                    else self._store(inputs[k])
+                )
             for idx, t in self.constants:
                 env[(idx, 0)] = t.to(self.device)
             self.run_fw(env, None, self._run1)
@@ -289,12 +330,14 @@ class Program(Interpreter, Buckets):
             loss = env[(g.loss.node, g.loss.out)]
             if g.activation:
                 return _local(loss).clone(), (env if keep else None)
-            if (g.loss.node, "loss") in self.red:          # the plan's reduction of the loss to Replicate
+            if (g.loss.node, "loss") in self.red:  # the plan's reduction of the loss to Replicate
                 src, dst, _ = self.red[(g.loss.node, "loss")]
                 loss = self.redistribute(loss, src, dst, (g.loss.node, "loss"))
             if type(loss) is Sharded:
-                raise ExecutionError(f"the plan leaves the loss at placement {list(self.loss_pl)} and plans no "
-                                     f"reduction to Replicate; the global loss cannot be returned")
+                raise ExecutionError(
+                    f"the plan leaves the loss at placement {list(self.loss_pl)} and plans no "
+                    f"reduction to Replicate; the global loss cannot be returned"
+                )
             out = loss.clone()
         return out, (env if keep else None)
 
@@ -331,8 +374,12 @@ class Program(Interpreter, Buckets):
         env["seed"] = grad_loss
         with torch.no_grad():
             handles, bufs = {}, {}
-            self.run_bw(env, {pos: (lambda pos=pos: self._at(pos, env, handles, bufs)) for pos in self.after},
-                        self._run1, lambda i, off, n, shape: self._slice(bufs, i, off, n, shape))
+            self.run_bw(
+                env,
+                {pos: (lambda pos=pos: self._at(pos, env, handles, bufs)) for pos in self.after},
+                self._run1,
+                lambda i, off, n, shape: self._slice(bufs, i, off, n, shape),
+            )
             grads = self._finish_buckets(env, handles, bufs)
             for fqn in self.grad_fqns:
                 if fqn in grads:
@@ -362,7 +409,7 @@ class Program(Interpreter, Buckets):
         shape), `_in_place`)."""
         P, writes = self.P, writes or {}
         ns = {"Sharded": Sharded, "view_of_copy": view_of_copy}
-        sharded = lambda k: not all(p == "R" for p in P[k[0]].out[k[1]])      # what env holds for a value
+        sharded = lambda k: not all(p == "R" for p in P[k[0]].out[k[1]])  # what env holds for a value
         lines = ["def run(env, L, run1, B=None):"]
         for pos, it in enumerate(instrs):
             n = it.node
@@ -378,10 +425,14 @@ class Program(Interpreter, Buckets):
                 # the op's Python binding where one resolves to it (local_ops.binding), else its C++ entry
                 ns[f"C{pos}"] = (pos not in writes and binding(fn)) or getattr(fn, "_op", fn)
                 call = out = f"C{pos}({', '.join(args)})"
-                if n.target in VIEWS:       # a shard laid out otherwise than on one device: a view of its copy
+                if n.target in VIEWS:  # a shard laid out otherwise than on one device: a view of its copy
                     ns[f"F{pos}"], out = it.fn, "_v"
-                    lines += ["    try:", f"        _v = {call}", "    except RuntimeError as _e:",
-                              f"        _v = view_of_copy(F{pos}, _e, ({', '.join(ins)}, *R{pos}), W{pos})"]
+                    lines += [
+                        "    try:",
+                        f"        _v = {call}",
+                        "    except RuntimeError as _e:",
+                        f"        _v = view_of_copy(F{pos}, _e, ({', '.join(ins)}, *R{pos}), W{pos})",
+                    ]
                 if it.out_r[0]:
                     lines.append(f"    env[{(n.idx, 0)!r}] = {out}")
                 else:
@@ -401,7 +452,7 @@ class Program(Interpreter, Buckets):
     def manual_seed(self, seed: int) -> None:
         """Seed the generator the program's random ops draw from (parallelize seeds it with rank 0's
         torch.initial_seed(); call on every rank alike)."""
-        with outside_local_tensor_mode():   # one generator for every simulated rank, as for every real one
+        with outside_local_tensor_mode():  # one generator for every simulated rank, as for every real one
             self.rng_seed = int(seed)
             self._rng = torch.Generator(device=self.device).manual_seed(self.rng_seed)
 

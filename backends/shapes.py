@@ -23,6 +23,7 @@ A batch the placements cannot divide: the planner only proposes even shards, so 
 simply does not shard those rows; where the plan options force it (a `pin` sharding the batch), planning fails and
 the error names the input, its dim and the mesh dim.
 """
+
 from __future__ import annotations
 
 import time
@@ -47,7 +48,7 @@ class PlanCache:
     and buffer placements are the ones every later plan keeps."""
 
     def __init__(self, model, first, plan_kwargs: dict, attention: str, training: bool):
-        self.model = model                    # re-captured for a new shape (never run, never written)
+        self.model = model  # re-captured for a new shape (never run, never written)
         self.first = first
         # parallelize's defaults where the first plan came ready-made (planned=...)
         cpu = first.mesh.device_type == "cpu"
@@ -55,7 +56,7 @@ class PlanCache:
         self.attention = attention
         self.programs = {(signature(first.example), training, True): first}
         self.training0 = training
-        self.modes0 = [(m, m.training) for m in model.modules()]     # the modes the first plan was captured in
+        self.modes0 = [(m, m.training) for m in model.modules()]  # the modes the first plan was captured in
         # one record per plan made after the first: its key, plan_s (autopar.plan), total_s (with the agreements
         # and building the program)
         self.replans: list[dict] = []
@@ -72,6 +73,7 @@ class PlanCache:
         from .comm import agree_on_plan
         from .program import Program
         import autopar
+
         t0 = time.perf_counter()
         prog0 = self.first
         self._agree(sig, prog0)
@@ -83,27 +85,56 @@ class PlanCache:
         pin = _pins(prog0, self.plan_kwargs.get("pin"))
         opts = {k: v for k, v in self.plan_kwargs.items() if k not in ("force", "pin")}
         # capture records autograd's backward even for a forward-only plan (its module labels): grad mode on
-        with _mode(self.model, training, self.modes0 if training == self.training0 else None), \
-                torch.inference_mode(False), torch.enable_grad():
+        with (
+            _mode(self.model, training, self.modes0 if training == self.training0 else None),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+        ):
             try:
-                plan, state = autopar.plan(self.model, prog0.mesh, args, example_kwargs=kwargs, return_state=True,
-                                           force=force, pin=pin, backward=backward, **opts)
+                plan, state = autopar.plan(
+                    self.model,
+                    prog0.mesh,
+                    args,
+                    example_kwargs=kwargs,
+                    return_state=True,
+                    force=force,
+                    pin=pin,
+                    backward=backward,
+                    **opts,
+                )
             except ValueError as e:
-                raise ValueError(f"re-planning for new input shapes {_shapes(sig)} failed: {e}"
-                                 f"{_undivided(prog0, sig)}") from e
+                raise ValueError(
+                    f"re-planning for new input shapes {_shapes(sig)} failed: {e}{_undivided(prog0, sig)}"
+                ) from e
         t_plan = time.perf_counter() - t1
         agree_on_plan(prog0.mesh, plan.hash(), prog0.device)
-        prog = Program(state, plan, prog0.mesh, prog0.device, state.graph.io.leaves, attention=self.attention,
-                       compile=prog0.compile_backend)     # compile= carries over to every shape's program
-        prog.rng = prog0.rng                  # one random stream for every shape (pm.program.manual_seed seeds it)
+        prog = Program(
+            state,
+            plan,
+            prog0.mesh,
+            prog0.device,
+            state.graph.io.leaves,
+            attention=self.attention,
+            compile=prog0.compile_backend,
+        )  # compile= carries over to every shape's program
+        prog.rng = prog0.rng  # one random stream for every shape (pm.program.manual_seed seeds it)
         for f in prog.param_fqns:
             if prog.param_placement(f) != prog0.param_placement(f):
-                raise RuntimeError(f"the plan for new shapes moved parameter '{f}' to {prog.param_placement(f)}; "
-                                   f"it is pinned at {prog0.param_placement(f)}")
+                raise RuntimeError(
+                    f"the plan for new shapes moved parameter '{f}' to {prog.param_placement(f)}; "
+                    f"it is pinned at {prog0.param_placement(f)}"
+                )
         self.programs[(sig, training, backward)] = prog
-        self.replans.append({"shapes": [s for s in sig if s is not None], "training": training,
-                             "backward": backward, "plan_s": t_plan, "total_s": time.perf_counter() - t0,
-                             "hash": plan.hash()})
+        self.replans.append(
+            {
+                "shapes": [s for s in sig if s is not None],
+                "training": training,
+                "backward": backward,
+                "plan_s": t_plan,
+                "total_s": time.perf_counter() - t0,
+                "hash": plan.hash(),
+            }
+        )
         return prog
 
     def _agree(self, sig, prog0):
@@ -120,14 +151,17 @@ class PlanCache:
             raise ShapeMismatchError(
                 f"rank {rank} met new input shapes {_shapes(sig)} and waited for the other ranks to agree on them, "
                 f"but they did not answer ({type(e).__name__}: {str(e)[:200]}); every rank must call the "
-                f"parallelized module with the same global input shapes") from e
+                f"parallelized module with the same global input shapes"
+            ) from e
         if any(s != sig for s in got):
             by: dict = {}
             for r, s in enumerate(got):
                 by.setdefault(_shapes(s), []).append(r)
             detail = "; ".join(f"{s} on ranks {rs}" for s, rs in by.items())
-            raise ShapeMismatchError(f"ranks called the parallelized module with different global input shapes "
-                                     f"({detail}); every rank must pass the same global batch")
+            raise ShapeMismatchError(
+                f"ranks called the parallelized module with different global input shapes "
+                f"({detail}); every rank must pass the same global batch"
+            )
 
 
 def _shapes(sig) -> str:
@@ -143,6 +177,7 @@ def _pins(prog0, user_pin):
         if n.kind == "buffer" and n.target in by_fqn:
             return dict(enumerate(by_fqn[n.target]))
         return user_pin(n) if user_pin is not None else None
+
     return pin
 
 
@@ -161,10 +196,18 @@ def _undivided(prog0, sig) -> str:
                 if d < len(s) and s[d] % n:
                     name = prog0.input_names[pos] if pos < len(prog0.input_names) else pos
                     mname = (prog0.mesh.mesh_dim_names or [None] * prog0.mesh.ndim)[m] or m
-                    out.append(f"input '{name}' dim {d} has size {s[d]}, which mesh dim {m} ('{mname}', {n} "
-                               f"ranks) does not divide")
-    return ("; " + "; ".join(out) + " (the planner shards only evenly: drop the pin that shards it, or pass a "
-            "batch that divides)") if out else ""
+                    out.append(
+                        f"input '{name}' dim {d} has size {s[d]}, which mesh dim {m} ('{mname}', {n} "
+                        f"ranks) does not divide"
+                    )
+    return (
+        (
+            "; " + "; ".join(out) + " (the planner shards only evenly: drop the pin that shards it, or pass a "
+            "batch that divides)"
+        )
+        if out
+        else ""
+    )
 
 
 class _mode:

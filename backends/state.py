@@ -21,6 +21,7 @@ rank 0's values before the first step:
 The collectives here are one-time (construction, first step): they run outside any TorchDispatchMode, so the
 counters of a step's collectives (comm.CommCounter, engines_comm.CollectiveCounter) see only the plan's own.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,7 +33,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from autopar.strategies._torch_adapter import outside_local_tensor_mode
 
-SRC = 0                          # the global rank whose values every rank takes
+SRC = 0  # the global rank whose values every rank takes
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -87,7 +88,7 @@ def sync_from_rank0(items, mesh) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     shape = tuple(mesh.shape)
     coord = _coords(mesh)
-    groups = defaultdict(list)                      # (way, dtype) -> items
+    groups = defaultdict(list)  # (way, dtype) -> items
     for it in items:
         groups[(_way(it[1].shape, it[2], shape), it[1].dtype)].append(it)
     cost = {"broadcast_bytes": 0, "scatter_bytes": 0, "collectives": 0, "tensors": len(items)}
@@ -95,15 +96,18 @@ def sync_from_rank0(items, mesh) -> dict:
         for (way, dtype), its in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
             if way in ("broadcast", "full"):
                 dst = [it[3] if way == "broadcast" else it[1] for it in its]
-                flat = torch.cat([t.reshape(-1) for t in dst]) if rank == SRC else \
-                    torch.empty(sum(t.numel() for t in dst), dtype=dtype, device=dst[0].device)
+                flat = (
+                    torch.cat([t.reshape(-1) for t in dst])
+                    if rank == SRC
+                    else torch.empty(sum(t.numel() for t in dst), dtype=dtype, device=dst[0].device)
+                )
                 dist.broadcast(flat, src=SRC)
                 _unflatten(flat, dst)
                 cost["broadcast_bytes"] += flat.numel() * flat.element_size() * (world - 1)
                 cost["collectives"] += 1
             else:
                 cost["scatter_bytes"] += _scatter(its, mesh, coord, rank, world)
-                cost["collectives"] += 2            # the padded length (8 bytes), then the scatter
+                cost["collectives"] += 2  # the padded length (8 bytes), then the scatter
     return cost
 
 
@@ -118,7 +122,7 @@ def _scatter(its, mesh, coord, rank, world) -> int:
         if sizes[rank] != mine:
             raise AssertionError(f"rank {rank}'s shards hold {mine} elements, the split gives {sizes[rank]}")
     width = torch.tensor([max(sizes) if sizes else 0], dtype=torch.int64, device=locals_[0].device)
-    dist.broadcast(width, src=SRC)                  # one 8-byte message: the padded length
+    dist.broadcast(width, src=SRC)  # one 8-byte message: the padded length
     width = int(width.item())
     out = torch.empty(width, dtype=locals_[0].dtype, device=locals_[0].device)
     scatter_list = None
@@ -133,26 +137,28 @@ def _unflatten(flat, dst) -> None:
     at = 0
     for t in dst:
         n = t.numel()
-        t.copy_(flat[at:at + n].view(t.shape))
+        t.copy_(flat[at : at + n].view(t.shape))
         at += n
 
 
 # ---- agreed seed -------------------------------------------------------------------------------------------------
 
+
 def agreed_seed(device) -> int:
     """Rank 0's torch.initial_seed(), on every rank (one 8-byte broadcast; the generators are not advanced)."""
-    with outside_local_tensor_mode():       # LocalTensorMode hands out a per-rank seed
+    with outside_local_tensor_mode():  # LocalTensorMode hands out a per-rank seed
         s = int(torch.initial_seed())
     if simulated_world():
         return s
-    t = torch.tensor([s - 2 ** 64 if s >= 2 ** 63 else s], dtype=torch.int64, device=device)
+    t = torch.tensor([s - 2**64 if s >= 2**63 else s], dtype=torch.int64, device=device)
     with _disable_current_modes():
         dist.broadcast(t, src=SRC)
     v = int(t.item())
-    return v + 2 ** 64 if v < 0 else v
+    return v + 2**64 if v < 0 else v
 
 
 # ---- replica checksum --------------------------------------------------------------------------------------------
+
 
 def check_replicas(entries, mesh, device, what: str = "") -> int:
     """entries: [(name, local shard, placement strings over `mesh`)], the same list on every rank. Raises
@@ -173,17 +179,21 @@ def check_replicas(entries, mesh, device, what: str = "") -> int:
             both = torch.cat([c, -c])
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
             n += 1
-            hi, lo = both[:len(mine)], -both[len(mine):]
+            hi, lo = both[: len(mine)], -both[len(mine) :]
             tol = 1e-12 * hi[:, 1].abs() + 1e-300
             off = ((hi - lo).abs() > tol[:, None]).any(dim=1)
             dim = (mesh.mesh_dim_names or [str(i) for i in range(mesh.ndim)])[d]
-            for (name, _), o, h, l in zip(mine, off.tolist(), hi.tolist(), lo.tolist()):
+            for (name, _), o, high, low in zip(mine, off.tolist(), hi.tolist(), lo.tolist()):
                 if o:
-                    detail.setdefault(name, f"on mesh dim {dim}, checksum sum from {l[0]:.9g} to {h[0]:.9g}, "
-                                            f"sum|x| from {l[1]:.9g} to {h[1]:.9g}")
+                    detail.setdefault(
+                        name,
+                        f"on mesh dim {dim}, checksum sum from {low[0]:.9g} to {high[0]:.9g}, "
+                        f"sum|x| from {low[1]:.9g} to {high[1]:.9g}",
+                    )
         # every rank names every tensor that disagrees anywhere, not only the ones in its own groups
-        flags = torch.tensor([float(name in detail) for name, _, _ in entries] or [0.0], dtype=torch.float64,
-                             device=device)
+        flags = torch.tensor(
+            [float(name in detail) for name, _, _ in entries] or [0.0], dtype=torch.float64, device=device
+        )
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         n += 1
     bad = [name for (name, _, _), f in zip(entries, flags.tolist()) if f > 0]
@@ -194,11 +204,13 @@ def check_replicas(entries, mesh, device, what: str = "") -> int:
             f"hold the same value of a replicated tensor: a change made on one rank only (an in-place edit, a "
             f"rank-dependent initialization after parallelize) makes the ranks train different models. Apply such "
             f"changes on every rank alike, before parallelize (which takes rank 0's values), or pass "
-            f"check_replicas=False to skip this check.")
+            f"check_replicas=False to skip this check."
+        )
     return n
 
 
 # ---- the torch engines' modules ----------------------------------------------------------------------------------
+
 
 def broadcast_module(model, mesh) -> dict:
     """Rank 0's values of every parameter and buffer of the plain `model`, in place, before the engines shard it
@@ -217,6 +229,7 @@ def engine_entries(model, mesh) -> list:
     placements mapped onto `mesh` by dim name (mesh dims its own mesh lacks hold replicas), a plain tensor
     replicated everywhere. A DTensor whose mesh dims are not dims of `mesh` (a flattened dim) is left out."""
     from torch.distributed.tensor import DTensor
+
     names = list(mesh.mesh_dim_names or ())
     out = []
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -235,11 +248,13 @@ def engine_entries(model, mesh) -> list:
 
 def install_first_step_check(model, mesh, device) -> None:
     """The replica checksum once, before the first forward of a module the engines parallelized."""
+
     def hook(module, args, kwargs=None):
         handle.remove()
         with torch.no_grad():
             entries = engine_entries(module, mesh)
         check_replicas(entries, mesh, device, what=f"autopar {type(module).__name__}: ")
+
     handle = model.register_forward_pre_hook(hook)
 
 
@@ -247,13 +262,19 @@ def prepare_engine_model(model, mesh, device, assume_identical: bool, check_repl
     """Before the engines shard `model`: rank 0's state on every rank (model.autopar_init_comm), the agreed seed
     (model.autopar_rng_seed), the first-step replica check; returns the dump's line saying what it cost."""
     if assume_identical or simulated_world():
-        model.autopar_init_comm = {"skipped": "assume_identical=True" if assume_identical else "one process",
-                                   "broadcast_bytes": 0, "scatter_bytes": 0, "collectives": 0}
+        model.autopar_init_comm = {
+            "skipped": "assume_identical=True" if assume_identical else "one process",
+            "broadcast_bytes": 0,
+            "scatter_bytes": 0,
+            "collectives": 0,
+        }
         line = f"state from rank 0: skipped ({model.autopar_init_comm['skipped']})"
     else:
         c = model.autopar_init_comm = broadcast_module(model, mesh)
-        line = (f"state from rank 0: {c['broadcast_bytes']:,d} B once (parameters and buffers broadcast before the "
-                f"engines shard them, {c['collectives']} collectives)")
+        line = (
+            f"state from rank 0: {c['broadcast_bytes']:,d} B once (parameters and buffers broadcast before the "
+            f"engines shard them, {c['collectives']} collectives)"
+        )
     model.autopar_rng_seed = agreed_seed(device)
     if check_replicas:
         install_first_step_check(model, mesh, device)

@@ -6,6 +6,7 @@ family on models too small for the cost model to shard by itself. `train_and_com
 models and reports the largest differences of the loss, every gradient and every parameter, plus the
 collectives the first step issued against the plan's list.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -18,8 +19,17 @@ from autopar.strategies._torch_adapter import collapse, local_of, outside_local_
 from .comm import CommCounter, compare, redistribute_local
 from .program import placement_strs
 
-COLWISE = ("wq.weight", "wk.weight", "wv.weight", "w1.weight", "w3.weight", "c_fc.weight", "c_attn.weight",
-           "fc1.weight", "router.weight")
+COLWISE = (
+    "wq.weight",
+    "wk.weight",
+    "wv.weight",
+    "w1.weight",
+    "w3.weight",
+    "c_fc.weight",
+    "c_attn.weight",
+    "fc1.weight",
+    "router.weight",
+)
 ROWWISE = ("wo.weight", "w2.weight", "c_proj.weight", "fc2.weight")
 
 
@@ -28,7 +38,7 @@ def fsdp_force(model: nn.Module, mesh_shape, dim: int = 0) -> dict:
     out = {}
     for k, p in model.named_parameters():
         pl = ["R"] * len(mesh_shape)
-        if p.dim() and p.shape[0] % mesh_shape[dim] == 0:      # a 0-dim parameter (CLIP's logit scale): whole
+        if p.dim() and p.shape[0] % mesh_shape[dim] == 0:  # a 0-dim parameter (CLIP's logit scale): whole
             pl[dim] = "S0"
         out[k] = tuple(pl)
     return out
@@ -62,15 +72,16 @@ def fsdp_tp_force(model: nn.Module, mesh_shape) -> dict:
         for p, n in zip(pl, mesh_shape):
             if p[0] == "S":
                 split[int(p[1:])] = split.get(int(p[1:]), 1) * n
-        out[k] = pl if all(shapes[k][d] % n == 0 for d, n in split.items()) else b[k]   # nested must divide
+        out[k] = pl if all(shapes[k][d] % n == 0 for d, n in split.items()) else b[k]  # nested must divide
     return out
 
 
 def global_value(t: torch.Tensor) -> torch.Tensor:
     """The global value of a DTensor / LocalTensor / plain tensor as one plain tensor."""
     from torch.distributed.tensor import DTensor
+
     with torch.no_grad():
-        if isinstance(t, DTensor):       # gathered with the executor's own collectives (as the plan would)
+        if isinstance(t, DTensor):  # gathered with the executor's own collectives (as the plan would)
             src = placement_strs(t)
             t = redistribute_local(local_of(t), src, ("R",) * len(src), t.device_mesh)
         return collapse(t)
@@ -86,11 +97,11 @@ def _diff(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float):
 @dataclass
 class Report:
     steps: int = 0
-    losses: list = field(default_factory=list)          # (autopar, single device) per step
-    max_abs: float = 0.0                                # over losses, grads and final params
+    losses: list = field(default_factory=list)  # (autopar, single device) per step
+    max_abs: float = 0.0  # over losses, grads and final params
     max_rel: float = 0.0
-    failures: list = field(default_factory=list)        # what exceeded rtol/atol
-    measured: list = field(default_factory=list)        # collectives of the first step
+    failures: list = field(default_factory=list)  # what exceeded rtol/atol
+    measured: list = field(default_factory=list)  # collectives of the first step
     predicted: list = field(default_factory=list)
     collective_diff: str = ""
 
@@ -99,8 +110,17 @@ class Report:
         return not self.failures and not self.collective_diff
 
 
-def train_and_compare(pm, ref: nn.Module, inputs, steps: int = 3, lr: float = 0.1, rtol: float = 1e-5,
-                      atol: float = 1e-6, count: bool = True, all_grads: bool = False) -> Report:
+def train_and_compare(
+    pm,
+    ref: nn.Module,
+    inputs,
+    steps: int = 3,
+    lr: float = 0.1,
+    rtol: float = 1e-5,
+    atol: float = 1e-6,
+    count: bool = True,
+    all_grads: bool = False,
+) -> Report:
     """`steps` SGD steps on the parallelized module `pm` and on the single-device `ref` (same initial weights,
     same inputs); compares the loss at each step, every gradient of the first step (of every step with
     all_grads=True) and every parameter at the end. The first step's collectives are counted (count=True)."""
@@ -129,7 +149,7 @@ def train_and_compare(pm, ref: nn.Module, inputs, steps: int = 3, lr: float = 0.
         else:
             loss = pm(*inputs)
             loss.backward()
-        with outside_local_tensor_mode():         # the reference is one plain single-device run
+        with outside_local_tensor_mode():  # the reference is one plain single-device run
             ref_loss = ref(*inputs)
             ref_loss.backward()
         lv = global_value(loss)

@@ -6,6 +6,7 @@ reported as the planner's memory. Targets (issue 2): 8B (32 layers) <= 5 s; 64 l
 
     python benchmarks/bench_planning.py [--layers 16 32 64] [--repeat 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,28 +49,41 @@ def main():
         runs.sort(key=lambda r: r["cold_s"])
         rows.append(runs[len(runs) // 2])
         r = rows[-1]
-        print(f"{L:3d} layers: cold {r['cold_s']:.2f} s, warm {r['warm_s']:.2f} s, solve {r['solve_s']:.2f} s, "
-              f"{r['nodes']} nodes, {r['vars']} vars, peak RSS {r['peak_rss_mb']:.0f} MB", flush=True)
+        print(
+            f"{L:3d} layers: cold {r['cold_s']:.2f} s, warm {r['warm_s']:.2f} s, solve {r['solve_s']:.2f} s, "
+            f"{r['nodes']} nodes, {r['vars']} vars, peak RSS {r['peak_rss_mb']:.0f} MB",
+            flush=True,
+        )
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cmd = "python benchmarks/bench_planning.py " + " ".join(sys.argv[1:])
     by = {r["layers"]: r for r in rows}
-    lines = ["# Planning time: Llama-3-8B shape, (8, 8) H100 mesh (dp, tp), batch 8 x seq 2048, bf16", "",
-             f"command: `{cmd.strip()}`  commit: `{commit}`  machine: {os.cpu_count()} cores", "",
-             "| layers | cold plan (s) | warm plan (s) | solve (s) | graph nodes | MILP vars | planner peak RSS (MB) | tp placements of block params |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# Planning time: Llama-3-8B shape, (8, 8) H100 mesh (dp, tp), batch 8 x seq 2048, bf16",
+        "",
+        f"command: `{cmd.strip()}`  commit: `{commit}`  machine: {os.cpu_count()} cores",
+        "",
+        "| layers | cold plan (s) | warm plan (s) | solve (s) | graph nodes | MILP vars | planner peak RSS (MB) | tp placements of block params |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        lines.append(f"| {r['layers']} | {r['cold_s']:.2f} | {r['warm_s']:.2f} | {r['solve_s']:.2f} | {r['nodes']} | "
-                     f"{r['vars']} | {r['peak_rss_mb']:.0f} | {', '.join(r['tp_placements'])} |")
+        lines.append(
+            f"| {r['layers']} | {r['cold_s']:.2f} | {r['warm_s']:.2f} | {r['solve_s']:.2f} | {r['nodes']} | "
+            f"{r['vars']} | {r['peak_rss_mb']:.0f} | {', '.join(r['tp_placements'])} |"
+        )
     if 32 in by:
         lines.append("")
-        lines.append(f"8B (32 layers) cold: {by[32]['cold_s']:.2f} s (target <= 5 s; Meta's autoparallel reports ~52 s "
-                     f"for this case) -> {'MET' if by[32]['cold_s'] <= 5 else 'MISSED'}")
+        lines.append(
+            f"8B (32 layers) cold: {by[32]['cold_s']:.2f} s (target <= 5 s; Meta's autoparallel reports ~52 s "
+            f"for this case) -> {'MET' if by[32]['cold_s'] <= 5 else 'MISSED'}"
+        )
     if 32 in by and 64 in by:
         ratio = by[64]["cold_s"] / by[32]["cold_s"]
         lines.append(f"64 / 32 layers: {ratio:.2f}x (target <= 2.2x) -> {'MET' if ratio <= 2.2 else 'MISSED'}")
     lines.append("")
-    lines.append("Per-pass seconds (cold run): " + "; ".join(
-        f"{r['layers']}L " + ", ".join(f"{k} {v:.2f}" for k, v in r["passes"]) for r in rows))
+    lines.append(
+        "Per-pass seconds (cold run): "
+        + "; ".join(f"{r['layers']}L " + ", ".join(f"{k} {v:.2f}" for k, v in r["passes"]) for r in rows)
+    )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -21,6 +21,7 @@ Cases:
 - the benchmark configurations as benchmarks/harness.py models them (cpu-gloo fp32 on 4 / 2x2; llama3-8b bf16 on
   an (8, 8) H100 mesh).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,21 +49,38 @@ class LossOf(nn.Module):
     def forward(self, input_ids, labels):
         T = input_ids.shape[1]
         mask = torch.full((T, T), float("-inf"), device=input_ids.device).triu(1)[None, None]
-        return self.lm(input_ids=input_ids, attention_mask=mask.expand(input_ids.shape[0], 1, T, T),
-                       labels=labels).loss
+        return self.lm(input_ids=input_ids, attention_mask=mask.expand(input_ids.shape[0], 1, T, T), labels=labels).loss
 
 
 def _hf(kind):
     import transformers as T
+
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = T.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                            attention_dropout=0.0, use_cache=False)
+        cfg = T.LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+            attention_dropout=0.0,
+            use_cache=False,
+        )
         lm = T.LlamaForCausalLM(cfg)
     else:
-        cfg = T.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=128, resid_pdrop=0.0,
-                           embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+        cfg = T.GPT2Config(
+            vocab_size=256,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            n_positions=128,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+        )
         lm = T.GPT2LMHeadModel(cfg)
     ids = torch.randint(0, 256, (2, 32))
     return LossOf(lm), (ids, ids.clone())
@@ -70,12 +88,16 @@ def _hf(kind):
 
 def _zoo(name, dtype, batch, seq, overrides, device):
     from autopar import models as M
-    return (M.build_model(name, device=device, dtype=dtype, **overrides),
-            M.example_inputs(name, batch=batch, seq=seq, device=device, **overrides))
+
+    return (
+        M.build_model(name, device=device, dtype=dtype, **overrides),
+        M.example_inputs(name, batch=batch, seq=seq, device=device, **overrides),
+    )
 
 
 def _mesh(s):
     from autopar import MeshSpec
+
     shape = tuple(int(v) for v in s.split("x"))
     return MeshSpec(shape, ("dp",) if len(shape) == 1 else ("dp", "tp"))
 
@@ -89,24 +111,41 @@ def cases():
     def tiny_train():
         m, x = _zoo("llama-tiny", torch.float32, None, None, {}, "cpu")
         return m, x, _mesh("2x2"), dict(cluster="cpu-gloo", force=fsdp_tp_force(m, (2, 2)))
-    out = {"llama-tiny 2x2 train.py (cpu-gloo, fsdp+tp)": tiny_train,
-           "llama-tiny 2x2 SHAPES": lambda: (*_zoo("llama-tiny", torch.float32, None, None, {}, "cpu"),
-                                             _mesh("2x2"), dict(cluster=SHAPES)),
-           "hf-llama 2L h64 2x2 SHAPES": lambda: (*_hf("llama"), _mesh("2x2"), dict(cluster=SHAPES)),
-           "hf-gpt2 2L h64 2x2 SHAPES": lambda: (*_hf("gpt2"), _mesh("2x2"), dict(cluster=SHAPES))}
-    for key, mesh in (("llama3-debug", "2x2"), ("gpt2-smallish", "4"), ("moe-debug", "4"), ("moe-debug", "2x2"),
-                      ("mlp-heavy", "2x2")):
+
+    out = {
+        "llama-tiny 2x2 train.py (cpu-gloo, fsdp+tp)": tiny_train,
+        "llama-tiny 2x2 SHAPES": lambda: (
+            *_zoo("llama-tiny", torch.float32, None, None, {}, "cpu"),
+            _mesh("2x2"),
+            dict(cluster=SHAPES),
+        ),
+        "hf-llama 2L h64 2x2 SHAPES": lambda: (*_hf("llama"), _mesh("2x2"), dict(cluster=SHAPES)),
+        "hf-gpt2 2L h64 2x2 SHAPES": lambda: (*_hf("gpt2"), _mesh("2x2"), dict(cluster=SHAPES)),
+    }
+    for key, mesh in (
+        ("llama3-debug", "2x2"),
+        ("gpt2-smallish", "4"),
+        ("moe-debug", "4"),
+        ("moe-debug", "2x2"),
+        ("mlp-heavy", "2x2"),
+    ):
         c = MEASURED[key]
-        out[f"{key} {mesh} cpu-gloo"] = (lambda c=c, mesh=mesh: (
-            *_zoo(c["name"], torch.float32, c["batch"], c["seq"], c["overrides"], "meta"), _mesh(mesh),
-            dict(cluster="cpu-gloo")))
-    out["llama3-8b 8x8 h100"] = lambda: (*_zoo("llama3-8b", torch.bfloat16, scale_batch("8x8"), 8192, {}, "meta"),
-                                         _mesh("8x8"), dict(cluster=SCALE_CLUSTER))
+        out[f"{key} {mesh} cpu-gloo"] = lambda c=c, mesh=mesh: (
+            *_zoo(c["name"], torch.float32, c["batch"], c["seq"], c["overrides"], "meta"),
+            _mesh(mesh),
+            dict(cluster="cpu-gloo"),
+        )
+    out["llama3-8b 8x8 h100"] = lambda: (
+        *_zoo("llama3-8b", torch.bfloat16, scale_batch("8x8"), 8192, {}, "meta"),
+        _mesh("8x8"),
+        dict(cluster=SCALE_CLUSTER),
+    )
     return out
 
 
 def run_case(build, repeat):
     import autopar
+
     runs = []
     for _ in range(repeat):
         model, x, mesh, kw = build()
@@ -116,30 +155,47 @@ def run_case(build, repeat):
     runs.sort(key=lambda r: r[0])
     s, plan, state, cpu = runs[len(runs) // 2]
     timings = state.timings.items() if isinstance(state.timings, dict) else state.timings
-    return {"plan_s": s, "all_s": [r[0] for r in runs], "cpu_s": cpu, "passes": {k: round(v, 3) for k, v in timings},
-            "objective": plan.solver["objective"], "gap": plan.solver.get("gap"), "status": plan.solver.get("status"),
-            "vars": plan.solver.get("n_vars"), "rows": plan.solver.get("n_constraints"), "hash": plan.hash(),
-            "nodes": len(plan.nodes)}
+    return {
+        "plan_s": s,
+        "all_s": [r[0] for r in runs],
+        "cpu_s": cpu,
+        "passes": {k: round(v, 3) for k, v in timings},
+        "objective": plan.solver["objective"],
+        "gap": plan.solver.get("gap"),
+        "status": plan.solver.get("status"),
+        "vars": plan.solver.get("n_vars"),
+        "rows": plan.solver.get("n_constraints"),
+        "hash": plan.hash(),
+        "nodes": len(plan.nodes),
+    }
 
 
 def markdown(rows, cmd) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
-    lines = ["# Planning time of small models and the benchmark configurations", "",
-             f"command: `{cmd}`  commit: `{commit}`  machine: {os.cpu_count()} cores shared with other "
-             "jobs (plan: wall-clock median of the runs, capture included; CPU: this process's CPU seconds in "
-             "that run, less sensitive to the machine's load)", "",
-             "| case | plan (s) | runs (s) | CPU (s) | solve (s) | costs (s) | candidates (s) | MILP vars / rows "
-             "| objective (s) | solver | plan hash |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    lines = [
+        "# Planning time of small models and the benchmark configurations",
+        "",
+        f"command: `{cmd}`  commit: `{commit}`  machine: {os.cpu_count()} cores shared with other "
+        "jobs (plan: wall-clock median of the runs, capture included; CPU: this process's CPU seconds in "
+        "that run, less sensitive to the machine's load)",
+        "",
+        "| case | plan (s) | runs (s) | CPU (s) | solve (s) | costs (s) | candidates (s) | MILP vars / rows "
+        "| objective (s) | solver | plan hash |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in rows.items():
         if "error" in r:
             lines.append(f"| {name} | error: {r['error'][:120]} ||||||||||")
             continue
         p = r["passes"]
-        lines.append(f"| {name} | {r['plan_s']:.2f} | {' '.join(f'{v:.2f}' for v in r['all_s'])} | "
-                     f"{r['cpu_s']:.2f} | {p.get('solve', 0):.2f} | {p.get('costs', 0):.2f} | "
-                     f"{p.get('candidates', 0):.2f} | "
-                     f"{r['vars']} / {r['rows']} | {r['objective']:.6g} | {r['status']} | `{r['hash'][:12]}` |")
+        lines.append(
+            f"| {name} | {r['plan_s']:.2f} | {' '.join(f'{v:.2f}' for v in r['all_s'])} | "
+            f"{r['cpu_s']:.2f} | {p.get('solve', 0):.2f} | {p.get('costs', 0):.2f} | "
+            f"{p.get('candidates', 0):.2f} | "
+            f"{r['vars']} / {r['rows']} | {r['objective']:.6g} | {r['status']} | `{r['hash'][:12]}` |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -152,6 +208,7 @@ def zoo_child(name) -> dict:
     import autopar
     import zoo_check
     from _clusters import SHAPES
+
     out = {}
     for which in ("8x8", "2x2"):
         model, args, kwargs, _ = zoo_check.build(name)
@@ -162,17 +219,31 @@ def zoo_child(name) -> dict:
             kw = dict(cluster=SHAPES, overlap=False, force=zoo_check.fsdp_pins(model, (2, 2)))
         t, c = time.perf_counter(), time.process_time()
         try:
-            plan, state = autopar.plan(model, mesh, example_inputs=args, return_state=True,
-                                       time_limit=zoo_check.PLAN_TIME_LIMIT_S, **kw, **zoo_check.call_kwargs(kwargs))
-        except Exception as e:        # a model that cannot plan is a row saying why
+            plan, state = autopar.plan(
+                model,
+                mesh,
+                example_inputs=args,
+                return_state=True,
+                time_limit=zoo_check.PLAN_TIME_LIMIT_S,
+                **kw,
+                **zoo_check.call_kwargs(kwargs),
+            )
+        except Exception as e:  # a model that cannot plan is a row saying why
             out[which] = {"error": zoo_check.error_line(e)}
             continue
         wall, cpu = time.perf_counter() - t, time.process_time() - c
         passes = dict(state.timings)
-        out[which] = {"plan_s": wall, "cpu_s": cpu, "capture_s": wall - sum(passes.values()),
-                      "passes": {k: round(v, 3) for k, v in passes.items()}, "objective": plan.solver["objective"],
-                      "status": plan.solver.get("status"), "vars": plan.solver.get("n_vars"),
-                      "rows": plan.solver.get("n_constraints"), "hash": plan.hash()}
+        out[which] = {
+            "plan_s": wall,
+            "cpu_s": cpu,
+            "capture_s": wall - sum(passes.values()),
+            "passes": {k: round(v, 3) for k, v in passes.items()},
+            "objective": plan.solver["objective"],
+            "status": plan.solver.get("status"),
+            "vars": plan.solver.get("n_vars"),
+            "rows": plan.solver.get("n_constraints"),
+            "hash": plan.hash(),
+        }
     return out
 
 
@@ -188,25 +259,38 @@ def run_zoo(names, timeout=900) -> dict:
         except subprocess.TimeoutExpired:
             rows[name] = {"error": f"no result within {timeout} s"}
         for which, r in rows[name].items() if "error" not in rows[name] else ():
-            print(f"{name} {which}: " + (r["error"] if "error" in r else
-                  f"{r['plan_s']:.2f} s (CPU {r['cpu_s']:.2f} s), objective {r['objective']:.6g}, {r['vars']} vars, "
-                  f"{r['status']}"), flush=True)
+            print(
+                f"{name} {which}: "
+                + (
+                    r["error"]
+                    if "error" in r
+                    else f"{r['plan_s']:.2f} s (CPU {r['cpu_s']:.2f} s), objective {r['objective']:.6g}, {r['vars']} vars, "
+                    f"{r['status']}"
+                ),
+                flush=True,
+            )
         if "error" in rows[name]:
             print(f"{name}: {rows[name]['error']}", flush=True)
     return rows
 
 
 def zoo_markdown(rows, cmd) -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip()
-    lines = [ZOO_SECTION, "", f"command: `{cmd}`  commit: `{commit}`  machine: {os.cpu_count()} cores shared with "
-             "other jobs. Each model in a process of its own: the (8, 8) h100 plan, then the 2x2 SHAPES plan with "
-             "the suite's FSDP pins (tests/third_party/zoo_check.py). plan: wall seconds, capture included; CPU: "
-             "this process's CPU seconds (less sensitive to the machine's load); solve: the solve pass (dominance, "
-             "MILP build, HiGHS).", "",
-             "| model | 8x8 plan (s) | 8x8 CPU (s) | 8x8 solve (s) | 8x8 vars | 8x8 objective (s) | 2x2 plan (s) | "
-             "2x2 CPU (s) | 2x2 solve (s) | 2x2 vars | 2x2 objective (s) | 2x2 solver |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    lines = [
+        ZOO_SECTION,
+        "",
+        f"command: `{cmd}`  commit: `{commit}`  machine: {os.cpu_count()} cores shared with "
+        "other jobs. Each model in a process of its own: the (8, 8) h100 plan, then the 2x2 SHAPES plan with "
+        "the suite's FSDP pins (tests/third_party/zoo_check.py). plan: wall seconds, capture included; CPU: "
+        "this process's CPU seconds (less sensitive to the machine's load); solve: the solve pass (dominance, "
+        "MILP build, HiGHS).",
+        "",
+        "| model | 8x8 plan (s) | 8x8 CPU (s) | 8x8 solve (s) | 8x8 vars | 8x8 objective (s) | 2x2 plan (s) | "
+        "2x2 CPU (s) | 2x2 solve (s) | 2x2 vars | 2x2 objective (s) | 2x2 solver |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, r in rows.items():
         cells = []
         for which in ("8x8", "2x2"):
@@ -216,8 +300,10 @@ def zoo_markdown(rows, cmd) -> str:
                 if which == "2x2":
                     cells[-1] = cells[-1][:-1]
                 continue
-            cells.append(f"{x['plan_s']:.2f} | {x['cpu_s']:.2f} | {x['passes'].get('solve', 0):.2f} | {x['vars']} | "
-                         f"{x['objective']:.6g}" + (f" | {x['status']}" if which == "2x2" else ""))
+            cells.append(
+                f"{x['plan_s']:.2f} | {x['cpu_s']:.2f} | {x['passes'].get('solve', 0):.2f} | {x['vars']} | "
+                f"{x['objective']:.6g}" + (f" | {x['status']}" if which == "2x2" else "")
+            )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -243,13 +329,16 @@ def main(argv=None):
     if args.zoo is not None:
         sys.path.insert(0, os.path.join(ROOT, "tests", "third_party"))
         from zoo import ZOO
+
         rows = run_zoo(args.zoo or list(ZOO))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         if args.md and not args.zoo:
-            _write_zoo_section(args.md, zoo_markdown(rows, "python benchmarks/bench_planning_models.py " +
-                                                     " ".join(argv or sys.argv[1:])))
+            _write_zoo_section(
+                args.md,
+                zoo_markdown(rows, "python benchmarks/bench_planning_models.py " + " ".join(argv or sys.argv[1:])),
+            )
         return 0
     rows = {}
     for name, build in cases().items():
@@ -257,13 +346,16 @@ def main(argv=None):
             continue
         try:
             rows[name] = r = run_case(build, args.repeat)
-        except Exception as e:        # a case that cannot plan is a row saying why, not a lost table
+        except Exception as e:  # a case that cannot plan is a row saying why, not a lost table
             rows[name] = {"error": f"{type(e).__name__}: {e}"}
             print(f"{name}: {rows[name]['error'][:300]}", flush=True)
             continue
         runs = " ".join(f"{v:.2f}" for v in r["all_s"])
-        print(f"{name}: {r['plan_s']:.2f} s (runs {runs}; CPU {r['cpu_s']:.2f} s), objective "
-              f"{r['objective']:.6g}, {r['vars']} vars, hash {r['hash'][:12]}, passes {r['passes']}", flush=True)
+        print(
+            f"{name}: {r['plan_s']:.2f} s (runs {runs}; CPU {r['cpu_s']:.2f} s), objective "
+            f"{r['objective']:.6g}, {r['vars']} vars, hash {r['hash'][:12]}, passes {r['passes']}",
+            flush=True,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

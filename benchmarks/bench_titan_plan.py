@@ -14,6 +14,7 @@ Each case runs in a fresh process (cold: the first plan after import; warm: a se
 ops, for a capture that refuses the in-place add_ in F.rms_norm's decomposition; without it the model is planned
 unmodified.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -109,8 +110,19 @@ def main(argv=None):
     for L in args.layers:
         runs = []
         for _ in range(args.repeat):
-            res = subprocess.run([sys.executable, "-c", CHILD, str(L), "1" if args.swap_rmsnorm else "0",
-                                  str(args.batch), str(args.seq)], capture_output=True, text=True)
+            res = subprocess.run(
+                [
+                    sys.executable,
+                    "-c",
+                    CHILD,
+                    str(L),
+                    "1" if args.swap_rmsnorm else "0",
+                    str(args.batch),
+                    str(args.seq),
+                ],
+                capture_output=True,
+                text=True,
+            )
             lines = res.stdout.strip().splitlines()
             if res.returncode or not lines:
                 runs.append({"layers": L, "error": (res.stderr or res.stdout)[-800:]})
@@ -126,32 +138,43 @@ def main(argv=None):
         if "error" in r:
             print(f"{L} layers: ERROR {r['error']}", flush=True)
             continue
-        print(f"{L} layers: cold {r['cold_s']:.2f} s (runs {r['all_cold_s']}; CPU {r['cold_cpu_s']:.2f} s), "
-              f"warm {r['warm_s']:.2f} s, "
-              f"capture+assembly {r['capture_and_rest_s']:.2f} s, passes {r['passes']}, {r['nodes']} nodes, "
-              f"MILP {r['vars']} vars / {r['rows']} rows, {r['status']}, tp dim {r['tp_dim']}, "
-              f"Megatron-style: {r['megatron']}", flush=True)
+        print(
+            f"{L} layers: cold {r['cold_s']:.2f} s (runs {r['all_cold_s']}; CPU {r['cold_cpu_s']:.2f} s), "
+            f"warm {r['warm_s']:.2f} s, "
+            f"capture+assembly {r['capture_and_rest_s']:.2f} s, passes {r['passes']}, {r['nodes']} nodes, "
+            f"MILP {r['vars']} vars / {r['rows']} rows, {r['status']}, tp dim {r['tp_dim']}, "
+            f"Megatron-style: {r['megatron']}",
+            flush=True,
+        )
     by = {r["layers"]: r for r in rows if "error" not in r}
     if 32 in by and 64 in by:
         ratio = by[64]["cold_s"] / by[32]["cold_s"]
         cpu = by[64]["cold_cpu_s"] / by[32]["cold_cpu_s"]
-        print(f"64 / 32 layers: {ratio:.2f}x wall, {cpu:.2f}x CPU (target <= 2.2x); 32 layers {by[32]['cold_s']:.2f} s "
-              f"wall, {by[32]['cold_cpu_s']:.2f} s CPU (target <= 5 s)")
+        print(
+            f"64 / 32 layers: {ratio:.2f}x wall, {cpu:.2f}x CPU (target <= 2.2x); 32 layers {by[32]['cold_s']:.2f} s "
+            f"wall, {by[32]['cold_cpu_s']:.2f} s CPU (target <= 5 s)"
+        )
     if args.md:
         cmd = "python benchmarks/bench_titan_plan.py " + " ".join(argv if argv is not None else sys.argv[1:])
-        lines = [f"command: `{cmd.strip()}`  machine: {os.cpu_count()} cores (shared)", "",
-                 "| layers | cold (s) | runs (s) | cold CPU (s) | warm (s) | capture + assembly (s) | passes (s) "
-                 "| MILP vars | "
-                 "Megatron TP |", "|---|---|---|---|---|---|---|---|---|"]
+        lines = [
+            f"command: `{cmd.strip()}`  machine: {os.cpu_count()} cores (shared)",
+            "",
+            "| layers | cold (s) | runs (s) | cold CPU (s) | warm (s) | capture + assembly (s) | passes (s) "
+            "| MILP vars | "
+            "Megatron TP |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in rows:
             if "error" in r:
                 lines.append(f"| {r['layers']} | error: {r['error'][:200]} |||||||")
             else:
-                lines.append(f"| {r['layers']} | {r['cold_s']:.2f} | {r['all_cold_s']} | {r['cold_cpu_s']:.2f} | "
-                             f"{r['warm_s']:.2f} | "
-                             f"{r['capture_and_rest_s']:.2f} | "
-                             + " ".join(f"{k} {v:.2f}" for k, v in r["passes"].items() if v >= 0.01)
-                             + f" | {r['vars']} | {r['megatron']} |")
+                lines.append(
+                    f"| {r['layers']} | {r['cold_s']:.2f} | {r['all_cold_s']} | {r['cold_cpu_s']:.2f} | "
+                    f"{r['warm_s']:.2f} | "
+                    f"{r['capture_and_rest_s']:.2f} | "
+                    + " ".join(f"{k} {v:.2f}" for k, v in r["passes"].items() if v >= 0.01)
+                    + f" | {r['vars']} | {r['megatron']} |"
+                )
         with open(args.md, "a") as f:
             f.write("\n".join(lines) + "\n")
     return 0 if all("error" not in r for r in rows) else 1

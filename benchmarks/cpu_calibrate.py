@@ -30,6 +30,7 @@ The JSON is a ClusterSpec (`autopar.plan(..., cluster=PATH)`); its "calibration"
 shipped `cpu-gloo` preset (autopar/cost/cluster.py) carries the figures of four runs of this script on the
 reference 2-core machine, pooled by --refit (results/cpu_gloo_calibrated.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,11 +49,11 @@ import torch.multiprocessing as mp
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-SIZES = [1 << k for k in range(12, 25, 2)]          # 4 KiB .. 16 MiB
-TINY = [16, 256]                                    # a loss's (sum, count), a norm's statistics
-WORK_MS = 5.0                                       # compute between two collectives (a block of a small model)
+SIZES = [1 << k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB
+TINY = [16, 256]  # a loss's (sum, count), a norm's statistics
+WORK_MS = 5.0  # compute between two collectives (a block of a small model)
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-STEP_MODELS = (("llama3-debug", 64), ("moe-debug", 32), ("mlp-heavy", 64))     # (model, seq), at batch 1 and 4
+STEP_MODELS = (("llama3-debug", 64), ("moe-debug", 32), ("mlp-heavy", 64))  # (model, seq), at batch 1 and 4
 
 
 def _median_time(fn, reps):
@@ -94,7 +95,7 @@ def _groups(world):
     if world >= 4 and world % 2 == 0:
         rank, mine = dist.get_rank(), []
         for pairs in ([[r, r + 1] for r in range(0, world, 2)], [[r, r + world // 2] for r in range(world // 2)]):
-            for p in pairs:                     # every rank creates every group, in the same order
+            for p in pairs:  # every rank creates every group, in the same order
                 pg = dist.new_group(p)
                 if rank in p:
                     mine.append(pg)
@@ -105,19 +106,20 @@ def _groups(world):
 def _worker(rank, world, port, out, quick, work_ms=WORK_MS):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=120)
+    )
     reps = 3 if quick else 7
     res = {"matmul": [], "copy": [], "coll": [], "op_overhead": []}
     small = torch.randn(256)
     ts = _median_time(lambda: [small.mul(1.5).add_(1.0).view(16, 16).t().sum(0) for _ in range(200)], reps)
-    res["op_overhead"].append(statistics.median(ts) / (200 * 5))                 # 5 ops per iteration
-    for m, k, n in ((1024, 256, 768), (1024, 768, 256), (512, 512, 512)):       # tokens x dim x ffn shapes
+    res["op_overhead"].append(statistics.median(ts) / (200 * 5))  # 5 ops per iteration
+    for m, k, n in ((1024, 256, 768), (1024, 768, 256), (512, 512, 512)):  # tokens x dim x ffn shapes
         a, b = torch.randn(m, k), torch.randn(k, n)
         a @ b
         ts = _median_time(lambda: [a @ b for _ in range(4)], reps)
         res["matmul"].append(2 * m * k * n * 4 / statistics.median(ts))
-    src = torch.randn(1 << 23)                                                   # 32 MiB
+    src = torch.randn(1 << 23)  # 32 MiB
     dst = torch.empty_like(src)
     ts = _median_time(lambda: dst.copy_(src), reps)
     res["copy"].append(2 * src.numel() * 4 / statistics.median(ts))
@@ -126,23 +128,26 @@ def _worker(rank, world, port, out, quick, work_ms=WORK_MS):
     dist.all_reduce(one, op=dist.ReduceOp.MAX)
     rounds = max(1, round(work_ms / 1e3 / float(one)))
 
-    def work():                                 # ~work_ms of matmul on one rank while its peers run too
+    def work():  # ~work_ms of matmul on one rank while its peers run too
         for _ in range(rounds):
             wa @ wb
+
     for g, groups in _groups(world):
         for nbytes in (TINY + SIZES)[: 6 if quick else None]:
             full = torch.randn(nbytes // 4)
             shard = torch.randn(nbytes // 4 // g)
-            call = {"all_reduce": lambda pg: dist.all_reduce(full, group=pg),
-                    "all_gather": lambda pg: dist.all_gather_into_tensor(full, shard, group=pg),
-                    "reduce_scatter": lambda pg: dist.reduce_scatter_tensor(shard, full, group=pg),
-                    "all_to_all": lambda pg: dist.all_to_all_single(torch.empty_like(full), full, group=pg)}
+            call = {
+                "all_reduce": lambda pg: dist.all_reduce(full, group=pg),
+                "all_gather": lambda pg: dist.all_gather_into_tensor(full, shard, group=pg),
+                "reduce_scatter": lambda pg: dist.reduce_scatter_tensor(shard, full, group=pg),
+                "all_to_all": lambda pg: dist.all_to_all_single(torch.empty_like(full), full, group=pg),
+            }
             ops = {k: (lambda f=f: [f(pg) for pg in groups]) for k, f in call.items()}
             for kind in KINDS:
                 row = {"kind": kind, "bytes": nbytes, "group": g}
                 try:
                     ops[kind]()
-                except RuntimeError as e:      # gloo builds without reduce_scatter_tensor: recorded, not fitted
+                except RuntimeError as e:  # gloo builds without reduce_scatter_tensor: recorded, not fitted
                     res["coll"].append({**row, "error": str(e).splitlines()[0]})
                     continue
                 ts = _median_time(ops[kind], reps)
@@ -162,6 +167,7 @@ def _time_steps(reps):
     """Seconds of one eager forward + backward of each STEP_MODELS model at batch 1 and 4, every rank at once (the
     max over ranks of each rank's median)."""
     from autopar import models
+
     out = []
     for name, seq in STEP_MODELS:
         for batch in (1, 4):
@@ -190,12 +196,12 @@ def step_fit(steps, dev):
     from autopar.cost import is_view
     from autopar.cost.cluster import ClusterSpec, DeviceSpec, LinkSpec
     from autopar.passes.costs import global_flops
+
     raw = ClusterSpec("raw", dev, 1, LinkSpec("l", 1e-6, 1e9), LinkSpec("l", 1e-6, 1e9))
     rows, y = [], []
     for st in steps:
         x = models.example_inputs(st["model"], batch=st["batch"], seq=st["seq"], device="meta")
-        _, state = autopar.plan(models.build_model(st["model"], device="meta"), (1,), x, cluster=raw,
-                                return_state=True)
+        _, state = autopar.plan(models.build_model(st["model"], device="meta"), (1,), x, cluster=raw, return_state=True)
         g, fc, row = state.graph, {}, [0.0, 0.0, 0.0]
         for n in g.nodes:
             if n.kind != "op":
@@ -214,8 +220,15 @@ def step_fit(steps, dev):
     (c, s_flop), _ = nnls(A[:, [0, 2]] / y[:, None], 1 - A[:, 1] / y)
     err = float(np.median(np.abs((A[:, 0] * c + A[:, 1] + A[:, 2] * s_flop) / y - 1)))
     f = dev.flops_for(torch.float32) / max(s_flop, 1e-9)
-    return DeviceSpec("cpu", {"fp32": f, "bf16": f, "fp16": f}, mem_bw=dev.mem_bw, mem_bytes=dev.mem_bytes,
-                      matmul_eff=1.0, mem_eff=1.0, op_overhead=float(c)), err
+    return DeviceSpec(
+        "cpu",
+        {"fp32": f, "bf16": f, "fp16": f},
+        mem_bw=dev.mem_bw,
+        mem_bytes=dev.mem_bytes,
+        matmul_eff=1.0,
+        mem_eff=1.0,
+        op_overhead=float(c),
+    ), err
 
 
 def fit(coll, world, kind=None):
@@ -224,6 +237,7 @@ def fit(coll, world, kind=None):
     relative error, so small and large messages weigh alike. (launch, alpha, bw, median relative error)."""
     from scipy.optimize import nnls
     from autopar.cost.comm import bytes_sent, ring_steps
+
     rows = [c for c in coll if "seconds" in c and kind in (None, c["kind"])]
     n = [c.get("group", world) for c in rows]
     A = np.array([[1.0, ring_steps(c["kind"], k), bytes_sent(c["kind"], c["bytes"], k)] for c, k in zip(rows, n)])
@@ -239,14 +253,22 @@ def link_fit(coll, world):
     with the pooled fit's and the per-kind fits' median relative errors."""
     from autopar.cost import collective_time
     from autopar.cost.cluster import LinkSpec
+
     launch, alpha, bw, err = fit(coll, world)
     kinds = []
     for kind in dict.fromkeys(c["kind"] for c in coll if "seconds" in c):
         c0, a, b, _ = fit(coll, world, kind)
         kinds.append((kind, a, b, c0))
     link = LinkSpec("gloo-loopback", alpha=alpha, bw=bw, kinds=tuple(kinds), launch=launch)
-    err_kinds = float(np.median([abs(collective_time(c["kind"], c["bytes"], c.get("group", world), link)
-                                     / c["seconds"] - 1) for c in coll if "seconds" in c]))
+    err_kinds = float(
+        np.median(
+            [
+                abs(collective_time(c["kind"], c["bytes"], c.get("group", world), link) / c["seconds"] - 1)
+                for c in coll
+                if "seconds" in c
+            ]
+        )
+    )
     return link, err, err_kinds
 
 
@@ -255,6 +277,7 @@ def refit(paths, out):
     runs of the same machine pooled, each collective and size a row per run, weigh alike; the device's figures
     are the median over the runs of each run's (`_device`), the world the first file's."""
     from autopar.cost.cluster import ClusterSpec
+
     runs = []
     for path in paths:
         with open(path) as f:
@@ -266,16 +289,24 @@ def refit(paths, out):
     dev = spec.device
     steps = [st for d in runs for st in d["calibration"].get("steps", [])]
     if all("matmul_flops_per_rank" in d["calibration"] for d in runs):
-        dev = _device([max(d["calibration"]["matmul_flops_per_rank"]) for d in runs],
-                      [max(d["calibration"]["copy_bytes_per_s_per_rank"]) for d in runs],
-                      [min(d["calibration"]["op_overhead_s"]) for d in runs])
+        dev = _device(
+            [max(d["calibration"]["matmul_flops_per_rank"]) for d in runs],
+            [max(d["calibration"]["copy_bytes_per_s_per_rank"]) for d in runs],
+            [min(d["calibration"]["op_overhead_s"]) for d in runs],
+        )
     dev, step_err = step_fit(steps, dev)
     spec = ClusterSpec(spec.name, dev, spec.gpus_per_node, link, link)
     new = spec.to_json()
-    new["calibration"] = {**cal, "runs": len(runs), "collectives": coll, "steps": steps,
-                          "step_fit_median_rel_error": step_err, "fit_median_rel_error": err,
-                          "fit_per_kind_median_rel_error": err_kinds,
-                          "refit_command": "python benchmarks/cpu_calibrate.py " + " ".join(sys.argv[1:])}
+    new["calibration"] = {
+        **cal,
+        "runs": len(runs),
+        "collectives": coll,
+        "steps": steps,
+        "step_fit_median_rel_error": step_err,
+        "fit_median_rel_error": err,
+        "fit_per_kind_median_rel_error": err_kinds,
+        "refit_command": "python benchmarks/cpu_calibrate.py " + " ".join(sys.argv[1:]),
+    }
     with open(out, "w") as f:
         json.dump(new, f, indent=1)
     _report(link, err, err_kinds, out)
@@ -285,17 +316,26 @@ def _device(flops, copy, overhead):
     """The CPU DeviceSpec of one or more runs' figures (the median of each): matmul FLOP/s and copy bytes/s per
     rank, the fixed time of one eager op."""
     from autopar.cost.cluster import CLUSTERS, DeviceSpec
+
     f = statistics.median(flops)
-    return DeviceSpec("cpu", {"fp32": f, "bf16": f, "fp16": f}, mem_bw=statistics.median(copy),
-                      mem_bytes=CLUSTERS["cpu-gloo"].device.mem_bytes, matmul_eff=1.0, mem_eff=1.0,
-                      op_overhead=statistics.median(overhead))
+    return DeviceSpec(
+        "cpu",
+        {"fp32": f, "bf16": f, "fp16": f},
+        mem_bw=statistics.median(copy),
+        mem_bytes=CLUSTERS["cpu-gloo"].device.mem_bytes,
+        matmul_eff=1.0,
+        mem_eff=1.0,
+        op_overhead=statistics.median(overhead),
+    )
 
 
 def _report(link, err, err_kinds, out):
-    print(f"launch {link.launch * 1e6:.0f} us, alpha {link.alpha * 1e6:.0f} us, bw {link.bw / 1e9:.3f} GB/s "
-          f"(median fit error {err:.0%}); per kind (median error {err_kinds:.0%}): "
-          + ", ".join(f"{k} {c * 1e6:.0f} + {a * 1e6:.0f}/step us {b / 1e9:.3f} GB/s" for k, a, b, c in link.kinds)
-          + f" -> {out}")
+    print(
+        f"launch {link.launch * 1e6:.0f} us, alpha {link.alpha * 1e6:.0f} us, bw {link.bw / 1e9:.3f} GB/s "
+        f"(median fit error {err:.0%}); per kind (median error {err_kinds:.0%}): "
+        + ", ".join(f"{k} {c * 1e6:.0f} + {a * 1e6:.0f}/step us {b / 1e9:.3f} GB/s" for k, a, b, c in link.kinds)
+        + f" -> {out}"
+    )
 
 
 def main():
@@ -304,8 +344,12 @@ def main():
     ap.add_argument("--out", default=os.path.join(HERE, "results", "cpu_gloo_calibrated.json"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--work-ms", type=float, default=WORK_MS, help="compute between two timed collectives")
-    ap.add_argument("--refit", metavar="FILE", nargs="+",
-                    help="fit the link again from the timings recorded in FILE(s), pooled (no run)")
+    ap.add_argument(
+        "--refit",
+        metavar="FILE",
+        nargs="+",
+        help="fit the link again from the timings recorded in FILE(s), pooled (no run)",
+    )
     args = ap.parse_args()
     if args.refit:
         return refit(args.refit, args.out)
@@ -313,28 +357,39 @@ def main():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     raw = args.out + ".raw"
-    mp.start_processes(_worker, args=(args.world, port, raw, args.quick, args.work_ms), nprocs=args.world,
-                       start_method="spawn")
+    mp.start_processes(
+        _worker, args=(args.world, port, raw, args.quick, args.work_ms), nprocs=args.world, start_method="spawn"
+    )
     with open(raw) as f:
         res = json.load(f)
     os.remove(raw)
     from autopar.cost.cluster import CLUSTERS, ClusterSpec
+
     link, err, err_kinds = link_fit(res["coll"], args.world)
-    dev, step_err = step_fit(res["steps"], _device([max(res["matmul"])], [max(res["copy"])],
-                                                   [min(res["op_overhead"])]))
+    dev, step_err = step_fit(res["steps"], _device([max(res["matmul"])], [max(res["copy"])], [min(res["op_overhead"])]))
     flops, mem_bw, overhead = dev.flops_for(torch.float32), dev.mem_bw, dev.op_overhead
     spec = ClusterSpec("cpu-gloo-calibrated", dev, CLUSTERS["cpu-gloo"].gpus_per_node, link, link)
     d = spec.to_json()
-    d["calibration"] = {"command": "python benchmarks/cpu_calibrate.py " + " ".join(sys.argv[1:]),
-                        "world": args.world, "cores": os.cpu_count(), "matmul_flops_per_rank": res["matmul"],
-                        "copy_bytes_per_s_per_rank": res["copy"], "op_overhead_s": res["op_overhead"],
-                        "collectives": res["coll"], "steps": res["steps"], "step_fit_median_rel_error": step_err,
-                        "fit_median_rel_error": err, "fit_per_kind_median_rel_error": err_kinds}
+    d["calibration"] = {
+        "command": "python benchmarks/cpu_calibrate.py " + " ".join(sys.argv[1:]),
+        "world": args.world,
+        "cores": os.cpu_count(),
+        "matmul_flops_per_rank": res["matmul"],
+        "copy_bytes_per_s_per_rank": res["copy"],
+        "op_overhead_s": res["op_overhead"],
+        "collectives": res["coll"],
+        "steps": res["steps"],
+        "step_fit_median_rel_error": step_err,
+        "fit_median_rel_error": err,
+        "fit_per_kind_median_rel_error": err_kinds,
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(d, f, indent=1)
-    print(f"device (fitted to the eager steps, median error {step_err}): {flops / 1e9:.2f} GFLOP/s per rank, "
-          f"{mem_bw / 1e9:.2f} GB/s per rank, op overhead {overhead * 1e6:.1f} us")
+    print(
+        f"device (fitted to the eager steps, median error {step_err}): {flops / 1e9:.2f} GFLOP/s per rank, "
+        f"{mem_bw / 1e9:.2f} GB/s per rank, op overhead {overhead * 1e6:.1f} us"
+    )
     _report(link, err, err_kinds, args.out)
     for c in res["coll"]:
         if "seconds" in c:

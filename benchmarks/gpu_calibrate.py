@@ -20,6 +20,7 @@ If autopar's planner cannot be imported on the device machine (missing scipy/hig
 JSON is still written; rerun with `--compare benchmarks/results/bench_gpu_cluster.json` where autopar imports.
 Keeps to torch APIs present in 2.11.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -72,8 +73,11 @@ class Timer:
 
 
 def matmul_rates(dev, timer, quick) -> dict:
-    sizes = [(512, 512, 512)] if quick else [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 14336),
-                                            (16384, 14336, 4096), (16384, 4096, 4096)]
+    sizes = (
+        [(512, 512, 512)]
+        if quick
+        else [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 4096, 14336), (16384, 14336, 4096), (16384, 4096, 4096)]
+    )
     if dev.type == "cpu" and not quick:
         sizes = [(1024, 1024, 1024), (2048, 2048, 2048)]
     out = {}
@@ -102,7 +106,7 @@ def matmul_rates(dev, timer, quick) -> dict:
 
 
 def copy_bandwidth(dev, timer, quick) -> dict:
-    n = (64 if quick else (2048 if dev.type == "cuda" else 256)) * 2 ** 20 // 4
+    n = (64 if quick else (2048 if dev.type == "cuda" else 256)) * 2**20 // 4
     src = torch.randn(n, device=dev)
     dst = torch.empty_like(src)
     t = timer(lambda: dst.copy_(src), 5 if quick else 20)
@@ -111,6 +115,7 @@ def copy_bandwidth(dev, timer, quick) -> dict:
 
 def attention_rate(dev, timer, quick) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
+
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     b, h, s, d = (1, 4, 256, 64) if quick else ((8, 16, 2048, 128) if dev.type == "cuda" else (2, 8, 512, 64))
     q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
@@ -125,8 +130,13 @@ def attention_rate(dev, timer, quick) -> dict:
         fwd_bwd()
     flops = fc.get_total_flops()
     t = timer(fwd_bwd, 3 if quick else 10)
-    return {"shape_bhsd": [b, h, s, d], "dtype": str(dt).replace("torch.", ""), "flops_torch_formula": flops,
-            "s": t, "flops_per_s": flops / t if t > 0 else 0.0}
+    return {
+        "shape_bhsd": [b, h, s, d],
+        "dtype": str(dt).replace("torch.", ""),
+        "flops_torch_formula": flops,
+        "s": t,
+        "flops_per_s": flops / t if t > 0 else 0.0,
+    }
 
 
 def launch_overhead(dev, timer, quick) -> dict:
@@ -141,6 +151,7 @@ def launch_overhead(dev, timer, quick) -> dict:
         for _ in range(n):
             y = y + 1.0
         return y
+
     t = timer(run, 3 if quick else 10)
     return {"ops": n, "s": t, "s_per_op": t / n}
 
@@ -156,32 +167,51 @@ def calibrate(dev, quick, base="h200") -> dict:
     bw = copy_bandwidth(dev, timer, quick)
     att = attention_rate(dev, timer, quick)
     launch = launch_overhead(dev, timer, quick)
-    att["ratio_to_matmul"] = att["flops_per_s"] / max(1.0, mm["bf16" if dev.type == "cuda" else "fp32"]
-                                                     ["best_flops_per_s"])
+    att["ratio_to_matmul"] = att["flops_per_s"] / max(
+        1.0, mm["bf16" if dev.type == "cuda" else "fp32"]["best_flops_per_s"]
+    )
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu"
     mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else 16e9
     base = base if dev.type == "cuda" else "cpu-gloo"
     preset = _preset(base)
     peak = {k: v["best_flops_per_s"] for k, v in mm.items() if v["best_flops_per_s"] > 0}
-    spec = {"name": f"calibrated-{name.replace(' ', '_')}",
-            "device": {"name": name, "peak_flops": peak, "mem_bw": bw["bytes_per_s"], "mem_bytes": float(mem),
-                       "matmul_eff": 1.0, "mem_eff": 1.0, "op_overhead": launch["s_per_op"]},
-            "gpus_per_node": preset["gpus_per_node"] if preset else 8,
-            "intra": preset["intra"] if preset else {"name": "unmeasured", "alpha": 3e-6, "bw": 450e9},
-            "inter": preset["inter"] if preset else {"name": "unmeasured", "alpha": 15e-6, "bw": 40e9},
-            "calibration": {"torch": torch.__version__, "cuda": torch.version.cuda, "device": name,
-                            "matmul": mm, "copy": bw, "attention": att, "launch": launch,
-                            "quick": quick,
-                            "links": f"not measured (one device): copied from the '{base}' preset",
-                            "preset_device": preset["device"] if preset else None, "base": base,
-                            "compute_key": "bf16" if dev.type == "cuda" else "fp32",
-                            "date": time.strftime("%Y-%m-%d %H:%M:%S")}}
+    spec = {
+        "name": f"calibrated-{name.replace(' ', '_')}",
+        "device": {
+            "name": name,
+            "peak_flops": peak,
+            "mem_bw": bw["bytes_per_s"],
+            "mem_bytes": float(mem),
+            "matmul_eff": 1.0,
+            "mem_eff": 1.0,
+            "op_overhead": launch["s_per_op"],
+        },
+        "gpus_per_node": preset["gpus_per_node"] if preset else 8,
+        "intra": preset["intra"] if preset else {"name": "unmeasured", "alpha": 3e-6, "bw": 450e9},
+        "inter": preset["inter"] if preset else {"name": "unmeasured", "alpha": 15e-6, "bw": 40e9},
+        "calibration": {
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "device": name,
+            "matmul": mm,
+            "copy": bw,
+            "attention": att,
+            "launch": launch,
+            "quick": quick,
+            "links": f"not measured (one device): copied from the '{base}' preset",
+            "preset_device": preset["device"] if preset else None,
+            "base": base,
+            "compute_key": "bf16" if dev.type == "cuda" else "fp32",
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        },
+    }
     return spec
 
 
 def _preset(name):
     try:
         from autopar.cost import get_cluster
+
         return get_cluster(name).to_json()
     except Exception:  # noqa: BLE001  (autopar's deps may be missing on the device machine)
         return None
@@ -192,6 +222,7 @@ def run_debug_step(dev, quick) -> dict:
     seconds over several steps after warm-up, and the optimizer step separately."""
     sys.path.insert(0, ROOT)
     from autopar.models import build_model, example_inputs
+
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
     batch, seq = (1, 128) if quick else ((8, 2048) if dev.type == "cuda" else (2, 256))
     model = build_model("llama3-debug", device=dev, dtype=dt)
@@ -204,8 +235,14 @@ def run_debug_step(dev, quick) -> dict:
 
     t_fb = timer(fwd_bwd, 3 if quick else 10, warmup=2)
     t_opt = timer(opt.step, 3 if quick else 10, warmup=1)
-    return {"model": "llama3-debug", "batch": batch, "seq": seq, "dtype": str(dt).replace("torch.", ""),
-            "fwd_bwd_s": t_fb, "optimizer_s": t_opt}
+    return {
+        "model": "llama3-debug",
+        "batch": batch,
+        "seq": seq,
+        "dtype": str(dt).replace("torch.", ""),
+        "fwd_bwd_s": t_fb,
+        "optimizer_s": t_opt,
+    }
 
 
 def executor_step(dev, quick) -> dict:
@@ -222,13 +259,15 @@ def executor_step(dev, quick) -> dict:
     import autopar
     from autopar.backends.comm import CommCounter
     from autopar.models import build_model, example_inputs
+
     if dev.type == "cuda":
         torch.cuda.set_device(dev.index or 0)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)
+    dist.init_process_group(
+        "nccl" if dev.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
     try:
         mesh = init_device_mesh(dev.type, (1,), mesh_dim_names=("dp",))
         batch, seq = (1, 128) if quick else ((8, 2048) if dev.type == "cuda" else (2, 256))
@@ -246,13 +285,22 @@ def executor_step(dev, quick) -> dict:
         lr.backward()
         reps = 3 if quick else 10
         t_pm, t_ref = [], []
-        for _ in range(reps):   # alternate so both see the same device state
+        for _ in range(reps):  # alternate so both see the same device state
             t_pm.append(timer(lambda: pm(*x).backward(), 1, warmup=1))
             t_ref.append(timer(lambda: ref(*x).backward(), 1, warmup=1))
-        return {"model": "llama3-debug", "batch": batch, "seq": seq, "dtype": "float32",
-                "backend": dist.get_backend(), "plan_s": plan_s, "executor_fwd_bwd_s": statistics.median(t_pm),
-                "eager_fwd_bwd_s": statistics.median(t_ref), "loss_diff": abs(lp.item() - lr.item()),
-                "collectives": len(counter.records), "predicted_collectives": len(pm.plan.collectives())}
+        return {
+            "model": "llama3-debug",
+            "batch": batch,
+            "seq": seq,
+            "dtype": "float32",
+            "backend": dist.get_backend(),
+            "plan_s": plan_s,
+            "executor_fwd_bwd_s": statistics.median(t_pm),
+            "eager_fwd_bwd_s": statistics.median(t_ref),
+            "loss_diff": abs(lp.item() - lr.item()),
+            "collectives": len(counter.records),
+            "predicted_collectives": len(pm.plan.collectives()),
+        }
     finally:
         dist.destroy_process_group()
 
@@ -260,13 +308,17 @@ def executor_step(dev, quick) -> dict:
 def predict(step: dict, cluster) -> dict:
     import autopar
     from autopar.models import build_model, example_inputs
+
     dt = getattr(torch, step["dtype"])
     m = build_model("llama3-debug", device="meta", dtype=dt)
     x = example_inputs("llama3-debug", batch=step["batch"], seq=step["seq"], device="meta")
     # one rank: every placement is Replicate, so ops without a sharding rule are fine as they are
     p = autopar.plan(m, autopar.MeshSpec((1,), ("dp",)), x, cluster=cluster, allow_replicate=True)
-    return {"compute_s": p.predicted["compute_s"], "step_s": p.predicted["step_s"],
-            "recompute_s": p.predicted.get("recompute_s", 0.0)}
+    return {
+        "compute_s": p.predicted["compute_s"],
+        "step_s": p.predicted["step_s"],
+        "recompute_s": p.predicted.get("recompute_s", 0.0),
+    }
 
 
 def _rate(v: float) -> str:
@@ -277,54 +329,78 @@ def compare(out_json: str, md_path: str, base: str) -> list[str]:
     d = json.load(open(out_json))
     base = d["calibration"].get("base", base)
     step = d["calibration"]["debug_step"]
-    lines = [f"# Device calibration: {d['calibration']['device']} (torch {d['calibration']['torch']})", "",
-             f"command: `{d['calibration'].get('command', '')}`  commit: `{d['calibration'].get('commit', '')}`", ""]
+    lines = [
+        f"# Device calibration: {d['calibration']['device']} (torch {d['calibration']['torch']})",
+        "",
+        f"command: `{d['calibration'].get('command', '')}`  commit: `{d['calibration'].get('commit', '')}`",
+        "",
+    ]
     c = d["calibration"]
     lines += ["| measurement | value |", "|---|---|"]
     for k, v in c["matmul"].items():
         lines.append(f"| matmul {k} best | {_rate(v['best_flops_per_s'])} |")
     lines.append(f"| copy bandwidth | {c['copy']['bytes_per_s'] / 1e9:.0f} GB/s |")
     a = c["attention"]
-    lines.append(f"| SDPA fwd+bwd {a['dtype']} {a['shape_bhsd']} | {_rate(a['flops_per_s'])} "
-                 f"(torch's formula, no causal discount) = {a['ratio_to_matmul']:.2f}x matmul |")
+    lines.append(
+        f"| SDPA fwd+bwd {a['dtype']} {a['shape_bhsd']} | {_rate(a['flops_per_s'])} "
+        f"(torch's formula, no causal discount) = {a['ratio_to_matmul']:.2f}x matmul |"
+    )
     if c.get("launch"):
         lines.append(f"| eager op, back to back (dispatch + launch) | {c['launch']['s_per_op'] * 1e6:.1f} us |")
     if c.get("preset_device"):
         pd = c["preset_device"]
         key = c.get("compute_key", "bf16")
-        lines.append(f"| preset {base} achievable {key} (peak x matmul_eff) | "
-                     f"{_rate(pd['peak_flops'].get(key, 0) * pd['matmul_eff'])} |")
-        lines.append(f"| preset {base} achievable bandwidth (mem_bw x mem_eff) | "
-                     f"{pd['mem_bw'] * pd['mem_eff'] / 1e9:.0f} GB/s |")
-    lines += ["", f"## {step['model']} one step on world 1 (batch {step['batch']} x seq {step['seq']}, "
-                  f"{step['dtype']})", "",
-              "| | seconds | predicted / measured |", "|---|---|---|",
-              f"| measured forward+backward (median) | {step['fwd_bwd_s']:.4f} | |",
-              f"| measured AdamW step | {step['optimizer_s']:.4f} | |"]
+        lines.append(
+            f"| preset {base} achievable {key} (peak x matmul_eff) | "
+            f"{_rate(pd['peak_flops'].get(key, 0) * pd['matmul_eff'])} |"
+        )
+        lines.append(
+            f"| preset {base} achievable bandwidth (mem_bw x mem_eff) | {pd['mem_bw'] * pd['mem_eff'] / 1e9:.0f} GB/s |"
+        )
+    lines += [
+        "",
+        f"## {step['model']} one step on world 1 (batch {step['batch']} x seq {step['seq']}, {step['dtype']})",
+        "",
+        "| | seconds | predicted / measured |",
+        "|---|---|---|",
+        f"| measured forward+backward (median) | {step['fwd_bwd_s']:.4f} | |",
+        f"| measured AdamW step | {step['optimizer_s']:.4f} | |",
+    ]
     from dataclasses import replace
 
     from autopar.cost import get_cluster
+
     cal = get_cluster(out_json)
     flat = replace(cal, device=replace(cal.device, op_overhead=0.0))
-    for label, cl in ((f"calibrated spec ({cal.device.op_overhead * 1e6:.1f} us per op)", cal),
-                      ("calibrated spec, no per-op cost (roofline only)", flat), (f"preset '{base}'", base)):
+    for label, cl in (
+        (f"calibrated spec ({cal.device.op_overhead * 1e6:.1f} us per op)", cal),
+        ("calibrated spec, no per-op cost (roofline only)", flat),
+        (f"preset '{base}'", base),
+    ):
         try:
             p = predict(step, cl)
-            lines.append(f"| predicted compute, {label} | {p['compute_s']:.4f} | "
-                         f"{p['compute_s'] / step['fwd_bwd_s']:.2f}x |")
+            lines.append(
+                f"| predicted compute, {label} | {p['compute_s']:.4f} | {p['compute_s'] / step['fwd_bwd_s']:.2f}x |"
+            )
         except Exception as e:  # noqa: BLE001
             lines.append(f"| predicted compute, {label} | not available: {type(e).__name__}: {e} | |")
     ex = c.get("executor_step")
     if ex and "error" not in ex:
-        lines += ["", f"## autopar's graph executor vs eager, world 1 ({ex['backend']}, {ex['model']} batch "
-                      f"{ex['batch']} x seq {ex['seq']}, {ex['dtype']})", "",
-                  "| | seconds |", "|---|---|",
-                  f"| eager forward+backward (median) | {ex['eager_fwd_bwd_s']:.4f} |",
-                  f"| autopar executor forward+backward (median) | {ex['executor_fwd_bwd_s']:.4f} |",
-                  f"| ratio executor / eager | {ex['executor_fwd_bwd_s'] / ex['eager_fwd_bwd_s']:.2f}x |",
-                  f"| plan + parallelize | {ex['plan_s']:.2f} |", "",
-                  f"loss difference {ex['loss_diff']:.3e}; collectives in one step: {ex['collectives']} measured, "
-                  f"{ex['predicted_collectives']} predicted"]
+        lines += [
+            "",
+            f"## autopar's graph executor vs eager, world 1 ({ex['backend']}, {ex['model']} batch "
+            f"{ex['batch']} x seq {ex['seq']}, {ex['dtype']})",
+            "",
+            "| | seconds |",
+            "|---|---|",
+            f"| eager forward+backward (median) | {ex['eager_fwd_bwd_s']:.4f} |",
+            f"| autopar executor forward+backward (median) | {ex['executor_fwd_bwd_s']:.4f} |",
+            f"| ratio executor / eager | {ex['executor_fwd_bwd_s'] / ex['eager_fwd_bwd_s']:.2f}x |",
+            f"| plan + parallelize | {ex['plan_s']:.2f} |",
+            "",
+            f"loss difference {ex['loss_diff']:.3e}; collectives in one step: {ex['collectives']} measured, "
+            f"{ex['predicted_collectives']} predicted",
+        ]
     elif ex:
         lines += ["", f"autopar's graph executor on world 1 failed: {ex['error']}"]
     with open(md_path, "w") as f:
@@ -339,8 +415,9 @@ def main(argv=None):
     ap.add_argument("--base", default="h200", help="preset whose links (and reference figures) are kept")
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench_gpu_cluster.json"))
     ap.add_argument("--md", default=os.path.join(RESULTS, "bench_gpu.md"))
-    ap.add_argument("--executor", action="store_true",
-                    help="also time autopar's graph executor vs eager on world 1 (NCCL on a GPU)")
+    ap.add_argument(
+        "--executor", action="store_true", help="also time autopar's graph executor vs eager on world 1 (NCCL on a GPU)"
+    )
     ap.add_argument("--compare", metavar="JSON", help="only the prediction vs measurement report from a JSON")
     args = ap.parse_args(argv)
     if args.compare:
@@ -355,25 +432,30 @@ def main(argv=None):
     rc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     spec["calibration"]["commit"] = rc.stdout.strip() or "unknown (no git on this machine)"
     spec["calibration"]["command"] = "python benchmarks/gpu_calibrate.py " + " ".join(
-        argv if argv is not None else sys.argv[1:])
+        argv if argv is not None else sys.argv[1:]
+    )
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     def save():
         with open(args.out, "w") as f:
             json.dump(spec, f, indent=1)
-    save()                               # the device measurements are kept whatever happens next
+
+    save()  # the device measurements are kept whatever happens next
     try:
         spec["calibration"]["debug_step"] = run_debug_step(dev, args.quick)
     except ImportError as e:
         save()
-        sys.exit(f"wrote {args.out} (device measurements); the debug-model step needs autopar's model zoo, which "
-                 f"does not import here: {e}")
+        sys.exit(
+            f"wrote {args.out} (device measurements); the debug-model step needs autopar's model zoo, which "
+            f"does not import here: {e}"
+        )
     save()
     if args.executor:
         try:
             spec["calibration"]["executor_step"] = executor_step(dev, args.quick)
         except Exception as e:  # noqa: BLE001  (reported in the markdown, the calibration is kept)
             import traceback
+
             traceback.print_exc()
             spec["calibration"]["executor_step"] = {"error": f"{type(e).__name__}: {e}"}
         save()
@@ -382,8 +464,10 @@ def main(argv=None):
         print("\n".join(compare(args.out, args.md, args.base)))
         print(f"wrote {args.md}")
     except ImportError as e:
-        print(f"autopar's planner is not importable here ({e}); run: python benchmarks/gpu_calibrate.py "
-              f"--compare {args.out}")
+        print(
+            f"autopar's planner is not importable here ({e}); run: python benchmarks/gpu_calibrate.py "
+            f"--compare {args.out}"
+        )
 
 
 if __name__ == "__main__":

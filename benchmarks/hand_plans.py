@@ -40,6 +40,7 @@ plans that split the batch all-reduce the router statistics over the data-parall
 2 x experts floats a layer, every layer's in one all_reduce after the last), where plain DDP would give each rank
 its own shard's aux loss, another gradient (until 2026-12 the benchmark's hand plans did that).
 """
+
 from __future__ import annotations
 
 import re
@@ -48,7 +49,7 @@ import torch
 import torch.nn as nn
 
 HAND_SOURCES = ("ddp", "fsdp2", "tp", "fsdp2_tp", "torchtitan")
-BLOCK_LISTS = ("layers", "h")          # the ModuleList of repeated blocks, per family
+BLOCK_LISTS = ("layers", "h")  # the ModuleList of repeated blocks, per family
 
 
 class NotApplicable(ValueError):
@@ -57,6 +58,7 @@ class NotApplicable(ValueError):
 
 def family_of(model_name: str) -> str:
     from autopar.models import get_config
+
     return get_config(model_name).family
 
 
@@ -71,13 +73,13 @@ def tp_placement(family: str, fqn: str, shape) -> str:
             return "S0"
         if mod in ("wo", "w2"):
             return "S1"
-        return "R"                       # norms, router
+        return "R"  # norms, router
     if family == "gpt2":
         if ".attn." in fqn or mod in ("wpe", "ln_1", "ln_2", "ln_f"):
             return "R"
         if mod in ("c_fc", "wte", "lm_head"):
             return "S0"
-        if mod == "c_proj":              # mlp.c_proj (attention's was handled above)
+        if mod == "c_proj":  # mlp.c_proj (attention's was handled above)
             return "R" if is_bias else "S1"
         return "R"
     if family == "mlp":
@@ -89,8 +91,15 @@ def tp_placement(family: str, fqn: str, shape) -> str:
     raise NotApplicable(f"no hand-written tensor-parallel rule for model family {family!r}")
 
 
-def forced_placements(source: str, model_name: str, model: nn.Module, mesh_names: tuple, titan: dict | None = None,
-                      mesh_shape: tuple | None = None, notes: list | None = None) -> dict[str, tuple[str, ...]]:
+def forced_placements(
+    source: str,
+    model_name: str,
+    model: nn.Module,
+    mesh_names: tuple,
+    titan: dict | None = None,
+    mesh_shape: tuple | None = None,
+    notes: list | None = None,
+) -> dict[str, tuple[str, ...]]:
     """{param FQN: placements per mesh dim} of a hand plan, for autopar.plan(force=...).
 
     FSDP2 pads a dim that does not divide evenly (Shard(0) of a 128256-row embedding over 512 ranks); the planner
@@ -142,8 +151,10 @@ def _even(pl, shape, mesh_shape, movable) -> tuple:
     import math
 
     def ok(c):
-        return all(shape[d] % math.prod(m for p, m in zip(c, mesh_shape) if p == f"S{d}") == 0
-                   for d in range(len(shape)))
+        return all(
+            shape[d] % math.prod(m for p, m in zip(c, mesh_shape) if p == f"S{d}") == 0 for d in range(len(shape))
+        )
+
     if ok(pl) or not movable:
         return tuple(pl)
     for i in movable:
@@ -162,6 +173,7 @@ def _even(pl, shape, mesh_shape, movable) -> tuple:
 def state_bytes_lower_bound(model: nn.Module, force: dict, mesh_shape, precision) -> float:
     """Per-rank bytes of params + grads + optimizer state at the forced placements (a lower bound of the peak)."""
     import math
+
     seen, total = set(), 0.0
     for fqn, p in model.named_parameters():
         if id(p) in seen:
@@ -173,6 +185,7 @@ def state_bytes_lower_bound(model: nn.Module, force: dict, mesh_shape, precision
 
 
 # ---- the same plans with torch's APIs (measured runs) -----------------------------------------------------------
+
 
 def _blocks(model: nn.Module) -> list[nn.Module]:
     for name in BLOCK_LISTS:
@@ -186,35 +199,54 @@ def tp_styles(family: str, model: nn.Module) -> tuple[dict, bool]:
     """parallelize_module plan (module FQN -> ParallelStyle) of the family's TP rule, and whether the loss runs under
     loss_parallel (vocab-sharded logits)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
     col, row = ColwiseParallel, RowwiseParallel
-    head = col(output_layouts=Shard(-1), use_local_output=False)          # vocab-parallel logits
+    head = col(output_layouts=Shard(-1), use_local_output=False)  # vocab-parallel logits
     plan = {}
-    if family == "llama":                # torchtitan's apply_tp layer plan (TP + sequence parallel)
-        plan.update({"tok_embeddings": row(input_layouts=Replicate(), output_layouts=Shard(1)),
-                     "norm": SequenceParallel(),
-                     "output": col(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+    if family == "llama":  # torchtitan's apply_tp layer plan (TP + sequence parallel)
+        plan.update(
+            {
+                "tok_embeddings": row(input_layouts=Replicate(), output_layouts=Shard(1)),
+                "norm": SequenceParallel(),
+                "output": col(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+            }
+        )
         for i in range(len(model.layers)):
             b = f"layers.{i}."
-            plan.update({b + "attention_norm": SequenceParallel(),
-                         b + "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                             desired_input_layouts=(Replicate(), None, None)),
-                         b + "attention.wq": col(), b + "attention.wk": col(), b + "attention.wv": col(),
-                         b + "attention.wo": row(output_layouts=Shard(1)),
-                         b + "ffn_norm": SequenceParallel(),
-                         b + "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                                desired_input_layouts=(Replicate(),)),
-                         b + "feed_forward.w1": col(), b + "feed_forward.w3": col(),
-                         b + "feed_forward.w2": row(output_layouts=Shard(1))})
+            plan.update(
+                {
+                    b + "attention_norm": SequenceParallel(),
+                    b + "attention": PrepareModuleInput(
+                        input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    ),
+                    b + "attention.wq": col(),
+                    b + "attention.wk": col(),
+                    b + "attention.wv": col(),
+                    b + "attention.wo": row(output_layouts=Shard(1)),
+                    b + "ffn_norm": SequenceParallel(),
+                    b + "feed_forward": PrepareModuleInput(
+                        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    ),
+                    b + "feed_forward.w1": col(),
+                    b + "feed_forward.w3": col(),
+                    b + "feed_forward.w2": row(output_layouts=Shard(1)),
+                }
+            )
         return plan, True
-    if family == "moe":                  # Megatron TP without sequence parallelism; experts: see tp_experts
+    if family == "moe":  # Megatron TP without sequence parallelism; experts: see tp_experts
         # logits all-gathered (no loss_parallel): the model adds a plain-tensor router aux loss to the CE loss
         plan.update({"tok_embeddings": row(input_layouts=Replicate()), "output": col(output_layouts=Replicate())})
         for i, blk in enumerate(model.layers):
             b = f"layers.{i}."
-            plan.update({b + "attention.wq": col(), b + "attention.wk": col(), b + "attention.wv": col(),
-                         b + "attention.wo": row()})
+            plan.update(
+                {
+                    b + "attention.wq": col(),
+                    b + "attention.wk": col(),
+                    b + "attention.wv": col(),
+                    b + "attention.wo": row(),
+                }
+            )
             ffn = b + ("moe.shared_experts" if blk.is_moe else "feed_forward")
             if not blk.is_moe or blk.moe.shared_experts is not None:
                 plan.update({ffn + ".w1": col(), ffn + ".w3": col(), ffn + ".w2": row()})
@@ -236,10 +268,11 @@ def tp_experts(model: nn.Module, tp_mesh) -> None:
     """Tensor parallelism inside every routed expert (w1, w3 Shard(2), w2 Shard(1)) with distribute_module: inputs
     enter replicated, the expert sum leaves as a Partial that is all-reduced (Megatron's row-parallel output)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+
     dims = {"w1": 2, "w3": 2, "w2": 1}
 
     def partition(name, module, mesh):
-        if name == "":                   # the Experts module itself (distribute_module visits it first)
+        if name == "":  # the Experts module itself (distribute_module visits it first)
             for pn, d in dims.items():
                 p = getattr(module, pn)
                 module.register_parameter(pn, nn.Parameter(distribute_tensor(p, mesh, [Shard(d)])))
@@ -255,7 +288,7 @@ def tp_experts(model: nn.Module, tp_mesh) -> None:
             distribute_module(blk.moe.experts, tp_mesh, partition, inputs, outputs)
 
 
-IGNORE_INDEX = -100         # F.cross_entropy's default, the models' loss
+IGNORE_INDEX = -100  # F.cross_entropy's default, the models' loss
 
 
 class _SumOverRanks(torch.autograd.Function):
@@ -267,6 +300,7 @@ class _SumOverRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, run):
         import torch.distributed as dist
+
         ctx.run = run
         y = x.clone()
         dist.all_reduce(y, group=group)
@@ -297,13 +331,14 @@ def global_router_means(model: nn.Module, run: "HandRun") -> None:
 
     def logits_and_aux(tokens):
         sums.clear()
-        logits, aux = model_logits_and_aux(tokens)          # each layer's own aux loss is 0 here
+        logits, aux = model_logits_and_aux(tokens)  # each layer's own aux loss is 0 here
         total = _SumOverRanks.apply(torch.cat(sums), run.dp_group, run)
         n = tokens.numel() * run.dp_size
         for moe, s in zip(moes, total.split([2 * m.n_experts for m in moes])):
-            load, mean_probs = s[:moe.n_experts] / n, s[moe.n_experts:] / n
-            aux = aux + moe.n_experts * (load / moe.top_k * mean_probs).sum()     # as MoE.forward computes it
+            load, mean_probs = s[: moe.n_experts] / n, s[moe.n_experts :] / n
+            aux = aux + moe.n_experts * (load / moe.top_k * mean_probs).sum()  # as MoE.forward computes it
         return logits, aux
+
     model_logits_and_aux = model.logits_and_aux
     for moe in moes:
         moe.token_means = token_means.__get__(moe)
@@ -314,6 +349,7 @@ def global_tokens(labels: torch.Tensor, group) -> torch.Tensor:
     """The number of valid labels (!= IGNORE_INDEX) of the global batch: this rank's count, summed over the
     data-parallel `group` (None: this rank holds the whole batch), as torchtitan 0.2.2's train_step counts them."""
     import torch.distributed as dist
+
     n = (labels != IGNORE_INDEX).sum()
     if group is not None:
         dist.all_reduce(n, group=group)
@@ -326,12 +362,21 @@ class HandRun:
     ranks (None without data parallelism); `divides`: what the engine divides the summed gradients by (DDP and
     FSDP2 average over the data-parallel ranks)."""
 
-    def __init__(self, module, loss_parallel: bool, dp_rank: int, dp_size: int, after_backward=None,
-                 persistent_bytes: int = 0, dp_group=None, divides: int = 1):
+    def __init__(
+        self,
+        module,
+        loss_parallel: bool,
+        dp_rank: int,
+        dp_size: int,
+        after_backward=None,
+        persistent_bytes: int = 0,
+        dp_group=None,
+        divides: int = 1,
+    ):
         self.module, self.loss_parallel = module, loss_parallel
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.after_backward = after_backward
-        self.persistent_bytes = persistent_bytes    # buffers the engine holds between steps (not params/grads/opt)
+        self.persistent_bytes = persistent_bytes  # buffers the engine holds between steps (not params/grads/opt)
         self.dp_group, self.divides = dp_group, divides
 
     def forward_backward(self, local):
@@ -341,7 +386,7 @@ class HandRun:
         model's 0 / 0 mean)."""
         labels = local[-1]
         scale = (labels != IGNORE_INDEX).sum().item() * self.divides / global_tokens(labels, self.dp_group).item()
-        self.aux_grad_factor = self.divides / scale if scale else 0.0      # global_router_means
+        self.aux_grad_factor = self.divides / scale if scale else 0.0  # global_router_means
         with self.context():
             (self.module(*local) * scale).backward()
         if self.after_backward is not None:
@@ -349,24 +394,28 @@ class HandRun:
 
     def local_inputs(self, inputs):
         if inputs[0].shape[0] % self.dp_size:
-            raise ValueError(f"the global batch of {inputs[0].shape[0]} does not split over {self.dp_size} "
-                             f"data-parallel ranks")
+            raise ValueError(
+                f"the global batch of {inputs[0].shape[0]} does not split over {self.dp_size} data-parallel ranks"
+            )
         return tuple(x.chunk(self.dp_size, dim=0)[self.dp_rank].contiguous() for x in inputs)
 
     def context(self):
         import contextlib
+
         if self.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
+
             return loss_parallel()
         return contextlib.nullcontext()
 
 
-def _allreduce_grads(params, group, bucket_bytes=25 * 2 ** 20):
+def _allreduce_grads(params, group, bucket_bytes=25 * 2**20):
     """Data-parallel gradient averaging over `group` in flat buckets of <= 25 MiB (DDP's default bucket size), on
     the local shards of DTensor gradients: used for TP x replicate-DP, which DistributedDataParallel does not
     support on DTensor parameters."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
+
     grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
     buckets, cur, size = [], [], 0
     for g in grads:
@@ -385,7 +434,7 @@ def _allreduce_grads(params, group, bucket_bytes=25 * 2 ** 20):
         flat /= n
         off = 0
         for g in b:
-            g.copy_(flat[off:off + g.numel()].view_as(g))
+            g.copy_(flat[off : off + g.numel()].view_as(g))
             off += g.numel()
 
 
@@ -401,6 +450,7 @@ def hand_collectives(source: str, model: nn.Module, world: int) -> dict | None:
         all_gathered in the forward and again in the backward (reshard_after_forward=True) except the root's,
         which FSDP2 keeps gathered for the backward, and one reduce_scatter of the gradients."""
     import torch.distributed as dist
+
     if source not in ("ddp", "fsdp2"):
         return None
     out: dict = {}
@@ -409,6 +459,7 @@ def hand_collectives(source: str, model: nn.Module, world: int) -> dict | None:
         e = out.setdefault(kind, {"count": 0, "bytes": 0})
         e["count"] += count
         e["bytes"] += nbytes
+
     add("all_reduce", 8)
     blocks = _blocks(model)
     moes = [blk.moe for blk in blocks if getattr(blk, "is_moe", False)]
@@ -416,7 +467,7 @@ def hand_collectives(source: str, model: nn.Module, world: int) -> dict | None:
         add("all_reduce", sum(2 * m.n_experts * 4 for m in moes))
     params = [p for p in model.parameters() if p.requires_grad]
     if source == "ddp":
-        first, cap = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2 ** 20), 25 * 2 ** 20
+        first, cap = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 2**20), 25 * 2**20
         buckets, _ = dist._compute_bucket_assignment_by_size(list(reversed(params)), [first, cap])
         add("all_reduce", sum(p.numel() * p.element_size() for p in params), len(buckets))
         return out
@@ -426,6 +477,7 @@ def hand_collectives(source: str, model: nn.Module, world: int) -> dict | None:
 
     def padded(ps):
         return sum(-(-p.shape[0] // world) * world * (p.numel() // max(p.shape[0], 1)) * p.element_size() for p in ps)
+
     in_blocks = set()
     for blk in blocks:
         ps = [p for p in blk.parameters() if p.requires_grad]
@@ -452,17 +504,20 @@ def _apply(source: str, model_name: str, model: nn.Module, mesh, world_mesh) -> 
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
+
     fam = family_of(model_name)
     names = tuple(mesh.mesh_dim_names)
     rank, world = dist.get_rank(), dist.get_world_size()
     if source == "ddp":
         from torch.nn.parallel import DistributedDataParallel
+
         ddp = DistributedDataParallel(model, process_group=world_mesh.get_group(0), gradient_as_bucket_view=True)
         # the reducer's gradient buckets live between steps (the gradients are views into them): every trainable
         # parameter's size, which neither the parameters nor a set_to_none .grad shows
         buckets = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        return HandRun(ddp, False, rank, world, persistent_bytes=buckets, dp_group=world_mesh.get_group(0),
-                       divides=world)
+        return HandRun(
+            ddp, False, rank, world, persistent_bytes=buckets, dp_group=world_mesh.get_group(0), divides=world
+        )
     if source == "fsdp2":
         for blk in _blocks(model):
             fully_shard(blk, mesh=world_mesh)
@@ -487,6 +542,6 @@ def _apply(source: str, model_name: str, model: nn.Module, mesh, world_mesh) -> 
         after = None
         if two_d:
             params = [p for p in model.parameters()]
-            after = lambda: _allreduce_grads(params, group)      # noqa: E731
+            after = lambda: _allreduce_grads(params, group)  # noqa: E731
         return HandRun(model, lp, dp_rank, dp_size, after, dp_group=group, divides=dp_size)
     raise ValueError(f"apply_hand: unknown source {source!r}")

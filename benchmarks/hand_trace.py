@@ -11,6 +11,7 @@ at. ddp and fsdp2 are predicted by rules instead (hand_plans.hand_collectives).
 
 report.py runs it once per re-render for the measured rows of these sources.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,22 +32,22 @@ def trace(model_key: str, mesh_str: str, source: str) -> dict:
     from measure import build, comm_summary
     from autopar import models as M
     from autopar.backends.engines_comm import CollectiveCounter
+
     cfg = {**MEASURED, **QUICK_MEASURED}[model_key]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
     try:
         world_mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp",))
         shape = tuple(int(s) for s in mesh_str.split("x"))
         mesh = world_mesh if len(shape) == 1 else init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
-        x = M.example_inputs(cfg["name"], batch=cfg["batch"], seq=cfg["seq"], device="cpu", seed=0,
-                             **cfg["overrides"])
+        x = M.example_inputs(cfg["name"], batch=cfg["batch"], seq=cfg["seq"], device="cpu", seed=0, **cfg["overrides"])
         run = build(source, cfg, mesh, world_mesh, x)
         with torch.no_grad():
-            for p in run.module.parameters():       # the fake group leaves gathered shards uninitialized: keep the
-                p.zero_()                           # garbage finite (a NaN in a router's topk is still a NaN)
+            for p in run.module.parameters():  # the fake group leaves gathered shards uninitialized: keep the
+                p.zero_()  # garbage finite (a NaN in a router's topk is still a NaN)
         run.step()
         with CollectiveCounter(mesh) as cc:
-            run.step()                  # as measured: forward, backward, optimizer step (a partial gradient of a
-        return comm_summary(cc.records)     # SequenceParallel norm is all-reduced there), zero_grad
+            run.step()  # as measured: forward, backward, optimizer step (a partial gradient of a
+        return comm_summary(cc.records)  # SequenceParallel norm is all-reduced there), zero_grad
     finally:
         dist.destroy_process_group()
 
@@ -55,10 +56,16 @@ def traced(configs) -> dict:
     """Trace [(model, mesh, source), ...] in a child process (the fake group must not meet a real one); {"model mesh
     source": {kind: {count, bytes}} or {"error": message}}."""
     import subprocess
+
     if not configs:
         return {}
-    r = subprocess.run([sys.executable, os.path.join(HERE, "hand_trace.py"), json.dumps([list(c) for c in configs])],
-                       capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    r = subprocess.run(
+        [sys.executable, os.path.join(HERE, "hand_trace.py"), json.dumps([list(c) for c in configs])],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if r.returncode != 0:
         msg = (r.stderr.strip().splitlines() or ["no output"])[-1]
         return {" ".join(c): {"error": f"hand_trace.py failed: {msg}"} for c in configs}
@@ -71,7 +78,7 @@ def main(argv=None):
     for model_key, mesh_str, source in json.loads((argv or sys.argv[1:])[0]):
         try:
             out[f"{model_key} {mesh_str} {source}"] = trace(model_key, mesh_str, source)
-        except Exception as e:       # noqa: BLE001  (recorded for that row; the others go on)
+        except Exception as e:  # noqa: BLE001  (recorded for that row; the others go on)
             out[f"{model_key} {mesh_str} {source}"] = {"error": f"{type(e).__name__}: {e}"}
     print(json.dumps(out))
 

@@ -14,6 +14,7 @@ best hand plan. Files: benchmarks/results/bench.csv, bench.md, bench_steps.png, 
 Bad input never drops a row: an unknown model, a mesh larger than the measured world, a hand plan that does not fit
 the memory budget or does not exist for the model/mesh gets a row whose status and note say so.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,12 +29,21 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 RESULTS = os.path.join(HERE, "results")
-SCRATCH = os.path.join(tempfile.gettempdir(), "autopar_bench")   # per-rank logs, partial results
+SCRATCH = os.path.join(tempfile.gettempdir(), "autopar_bench")  # per-rank logs, partial results
 
 import torch  # noqa: E402
 
-from bench_config import (MEASURED, MEASURED_MESHES, QUICK_MEASURED, QUICK_MESHES, QUICK_SCALE, SCALE,  # noqa: E402
-                          SCALE_CLUSTER, WORLD, scale_batch)
+from bench_config import (  # noqa: E402
+    MEASURED,
+    MEASURED_MESHES,
+    QUICK_MEASURED,
+    QUICK_MESHES,
+    QUICK_SCALE,
+    SCALE,  # noqa: E402
+    SCALE_CLUSTER,
+    WORLD,
+    scale_batch,
+)
 from ranks import free_port  # noqa: E402
 from hand_plans import HAND_SOURCES, NotApplicable, forced_placements, state_bytes_lower_bound  # noqa: E402
 
@@ -47,13 +57,13 @@ class DoesNotFit(ValueError):
 
 def _mesh_spec(mesh: str):
     from autopar import MeshSpec
+
     shape = tuple(int(s) for s in mesh.split("x"))
     return MeshSpec(shape, ("dp",) if len(shape) == 1 else ("dp", "tp"))
 
 
 def _base_row(key, mesh, source, kind, cluster) -> dict:
-    return {"model": key, "mesh": mesh, "source": source, "kind": kind, "cluster": cluster, "status": "ok",
-            "note": ""}
+    return {"model": key, "mesh": mesh, "source": source, "kind": kind, "cluster": cluster, "status": "ok", "note": ""}
 
 
 _TITAN: dict = {}
@@ -63,6 +73,7 @@ def titan_layout(mesh) -> dict | None:
     """torchtitan's placements for this mesh's layout (dp_shard = dp, tp = tp), read from parallelize_llama on a
     fake process group (benchmarks/titan.py); the rules are structural, so a small fake world stands for any."""
     from titan import titan_placements, titan_status
+
     tp = mesh.shape[1] if len(mesh.shape) == 2 else 1
     key = (2, tp if tp == 1 else 2)
     if key not in _TITAN:
@@ -76,17 +87,19 @@ def modeled_rows(key, name, overrides, dtype, batch, seq, mesh_str, sources, clu
     import autopar
     from autopar import models as M
     from autopar.cost import TrainingPrecision, get_cluster
+
     try:
         mesh = _mesh_spec(mesh_str)
     except (ValueError, TypeError) as e:
-        return [{**_base_row(key, mesh_str, s, "modeled", cluster), "status": "error", "note": f"bad mesh: {e}"}
-                for s in sources]
+        return [
+            {**_base_row(key, mesh_str, s, "modeled", cluster), "status": "error", "note": f"bad mesh: {e}"}
+            for s in sources
+        ]
     try:
         model = M.build_model(name, device="meta", dtype=dtype, **overrides)
         x = M.example_inputs(name, batch=batch, seq=seq, device="meta", **overrides)
     except ValueError as e:
-        return [{**_base_row(key, mesh_str, s, "modeled", cluster), "status": "error", "note": str(e)}
-                for s in sources]
+        return [{**_base_row(key, mesh_str, s, "modeled", cluster), "status": "error", "note": str(e)} for s in sources]
     cl = get_cluster(cluster)
     cap = budget if budget is not None else 0.9 * cl.device.mem_bytes
     low = any(p.dtype in (torch.bfloat16, torch.float16) for p in model.parameters())
@@ -104,17 +117,20 @@ def modeled_rows(key, name, overrides, dtype, batch, seq, mesh_str, sources, clu
                 if "error" in titan:
                     raise NotApplicable(titan["error"])
             notes = []
-            force = None if src == "autopar" else forced_placements(src, name, model, mesh.names, titan,
-                                                                    mesh.shape, notes)
+            force = (
+                None if src == "autopar" else forced_placements(src, name, model, mesh.names, titan, mesh.shape, notes)
+            )
             row["note"] = "; ".join(notes)
             if force is not None:
                 need = state_bytes_lower_bound(model, force, mesh.shape, prec)
                 if need > cap:
-                    raise DoesNotFit(f"model state alone (params + grads + optimizer, {prec.bytes_per_param} B/param "
-                                     f"at the forced placements) needs {need / 2**30:.1f} GiB per rank > budget "
-                                     f"{cap / 2**30:.1f} GiB")
+                    raise DoesNotFit(
+                        f"model state alone (params + grads + optimizer, {prec.bytes_per_param} B/param "
+                        f"at the forced placements) needs {need / 2**30:.1f} GiB per rank > budget "
+                        f"{cap / 2**30:.1f} GiB"
+                    )
             same = next((s for s, (f, _) in done.items() if f is not None and f == force), None)
-            if same is not None:          # identical planner input -> identical plan (the planner is deterministic)
+            if same is not None:  # identical planner input -> identical plan (the planner is deterministic)
                 plan, plan_s = done[same][1]
                 row["note"] = "; ".join(notes + [f"same placements as {same}: plan reused"])
             else:
@@ -123,15 +139,26 @@ def modeled_rows(key, name, overrides, dtype, batch, seq, mesh_str, sources, clu
                 plan_s = time.perf_counter() - t0
             done[src] = (force, (plan, plan_s))
             p = plan.predicted
-            row.update(modeled_step_s=p["step_s"], compute_s=p["compute_s"], comm_s=p["comm_s"],
-                       exposed_comm_s=p["exposed_comm_s"], objective_s=plan.solver["objective"],
-                       predicted_comm_bytes=sum(v["bytes"] for v in p["collectives"].values()),
-                       predicted_collectives=p["collectives"], predicted_peak_mem_bytes=p["peak_mem_bytes"],
-                       plan_s=plan_s if src == "autopar" else None, model_s=plan_s, plan_hash=plan.hash(),
-                       params=plan.params, recompute_s=p.get("recompute_s", 0.0), pass_s=plan.timings)
+            row.update(
+                modeled_step_s=p["step_s"],
+                compute_s=p["compute_s"],
+                comm_s=p["comm_s"],
+                exposed_comm_s=p["exposed_comm_s"],
+                objective_s=plan.solver["objective"],
+                predicted_comm_bytes=sum(v["bytes"] for v in p["collectives"].values()),
+                predicted_collectives=p["collectives"],
+                predicted_peak_mem_bytes=p["peak_mem_bytes"],
+                plan_s=plan_s if src == "autopar" else None,
+                model_s=plan_s,
+                plan_hash=plan.hash(),
+                params=plan.params,
+                recompute_s=p.get("recompute_s", 0.0),
+                pass_s=plan.timings,
+            )
             if src == "torchtitan":
-                row["note"] = (row["note"] + "; " if row["note"] else "") + \
-                    "placements read from torchtitan 0.2.2 parallelize_llama (fake process group)"
+                row["note"] = (
+                    row["note"] + "; " if row["note"] else ""
+                ) + "placements read from torchtitan 0.2.2 parallelize_llama (fake process group)"
         except NotApplicable as e:
             row.update(status="n/a", note=str(e))
         except DoesNotFit as e:
@@ -140,9 +167,15 @@ def modeled_rows(key, name, overrides, dtype, batch, seq, mesh_str, sources, clu
             row.update(status="does not fit", note=f"planner: {str(e)[:400]}")
         except Exception as e:  # noqa: BLE001  (the row is kept and says what failed)
             row.update(status="error", note=f"{type(e).__name__}: {str(e)[:400]}")
-        print(f"    {src:<11} {row['status']:<13} " + (f"step {row['modeled_step_s'] * 1e3:.2f} ms, planned in "
-                                                       f"{row['model_s']:.1f} s" if row["status"] == "ok" else
-                                                       row["note"][:100]), flush=True)
+        print(
+            f"    {src:<11} {row['status']:<13} "
+            + (
+                f"step {row['modeled_step_s'] * 1e3:.2f} ms, planned in {row['model_s']:.1f} s"
+                if row["status"] == "ok"
+                else row["note"][:100]
+            ),
+            flush=True,
+        )
     # which hand plan autopar's own plan equals, if any
     auto = next((r for r in rows if r["source"] == "autopar" and r["status"] == "ok"), None)
     if auto is not None:
@@ -154,6 +187,7 @@ def modeled_rows(key, name, overrides, dtype, batch, seq, mesh_str, sources, clu
 
 # ---- measured -----------------------------------------------------------------------------------------------------
 
+
 def measured_rows(key, meshes, sources, steps, warmup, launch_timeout, gloo_timeout=120.0) -> list[dict]:
     """Launch benchmarks/measure.py on WORLD gloo ranks for one model; relaunch without a source that crashed or
     hung the launch (its row says so). Rows for meshes that do not fit the world are marked, not run."""
@@ -164,11 +198,13 @@ def measured_rows(key, meshes, sources, steps, warmup, launch_timeout, gloo_time
         except ValueError:
             n = None
         if n is None or n != WORLD:
-            why = (f"mesh {m!r} is not like 4 or 2x2" if n is None else
-                   f"mesh {m} has {n} ranks but the measured world has {WORLD} gloo ranks"
-                   + (" (mesh larger than the world)" if n > WORLD else ""))
-            rows += [{**_base_row(key, m, s, "measured", "cpu-gloo"), "status": "error", "note": why}
-                     for s in sources]
+            why = (
+                f"mesh {m!r} is not like 4 or 2x2"
+                if n is None
+                else f"mesh {m} has {n} ranks but the measured world has {WORLD} gloo ranks"
+                + (" (mesh larger than the world)" if n > WORLD else "")
+            )
+            rows += [{**_base_row(key, m, s, "measured", "cpu-gloo"), "status": "error", "note": why} for s in sources]
         else:
             run_meshes.append(m)
     if not run_meshes:
@@ -180,11 +216,31 @@ def measured_rows(key, meshes, sources, steps, warmup, launch_timeout, gloo_time
         if os.path.exists(out):
             os.remove(out)
         port, procs, logs = free_port(), [], []
-        env_base = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                    "WORLD_SIZE": str(WORLD)}
-        cmd = [sys.executable, os.path.join(HERE, "measure.py"), "--model", key, "--meshes", *run_meshes,
-               "--sources", *sources, "--steps", str(steps), "--warmup", str(warmup), "--timeout", str(gloo_timeout),
-               "--out", out] + (["--exclude", *excluded] if excluded else [])
+        env_base = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": str(WORLD),
+        }
+        cmd = [
+            sys.executable,
+            os.path.join(HERE, "measure.py"),
+            "--model",
+            key,
+            "--meshes",
+            *run_meshes,
+            "--sources",
+            *sources,
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--timeout",
+            str(gloo_timeout),
+            "--out",
+            out,
+        ] + (["--exclude", *excluded] if excluded else [])
         for r in range(WORLD):
             log = open(os.path.join(SCRATCH, f"measure_{key}_rank{r}.log"), "w")
             logs.append(log)
@@ -214,12 +270,15 @@ def measured_rows(key, meshes, sources, steps, warmup, launch_timeout, gloo_time
             for m in run_meshes:
                 for s in sources:
                     if not any(r["mesh"] == m and r["source"] == s for r in got) and (m, s) not in crashed:
-                        crashed[(m, s)] = f"the launch failed before this row finished ({'hung' if hung else 'exit'}); "\
-                                          f"log: {tail}"
+                        crashed[(m, s)] = (
+                            f"the launch failed before this row finished ({'hung' if hung else 'exit'}); log: {tail}"
+                        )
             break
         m, s = parts[0], parts[1]
-        crashed[(m, s)] = (f"{'hung (killed after the launch timeout)' if hung else 'crashed'} during "
-                           f"{parts[2] if len(parts) > 2 else '?'}; relaunched without it; log: {tail}")
+        crashed[(m, s)] = (
+            f"{'hung (killed after the launch timeout)' if hung else 'crashed'} during "
+            f"{parts[2] if len(parts) > 2 else '?'}; relaunched without it; log: {tail}"
+        )
         excluded.append(f"{m}:{s}")
     else:
         got = []
@@ -236,8 +295,11 @@ def _log_tail(key, n=600) -> str:
     for r in range(WORLD):
         path = os.path.join(SCRATCH, f"measure_{key}_rank{r}.log")
         if os.path.exists(path):
-            lines = [ln for ln in open(path, errors="replace").read().splitlines()
-                     if ln.strip() and "Warning" not in ln and "warn(" not in ln and "USDT" not in ln]
+            lines = [
+                ln
+                for ln in open(path, errors="replace").read().splitlines()
+                if ln.strip() and "Warning" not in ln and "warn(" not in ln and "USDT" not in ln
+            ]
             if lines:
                 tails.append(f"rank {r}: " + " | ".join(lines[-4:]))
     return (" || ".join(tails))[-n:]
@@ -245,8 +307,10 @@ def _log_tail(key, n=600) -> str:
 
 # ---- driver -------------------------------------------------------------------------------------------------------
 
+
 def run(args) -> list[dict]:
     from autopar import models as M
+
     rows = []
     measured = dict(QUICK_MEASURED) if args.quick else dict(MEASURED)
     scale = list(QUICK_SCALE) if args.quick else list(SCALE)
@@ -260,29 +324,47 @@ def run(args) -> list[dict]:
             else:
                 try:
                     M.get_config(k)
-                    measured[k] = None          # a zoo model without a measured configuration
+                    measured[k] = None  # a zoo model without a measured configuration
                 except ValueError as e:
-                    rows += [{**_base_row(k, m, s, "measured", "cpu-gloo"), "status": "error",
-                              "note": f"unknown model: {e}"} for m in meshes for s in args.sources or ("autopar",)]
+                    rows += [
+                        {**_base_row(k, m, s, "measured", "cpu-gloo"), "status": "error", "note": f"unknown model: {e}"}
+                        for m in meshes
+                        for s in args.sources or ("autopar",)
+                    ]
         scale = [c for c in scale if c["key"] in args.models]
     for key, cfg in measured.items():
         if cfg is None:
-            rows += [{**_base_row(key, m, "-", "measured", "cpu-gloo"), "status": "error",
-                      "note": f"no measured configuration for {key!r} in benchmarks/bench_config.py "
-                              f"(known: {', '.join(MEASURED)})"} for m in meshes]
+            rows += [
+                {
+                    **_base_row(key, m, "-", "measured", "cpu-gloo"),
+                    "status": "error",
+                    "note": f"no measured configuration for {key!r} in benchmarks/bench_config.py "
+                    f"(known: {', '.join(MEASURED)})",
+                }
+                for m in meshes
+            ]
             continue
         srcs = tuple(args.sources) if args.sources else MEASURED_SOURCES
         if args.only in (None, "cpu", "modeled-cpu"):
             for m in meshes:
                 print(f"[modeled cpu-gloo] {key} {m}", flush=True)
-                rows += modeled_rows(key, cfg["name"], cfg["overrides"], torch.float32, cfg["batch"], cfg["seq"], m,
-                                     [s for s in srcs if s != "autopar-torch"], "cpu-gloo")
+                rows += modeled_rows(
+                    key,
+                    cfg["name"],
+                    cfg["overrides"],
+                    torch.float32,
+                    cfg["batch"],
+                    cfg["seq"],
+                    m,
+                    [s for s in srcs if s != "autopar-torch"],
+                    "cpu-gloo",
+                )
         if args.only in (None, "cpu", "measured"):
             print(f"[measured 4 x gloo] {key} {' '.join(meshes)}", flush=True)
             rows += measured_rows(key, meshes, srcs, args.steps, args.warmup, args.launch_timeout)
     if args.only in (None, "scale") and scale:
         srcs = tuple(args.sources) if args.sources else MODELED_SOURCES
-        if "torchtitan" in srcs:         # read torchtitan's layouts once, here, for every worker
+        if "torchtitan" in srcs:  # read torchtitan's layouts once, here, for every worker
             for c in scale:
                 if c["name"].startswith("llama3"):
                     titan_layout(_mesh_spec(c["mesh"]))
@@ -294,6 +376,7 @@ def run(args) -> list[dict]:
         else:
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor
+
             with ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as ex:
                 for rs in ex.map(_scale_task, scale, [srcs] * len(scale), [_TITAN] * len(scale)):
                     rows += rs
@@ -303,8 +386,17 @@ def run(args) -> list[dict]:
 def _scale_task(c, srcs, titan_cache) -> list[dict]:
     _TITAN.update(titan_cache)
     print(f"[modeled {SCALE_CLUSTER}] {c['key']} {c['mesh']}", flush=True)
-    rows = modeled_rows(c["key"], c["name"], c["overrides"], torch.bfloat16, scale_batch(c["mesh"]), c["seq"],
-                        c["mesh"], srcs, SCALE_CLUSTER)
+    rows = modeled_rows(
+        c["key"],
+        c["name"],
+        c["overrides"],
+        torch.bfloat16,
+        scale_batch(c["mesh"]),
+        c["seq"],
+        c["mesh"],
+        srcs,
+        SCALE_CLUSTER,
+    )
     return rows
 
 
@@ -315,13 +407,21 @@ def main(argv=None):
     ap.add_argument("--models", nargs="+", help="model keys (default: every configured one)")
     ap.add_argument("--meshes", nargs="+", help="meshes of the CPU configurations (default: 4 2x2)")
     ap.add_argument("--sources", nargs="+", help=f"plan sources (default: {' '.join(MEASURED_SOURCES)})")
-    ap.add_argument("--steps", type=int, default=None,
-                    help="timed steps per source, median reported (default 15: on 2 cores a row's ratio moved by up "
-                         "to 0.13 between two runs with 5 steps, ~0.1 with 9; --quick 5)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps per source, median reported (default 15: on 2 cores a row's ratio moved by up "
+        "to 0.13 between two runs with 5 steps, ~0.1 with 9; --quick 5)",
+    )
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--launch-timeout", type=float, default=900.0, help="seconds per 4-rank launch")
-    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
-                    help="planning processes for the modeled at-scale configurations (default: 2, or 1 core)")
+    ap.add_argument(
+        "--jobs",
+        type=int,
+        default=min(2, os.cpu_count() or 1),
+        help="planning processes for the modeled at-scale configurations (default: 2, or 1 core)",
+    )
     ap.add_argument("--out", default=os.path.join(RESULTS, "bench"), help="output prefix (.csv/.md/.png/_raw.json)")
     args = ap.parse_args(argv)
     if args.quick:
@@ -337,10 +437,15 @@ def main(argv=None):
     t0 = time.perf_counter()
     rows = run(args)
     from report import write_all
-    cmd = "python benchmarks/harness.py" + ("" if argv is None and len(sys.argv) == 1 else
-                                            " " + " ".join(argv if argv is not None else sys.argv[1:]))
-    full = not args.quick and args.out == os.path.join(RESULTS, "bench") and not (args.only or args.models or
-                                                                                 args.meshes or args.sources)
+
+    cmd = "python benchmarks/harness.py" + (
+        "" if argv is None and len(sys.argv) == 1 else " " + " ".join(argv if argv is not None else sys.argv[1:])
+    )
+    full = (
+        not args.quick
+        and args.out == os.path.join(RESULTS, "bench")
+        and not (args.only or args.models or args.meshes or args.sources)
+    )
     paths = write_all(rows, args.out, cmd, time.perf_counter() - t0, readme=full)
     print("\n".join(f"wrote {p}" for p in paths))
     return rows

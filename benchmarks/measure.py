@@ -19,6 +19,7 @@ Every step: forward (loss), backward, AdamW step (fused), zero_grad() (set_to_no
 and torchtitan normalize the loss as torchtitan 0.2.2's train_step does (hand_plans.py, HandRun.forward_backward):
 every source computes one device's gradient of the mean loss.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,6 +56,7 @@ class Run:
 
     def state_bytes(self) -> int:
         from torch.distributed.tensor import DTensor
+
         seen, total = set(), 0
 
         def add(t):
@@ -68,6 +70,7 @@ class Run:
             if key not in seen and st.nbytes():
                 seen.add(key)
                 total += st.nbytes()
+
         for p in self.module.parameters():
             add(p)
             add(p.grad)
@@ -87,6 +90,7 @@ def _adamw(params):
     some parameters plain tensors beside DTensors (TP of a model with unsharded embeddings) takes the per-tensor
     loop: the fused and foreach ops refuse the mix."""
     from torch.distributed.tensor import DTensor
+
     params = list(params)
     one_kind = len({isinstance(p, DTensor) for p in params}) == 1
     return torch.optim.AdamW(params, lr=1e-4, fused=one_kind, foreach=False)
@@ -95,64 +99,78 @@ def _adamw(params):
 def build(source, cfg, mesh, world_mesh, x):
     from autopar import models as M
     from hand_plans import apply_hand
+
     name, ov = cfg["name"], cfg["overrides"]
     if source == "torchtitan":
         from hand_plans import NotApplicable
+
         if not name.startswith("llama3"):
             raise NotApplicable("torchtitan's parallelize_llama is the hand plan of Llama-3 models only")
         from titan import build_titan, titan_loss
         from hand_plans import global_tokens
+
         names = tuple(mesh.mesh_dim_names)
         tp = mesh.size(1) if names == ("dp", "tp") else 1
         model, lp = build_titan(dist.get_world_size(), tp, cfg["seq"])
-        dp_rank, dp_size = (mesh.get_local_rank("dp"), mesh.size(0)) if tp > 1 else (dist.get_rank(),
-                                                                                    dist.get_world_size())
+        dp_rank, dp_size = (
+            (mesh.get_local_rank("dp"), mesh.size(0)) if tp > 1 else (dist.get_rank(), dist.get_world_size())
+        )
         local = tuple(t.chunk(dp_size, 0)[dp_rank].contiguous() for t in x)
         opt = _adamw(model.parameters())
         dp_group = mesh.get_group("dp") if tp > 1 else world_mesh.get_group(0)
 
         def step():
-            n = global_tokens(local[-1], dp_group)          # before the forward, as torchtitan's train_step
+            n = global_tokens(local[-1], dp_group)  # before the forward, as torchtitan's train_step
             ctx = _loss_parallel() if lp else _null()
             with ctx:
                 titan_loss(model, *local, lp, n).backward()
+
         return Run(source, model, opt, step, {"note": "torchtitan's own Llama-3 model and parallelize_llama"})
     model = M.build_model(name, device="cpu", seed=0, **ov)
     if source == "autopar":
         import autopar
+
         pm = autopar.parallelize(model, mesh, x, cluster="cpu-gloo")
-        opt = pm.attach_optimizer(_adamw(pm.parameters()))      # step counts as DTensors (backends/graph.py)
+        opt = pm.attach_optimizer(_adamw(pm.parameters()))  # step counts as DTensors (backends/graph.py)
 
         def step():
             pm(*x).backward()
+
         # the gradient buckets' flat buffers live between steps, as DDP's reducer's (backends/program.py)
-        keep = lambda: sum(b.nbytes for b in pm.program.flat_bufs.values())     # noqa: E731
+        keep = lambda: sum(b.nbytes for b in pm.program.flat_bufs.values())  # noqa: E731
         return Run(source, pm, opt, step, {"plan": pm.plan, "persistent_bytes": keep})
-    if source == "autopar-torch":       # backend="auto": the engines, with graph parts where they cannot
+    if source == "autopar-torch":  # backend="auto": the engines, with graph parts where they cannot
         from autopar.backends import engines
         from hand_plans import NotApplicable
+
         m = engines.parallelize_torch(model, mesh, x, backend="auto", cluster="cpu-gloo")
         if m is not model:
-            raise NotApplicable(f"backend='auto' runs the whole model on the graph backend (the autopar row): "
-                                f"{m.autopar_fallback}")
+            raise NotApplicable(
+                f"backend='auto' runs the whole model on the graph backend (the autopar row): {m.autopar_fallback}"
+            )
         local = engines.local_inputs(m, mesh, *x)
         opt = _adamw(m.parameters())
 
         def step():
             with engines.train_context(m):
                 m(*local).backward()
+
         low = m._autopar_lowering
         replan = m._autopar_plan.meta.get("engine_replan")
-        extra = {"note": "autopar's plan lowered to fully_shard / parallelize_module" + (f"; {replan}" if replan else
-                                                                                          ""),
-                 "code": low.code(), "plan": m._autopar_plan}
+        extra = {
+            "note": "autopar's plan lowered to fully_shard / parallelize_module" + (f"; {replan}" if replan else ""),
+            "code": low.code(),
+            "plan": m._autopar_plan,
+        }
         # predicted: what runs, the engines' collectives (+ each graph part's own plan), not the plan's own list
         # (e.g. the plan reduces the loss's (sum, count) over dp then tp; the loss hook once over both)
         from autopar.backends.engines_comm import engine_collectives, tally
+
         extra["predicted_collectives"] = tally(engine_collectives(m._autopar_plan, low)[0])
         if low.parts:
-            extra["note"] += f"; graph backend for {sorted(low.parts)} (predicted: the engines' collectives + each " \
-                             f"part's plan)"
+            extra["note"] += (
+                f"; graph backend for {sorted(low.parts)} (predicted: the engines' collectives + each part's plan)"
+            )
         # the gradient hook's flat buckets live between steps (backends/engines_codegen.py _reduce_grads_in_buckets)
         extra["persistent_bytes"] = sum(b.nbytes for b in low.grad_buckets)
         return Run(source, m, opt, step, extra)
@@ -162,16 +180,19 @@ def build(source, cfg, mesh, world_mesh, x):
 
     def step():
         run.forward_backward(local)
+
     return Run(source, run.module, opt, step, {"persistent_bytes": run.persistent_bytes})
 
 
 def _loss_parallel():
     from torch.distributed.tensor.parallel import loss_parallel
+
     return loss_parallel()
 
 
 def _null():
     import contextlib
+
     return contextlib.nullcontext()
 
 
@@ -204,10 +225,12 @@ def comm_summary(records) -> dict:
 
 def _peak_during(fn) -> int:
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    mem = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-                 key=lambda e: e.start_ns())
+    mem = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns()
+    )
     cur = peak = 0
     for e in mem:
         cur += e.nbytes()
@@ -218,6 +241,7 @@ def _peak_during(fn) -> int:
 def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress):
     from torch.distributed.device_mesh import init_device_mesh
     from autopar.backends.engines_comm import CollectiveCounter
+
     shape = _mesh_shape(mesh_str)
     mesh = world_mesh if len(shape) == 1 else init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))
     rows, runs = {}, {}
@@ -225,37 +249,49 @@ def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress)
         progress(f"{mesh_str} {src} build")
         t0 = time.perf_counter()
         from hand_plans import NotApplicable
+
         try:
             run, ok, msg = build(src, cfg, mesh, world_mesh, x), True, ""
         except NotApplicable as e:
             run, ok, msg = None, False, f"n/a: {e}"
-        except Exception as e:           # noqa: BLE001  (recorded in the row, the other sources go on)
+        except Exception as e:  # noqa: BLE001  (recorded in the row, the other sources go on)
             run, ok, msg = None, False, _err(e)
             if os.environ.get("BENCH_DEBUG"):
                 traceback.print_exc()
         ok, msg = _agree(ok, msg)
         na = msg.split(": ", 1)[-1].startswith("n/a: ")
-        rows[src] = {"mesh": mesh_str, "source": src, "status": "ok" if ok else "n/a" if na else "error",
-                     "note": msg.split("n/a: ", 1)[-1] if na else msg, "build_s": time.perf_counter() - t0,
-                     "times": [], "cpu": []}
+        rows[src] = {
+            "mesh": mesh_str,
+            "source": src,
+            "status": "ok" if ok else "n/a" if na else "error",
+            "note": msg.split("n/a: ", 1)[-1] if na else msg,
+            "build_s": time.perf_counter() - t0,
+            "times": [],
+            "cpu": [],
+        }
         if ok:
             runs[src] = run
             rows[src].update({k: v for k, v in run.extra.items() if k in ("note", "code")})
             if "plan" in run.extra:
                 p = run.extra["plan"]
                 kinds = run.extra.get("predicted_collectives") or p.predicted["collectives"]
-                rows[src].update({"plan_hash": p.hash(), "params": p.params,
-                                  "predicted_comm_bytes": sum(v["bytes"] for v in kinds.values()),
-                                  "predicted_collectives": kinds,
-                                  "predicted_step_s": p.predicted["step_s"],
-                                  "predicted_peak_mem_bytes": p.predicted["peak_mem_bytes"]})
+                rows[src].update(
+                    {
+                        "plan_hash": p.hash(),
+                        "params": p.params,
+                        "predicted_comm_bytes": sum(v["bytes"] for v in kinds.values()),
+                        "predicted_collectives": kinds,
+                        "predicted_step_s": p.predicted["step_s"],
+                        "predicted_peak_mem_bytes": p.predicted["peak_mem_bytes"],
+                    }
+                )
 
     def one(src, phase, fn):
         progress(f"{mesh_str} {src} {phase}")
         try:
             fn()
             ok, msg = True, ""
-        except Exception as e:           # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
             ok, msg = False, _err(e)
             if os.environ.get("BENCH_DEBUG"):
                 traceback.print_exc()
@@ -274,6 +310,7 @@ def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress)
         def counted():
             with cc:
                 runs[src].step()
+
         if one(src, "comm count", counted):
             summ = comm_summary(cc.records)
             rows[src]["comm"] = summ
@@ -284,6 +321,7 @@ def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress)
         def mem_step():
             box["state"] = runs[src].state_bytes()
             box["peak"] = _peak_during(runs[src].step)
+
         if one(src, "memory", mem_step):
             t = torch.tensor([float(box["state"] + box["peak"]), float(box["state"])], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -298,12 +336,13 @@ def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress)
                 runs[src].step()
                 box["dt"] = time.perf_counter() - t0
                 box["cpu"] = [time.process_time() - c0, time.thread_time() - m0]
+
             if one(src, f"timed {r}", timed):
                 t = torch.tensor([box["dt"]], dtype=torch.float64)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)
                 rows[src]["times"].append(float(t[0]))
                 c = torch.tensor(box["cpu"], dtype=torch.float64)
-                dist.all_reduce(c)                  # CPU seconds of the step, summed over the ranks
+                dist.all_reduce(c)  # CPU seconds of the step, summed over the ranks
                 rows[src]["cpu"].append(c.tolist())
     for src, row in rows.items():
         if row["times"] and row["status"] == "ok":
@@ -318,11 +357,13 @@ def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress)
 def worker(args):
     from bench_config import MEASURED, QUICK_MEASURED
     from autopar import models as M
+
     cfg = {**MEASURED, **QUICK_MEASURED}[args.model]
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, world = dist.get_rank(), dist.get_world_size()
     from torch.distributed.device_mesh import init_device_mesh
+
     world_mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     x = M.example_inputs(cfg["name"], batch=cfg["batch"], seq=cfg["seq"], device="cpu", seed=0, **cfg["overrides"])
     out = {"model": args.model, "world": world, "rows": [], "progress": ""}
@@ -337,6 +378,7 @@ def worker(args):
     def progress(p):
         out["progress"] = p
         write()
+
     excluded = {tuple(e.split(":", 1)) for e in args.exclude}
     for mesh_str in args.meshes:
         srcs = [s for s in args.sources if (mesh_str, s) not in excluded]

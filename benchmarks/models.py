@@ -7,6 +7,7 @@ benchmarks/results/models.md (and the raw records as JSON next to it).
     python benchmarks/models.py --models gpt2,llama   # a few
     python benchmarks/models.py --wrapped             # also the hand-wrapped diagnostic (positional in, .loss out)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -56,51 +57,77 @@ def row(rec) -> str:
         why.append(f"8x8 {p8.get('stage', '')}: {p8.get('error', '')}")
     if not rec["ok"]:
         why.append(f"2x2 {rec['stage']}: {rec['error']}")
-    drop = "; ".join(x for x in ("dropout set to 0" if rec.get("dropout_off") else "",
-                                 "params pinned FSDP on dp" if rec.get("forced") else "",
-                                 rec.get("check_dtype", "")) if x)
-    return (f"| {rec['model']} | {_esc(rec.get('family', ''))} | {plan8} | {_pl(p8.get('placements'))} | "
-            f"{_pl(rec.get('placements_2x2'))} | {coll} | {err} | {verdict} | {drop} | {_esc('; '.join(why))} |")
+    drop = "; ".join(
+        x
+        for x in (
+            "dropout set to 0" if rec.get("dropout_off") else "",
+            "params pinned FSDP on dp" if rec.get("forced") else "",
+            rec.get("check_dtype", ""),
+        )
+        if x
+    )
+    return (
+        f"| {rec['model']} | {_esc(rec.get('family', ''))} | {plan8} | {_pl(p8.get('placements'))} | "
+        f"{_pl(rec.get('placements_2x2'))} | {coll} | {err} | {verdict} | {drop} | {_esc('; '.join(why))} |"
+    )
 
 
-HEADER = ("| model | covers | plan (8x8 h100) | 8x8 placements | 2x2 placements | collectives per step | "
-          "max error | result | 2x2 run | reason |\n|---|---|---|---|---|---|---|---|---|---|")
+HEADER = (
+    "| model | covers | plan (8x8 h100) | 8x8 placements | 2x2 placements | collectives per step | "
+    "max error | result | 2x2 run | reason |\n|---|---|---|---|---|---|---|---|---|---|"
+)
 
 
 def commit() -> str:
     try:
-        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "autopar", "passes",
-                                "backends", "tests/third_party"], capture_output=True, text=True).stdout.strip()
+        sha = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [
+                "git",
+                "-C",
+                str(ROOT),
+                "status",
+                "--porcelain",
+                "--",
+                "autopar",
+                "passes",
+                "backends",
+                "tests/third_party",
+            ],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
         return sha + (" + uncommitted changes" if dirty else "")
     except OSError:
         return "unknown"
 
 
 def render(command, sections, commit_id) -> str:
-    out = [f"# Third-party model suite\n",
-           f"Made by `{command}` at {commit_id} "
-           f"({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).\n",
-           "Each model of `tests/third_party/zoo.py` (built small from its config, random weights): `autopar.plan` on "
-           "a simulated (8, 8) mesh with cluster \"h100\" (timed inside the launch: 4 processes share the 2 cores, "
-           "so times are up to ~2x a lone run), and `autopar.parallelize` on a 2x2 gloo mesh with the "
-           "`tests/_clusters.py` SHAPES cluster (cheap collectives) against one device: the loss and every gradient of "
-           "the first step, every parameter and floating buffer after 3 AdamW steps (lr 1e-3, eps 1e-4: see "
-           "`ADAM_EPS` in tests/third_party/zoo_check.py), "
-           "|diff| <= 1e-6 + 1e-4 max|ref| per tensor; at least one parameter sharded and one collective in each "
-           "step (CommCounter, forward + backward + optimizer step). Both run the model in train() mode as built, "
-           "dropout on: one device draws its masks after torch.manual_seed(s), the parallel module after "
-           "pm.program.manual_seed(s) (each random tensor drawn whole in eager's order and layout, each rank keeping "
-           "its piece), so the comparison is exact. SHAPES alone replicates every parameter of models this small "
-           "(data parallel pays), so the 2x2 plan pins the parameters FSDP-like on dp (`fsdp_pins` in "
-           "tests/third_party/zoo_check.py) and the planner chooses every other placement. A model whose 2x2 run says "
-           "float64 is checked in float64 (its float32 training is not reproducible to the tolerance even on one "
-           "device: benchmarks/results/precision.md); its (8, 8) plan is of the float32 model. The solver's time limit is 30 s for every plan (`PLAN_TIME_LIMIT_S`). Placements: "
-           "parameters with a Shard on some mesh dim, of all, and how many on each dim. Max error: the largest "
-           "|diff| over the loss, gradients, "
-           "parameters and buffers. Stages: build, capture (recording the graph or the call's inputs), plan, "
-           "parallelize, step, compare.\n"]
+    out = [
+        "# Third-party model suite\n",
+        f"Made by `{command}` at {commit_id} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}).\n",
+        "Each model of `tests/third_party/zoo.py` (built small from its config, random weights): `autopar.plan` on "
+        'a simulated (8, 8) mesh with cluster "h100" (timed inside the launch: 4 processes share the 2 cores, '
+        "so times are up to ~2x a lone run), and `autopar.parallelize` on a 2x2 gloo mesh with the "
+        "`tests/_clusters.py` SHAPES cluster (cheap collectives) against one device: the loss and every gradient of "
+        "the first step, every parameter and floating buffer after 3 AdamW steps (lr 1e-3, eps 1e-4: see "
+        "`ADAM_EPS` in tests/third_party/zoo_check.py), "
+        "|diff| <= 1e-6 + 1e-4 max|ref| per tensor; at least one parameter sharded and one collective in each "
+        "step (CommCounter, forward + backward + optimizer step). Both run the model in train() mode as built, "
+        "dropout on: one device draws its masks after torch.manual_seed(s), the parallel module after "
+        "pm.program.manual_seed(s) (each random tensor drawn whole in eager's order and layout, each rank keeping "
+        "its piece), so the comparison is exact. SHAPES alone replicates every parameter of models this small "
+        "(data parallel pays), so the 2x2 plan pins the parameters FSDP-like on dp (`fsdp_pins` in "
+        "tests/third_party/zoo_check.py) and the planner chooses every other placement. A model whose 2x2 run says "
+        "float64 is checked in float64 (its float32 training is not reproducible to the tolerance even on one "
+        "device: benchmarks/results/precision.md); its (8, 8) plan is of the float32 model. The solver's time limit is 30 s for every plan (`PLAN_TIME_LIMIT_S`). Placements: "
+        "parameters with a Shard on some mesh dim, of all, and how many on each dim. Max error: the largest "
+        "|diff| over the loss, gradients, "
+        "parameters and buffers. Stages: build, capture (recording the graph or the call's inputs), plan, "
+        "parallelize, step, compare.\n",
+    ]
     for title, recs, wall in sections:
         passed = sum(1 for r in recs if r["ok"] and r["plan8"].get("ok"))
         out.append(f"\n## {title}\n\n{passed} of {len(recs)} pass; the launch took {wall:.0f} s.\n\n{HEADER}")
@@ -125,13 +152,15 @@ def main(argv=None):
     if a.wrapped:
         kw = [n for n in names if ZOO[n]()[2]]
         recs, wall = run(kw, "wrapped")
-        sections.append(("Diagnostic: keyword-input models wrapped by hand (positional tensors in, .loss out)",
-                         recs, wall))
+        sections.append(
+            ("Diagnostic: keyword-input models wrapped by hand (positional tensors in, .loss out)", recs, wall)
+        )
     command = "python benchmarks/models.py" + "".join(f" {x}" for x in (argv if argv is not None else sys.argv[1:]))
     text = render(command, sections, commit())
     Path(a.out).write_text(text)
-    Path(a.out).with_suffix(".json").write_text(json.dumps([{"title": t, "records": r, "wall_s": w}
-                                                            for t, r, w in sections], indent=1, default=str))
+    Path(a.out).with_suffix(".json").write_text(
+        json.dumps([{"title": t, "records": r, "wall_s": w} for t, r, w in sections], indent=1, default=str)
+    )
     print(text)
 
 

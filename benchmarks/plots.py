@@ -1,6 +1,7 @@
 """PNG plots of the benchmark rows (matplotlib, Agg): stacked compute / exposed comm / hidden comm per plan source for
 every model x mesh, and planning time vs number of layers. Each figure carries the command and commit that made it
 (footer text and PNG metadata)."""
+
 from __future__ import annotations
 
 import json
@@ -55,15 +56,24 @@ def plot_steps(rows, path, header) -> str:
         xs = range(len(names))
         ax.bar(xs, comp, color="#4C72B0", label="compute")
         ax.bar(xs, exp, bottom=comp, color="#C44E52", label="exposed comm")
-        ax.bar(xs, hid, bottom=[c + e for c, e in zip(comp, exp)], color="#DD8452", alpha=0.45,
-               label="comm hidden under compute")
+        ax.bar(
+            xs,
+            hid,
+            bottom=[c + e for c, e in zip(comp, exp)],
+            color="#DD8452",
+            alpha=0.45,
+            label="comm hidden under compute",
+        )
         top = max([c + e + h for c, e, h in zip(comp, exp, hid)] + [1e-9])
         for i, n in enumerate(notes):
             if n:
                 ax.text(i, top * 0.05, n, rotation=90, ha="center", va="bottom", fontsize=8)
-        meas = [(i, measured[(key[0], key[1], n)]["measured_step_s"] * 1e3) for i, n in enumerate(names)
-                if measured.get((key[0], key[1], n), {}).get("measured_step_s") is not None]
-        if meas:                          # measured steps on their own (right) axis: CPU timings dwarf the model
+        meas = [
+            (i, measured[(key[0], key[1], n)]["measured_step_s"] * 1e3)
+            for i, n in enumerate(names)
+            if measured.get((key[0], key[1], n), {}).get("measured_step_s") is not None
+        ]
+        if meas:  # measured steps on their own (right) axis: CPU timings dwarf the model
             ax2 = ax.twinx()
             ax2.plot([m[0] for m in meas], [m[1] for m in meas], "k*", ms=8, label="measured, 4 CPU ranks (right axis)")
             ax2.set_ylim(0, max(m[1] for m in meas) * 1.15)
@@ -75,7 +85,7 @@ def plot_steps(rows, path, header) -> str:
         ax.set_title(f"{key[0]}  mesh {key[1]}  ({key[2]})", fontsize=9)
         ax.set_ylabel("modeled ms per step", fontsize=8)
         ax.tick_params(axis="y", labelsize=8)
-    for ax in list(axes.flat)[len(keys):]:
+    for ax in list(axes.flat)[len(keys) :]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     if star is not None:
@@ -90,21 +100,37 @@ def plot_steps(rows, path, header) -> str:
 def plot_planning(rows, path, header, planning_json=os.path.join(HERE, "results", "planning.json")) -> str:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for cluster, color, marker in (("cpu-gloo", "#55A868", "s"), (None, "#4C72B0", "o")):
-        pts = [(r["n_layers"], r["plan_s"], f"{r['model']} {r['mesh']}") for r in rows
-               if r["kind"] == "modeled" and r["source"] == "autopar" and r.get("plan_s") is not None
-               and r.get("n_layers") and (r["cluster"] == cluster) == (cluster is not None)]
+        pts = [
+            (r["n_layers"], r["plan_s"], f"{r['model']} {r['mesh']}")
+            for r in rows
+            if r["kind"] == "modeled"
+            and r["source"] == "autopar"
+            and r.get("plan_s") is not None
+            and r.get("n_layers")
+            and (r["cluster"] == cluster) == (cluster is not None)
+        ]
         if not pts:
             continue
-        ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker,
-                   label=f"autopar.plan, this run ({'CPU configurations' if cluster else 'at-scale configurations'})")
+        ax.scatter(
+            [p[0] for p in pts],
+            [p[1] for p in pts],
+            color=color,
+            marker=marker,
+            label=f"autopar.plan, this run ({'CPU configurations' if cluster else 'at-scale configurations'})",
+        )
         if cluster is None:
             for x, y, t in pts:
                 ax.annotate(t, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
     if os.path.exists(planning_json):
         pj = json.load(open(planning_json))
         prs = sorted(pj["rows"], key=lambda r: r["layers"])
-        ax.plot([r["layers"] for r in prs], [r["cold_s"] for r in prs], "o-", color="#C44E52",
-                label=f"bench_planning.py: Llama-3-8B shape, 8x8 (commit {pj['commit']})")
+        ax.plot(
+            [r["layers"] for r in prs],
+            [r["cold_s"] for r in prs],
+            "o-",
+            color="#C44E52",
+            label=f"bench_planning.py: Llama-3-8B shape, 8x8 (commit {pj['commit']})",
+        )
     ax.axhline(5.0, color="0.5", ls="--", lw=1, label="goal for the 8B shape: 5 s")
     ax.set_xlabel("layers")
     ax.set_ylabel("planning time (s), capture included")

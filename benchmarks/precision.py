@@ -16,10 +16,10 @@ simulated (LocalTensorMode, tests/_simulated.py); its fp32 losses equal the gloo
     python benchmarks/precision.py                     # mobilenet_v2 -> benchmarks/results/precision.md
     python benchmarks/precision.py --model resnet --out /tmp/p.md
 """
+
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import time
 from pathlib import Path
@@ -76,18 +76,31 @@ def program(name, dtype=torch.float32) -> dict:
     from _clusters import SHAPES
     from _simulated import simulated
     from torch.distributed.tensor import DTensor
+
     model, args, kwargs, _ = build(name)
     model = model.to(dtype)
     args = tuple(_cast(a, dtype, False) for a in args)
     kwargs = {k: _cast(v, dtype, False) for k, v in kwargs.items()}
     kw = {"example_kwargs": kwargs} if kwargs else {}
     with simulated((2, 2)) as mesh:
-        planned = autopar.plan(model, mesh, example_inputs=args, cluster=SHAPES, overlap=False, return_state=True,
-                               force=fsdp_pins(model, (2, 2)), time_limit=60, **kw)
+        planned = autopar.plan(
+            model,
+            mesh,
+            example_inputs=args,
+            cluster=SHAPES,
+            overlap=False,
+            return_state=True,
+            force=fsdp_pins(model, (2, 2)),
+            time_limit=60,
+            **kw,
+        )
         pm = autopar.parallelize(model, mesh, args, planned=planned, **kw)
-        return _steps(pm, lambda: pm(*args, **kwargs),
-                      lambda t: t.full_tensor() if isinstance(t, DTensor) else t,
-                      lambda: pm.program.manual_seed(SEED))
+        return _steps(
+            pm,
+            lambda: pm(*args, **kwargs),
+            lambda t: t.full_tensor() if isinstance(t, DTensor) else t,
+            lambda: pm.program.manual_seed(SEED),
+        )
 
 
 def compare(run: dict, ref: dict) -> dict:
@@ -114,31 +127,44 @@ def main():
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "precision.md"))
     a = ap.parse_args()
     t = time.perf_counter()
-    runs = {"one device, fp32, 1 thread": one_device(a.model),
-            "one device, fp32, 2 threads": one_device(a.model, threads=2),
-            "one device, fp32, channels_last": one_device(a.model, cl=True),
-            "one device, fp64": one_device(a.model, torch.float64)}
+    runs = {
+        "one device, fp32, 1 thread": one_device(a.model),
+        "one device, fp32, 2 threads": one_device(a.model, threads=2),
+        "one device, fp32, channels_last": one_device(a.model, cl=True),
+        "one device, fp64": one_device(a.model, torch.float64),
+    }
     torch.set_num_threads(1)
     runs["program, fp32, 2x2"] = program(a.model)
     runs["program, fp64, 2x2"] = program(a.model, torch.float64)
     ref32, ref64 = runs["one device, fp32, 1 thread"], runs["one device, fp64"]
-    rows = [_row(k, "one device fp32, 1 thread", compare(r, ref32)) for k, r in runs.items()
-            if r is not ref32 and "fp64" not in k]
+    rows = [
+        _row(k, "one device fp32, 1 thread", compare(r, ref32))
+        for k, r in runs.items()
+        if r is not ref32 and "fp64" not in k
+    ]
     rows += [_row(k, "one device fp64", compare(r, ref64)) for k, r in runs.items() if r is not ref64]
     zero = sorted(n for n, g in ref64["grads"].items() if g.abs().max().item() < 1e-10)
-    lines = [f"# Float32 noise of `{a.model}` next to the suite's 2x2 check", "",
-             "Written by `python benchmarks/precision.py --model " + a.model + "` "
-             f"({time.perf_counter() - t:.0f} s). Each row: one run against a reference, the tensors outside the "
-             f"suite's tolerance (|diff| <= {ATOL:g} + {RTOL:g} max|ref| per tensor) of how many, and the max "
-             f"|diff| in brackets; gradients of the first step, parameters and floating buffers after {STEPS} AdamW "
-             "steps (lr 1e-3, eps 1e-4, as the suite). The 2x2 program runs simulated in one process "
-             "(LocalTensorMode): its fp32 losses equal the gloo launch's bit for bit.", "",
-             "| run | against | max loss diff | grads outside tol | params outside tol | buffers outside tol |",
-             "|---|---|---|---|---|---|", *rows, "",
-             "Losses of the 3 steps:", "",
-             *[f"- {k}: " + ", ".join(f"{x:.7f}" for x in r["losses"]) for k, r in runs.items()], "",
-             f"Gradients that are zero in fp64 (max |grad| < 1e-10; {len(zero)}): " + ", ".join(f"`{n}`" for n in zero),
-             ""]
+    lines = [
+        f"# Float32 noise of `{a.model}` next to the suite's 2x2 check",
+        "",
+        "Written by `python benchmarks/precision.py --model " + a.model + "` "
+        f"({time.perf_counter() - t:.0f} s). Each row: one run against a reference, the tensors outside the "
+        f"suite's tolerance (|diff| <= {ATOL:g} + {RTOL:g} max|ref| per tensor) of how many, and the max "
+        f"|diff| in brackets; gradients of the first step, parameters and floating buffers after {STEPS} AdamW "
+        "steps (lr 1e-3, eps 1e-4, as the suite). The 2x2 program runs simulated in one process "
+        "(LocalTensorMode): its fp32 losses equal the gloo launch's bit for bit.",
+        "",
+        "| run | against | max loss diff | grads outside tol | params outside tol | buffers outside tol |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "Losses of the 3 steps:",
+        "",
+        *[f"- {k}: " + ", ".join(f"{x:.7f}" for x in r["losses"]) for k, r in runs.items()],
+        "",
+        f"Gradients that are zero in fp64 (max |grad| < 1e-10; {len(zero)}): " + ", ".join(f"`{n}`" for n in zero),
+        "",
+    ]
     Path(a.out).write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -1,4 +1,5 @@
 """Running a benchmark's job on `world` spawned gloo ranks on this machine, and reading back what rank 0 returned."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,9 @@ def _rank(rank, world, port, job, args, out):
     """One rank: one thread, a gloo group, job(args, world); rank 0 writes what the job returned as JSON."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     try:
         res = job(args, world)
         if rank == 0:

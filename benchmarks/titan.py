@@ -19,6 +19,7 @@ Settings that differ from torchtitan's defaults, and why (the same for every pla
   torchtitan picks its mesh device from the machine ("cuda" when no accelerator is found);
   on this CPU-only machine `parallel_dims.device_type` is set to "cpu" before the mesh is built.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,10 @@ def titan_status() -> str:
     try:
         import torchtitan  # noqa: F401
         from importlib.metadata import version
+
         v = version("torchtitan")
         from torchtitan.models.llama3 import llama3_args, parallelize_llama  # noqa: F401
-    except Exception as e:       # ImportError, or triton missing (torchtitan imports it at module level)
+    except Exception as e:  # ImportError, or triton missing (torchtitan imports it at module level)
         return f"torchtitan not importable ({type(e).__name__}: {e}); install the extra: pip install -e '.[bench]'"
     if v != TITAN_VERSION:
         return f"torchtitan {v} installed, the benchmark pins {TITAN_VERSION}"
@@ -46,6 +48,7 @@ def titan_status() -> str:
 
 def _job_config(seq: int, tp: int):
     from torchtitan.config import JobConfig
+
     jc = JobConfig()
     jc.training.seq_len = seq
     jc.training.mixed_precision_param = "float32"
@@ -59,7 +62,8 @@ def _job_config(seq: int, tp: int):
 def _parallel_dims(world: int, tp: int):
     import torchtitan.distributed.parallel_dims as pdm
     from torchtitan.distributed import ParallelDims
-    pdm.device_type = "cpu"      # torchtitan falls back to "cuda" when it finds no accelerator
+
+    pdm.device_type = "cpu"  # torchtitan falls back to "cuda" when it finds no accelerator
     pd = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=tp, pp=1, ep=1, etp=1, world_size=world)
     pd.build_mesh()
     return pd
@@ -68,6 +72,7 @@ def _parallel_dims(world: int, tp: int):
 def titan_model_args(flavor: str = "debugmodel", **overrides):
     import dataclasses
     from torchtitan.models.llama3 import llama3_args
+
     args = llama3_args[flavor]
     return dataclasses.replace(args, **overrides) if overrides else args
 
@@ -77,6 +82,7 @@ def build_titan(world: int, tp: int, seq: int, flavor: str = "debugmodel", seed:
     ranks (dp_shard = world / tp, tp). Returns (model, uses_loss_parallel)."""
     import torch
     from torchtitan.models.llama3 import Transformer, parallelize_llama
+
     args = titan_model_args(flavor, **overrides)
     torch.manual_seed(seed)
     with torch.device("meta"):
@@ -85,7 +91,8 @@ def build_titan(world: int, tp: int, seq: int, flavor: str = "debugmodel", seed:
     jc = _job_config(seq, tp)
     model = parallelize_llama(model, pd, jc)
     from torch.distributed.fsdp import FSDPModule
-    for m in model.modules():             # gloo has no PREMUL_SUM, which torchtitan's divide factor 1.0 selects
+
+    for m in model.modules():  # gloo has no PREMUL_SUM, which torchtitan's divide factor 1.0 selects
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
     model.to_empty(device="cpu")
@@ -100,6 +107,7 @@ def titan_loss(model, tokens, labels, loss_parallel: bool, global_valid_tokens):
     forward; hand_plans.global_tokens). parallelize_llama turns FSDP's gradient division off
     (disable_fsdp_gradient_division), so the summed gradients are one device's gradient of the mean loss."""
     import torch.nn.functional as F
+
     logits = model(tokens)
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum") / global_valid_tokens
 
@@ -144,8 +152,12 @@ def titan_placements(dp_shard: int, tp: int) -> dict:
     """{normalized FQN ('layers.*.attention.wq.weight'): {"dp": str, "tp": str, "raw": ...}} as torchtitan's
     parallelize_llama lays out the debug model's parameters on a (dp_shard, tp) mesh (fake process group).
     The layout rules do not depend on the model size, so they apply to every Llama-3 shape by FQN."""
-    r = subprocess.run([sys.executable, "-c", _CHILD, str(dp_shard * tp), str(tp), os.path.dirname(__file__)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(dp_shard * tp), str(tp), os.path.dirname(__file__)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"torchtitan parallelize_llama on a fake process group failed: {r.stderr[-2000:]}")
     raw = json.loads(r.stdout.strip().splitlines()[-1])
@@ -153,6 +165,5 @@ def titan_placements(dp_shard: int, tp: int) -> dict:
     for fqn, d in raw.items():
         dims = dict(zip(d["mesh"], d["placements"]))
         dp = dims.get("fsdp", dims.get("dp_shard", "R"))
-        out[re.sub(r"\.\d+\.", ".*.", fqn)] = {"dp": dp.rstrip("*"), "tp": dims.get("tp", "R").rstrip("*"),
-                                               "raw": d}
+        out[re.sub(r"\.\d+\.", ".*.", fqn)] = {"dp": dp.rstrip("*"), "tp": dims.get("tp", "R").rstrip("*"), "raw": d}
     return out

@@ -8,6 +8,7 @@ Each section is written by its own script, which states the command that made it
   training_shapes.py  -> training_shapes.md  (first step of a new shape, accumulation's collectives per micro-step)
   training_ckpt.py    -> training_ckpt.md    (checkpoint, kill and resume under torchrun)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", action="store_true", help="run each section's script before joining")
     args = ap.parse_args()
-    parts = ["# Training in practice: compile, changing shapes, accumulation, checkpoint and resume\n",
-             "Joined by `python benchmarks/training.py` from the section files below; each section names the command"
-             " that made it.\n"]
+    parts = [
+        "# Training in practice: compile, changing shapes, accumulation, checkpoint and resume\n",
+        "Joined by `python benchmarks/training.py` from the section files below; each section names the command"
+        " that made it.\n",
+    ]
     for name in SECTIONS:
         if args.run:
             subprocess.run([sys.executable, os.path.join(HERE, name + ".py")], check=True)
@@ -36,7 +39,7 @@ def main() -> None:
             continue
         with open(path) as f:
             text = f.read().strip()
-        if text.startswith("# "):          # a section file's own title becomes a section title here
+        if text.startswith("# "):  # a section file's own title becomes a section title here
             text = "#" + text
         parts.append(f"<!-- from benchmarks/results/{name}.md -->\n{text}\n")
     with open(os.path.join(RESULTS, "training.md"), "w") as f:

@@ -9,6 +9,7 @@ to the checkpoint the next attempt resumed from, and the last attempt's steps), 
 the single-device loss. It checks that the committed log is steps 1..N once each and that every committed loss
 equals the uninterrupted run's to the bit (exit code 1 otherwise).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,16 +24,29 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-KEEP = ("planned + parallelized", "resumed from", "no complete checkpoint", "step ", "checkpoint ", "rank ",
-        "collectives of step", "max |loss diff|")
+KEEP = (
+    "planned + parallelized",
+    "resumed from",
+    "no complete checkpoint",
+    "step ",
+    "checkpoint ",
+    "rank ",
+    "collectives of step",
+    "max |loss diff|",
+)
 AGENT = ("closing signal", "failed (exitcode", "restart")
 
 
 def run(cmd: list[str], timeout: float) -> tuple[int, str, float]:
     t0 = time.perf_counter()
     with tempfile.TemporaryFile() as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        p = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        )
         try:
             rc = p.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -65,13 +79,35 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=900)
     a = ap.parse_args()
     from autopar.examples.train import committed, read_log
+
     work = Path(tempfile.mkdtemp(prefix="training_ckpt_"))
-    train = ["-m", "autopar.examples.train", "--model", a.model, "--mesh", a.mesh, "--steps", str(a.steps),
-             "--momentum", "0.9"]
+    train = [
+        "-m",
+        "autopar.examples.train",
+        "--model",
+        a.model,
+        "--mesh",
+        a.mesh,
+        "--steps",
+        str(a.steps),
+        "--momentum",
+        "0.9",
+    ]
     launcher = ["torchrun", "--standalone", "--nproc-per-node", str(a.nproc)]
-    killed = launcher + ["--max-restarts", "1"] + train + [
-        "--checkpoint-dir", str(work / "ckpt"), "--checkpoint-every", str(a.every), "--resume",
-        "--kill-after-step", str(a.kill_after)]
+    killed = (
+        launcher
+        + ["--max-restarts", "1"]
+        + train
+        + [
+            "--checkpoint-dir",
+            str(work / "ckpt"),
+            "--checkpoint-every",
+            str(a.every),
+            "--resume",
+            "--kill-after-step",
+            str(a.kill_after),
+        ]
+    )
     plain = launcher + train
     py = [sys.executable, "-m", "torch.distributed.run"]
     rc_k, out_k, s_k = run(py + killed[1:], a.timeout)
@@ -115,17 +151,17 @@ torch {_torch_version()}, gloo). It runs the example trainer twice:
 The first job writes a DCP checkpoint (model, SGD momentum, step counter, random state) every {a.every} steps; after
 step {a.kill_after}, on torchrun's first attempt only, rank {a.nproc - 1} SIGKILLs itself. torchrun stops the other
 ranks and starts the job again (`--max-restarts 1`); `--resume` loads the last complete checkpoint (step
-{', '.join(map(str, resumed)) or '-'}) and the job runs on to step {a.steps}. The second job is the same training
+{", ".join(map(str, resumed)) or "-"}) and the job runs on to step {a.steps}. The second job is the same training
 uninterrupted. Wall time: {s_k:.1f} s (exit code {rc_k}) and {s_u:.1f} s (exit code {rc_u}).
 
 The committed log is each attempt's steps up to the checkpoint the next attempt resumed from, and all of the last
 attempt's: the steps after the checkpoint that the killed attempt had logged are superseded (run again).
-Committed steps 1..{a.steps} once each: **{'yes' if steps_ok else 'NO'}**; every committed loss equal to the
-uninterrupted run's to the bit: **{'yes' if exact else 'NO'}**; largest |committed - single device| {worst:.2e}
+Committed steps 1..{a.steps} once each: **{"yes" if steps_ok else "NO"}**; every committed loss equal to the
+uninterrupted run's to the bit: **{"yes" if exact else "NO"}**; largest |committed - single device| {worst:.2e}
 (the trainer's single-device model on rank 0, which replays the steps before a resume).
 
-| step | {' | '.join(heads)} | committed | uninterrupted | equal | single device |
-|---|{'---|' * len(heads)}---|---|---|---|
+| step | {" | ".join(heads)} | committed | uninterrupted | equal | single device |
+|---|{"---|" * len(heads)}---|---|---|---|
 {chr(10).join(rows)}
 
 Rank 0's log of the kill-and-resume job (the plan summaries left out; `torchrun:` lines are the elastic agent's):
@@ -144,6 +180,7 @@ Rank 0's log of the kill-and-resume job (the plan summaries left out; `torchrun:
 
 def _single_device(out: str) -> dict:
     import re
+
     got = {}
     for line in out.splitlines():
         m = re.match(r"^step (\d+) loss \S+ single-device (\S+)", line.strip())
@@ -154,6 +191,7 @@ def _single_device(out: str) -> dict:
 
 def _torch_version() -> str:
     import torch
+
     return torch.__version__
 
 

@@ -16,6 +16,7 @@ the collectives of one step are counted on each (kind, mesh dim, bytes) and comp
   - gpt2-defaults: transformers GPT2LMHeadModel with its default config except the size (dropout 0.1 on
     embeddings, attention and residuals), batch on the mesh (data parallel, gradient all_reduce buckets).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,9 +70,13 @@ def _mlp_model(tp: bool):
     x = (torch.randint(0, 128, (4, 16), generator=g), torch.randint(0, 128, (4, 16), generator=g))
     if not tp:
         from autopar.backends.engines_ref import batch_pin
+
         return model, x, {}, dict(pin=batch_pin([0]))
-    force = {f"blocks.{i}.{k}": pl for i in range(8) for k, pl in
-             (("up.weight", ("S0",)), ("up.bias", ("S0",)), ("down.weight", ("S1",)))}
+    force = {
+        f"blocks.{i}.{k}": pl
+        for i in range(8)
+        for k, pl in (("up.weight", ("S0",)), ("up.bias", ("S0",)), ("down.weight", ("S1",)))
+    }
     return model, x, {}, dict(force=force)
 
 
@@ -79,6 +84,7 @@ def _gpt2_model():
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
     from autopar.backends.engines_ref import batch_pin
+
     logging.set_verbosity_error()
     torch.manual_seed(7)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)).train()
@@ -97,6 +103,7 @@ def _seeded(pm, x, kw, steps=3, call=None):
     """`steps` SGD steps from SEED (through `call`, default pm): the losses and the first step's gradients (names
     without torch.compile's `_orig_mod.`)."""
     from autopar.backends.verify import global_value
+
     pm.program.manual_seed(SEED)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     losses, grads = [], None
@@ -106,7 +113,7 @@ def _seeded(pm, x, kw, steps=3, call=None):
         loss.backward()
         losses.append(global_value(loss).item())
         if s == 0:
-            grads = {k: global_value(p.grad) for k, p in pm.named_parameters()}     # pm's own names
+            grads = {k: global_value(p.grad) for k, p in pm.named_parameters()}  # pm's own names
         opt.step()
     return losses, grads
 
@@ -121,26 +128,34 @@ def _rank(rank, world, port, names, steps, warmup, backend, out_path):
     torch.set_num_threads(1)
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.join(ROOT, "tests"))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
+    )
     import autopar
     from autopar.backends.comm import CommCounter, compare
     from autopar.backends.compiled import summary
     from torch.distributed.device_mesh import init_device_mesh
     from _clusters import SHAPES
+
     mesh = init_device_mesh("cpu", (world,))
     rows = []
     for name in names:
         model, x, kw, plan_kw = MODELS[name]()
         t0 = time.perf_counter()
-        planned = autopar.plan(model, mesh, x, example_kwargs=kw or None, cluster=SHAPES, overlap=False,
-                               return_state=True, **plan_kw)
+        planned = autopar.plan(
+            model, mesh, x, example_kwargs=kw or None, cluster=SHAPES, overlap=False, return_state=True, **plan_kw
+        )
         t_plan = time.perf_counter() - t0
-        make = lambda **c: autopar.parallelize(copy.deepcopy(model), mesh, x, example_kwargs=kw or None,
-                                               planned=planned, **c)
+        make = lambda **c: autopar.parallelize(
+            copy.deepcopy(model), mesh, x, example_kwargs=kw or None, planned=planned, **c
+        )
         eager, comp = make(), make(compile=backend)
-        row = {"model": name, "plan_s": t_plan, "backend": backend,
-               "sharded": sorted(k for k, v in eager.plan.params.items() if any(p != "R" for p in v))}
+        row = {
+            "model": name,
+            "plan_s": t_plan,
+            "backend": backend,
+            "sharded": sorted(k for k, v in eager.plan.params.items() if any(p != "R" for p in v)),
+        }
         first = {}
         for side, pm in (("eager", eager), ("compiled", comp)):
             dist.barrier()
@@ -168,8 +183,11 @@ def _rank(rank, world, port, names, steps, warmup, backend, out_path):
         t0 = time.perf_counter()
         third = make()
         lt, gt = _seeded(third, x, kw, call=torch.compile(third))
-        row["torch.compile(pm)"] = {"s": time.perf_counter() - t0, "loss max rel": max(
-            abs(a - b) / abs(b) for a, b in zip(lt, le)), "grad max rel": max(_rel(gt[k], ge[k]) for k in ge)}
+        row["torch.compile(pm)"] = {
+            "s": time.perf_counter() - t0,
+            "loss max rel": max(abs(a - b) / abs(b) for a, b in zip(lt, le)),
+            "grad max rel": max(_rel(gt[k], ge[k]) for k in ge),
+        }
         row["losses eager"], row["losses compiled"] = le, lc
         row["loss max rel"] = max(abs(a - b) / abs(b) for a, b in zip(lc, le))
         row["grad max rel"] = max(_rel(gc[k], ge[k]) for k in ge)
@@ -197,30 +215,52 @@ def _rank(rank, world, port, names, steps, warmup, backend, out_path):
 
 
 def _table(rows, cmd, world) -> str:
-    lines = [f"# Eager vs compiled graph backend ({world} gloo ranks, CPU)", "",
-             f"`{cmd}` (backends/compiled.py; one run, eager and compiled steps alternating; median of the timed "
-             f"steps; compile s: the time the segments took to compile in the compiled program's first step, "
-             f"with an empty Inductor cache; load average at the end: {os.getloadavg()[0]:.1f} on "
-             f"{os.cpu_count()} cores).", "",
-             "| model | ops/step | compiled ops (segments) fw / bw | eager ms/step | compiled ms/step | eager/compiled "
-             "| compile s | collectives/step (same as eager, = plan) | loss, grad max rel diff | torch.compile(pm): "
-             "loss, grad max rel diff from eager (s for 3 steps) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Eager vs compiled graph backend ({world} gloo ranks, CPU)",
+        "",
+        f"`{cmd}` (backends/compiled.py; one run, eager and compiled steps alternating; median of the timed "
+        f"steps; compile s: the time the segments took to compile in the compiled program's first step, "
+        f"with an empty Inductor cache; load average at the end: {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores).",
+        "",
+        "| model | ops/step | compiled ops (segments) fw / bw | eager ms/step | compiled ms/step | eager/compiled "
+        "| compile s | collectives/step (same as eager, = plan) | loss, grad max rel diff | torch.compile(pm): "
+        "loss, grad max rel diff from eager (s for 3 steps) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         sg = r["segments"]
         seg = " / ".join(f"{sg[p]['compiled_ops']} ({sg[p]['compiled']})" for p in ("fw", "bw"))
         same = "yes" if r["same collectives"] and not r["plan diff compiled"] else "NO"
         tc = r["torch.compile(pm)"]
-        lines.append(f"| {r['model']} | {r['ops']} | {seg} | {r['step_ms']['eager']:.1f} | "
-                     f"{r['step_ms']['compiled']:.1f} | **{r['ratio']:.2f}x** | {r['compile_s']:.1f} | "
-                     f"{r['n collectives']} ({same}) | {r['loss max rel']:.1e}, {r['grad max rel']:.1e} | "
-                     f"{tc['loss max rel']:.1e}, {tc['grad max rel']:.1e} ({tc['s']:.1f}) |")
-    lines += ["", "Details (JSON per model: sharded parameters, losses of 3 seeded steps on each side, dropout "
-              "ops drawn outside the compiled segments; torch.compile(pm): 3 seeded steps through "
-              "`torch.compile(pm)` of the eager program (Dynamo treats the step as one call), its time and its "
-              "losses' max relative difference from the same steps without it):", "", "```"]
-    keys = ("model", "backend", "sharded", "losses eager", "losses compiled", "random ops", "step_ms_min", "plan_s",
-            "first_step_s", "segments", "torch.compile(pm)")
+        lines.append(
+            f"| {r['model']} | {r['ops']} | {seg} | {r['step_ms']['eager']:.1f} | "
+            f"{r['step_ms']['compiled']:.1f} | **{r['ratio']:.2f}x** | {r['compile_s']:.1f} | "
+            f"{r['n collectives']} ({same}) | {r['loss max rel']:.1e}, {r['grad max rel']:.1e} | "
+            f"{tc['loss max rel']:.1e}, {tc['grad max rel']:.1e} ({tc['s']:.1f}) |"
+        )
+    lines += [
+        "",
+        "Details (JSON per model: sharded parameters, losses of 3 seeded steps on each side, dropout "
+        "ops drawn outside the compiled segments; torch.compile(pm): 3 seeded steps through "
+        "`torch.compile(pm)` of the eager program (Dynamo treats the step as one call), its time and its "
+        "losses' max relative difference from the same steps without it):",
+        "",
+        "```",
+    ]
+    keys = (
+        "model",
+        "backend",
+        "sharded",
+        "losses eager",
+        "losses compiled",
+        "random ops",
+        "step_ms_min",
+        "plan_s",
+        "first_step_s",
+        "segments",
+        "torch.compile(pm)",
+    )
     lines += [json.dumps({k: r[k] for k in keys}) for r in rows]
     lines.append("```")
     return "\n".join(lines) + "\n"
@@ -244,8 +284,9 @@ def main(argv=None):
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tmp, "inductor"))
     mp.spawn(_rank, args=(a.world, port, a.models, a.steps, a.warmup, a.backend, res), nprocs=a.world)
     rows = json.load(open(res))
-    cmd = "python benchmarks/training_compile.py" + ("" if argv is None and len(sys.argv) == 1
-                                                      else " " + " ".join(argv if argv is not None else sys.argv[1:]))
+    cmd = "python benchmarks/training_compile.py" + (
+        "" if argv is None and len(sys.argv) == 1 else " " + " ".join(argv if argv is not None else sys.argv[1:])
+    )
     text = _table(rows, cmd, a.world)
     print(text)
     with open(a.out, "w") as f:

@@ -13,6 +13,7 @@ reasons of their own (benchmarks/results/models.md) fail at "plan" or "eager" he
 The default backend "aot_eager" checks the segmenting and Dynamo/AOTAutograd capture of every model quickly;
 `--backend inductor` also lowers each segment with Inductor (C++ compiles: minutes per model on 2 cores).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +37,7 @@ SEED = 1234
 
 def _steps(pm, args, kwargs, loss_of, steps=2):
     from autopar.backends.verify import global_value
+
     pm.program.manual_seed(SEED)
     opt = torch.optim.SGD(pm.parameters(), lr=1e-3)
     losses, grads = [], None
@@ -53,26 +55,42 @@ def _steps(pm, args, kwargs, loss_of, steps=2):
 def _worst(got, ref):
     pairs = [(f"loss {s}", torch.tensor(a), torch.tensor(b)) for s, (a, b) in enumerate(zip(got[0], ref[0]))]
     pairs += [(f"grad {k}", got[1][k], ref[1][k]) for k in ref[1]]
-    return max((((a.double() - b.double()).abs().max() / (1e-7 + 1e-5 * b.double().abs().max())).item(), w)
-               for w, a, b in pairs)
+    return max(
+        (((a.double() - b.double()).abs().max() / (1e-7 + 1e-5 * b.double().abs().max())).item(), w)
+        for w, a, b in pairs
+    )
 
 
 def _model(name, mesh, backend, SHAPES, CommCounter, compare, zc):
     import autopar
     from autopar.backends.compiled import summary
+
     rec = {"model": name}
     ok, built = zc._run_stage(rec, "build", lambda: zc.build(name))
     if not ok:
         return rec
     model, args, kwargs, _ = built
-    ok, planned = zc._run_stage(rec, "plan", lambda: autopar.plan(
-        model, mesh, example_inputs=args, cluster=SHAPES, overlap=False, return_state=True,
-        force=zc.fsdp_pins(model, tuple(mesh.shape)), time_limit=zc.PLAN_TIME_LIMIT_S, **zc.call_kwargs(kwargs)))
+    ok, planned = zc._run_stage(
+        rec,
+        "plan",
+        lambda: autopar.plan(
+            model,
+            mesh,
+            example_inputs=args,
+            cluster=SHAPES,
+            overlap=False,
+            return_state=True,
+            force=zc.fsdp_pins(model, tuple(mesh.shape)),
+            time_limit=zc.PLAN_TIME_LIMIT_S,
+            **zc.call_kwargs(kwargs),
+        ),
+    )
     if not ok:
         return rec
     rec["sharded"] = sum(any(p != "R" for p in v) for v in planned[0].params.values())
     res = {}
     for side, kw in (("eager", {}), ("compiled", {"compile": backend})):
+
         def run(kw=kw):
             pm = autopar.parallelize(copy.deepcopy(model), mesh, args, planned=planned, **zc.call_kwargs(kwargs), **kw)
             t0 = time.perf_counter()
@@ -84,14 +102,28 @@ def _model(name, mesh, backend, SHAPES, CommCounter, compare, zc):
             if kw:
                 p = pm.program
                 seg = [summary(p.fw_segments), summary(p.bw_segments)]
-            return sorted(map(tuple, cc.records)), compare(cc.records, pm.plan.collectives()), first, seg, \
-                _steps(pm, args, kwargs, zc.loss_of)
+            return (
+                sorted(map(tuple, cc.records)),
+                compare(cc.records, pm.plan.collectives()),
+                first,
+                seg,
+                _steps(pm, args, kwargs, zc.loss_of),
+            )
+
         ok, res[side] = zc._run_stage(rec, side, run)
         if not ok:
             return rec
     (ce, de, fe, _, e), (cc_, dc, fc, seg, c) = res["eager"], res["compiled"]
-    rec.update(collectives=len(cc_), same_collectives=ce == cc_, plan_diff=dc, first_s=[round(fe, 2), round(fc, 1)],
-               segments=seg, worst=list(_worst(c, e)), loss_eager=e[0], loss_compiled=c[0])
+    rec.update(
+        collectives=len(cc_),
+        same_collectives=ce == cc_,
+        plan_diff=dc,
+        first_s=[round(fe, 2), round(fc, 1)],
+        segments=seg,
+        worst=list(_worst(c, e)),
+        loss_eager=e[0],
+        loss_compiled=c[0],
+    )
     rec["pass"] = rec["same_collectives"] and not dc and not de and rec["worst"][0] <= 1.0 and len(cc_) > 0
     return rec
 
@@ -101,13 +133,15 @@ def _rank(rank, world, port, names, backend, out_path):
     torch.set_num_threads(1)
     for p in (ROOT, os.path.join(ROOT, "tests"), os.path.join(ROOT, "tests", "third_party")):
         sys.path.insert(0, p)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=300))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=300)
+    )
     import zoo_check as zc
     from _clusters import SHAPES
     from autopar.backends.comm import CommCounter, compare
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.utils import logging
+
     logging.set_verbosity_error()
     mesh = init_device_mesh("cpu", (world,))
     rows = []
@@ -127,23 +161,31 @@ def _rank(rank, world, port, names, backend, out_path):
 def _table(rows, cmd, backend) -> str:
     n_ok = sum(bool(r.get("pass")) for r in rows)
     before = [r["model"] for r in rows if r.get("stage") in ("build", "capture", "plan", "eager")]
-    lines = [f"# compile={backend!r} on the suite's models (2 gloo ranks, CPU)", "",
-             f"`{cmd}`: {n_ok} of {len(rows)} pass (compiled = eager to 1e-5 relative in the losses of 2 seeded "
-             f"steps and every first-step gradient; the same collectives, = the plan's). "
-             f"{len(before)} fail before anything is compiled (capture, plan or the eager program: "
-             f"{', '.join(before) or 'none'}; see benchmarks/results/models.md).", "",
-             "| model | pass | sharded params | collectives/step (same) | compiled ops fw / bw (segments) | first step "
-             "eager / compiled s | worst (|diff| / (1e-7 + 1e-5 max), where) | failed stage: error |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# compile={backend!r} on the suite's models (2 gloo ranks, CPU)",
+        "",
+        f"`{cmd}`: {n_ok} of {len(rows)} pass (compiled = eager to 1e-5 relative in the losses of 2 seeded "
+        f"steps and every first-step gradient; the same collectives, = the plan's). "
+        f"{len(before)} fail before anything is compiled (capture, plan or the eager program: "
+        f"{', '.join(before) or 'none'}; see benchmarks/results/models.md).",
+        "",
+        "| model | pass | sharded params | collectives/step (same) | compiled ops fw / bw (segments) | first step "
+        "eager / compiled s | worst (|diff| / (1e-7 + 1e-5 max), where) | failed stage: error |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         if "worst" not in r:
-            lines.append(f"| {r['model']} | no | {r.get('sharded', '')} | | | | | {r.get('stage')}: "
-                         f"{str(r.get('error', ''))[:160]} |")
+            lines.append(
+                f"| {r['model']} | no | {r.get('sharded', '')} | | | | | {r.get('stage')}: "
+                f"{str(r.get('error', ''))[:160]} |"
+            )
             continue
         seg = " / ".join(f"{s['compiled_ops']} ({s['compiled']})" for s in r["segments"])
-        lines.append(f"| {r['model']} | {'yes' if r['pass'] else 'NO'} | {r['sharded']} | {r['collectives']} "
-                     f"({'yes' if r['same_collectives'] and not r['plan_diff'] else 'NO'}) | {seg} | "
-                     f"{r['first_s'][0]} / {r['first_s'][1]} | {r['worst'][0]:.2f}, {r['worst'][1]} | |")
+        lines.append(
+            f"| {r['model']} | {'yes' if r['pass'] else 'NO'} | {r['sharded']} | {r['collectives']} "
+            f"({'yes' if r['same_collectives'] and not r['plan_diff'] else 'NO'}) | {seg} | "
+            f"{r['first_s'][0]} / {r['first_s'][1]} | {r['worst'][0]:.2f}, {r['worst'][1]} | |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -156,6 +198,7 @@ def main(argv=None):
     a = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(ROOT, "tests", "third_party"))
     from zoo import ZOO
+
     names = a.names or list(ZOO)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,6 +19,7 @@ fewer blocks). The chosen k is applied to `state.cost` for the solve pass,
 recorded in `state.recompute` (which the liveness peak and the step-time prediction honour) and in the plan's
 meta["checkpointing"]. `allow_checkpointing=False` turns the pass off.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -42,6 +43,7 @@ def _block_vectors(state, members: list[int]):
         if gi not in store or store[gi] is None:
             store[gi] = np.zeros(K[gi])
         return store[gi]
+
     for i in members:
         n = g.nodes[i]
         if n.kind != "op" or n.phase != "fw":
@@ -113,12 +115,12 @@ def _rows(base_lin, base_mem, vecs, k):
         for gi, v in I.items():
             mem[gi] += v
     if k:
-        for gi, v in vecs[0][0].items():      # one block's activations live again while it is recomputed
+        for gi, v in vecs[0][0].items():  # one block's activations live again while it is recomputed
             mem[gi] += v
     return lin, mem
 
 
-TIGHT = 0.9     # below this fraction of the budget the floor leaves room: checkpointing is not considered
+TIGHT = 0.9  # below this fraction of the budget the floor leaves room: checkpointing is not considered
 
 
 def run(state) -> None:
@@ -138,18 +140,22 @@ def run(state) -> None:
     budget = state.budget
     most = float(sum(r.max() for r in base_mem if len(r)))
     if most <= budget:
-        decision["why"] = (f"not memory-bound: even the largest assignment ({most / 1e9:.3f} GB per rank in the "
-                           f"memory row) fits the budget {budget / 1e9:.3f} GB")
+        decision["why"] = (
+            f"not memory-bound: even the largest assignment ({most / 1e9:.3f} GB per rank in the "
+            f"memory row) fits the budget {budget / 1e9:.3f} GB"
+        )
         return
     floor0 = float(sum(r.min() for r in base_mem if len(r)))
     if floor0 <= TIGHT * budget:
-        decision["why"] = (f"not memory-bound: a plan fits without checkpointing (smallest memory row "
-                           f"{floor0 / 1e9:.3f} GB <= {TIGHT:.0%} of the budget {budget / 1e9:.3f} GB)")
+        decision["why"] = (
+            f"not memory-bound: a plan fits without checkpointing (smallest memory row "
+            f"{floor0 / 1e9:.3f} GB <= {TIGHT:.0%} of the budget {budget / 1e9:.3f} GB)"
+        )
         return
     cache: dict = {}
     vecs = []
     for fqn, members in blocks:
-        key = state.rep[members[0]]                   # blocks of one region share their representative
+        key = state.rep[members[0]]  # blocks of one region share their representative
         if key not in cache:
             rep_members = [state.rep[i] for i in members]
             cache[key] = _block_vectors(state, rep_members)
@@ -161,7 +167,8 @@ def run(state) -> None:
         raise InfeasibleMemoryError(
             f"no plan fits {budget / 1e9:.3f} GB per rank on mesh {state.mesh}: the smallest achievable (model state "
             f"and saved activations, all maximally sharded) is {floors[0] / 1e9:.3f} GB, and "
-            f"{floors[len(blocks)] / 1e9:.3f} GB with activation checkpointing of all {len(blocks)} blocks")
+            f"{floors[len(blocks)] / 1e9:.3f} GB with activation checkpointing of all {len(blocks)} blocks"
+        )
     objective = {}
     if len(cands) > 1:
         for k in cands:
@@ -171,8 +178,10 @@ def run(state) -> None:
     k = min(objective, key=lambda x: (objective[x], x)) if objective else cands[-1]
     decision["candidates"] = {str(x): {"floor_bytes": floors[x], "objective_s": objective.get(x)} for x in cands}
     if k == 0:
-        decision["why"] = ("memory-bound, but the best plan without checkpointing (objective "
-                           f"{objective[0] * 1e3:.3f} ms) beats checkpointing")
+        decision["why"] = (
+            "memory-bound, but the best plan without checkpointing (objective "
+            f"{objective[0] * 1e3:.3f} ms) beats checkpointing"
+        )
         return
     lin, mem = _rows(base_lin, base_mem, vecs, k)
     # hand the chosen rows to the solve pass (compute += recompute, act_mem -= dropped activations)
@@ -181,9 +190,11 @@ def run(state) -> None:
         c["act_mem"][gi] = mem[gi] - c["state_mem"][gi]
     state.recompute = [{"block": fqn, "nodes": members} for fqn, members in blocks[:k]]
     decision["blocks"] = [fqn for fqn, _ in blocks[:k]]
-    decision["why"] = (f"memory-bound: floor without checkpointing {floors[0] / 1e9:.3f} GB vs budget "
-                       f"{budget / 1e9:.3f} GB; checkpointing {k} of {len(blocks)} blocks"
-                       + (f" (objective {objective[k] * 1e3:.3f} ms)" if k in objective else ""))
+    decision["why"] = (
+        f"memory-bound: floor without checkpointing {floors[0] / 1e9:.3f} GB vs budget "
+        f"{budget / 1e9:.3f} GB; checkpointing {k} of {len(blocks)} blocks"
+        + (f" (objective {objective[k] * 1e3:.3f} ms)" if k in objective else "")
+    )
 
 
 def _solve_fits(state, blocks, lin, mem, floor):
@@ -191,16 +202,18 @@ def _solve_fits(state, blocks, lin, mem, floor):
     solve pass's tightening loop), or None."""
     from autopar.passes.solve import _expand
     from autopar.predict import liveness_peak, state_bytes
+
     recompute = [{"block": fqn, "nodes": members} for fqn, members in blocks] or None
     row = state.budget
     for _ in range(4):
         try:
             res = solve(lin, state.cost["edges"], [(mem, row)], time_limit=state.options.get("time_limit", 60.0))
-        except (InfeasibleMemoryError, SolverTimeLimitError):     # this set of blocks: no plan (in time)
+        except (InfeasibleMemoryError, SolverTimeLimitError):  # this set of blocks: no plan (in time)
             return None
         placement = _expand(state, res)
-        peak = state_bytes(state.graph, placement, state.mesh.shape, state.precision) + \
-            liveness_peak(state.graph, placement, state.mesh.shape, recompute)
+        peak = state_bytes(state.graph, placement, state.mesh.shape, state.precision) + liveness_peak(
+            state.graph, placement, state.mesh.shape, recompute
+        )
         if peak <= state.budget:
             return res.objective
         row -= 1.05 * (peak - state.budget)
@@ -211,11 +224,16 @@ def _solve_fits(state, blocks, lin, mem, floor):
 
 # ---- used by the solve pass and the prediction ----------------------------------------------------------------
 
+
 def recompute_seconds(state, times) -> float:
     """Forward time recomputed in the backward: the fw op nodes of every checkpointed block."""
     g = state.graph
-    return sum(times[i] for b in state.recompute or () for i in b["nodes"]
-               if g.nodes[i].kind == "op" and g.nodes[i].phase == "fw")
+    return sum(
+        times[i]
+        for b in state.recompute or ()
+        for i in b["nodes"]
+        if g.nodes[i].kind == "op" and g.nodes[i].phase == "fw"
+    )
 
 
 def liveness_peak_checkpointed(g, P, mesh_shape, recompute) -> float:
@@ -223,6 +241,7 @@ def liveness_peak_checkpointed(g, P, mesh_shape, recompute) -> float:
     other than the block's outputs) are freed after its last forward node and live again from its first
     backward node (the recompute) until their last use."""
     from autopar.predict import last_uses
+
     last, grad_refs = last_uses(g)
     in_block, fw_end, bw_start = {}, {}, {}
     for b, blk in enumerate(recompute):
@@ -246,9 +265,14 @@ def liveness_peak_checkpointed(g, P, mesh_shape, recompute) -> float:
             end = n.idx if key in grad_refs else last.get(key, n.idx)
             b = in_block.get(n.idx)
             users = n.users
-            dropped = (b is not None and n.phase == "fw" and b in bw_start and end > fw_end[b]
-                       and all(in_block.get(u) == b or g.nodes[u].phase == "bw" for u in users)
-                       and bw_start[b] < end)
+            dropped = (
+                b is not None
+                and n.phase == "fw"
+                and b in bw_start
+                and end > fw_end[b]
+                and all(in_block.get(u) == b or g.nodes[u].phase == "bw" for u in users)
+                and bw_start[b] < end
+            )
             adds[n.idx].append(key)
             if dropped:
                 frees[fw_end[b]].append(key)

@@ -16,6 +16,7 @@ all-reduce / reduce-scatter falls out of it (when it rides in a gradient bucket:
 series' latency max(1, sum of its gradients' bucket fractions) times, a charge the solver adds once any gradient joins
 the series, autopar.redistribute.grad_bucket_latency; the prediction counts each real bucket once).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -25,8 +26,14 @@ import torch
 
 from autopar.cost import has_flop_formula, is_view, op_flops, roofline_time
 from autopar.graph import Ref, TensorMeta, param_root
-from autopar.redistribute import (BUCKET_BYTES, all_reduced, collectives, grad_bucket_latency, grad_reduce_time,
-                                  redistribute_time)
+from autopar.redistribute import (
+    BUCKET_BYTES,
+    all_reduced,
+    collectives,
+    grad_bucket_latency,
+    grad_reduce_time,
+    redistribute_time,
+)
 from autopar.schedule import HELD_NUMEL, can_be_partial, tail_values
 from autopar.strategies import num_shards
 
@@ -40,8 +47,13 @@ def global_flops(g, n, cache) -> float:
         return 0.0
     key = (n.target, tuple(g.meta(r).shape for r in n.inputs()), repr(_plain(n.args)), repr(_plain(n.kwargs)))
     if key not in cache:
-        conv = lambda a: _meta_tensor(g.meta(a)) if isinstance(a, Ref) else \
-            type(a)(conv(x) for x in a) if isinstance(a, (list, tuple)) else a
+        conv = lambda a: (
+            _meta_tensor(g.meta(a))
+            if isinstance(a, Ref)
+            else type(a)(conv(x) for x in a)
+            if isinstance(a, (list, tuple))
+            else a
+        )
         args = conv(n.args)
         kwargs = {k: conv(v) for k, v in n.kwargs.items()}
         outs = [_meta_tensor(m) if m is not None else None for m in n.outs]
@@ -106,20 +118,21 @@ def run(state) -> None:
         flops = global_flops(g, n, flop_cache)
         if flops == 0.0 and n.kind != "op":
             return 0.0
-        if is_view(n.target):             # aliases its input: no data moves
+        if is_view(n.target):  # aliases its input: no data moves
             return dev.op_overhead
         work = 1
         o = next((p for p in s.out if p is not None), None)
         if o is not None:
             work = ndev // max(1, _replicated(o, mesh_shape))
-        nbytes = sum(m.nbytes / num_shards(p, mesh_shape) for m, p in zip(n.outs, s.out) if m is not None and p) + \
-            sum(g.meta(r).nbytes / num_shards(p, mesh_shape) for r, p in zip(n.inputs(), s.ins))
+        nbytes = sum(m.nbytes / num_shards(p, mesh_shape) for m, p in zip(n.outs, s.out) if m is not None and p) + sum(
+            g.meta(r).nbytes / num_shards(p, mesh_shape) for r, p in zip(n.inputs(), s.ins)
+        )
         dtype = next((m.dtype for m in n.outs if m is not None and m.dtype.is_floating_point), torch.float32)
         return roofline_time(flops / work, nbytes, dev, dtype) + dev.op_overhead
 
     # --- followers and groups, in representative space -------------------------------------------------------
     reps = [i for i in range(len(nodes)) if rep[i] == i]
-    follow: dict[int, tuple[int, int, int]] = {}     # follower -> (producer, producer output, input position)
+    follow: dict[int, tuple[int, int, int]] = {}  # follower -> (producer, producer output, input position)
     for i in reps:
         n = nodes[i]
         if n.kind != "op":
@@ -132,22 +145,22 @@ def run(state) -> None:
         if region_of[r.node] == region_of[i] and nodes[r.node].kind in ("op", "param"):
             follow[i] = (r.node, r.out, lead)
     root = {}
-    for i in reps:                                    # topological order: producers first
+    for i in reps:  # topological order: producers first
         root[i] = root[follow[i][0]] if i in follow else i
     groups = [i for i in reps if root[i] == i]
     gid = {r: k for k, r in enumerate(groups)}
     K = [len(S[r]) for r in groups]
     # choice[i][k]: strategy index of rep node i when its group root takes strategy k
-    best_memo: dict = {}                              # (producer placement, follower's input options) -> best
+    best_memo: dict = {}  # (producer placement, follower's input options) -> best
     choice: dict[int, np.ndarray] = {}
-    extra: dict[int, np.ndarray] = {}                 # follower redistribute time per root strategy
+    extra: dict[int, np.ndarray] = {}  # follower redistribute time per root strategy
     for i in reps:
         if i not in follow:
             choice[i] = np.arange(len(S[i])) if root[i] == i else None
             continue
         p, k_out, lead = follow[i]
         pc = choice[p]
-        first: dict = {}                              # distinct placement of the lead input -> first strategy
+        first: dict = {}  # distinct placement of the lead input -> first strategy
         for j, s in enumerate(S[i]):
             first.setdefault(s.ins[lead], j)
         meta = nodes[p].outs[k_out]
@@ -174,7 +187,7 @@ def run(state) -> None:
     # --- per-group linear terms ------------------------------------------------------------------------------
     compute = [np.zeros(k) for k in K]
     comm_lin = [np.zeros(k) for k in K]
-    comm_ovl = [np.zeros(k) for k in K]               # the part of comm_lin that can overlap compute
+    comm_ovl = [np.zeros(k) for k in K]  # the part of comm_lin that can overlap compute
     rooted: dict = {}
 
     def ovl_src(p):
@@ -182,6 +195,7 @@ def run(state) -> None:
         if p not in rooted:
             rooted[p] = param_root(g, p) is not None
         return rooted[p]
+
     state_mem = [np.zeros(k) for k in K]
     act_mem = [np.zeros(k) for k in K]
     bpp = prec.bytes_per_param
@@ -205,8 +219,9 @@ def run(state) -> None:
             if saved and any(nodes[u].phase == "bw" for u in n.users):
                 for k, j in enumerate(ch):
                     s = S[i][j]
-                    act_mem[gi][k] += c * sum(n.outs[o].nbytes / num_shards(s.out[o], mesh_shape)
-                                              for o in saved if s.out[o] is not None)
+                    act_mem[gi][k] += c * sum(
+                        n.outs[o].nbytes / num_shards(s.out[o], mesh_shape) for o in saved if s.out[o] is not None
+                    )
 
     # --- edges between groups --------------------------------------------------------------------------------
     edge_count = defaultdict(int)
@@ -218,15 +233,15 @@ def run(state) -> None:
         for j, r in enumerate(nodes[v].inputs()):
             if j != lead:
                 edge_count[(rep[r.node], r.out, rv, j)] += 1
-    for fqn, r in g.grads.items():                    # optimizer step: grad must match the parameter's placement
+    for fqn, r in g.grads.items():  # optimizer step: grad must match the parameter's placement
         edge_count[(rep[r.node], r.out, rep[g.params[fqn]], "opt")] += 1
-    for fqn, r in g.state_updates.items():            # a buffer's new value is written at the buffer's placement
+    for fqn, r in g.state_updates.items():  # a buffer's new value is written at the buffer's placement
         edge_count[(rep[r.node], r.out, rep[g.buffers[fqn]], "state")] += 1
     matrices: dict[tuple[int, int], np.ndarray] = {}
-    ovl_matrices: dict[tuple[int, int], np.ndarray] = {}     # the overlappable part of each matrix
+    ovl_matrices: dict[tuple[int, int], np.ndarray] = {}  # the overlappable part of each matrix
     mat_cache: dict = {}
-    bucket_delta: dict = {}     # (g1, g2) -> gradient-reduction price without bucket latency minus by share
-    series: dict = {}           # bucket series -> [one bucket's latency, {(g1, g2): bucket fraction per choice pair}]
+    bucket_delta: dict = {}  # (g1, g2) -> gradient-reduction price without bucket latency minus by share
+    series: dict = {}  # bucket series -> [one bucket's latency, {(g1, g2): bucket fraction per choice pair}]
     for (p, o, v, j), c in sorted(edge_count.items(), key=lambda kv: tuple(map(str, kv[0]))):
         g1, g2 = gid[root[p]], gid[root[v]]
         meta = nodes[p].outs[o]
@@ -234,20 +249,22 @@ def run(state) -> None:
         dst = [S[v][x].out[0] if j in ("opt", "state") else S[v][x].ins[j] for x in choice[v]]
         us, ui = _uniq(src)
         vs, vi = _uniq(dst)
-        opt = j == "opt"              # gradient into the optimizer step: bucketed reductions pay latency per bucket
+        opt = j == "opt"  # gradient into the optimizer step: bucketed reductions pay latency per bucket
         pr = price(p, o)
         mkey = (tuple(us), tuple(vs), meta.nbytes, opt, pr is ttime)
         small = mat_cache.get(mkey)
         if small is None:
-            f = (lambda a, b: 0.0 if a == b else grad_reduce_time(a, b, meta, mesh_shape, cluster, len(g.grads))) \
-                if opt else \
-                (lambda a, b: pr(a, b, meta))
+            f = (
+                (lambda a, b: 0.0 if a == b else grad_reduce_time(a, b, meta, mesh_shape, cluster, len(g.grads)))
+                if opt
+                else (lambda a, b: pr(a, b, meta))
+            )
             small = mat_cache[mkey] = np.array([[f(a, b) for b in vs] for a in us])
         C = c * small[np.ix_(ui, vi)]
         if opt or pr is ttime and nodes[v].phase == "fw":
             joins = (_grad_joins if opt else _tail_joins)(meta, mesh_shape, cluster)
             _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, bucket_delta, series, joins)
-        ovl = opt or ovl_src(p)       # gradient reductions and parameter gathers overlap compute
+        ovl = opt or ovl_src(p)  # gradient reductions and parameter gathers overlap compute
         if g1 == g2:
             comm_lin[g1] += np.diag(C)
             if ovl:
@@ -261,18 +278,28 @@ def run(state) -> None:
                 ovl_matrices[key] = ovl_matrices[key] + C if key in ovl_matrices else C
     share_delta, shared = _shared(g, rep, S, choice, gid, root, price, mesh_shape, ovl_src)
     _coalesce(edge_count, nodes, S, choice, gid, root, matrices, price, mesh_shape, tail)
-    lr, li = g.loss, rep[g.loss.node]                 # the step returns the loss replicated (global view)
+    lr, li = g.loss, rep[g.loss.node]  # the step returns the loss replicated (global view)
     rep_pl = ("R",) * len(mesh_shape)
-    comm_lin[gid[root[li]]] += np.array([rtime(S[li][x].out[lr.out], rep_pl, nodes[li].outs[lr.out])
-                                         for x in choice[li]])
+    comm_lin[gid[root[li]]] += np.array(
+        [rtime(S[li][x].out[lr.out], rep_pl, nodes[li].outs[lr.out]) for x in choice[li]]
+    )
     state.groups, state.group_of = groups, {i: gid[root[rep[i]]] for i in range(len(nodes))}
     state.choice, state.follow = choice, follow
-    state.cost = {"compute": compute, "comm": comm_lin, "state_mem": state_mem, "act_mem": act_mem,
-                  "edges": matrices, "rtime": rtime, "node_time": node_time,
-                  "comm_ovl": comm_ovl, "edges_ovl": ovl_matrices, "bucket_delta": bucket_delta,
-                  "share_delta": share_delta, "shared": shared,
-                  "bucket_series": [(F, list(t.items()))
-                                    for _, (F, t) in sorted(series.items(), key=lambda kv: str(kv[0]))]}
+    state.cost = {
+        "compute": compute,
+        "comm": comm_lin,
+        "state_mem": state_mem,
+        "act_mem": act_mem,
+        "edges": matrices,
+        "rtime": rtime,
+        "node_time": node_time,
+        "comm_ovl": comm_ovl,
+        "edges_ovl": ovl_matrices,
+        "bucket_delta": bucket_delta,
+        "share_delta": share_delta,
+        "shared": shared,
+        "bucket_series": [(F, list(t.items())) for _, (F, t) in sorted(series.items(), key=lambda kv: str(kv[0]))],
+    }
 
 
 def _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, delta, series, joins) -> None:
@@ -298,9 +325,11 @@ def _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, 
 
 def _grad_joins(meta, mesh_shape, cluster):
     """A gradient reduction's bucket series (passes/buckets.py groups gradients by (steps, dtype))."""
+
     def joins(a, b):
         s, F, frac = grad_bucket_latency(a, b, meta, mesh_shape, cluster)
         return None if s is None else (s, F, frac)
+
     return joins
 
 
@@ -309,12 +338,17 @@ def _tail_joins(meta, mesh_shape, cluster):
     series per partial kind (a mean counted as a sum) and destination; exact where the plan's loss tail takes one
     group, as on every model planned here (values whose consumer computes another's take a second collective and
     are not in the tail: schedule.tail_values)."""
-    empty = TensorMeta((0,), meta.dtype)          # its latency alone
+    empty = TensorMeta((0,), meta.dtype)  # its latency alone
+
     def joins(a, b):
         if not all_reduced(a, b, meta, mesh_shape):
             return None
-        return (("tail", tuple("P" if x == "Pa" else x for x in a), tuple(b), str(meta.dtype)),
-                redistribute_time(a, b, empty, mesh_shape, cluster), meta.nbytes / BUCKET_BYTES)
+        return (
+            ("tail", tuple("P" if x == "Pa" else x for x in a), tuple(b), str(meta.dtype)),
+            redistribute_time(a, b, empty, mesh_shape, cluster),
+            meta.nbytes / BUCKET_BYTES,
+        )
+
     return joins
 
 
@@ -328,15 +362,16 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
     g1 == g2: its diagonal, to the group) takes it off the edges. A value feeding consumers in several layers (a
     RoPE table) is counted per producer node. rooted(p): is node p's output rooted in a parameter."""
     nodes = g.nodes
-    users: dict = defaultdict(list)                   # (producer, output, phase or None) -> [(rep consumer, input)]
+    users: dict = defaultdict(list)  # (producer, output, phase or None) -> [(rep consumer, input)]
     for v, n in enumerate(nodes):
         if n.kind != "op":
             continue
         for j, r in enumerate(n.inputs()):
             if not rooted(r.node):
                 users[(r.node, r.out, n.phase if nodes[r.node].outs[r.out].numel > HELD_NUMEL else None)].append(
-                    (rep[v], j))
-    sigs: dict = defaultdict(int)                     # (rep producer, output, consumers) -> producers with them
+                    (rep[v], j)
+                )
+    sigs: dict = defaultdict(int)  # (rep producer, output, consumers) -> producers with them
     for (p, o, _), us in users.items():
         if len(us) > 1:
             sigs[(rep[p], o, tuple(sorted(us)))] += 1
@@ -356,8 +391,12 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
             cons.append((gid[root[v]], np.array([ids[x] for x in dst]), m))
         pls = list(ids)
         for d in np.unique(np.concatenate([di for _, di, _ in cons])):
-            price = np.array([rtime(pls[a], pls[d], meta) if a != d and collectives(pls[a], pls[d], meta, mesh_shape)
-                              else 0.0 for a in range(len(pls))])[si]     # per producer choice: its move into d
+            price = np.array(
+                [
+                    rtime(pls[a], pls[d], meta) if a != d and collectives(pls[a], pls[d], meta, mesh_shape) else 0.0
+                    for a in range(len(pls))
+                ]
+            )[si]  # per producer choice: its move into d
             joined = [(g2, np.outer(price, di == d), m) for g2, di, m in cons]
             joined = [(g2, W, m) for g2, W, m in joined if (np.diag(W) if g2 == g1 else W).any()]
             if sum(m for _, _, m in joined) < 2:
@@ -378,7 +417,7 @@ def _lead_input(g, n, ins):
     sizes = [g.meta(r).numel for r in ins]
     big = max(sizes)
     if sizes.count(big) > 1:
-        return None          # same-size operands (residual adds, gated products): a real decision, keep a root
+        return None  # same-size operands (residual adds, gated products): a real decision, keep a root
     return sizes.index(big)
 
 
@@ -406,17 +445,21 @@ def _coalesce(edge_count, nodes, S, choice, gid, root, matrices, pricing, mesh_s
     for (p, o, v, j), c in edge_count.items():
         if j not in ("opt", "state"):
             by_pair[(p, v)].append((o, j, c))
-    fits: dict = {}                                 # (src, dst) -> all-reduced into Replicate
+    fits: dict = {}  # (src, dst) -> all-reduced into Replicate
     for (p, v), es in by_pair.items():
         g1, g2 = gid[root[p]], gid[root[v]]
         metas = [nodes[p].outs[o] for o, _, _ in es]
-        if len({o for o, _, _ in es}) < 2 or g1 == g2 or len({c for _, _, c in es}) != 1 or \
-                len({m.dtype for m in metas}) != 1:
+        if (
+            len({o for o, _, _ in es}) < 2
+            or g1 == g2
+            or len({c for _, _, c in es}) != 1
+            or len({m.dtype for m in metas}) != 1
+        ):
             continue
         total = TensorMeta((sum(m.numel for m in metas),), metas[0].dtype)
         in_tail = {(p, o) in tail for o, _, _ in es}
         if len(in_tail) > 1 or in_tail == {True} and nodes[v].phase == "fw":
-            continue            # priced apart; or loss-tail values of the forward: one series charge (_tail_joins)
+            continue  # priced apart; or loss-tail values of the forward: one series charge (_tail_joins)
         rtime = pricing(p, es[0][0])
         D = np.zeros((len(choice[p]), len(choice[v])))
         for a_i, x in enumerate(choice[p]):

@@ -13,6 +13,7 @@ gradients and the optimizer state stay fp32 (the bf16 unsharded copies are trans
 
 Runs first (before `regions`), so the casts join their layer's repeated region like any other node.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,7 +31,7 @@ def run(state) -> None:
         return
     g = state.graph
     reduce_dtype = getattr(torch, mp["reduce_dtype"])
-    casts: dict[int, list[tuple[str, int]]] = {}          # producer node -> [(param FQN, output index)]
+    casts: dict[int, list[tuple[str, int]]] = {}  # producer node -> [(param FQN, output index)]
     for fqn, r in g.grads.items():
         m = g.meta(r)
         if m.dtype.is_floating_point and m.dtype != reduce_dtype:
@@ -40,16 +41,24 @@ def run(state) -> None:
     new_idx: dict[int, int] = {}
     out: list[Node] = []
     grad_node: dict[str, int] = {}
-    for n in g.nodes:                                     # first pass: numbering
+    for n in g.nodes:  # first pass: numbering
         new_idx[n.idx] = len(out)
         out.append(n)
         for fqn, o in casts.get(n.idx, []):
-            cast = Node(-1, "op", aten._to_copy.default, (Ref(n.idx, o),), {"dtype": reduce_dtype},
-                        (TensorMeta(n.outs[o].shape, reduce_dtype),), "bw", n.module)
+            cast = Node(
+                -1,
+                "op",
+                aten._to_copy.default,
+                (Ref(n.idx, o),),
+                {"dtype": reduce_dtype},
+                (TensorMeta(n.outs[o].shape, reduce_dtype),),
+                "bw",
+                n.module,
+            )
             grad_node[fqn] = len(out)
             out.append(cast)
     fix = lambda r: Ref(new_idx[r.node], r.out)
-    for i, n in enumerate(out):                           # second pass: renumber refs (casts point at old idx too)
+    for i, n in enumerate(out):  # second pass: renumber refs (casts point at old idx too)
         n.args, n.kwargs, n._ins = map_refs(n.args, fix), map_refs(n.kwargs, fix), None
         n.idx = i
     g.nodes = out
@@ -60,7 +69,7 @@ def run(state) -> None:
     g.input_grads = {k: fix(r) for k, r in g.input_grads.items()}
     g.state_updates = {k: fix(r) for k, r in g.state_updates.items()}
     g.grads = {k: Ref(grad_node[k]) if k in grad_node else fix(r) for k, r in g.grads.items()}
-    g.__post_init__()                                     # users lists
+    g.__post_init__()  # users lists
     state.extras["mixed_precision"] = dict(mp, grad_casts=len(grad_node))
 
 
@@ -69,16 +78,25 @@ def choose(results: list, infeasible: list) -> tuple:
     error)]. The lowest predicted step time wins (every result fits the budget). Records the comparison in the
     chosen plan's meta["precision_decision"]."""
     label = lambda mp: "bf16 params / fp32 reduce" if mp else "fp32"
-    rows = {label(mp): {"step_s": p.predicted["step_s"], "compute_s": p.predicted["compute_s"],
-                        "comm_s": p.predicted["comm_s"], "peak_mem_bytes": p.predicted["peak_mem_bytes"]}
-            for mp, _, p in results}
+    rows = {
+        label(mp): {
+            "step_s": p.predicted["step_s"],
+            "compute_s": p.predicted["compute_s"],
+            "comm_s": p.predicted["comm_s"],
+            "peak_mem_bytes": p.predicted["peak_mem_bytes"],
+        }
+        for mp, _, p in results
+    }
     for mp, err in infeasible:
         rows[label(mp)] = {"infeasible": str(err).splitlines()[0]}
     best = min(results, key=lambda t: (t[2].predicted["step_s"], t[0] is not None))
     mp, state, p = best
     others = [r for r in results if r is not best]
-    why = "the only candidate that fits the memory budget" if not others else \
-        f"predicted step {p.predicted['step_s'] * 1e3:.3f} ms vs " + ", ".join(
-            f"{label(o[0])} {o[2].predicted['step_s'] * 1e3:.3f} ms" for o in others)
+    why = (
+        "the only candidate that fits the memory budget"
+        if not others
+        else f"predicted step {p.predicted['step_s'] * 1e3:.3f} ms vs "
+        + ", ".join(f"{label(o[0])} {o[2].predicted['step_s'] * 1e3:.3f} ms" for o in others)
+    )
     p.meta["precision_decision"] = {"chosen": label(mp), "mixed_precision": mp, "candidates": rows, "why": why}
     return best

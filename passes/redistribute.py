@@ -16,6 +16,7 @@ quotient) are coalesced, as all_reduce_coalesced does: one collective of their s
 none on the others (`state.coalesced`: (consumer, input) -> (consumer, input) whose collective carries it). So are
 the all_reduces of loss-tail values across ops (autopar/schedule.py: an MoE's per-layer expert loads, one collective
 at the end of the forward), with the forward's order of execution that allows it (`state.fw_order`)."""
+
 from __future__ import annotations
 
 from autopar.graph import TensorMeta, param_root
@@ -27,7 +28,7 @@ def run(state) -> None:
     g, P, mesh_shape, cluster = state.graph, state.placement, state.mesh.shape, state.cluster
     red, shares, first, coalesced = {}, {}, {}, {}
     for n in g.ops():
-        alike: dict = {}                                 # (src, dst, dtype) -> [(input, numel)] all-reduced alike
+        alike: dict = {}  # (src, dst, dtype) -> [(input, numel)] all-reduced alike
         for j, r in enumerate(n.inputs()):
             src, dst = P[r.node].out[r.out], P[n.idx].ins[j]
             if src == dst:
@@ -52,16 +53,16 @@ def run(state) -> None:
     for fqn, r in g.grads.items():
         p = g.params[fqn]
         src, dst = P[r.node].out[r.out], P[p].out[0]
-        if src != dst:          # a bucketed reduction is flattened, or not, per bucket (passes/buckets.py)
+        if src != dst:  # a bucketed reduction is flattened, or not, per bucket (passes/buckets.py)
             flat = None if bucket_steps(src, dst) else cluster
             red[(p, "opt")] = (src, dst, collectives(src, dst, g.meta(r), mesh_shape, flat))
-    for fqn, r in g.state_updates.items():            # a buffer's new value, written at the buffer's placement
+    for fqn, r in g.state_updates.items():  # a buffer's new value, written at the buffer's placement
         b = g.buffers[fqn]
         src, dst = P[r.node].out[r.out], P[b].out[0]
         if src != dst:
             red[(b, "state")] = (src, dst, collectives(src, dst, g.meta(r), mesh_shape, cluster))
     src, dst = P[g.loss.node].out[g.loss.out], ("R",) * len(mesh_shape)
-    if src != dst and not g.activation:                # the step returns the loss itself (global view)
+    if src != dst and not g.activation:  # the step returns the loss itself (global view)
         red[(g.loss.node, "loss")] = (src, dst, collectives(src, dst, g.meta(g.loss), mesh_shape, cluster))
     state.fw_order = coalesce_tail(g, red, shares, coalesced, mesh_shape, cluster, can_be_partial(state))
     state.redistributes, state.shares, state.coalesced = red, shares, coalesced

@@ -5,6 +5,7 @@ A layer's nodes are those whose module path lies under `<list>.<i>`. Two layers 
 node sequences match op for op, shape for shape, with internal edges at the same relative positions (an exact
 signature; `layer_hash` gives networkx's Weisfeiler-Lehman hash of a layer for reports and tests).
 """
+
 from __future__ import annotations
 
 import re
@@ -41,14 +42,18 @@ def _signature(g, members: list[int], force=None, pin=None):
         if isinstance(a, dict):
             return tuple(sorted((k, arg(v)) for k, v in a.items()))
         return a
+
     sig = []
     for idx in members:
         n = g.nodes[idx]
         leaf_name = _LAYER.sub("", n.target) if n.kind == "param" else None
-        user = (force.get(n.target) if n.kind == "param" else None,
-                tuple(sorted((pin(n) or {}).items(), key=str)) if pin is not None else None)
-        sig.append((n.kind, str(n.target) if n.kind == "op" else leaf_name, n.phase, n.outs, arg(n.args), arg(n.kwargs),
-                    user))
+        user = (
+            force.get(n.target) if n.kind == "param" else None,
+            tuple(sorted((pin(n) or {}).items(), key=str)) if pin is not None else None,
+        )
+        sig.append(
+            (n.kind, str(n.target) if n.kind == "op" else leaf_name, n.phase, n.outs, arg(n.args), arg(n.kwargs), user)
+        )
     return tuple(sig)
 
 
@@ -62,7 +67,7 @@ def layer_hash(g, members) -> str:
             if r.node in pos:
                 G.add_edge(r.node, idx)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")   # networkx 3.5 notes that directed hashes changed; we only compare them
+        warnings.simplefilter("ignore")  # networkx 3.5 notes that directed hashes changed; we only compare them
         return nx.weisfeiler_lehman_graph_hash(G, node_attr="label", iterations=2)
 
 

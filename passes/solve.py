@@ -11,6 +11,7 @@ tightened by the excess and the model solved again (at most 4 rounds), so the pl
 Plans are solved to a relative gap of MIP_GAP (0.1%, the `mip_rel_gap` option): the plan's objective is within
 that of the proven bound, both reported in `plan.solver`. On the 8B shape the LP relaxation leaves ~16 of 90
 groups fractional with a 0.08% integrality gap; proving the last 0.08% costs HiGHS's root cuts ~4 s."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -31,15 +32,25 @@ def run(state) -> None:
         raise InfeasibleMemoryError(
             f"no plan fits {state.budget / 1e9:.3f} GB per rank on mesh {state.mesh}: the smallest achievable "
             f"(parameters, gradients, optimizer state and saved activations, all maximally sharded) is "
-            f"{floor / 1e9:.3f} GB")
+            f"{floor / 1e9:.3f} GB"
+        )
     row_budget = state.budget
     for _ in range(4):
-        res = solve(lin, edges, [(mem_rows, row_budget)], time_limit=state.options.get("time_limit", 60.0),
-                    mip_rel_gap=state.options.get("mip_rel_gap", MIP_GAP), overlap=overlap, fixed=fixed, shared=shared,
-                    lambda_search_s=float("inf") if thorough else 0.0)
+        res = solve(
+            lin,
+            edges,
+            [(mem_rows, row_budget)],
+            time_limit=state.options.get("time_limit", 60.0),
+            mip_rel_gap=state.options.get("mip_rel_gap", MIP_GAP),
+            overlap=overlap,
+            fixed=fixed,
+            shared=shared,
+            lambda_search_s=float("inf") if thorough else 0.0,
+        )
         placement = _expand(state, res)
-        peak = state_bytes(state.graph, placement, state.mesh.shape, state.precision) + \
-            liveness_peak(state.graph, placement, state.mesh.shape, state.recompute)
+        peak = state_bytes(state.graph, placement, state.mesh.shape, state.precision) + liveness_peak(
+            state.graph, placement, state.mesh.shape, state.recompute
+        )
         if peak <= state.budget:
             break
         row_budget -= 1.05 * (peak - state.budget)
@@ -47,12 +58,14 @@ def run(state) -> None:
             raise InfeasibleMemoryError(
                 f"no plan fits {state.budget / 1e9:.3f} GB per rank on mesh {state.mesh}: the best plan found peaks "
                 f"at {peak / 1e9:.3f} GB (transient activations included); the smallest achievable without "
-                f"transients is {floor / 1e9:.3f} GB")
+                f"transients is {floor / 1e9:.3f} GB"
+            )
     else:
-        raise InfeasibleMemoryError(f"no plan found under {state.budget / 1e9:.3f} GB per rank after 4 rounds; "
-                                    f"last peak {peak / 1e9:.3f} GB")
+        raise InfeasibleMemoryError(
+            f"no plan found under {state.budget / 1e9:.3f} GB per rank after 4 rounds; last peak {peak / 1e9:.3f} GB"
+        )
     if res.candidates is not None:
-        if thorough:                  # small graphs: the classic layouts as candidates too
+        if thorough:  # small graphs: the classic layouts as candidates too
             res.candidates = res.candidates + _seeds(state, lin, edges, overlap, mem_rows, row_budget)
         res, placement = _by_prediction(state, res, placement, 3 if thorough else 2)
     state.solution, state.placement = res, placement
@@ -82,9 +95,15 @@ def _seeds(state, lin, edges, overlap, mem_rows, budget) -> list:
             if not all(bad):
                 pen[g] = big * np.asarray(bad, float)
         try:
-            r = solve([a + p for a, p in zip(lin, pen)], edges, [(mem_rows, budget)],
-                      time_limit=state.options.get("time_limit", 60.0), overlap=overlap, max_lps=1)
-        except (InfeasibleMemoryError, SolverTimeLimitError):      # an extra candidate only: skip it
+            r = solve(
+                [a + p for a, p in zip(lin, pen)],
+                edges,
+                [(mem_rows, budget)],
+                time_limit=state.options.get("time_limit", 60.0),
+                overlap=overlap,
+                max_lps=1,
+            )
+        except (InfeasibleMemoryError, SolverTimeLimitError):  # an extra candidate only: skip it
             continue
         out += [(None, ch) for _, ch in (r.candidates or [(None, r.choice)])[:1]]
     return out
@@ -97,6 +116,7 @@ def _by_prediction(state, res, placement, top):
 
     from autopar.passes import buckets, redistribute
     from autopar.predict import predict
+
     best = None
     for F, choice in res.candidates[:top] + [fc for fc in res.candidates[top:] if fc[0] is None]:
         cand = replace(res, choice=choice, objective=F)
@@ -117,7 +137,7 @@ def objective(c, overlap: bool):
     plain MILP), each gradient bucket series' latency as a bucket charge ([(seconds, [((g1, g2), bucket fraction per
     choice pair joining the series)])]) and each redistribute several consumers can share as one charge paid once
     (returned last; passes/costs.py _shared), see autopar.solver.solve."""
-    if not overlap:                   # every collective blocks: compute + all comm, bucket latency as bucket charges
+    if not overlap:  # every collective blocks: compute + all comm, bucket latency as bucket charges
         lin = [a + b for a, b in zip(c["compute"], c["comm"])]
         edges = dict(c["edges"])
         for (g1, g2), D in list(c["bucket_delta"].items()) + list(c["share_delta"].items()):
@@ -127,8 +147,9 @@ def objective(c, overlap: bool):
                 edges[(g1, g2)] = edges[(g1, g2)] + D if (g1, g2) in edges else D
         return lin, edges, None, c["bucket_series"], c["shared"]
     lin = [a + b - (1 - HIDDEN_COMM_WEIGHT) * o for a, b, o in zip(c["compute"], c["comm"], c["comm_ovl"])]
-    edges = {k: C - (1 - HIDDEN_COMM_WEIGHT) * c["edges_ovl"][k] if k in c["edges_ovl"] else C
-             for k, C in c["edges"].items()}
+    edges = {
+        k: C - (1 - HIDDEN_COMM_WEIGHT) * c["edges_ovl"][k] if k in c["edges_ovl"] else C for k, C in c["edges"].items()
+    }
     return lin, edges, (c["comm_ovl"], c["edges_ovl"], c["compute"]), (), ()
 
 

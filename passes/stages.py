@@ -18,6 +18,7 @@ that reads them) are at least one, all with static shapes (one sweep over the ca
 finds them exactly); their bytes, on the link between the two stages' ranks, cost one p2p transfer forward
 (activation) and one backward (its gradient) per micro-batch.
 """
+
 from __future__ import annotations
 
 import re
@@ -40,17 +41,18 @@ INF = float("inf")
 @dataclass
 class Costs:
     """One intra-op variant, per full-model cluster (arrays of length n) and boundary (length n - 1)."""
+
     name: str
     F: np.ndarray
     B: np.ndarray
     W: np.ndarray
-    dp: np.ndarray          # data-parallel comm seconds per step
-    state: np.ndarray       # model-state bytes per rank
-    act: np.ndarray         # saved-activation bytes per rank per micro-batch
-    xbytes: np.ndarray      # bytes per rank crossing boundary b (between cluster b and b+1)
-    legal: np.ndarray       # bool per boundary
-    ntensors: np.ndarray    # tensors crossing each boundary
-    base: int = 0           # index of the intra-op plan (StageOps.plans) these costs come from
+    dp: np.ndarray  # data-parallel comm seconds per step
+    state: np.ndarray  # model-state bytes per rank
+    act: np.ndarray  # saved-activation bytes per rank per micro-batch
+    xbytes: np.ndarray  # bytes per rank crossing boundary b (between cluster b and b+1)
+    legal: np.ndarray  # bool per boundary
+    ntensors: np.ndarray  # tensors crossing each boundary
+    base: int = 0  # index of the intra-op plan (StageOps.plans) these costs come from
     blk: np.ndarray = None  # bool per cluster: a block (may be checkpointed)
     save: np.ndarray = None  # bytes per micro-batch a checkpointed block frees (its activations minus its input)
     rtime: np.ndarray = None  # seconds a checkpointed block adds (its forward, run again before its backward)
@@ -65,14 +67,19 @@ def find_layers(model: nn.Module) -> str:
             if best is None or key > best[0]:
                 best = (key, name)
     if best is None:
-        raise ValueError(f"pipeline planning needs a layer list (nn.ModuleList/ModuleDict of blocks) in "
-                         f"{type(model).__name__}; none found")
+        raise ValueError(
+            f"pipeline planning needs a layer list (nn.ModuleList/ModuleDict of blocks) in "
+            f"{type(model).__name__}; none found"
+        )
     return best[1]
 
 
 def layer_signature(mod: nn.Module) -> tuple:
-    return (type(mod).__name__, tuple((n, tuple(p.shape), str(p.dtype)) for n, p in mod.named_parameters()),
-            tuple(type(m).__name__ for _, m in mod.named_modules()))
+    return (
+        type(mod).__name__,
+        tuple((n, tuple(p.shape), str(p.dtype)) for n, p in mod.named_parameters()),
+        tuple(type(m).__name__ for _, m in mod.named_modules()),
+    )
 
 
 @contextmanager
@@ -80,8 +87,11 @@ def swap_layers(model: nn.Module, prefix: str, blocks: list):
     parent, _, attr = prefix.rpartition(".")
     owner = model.get_submodule(parent) if parent else model
     old = getattr(owner, attr)
-    new = nn.ModuleList(blocks) if isinstance(old, nn.ModuleList) else \
-        nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+    new = (
+        nn.ModuleList(blocks)
+        if isinstance(old, nn.ModuleList)
+        else nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
+    )
     setattr(owner, attr, new)
     try:
         yield
@@ -115,7 +125,7 @@ def _cluster_of_nodes(g, prefix: str, n_layers: int) -> list:
             where[n.idx] = 0 if n.idx < fw_first else post if n.idx > fw_last or not root else cur
         else:
             where[n.idx] = post if n.idx < bw_first else 0 if n.idx > bw_last or not root else cur
-    for fqn, i in g.params.items():        # a parameter lives with its first forward consumer
+    for fqn, i in g.params.items():  # a parameter lives with its first forward consumer
         m = pat.match(fqn)
         if m:
             where[i] = int(m.group(1)) + 1
@@ -139,8 +149,10 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
         if n.kind != "op" or n.phase != "bw":
             continue
         c = where[n.idx]
-        feeds[n.idx] = any(g.nodes[u].phase == "bw" and where[u] is not None and
-                           (where[u] < c or (where[u] == c and feeds[u])) for u in n.users)
+        feeds[n.idx] = any(
+            g.nodes[u].phase == "bw" and where[u] is not None and (where[u] < c or (where[u] == c and feeds[u]))
+            for u in n.users
+        )
     coll = [{"act": {}, "dp": {}} for _ in range(K)]
     for rec in plan.nodes:
         i = rec["idx"]
@@ -162,8 +174,11 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
         elif n.phase == "fw":
             F[c] += t
             if any(g.nodes[u].phase == "bw" for u in n.users):
-                act[c] += sum(m.nbytes / num_shards(p, mesh_shape) for m, p in zip(n.outs, P[i].out)
-                              if m is not None and p is not None)
+                act[c] += sum(
+                    m.nbytes / num_shards(p, mesh_shape)
+                    for m, p in zip(n.outs, P[i].out)
+                    if m is not None and p is not None
+                )
         elif feeds[i]:
             B[c] += t
         else:
@@ -180,9 +195,17 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
         for o, m in enumerate(n.outs):
             if m is None:
                 continue
-            last = max((where[u] for u in n.users if g.nodes[u].phase == "fw" and where[u] is not None
-                        and any(r.node == n.idx and r.out == o for r in g.nodes[u].inputs())), default=c)
-            for q in range(c, last):          # crosses boundaries after positions c .. last-1
+            last = max(
+                (
+                    where[u]
+                    for u in n.users
+                    if g.nodes[u].phase == "fw"
+                    and where[u] is not None
+                    and any(r.node == n.idx and r.out == o for r in g.nodes[u].inputs())
+                ),
+                default=c,
+            )
+            for q in range(c, last):  # crosses boundaries after positions c .. last-1
                 cross_bytes[q] += m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
                 cross_n[q] += 1
     ops = np.zeros(K, dtype=int)
@@ -190,8 +213,19 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
         if where[n.idx] is not None:
             ops[where[n.idx]] += 1
     param_pos = {fqn: where[i] for fqn, i in g.params.items()}
-    return {"F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act, "xbytes": cross_bytes, "xn": cross_n,
-            "coll": coll, "ops": ops, "param_pos": param_pos}
+    return {
+        "F": F,
+        "B": B,
+        "W": W,
+        "dp": dp,
+        "state": st,
+        "act": act,
+        "xbytes": cross_bytes,
+        "xn": cross_n,
+        "coll": coll,
+        "ops": ops,
+        "param_pos": param_pos,
+    }
 
 
 def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
@@ -219,17 +253,25 @@ class StageOps:
         from autopar.capture import capture
         from autopar.pipeline import PASSES, PlanState, run_passes
         from autopar.solver import min_memory
+
         t0 = time.perf_counter()
         layers = model.get_submodule(prefix)
         blocks = [layers[i] if isinstance(layers, nn.ModuleList) else list(layers.values())[i] for i in reps]
         with swap_layers(model, prefix, blocks):
             g = capture(model, mb_inputs, ctx["loss_fn"])
-            styled = {f"{k}.{n}" for k, mod in model.named_modules() if isinstance(mod, (nn.Linear, nn.Embedding))
-                      for n, _ in mod.named_parameters(recurse=False)}
+            styled = {
+                f"{k}.{n}"
+                for k, mod in model.named_modules()
+                if isinstance(mod, (nn.Linear, nn.Embedding))
+                for n, _ in mod.named_parameters(recurse=False)
+            }
         # the pipeline runtime shards only nn.Linear / nn.Embedding weights on a tensor-parallel stage dim (any dim
         # of size > 1 not named dp*, as backends/pipeline.py reads it): every other parameter is Replicate there
-        tp = {d: "R" for d, (nm, n) in enumerate(zip(stage_mesh.names, stage_mesh.shape))
-              if n > 1 and not nm.startswith("dp")}
+        tp = {
+            d: "R"
+            for d, (nm, n) in enumerate(zip(stage_mesh.names, stage_mesh.shape))
+            if n > 1 and not nm.startswith("dp")
+        }
         pin = (lambda n: tp if n.kind == "param" and n.target not in styled else None) if tp else None
         sub_force = {}
         for fqn, pl in ctx["force"].items():
@@ -238,18 +280,29 @@ class StageOps:
                 sub_force[fqn] = pl
             elif int(m.group(1)) in reps:
                 sub_force[f"{prefix}.{reps.index(int(m.group(1)))}.{m.group(2)}"] = pl
-        self.state = PlanState(g, stage_mesh, ctx["cluster"], ctx["precision"], 1e30,
-                               {"force": sub_force, "replicate_ops": ctx["replicate_ops"], "pin": pin,
-                                # on a one-device stage every placement is Replicate: no rule is needed to say so
-                                "allow_replicate": ctx["allow_replicate"] or stage_mesh.size == 1,
-                                "time_limit": ctx["time_limit"], "mixed_precision": None,
-                                "allow_checkpointing": False})
+        self.state = PlanState(
+            g,
+            stage_mesh,
+            ctx["cluster"],
+            ctx["precision"],
+            1e30,
+            {
+                "force": sub_force,
+                "replicate_ops": ctx["replicate_ops"],
+                "pin": pin,
+                # on a one-device stage every placement is Replicate: no rule is needed to say so
+                "allow_replicate": ctx["allow_replicate"] or stage_mesh.size == 1,
+                "time_limit": ctx["time_limit"],
+                "mixed_precision": None,
+                "allow_checkpointing": False,
+            },
+        )
         self._k = PASSES.index("solve")
         kc = PASSES.index("candidates") + 1
         run_passes(self.state, PASSES[:kc])
         if ctx["dp_shards_batch"]:
             shard_batch_on_dp(self.state, mb_inputs)
-        run_passes(self.state, PASSES[kc:self._k])
+        run_passes(self.state, PASSES[kc : self._k])
         amortize_dp_comm(self.state, int(ctx.get("n_microbatches", 1)))
         c = self.state.cost
         self._rows = [c["state_mem"][i] + c["act_mem"][i] for i in range(len(c["compute"]))]
@@ -261,7 +314,7 @@ class StageOps:
         while self.more():
             pass
         self.seconds = time.perf_counter() - t0
-        if ctx.get("drop_state"):          # travels back from a worker process: keep only the results
+        if ctx.get("drop_state"):  # travels back from a worker process: keep only the results
             self.state = self.ctx = None
 
     def costs(self) -> list:
@@ -275,23 +328,24 @@ class StageOps:
         from autopar.pipeline import PASSES, run_passes
         from autopar.predict import build_plan
         from autopar.solver import InfeasibleMemoryError
+
         t0 = time.perf_counter()
         st = self.state
         while st is not None and self._left > 0 and self._budget is not None:
             self._left -= 1
             step = self.ctx["n_variants"] - self._left - 1
             budget = st.budget = self._budget if step != 1 else 1e30
-            st.placement = st.redistributes = st.solution = None     # re-solve from the same costs
-            if budget < 1e29:      # tight budgets make branch-and-bound work; cap it
+            st.placement = st.redistributes = st.solution = None  # re-solve from the same costs
+            if budget < 1e29:  # tight budgets make branch-and-bound work; cap it
                 st.options["time_limit"] = min(self.ctx["time_limit"], self.ctx.get("lean_time_limit", 10.0))
             pen = self._fsdp_penalty() if step == 1 else None
-            if pen == {}:                  # nothing left unsharded on dp (or no dp dim): same plan again
+            if pen == {}:  # nothing left unsharded on dp (or no dp dim): same plan again
                 continue
             try:
                 if pen is not None:
                     for g, v in pen.items():
                         st.cost["compute"][g] += v
-                run_passes(st, PASSES[self._k:])
+                run_passes(st, PASSES[self._k :])
             except InfeasibleMemoryError:
                 self._budget = None
                 break
@@ -301,16 +355,22 @@ class StageOps:
                         st.cost["compute"][g] -= v
             mem = sum(self._rows[i][st.solution.choice[i]] for i in range(len(self._rows)))
             if step >= 1:
-                self._budget = None if mem <= self._floor * 1.0001 else \
-                    self._floor * 1.0001 if self._left == 1 else (mem + self._floor) / 2
+                self._budget = (
+                    None
+                    if mem <= self._floor * 1.0001
+                    else self._floor * 1.0001
+                    if self._left == 1
+                    else (mem + self._floor) / 2
+                )
             key = tuple(st.solution.choice)
             if key in self._seen:
                 continue
             self._seen.add(key)
             plan = build_plan(st)
             met = cluster_metrics(st, plan, self.prefix, len(self.reps))
-            label = "time-optimal" if step == 0 else "params sharded on dp" if step == 1 else \
-                f"mem<={budget / 1e9:.4g}GB"
+            label = (
+                "time-optimal" if step == 0 else "params sharded on dp" if step == 1 else f"mem<={budget / 1e9:.4g}GB"
+            )
             cv = expand(met, self.pos_of, len(self.reps), f"v{len(self.variants)} {label}")
             cv.base = len(self.plans)
             self.variants.append(cv)
@@ -371,8 +431,10 @@ def shard_batch_on_dp(state, mb_inputs) -> None:
             continue
         keep = [s for s in state.strategies[i] if all(s.out[0][d] == "S0" for d in dims)]
         if not keep:
-            raise ValueError(f"input {pos} of shape {n.out.shape} cannot be split on dim 0 over mesh dims "
-                             f"{[state.mesh.names[d] for d in dims]} {state.mesh.shape}: batch not divisible")
+            raise ValueError(
+                f"input {pos} of shape {n.out.shape} cannot be split on dim 0 over mesh dims "
+                f"{[state.mesh.names[d] for d in dims]} {state.mesh.shape}: batch not divisible"
+            )
         state.strategies[i] = keep
 
 
@@ -386,8 +448,9 @@ def p2p_link(cluster, stage_size: int, a: int, b: int):
 
 
 # ---- evaluation of one partition ------------------------------------------------------------------------------
-def evaluate(costs, bounds, variants, recompute, spec, p, v, m, order, cluster, stage_size, budget,
-             detail=False) -> dict:
+def evaluate(
+    costs, bounds, variants, recompute, spec, p, v, m, order, cluster, stage_size, budget, detail=False
+) -> dict:
     """Step time (simulated on torch's action order), bubble and per-rank memory of one partition: stage k holds
     clusters bounds[k]:bounds[k+1] with intra-op plan costs[variants[k]] and recompute[k] checkpointed blocks."""
     S = p * v
@@ -405,9 +468,15 @@ def evaluate(costs, bounds, variants, recompute, spec, p, v, m, order, cluster, 
         trans.append(float(np.max(np.where(cv.blk[a:b], cv.act[a:b], 0.0))) if r else 0.0)
         if k < S - 1:
             link = p2p_link(cluster, stage_size, rank_of[k], rank_of[k + 1])
-            x.append((float(cv.xbytes[b - 1]), link.name,
-                      collective_time("send_recv", float(cv.xbytes[b - 1]), 2, link)
-                      if rank_of[k] != rank_of[k + 1] else 0.0))
+            x.append(
+                (
+                    float(cv.xbytes[b - 1]),
+                    link.name,
+                    collective_time("send_recv", float(cv.xbytes[b - 1]), 2, link)
+                    if rank_of[k] != rank_of[k + 1]
+                    else 0.0,
+                )
+            )
     sim = pm.simulate(order, rank_of, F, B, W, [t for *_, t in x])
     no_p2p = pm.simulate(order, rank_of, F, B, W, [0.0] * len(x)).step_s if detail else sim.step_s
     exposed = [max(0.0, dp[k] - m * (F[k] + B[k] + W[k])) for k in range(S)]
@@ -416,12 +485,28 @@ def evaluate(costs, bounds, variants, recompute, spec, p, v, m, order, cluster, 
     tr = [max((trans[k] for k in range(S) if rank_of[k] == r), default=0.0) for r in range(p)]
     mem = [rank_state[r] + act_peak[r] + tr[r] for r in range(p)]
     fl = pm.inflight(order, S, spec.split_backward)
-    return {"step_s": sim.step_s + max(exposed), "pipeline_s": sim.step_s, "exposed_dp_s": max(exposed),
-            "exposed_p2p_s": sim.step_s - no_p2p,
-            "bubble": sim.bubble_fraction, "sim": sim, "F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act,
-            "xfer": x, "inflight": fl, "rank_of": rank_of, "rank_mem": mem, "fits": max(mem) <= budget,
-            "recompute": list(recompute), "transient": trans,
-            "peak_mem": max(mem)}
+    return {
+        "step_s": sim.step_s + max(exposed),
+        "pipeline_s": sim.step_s,
+        "exposed_dp_s": max(exposed),
+        "exposed_p2p_s": sim.step_s - no_p2p,
+        "bubble": sim.bubble_fraction,
+        "sim": sim,
+        "F": F,
+        "B": B,
+        "W": W,
+        "dp": dp,
+        "state": st,
+        "act": act,
+        "xfer": x,
+        "inflight": fl,
+        "rank_of": rank_of,
+        "rank_mem": mem,
+        "fits": max(mem) <= budget,
+        "recompute": list(recompute),
+        "transient": trans,
+        "peak_mem": max(mem),
+    }
 
 
 def even_bounds(n_blocks: int, S: int, has_pre=True, has_post=True) -> list:

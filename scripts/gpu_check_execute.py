@@ -11,6 +11,7 @@ What it checks (the same as the CPU tests, on CUDA):
      rank, whose sub-groups have size 1).
 Runs on torch 2.11+ (uses no 2.13-only API on this path). Takes well under a minute on an H100/H200.
 """
+
 from __future__ import annotations
 
 import copy
@@ -57,18 +58,35 @@ def main() -> int:
                 out, lse = attention_fw_math(q, k, v, 0.0, causal)
                 dq, dk, dv = attention_bw_math(go, q, k, v, out, lse, 0.0, causal)
             errs = [(a - b).abs().max().item() for a, b in ((out, ref), (dq, rq), (dk, rk), (dv, rv))]
-            good = all(torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in ((out, ref), (dq, rq), (dk, rk),
-                                                                               (dv, rv)))
+            good = all(
+                torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in ((out, ref), (dq, rq), (dk, rk), (dv, rv))
+            )
             ok &= good
-            print(f"{'PASS' if good else 'FAIL'} attention math mapping causal={causal}: max abs err "
-                  f"out/dq/dk/dv {['%.1e' % e for e in errs]}")
+            print(
+                f"{'PASS' if good else 'FAIL'} attention math mapping causal={causal}: max abs err "
+                f"out/dq/dk/dv {['%.1e' % e for e in errs]}"
+            )
 
         # 2. whole training steps on a 1-rank NCCL mesh
         mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp",))
-        cases = [("llama-tiny", dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=24)),
-                 ("gpt2-tiny", dict(dim=16, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16)),
-                 ("moe-tiny", dict(dim=16, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=64, n_experts=4,
-                                   top_k=2, moe_hidden=8, dense_ffn_dim=16))]
+        cases = [
+            ("llama-tiny", dict(dim=16, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_dim=24)),
+            ("gpt2-tiny", dict(dim=16, n_layers=2, n_heads=2, vocab_size=64, max_seq_len=16)),
+            (
+                "moe-tiny",
+                dict(
+                    dim=16,
+                    n_layers=1,
+                    n_heads=2,
+                    n_kv_heads=1,
+                    vocab_size=64,
+                    n_experts=4,
+                    top_k=2,
+                    moe_hidden=8,
+                    dense_ffn_dim=16,
+                ),
+            ),
+        ]
         for name, ov in cases:
             for label, forcer in (("fsdp", fsdp_force), ("tp", tp_force)):
                 model = build_model(name, device="cpu", seed=1, **ov)
@@ -76,7 +94,7 @@ def main() -> int:
                 pm = autopar.parallelize(model, mesh, x, force=forcer(model, (1,)))
                 ref = copy.deepcopy(model).cuda()
 
-                class MathRef(torch.nn.Module):   # the single-device model with torch's math attention
+                class MathRef(torch.nn.Module):  # the single-device model with torch's math attention
                     def __init__(self, m):
                         super().__init__()
                         self.m = m
@@ -94,19 +112,24 @@ def main() -> int:
                 rep = train_and_compare(pm, MathRef(ref), x, steps=3, lr=0.5)
                 good = rep.ok and str(pm.parameters().__next__().device).startswith("cuda")
                 ok &= good
-                print(f"{'PASS' if good else 'FAIL'} {name} {label}: losses {[round(a, 6) for a, _ in rep.losses]} "
-                      f"max abs diff {rep.max_abs:.1e}; collectives measured {len(rep.measured)} == planned "
-                      f"{len(rep.predicted)} {'' if not rep.collective_diff else rep.collective_diff} "
-                      f"{rep.failures[:3]}")
-    except Exception as e:                       # report, do not hang
+                print(
+                    f"{'PASS' if good else 'FAIL'} {name} {label}: losses {[round(a, 6) for a, _ in rep.losses]} "
+                    f"max abs diff {rep.max_abs:.1e}; collectives measured {len(rep.measured)} == planned "
+                    f"{len(rep.predicted)} {'' if not rep.collective_diff else rep.collective_diff} "
+                    f"{rep.failures[:3]}"
+                )
+    except Exception as e:  # report, do not hang
         import traceback
+
         traceback.print_exc()
         print(f"FAIL: {type(e).__name__}: {e}")
         ok = False
     finally:
         dist.destroy_process_group()
-    print(f"{'ALL PASS' if ok else 'SOME CHECKS FAILED'} in {time.time() - t0:.1f} s (torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name(0)})")
+    print(
+        f"{'ALL PASS' if ok else 'SOME CHECKS FAILED'} in {time.time() - t0:.1f} s (torch {torch.__version__}, "
+        f"{torch.cuda.get_device_name(0)})"
+    )
     return 0 if ok else 1
 
 

@@ -1,5 +1,6 @@
 """`simulated(mesh_shape)`: every rank of a mesh in this one process (the fake process group + LocalTensorMode),
 for tests that run autopar's executor on real values without processes. A plain module, not a test file."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,7 @@
 """The benchmark harness (benchmarks/harness.py): bad input is reported in the rows, hand plans become the intended
 forced placements, a quick modeled comparison is consistent with the solver's objective, and the result files say
 which command and commit produced them. No processes are launched here (the measured run is benchmarks' job)."""
+
 from __future__ import annotations
 
 import csv
@@ -25,8 +26,17 @@ def _by_source(rows):
 
 @pytest.fixture(scope="module")
 def tiny_rows():
-    return harness.modeled_rows("llama-tiny", "llama-tiny", {}, torch.float32, 2, 32, "2x2",
-                                ("autopar", "ddp", "fsdp2", "tp", "fsdp2_tp", "torchtitan"), "cpu-gloo")
+    return harness.modeled_rows(
+        "llama-tiny",
+        "llama-tiny",
+        {},
+        torch.float32,
+        2,
+        32,
+        "2x2",
+        ("autopar", "ddp", "fsdp2", "tp", "fsdp2_tp", "torchtitan"),
+        "cpu-gloo",
+    )
 
 
 def test_quick_modeled_rows_force_the_hand_layouts(tiny_rows):
@@ -62,11 +72,23 @@ def test_autopar_objective_is_no_worse_than_any_forced_hand_layout(tiny_rows):
 
 
 def test_hand_plan_that_does_not_fit_is_marked_with_the_reason():
-    rows = _by_source(harness.modeled_rows("llama-tiny", "llama-tiny", {}, torch.float32, 2, 32, "2x2",
-                                           ("ddp", "fsdp2", "autopar"), "cpu-gloo", budget=20_000))
+    rows = _by_source(
+        harness.modeled_rows(
+            "llama-tiny",
+            "llama-tiny",
+            {},
+            torch.float32,
+            2,
+            32,
+            "2x2",
+            ("ddp", "fsdp2", "autopar"),
+            "cpu-gloo",
+            budget=20_000,
+        )
+    )
     assert rows["ddp"]["status"] == "does not fit"
     assert "GiB per rank > budget" in rows["ddp"]["note"] and "ratio_to_best_hand" not in rows["ddp"]
-    assert rows["autopar"]["status"] == "does not fit"          # the planner's InfeasibleMemoryError
+    assert rows["autopar"]["status"] == "does not fit"  # the planner's InfeasibleMemoryError
     assert rows["autopar"]["note"].startswith("planner:")
 
 
@@ -87,8 +109,18 @@ def test_unknown_model_and_bad_meshes_keep_their_rows():
 
 def harness_args(**kw):
     import argparse
-    d = dict(quick=True, only="modeled-cpu", models=None, meshes=None, sources=None, steps=5, warmup=1,
-             launch_timeout=60.0, jobs=1)
+
+    d = dict(
+        quick=True,
+        only="modeled-cpu",
+        models=None,
+        meshes=None,
+        sources=None,
+        steps=5,
+        warmup=1,
+        launch_timeout=60.0,
+        jobs=1,
+    )
     d.update(kw)
     return argparse.Namespace(**d)
 
@@ -110,10 +142,22 @@ def test_tp_rules_per_family():
 
 
 def test_result_files_state_command_and_commit(tiny_rows, tmp_path):
-    meas = [{"model": "llama-tiny", "mesh": "2x2", "source": s, "kind": "measured", "cluster": "cpu-gloo",
-             "status": "ok", "note": "", "measured_step_s": t, "comm_bytes": b, "peak_mem_bytes": pk,
-             "comm": {"all_reduce": {"count": 1, "bytes": b}}}
-            for s, t, b, pk in (("autopar", 1.0, 100, 50), ("ddp", 2.0, 100, 80), ("fsdp2", 1.5, 300, 40))]
+    meas = [
+        {
+            "model": "llama-tiny",
+            "mesh": "2x2",
+            "source": s,
+            "kind": "measured",
+            "cluster": "cpu-gloo",
+            "status": "ok",
+            "note": "",
+            "measured_step_s": t,
+            "comm_bytes": b,
+            "peak_mem_bytes": pk,
+            "comm": {"all_reduce": {"count": 1, "bytes": b}},
+        }
+        for s, t, b, pk in (("autopar", 1.0, 100, 50), ("ddp", 2.0, 100, 80), ("fsdp2", 1.5, 300, 40))
+    ]
     meas += [{**meas[k], "model": "mlp-tiny", "mesh": "4", "comm_bytes": b} for k, b in ((0, 1_000_320), (1, 10**6))]
     rows = [dict(r) for r in tiny_rows] + meas
     prefix = str(tmp_path / "bench")
@@ -132,6 +176,7 @@ def test_result_files_state_command_and_commit(tiny_rows, tmp_path):
     # sizes a few bytes apart that print equal in MB are given in bytes (and the comparison still fails)
     assert "mlp-tiny 4 vs ddp: 1,000,320 <= 1,000,000 bytes MISSED" in md
     from PIL import Image
+
     assert "commit" in Image.open(prefix + "_steps.png").info.get("Description", "")
 
 
@@ -144,10 +189,24 @@ def test_calibration_refit_recovers_each_kinds_link(tmp_path, monkeypatch):
     import cpu_calibrate
     from autopar.cost import collective_time, get_cluster
     from autopar.cost.cluster import CLUSTERS, LinkSpec
-    truth = LinkSpec("t", 2e-3, 7e8, kinds={"all_gather": (1e-3, 6e8, 1e-3), "all_reduce": (0.5e-3, 1.2e9, 1.4e-3),
-                                            "reduce_scatter": (1e-3, 3.7e8, 1.6e-3), "all_to_all": (0.3e-3, 1e9, 1.4e-3)})
-    coll = [{"kind": k, "bytes": b, "group": n, "seconds": collective_time(k, b, n, truth)}
-            for k in cpu_calibrate.KINDS for b in cpu_calibrate.TINY + cpu_calibrate.SIZES for n in (4, 2)]
+
+    truth = LinkSpec(
+        "t",
+        2e-3,
+        7e8,
+        kinds={
+            "all_gather": (1e-3, 6e8, 1e-3),
+            "all_reduce": (0.5e-3, 1.2e9, 1.4e-3),
+            "reduce_scatter": (1e-3, 3.7e8, 1.6e-3),
+            "all_to_all": (0.3e-3, 1e9, 1.4e-3),
+        },
+    )
+    coll = [
+        {"kind": k, "bytes": b, "group": n, "seconds": collective_time(k, b, n, truth)}
+        for k in cpu_calibrate.KINDS
+        for b in cpu_calibrate.TINY + cpu_calibrate.SIZES
+        for n in (4, 2)
+    ]
     link, pooled_err, kinds_err = cpu_calibrate.link_fit(coll, 4)
     assert kinds_err < 1e-9 < pooled_err
     for k, a, b, c in truth.kinds:
@@ -156,7 +215,7 @@ def test_calibration_refit_recovers_each_kinds_link(tmp_path, monkeypatch):
     d = CLUSTERS["cpu-gloo"].to_json()
     half = len(coll) // 2
     paths = []
-    for i, part in enumerate((coll[:half], coll[half:])):      # two runs, pooled by --refit
+    for i, part in enumerate((coll[:half], coll[half:])):  # two runs, pooled by --refit
         paths.append(tmp_path / f"calib{i}.json")
         paths[-1].write_text(json.dumps({**d, "calibration": {"world": 4, "collectives": part}}))
     out = tmp_path / "refit.json"
@@ -179,11 +238,12 @@ def test_measured_bytes_of_an_all_to_all_follow_the_plan_convention(mesh_shape):
     from autopar.backends.engines_comm import CollectiveCounter
     from autopar.graph import TensorMeta
     from autopar.redistribute import collectives
+
     src, dst = ("S1",) + ("R",) * (len(mesh_shape) - 1), ("S0",) + ("R",) * (len(mesh_shape) - 1)
     want = collectives(src, dst, TensorMeta((128, 8), torch.float32), mesh_shape)
     assert [c.kind for c in want] == ["all_to_all"]
     with simulated(mesh_shape) as mesh:
-        x = torch.arange(128 * 8, dtype=torch.float32).reshape(128, 8)[:, :8 // mesh_shape[0]].contiguous()
+        x = torch.arange(128 * 8, dtype=torch.float32).reshape(128, 8)[:, : 8 // mesh_shape[0]].contiguous()
         with CollectiveCounter(mesh) as cc:
             redistribute_local(x, src, dst, mesh)
     got = measure.comm_summary(cc.records)

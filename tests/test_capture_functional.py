@@ -1,6 +1,7 @@
 """Functional capture: in-place ops on temporaries are captured as their functional forms (torch's
 functionalization), buffer updates become `Graph.state_updates`, and parameter or input mutations are refused
 with the module and op named. Each model here failed capture before (every mutating op was refused)."""
+
 from __future__ import annotations
 
 import pytest
@@ -31,15 +32,15 @@ class Head(nn.Module):
 class InplaceTemp(nn.Module):
     def forward(self, x):
         y = x * 2
-        y.div_(3.0)                  # an MoE router's normalisation
-        y.add_(torch.ones_like(y))   # an attention bias added in place
+        y.div_(3.0)  # an MoE router's normalisation
+        y.add_(torch.ones_like(y))  # an attention bias added in place
         return y
 
 
 class AsStrided(nn.Module):
     def forward(self, x):
         y = x.clone()
-        y.as_strided_((x.shape[0], D // 2), (D, 2))     # a pooler picking every other feature in place
+        y.as_strided_((x.shape[0], D // 2), (D, 2))  # a pooler picking every other feature in place
         return y
 
 
@@ -57,13 +58,16 @@ def mutable(g):
     return [n.name for n in g.ops() if n.target._schema.is_mutable]
 
 
-@pytest.mark.parametrize("body,expect", [
-    (nn.RMSNorm(D), {aten.rsqrt.default}),
-    (nn.ReLU(inplace=True), {aten.relu.default}),
-    (InplaceTemp(), {aten.div.Tensor, aten.add.Tensor}),
-    (AsStrided(), {aten.as_strided.default}),
-    (nn.Dropout(0.1), {aten.bernoulli.p}),
-])
+@pytest.mark.parametrize(
+    "body,expect",
+    [
+        (nn.RMSNorm(D), {aten.rsqrt.default}),
+        (nn.ReLU(inplace=True), {aten.relu.default}),
+        (InplaceTemp(), {aten.div.Tensor, aten.add.Tensor}),
+        (AsStrided(), {aten.as_strided.default}),
+        (nn.Dropout(0.1), {aten.bernoulli.p}),
+    ],
+)
 def test_inplace_ops_capture_as_functional_ops(body, expect):
     g = capture(Head(body), (torch.randn(8, D),))
     assert not mutable(g), mutable(g)
@@ -73,11 +77,13 @@ def test_inplace_ops_capture_as_functional_ops(body, expect):
 
 def test_views_stay_views():
     """An in-place op through a view: functionalization reapplies the view on the updated base as a view op."""
+
     class ViewInplace(nn.Module):
         def forward(self, x):
             y = x.view(x.shape[0], 2, D // 2)
             y.mul_(2.0)
             return x.relu()
+
     g = capture(Head(ViewInplace()), (torch.randn(8, D),))
     assert not mutable(g)
     assert aten.view.default in ops_of(g) and aten.mul.Tensor in ops_of(g)
@@ -153,10 +159,11 @@ def test_error_names_the_user_op_not_its_decomposition():
 
         def forward(self, x):
             y = self.lin(x)
-            if torch.linalg.matrix_norm(y) > 0:       # a tensor value decides control flow
+            if torch.linalg.matrix_norm(y) > 0:  # a tensor value decides control flow
                 return y.sum()
             return y.mean()
-    with torch.device("meta"):      # no real weights: the check cannot be specialized on example values
+
+    with torch.device("meta"):  # no real weights: the check cannot be specialized on example values
         m = Item()
     with pytest.raises(CaptureError, match=r"module '<root>' \(in __bool__\)"):
         capture(m, (torch.randn(4, D),))
@@ -165,8 +172,11 @@ def test_error_names_the_user_op_not_its_decomposition():
 def test_batchnorm_train_is_reductions_and_pointwise():
     """Batch norm and its backward are recorded through torch._decomp's decompositions (no fused batch-norm op),
     so a reduction over a sharded batch is a partial the plan all-reduces."""
-    for mode, bn in (("train", nn.BatchNorm2d(4)), ("eval", nn.BatchNorm2d(4)),
-                     ("train", nn.BatchNorm2d(4, track_running_stats=False))):
+    for mode, bn in (
+        ("train", nn.BatchNorm2d(4)),
+        ("eval", nn.BatchNorm2d(4)),
+        ("train", nn.BatchNorm2d(4, track_running_stats=False)),
+    ):
         g = capture(getattr(_BNNet(bn, (8, 4, 5, 5)), mode)(), (torch.randn(8, 4, 5, 5),))
         names = {str(t) for t in ops_of(g)}
         assert not any("batch_norm" in s for s in names), (mode, names)
@@ -176,9 +186,11 @@ def test_batchnorm_train_is_reductions_and_pointwise():
 def test_torchtitan_llama3_debugmodel_captures_and_plans():
     """torchtitan's Llama-3 debug model (nn.RMSNorm, whose CPU decomposition adds in place to a temporary)."""
     import dataclasses
+
     titan = pytest.importorskip("torchtitan.models.llama3")
-    args = dataclasses.replace(titan.llama3_args["debugmodel"], dim=64, n_layers=2, n_heads=4, vocab_size=128,
-                               max_seq_len=64)
+    args = dataclasses.replace(
+        titan.llama3_args["debugmodel"], dim=64, n_layers=2, n_heads=4, vocab_size=128, max_seq_len=64
+    )
     with torch.device("meta"):
         model = titan.Transformer(args)
     model.to_empty(device="cpu")
@@ -192,6 +204,7 @@ def test_torchtitan_llama3_debugmodel_captures_and_plans():
 
         def forward(self, x, y):
             return F.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
+
     ids = torch.randint(0, 128, (2, 16))
     g = capture(WithLoss(model), (ids, ids.roll(-1, 1)))
     assert not mutable(g) and not g.state_updates
@@ -203,6 +216,7 @@ def test_engines_refuse_batchnorm_on_batch_shards():
     """backend="torch": a BatchNorm in training mode on a batch-sharded plan is not what FSDP/DDP compute, so the
     engines' recognizer names the module (auto then runs the graph backend)."""
     import sys
+
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from _clusters import SHAPES
     from autopar.backends.engines import recognize
@@ -215,6 +229,7 @@ def test_engines_refuse_batchnorm_on_batch_shards():
 
         def forward(self, x):
             return self.bn(self.lin(x)).pow(2).mean()
+
     x = (torch.randn(64, D),)
     pin = lambda n: {0: "S0"} if n.kind == "input" else None
     plan = autopar.plan(Net().train(), (2,), x, cluster=SHAPES, pin=pin)

@@ -4,6 +4,7 @@ SGD steps next to one device: the loss of each step, every gradient of the first
 the last agree (backends/verify.py train_and_compare); for BatchNorm, every rank's running_mean, running_var and
 num_batches_tracked after the 2 steps equal one device's (the global batch's statistics, SyncBatchNorm's
 semantics, from the all_reduced moments of the plan)."""
+
 from __future__ import annotations
 
 import copy
@@ -61,6 +62,7 @@ class BNNet(nn.Module):
 def _batch_pin(batch):
     """Inputs and every forward activation with the batch as dim 0 sharded on the batch over the dp mesh dim
     (a convolution on [S0, S0] is a candidate the executor cannot run yet: the ops helper's issue-23 fix)."""
+
     def pin(n):
         if n.kind == "input":
             return {0: "S0"}
@@ -68,6 +70,7 @@ def _batch_pin(batch):
         if out is not None and len(out.shape) == 4 and out.shape[0] == batch:
             return {(0, 0): "S0"}
         return None
+
     return pin
 
 
@@ -76,17 +79,25 @@ def job(tmp):
     from autopar.backends.verify import train_and_compare
     from torch.distributed.device_mesh import init_device_mesh
     from _clusters import SHAPES
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {}
     torch.manual_seed(0)
     model, x = NormNet(), (torch.randint(0, 128, (8, 16)), torch.randint(0, 128, (8, 16)))
     ref = copy.deepcopy(model)
-    tp = {f"blocks.{i}.{k}": pl for i in range(2) for k, pl in
-          (("up.weight", ("R", "S0")), ("up.bias", ("R", "S0")), ("down.weight", ("R", "S1")))}   # Megatron MLP
+    tp = {
+        f"blocks.{i}.{k}": pl
+        for i in range(2)
+        for k, pl in (("up.weight", ("R", "S0")), ("up.bias", ("R", "S0")), ("down.weight", ("R", "S1")))
+    }  # Megatron MLP
     pm = autopar.parallelize(model, mesh, x, cluster=SHAPES, force=tp)
     rep = train_and_compare(pm, ref, x, steps=2)
-    out["norm"] = {"failures": rep.failures, "max_abs": rep.max_abs, "collectives": len(rep.measured),
-                   "sharded": sorted(k for k, v in pm.plan.params.items() if any(p != "R" for p in v))}
+    out["norm"] = {
+        "failures": rep.failures,
+        "max_abs": rep.max_abs,
+        "collectives": len(rep.measured),
+        "sharded": sorted(k for k, v in pm.plan.params.items() if any(p != "R" for p in v)),
+    }
     torch.manual_seed(1)
     batch = 16
     model, x = BNNet(), (torch.randn(batch, 3, 8, 8), torch.randint(0, 10, (batch,)))
@@ -99,8 +110,14 @@ def job(tmp):
         got = getattr(pm.bn, name).full_tensor()
         want = getattr(ref.bn, name)
         stats[name] = float((got.double() - want.double()).abs().max()), float(want.double().abs().max())
-    out["bn"] = {"failures": rep.failures, "max_abs": rep.max_abs, "collectives": len(rep.measured),
-                 "input": list(P[g.inputs[0]].out[0]), "stats": stats, "updates": sorted(g.state_updates)}
+    out["bn"] = {
+        "failures": rep.failures,
+        "max_abs": rep.max_abs,
+        "collectives": len(rep.measured),
+        "input": list(P[g.inputs[0]].out[0]),
+        "stats": stats,
+        "updates": sorted(g.state_updates),
+    }
     return out
 
 

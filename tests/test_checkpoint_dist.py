@@ -19,6 +19,7 @@ each step's loss and, at the end, every parameter); a resume on the same plan mu
 run's losses exactly (the same computation on the same values). A control loads nothing into the fresh model: its
 losses differ, so the comparison can fail.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -28,9 +29,9 @@ from _dist import launch
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
-MLP = dict(dim=128, hidden=512)      # big enough that SHAPES shards parameters (as tests/test_state_dist.py)
+MLP = dict(dim=128, hidden=512)  # big enough that SHAPES shards parameters (as tests/test_state_dist.py)
 BATCH, SEQ = 8, 12
-N, K = 4, 2                          # N steps; the checkpoint is written after step K
+N, K = 4, 2  # N steps; the checkpoint is written after step K
 LR = 1e-3
 
 
@@ -42,16 +43,19 @@ def _diff(a, b) -> float:
 
 def _full(t):
     from torch.distributed.tensor import DTensor
+
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _build(seed):
     from autopar import models
+
     return models.build_model("mlp-tiny", device="cpu", seed=seed, **MLP)
 
 
 def _batch(step):
     from autopar import models
+
     return models.example_inputs("mlp-tiny", batch=BATCH, seq=SEQ, seed=50 + step, **MLP)
 
 
@@ -62,12 +66,14 @@ def _opt(model):
 def _state(model, opt):
     """{"model": ..., "optim": ...} as DCP saves it: FQN-keyed, DTensors where the model is sharded."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
     msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optim": osd}
 
 
 def save(model, opt, path) -> None:
     import torch.distributed.checkpoint as dcp
+
     dcp.save(_state(model, opt), checkpoint_id=path)
 
 
@@ -75,6 +81,7 @@ def load(model, opt, path) -> None:
     """DCP load in place into this model's (and optimizer's) own layout, whatever layout wrote the checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
+
     sd = _state(model, opt)
     dcp.load(sd, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
@@ -126,6 +133,7 @@ def _torch_step(model, mesh):
         lv = _full(loss).detach().clone()
         dist.all_reduce(lv)
         return lv / dist.get_world_size()
+
     return step
 
 
@@ -135,6 +143,7 @@ def _shapes_plan(mesh):
     import autopar
     from _clusters import SHAPES
     from autopar.backends.verify import fsdp_force, fsdp_tp_force
+
     model, shape = _build(0), tuple(mesh.shape)
     force = fsdp_tp_force(model, shape) if len(shape) == 2 else fsdp_force(model, shape)
     return autopar.plan(model, mesh, _batch(0), cluster=SHAPES, force=force, overlap=False, return_state=True)
@@ -144,14 +153,22 @@ def _torch_plan(mesh):
     """The FSDP2 plan (every parameter Shard(0) on the first mesh dim, the batch split), made once per mesh."""
     import autopar
     from autopar.backends.engines_ref import batch_pin
+
     model, ndim = _build(0), mesh.ndim
-    return autopar.plan(model, mesh, _batch(0), force={k: ("S0",) + ("R",) * (ndim - 1)
-                                                        for k, _ in model.named_parameters()},
-                        pin=batch_pin(list(range(ndim)), (BATCH, SEQ)), cluster="cpu-gloo", return_state=True)
+    return autopar.plan(
+        model,
+        mesh,
+        _batch(0),
+        force={k: ("S0",) + ("R",) * (ndim - 1) for k, _ in model.named_parameters()},
+        pin=batch_pin(list(range(ndim)), (BATCH, SEQ)),
+        cluster="cpu-gloo",
+        return_state=True,
+    )
 
 
 def _torch_model(mesh, seed, planned):
     import autopar
+
     model = _build(seed)
     autopar.parallelize(model, mesh, _batch(0), backend="torch", planned=planned)
     return model
@@ -162,12 +179,14 @@ def job_world4(tmp):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from autopar.backends.comm import CommCounter
+
     ref_losses, ref_params = reference()
     mesh22 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     mesh4 = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     x0 = _batch(0)
     out = {"cases": {}, "t": []}
     import time
+
     t0 = time.perf_counter()
 
     # graph backend, a plan that shards: uninterrupted run, the checkpoint written after step K on the way
@@ -187,27 +206,30 @@ def job_world4(tmp):
     out["graph_losses"] = full
 
     out["t"].append(round(time.perf_counter() - t0, 1))
-    pm2 = autopar.parallelize(_build(7), mesh22, x0, planned=planned)      # other weights: the load must win
+    pm2 = autopar.parallelize(_build(7), mesh22, x0, planned=planned)  # other weights: the load must win
     opt2 = _opt(pm2)
     load(pm2, opt2, f"{tmp}/graph")
     resumed = run_steps(pm2, opt2, range(K, N))
     out["cases"]["graph_resumed"] = _compare(resumed, _params(pm2), ref_losses, ref_params, first=K)
     out["graph_resumed_exact"] = max(abs(a - b) for a, b in zip(resumed, full[K:]))
 
-    pm3 = autopar.parallelize(_build(7), mesh22, x0, planned=planned)      # control: nothing loaded
+    pm3 = autopar.parallelize(_build(7), mesh22, x0, planned=planned)  # control: nothing loaded
     out["control"] = _compare(run_steps(pm3, _opt(pm3), range(K, N)), None, ref_losses, ref_params, first=K)
 
     out["t"].append(round(time.perf_counter() - t0, 1))
     # resharding on 4 ranks: the graph checkpoint into a replicated plan (data parallel over all 4 ranks)
     from autopar.backends.engines_ref import batch_pin
+
     rep = {k: ("R", "R") for k, _ in _build(0).named_parameters()}
-    pmr = autopar.parallelize(_build(7), mesh22, x0, force=rep, pin=batch_pin([0, 1], (BATCH, SEQ)),
-                              overlap=False, cluster="cpu-gloo")
+    pmr = autopar.parallelize(
+        _build(7), mesh22, x0, force=rep, pin=batch_pin([0, 1], (BATCH, SEQ)), overlap=False, cluster="cpu-gloo"
+    )
     out["replicated"] = all(all(p == "R" for p in v) for v in pmr.plan.params.values())
     optr = _opt(pmr)
     load(pmr, optr, f"{tmp}/graph")
-    out["cases"]["graph_into_replicated"] = _compare(run_steps(pmr, optr, range(K, N)), _params(pmr), ref_losses,
-                                                     ref_params, first=K)
+    out["cases"]["graph_into_replicated"] = _compare(
+        run_steps(pmr, optr, range(K, N)), _params(pmr), ref_losses, ref_params, first=K
+    )
 
     out["t"].append(round(time.perf_counter() - t0, 1))
     # torch backend (FSDP2 over 4): uninterrupted, checkpoint after K, resume into a fresh model of other weights
@@ -231,8 +253,9 @@ def job_world4(tmp):
     tm3 = _torch_model(mesh4, 7, tplan)
     topt3 = _opt(tm3)
     load(tm3, topt3, f"{tmp}/graph")
-    out["cases"]["graph_into_torch"] = _compare(run_steps(tm3, topt3, range(K, N), _torch_step(tm3, mesh4)),
-                                                _params(tm3), ref_losses, ref_params, first=K)
+    out["cases"]["graph_into_torch"] = _compare(
+        run_steps(tm3, topt3, range(K, N), _torch_step(tm3, mesh4)), _params(tm3), ref_losses, ref_params, first=K
+    )
     out["t"].append(round(time.perf_counter() - t0, 1))
     dist.barrier()
     return out
@@ -242,6 +265,7 @@ def job_world2(tmp, full):
     """The 4-rank graph checkpoint loaded on 2 ranks: a (2,) mesh planned with SHAPES, and FSDP2 over 2."""
     import autopar
     from torch.distributed.device_mesh import init_device_mesh
+
     ref_losses, ref_params = reference()
     mesh2 = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     out = {"cases": {}}
@@ -255,8 +279,9 @@ def job_world2(tmp, full):
     tm = _torch_model(mesh2, 7, _torch_plan(mesh2))
     topt = _opt(tm)
     load(tm, topt, f"{tmp}/torch")
-    out["cases"]["torch_4_into_2"] = _compare(run_steps(tm, topt, range(K, N), _torch_step(tm, mesh2)),
-                                              _params(tm), ref_losses, ref_params, first=K)
+    out["cases"]["torch_4_into_2"] = _compare(
+        run_steps(tm, topt, range(K, N), _torch_step(tm, mesh2)), _params(tm), ref_losses, ref_params, first=K
+    )
     return out
 
 
@@ -265,12 +290,14 @@ def one_process(tmp) -> dict:
     no_dist), then the remaining steps on one device; and dcp_to_torch_save's single file into the plain model."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     ref_losses, ref_params = reference()
     out = {}
     from torch.distributed.checkpoint.state_dict import set_state_dict
+
     model = _build(7)
     opt = _opt(model)
-    sd = _state(model, opt)              # get_state_dict needs no process group either
+    sd = _state(model, opt)  # get_state_dict needs no process group either
     dcp.load(sd, checkpoint_id=f"{tmp}/graph", no_dist=True)
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     out["no_dist"] = _compare(run_steps(model, opt, range(K, N)), _params(model), ref_losses, ref_params, first=K)
@@ -287,6 +314,7 @@ def one_process(tmp) -> dict:
 def world4(tmp_path_factory):
     """The 4-rank launch (its checkpoints stay in the folder for the other tests), its results and its time."""
     import time
+
     tmp = tmp_path_factory.mktemp("ckpt4")
     t0 = time.perf_counter()
     res = launch(job_world4, 4, [str(tmp)], tmp)
@@ -303,7 +331,7 @@ def test_world4_resume_both_backends_and_reshard(world4):
             assert max(w.values()) <= 1.0, (r, name, w)
         # the same plan on the same values: the resumed steps are the uninterrupted steps, to the bit
         assert out["graph_resumed_exact"] == 0.0 and out["torch_resumed_exact"] == 0.0, out
-        assert out["control"]["loss"] > 1.0, out["control"]      # without the load: other losses
+        assert out["control"]["loss"] > 1.0, out["control"]  # without the load: other losses
 
 
 def test_one_process_loads_the_4_rank_checkpoint(world4):
@@ -318,6 +346,7 @@ def test_one_process_loads_the_4_rank_checkpoint(world4):
 def test_world2_loads_the_4_rank_checkpoint(world4):
     """DCP resharding across world sizes: 4 writers (2x2 [S0,S0]-style shards), 2 readers ((2,) mesh, S0)."""
     import time
+
     tmp, res4, _ = world4
     t0 = time.perf_counter()
     res = launch(job_world2, 2, [str(tmp), res4[0]["graph_losses"]], tmp)

@@ -14,6 +14,7 @@ Both programs run one plan (planned once, `planned=`).
 The test uses backend "aot_eager" (Dynamo + AOTAutograd, no C++ compile: Inductor on 2 CPU cores costs seconds a
 segment); benchmarks/training_compile.py measures Inductor.
 """
+
 from __future__ import annotations
 
 import copy
@@ -62,6 +63,7 @@ class Tiny(nn.Module):
 def _steps(model, x, seed_fn, steps=2):
     """SGD steps: losses, the first step's gradients and the parameters after, as full tensors."""
     from autopar.backends.verify import global_value
+
     seed_fn(SEED)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, grads = [], None
@@ -77,16 +79,19 @@ def _steps(model, x, seed_fn, steps=2):
 
 
 def _name(fqn: str) -> str:
-    return fqn.removeprefix("_orig_mod.")           # torch.compile's wrapper module
+    return fqn.removeprefix("_orig_mod.")  # torch.compile's wrapper module
 
 
 def _worst(got, ref, rtol=1e-4, atol=1e-6):
     """max |a - b| / (atol + rtol max|b|) over losses, gradients and parameters (<= 1 passes), and where."""
     pairs = [(f"loss {s}", torch.tensor(a), torch.tensor(b)) for s, (a, b) in enumerate(zip(got[0], ref[0]))]
-    pairs += [(f"grad {k}", got[1][k], ref[1][k]) for k in ref[1]] + [(f"param {k}", got[2][k], ref[2][k])
-                                                                        for k in ref[2]]
-    worst = max((((a.double() - b.double()).abs().max() / (atol + rtol * b.double().abs().max())).item(), what)
-                for what, a, b in pairs)
+    pairs += [(f"grad {k}", got[1][k], ref[1][k]) for k in ref[1]] + [
+        (f"param {k}", got[2][k], ref[2][k]) for k in ref[2]
+    ]
+    worst = max(
+        (((a.double() - b.double()).abs().max() / (atol + rtol * b.double().abs().max())).item(), what)
+        for what, a, b in pairs
+    )
     return list(worst)
 
 
@@ -97,13 +102,17 @@ def job():
     import autopar
     from autopar.backends.comm import CommCounter, compare
     from autopar.backends.compiled import summary
+
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)
     model = Tiny().train()
     g = torch.Generator().manual_seed(1)
     x = (torch.randint(0, 64, (4, 8), generator=g), torch.randint(0, 64, (4, 8), generator=g))
-    force = {f"blocks.{i}.{k}": pl for i in range(2) for k, pl in
-             (("up.weight", ("S0",)), ("up.bias", ("S0",)), ("down.weight", ("S1",)))}
+    force = {
+        f"blocks.{i}.{k}": pl
+        for i in range(2)
+        for k, pl in (("up.weight", ("S0",)), ("up.bias", ("S0",)), ("down.weight", ("S1",)))
+    }
     ref = _steps(copy.deepcopy(model), x, torch.manual_seed)
     planned = autopar.plan(model, mesh, x, cluster=SHAPES, force=force, overlap=False, return_state=True)
     out = {}
@@ -112,7 +121,7 @@ def job():
     compiled = autopar.parallelize(copy.deepcopy(model), mesh, x, planned=planned, compile="aot_eager")
     for name, pm, call in (("eager", eager, torch.compile(eager)), ("compiled", compiled, compiled)):
         t0 = time.perf_counter()
-        with CommCounter(mesh) as cc:           # the first step: compiles, counted
+        with CommCounter(mesh) as cc:  # the first step: compiles, counted
             call(*x).backward()
         out[f"first step s {name}"] = time.perf_counter() - t0
         out[f"collectives {name}"] = sorted(map(list, cc.records))
@@ -144,7 +153,7 @@ def test_compiled_program_equals_eager_and_one_device(tmp_path):
         assert out["collectives compiled"] and out["collective_diff compiled"] == "", out["collective_diff compiled"]
         assert out["collectives compiled"] == out["collectives eager"]
         assert any(k == "all_reduce" for k, _, _ in out["collectives compiled"])
-        for name in ("eager", "compiled"):          # eager: torch.compile(pm) of the eager program
+        for name in ("eager", "compiled"):  # eager: torch.compile(pm) of the eager program
             assert out[f"worst {name}"][0] <= 1.0, (name, out[f"worst {name}"])
         assert out["worst compiled vs eager"][0] <= 1.0, out["worst compiled vs eager"]
         seg = out["segments"]

@@ -1,6 +1,7 @@
 """Dominance reduction (autopar/dominance.py): it drops exactly strategies that can never be needed, the solver's
 optimum is the same with and without it, and on llama-tiny's 2x2 plan (examples/train.py's configuration) it is
 what makes the LP relaxation integral (no branch and bound)."""
+
 import itertools
 
 import numpy as np
@@ -20,12 +21,16 @@ def planted(draw):
     rng = np.random.default_rng(draw(st.integers(0, 2**31)))
     lin = [rng.uniform(0, 10, k) for k in K]
     mem = [rng.uniform(0, 5, k) for k in K]
-    edges = {(a, b): rng.uniform(0, 10, (K[a], K[b])) for a, b in itertools.combinations(range(n), 2)
-             if rng.random() < 0.7}
-    shared = [(0.5, [(key, (rng.random(C.shape) < 0.5) * rng.uniform(0, 3, C.shape))
-                     for key, C in list(edges.items())[:2]])] if edges else []
+    edges = {
+        (a, b): rng.uniform(0, 10, (K[a], K[b])) for a, b in itertools.combinations(range(n), 2) if rng.random() < 0.7
+    }
+    shared = (
+        [(0.5, [(key, (rng.random(C.shape) < 0.5) * rng.uniform(0, 3, C.shape)) for key, C in list(edges.items())[:2]])]
+        if edges
+        else []
+    )
     fixed = [(0.3, [((0, 0), np.diag(rng.uniform(0, 1, K[0])))])]
-    copies = []                                       # (group, index of the worse copy)
+    copies = []  # (group, index of the worse copy)
     for g in range(n):
         if rng.random() < 0.6:
             src, k = int(rng.integers(K[g])), K[g]
@@ -35,13 +40,13 @@ def planted(draw):
                 if key[0] == g:
                     edges[key] = np.vstack([C, C[src] + rng.uniform(0, 1, C.shape[1])])
                 elif key[1] == g:
-                    edges[key] = np.hstack([C, C[:, src:src + 1] + rng.uniform(0, 1, (C.shape[0], 1))])
+                    edges[key] = np.hstack([C, C[:, src : src + 1] + rng.uniform(0, 1, (C.shape[0], 1))])
             for _, where in shared:
                 for i, (key, W) in enumerate(where):
                     if key[0] == g:
                         where[i] = (key, np.vstack([W, W[src]]))
                     elif key[1] == g:
-                        where[i] = (key, np.hstack([W, W[:, src:src + 1]]))
+                        where[i] = (key, np.hstack([W, W[:, src : src + 1]]))
             if g == 0:
                 d = np.diag(fixed[0][1][0][1])
                 fixed = [(0.3, [((0, 0), np.diag(np.append(d, d[src])))])]
@@ -61,14 +66,14 @@ def test_dominated_copies_dropped_and_optimum_kept(p):
     full = solve(lin, edges, mem, fixed=fixed, shared=shared, reduce=False, mip_rel_gap=0.0)
     red = solve(lin, edges, mem, fixed=fixed, shared=shared, mip_rel_gap=0.0)
     assert abs(red.objective - full.objective) <= 1e-9 * max(1.0, abs(full.objective))
-    assert all(keep is None or c in keep[g] for g, c in enumerate(red.choice))   # mapped back to the originals
+    assert all(keep is None or c in keep[g] for g, c in enumerate(red.choice))  # mapped back to the originals
 
 
 def test_equal_strategies_keep_the_first():
     lin = [np.array([1.0, 1.0, 2.0]), np.array([0.0, 0.0])]
     edges = {(0, 1): np.array([[1.0, 2.0], [1.0, 2.0], [0.0, 0.0]])}
     keep = dominance.reduce(lin, edges, [([np.zeros(3), np.array([1.0, 0.0])], 10.0)])
-    assert [list(k) for k in keep] == [[0, 2], [0, 1]]   # 1 equals 0; 2 is cheaper on the edge, dearer alone
+    assert [list(k) for k in keep] == [[0, 2], [0, 1]]  # 1 equals 0; 2 is cheaper on the edge, dearer alone
 
 
 def test_llama_tiny_train_config_lp_is_integral():
@@ -77,11 +82,19 @@ def test_llama_tiny_train_config_lp_is_integral():
     of the candidate strategies and an integral LP."""
     from autopar.backends.verify import fsdp_tp_force
     from autopar.models import build_model, example_inputs
+
     model = build_model("llama-tiny", device="cpu")
-    plan, state = autopar.plan(model, (2, 2), example_inputs("llama-tiny"), cluster="cpu-gloo",
-                               force=fsdp_tp_force(model, (2, 2)), return_state=True)
+    plan, state = autopar.plan(
+        model,
+        (2, 2),
+        example_inputs("llama-tiny"),
+        cluster="cpu-gloo",
+        force=fsdp_tp_force(model, (2, 2)),
+        return_state=True,
+    )
     assert plan.solver["status"] == "optimal (LP relaxation (integral))", plan.solver["status"]
     from autopar.passes.solve import objective
+
     lin, edges, _, fixed, shared = objective(state.cost, False)
     mem = [([state.cost["state_mem"][i] + state.cost["act_mem"][i] for i in range(len(lin))], state.budget)]
     keep = dominance.reduce(lin, edges, mem, None, fixed, shared)

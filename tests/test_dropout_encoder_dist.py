@@ -7,6 +7,7 @@ the losses of 3 AdamW steps, the first step's gradients and the parameters after
 on dp and the feed-forward pinned Megatron-like on tp (masks drawn sharded: asserted; collectives counted equal to
 the plan's). The same seed twice gives the same losses to the bit.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ SEED, STEPS = 99, 3
 def _train(model, args, seed_fn):
     """3 AdamW steps: the losses, the first step's gradients, the parameters after (full tensors)."""
     from autopar.backends.verify import global_value
+
     seed_fn(SEED)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)   # eps: see tests/third_party/zoo_check.py
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)  # eps: see tests/third_party/zoo_check.py
     losses, grads = [], None
     for s in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -73,6 +75,7 @@ def job_dropout(names):
     from autopar.backends.comm import CommCounter, compare
     from autopar.backends.engines_ref import batch_pin
     from zoo import ZOO
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     out = {}
     for mname in names:
@@ -87,11 +90,19 @@ def job_dropout(names):
                 pm(*args).backward()
             pm.zero_grad(set_to_none=True)
             got = _train(pm, args, pm.program.manual_seed)
-            out[key] = dict(worst=_worst(got, ref), losses=got[0], ref=ref[0], collectives=len(cc.records),
-                            diff=compare(cc.records, pm.plan.collectives()),
-                            sharded=[n for n, v in pm.plan.params.items() if any(x != "R" for x in v)],
-                            masks=[n["placement"]["out"][0] for n in pm.plan.nodes if n["kind"] == "op" and
-                                   n["name"].split(":")[-1].split(".")[0] in ("bernoulli", "native_dropout")])
+            out[key] = dict(
+                worst=_worst(got, ref),
+                losses=got[0],
+                ref=ref[0],
+                collectives=len(cc.records),
+                diff=compare(cc.records, pm.plan.collectives()),
+                sharded=[n for n, v in pm.plan.params.items() if any(x != "R" for x in v)],
+                masks=[
+                    n["placement"]["out"][0]
+                    for n in pm.plan.nodes
+                    if n["kind"] == "op" and n["name"].split(":")[-1].split(".")[0] in ("bernoulli", "native_dropout")
+                ],
+            )
             if name == "shapes":
                 model, args, _, _ = ZOO[mname]()
                 pm2 = autopar.parallelize(model, mesh, args, **kw)
@@ -129,14 +140,20 @@ def test_draws_follow_one_devices_memory_layout():
     from autopar.backends.local_ops import draw_random
     from autopar.capture import capture
     from autopar.graph import TensorMeta
+
     aten = torch.ops.aten
     x, probs = torch.randn(10, 6).t(), torch.rand(10, 6).t()
     m = (TensorMeta((6, 10), torch.float32),)
-    cases = [(aten.bernoulli.p, (x, 0.3), {}, m), (aten.bernoulli.default, (probs,), {}, m),
-             (aten.native_dropout.default, (x, 0.25, True), {}, m + (TensorMeta((6, 10), torch.bool),)),
-             (aten.rand_like.default, (x,), {}, m), (aten.randn_like.default, (x,), {}, m),
-             (aten.uniform.default, (x, -2.0, 3.0), {}, m), (aten.normal_functional.default, (x, 1.0, 2.0), {}, m),
-             (aten.randint_like.default, (x, 7), {"dtype": torch.int64}, (TensorMeta((6, 10), torch.int64),))]
+    cases = [
+        (aten.bernoulli.p, (x, 0.3), {}, m),
+        (aten.bernoulli.default, (probs,), {}, m),
+        (aten.native_dropout.default, (x, 0.25, True), {}, m + (TensorMeta((6, 10), torch.bool),)),
+        (aten.rand_like.default, (x,), {}, m),
+        (aten.randn_like.default, (x,), {}, m),
+        (aten.uniform.default, (x, -2.0, 3.0), {}, m),
+        (aten.normal_functional.default, (x, 1.0, 2.0), {}, m),
+        (aten.randint_like.default, (x, 7), {"dtype": torch.int64}, (TensorMeta((6, 10), torch.int64),)),
+    ]
 
     class _null:
         def __enter__(self):
@@ -144,22 +161,25 @@ def test_draws_follow_one_devices_memory_layout():
 
         def __exit__(self, *a):
             return False
+
     for op, args, kw, metas in cases:
         torch.manual_seed(3)
         ref = op(*args, **kw)
         ref = ref[0] if isinstance(ref, tuple) else ref
         node = SimpleNamespace(outs=metas, stride=None if ref.is_contiguous() else tuple(ref.stride()))
-        got = draw_random(op, node, list(args), kw, torch.Generator().manual_seed(3), torch.device("cpu"),
-                          lambda full, k: full, _null)[0]
+        got = draw_random(
+            op, node, list(args), kw, torch.Generator().manual_seed(3), torch.device("cpu"), lambda full, k: full, _null
+        )[0]
         assert torch.equal(got, ref), op
 
-    class Drop(torch.nn.Module):          # dropout of a transposed activation, as batch_first attention makes
+    class Drop(torch.nn.Module):  # dropout of a transposed activation, as batch_first attention makes
         def __init__(self):
             super().__init__()
             self.lin = torch.nn.Linear(6, 6)
 
         def forward(self, x):
             return F.dropout(self.lin(x).transpose(0, 1), 0.5, True).sum()
+
     g = capture(Drop(), (torch.randn(10, 4, 6),))
     drawn = [n for n in g.nodes if n.kind == "op" and n.target is aten.bernoulli.p]
     assert len(drawn) == 1 and drawn[0].stride == (6, 24, 1), [n.stride for n in drawn]

@@ -13,6 +13,7 @@ rank's mean by its counted targets for the loss and gradients to equal one devic
 counter: the measured collectives (kind, mesh dim, bytes) must equal `engine_collectives(plan, lowering)` exactly.
 Gloo timeout 60 s per collective, 300 s per launch; every rank ends with barrier + destroy_process_group.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,7 @@ from _dist import launch
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
 
 MODEL, BATCH, SEQ, STEPS, LR = "llama-tiny", 8, 64, 3, 0.1
-IGNORED = 48      # labels of the first sample set to ignore_index: the batch shards count different numbers of
+IGNORED = 48  # labels of the first sample set to ignore_index: the batch shards count different numbers of
 #                   targets, so each rank's mean averaged is not the batch's mean (the loss hook weighs them)
 FP32_TOL = 1e-5
 # bf16 MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) vs fp32 single device, relative gradient error
@@ -42,6 +43,7 @@ def _dp_cases(tmp_path):
     import autopar
     from autopar import models
     from _clusters import GLOO_PER_STEP
+
     m = models.build_model(MODEL, device="meta")
     cases = []
     # a batch of 16 (test_engines_plan.GATHER_BATCH): with 8 GLOO_PER_STEP computes the batch again on every rank
@@ -50,9 +52,17 @@ def _dp_cases(tmp_path):
         p = autopar.plan(m, autopar.MeshSpec(shape, names), x, cluster=GLOO_PER_STEP)
         assert p.buckets and all(set(v) == {"R"} for v in p.params.values()), (name, p.buckets, p.params)
         p.save(tmp_path / f"{name}.json")
-        cases.append({"name": name, "shape": list(shape), "names": list(names), "plan": str(tmp_path / f"{name}.json"),
-                      "plan_buckets": True, "batch": batch})
-    assert any(b.get("step", 0) for b in p.buckets), p.buckets          # a chain over dp and tp
+        cases.append(
+            {
+                "name": name,
+                "shape": list(shape),
+                "names": list(names),
+                "plan": str(tmp_path / f"{name}.json"),
+                "plan_buckets": True,
+                "batch": batch,
+            }
+        )
+    assert any(b.get("step", 0) for b in p.buckets), p.buckets  # a chain over dp and tp
     flat, seen = [], set()
     for b in p.buckets:
         if b["chain"] in seen:
@@ -62,25 +72,54 @@ def _dp_cases(tmp_path):
         flat.append({**b, "mesh_dim": [c["mesh_dim"] for c in steps], "group": 4, "chain": len(flat)})
     p.buckets = flat
     p.save(tmp_path / "dp2x2_flat.json")
-    cases.append({"name": "dp2x2_flat", "shape": [2, 2], "names": ["dp", "tp"], "plan": str(tmp_path / "dp2x2_flat.json"),
-                  "plan_buckets": True, "batch": 16})
+    cases.append(
+        {
+            "name": "dp2x2_flat",
+            "shape": [2, 2],
+            "names": ["dp", "tp"],
+            "plan": str(tmp_path / "dp2x2_flat.json"),
+            "plan_buckets": True,
+            "batch": 16,
+        }
+    )
     # as llama3-debug's plan on (2,2) does: the embedding's gradient is not in a bucket (the plan computes it from
     # gathered backward inputs); the engines' partial gradient goes in an extra bucket over dp+tp
     emb = "tok_embeddings.weight"
-    p.buckets = [{**b, "params": [f for f in b["params"] if f != emb],
-                  "bytes": b["bytes"] - (emb in b["params"]) * 4 * m.get_parameter(emb).numel()} for b in flat]
+    p.buckets = [
+        {
+            **b,
+            "params": [f for f in b["params"] if f != emb],
+            "bytes": b["bytes"] - (emb in b["params"]) * 4 * m.get_parameter(emb).numel(),
+        }
+        for b in flat
+    ]
     p.save(tmp_path / "dp2x2_extra.json")
-    cases.append({"name": "dp2x2_extra", "shape": [2, 2], "names": ["dp", "tp"],
-                  "plan": str(tmp_path / "dp2x2_extra.json"), "batch": 16})
+    cases.append(
+        {
+            "name": "dp2x2_extra",
+            "shape": [2, 2],
+            "names": ["dp", "tp"],
+            "plan": str(tmp_path / "dp2x2_extra.json"),
+            "batch": 16,
+        }
+    )
     # data parallel (replicated) over dp x torchtitan's TP+SP over tp: the hook averages the tensor-parallel local
     # gradients over dp in the plan's dp bucket; the norms' gradients (the plan: a chain over dp and tp) are
     # all-reduced by DTensor on tp and by the hook on dp (an extra bucket)
     from _clusters import SHAPES
     from autopar.backends.engines_ref import torchtitan_placements
+
     force, pin = torchtitan_placements(m, ("dp", "tp"), "dp", "tp", (BATCH, SEQ))
     x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta")
-    p = autopar.plan(m, autopar.MeshSpec((2, 2), ("dp", "tp")), x, cluster=SHAPES, overlap=False, pin=pin,
-                     force={k: ("R",) + tuple(v[1:]) for k, v in force.items()})
+    p = autopar.plan(
+        m,
+        autopar.MeshSpec((2, 2), ("dp", "tp")),
+        x,
+        cluster=SHAPES,
+        overlap=False,
+        pin=pin,
+        force={k: ("R",) + tuple(v[1:]) for k, v in force.items()},
+    )
     p.save(tmp_path / "dp_x_tp.json")
     cases.append({"name": "dp_x_tp", "shape": [2, 2], "names": ["dp", "tp"], "plan": str(tmp_path / "dp_x_tp.json")})
     return cases
@@ -90,6 +129,7 @@ def _cases(tmp_path, world):
     import autopar
     from autopar import models
     from autopar.backends.engines_ref import batch_pin, torchtitan_placements
+
     m = models.build_model(MODEL, device="meta")
     x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta")
     fsdp = {k: ("S0",) for k, _ in m.named_parameters()}
@@ -101,13 +141,27 @@ def _cases(tmp_path, world):
         p.save(path)
         cases.append({"name": name, "shape": list(shape), "names": list(names), "plan": str(path)})
         return p
+
     if world == 2:
-        cases.append({"name": "fsdp2_api", "shape": [2], "names": ["dp"], "plan": None})   # plans on the ranks
+        cases.append({"name": "fsdp2_api", "shape": [2], "names": ["dp"], "plan": None})  # plans on the ranks
         add("fsdp2_bf16", (2,), ("dp",), force=fsdp, pin=batch_pin([0], (BATCH, SEQ)), allow_bf16=True)
-        free = autopar.plan(m, autopar.MeshSpec((2,), ("dp",)), x, cluster=SHAPES, overlap=False, force=fsdp,
-                            pin=batch_pin([0], (BATCH, SEQ)))
-        ac = add("fsdp2_checkpoint", (2,), ("dp",), force=fsdp, pin=batch_pin([0], (BATCH, SEQ)),
-                 memory_budget=0.75 * free.predicted["peak_mem_bytes"])
+        free = autopar.plan(
+            m,
+            autopar.MeshSpec((2,), ("dp",)),
+            x,
+            cluster=SHAPES,
+            overlap=False,
+            force=fsdp,
+            pin=batch_pin([0], (BATCH, SEQ)),
+        )
+        ac = add(
+            "fsdp2_checkpoint",
+            (2,),
+            ("dp",),
+            force=fsdp,
+            pin=batch_pin([0], (BATCH, SEQ)),
+            memory_budget=0.75 * free.predicted["peak_mem_bytes"],
+        )
         assert ac.meta["checkpointing"]["blocks"], ac.meta["checkpointing"]
         force, pin = torchtitan_placements(m, ("tp",), None, "tp", (BATCH, SEQ))
         add("tp_sp", (2,), ("tp",), force=force, pin=pin)
@@ -118,10 +172,20 @@ def _cases(tmp_path, world):
         add("fsdp4", (4,), ("dp",), force=fsdp, pin=batch_pin([0], (BATCH, SEQ)))
         force, pin = torchtitan_placements(m, ("dp", "tp"), "dp", "tp", (BATCH, SEQ))
         add("fsdp_x_tp", (2, 2), ("dp", "tp"), force=force, pin=pin)
-        add("hsdp", (2, 2), ("rep", "shard"), force={k: ("R", "S0") for k, _ in m.named_parameters()},
-            pin=batch_pin([0, 1], (BATCH, SEQ)))
-        add("fsdp_flat_2d", (2, 2), ("dp", "cp"), force={k: ("S0", "S0") for k, _ in m.named_parameters()},
-            pin=batch_pin([0, 1], (BATCH, SEQ)))
+        add(
+            "hsdp",
+            (2, 2),
+            ("rep", "shard"),
+            force={k: ("R", "S0") for k, _ in m.named_parameters()},
+            pin=batch_pin([0, 1], (BATCH, SEQ)),
+        )
+        add(
+            "fsdp_flat_2d",
+            (2, 2),
+            ("dp", "cp"),
+            force={k: ("S0", "S0") for k, _ in m.named_parameters()},
+            pin=batch_pin([0, 1], (BATCH, SEQ)),
+        )
     return cases
 
 
@@ -129,11 +193,13 @@ def _check(results, cases):
     for ci, case in enumerate(cases):
         tol = BF16_TOL if "bf16" in case["name"] else FP32_TOL
         h0 = results[0]["cases"][ci]
-        print(f"{case['name']:<18} grad rel err per step (worst rank) "
-              f"{[max(r['cases'][ci]['grad_rel'][s] for r in results) for s in range(STEPS)]}  loss rel "
-              f"{max(max(r['cases'][ci]['loss_rel']) for r in results):.1e}  collectives "
-              f"{h0.get('n_collectives', '-')} match={h0.get('collectives_match', '-')}\n"
-              f"{'':<18} plan predicts {h0.get('plan_kinds')}\n{'':<18} measured      {h0.get('measured_kinds')}")
+        print(
+            f"{case['name']:<18} grad rel err per step (worst rank) "
+            f"{[max(r['cases'][ci]['grad_rel'][s] for r in results) for s in range(STEPS)]}  loss rel "
+            f"{max(max(r['cases'][ci]['loss_rel']) for r in results):.1e}  collectives "
+            f"{h0.get('n_collectives', '-')} match={h0.get('collectives_match', '-')}\n"
+            f"{'':<18} plan predicts {h0.get('plan_kinds')}\n{'':<18} measured      {h0.get('measured_kinds')}"
+        )
         for rank, res in enumerate(results):
             h = res["cases"][ci]
             assert h["name"] == case["name"]
@@ -145,7 +211,7 @@ def _check(results, cases):
                 continue
             assert h["collectives_match"], f"{case['name']} rank {rank}: {h['collectives_diff']}"
             assert h["n_collectives"] > 0
-            if case.get("plan_buckets"):       # exactly the plan's gradient buckets (kind, mesh dims, bytes)
+            if case.get("plan_buckets"):  # exactly the plan's gradient buckets (kind, mesh dims, bytes)
                 assert h["buckets_match"], f"{case['name']} rank {rank}: {h['buckets_diff']}"
 
 
@@ -159,10 +225,12 @@ def _plan_run_check(tmp_path, world):
 def test_world2_fsdp2_bf16_checkpointing_tp_sp_fallback(tmp_path):
     cases, results = _plan_run_check(tmp_path, 2)
     by = {c["name"]: results[0]["cases"][i] for i, c in enumerate(cases)}
-    assert by["fsdp2_bf16"]["mixed_precision"] and max(by["fsdp2_bf16"]["grad_rel"]) > FP32_TOL   # really bf16
+    assert by["fsdp2_bf16"]["mixed_precision"] and max(by["fsdp2_bf16"]["grad_rel"]) > FP32_TOL  # really bf16
     assert by["fsdp2_checkpoint"]["checkpointed"] == ["layers.0", "layers.1"]
     assert by["fsdp2_checkpoint"]["fw_calls"] == 2 * STEPS and by["fsdp2_api"]["fw_calls"] == STEPS
-    assert "SequenceParallel" in by["tp_sp"]["code"] and "RowwiseParallel(output_layouts=Shard(1))" in by["tp_sp"]["code"]
+    assert (
+        "SequenceParallel" in by["tp_sp"]["code"] and "RowwiseParallel(output_layouts=Shard(1))" in by["tp_sp"]["code"]
+    )
 
 
 def test_world4_fsdp2_fsdp_x_tp_hsdp_flat(tmp_path):
@@ -185,6 +253,7 @@ def test_world4_replicated_data_parallel_issues_the_plans_buckets(tmp_path):
 
 
 # ---- one rank (tests/_dist.py runs it) -----------------------------------------------------------------------
+
 
 def _leaky_model(device):
     """mlp blocks whose root also reads layers[0].fc2.weight (a parameter used outside its module)."""
@@ -213,6 +282,7 @@ def _leaky_model(device):
                 h = blk(h)
             h = h + F.linear(F.gelu(h @ self.layers[0].fc1.weight.t()), self.layers[0].fc2.weight)
             return F.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
+
     torch.manual_seed(0)
     return Leaky().to(device)
 
@@ -231,41 +301,56 @@ def _run_case(case, rank, world):
     from autopar.backends import engines
     from autopar.backends.engines_comm import CollectiveCounter, engine_collectives, measured_list
     from autopar.backends.engines_ref import batch_pin
+
     mesh = init_device_mesh("cpu", tuple(case["shape"]), mesh_dim_names=tuple(case["names"]))
     out = {"name": case["name"]}
     if case["name"] == "auto_fallback":
         ref, model = _leaky_model("cpu"), _leaky_model("cpu")
         gen = torch.Generator().manual_seed(1)
         x, y = torch.randint(0, 64, (8, 16), generator=gen), torch.randint(0, 64, (8, 16), generator=gen)
-        pm = autopar.parallelize(model, mesh, (x, y), backend="auto", units=["layers.0", "layers.1"],
-                                 force={k: ("S0",) for k, _ in model.named_parameters()}, pin=batch_pin([0], (8, 16)))
+        pm = autopar.parallelize(
+            model,
+            mesh,
+            (x, y),
+            backend="auto",
+            units=["layers.0", "layers.1"],
+            force={k: ("S0",) for k, _ in model.named_parameters()},
+            pin=batch_pin([0], (8, 16)),
+        )
         out.update(backend="graph" if not isinstance(pm, type(ref)) else "torch", dump=pm.autopar_dump)
 
         def step():
             loss = pm(x, y)
             loss.backward()
             return loss
+
         params = dict(pm.named_parameters())
         opt = torch.optim.SGD(pm.parameters(), lr=LR)
     else:
         ref = models.build_model(MODEL, device="cpu")
         model = models.build_model(MODEL, device="cpu")
         x, y = models.example_inputs(MODEL, batch=case.get("batch", BATCH), seq=SEQ)
-        y[0, :IGNORED] = -100          # ignored labels on the first batch shard only (cross_entropy's ignore_index)
+        y[0, :IGNORED] = -100  # ignored labels on the first batch shard only (cross_entropy's ignore_index)
         if case["plan"] is None:
             force = {k: ("S0",) for k, _ in model.named_parameters()}
-            out_model = autopar.parallelize(model, mesh, (x, y), backend="torch", force=force,
-                                            pin=batch_pin([0], (BATCH, SEQ)))
-            assert out_model is model and "backend: torch" in model.autopar_dump      # the user's own module
+            out_model = autopar.parallelize(
+                model, mesh, (x, y), backend="torch", force=force, pin=batch_pin([0], (BATCH, SEQ))
+            )
+            assert out_model is model and "backend: torch" in model.autopar_dump  # the user's own module
             plan = model._autopar_plan
         else:
             plan = autopar.Plan.load(case["plan"])
             engines.lower_to_torch(model, mesh, plan)
         low = model._autopar_lowering
-        out.update(backend="torch", code=low.code(), mixed_precision=low.mixed_precision,
-                   checkpointed=low.checkpoint, fw_calls=0)
+        out.update(
+            backend="torch",
+            code=low.code(),
+            mixed_precision=low.mixed_precision,
+            checkpointed=low.checkpoint,
+            fw_calls=0,
+        )
         counter = lambda *a: out.__setitem__("fw_calls", out["fw_calls"] + 1)
-        model.layers[0].attention.register_forward_pre_hook(counter)    # 2 calls per step when recomputed
+        model.layers[0].attention.register_forward_pre_hook(counter)  # 2 calls per step when recomputed
         xl, yl = engines.local_inputs(model, mesh, x, y)
 
         def step():
@@ -273,6 +358,7 @@ def _run_case(case, rank, world):
                 loss = model(xl, yl)
                 loss.backward()
             return loss
+
         params = dict(model.named_parameters())
         opt = torch.optim.SGD(model.parameters(), lr=LR)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=LR)
@@ -281,7 +367,7 @@ def _run_case(case, rank, world):
     for s in range(STEPS):
         loss_ref = ref(x, y)
         loss_ref.backward()
-        if s == 0 and case["name"] != "auto_fallback":     # one whole step (fw, bw, optimizer) counted
+        if s == 0 and case["name"] != "auto_fallback":  # one whole step (fw, bw, optimizer) counted
             with CollectiveCounter(mesh) as cc:
                 loss = step()
                 opt.step()
@@ -289,16 +375,24 @@ def _run_case(case, rank, world):
             a, b = Counter(measured_list(cc)), Counter(exp)
             fmt = lambda d: {k: [v["count"], v["bytes"]] for k, v in sorted(d.items())}
             out.update(plan_kinds=fmt(plan.predicted["collectives"]), measured_kinds=fmt(cc.summary()))
-            out.update(collectives_match=a == b, n_collectives=sum(a.values()), notes=notes[:5],
-                       collectives_diff=f"measured-only {sorted((a - b).items())} expected-only "
-                                        f"{sorted((b - a).items())}")
-            pb = Counter((bk["kind"], tuple(bk["mesh_dim"]) if isinstance(bk["mesh_dim"], list) else bk["mesh_dim"],
-                          bk["bytes"]) for bk in plan.buckets)
-            if low.mean_loss:                # the loss hook's all_reduce is not a gradient bucket
+            out.update(
+                collectives_match=a == b,
+                n_collectives=sum(a.values()),
+                notes=notes[:5],
+                collectives_diff=f"measured-only {sorted((a - b).items())} expected-only {sorted((b - a).items())}",
+            )
+            pb = Counter(
+                (bk["kind"], tuple(bk["mesh_dim"]) if isinstance(bk["mesh_dim"], list) else bk["mesh_dim"], bk["bytes"])
+                for bk in plan.buckets
+            )
+            if low.mean_loss:  # the loss hook's all_reduce is not a gradient bucket
                 dims = tuple(low.replicate_dims + low.shard_dims)
                 a = a - Counter([("all_reduce", dims[0] if len(dims) == 1 else dims, low.mean_loss["nbytes"])])
-            out.update(buckets_match=a == pb, buckets_diff=f"measured-only {sorted((a - pb).items())} plan-only "
-                                                           f"{sorted((pb - a).items())}", mean_loss=low.mean_loss)
+            out.update(
+                buckets_match=a == pb,
+                buckets_diff=f"measured-only {sorted((a - pb).items())} plan-only {sorted((pb - a).items())}",
+                mean_loss=low.mean_loss,
+            )
         else:
             loss = step()
             opt.step()
@@ -324,6 +418,8 @@ def _run_case(case, rank, world):
 def _rank_cases(cases):
     """One rank of the launch (tests/_dist.py runs it inside the gloo group): every case, in order."""
     import warnings
+
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
+
     return {"cases": [_run_case(c, dist.get_rank(), dist.get_world_size()) for c in cases]}

@@ -1,6 +1,7 @@
 """Recognition of plans as torch-engine constructs, the exported code, the planner's precision and checkpointing
 decisions, and the bad-input errors: all without processes (backends/engines*.py, passes/precision.py,
 passes/checkpointing.py). Execution on real gloo groups is tests/test_engines_dist.py."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -20,7 +21,7 @@ from _clusters import GLOO_PER_STEP, SHAPES
 
 B, S = 8, 64
 # These tests check how plans are recognized and lowered, not cost constants: see tests/_clusters.py.
-CLUSTER = SHAPES     # and overlap=False: every collective priced in full, as the TP engine runs them (no prefetch)
+CLUSTER = SHAPES  # and overlap=False: every collective priced in full, as the TP engine runs them (no prefetch)
 
 
 def _model(batch=B):
@@ -31,20 +32,29 @@ def _model(batch=B):
 # gradient reduction (milliseconds a call) for the compute it saves; a batch of 16 it splits over every rank of a
 # 4-rank mesh, and 32 over both dims of 2x2 (below that it computes replicated on one dim): the plans these tests lower.
 DP_BATCH = {1: 16, 2: 32}
-GATHER_BATCH = {1: 16, 2: 16}     # the batches under which GLOO_PER_STEP's free plan gathers the loss input
+GATHER_BATCH = {1: 16, 2: 16}  # the batches under which GLOO_PER_STEP's free plan gathers the loss input
 
 
 def _fsdp(mesh=(2,), names=("dp",), **kw):
     m, x = _model()
     force = {k: ("S0",) for k, _ in m.named_parameters()}
-    return autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster=CLUSTER, overlap=False, force=force,
-                        pin=batch_pin([0], (B, S)), **kw), m
+    return autopar.plan(
+        m,
+        autopar.MeshSpec(mesh, names),
+        x,
+        cluster=CLUSTER,
+        overlap=False,
+        force=force,
+        pin=batch_pin([0], (B, S)),
+        **kw,
+    ), m
 
 
 def _tt(mesh, names):
     m, x = _model()
-    force, pin = torchtitan_placements(m, names, "dp" if "dp" in names else None, "tp" if "tp" in names else None,
-                                       (B, S))
+    force, pin = torchtitan_placements(
+        m, names, "dp" if "dp" in names else None, "tp" if "tp" in names else None, (B, S)
+    )
     return autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster=CLUSTER, overlap=False, force=force, pin=pin), m
 
 
@@ -66,8 +76,13 @@ def test_fsdp_units_one_per_block_root_last(fsdp):
     assert [u.fqn for u in low.units] == ["layers.0", "layers.1", ""]
     assert sorted(low.units[0].params) == sorted(k for k, _ in m.named_parameters() if k.startswith("layers.0."))
     # the plan gathers block parameters again in the backward -> reshard_after_forward=True
-    bw_gathers = {r["param"] for n in plan.nodes if n["phase"] == "bw" for r in n.get("redistribute", [])
-                  if r["class"] == "param" and r["collectives"] and r["collectives"][0][0] == "all_gather"}
+    bw_gathers = {
+        r["param"]
+        for n in plan.nodes
+        if n["phase"] == "bw"
+        for r in n.get("redistribute", [])
+        if r["class"] == "param" and r["collectives"] and r["collectives"][0][0] == "all_gather"
+    }
     for u in low.units:
         assert u.reshard_after_forward == any(p in bw_gathers for p in u.params), u
 
@@ -78,19 +93,32 @@ def test_fsdp_engine_collectives_regroup_the_plans_bytes(fsdp):
     plan, m = fsdp
     low = recognize(plan, m)
     exp, notes = engine_collectives(plan, low)
-    assert low.mean_loss and exp.count(("all_reduce", 0, 8)) == 1    # the loss hook: (weighted loss, count)
+    assert low.mean_loss and exp.count(("all_reduce", 0, 8)) == 1  # the loss hook: (weighted loss, count)
     exp.remove(("all_reduce", 0, 8))
     kinds = {k for k, _, _ in exp}
     assert kinds == {"all_gather", "reduce_scatter"}
     n_units = len(low.units)
     assert sum(1 for k, _, _ in exp if k == "reduce_scatter") == n_units
-    plan_rs = sum(c[2] for n in plan.nodes for r in n.get("redistribute", []) if r["input"] == "opt"
-                  for c in r["collectives"] if c[0] == "reduce_scatter")
+    plan_rs = sum(
+        c[2]
+        for n in plan.nodes
+        for r in n.get("redistribute", [])
+        if r["input"] == "opt"
+        for c in r["collectives"]
+        if c[0] == "reduce_scatter"
+    )
     assert sum(b for k, _, b in exp if k == "reduce_scatter") == plan_rs
-    fw_ag = sum(c[2] for n in plan.nodes if n["phase"] == "fw" for r in n.get("redistribute", [])
-                if r["class"] == "param" for c in r["collectives"] if c[0] == "all_gather")
+    fw_ag = sum(
+        c[2]
+        for n in plan.nodes
+        if n["phase"] == "fw"
+        for r in n.get("redistribute", [])
+        if r["class"] == "param"
+        for c in r["collectives"]
+        if c[0] == "all_gather"
+    )
     total = sum(p.numel() * 4 for p in m.parameters())
-    assert fw_ag == total                                   # the plan gathers every parameter once in the forward
+    assert fw_ag == total  # the plan gathers every parameter once in the forward
     size = {n: p.numel() * 4 for n, p in m.named_parameters()}
     unit_bytes = {u.fqn: sum(size[f] for f in u.params) for u in low.units}
     assert sum(unit_bytes.values()) == total
@@ -105,13 +133,14 @@ def test_tp_sp_plan_is_torchtitans(tp):
     low = recognize(plan, m)
     assert low.expressible, low.report()
     from autopar.backends.engines_codegen import _fold
+
     ours = {k: v.code() for k, v in _fold(low.styles, low.block_fqns).items()}
     theirs = {k: v.replace(" ", "") for k, v in torchtitan_styles(loss_parallel=False).items()}
     assert set(ours) == set(theirs), set(ours) ^ set(theirs)
     for k in ours:
         assert ours[k].replace(" ", "").replace(",)", ")") == theirs[k].replace(",)", ")"), (k, ours[k], theirs[k])
     assert not low.loss_parallel and not low.units
-    assert any("PrepareModuleInput" in n for n in low.notes)      # the plan's per-consumer gathers, deduplicated
+    assert any("PrepareModuleInput" in n for n in low.notes)  # the plan's per-consumer gathers, deduplicated
 
 
 def test_tp_without_sequence_parallel_is_megatron():
@@ -121,6 +150,7 @@ def test_tp_without_sequence_parallel_is_megatron():
     low = recognize(plan, m)
     assert low.expressible, low.report()
     from autopar.backends.engines_codegen import _fold
+
     st = {k: v.code() for k, v in _fold(low.styles, low.block_fqns).items()}
     assert st["layers.*.attention.wq"] == "ColwiseParallel()" and st["layers.*.feed_forward.w2"] == "RowwiseParallel()"
     assert st["tok_embeddings"] == "RowwiseParallel(input_layouts=Replicate())"
@@ -136,6 +166,7 @@ def test_tp_without_sequence_parallel_is_megatron():
 
 def test_export_code_is_importable_and_complete(tp, tmp_path):
     from autopar.backends.engines import export_code
+
     plan, m = tp
     path = tmp_path / "tp_plan.py"
     path.write_text(export_code(plan, m))
@@ -143,6 +174,7 @@ def test_export_code_is_importable_and_complete(tp, tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
+
     assert isinstance(mod.parallelize_plan["layers.*.attention.wq"], ColwiseParallel)
     assert isinstance(mod.parallelize_plan["layers.*.feed_forward.w2"], RowwiseParallel)
     assert isinstance(mod.parallelize_plan["layers.*.attention"], PrepareModuleInput)
@@ -157,8 +189,15 @@ def test_fsdp_x_tp_and_hsdp_are_recognized():
     assert low.shard_dims == [0] and low.tp_dim == 1 and [u.fqn for u in low.units][-1] == ""
     assert 'mesh["tp"]' in low.code() and 'dp_mesh = mesh["dp"]' in low.code()
     m2, x = _model()
-    hs = autopar.plan(m2, autopar.MeshSpec((2, 2), ("rep", "shard")), x, cluster=CLUSTER, overlap=False,
-                      force={k: ("R", "S0") for k, _ in m2.named_parameters()}, pin=batch_pin([0, 1], (B, S)))
+    hs = autopar.plan(
+        m2,
+        autopar.MeshSpec((2, 2), ("rep", "shard")),
+        x,
+        cluster=CLUSTER,
+        overlap=False,
+        force={k: ("R", "S0") for k, _ in m2.named_parameters()},
+        pin=batch_pin([0, 1], (B, S)),
+    )
     low2 = recognize(hs, m2)
     assert low2.expressible, low2.report()
     assert low2.replicate_dims == [0] and low2.shard_dims == [1]
@@ -195,17 +234,26 @@ def test_checkpointing_when_memory_bound_and_charged():
     mesh = autopar.MeshSpec((2,), ("dp",))
     free = autopar.plan(m, mesh, x, cluster=CLUSTER, overlap=False)
     assert free.meta["checkpointing"]["blocks"] == [] and "not memory-bound" in free.meta["checkpointing"]["why"]
-    tight = autopar.plan(m, mesh, x, cluster=CLUSTER, overlap=False, memory_budget=0.6 * free.predicted["peak_mem_bytes"])
+    tight = autopar.plan(
+        m, mesh, x, cluster=CLUSTER, overlap=False, memory_budget=0.6 * free.predicted["peak_mem_bytes"]
+    )
     ck = tight.meta["checkpointing"]
     assert ck["blocks"] == ["layers.0", "layers.1"], ck
     assert tight.predicted["peak_mem_bytes"] <= 0.6 * free.predicted["peak_mem_bytes"]
     assert tight.predicted["recompute_s"] > 0
     fw = sum(n["time_s"] for n in tight.nodes if n["phase"] == "fw" and n["module"].startswith("layers."))
-    assert tight.predicted["recompute_s"] == pytest.approx(fw, rel=1e-9)   # = the blocks' forward compute
+    assert tight.predicted["recompute_s"] == pytest.approx(fw, rel=1e-9)  # = the blocks' forward compute
     off = None
     with pytest.raises(autopar.InfeasibleMemoryError):
-        off = autopar.plan(m, mesh, x, cluster=CLUSTER, overlap=False, memory_budget=0.6 * free.predicted["peak_mem_bytes"],
-                           allow_checkpointing=False)
+        off = autopar.plan(
+            m,
+            mesh,
+            x,
+            cluster=CLUSTER,
+            overlap=False,
+            memory_budget=0.6 * free.predicted["peak_mem_bytes"],
+            allow_checkpointing=False,
+        )
     assert off is None
     with pytest.raises(autopar.InfeasibleMemoryError, match="checkpointing of all 2 blocks"):
         autopar.plan(m, mesh, x, cluster=CLUSTER, overlap=False, memory_budget=0.2 * free.predicted["peak_mem_bytes"])
@@ -214,6 +262,7 @@ def test_checkpointing_when_memory_bound_and_charged():
 
 
 # ---- bad input ------------------------------------------------------------------------------------------------
+
 
 def test_forced_style_that_contradicts_the_plan(tp):
     plan, m = tp
@@ -274,7 +323,7 @@ def _leaky_plan(share):
 
 def test_parameter_used_outside_its_module_is_a_reason():
     plan, m = _leaky_plan(share=False)
-    assert recognize(plan, m).expressible     # no repeated blocks found: one root unit holds every parameter
+    assert recognize(plan, m).expressible  # no repeated blocks found: one root unit holds every parameter
     low = recognize(plan, m, units=["layers.0", "layers.1"])
     assert not low.expressible
     bad = [w for part, w in low.reasons if part == "parameter layers.0.fc2.weight"]
@@ -282,6 +331,7 @@ def test_parameter_used_outside_its_module_is_a_reason():
     assert "-> graph  parameter layers.0.fc2.weight" in low.report()
     with pytest.raises(EngineLoweringError, match="layers.0.fc2.weight"):
         from autopar.backends.engines import lower_to_torch
+
         lower_to_torch(m, None, plan, units=["layers.0", "layers.1"])
 
 
@@ -289,11 +339,13 @@ def test_parameter_shared_across_units_is_a_reason():
     plan, m = _leaky_plan(share=True)
     low = recognize(plan, m, units=["layers.0", "layers.1"])
     assert not low.expressible
-    assert any(part == "parameter layers.1.fc1.weight" and "same tensor as layers.0.fc1.weight" in w
-               for part, w in low.reasons), low.reasons
+    assert any(
+        part == "parameter layers.1.fc1.weight" and "same tensor as layers.0.fc1.weight" in w for part, w in low.reasons
+    ), low.reasons
 
 
 # ---- replicated data parallelism, planned freely for the calibrated CPU cluster ---------------------------------
+
 
 def _bucket_key(b):
     d = b["mesh_dim"]
@@ -305,6 +357,7 @@ def _check_replicated_dp(plan, m, n_shards):
     whose gradient hook reduces exactly the plan's buckets (and, in extra buckets, only the gradients the plan
     reduces otherwise)."""
     from collections import Counter
+
     low = recognize(plan, m)
     assert low.expressible, low.report()
     nd = len(plan.mesh_shape)
@@ -313,27 +366,28 @@ def _check_replicated_dp(plan, m, n_shards):
     assert low.batch_shards == n_shards and sorted(low.replicated_grads) == sorted(plan.params)
     in_plan = {f for b in plan.buckets for f in b["params"]}
     got = [f for b in low.grad_buckets for f in b.params]
-    assert sorted(got) == sorted(plan.params)                     # every gradient in exactly one bucket
+    assert sorted(got) == sorted(plan.params)  # every gradient in exactly one bucket
     planned = [b for b in low.grad_buckets if b.planned is not None]
     assert sorted(f for b in planned for f in b.params) == sorted(in_plan)
-    for b in planned:                                             # the plan's bucket: same gradients, same bytes
+    for b in planned:  # the plan's bucket: same gradients, same bytes
         chain = [c for c in plan.buckets if c["chain"] == b.planned]
         assert b.params == chain[0]["params"] and all(c["bytes"] == b.nbytes for c in chain)
-        assert b.steps == [tuple(c["mesh_dim"]) if isinstance(c["mesh_dim"], list) else (c["mesh_dim"],)
-                           for c in chain]
+        assert b.steps == [tuple(c["mesh_dim"]) if isinstance(c["mesh_dim"], list) else (c["mesh_dim"],) for c in chain]
     extra = [b for b in low.grad_buckets if b.planned is None]
     assert sorted(f for b in extra for f in b.params) == sorted(set(plan.params) - in_plan)
     assert all(b.steps == [tuple(range(nd))] for b in extra)
     exp, _ = engine_collectives(plan, low)
     data = 0 if nd == 1 else tuple(range(nd))
-    assert Counter(exp) - Counter(_bucket_key(b) for b in plan.buckets) == \
-        Counter([("all_reduce", data, b.nbytes) for b in extra] + [("all_reduce", data, 8)])   # + the loss hook
+    assert Counter(exp) - Counter(_bucket_key(b) for b in plan.buckets) == Counter(
+        [("all_reduce", data, b.nbytes) for b in extra] + [("all_reduce", data, 8)]
+    )  # + the loss hook
     code = low.code()
     compile(code, "<lowering>", "exec")
     assert "_reduce_grads_in_buckets(model, mesh, grad_buckets, batch_shards)" in code
     assert f"batch_shards = {n_shards}" in code
-    whole = any(n["name"].endswith(":nll_loss_forward.default") and "R" in n["placement"]["ins"][0]
-                for n in plan.nodes)                              # the plan gathers the log-probs for its loss
+    whole = any(
+        n["name"].endswith(":nll_loss_forward.default") and "R" in n["placement"]["ins"][0] for n in plan.nodes
+    )  # the plan gathers the log-probs for its loss
     assert whole == any("runs the loss" in n for n in low.notes), low.notes
     return low
 
@@ -347,7 +401,7 @@ def test_free_cpu_plan_is_replicated_data_parallel_in_the_plans_buckets(mesh, na
     m, x = _model(DP_BATCH[len(mesh)])
     plan = autopar.plan(m, autopar.MeshSpec(mesh, names), x, cluster="cpu-gloo")
     low = _check_replicated_dp(plan, m, 4)
-    assert all(b.planned is not None for b in low.grad_buckets)   # the plan reduces every gradient in a bucket
+    assert all(b.planned is not None for b in low.grad_buckets)  # the plan reduces every gradient in a bucket
 
 
 @pytest.mark.parametrize("mesh", ["4", "2x2"])
@@ -355,14 +409,15 @@ def test_harness_llama3_debug_plans_lower(mesh):
     """The benchmark's llama3-debug configuration (benchmarks/bench_config.py) on both measured meshes."""
     import os
     import sys
+
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
     from bench_config import MEASURED
+
     cfg = MEASURED["llama3-debug"]
     shape = tuple(int(v) for v in mesh.split("x"))
     m = M.build_model(cfg["name"], device="meta", seed=0, **cfg["overrides"])
     x = M.example_inputs(cfg["name"], batch=cfg["batch"], seq=cfg["seq"], device="meta", **cfg["overrides"])
-    plan = autopar.plan(m, autopar.MeshSpec(shape, ("dp",) if len(shape) == 1 else ("dp", "tp")), x,
-                        cluster="cpu-gloo")
+    plan = autopar.plan(m, autopar.MeshSpec(shape, ("dp",) if len(shape) == 1 else ("dp", "tp")), x, cluster="cpu-gloo")
     _check_replicated_dp(plan, m, 4)
 
 
@@ -376,16 +431,18 @@ def _weighted_loss_plan(weighted):
         def forward(self, x, y):
             logits = self.out(F.gelu(self.fc(self.embed(x)))).flatten(0, 1)
             return F.cross_entropy(logits, y.flatten(), weight=self.w if weighted else None)
+
     with torch.device("meta"):
         m = Weighted()
     x = tuple(torch.empty(8, 64, dtype=torch.long, device="meta") for _ in range(2))
 
-    def pin(n):      # the batch split over the ranks up to the loss, which runs on the whole batch (inputs gathered)
+    def pin(n):  # the batch split over the ranks up to the loss, which runs on the whole batch (inputs gathered)
         if n.target in NLL_LOSSES:
             return {0: "R"}
         out = n.outs[0] if n.outs else None
         batched = n.kind == "op" and n.phase == "fw" and out is not None and out.shape and out.shape[0] in (8, 8 * 64)
         return {0: "S0"} if n.kind == "input" or batched else None
+
     return autopar.plan(m, autopar.MeshSpec((4,), ("dp",)), x, cluster=CLUSTER, overlap=False, pin=pin), m
 
 
@@ -395,9 +452,10 @@ def test_loss_on_the_whole_batch_lowers_only_as_an_unweighted_mean_over_equal_sh
     loss input was taken for the same values). Unequal batch shards are a reason too (the planner does not shard
     an uneven batch: the plan's mesh is edited to check the lowering)."""
     import copy
+
     plan, m = _weighted_loss_plan(weighted=False)
     loss = next(n for n in plan.nodes if n["name"].endswith("nll_loss_forward.default"))
-    assert loss["placement"]["ins"][1] == ["R"]                  # the loss runs on the whole batch
+    assert loss["placement"]["ins"][1] == ["R"]  # the loss runs on the whole batch
     low = recognize(plan, m)
     assert low.expressible and low.replicate_dims == [0], low.report()
     assert low.input_placements == [["S0"], ["S0"]] and any("gathers the loss input 0" in n for n in low.notes)
@@ -408,7 +466,7 @@ def test_loss_on_the_whole_batch_lowers_only_as_an_unweighted_mean_over_equal_sh
     assert [part for part, _ in bad.reasons] == [f"op {wl['name']}"], bad.reasons
     assert "class-weighted loss" in bad.reasons[0][1]
     uneven = copy.deepcopy(plan)
-    uneven.mesh_shape = (3,)                                    # the batch of 8 on 3 ranks
+    uneven.mesh_shape = (3,)  # the batch of 8 on 3 ranks
     low = recognize(uneven, m)
     assert {part for part, _ in low.reasons} == {"input input:0", "input input:1"}, low.reasons
     assert "does not split into 3 equal shards" in low.reasons[0][1]
@@ -425,10 +483,11 @@ def test_plan_for_engines_predicts_the_engines_collectives(mesh, names):
     more than the hook's one all_reduce over the flattened group; batch 16 there: GATHER_BATCH)."""
     from collections import Counter
     from autopar.backends.engines_plan import plan_for_engines
+
     m, x = _model(GATHER_BATCH[len(mesh)])
     spec = autopar.MeshSpec(mesh, names)
     free = autopar.plan(m, spec, x, cluster=GLOO_PER_STEP)
-    assert "all_gather" in free.predicted["collectives"]               # the loss input, gathered
+    assert "all_gather" in free.predicted["collectives"]  # the loss input, gathered
     (plan, _), note = plan_for_engines(m, spec, x, cluster=GLOO_PER_STEP)
     assert note and note.startswith("re-planned for the engines") and "nll_loss_forward" in note, note
     assert plan.meta["engine_replan"] == note
@@ -442,11 +501,12 @@ def test_plan_for_engines_predicts_the_engines_collectives(mesh, names):
     predicted = {k: v["bytes"] for k, v in plan.predicted["collectives"].items()}
     assert set(predicted) == set(engines) == {"all_reduce"}, (predicted, engines)
     if len(mesh) == 1:
-        assert predicted == dict(engines) and plan.predicted["collectives"]["all_reduce"]["count"] == \
-            len(plan.buckets) + 1, (predicted, engines)
+        assert (
+            predicted == dict(engines) and plan.predicted["collectives"]["all_reduce"]["count"] == len(plan.buckets) + 1
+        ), (predicted, engines)
     else:
         assert 0 < predicted["all_reduce"] - engines["all_reduce"] <= 16, (predicted, engines)
-    assert plan.predicted["step_s"] >= free.predicted["step_s"]       # the free plan is the optimum
+    assert plan.predicted["step_s"] >= free.predicted["step_s"]  # the free plan is the optimum
 
 
 @pytest.mark.parametrize("mesh", [(4,), (2,)])
@@ -457,20 +517,29 @@ def test_engine_step_time_equals_the_plans_prediction(mesh):
     passes) are two computations of one step and must agree."""
     from autopar.backends.engines_comm import engine_step_time
     from collections import Counter
+
     m = M.build_model("llama-tiny", device="meta")
     x = M.example_inputs("llama-tiny", batch=8, seq=16, device="meta")
     force = {k: ("R",) * len(mesh) for k, _ in m.named_parameters()}
 
-    def pin(n):                          # batch-sharded inputs, the loss on the shards (as the engines compute it)
-        return {d: ("S0" if n.kind == "input" else "P") for d in range(len(mesh))} \
-            if n.kind == "input" or n.target in NLL_LOSSES else None
+    def pin(n):  # batch-sharded inputs, the loss on the shards (as the engines compute it)
+        return (
+            {d: ("S0" if n.kind == "input" else "P") for d in range(len(mesh))}
+            if n.kind == "input" or n.target in NLL_LOSSES
+            else None
+        )
+
     plan = autopar.plan(m, mesh, x, cluster="cpu-gloo", force=force, pin=pin)
     low = recognize(plan, m)
     assert low.expressible, low.report()
     mine, _ = engine_collectives(plan, low)
-    assert Counter(c[0] for c in mine)["all_reduce"] >= 2          # the gradient bucket(s) and the loss's reduction
-    assert Counter(mine) == Counter(plan.collectives())            # (on 2x2 the engines reduce over the flattened
-                                                                   # group where the plan chains the two dims)
+    assert Counter(c[0] for c in mine)["all_reduce"] >= 2  # the gradient bucket(s) and the loss's reduction
+    assert Counter(mine) == Counter(plan.collectives())  # (on 2x2 the engines reduce over the flattened
+    # group where the plan chains the two dims)
     t = engine_step_time(plan, low, "cpu-gloo")
-    assert abs(t - plan.predicted["step_s"]) <= 1e-6 * plan.predicted["step_s"], (t, plan.predicted, mine,
-                                                                                   plan.collectives())
+    assert abs(t - plan.predicted["step_s"]) <= 1e-6 * plan.predicted["step_s"], (
+        t,
+        plan.predicted,
+        mine,
+        plan.collectives(),
+    )

@@ -7,6 +7,7 @@ single-device model, and compares the loss, the first step's gradients, the fina
 collectives of the first step (kind, mesh dim, bytes) with the plan. Also: DCP save/load of the parallel state
 dict, pre-sharded inputs, and a rank holding a different plan (a clear error on every rank, no hang).
 """
+
 from __future__ import annotations
 
 import copy
@@ -24,19 +25,26 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(420)]
 def launch(job: str, world: int, cases, tmp_path, backend: str = "gloo") -> list[dict]:
     """Run `job` on `world` ranks of one `backend` group (tests/_dist.py: 60 s per collective, 300 s per launch,
     a failed or hung rank fails the test naming it); returns each rank's result dict."""
-    return _launch(JOBS[job], world, [cases, str(tmp_path), "cuda" if backend == "nccl" else "cpu"], tmp_path,
-                   backend=backend)
+    return _launch(
+        JOBS[job], world, [cases, str(tmp_path), "cuda" if backend == "nccl" else "cpu"], tmp_path, backend=backend
+    )
 
 
 def _mesh(shape, device):
     from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh(device, tuple(shape), mesh_dim_names=("dp", "tp") if len(shape) == 2 else ("dp",))
 
 
 def _force(model, shape, constraint):
     from autopar.backends.verify import fsdp_force, fsdp_tp_force, tp_force
-    return {"none": lambda: {}, "fsdp": lambda: fsdp_force(model, shape), "tp": lambda: tp_force(model, shape),
-            "fsdp+tp": lambda: fsdp_tp_force(model, shape)}[constraint]()
+
+    return {
+        "none": lambda: {},
+        "fsdp": lambda: fsdp_force(model, shape),
+        "tp": lambda: tp_force(model, shape),
+        "fsdp+tp": lambda: fsdp_tp_force(model, shape),
+    }[constraint]()
 
 
 def job_train(cases, tmp, device):
@@ -44,31 +52,48 @@ def job_train(cases, tmp, device):
     import autopar
     from autopar.backends.verify import train_and_compare
     from autopar.models import build_model, example_inputs
+
     out = {"cases": []}
     for name, ov, batch, seq, shape, constraint in cases:
         model = build_model(name, device="cpu", seed=7, **ov)
         x = example_inputs(name, batch=batch, seq=seq, seed=8, **ov)
         mesh = _mesh(shape, device)
-        if constraint == "dp-flat":     # data parallel over both dims, gradient buckets on the flattened group
+        if constraint == "dp-flat":  # data parallel over both dims, gradient buckets on the flattened group
             import autopar.passes.buckets as buckets
+
             keep, buckets.flatten_chain = buckets.flatten_chain, lambda *a: True
             try:
-                pm = autopar.parallelize(model, mesh, x, force={k: ("R", "R") for k, _ in model.named_parameters()},
-                                         pin=lambda n: _batch_sharded(n, batch))
+                pm = autopar.parallelize(
+                    model,
+                    mesh,
+                    x,
+                    force={k: ("R", "R") for k, _ in model.named_parameters()},
+                    pin=lambda n: _batch_sharded(n, batch),
+                )
             finally:
                 buckets.flatten_chain = keep
-        elif constraint == "dp-aux":    # data parallel, the routers' token means left partial means (Pa)
-            pm = autopar.parallelize(model, mesh, x, force={k: ("R",) for k, _ in model.named_parameters()},
-                                     pin=_router_means)
+        elif constraint == "dp-aux":  # data parallel, the routers' token means left partial means (Pa)
+            pm = autopar.parallelize(
+                model, mesh, x, force={k: ("R",) for k, _ in model.named_parameters()}, pin=_router_means
+            )
         else:
             pm = autopar.parallelize(model, mesh, x, force=_force(model, shape, constraint))
         xs = tuple(t.to(device) for t in x)
         rep = train_and_compare(pm, copy.deepcopy(model).to(device), xs, steps=3, lr=0.5)
-        out["cases"].append({"case": [name, shape, constraint], "failures": rep.failures[:5],
-                             "collective_diff": rep.collective_diff, "measured": rep.measured,
-                             "predicted": [list(c) for c in rep.predicted], "max_abs": rep.max_abs,
-                             "losses": rep.losses, "hash": pm.plan.hash(), "fw_reduces": _fw_reduces(pm.plan),
-                             "placements": {k: list(v) for k, v in pm.plan.params.items()}})
+        out["cases"].append(
+            {
+                "case": [name, shape, constraint],
+                "failures": rep.failures[:5],
+                "collective_diff": rep.collective_diff,
+                "measured": rep.measured,
+                "predicted": [list(c) for c in rep.predicted],
+                "max_abs": rep.max_abs,
+                "losses": rep.losses,
+                "hash": pm.plan.hash(),
+                "fw_reduces": _fw_reduces(pm.plan),
+                "placements": {k: list(v) for k, v in pm.plan.params.items()},
+            }
+        )
     return out
 
 
@@ -94,9 +119,13 @@ def _router_means(n):
 
 def _fw_reduces(plan) -> list:
     """The forward's activation all_reduces: (node, input, src, its collectives, the all_reduce carrying it)."""
-    return [[n["name"], r["input"], r["src"], r["collectives"], r.get("coalesced")] for n in plan.nodes
-            if n["phase"] == "fw" for r in n.get("redistribute", [])
-            if r["class"] == "act" and (r["collectives"] or "coalesced" in r)]
+    return [
+        [n["name"], r["input"], r["src"], r["collectives"], r.get("coalesced")]
+        for n in plan.nodes
+        if n["phase"] == "fw"
+        for r in n.get("redistribute", [])
+        if r["class"] == "act" and (r["collectives"] or "coalesced" in r)
+    ]
 
 
 def job_extras(cases, tmp, device):
@@ -107,6 +136,7 @@ def job_extras(cases, tmp, device):
     from autopar.backends.graph import local_batch
     from autopar.backends.verify import global_value
     from autopar.models import build_model, example_inputs
+
     name, ov, batch, seq, shape, constraint = cases[0]
     mesh = _mesh(shape, device)
     model = build_model(name, device="cpu", seed=1, **ov)
@@ -122,8 +152,9 @@ def job_extras(cases, tmp, device):
     sd = other.state_dict()
     dcp.load(sd, checkpoint_id=ckpt)
     other.load_state_dict(sd)
-    dcp_diff = max((global_value(a) - global_value(b)).abs().max().item()
-                   for a, b in zip(pm.parameters(), other.parameters()))
+    dcp_diff = max(
+        (global_value(a) - global_value(b)).abs().max().item() for a, b in zip(pm.parameters(), other.parameters())
+    )
     # pre-sharded inputs: the DTensors of `shard_inputs` and the global tensors give the same loss
     sharded = pm.shard_inputs(*x)
     same_loss = torch.equal(pm(*sharded).detach(), pm(*x).detach())
@@ -141,8 +172,13 @@ def job_extras(cases, tmp, device):
         mismatch = str(e)
     # gradient buckets: the flat buffer is filled again when nothing else holds it (autograd copies the gradients
     # into .grad); gradients accumulate over steps without zero_grad
-    dp = autopar.parallelize(model, mesh, x, force={k: tuple("R" for _ in shape) for k, _ in model.named_parameters()},
-                             pin=lambda n: {0: "S0"} if n.kind == "input" else None)     # the batch on dim 0
+    dp = autopar.parallelize(
+        model,
+        mesh,
+        x,
+        force={k: tuple("R" for _ in shape) for k, _ in model.named_parameters()},
+        pin=lambda n: {0: "S0"} if n.kind == "input" else None,
+    )  # the batch on dim 0
     params = list(dp.parameters())
 
     def grads():
@@ -150,21 +186,27 @@ def job_extras(cases, tmp, device):
         loss.backward()
         bufs = {b.untyped_storage().data_ptr() for b in dp.program.flat_bufs.values()}
         return [global_value(p.grad).clone() for p in params], bufs
+
     g1, b1 = grads()
     for p in params:
         p.grad = None
     g2, b2 = grads()
-    g3, _ = grads()                     # no zero_grad: accumulated (a new buffer if .grad still holds it)
-    ref = build_model(name, device="cpu", seed=1, **ov)      # one device, at dp's weights
+    g3, _ = grads()  # no zero_grad: accumulated (a new buffer if .grad still holds it)
+    ref = build_model(name, device="cpu", seed=1, **ov)  # one device, at dp's weights
     names = [k for k, _ in dp.named_parameters()]
     with torch.no_grad():
         for k, p in zip(names, params):
             ref.get_parameter(k).copy_(global_value(p))
     ref(*x).backward()
-    bucket = {"buffers": len(b1), "reused": b1 == b2, "same": all(torch.equal(a, b) for a, b in zip(g1, g2)),
-              "accum_err": max((c - 2 * a).abs().max().item() for a, c in zip(g1, g3)),
-              "ref_err": max((a - ref.get_parameter(k).grad).abs().max().item() for k, a in zip(names, g1)),
-              "in_place": len(dp.program.write_at), "copied": sum(map(len, dp.program.copy_at.values()))}
+    bucket = {
+        "buffers": len(b1),
+        "reused": b1 == b2,
+        "same": all(torch.equal(a, b) for a, b in zip(g1, g2)),
+        "accum_err": max((c - 2 * a).abs().max().item() for a, c in zip(g1, g3)),
+        "ref_err": max((a - ref.get_parameter(k).grad).abs().max().item() for k, a in zip(names, g1)),
+        "in_place": len(dp.program.write_at),
+        "copied": sum(map(len, dp.program.copy_at.values())),
+    }
     # attach_optimizer: fused AdamW's per-parameter step counts become replicated DTensors after the first step;
     # the training it does is the same to the bit
     runs = {}
@@ -177,22 +219,35 @@ def job_extras(cases, tmp, device):
             m(*x).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        runs[attach] = ([global_value(p).clone() for p in m.parameters()],
-                        sorted({type(st["step"]).__name__ for st in opt.state.values()}))
-    attached = {"diff": max((a - b).abs().max().item() for a, b in zip(runs[False][0], runs[True][0])),
-                "plain_steps": runs[False][1], "attached_steps": runs[True][1]}
-    out = {"dcp_diff": dcp_diff, "same_loss": same_loss, "local_shapes": local_shapes, "input_placements": in_pl,
-           "mismatch": mismatch, "bucket": bucket, "attached": attached}
-    out.update(job_train(cases[1:], tmp, device))          # and train the other cases in the same group
+        runs[attach] = (
+            [global_value(p).clone() for p in m.parameters()],
+            sorted({type(st["step"]).__name__ for st in opt.state.values()}),
+        )
+    attached = {
+        "diff": max((a - b).abs().max().item() for a, b in zip(runs[False][0], runs[True][0])),
+        "plain_steps": runs[False][1],
+        "attached_steps": runs[True][1],
+    }
+    out = {
+        "dcp_diff": dcp_diff,
+        "same_loss": same_loss,
+        "local_shapes": local_shapes,
+        "input_placements": in_pl,
+        "mismatch": mismatch,
+        "bucket": bucket,
+        "attached": attached,
+    }
+    out.update(job_train(cases[1:], tmp, device))  # and train the other cases in the same group
     return out
 
 
 JOBS = {"train": job_train, "extras": job_extras}
 
-LLAMA = dict(dim=8, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=16, ffn_dim=12)      # GQA
-GPT2 = dict(dim=8, n_layers=1, n_heads=2, vocab_size=16, max_seq_len=8)                     # tied embeddings
-MOE = dict(dim=8, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=16, n_experts=4, top_k=2, moe_hidden=4,
-           dense_ffn_dim=8)
+LLAMA = dict(dim=8, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=16, ffn_dim=12)  # GQA
+GPT2 = dict(dim=8, n_layers=1, n_heads=2, vocab_size=16, max_seq_len=8)  # tied embeddings
+MOE = dict(
+    dim=8, n_layers=1, n_heads=2, n_kv_heads=1, vocab_size=16, n_experts=4, top_k=2, moe_hidden=4, dense_ffn_dim=8
+)
 MLP_DP = dict(dim=64, hidden=256, n_layers=1, vocab=32)
 
 
@@ -210,11 +265,13 @@ def _check_train(results, n_cases):
 
 
 def test_world4_gloo_2x2_and_1d(tmp_path):
-    cases = [("llama-tiny", LLAMA, 2, 4, (2, 2), "fsdp"),          # its plan has an all_to_all
-             ("gpt2-tiny", GPT2, 2, 4, (2, 2), "fsdp+tp"),
-             ("moe-tiny", MOE, 2, 4, (4,), "fsdp"),
-             ("llama-tiny", LLAMA, 4, 4, (2, 2), "dp-flat"),
-             ("moe-tiny", {**MOE, "n_layers": 3}, 4, 4, (4,), "dp-aux")]
+    cases = [
+        ("llama-tiny", LLAMA, 2, 4, (2, 2), "fsdp"),  # its plan has an all_to_all
+        ("gpt2-tiny", GPT2, 2, 4, (2, 2), "fsdp+tp"),
+        ("moe-tiny", MOE, 2, 4, (4,), "fsdp"),
+        ("llama-tiny", LLAMA, 4, 4, (2, 2), "dp-flat"),
+        ("moe-tiny", {**MOE, "n_layers": 3}, 4, 4, (4,), "dp-aux"),
+    ]
     results = launch("train", 4, cases, tmp_path)
     per_rank = _check_train(results, len(cases))
     # the exact aux loss over a split batch: every layer's expert load and mean probability (partial means) and the
@@ -227,7 +284,7 @@ def test_world4_gloo_2x2_and_1d(tmp_path):
     flat = [c for c in per_rank[0][3]["measured"] if c[0] == "all_reduce" and c[1] == [0, 1]]
     assert flat and len(flat) == sum(1 for c in per_rank[0][3]["predicted"] if c[1] == [0, 1]), per_rank[0][3]
     kinds = {c[0] for case in per_rank[0] for c in case["measured"]}
-    assert {"all_gather", "reduce_scatter", "all_to_all"} <= kinds, kinds      # a real all_to_all on gloo
+    assert {"all_gather", "reduce_scatter", "all_to_all"} <= kinds, kinds  # a real all_to_all on gloo
     assert any(c[1] == 1 for case in per_rank[0] for c in case["measured"]), "no collective on the tp sub-group"
     assert all(abs(a - b) <= 1e-6 + 1e-5 * abs(b) for case in per_rank[0] for a, b in case["losses"])
 
@@ -246,8 +303,11 @@ def test_world2_gloo_train_dcp_sharded_inputs_and_plan_mismatch(tmp_path):
         assert res["same_loss"]
         a = res["attached"]
         assert a["diff"] == 0.0 and a["plain_steps"] == ["Tensor"] and a["attached_steps"] == ["DTensor"], a
-        assert "ranks hold different plans" in res["mismatch"] and "ranks [0]" in res["mismatch"] \
-            and "ranks [1]" in res["mismatch"], res["mismatch"]
+        assert (
+            "ranks hold different plans" in res["mismatch"]
+            and "ranks [0]" in res["mismatch"]
+            and "ranks [1]" in res["mismatch"]
+        ), res["mismatch"]
     # inputs the plan shards arrive as this rank's slice (batch 32 over 2 ranks) without communication
     pl, shapes = results[0]["input_placements"], results[0]["local_shapes"]
     for p, s in zip(pl, shapes):
@@ -259,6 +319,9 @@ def test_world2_gloo_train_dcp_sharded_inputs_and_plan_mismatch(tmp_path):
 def test_gpu_nccl_same_checks(tmp_path):
     world = min(torch.cuda.device_count(), 2)
     shape = (world,)
-    cases = [("llama-tiny", LLAMA, 2, 4, shape, "tp"), ("gpt2-tiny", GPT2, 2, 4, shape, "fsdp"),
-             ("moe-tiny", MOE, 2, 4, shape, "fsdp")]
+    cases = [
+        ("llama-tiny", LLAMA, 2, 4, shape, "tp"),
+        ("gpt2-tiny", GPT2, 2, 4, shape, "fsdp"),
+        ("moe-tiny", MOE, 2, 4, shape, "fsdp"),
+    ]
     _check_train(launch("train", world, cases, tmp_path, backend="nccl"), len(cases))

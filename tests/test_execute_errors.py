@@ -1,5 +1,6 @@
 """Bad input to autopar.parallelize and to the parallel module: each a clear error naming what is wrong.
 (A rank holding a different plan needs real processes: tests/test_execute_dist.py checks it on gloo.)"""
+
 from __future__ import annotations
 
 import contextlib
@@ -41,18 +42,24 @@ def mlp():
 
 def test_input_shape_differs_from_example(mlp):
     model, x, planned = mlp
-    x6 = example_inputs("mlp-tiny", batch=4, seq=6, **OV)       # made outside: the same values on every rank
+    x6 = example_inputs("mlp-tiny", batch=4, seq=6, **OV)  # made outside: the same values on every rank
     with torch.no_grad():
         want = model(*x6)
     with fake_world(2), lt.LocalTensorMode(frozenset(range(2))):
         pm = autopar.parallelize(model, init_device_mesh("cpu", (2,)), x, planned=planned)
-        assert torch.allclose(pm(*x6).detach(), want, atol=1e-6)     # another shape: its own plan
+        assert torch.allclose(pm(*x6).detach(), want, atol=1e-6)  # another shape: its own plan
         assert len(pm.programs) == 2
-        with pytest.raises(ValueError, match=r"re-planning for new input shapes \(4, 6\), \(4, 4\) failed: Expected "
-                                             r"input batch_size \(24\) to match target batch_size \(16\)"):
+        with pytest.raises(
+            ValueError,
+            match=r"re-planning for new input shapes \(4, 6\), \(4, 4\) failed: Expected "
+            r"input batch_size \(24\) to match target batch_size \(16\)",
+        ):
             pm(x6[0], x[1])
-        with pytest.raises(ValueError, match=r"input 'labels' has dtype torch.int32 but the example input has "
-                                             r"torch.int64"):
+        with pytest.raises(
+            ValueError,
+            match=r"input 'labels' has dtype torch.int32 but the example input has "
+            r"torch.int64",
+        ):
             pm(x[0], x[1].int())
         with pytest.raises(TypeError, match="missing a required argument: 'labels'"):
             pm(x[0])
@@ -112,10 +119,12 @@ def test_forward_that_mutates_a_buffer():
     parallel module's buffer holds what one device computes (the mean over the global batch)."""
     import copy
     import sys
+
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from _clusters import SHAPES
     from _simulated import simulated
     from autopar.strategies._torch_adapter import outside_local_tensor_mode
+
     torch.manual_seed(0)
     model = BufferModel()
     ref = copy.deepcopy(model)
@@ -133,8 +142,9 @@ def test_forward_that_mutates_a_buffer():
                 ref(*x).backward()
     want = ref.norm.running_mean
     assert not torch.equal(want, torch.zeros_like(want))
-    torch.testing.assert_close(torch.as_tensor(got.reconcile() if hasattr(got, "reconcile") else got), want,
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.as_tensor(got.reconcile() if hasattr(got, "reconcile") else got), want, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_planned_together_with_plan_options(mlp):

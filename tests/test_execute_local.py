@@ -8,6 +8,7 @@ the loss of every step, every gradient of the first step and every parameter aft
 (fp32, rtol 1e-5, atol 1e-6), and the collectives the first step issues (kind, mesh dim, bytes) must equal the
 plan's list. LocalTensorMode costs ~1-3 ms per view op on a sharded value, so examples are tiny and plans cached.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -73,9 +74,11 @@ def run_example(name, overrides, batch, seq, mesh_shape, constraint, seed, lr, s
     with simulated(mesh_shape) as mesh:
         pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
         rep = train_and_compare(pm, ref, x, steps=steps, lr=lr)
-    with contextlib.suppress(Exception):          # note() only works inside a Hypothesis test
-        note(f"{name} {overrides} batch {batch} seq {seq} mesh {mesh_shape} {constraint}: {len(rep.measured)} "
-             f"collectives, max abs {rep.max_abs:.2e}")
+    with contextlib.suppress(Exception):  # note() only works inside a Hypothesis test
+        note(
+            f"{name} {overrides} batch {batch} seq {seq} mesh {mesh_shape} {constraint}: {len(rep.measured)} "
+            f"collectives, max abs {rep.max_abs:.2e}"
+        )
     assert not rep.failures, "\n".join(rep.failures[:10])
     assert not rep.collective_diff, rep.collective_diff
     assert len(rep.measured) == len(plan.collectives())
@@ -95,10 +98,19 @@ def sweep(n):
 
 # ---- property sweeps ---------------------------------------------------------------------------------------------
 
+
 @sweep(110)
-@given(dim=st.sampled_from([4, 6, 8]), hidden=st.sampled_from([6, 8, 10, 12]), layers=st.integers(1, 2),
-       vocab=st.sampled_from([12, 16, 17]), batch=st.sampled_from([2, 3, 4]), seq=st.sampled_from([3, 4]),
-       mc=mesh_and_constraint(), seed=st.integers(0, 10_000), lr=st.sampled_from([0.05, 0.5]))
+@given(
+    dim=st.sampled_from([4, 6, 8]),
+    hidden=st.sampled_from([6, 8, 10, 12]),
+    layers=st.integers(1, 2),
+    vocab=st.sampled_from([12, 16, 17]),
+    batch=st.sampled_from([2, 3, 4]),
+    seq=st.sampled_from([3, 4]),
+    mc=mesh_and_constraint(),
+    seed=st.integers(0, 10_000),
+    lr=st.sampled_from([0.05, 0.5]),
+)
 def test_sweep_mlp(dim, hidden, layers, vocab, batch, seq, mc, seed, lr):
     run_example("mlp-tiny", dict(dim=dim, hidden=hidden, n_layers=layers, vocab=vocab), batch, seq, *mc, seed, lr)
 
@@ -111,27 +123,49 @@ def transformer(draw):
     vocab = draw(st.sampled_from([16, 17]))
     if family == "gpt2-tiny":
         return family, dict(dim=dim, n_layers=1, n_heads=heads, vocab_size=vocab, max_seq_len=8)
-    kv = draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0]))          # GQA: kv heads < heads
+    kv = draw(st.sampled_from([h for h in (1, 2, 4) if heads % h == 0]))  # GQA: kv heads < heads
     if family == "llama-tiny":
-        return family, dict(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv, vocab_size=vocab,
-                            ffn_dim=draw(st.sampled_from([8, 10, 12])))
+        return family, dict(
+            dim=dim,
+            n_layers=1,
+            n_heads=heads,
+            n_kv_heads=kv,
+            vocab_size=vocab,
+            ffn_dim=draw(st.sampled_from([8, 10, 12])),
+        )
     experts = draw(st.sampled_from([2, 3, 4]))
-    return family, dict(dim=dim, n_layers=1, n_heads=heads, n_kv_heads=kv, vocab_size=vocab, n_experts=experts,
-                        top_k=draw(st.integers(1, min(2, experts))), moe_hidden=draw(st.sampled_from([4, 6])),
-                        dense_ffn_dim=8)
+    return family, dict(
+        dim=dim,
+        n_layers=1,
+        n_heads=heads,
+        n_kv_heads=kv,
+        vocab_size=vocab,
+        n_experts=experts,
+        top_k=draw(st.integers(1, min(2, experts))),
+        moe_hidden=draw(st.sampled_from([4, 6])),
+        dense_ffn_dim=8,
+    )
 
 
 @sweep(50)
-@given(cfg=transformer(), batch=st.sampled_from([2, 3]), seq=st.sampled_from([4, 5]),
-       mc=mesh_and_constraint(meshes=((2,), (4,))), seed=st.integers(0, 10_000), lr=st.sampled_from([0.05, 0.5]))
+@given(
+    cfg=transformer(),
+    batch=st.sampled_from([2, 3]),
+    seq=st.sampled_from([4, 5]),
+    mc=mesh_and_constraint(meshes=((2,), (4,))),
+    seed=st.integers(0, 10_000),
+    lr=st.sampled_from([0.05, 0.5]),
+)
 def test_sweep_transformers(cfg, batch, seq, mc, seed, lr):
     """1-D meshes here (a 2x2 transformer example costs ~5x more under LocalTensorMode); the 2x2 mesh is swept with
     the MLP family and run with Llama / GPT-2 on real gloo ranks (test_execute_dist.py) and in the fixed cases."""
     run_example(*cfg, batch, seq, *mc, seed, lr)
 
 
-BUDGETED = [("mlp-tiny", dict(dim=8, hidden=16, n_layers=2, vocab=16), (2,), 0.5),
-            ("mlp-tiny", dict(dim=8, hidden=16, n_layers=2, vocab=16), (4,), 0.5)]
+BUDGETED = [
+    ("mlp-tiny", dict(dim=8, hidden=16, n_layers=2, vocab=16), (2,), 0.5),
+    ("mlp-tiny", dict(dim=8, hidden=16, n_layers=2, vocab=16), (4,), 0.5),
+]
 
 
 @sweep(20)
@@ -144,6 +178,7 @@ def test_sweep_memory_budget(which, seed, lr):
 
 # ---- fixed cases ---------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
 def test_vocab_sharded_embedding_masked_partial(mesh_shape):
     """A vocab-sharded table the planner keeps sharded through the lookup: DTensor's masked partial (the indices
@@ -155,8 +190,9 @@ def test_vocab_sharded_embedding_masked_partial(mesh_shape):
         model = build_model("llama-tiny", **ov)
         x = example_inputs("llama-tiny", batch=2, seq=2, device="meta", **ov)
         force = {"tok_embeddings.weight": f, "output.weight": f}
-        _PLANS[key] = autopar.plan(model, mesh_shape, x, cluster=SHAPES, overlap=False, force=force,
-                                      return_state=True)      # cheap collectives: the table stays sharded
+        _PLANS[key] = autopar.plan(
+            model, mesh_shape, x, cluster=SHAPES, overlap=False, force=force, return_state=True
+        )  # cheap collectives: the table stays sharded
     plan, state = _PLANS[key]
     emb = next(n for n in plan.nodes if n["name"].endswith(":embedding.default"))
     assert emb["placement"]["out"][0][0] == "Pm", emb["placement"]
@@ -178,10 +214,15 @@ def test_consumers_of_one_value_share_its_redistribute():
     model = build_model("llama-tiny", device="cpu", seed=5, **ov)
     x = example_inputs("llama-tiny", batch=2, seq=4, seed=6, **ov)
     force = tp_force(model, (2,))
-    pin = lambda n: {0: "S1"} if n.module.endswith(("attention_norm", "ffn_norm")) and n.phase == "fw" and \
-        n.out is not None and len(n.out.shape) == 3 else None       # sequence-parallel norms, as torchtitan
-    plan, state = autopar.plan(model, (2,), x, cluster=SHAPES, overlap=False, force=force, pin=pin,
-                               return_state=True)
+    pin = lambda n: (
+        {0: "S1"}
+        if n.module.endswith(("attention_norm", "ffn_norm"))
+        and n.phase == "fw"
+        and n.out is not None
+        and len(n.out.shape) == 3
+        else None
+    )  # sequence-parallel norms, as torchtitan
+    plan, state = autopar.plan(model, (2,), x, cluster=SHAPES, overlap=False, force=force, pin=pin, return_state=True)
     shared = [(nd["name"], r) for nd in plan.nodes for r in nd.get("redistribute", []) if "shares" in r]
     assert len(shared) >= 3, [nd["name"] for nd, _ in shared]
     assert all(r["collectives"] == [] for _, r in shared)
@@ -202,8 +243,15 @@ def test_one_device_mesh_with_a_masked_partial():
     ov = dict(dim=16, n_layers=1, n_heads=2, vocab_size=64, max_seq_len=8, tie_embeddings=False)
     model = build_model("gpt2-small", device="cpu", seed=3, **ov)
     x = example_inputs("gpt2-small", batch=1, seq=8, seed=4, **ov)
-    plan, state = autopar.plan(model, (1,), x, cluster="cpu-gloo", overlap=False, return_state=True,
-                               pin=lambda n: {0: "Pm"} if n.name.endswith(":embedding.default") else None)
+    plan, state = autopar.plan(
+        model,
+        (1,),
+        x,
+        cluster="cpu-gloo",
+        overlap=False,
+        return_state=True,
+        pin=lambda n: {0: "Pm"} if n.name.endswith(":embedding.default") else None,
+    )
     assert any(n["placement"]["out"][0] == ["Pm"] for n in plan.nodes if n["name"].endswith(":embedding.default"))
     ref = copy.deepcopy(model)
     with simulated((1,)) as mesh:
@@ -222,15 +270,17 @@ def test_parameters_keep_fqns_placements_and_tying():
         pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
         assert pm.plan is plan
         assert [k for k, _ in pm.named_parameters()] == [k for k, _ in model.named_parameters()]
-        assert set(pm.state_dict()) == set(model.state_dict())      # incl. the tied lm_head.weight key
-        assert pm.lm_head.weight is pm.wte.weight                   # tied parameters stay one parameter
+        assert set(pm.state_dict()) == set(model.state_dict())  # incl. the tied lm_head.weight key
+        assert pm.lm_head.weight is pm.wte.weight  # tied parameters stay one parameter
         want = plan.param_placements()
         for k, p in pm.named_parameters():
             assert isinstance(p, DTensor) and isinstance(p, torch.nn.Parameter)
             assert tuple(p.placements) == want[k], k
             full = p.full_tensor()
-            assert torch.equal(lt.LocalTensor.reconcile(full) if isinstance(full, lt.LocalTensor) else full,
-                               dict(model.named_parameters())[k].detach())
+            assert torch.equal(
+                lt.LocalTensor.reconcile(full) if isinstance(full, lt.LocalTensor) else full,
+                dict(model.named_parameters())[k].detach(),
+            )
         sharded = [k for k, p in pm.named_parameters() if any(not pl.is_replicate() for pl in p.placements)]
         assert len(sharded) >= 4, sharded
         # training the parallel module never writes into the original model
@@ -256,14 +306,18 @@ def test_inputs_as_dtensors_give_the_same_step():
         other = [DTensor.from_local(t, mesh, [to_placement("R")] * 2, run_check=False) for t in x]
         c = pm(*other)
     for v in (b, c):
-        assert torch.equal(lt.LocalTensor.reconcile(v) if isinstance(v, lt.LocalTensor) else v,
-                           lt.LocalTensor.reconcile(a) if isinstance(a, lt.LocalTensor) else a)
+        assert torch.equal(
+            lt.LocalTensor.reconcile(v) if isinstance(v, lt.LocalTensor) else v,
+            lt.LocalTensor.reconcile(a) if isinstance(a, lt.LocalTensor) else a,
+        )
 
 
 # ---- building blocks -----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mesh_shape,placements", [((2, 2), ["R", "S0", "S1", "P"]),
-                                                    ((4,), ["R", "S0", "S1", "S2", "P", "Pa"])])
+
+@pytest.mark.parametrize(
+    "mesh_shape,placements", [((2, 2), ["R", "S0", "S1", "P"]), ((4,), ["R", "S0", "S1", "S2", "P", "Pa"])]
+)
 def test_redistribute_every_pair_equals_dtensor_and_plan(mesh_shape, placements):
     """Every (src, dst) pair: the local shards after `redistribute_local` are the DTensor layout of dst (checked
     through full_tensor), and the collectives run are the plan's (nested shards on 2x2 included)."""
@@ -274,14 +328,15 @@ def test_redistribute_every_pair_equals_dtensor_and_plan(mesh_shape, placements)
     with simulated(mesh_shape) as mesh:
         base = per_rank(full)
         for src in itertools.product(placements, repeat=nd):
-            x = redistribute_local(base, ("R",) * nd, src, mesh)      # local: chunk / zero / keep
+            x = redistribute_local(base, ("R",) * nd, src, mesh)  # local: chunk / zero / keep
             for dst in itertools.product(placements, repeat=nd):
                 c = CommCounter(mesh)
                 with c:
                     y = redistribute_local(x, src, dst, mesh)
                 sums = [to_placement("P" if p == "Pa" else p) for p in dst]
-                got = DTensor.from_local(y, mesh, sums, run_check=False, shape=full.shape,
-                                         stride=full.stride()).full_tensor()
+                got = DTensor.from_local(
+                    y, mesh, sums, run_check=False, shape=full.shape, stride=full.stride()
+                ).full_tensor()
                 for m, p in enumerate(dst):
                     if p == "Pa":
                         got = got / mesh.size(m)
@@ -295,19 +350,20 @@ def test_redistribute_every_pair_equals_dtensor_and_plan(mesh_shape, placements)
 
 def test_all_to_all_is_a_real_all_to_all():
     with simulated((4,)) as mesh:
-        x = DTensor.from_local(torch.arange(32.).view(8, 4), mesh, [to_placement("R")], run_check=False)
+        x = DTensor.from_local(torch.arange(32.0).view(8, 4), mesh, [to_placement("R")], run_check=False)
         x0 = redistribute_local(x.to_local(), ("R",), ("S0",), mesh)
         c = CommCounter(mesh)
         with c:
             y = redistribute_local(x0, ("S0",), ("S1",), mesh)
     assert c.records == [("all_to_all", 0, 8 * 4 * 4)]
-    assert all(torch.equal(t, torch.arange(32.).view(8, 4)[:, r:r + 1]) for r, t in y._local_tensors.items())
+    assert all(torch.equal(t, torch.arange(32.0).view(8, 4)[:, r : r + 1]) for r, t in y._local_tensors.items())
 
 
 def test_sharded_indices_into_a_masked_partial_are_gathered():
     """Indices sharded on the batch that a vocab-sharded embedding reads ("Pm": masked by DTensor's rule) come whole
     on every rank, with the all_gather the planner prices (autopar.redistribute.collectives)."""
     from autopar.backends.comm import executed_placements
+
     ids = torch.arange(8).view(4, 2)
     with simulated((2,)) as mesh:
         x0 = redistribute_local(per_rank(ids), ("R",), ("S0",), mesh)
@@ -337,8 +393,9 @@ def test_attention_math_mapping_matches_cpu_kernel(causal):
     torch.testing.assert_close(mout, out, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(mlse, lse, rtol=1e-5, atol=1e-6)
     go = torch.randn(2, 4, 5, 8, generator=g)
-    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(go, q, k, v, out, lse, 0.0,
-                                                                                        causal)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default(
+        go, q, k, v, out, lse, 0.0, causal
+    )
     mgrads = attention_bw_math(go, q, k, v, mout, mlse, 0.0, causal)
     for a, b in zip(mgrads, grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -375,13 +432,14 @@ def test_buffers_and_no_grad_calls():
     model = ScaledMLP()
     x = example_inputs("mlp-tiny", batch=4, seq=4, dim=8, hidden=8, n_layers=1, vocab=16)
     ref = copy.deepcopy(model)
-    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", overlap=False, force=fsdp_force(model, (2,)),
-                                 return_state=True)
+    plan, state = autopar.plan(
+        model, (2,), x, cluster="cpu-gloo", overlap=False, force=fsdp_force(model, (2,)), return_state=True
+    )
     with simulated((2,)) as mesh:
         pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
         assert set(dict(pm.named_buffers())) == {"scale"}
         with torch.no_grad():
-            a = pm(*x)                          # no backward state kept
+            a = pm(*x)  # no backward state kept
         assert a.grad_fn is None
         rep = train_and_compare(pm, ref, x, steps=3, lr=0.5)
     assert rep.ok, (rep.failures[:5], rep.collective_diff)
@@ -392,25 +450,35 @@ def test_gradient_buckets_one_collective_each(constraint, kind, monkeypatch):
     """Data-parallel (all_reduce) and FSDP-like (reduce_scatter) gradient reductions ride in buckets: one
     collective per bucket of the summed bytes, issued as planned, with gradients equal to one device. A small
     bucket cap splits them into several buckets, in the backward's order."""
-    monkeypatch.setattr("autopar.passes.buckets.BUCKET_BYTES", 600)     # the cap buckets are cut at (not priced)
+    monkeypatch.setattr("autopar.passes.buckets.BUCKET_BYTES", 600)  # the cap buckets are cut at (not priced)
     ov = dict(dim=8, hidden=12, n_layers=2, vocab=16)
     model = build_model("mlp-tiny", device="cpu", seed=3, **ov)
-    x = example_inputs("mlp-tiny", batch=32, seq=16, seed=4, **ov)      # activations outweigh weights
+    x = example_inputs("mlp-tiny", batch=32, seq=16, seed=4, **ov)  # activations outweigh weights
     force = fsdp_force(model, (2,)) if constraint == "fsdp" else {k: ("R",) for k, _ in model.named_parameters()}
     # batch-sharded data and activations (a model this small would rather gather its 512 tokens once, fw and bw)
-    pin = lambda n: {0: "S0"} if n.kind == "input" or n.kind == "op" and n.phase == "fw" and n.outs and \
-        n.outs[0] is not None and len(n.outs[0].shape) == 3 else None         # noqa: E731
+    pin = lambda n: (
+        {0: "S0"}
+        if n.kind == "input"
+        or n.kind == "op"
+        and n.phase == "fw"
+        and n.outs
+        and n.outs[0] is not None
+        and len(n.outs[0].shape) == 3
+        else None
+    )  # noqa: E731
     plan, state = autopar.plan(model, (2,), x, cluster=SHAPES, overlap=False, force=force, return_state=True, pin=pin)
     grads = [b for b in plan.buckets if b["kind"] == kind]
     assert len(grads) >= 2 and all(b["bytes"] <= 600 or len(b["params"]) == 1 for b in grads)
     in_buckets = [f for b in plan.buckets for f in b["params"]]
     assert len(in_buckets) == len(set(in_buckets)) >= 4
     order = [state.graph.grads[f].node for f in in_buckets]
-    assert order == sorted(order)                             # the order the backward produces them
+    assert order == sorted(order)  # the order the backward produces them
     sizes = {f: state.graph.meta(state.graph.grads[f]).nbytes for f in in_buckets}
     assert all(b["bytes"] == sum(sizes[f] for f in b["params"]) for b in plan.buckets)
-    act = [c for c in plan.collectives()[:-len(plan.buckets)] if c[0] == kind]   # activations' (the loss's (sum, count))
-    assert all(c[2] < min(b["bytes"] for b in grads) for c in act)   # no gradient reduced outside its bucket
+    act = [
+        c for c in plan.collectives()[: -len(plan.buckets)] if c[0] == kind
+    ]  # activations' (the loss's (sum, count))
+    assert all(c[2] < min(b["bytes"] for b in grads) for c in act)  # no gradient reduced outside its bucket
     ref = copy.deepcopy(model)
     with simulated((2,)) as mesh:
         pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
@@ -430,8 +498,16 @@ def test_data_parallel_on_a_2d_mesh_chains_or_flattens_bucket_all_reduces(flatte
     model = build_model("mlp-tiny", device="cpu", seed=3, **ov)
     x = example_inputs("mlp-tiny", batch=32, seq=256, seed=4, **ov)
     force = {k: ("R", "R") for k, _ in model.named_parameters()}
-    plan, state = autopar.plan(model, (2, 2), x, cluster=SHAPES, overlap=False, force=force, return_state=True,
-                               pin=lambda n: {0: "S0", 1: "S0"} if n.kind == "input" else None)
+    plan, state = autopar.plan(
+        model,
+        (2, 2),
+        x,
+        cluster=SHAPES,
+        overlap=False,
+        force=force,
+        return_state=True,
+        pin=lambda n: {0: "S0", 1: "S0"} if n.kind == "input" else None,
+    )
     chains = {}
     for i, b in enumerate(plan.buckets):
         chains.setdefault(b["chain"], []).append((i, b))
@@ -439,14 +515,16 @@ def test_data_parallel_on_a_2d_mesh_chains_or_flattens_bucket_all_reduces(flatte
         assert all(len(bs) == 1 for bs in chains.values()), plan.buckets
         flat = [b for b in plan.buckets if isinstance(b["mesh_dim"], list)]
         assert flat and all(b["mesh_dim"] == [0, 1] and b["group"] == 4 for b in flat), plan.buckets
-        assert sum("+" in line.split(",")[0] for line in plan.dump().splitlines() if line.startswith("  bucket")) \
-            == len(flat)
+        assert sum(
+            "+" in line.split(",")[0] for line in plan.dump().splitlines() if line.startswith("  bucket")
+        ) == len(flat)
     else:
         assert any(len(bs) == 2 for bs in chains.values()), plan.buckets
         for bs in chains.values():
             assert [b["step"] for _, b in bs] == list(range(len(bs)))
-            assert len({b["mesh_dim"] for _, b in bs}) == len(bs) and all(b["params"] == bs[0][1]["params"]
-                                                                          for _, b in bs)
+            assert len({b["mesh_dim"] for _, b in bs}) == len(bs) and all(
+                b["params"] == bs[0][1]["params"] for _, b in bs
+            )
     assert all(b["kind"] == "all_reduce" and b["from"] == "P" and b["to"] == "R" for b in plan.buckets)
     ref = copy.deepcopy(model)
     with simulated((2, 2)) as mesh:
@@ -466,19 +544,20 @@ def test_flattening_a_bucket_chain_follows_the_cost_model():
     not for a tiny one; with a fast intra-node dim (NVLink) and a slow inter-node dim, the chain's fast hop wins."""
     from autopar.cost import get_cluster
     from autopar.redistribute import _chain_time, flatten_chain
+
     todo = ((0, "P", "R"), (1, "P", "R"))
     gloo = get_cluster("cpu-gloo")
     assert flatten_chain(todo, 25 * 2**20, (2, 2), gloo) and flatten_chain(todo, 8, (2, 2), gloo)
     assert not flatten_chain(todo, 8, (2, 2), SHAPES)
     chain, flat = _chain_time(todo, 25 * 2**20, (2, 2), gloo, 1.0)
     link = gloo.link_for((2, 2), 0)
-    (alpha, bw), c = link.of("all_reduce"), link.launch_of("all_reduce")     # the calibrated link's all_reduce fit
+    (alpha, bw), c = link.of("all_reduce"), link.launch_of("all_reduce")  # the calibrated link's all_reduce fit
     assert c > 0
     assert chain == pytest.approx(2 * (25 * 2**20 / bw + c + 2 * alpha))
     assert flat == pytest.approx(1.5 * 25 * 2**20 / bw + c + 6 * alpha)
     h100 = get_cluster("h100")
-    assert not flatten_chain(todo, 25 * 2**20, (16, 8), h100)       # dp over IB, tp inside the node
-    assert not flatten_chain(((0, "P", "R"), (1, "Pa", "R")), 25 * 2**20, (2, 2), gloo)   # mixed: chain
+    assert not flatten_chain(todo, 25 * 2**20, (16, 8), h100)  # dp over IB, tp inside the node
+    assert not flatten_chain(((0, "P", "R"), (1, "Pa", "R")), 25 * 2**20, (2, 2), gloo)  # mixed: chain
 
 
 @pytest.mark.parametrize("mesh_shape", [(2,), (4,)])
@@ -489,23 +568,30 @@ def test_batch_sharded_mean_loss_is_exact_with_unevenly_ignored_labels(mesh_shap
     Partial("avg"), DDP's reduction) would not: the test data is checked to tell the two apart."""
     ov = dict(dim=16, hidden=32, n_layers=1, vocab=64)
     model = build_model("mlp-tiny", device="cpu", seed=5, **ov)
-    with torch.no_grad():                 # larger weights: per-token losses far apart, so the two means differ
+    with torch.no_grad():  # larger weights: per-token losses far apart, so the two means differ
         for p in model.parameters():
             p.mul_(30)
     tokens, labels = example_inputs("mlp-tiny", batch=4, seq=8, seed=6, **ov)
     labels = labels.clone()
-    labels[0, :7] = -100                  # targets skipped on the first shard only
+    labels[0, :7] = -100  # targets skipped on the first shard only
     x = (tokens, labels)
     with torch.no_grad():
         exact = model(tokens, labels)
         n = mesh_shape[0]
-        averaged = sum(model(t, l) for t, l in zip(tokens.chunk(n), labels.chunk(n))) / n
+        averaged = sum(model(t, y) for t, y in zip(tokens.chunk(n), labels.chunk(n))) / n
     assert abs(averaged - exact) > 1e-3, (averaged, exact)
-    pin = lambda node: {0: "P"} if node.kind == "op" and node.target is torch.ops.aten.nll_loss_forward.default \
-        else None
-    plan, state = autopar.plan(build_model("mlp-tiny", **ov), mesh_shape,
-                               example_inputs("mlp-tiny", batch=4, seq=8, device="meta", **ov), cluster="cpu-gloo",
-                               overlap=False, pin=pin, return_state=True)
+    pin = lambda node: (
+        {0: "P"} if node.kind == "op" and node.target is torch.ops.aten.nll_loss_forward.default else None
+    )
+    plan, state = autopar.plan(
+        build_model("mlp-tiny", **ov),
+        mesh_shape,
+        example_inputs("mlp-tiny", batch=4, seq=8, device="meta", **ov),
+        cluster="cpu-gloo",
+        overlap=False,
+        pin=pin,
+        return_state=True,
+    )
     nll = next(n for n in plan.nodes if n["name"].endswith(":nll_loss_forward.default"))
     assert [tuple(p) for p in nll["placement"]["out"]] == [("P",), ("P",)], nll["placement"]
     assert tuple(nll["placement"]["ins"][0]) == ("S0",), nll["placement"]
@@ -529,16 +615,24 @@ def test_loss_reduce_on_a_2d_mesh_chains_or_flattens_by_the_cost_model(launch):
     issues exactly it and equals one device."""
     from autopar.cost.cluster import ClusterSpec, LinkSpec
     from autopar.redistribute import redistribute_time
+
     link = LinkSpec("loop", alpha=5e-5, bw=2e9, launch=launch)
     cluster = ClusterSpec("launch", SHAPES.device, 1 << 20, link, link)
     ov = dict(dim=16, hidden=32, n_layers=1, vocab=64)
     model = build_model("mlp-tiny", device="cpu", seed=5, **ov)
     x = example_inputs("mlp-tiny", batch=4, seq=8, seed=6, **ov)
-    pin = lambda node: {0: "P", 1: "P"} if node.kind == "op" and node.target is torch.ops.aten.nll_loss_forward.default \
-        else None
-    plan, state = autopar.plan(build_model("mlp-tiny", **ov), (2, 2),
-                               example_inputs("mlp-tiny", batch=4, seq=8, device="meta", **ov), cluster=cluster,
-                               overlap=False, pin=pin, return_state=True)
+    pin = lambda node: (
+        {0: "P", 1: "P"} if node.kind == "op" and node.target is torch.ops.aten.nll_loss_forward.default else None
+    )
+    plan, state = autopar.plan(
+        build_model("mlp-tiny", **ov),
+        (2, 2),
+        example_inputs("mlp-tiny", batch=4, seq=8, device="meta", **ov),
+        cluster=cluster,
+        overlap=False,
+        pin=pin,
+        return_state=True,
+    )
     loss = [c for c in plan.collectives() if c[0] == "all_reduce" and c[2] == 8]
     chain = redistribute_time(("P", "P"), ("R", "R"), TensorMeta((2,), torch.float32), (2, 2), SHAPES)
     flat = redistribute_time(("P", "P"), ("R", "R"), TensorMeta((2,), torch.float32), (2, 2), cluster)
@@ -560,6 +654,7 @@ def test_op_bindings_compute_what_their_overloads_compute():
     one: on sample arguments of the kinds captured graphs hold (tensors, Python scalars, dim lists, keywords),
     each binding gives its overload's values, dtype, shape and strides (views: the same storage)."""
     from autopar.backends.local_ops import binding
+
     aten = torch.ops.aten
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(3, 4, generator=g), torch.randn(3, 4, generator=g)
@@ -567,23 +662,36 @@ def test_op_bindings_compute_what_their_overloads_compute():
     cases = {
         aten.view.default: [(x, [4, 3])],
         aten.expand.default: [(x[:, :1], [3, 4]), (x[:1], [3, 4], {"implicit": True})],
-        aten.t.default: [(x,)], aten.permute.default: [(b3, [2, 0, 1])], aten.transpose.int: [(b3, 0, 2)],
-        aten.unsqueeze.default: [(x, 1)], aten.squeeze.dim: [(x[:1], 0)], aten.detach.default: [(x,)],
-        aten.mm.default: [(x, y.t())], aten.bmm.default: [(b3, b3t)],
-        aten.mul.Tensor: [(x, y), (x, 2.5), (x.int(), 3)], aten.mul.Scalar: [(x, 0.5), (x.int(), 2)],
-        aten.add.Tensor: [(x, y), (x, y, {"alpha": 2}), (x, 1)], aten.sub.Tensor: [(x, y), (x, 1.5)],
-        aten.div.Tensor: [(x, y), (x, 3)], aten.div.Scalar: [(x, 4.0), (x.int(), 2)], aten.neg.default: [(x,)],
-        aten.pow.Tensor_Scalar: [(x, 2), (x.abs(), 0.5)], aten.rsqrt.default: [(x.abs() + 1,)],
-        aten.exp.default: [(x,)], aten.sum.dim_IntList: [(b3, [1]), (b3, [0, 2], True), (x, [1], False,
-                                                                                          {"dtype": torch.float64})],
-        aten.sum.default: [(x,)], aten.mean.dim: [(b3, [-1], True)], aten.clone.default: [
-            (x.t(),), (x.t(), {"memory_format": torch.contiguous_format})],
-        aten.silu.default: [(x,)], aten._softmax.default: [(x, -1, False)],
+        aten.t.default: [(x,)],
+        aten.permute.default: [(b3, [2, 0, 1])],
+        aten.transpose.int: [(b3, 0, 2)],
+        aten.unsqueeze.default: [(x, 1)],
+        aten.squeeze.dim: [(x[:1], 0)],
+        aten.detach.default: [(x,)],
+        aten.mm.default: [(x, y.t())],
+        aten.bmm.default: [(b3, b3t)],
+        aten.mul.Tensor: [(x, y), (x, 2.5), (x.int(), 3)],
+        aten.mul.Scalar: [(x, 0.5), (x.int(), 2)],
+        aten.add.Tensor: [(x, y), (x, y, {"alpha": 2}), (x, 1)],
+        aten.sub.Tensor: [(x, y), (x, 1.5)],
+        aten.div.Tensor: [(x, y), (x, 3)],
+        aten.div.Scalar: [(x, 4.0), (x.int(), 2)],
+        aten.neg.default: [(x,)],
+        aten.pow.Tensor_Scalar: [(x, 2), (x.abs(), 0.5)],
+        aten.rsqrt.default: [(x.abs() + 1,)],
+        aten.exp.default: [(x,)],
+        aten.sum.dim_IntList: [(b3, [1]), (b3, [0, 2], True), (x, [1], False, {"dtype": torch.float64})],
+        aten.sum.default: [(x,)],
+        aten.mean.dim: [(b3, [-1], True)],
+        aten.clone.default: [(x.t(),), (x.t(), {"memory_format": torch.contiguous_format})],
+        aten.silu.default: [(x,)],
+        aten._softmax.default: [(x, -1, False)],
         aten._softmax_backward_data.default: [(y, torch.softmax(x, -1), -1, torch.float32)],
     }
     from autopar.backends import local_ops
+
     binding(aten.mm.default)
-    assert set(local_ops._BINDINGS) == set(cases)              # every listed binding is checked here
+    assert set(local_ops._BINDINGS) == set(cases)  # every listed binding is checked here
     for op, samples in cases.items():
         for args in samples:
             kwargs = args[-1] if isinstance(args[-1], dict) else {}
@@ -591,5 +699,5 @@ def test_op_bindings_compute_what_their_overloads_compute():
             want, got = op(*args, **kwargs), binding(op)(*args, **kwargs)
             assert (got.dtype, got.shape, got.stride()) == (want.dtype, want.shape, want.stride()), (op, args)
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=str(op))
-            if op._schema.returns[0].alias_info is not None:       # a view: of the same storage
+            if op._schema.returns[0].alias_info is not None:  # a view: of the same storage
                 assert got.untyped_storage().data_ptr() == args[0].untyped_storage().data_ptr(), op

@@ -11,6 +11,7 @@ The BN biases of the linear bottlenecks (reduce_1x1: no activation, then a 1x1 c
 a gradient that is zero analytically: in float64 both sides must give ~0 (in float32 it is noise, 1e-6 and up,
 compared with a tolerance of 1e-6 + 1e-4 * that noise).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -68,8 +69,11 @@ def _steps(model, args, first=contextlib.nullcontext, steps=3):
         if s == 0:
             out["grads"] = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
         opt.step()
-    out["state"] = {n: _full(t).detach().clone() for n, t in (*model.named_parameters(), *model.named_buffers())
-                    if t.is_floating_point()}
+    out["state"] = {
+        n: _full(t).detach().clone()
+        for n, t in (*model.named_parameters(), *model.named_buffers())
+        if t.is_floating_point()
+    }
     return out
 
 
@@ -82,19 +86,32 @@ def test_mobilenet_blocks_fp64_2x2_equal_one_device():
     torch.manual_seed(0)
     model = TinyMobileNet().double().train()
     g = torch.Generator().manual_seed(1)
-    args = (torch.randn(BATCH, 8, SIZE, SIZE, generator=g, dtype=torch.float64),
-            torch.randint(0, 10, (BATCH,), generator=g))
+    args = (
+        torch.randn(BATCH, 8, SIZE, SIZE, generator=g, dtype=torch.float64),
+        torch.randint(0, 10, (BATCH,), generator=g),
+    )
     ref = _steps(copy.deepcopy(model), args)
     with simulated((2, 2)) as mesh:
-        plan, state = autopar.plan(model, mesh, example_inputs=args, cluster=SHAPES, overlap=False,
-                                   return_state=True, force=_pins(model), time_limit=30)
+        plan, state = autopar.plan(
+            model,
+            mesh,
+            example_inputs=args,
+            cluster=SHAPES,
+            overlap=False,
+            return_state=True,
+            force=_pins(model),
+            time_limit=30,
+        )
         pm = autopar.parallelize(model, mesh, args, planned=(plan, state))
         counter = CommCounter(pm.program.mesh)
         got = _steps(pm, args, first=lambda: counter)
     # the plan is parallel: the depthwise convolution's weight sharded, its input split on the batch, collectives
     assert plan.params["block1.conv_3x3.convolution.weight"][0] == "S0", plan.params
-    dw = [n["placement"]["ins"][0] for n in plan.nodes if n["kind"] == "op" and n["module"] ==
-          "block1.conv_3x3.convolution" and "convolution" in str(n["target"])]
+    dw = [
+        n["placement"]["ins"][0]
+        for n in plan.nodes
+        if n["kind"] == "op" and n["module"] == "block1.conv_3x3.convolution" and "convolution" in str(n["target"])
+    ]
     assert dw and all(pl[0] == "S0" for pl in dw), dw
     assert len(counter.records) > 0
     for what, a, b in (("grad", got["grads"], ref["grads"]), ("", got["state"], ref["state"])):
@@ -104,6 +121,5 @@ def test_mobilenet_blocks_fp64_2x2_equal_one_device():
     for a, b in zip(got["losses"], ref["losses"]):
         assert abs(a.item() - b.item()) < 1e-12, (got["losses"], ref["losses"])
     # the linear bottlenecks' BN biases: zero analytically, ~0 in float64 on both sides
-    for k in ("block1.reduce_1x1.normalization.bias",
-              "block2.reduce_1x1.normalization.bias"):
+    for k in ("block1.reduce_1x1.normalization.bias", "block2.reduce_1x1.normalization.bias"):
         assert ref["grads"][k].abs().max() < 1e-12 and got["grads"][k].abs().max() < 1e-12, k

@@ -1,5 +1,6 @@
 """The model contract at plan level (no process group): keyword inputs, ModelOutput/dict/tuple losses, forward-made
 constants with data, data-dependent checks specialized with guards, unused parameters, bad arguments."""
+
 from __future__ import annotations
 
 import copy
@@ -24,8 +25,9 @@ class _Net(nn.Module):
 
     def forward(self, x, labels=None, scale: float = 1.0, **extra):
         loss = F.cross_entropy(self.lin(x) * scale, labels)
-        return {"tensor": lambda: loss, "dict": lambda: {"logits": None, "loss": loss},
-                "tuple": lambda: (loss, x)}[self.ret]()
+        return {"tensor": lambda: loss, "dict": lambda: {"logits": None, "loss": loss}, "tuple": lambda: (loss, x)}[
+            self.ret
+        ]()
 
 
 def _xy():
@@ -55,7 +57,7 @@ def test_kwargs_bind_like_the_model():
         io.flatten_call((x, y), {})
     with pytest.raises(TypeError, match="'labels' must be a tensor"):
         io.flatten_call((x, [1, 2]), {"scale": 2.0})
-    io2 = ModelIO.from_example(_Net(), (x,), {"labels": y, "zz": 1, "aa": 2})      # **extra sorted by name
+    io2 = ModelIO.from_example(_Net(), (x,), {"labels": y, "zz": 1, "aa": 2})  # **extra sorted by name
     assert io2.names == ["x", "labels", "extra['aa']", "extra['zz']"]
 
 
@@ -75,6 +77,7 @@ def test_bad_arguments_named_before_capture():
         autopar.plan(_Net(), MESH, (x.numpy(),), example_kwargs={"labels": y})
     with pytest.raises(TypeError, match="example_inputs is a dict .* and example_kwargs is given too"):
         autopar.plan(_Net(), MESH, {"x": x}, example_kwargs={"labels": y})
+
     class NoLoss(nn.Module):
         def __init__(self):
             super().__init__()
@@ -82,6 +85,7 @@ def test_bad_arguments_named_before_capture():
 
         def forward(self, x, labels=None):
             return {"logits": self.lin(x), "loss": None if labels is None else self.lin(x).sum()}
+
     with pytest.raises(CaptureError, match="NoLoss returned a dict without a loss .*labels="):
         autopar.plan(NoLoss(), MESH, {"x": x})
     with pytest.raises(TypeError, match="returned str"):
@@ -100,7 +104,7 @@ class _Unused(nn.Module):
 def test_unused_parameters_have_no_gradient():
     x, y = _xy()
     p = autopar.plan(_Unused(), MESH, (x, y), cluster="cpu-gloo")
-    assert {"pooler.weight", "pooler.bias"} <= set(p.params)     # carried, with a placement
+    assert {"pooler.weight", "pooler.bias"} <= set(p.params)  # carried, with a placement
     g = capture(_Unused(), (x, y))
     assert set(g.grads) == {"lin.weight", "lin.bias"} and "pooler.weight" in g.params
 
@@ -112,7 +116,7 @@ class _Branchy(nn.Module):
 
     def forward(self, x):
         h = self.lin(x)
-        if (x > -10).all():             # a value decides Python: specialized, guarded
+        if (x > -10).all():  # a value decides Python: specialized, guarded
             h = h * 2
         n = int(x.shape[0] * (x.abs().max() > 0).item())
         return h[:n].pow(2).mean()
@@ -123,9 +127,10 @@ def test_data_dependent_check_is_specialized_with_a_guard():
     g = capture(_Branchy(), (x,))
     assert [gd.expected for gd in g.guards] == [True, True]
     assert all(gd.leaves == [("input", 0)] for gd in g.guards)
-    check_guards(g.guards, lambda leaf: x + 1, "test")          # still true: passes
-    with pytest.raises(GuardError, match="module '<root>'.*gave True on the example inputs; this step's inputs "
-                                         "give False"):
+    check_guards(g.guards, lambda leaf: x + 1, "test")  # still true: passes
+    with pytest.raises(
+        GuardError, match="module '<root>'.*gave True on the example inputs; this step's inputs give False"
+    ):
         check_guards(g.guards, lambda leaf: x - 100, "test")
 
 
@@ -139,6 +144,7 @@ def test_data_dependent_check_on_meta_weights_is_refused():
             if self.lin.weight.sum() > 0:
                 x = x * 2
             return self.lin(x).sum()
+
     with pytest.raises(CaptureError, match="depends on param 'lin.weight', which has no real value"):
         capture(OnWeight(), (torch.randn(2, 8),))
 
@@ -155,7 +161,7 @@ class _Made(nn.Module):
         c = torch.tensor([1.0, 2.0, 3.0, 4.0], device=x.device)
         e = torch.tensor([], device=x.device)
         m = (torch.arange(4, device=x.device) < 2).to(device=x.device, dtype=x.dtype)
-        pos = torch.arange(4, dtype=x.dtype)                    # the default (CPU) device
+        pos = torch.arange(4, dtype=x.dtype)  # the default (CPU) device
         k = x.abs().sum().cpu()
         # (no view of the empty tensor: DTensor's view strategy never returns on a 0-sized reshape)
         return (torch.cat([self.lin(x * c * m + pos).flatten(), e]) * k).sum()
@@ -168,10 +174,11 @@ def test_forward_made_constants_keep_their_data():
     assert any(torch.equal(v, torch.tensor([1.0, 2.0, 3.0, 4.0])) for v in vals)
     assert all(v.device.type == "cpu" for v in g.constants.values())
     devices = {a for n in g.ops() for a in n.kwargs.values() if isinstance(a, torch.device)}
-    assert devices == {torch.device("meta")}        # made on the run device at run time
+    assert devices == {torch.device("meta")}  # made on the run device at run time
     from _simulated import simulated
     from autopar.backends.verify import global_value
     from autopar.strategies._torch_adapter import outside_local_tensor_mode
+
     model = _Made()
     ref = copy.deepcopy(model)
     with simulated((2,)) as mesh:
@@ -193,17 +200,32 @@ def _hf_cases():
     ids = torch.randint(0, 128, (4, 16))
     small = dict(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
     return {
-        "gpt2": lambda: (tr.GPT2LMHeadModel(tr.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=128,
-                                                          n_positions=32)), dict(input_ids=ids, labels=ids)),
-        "llama": lambda: (tr.LlamaForCausalLM(tr.LlamaConfig(**small, num_key_value_heads=2,
-                                                             max_position_embeddings=32)),
-                          dict(input_ids=ids, labels=ids)),
-        "bert": lambda: (tr.BertForMaskedLM(tr.BertConfig(**small, max_position_embeddings=32)),
-                         dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)),
-        "vit": lambda: (tr.ViTForImageClassification(tr.ViTConfig(hidden_size=32, num_hidden_layers=1,
-                                                                  num_attention_heads=4, intermediate_size=64,
-                                                                  image_size=16, patch_size=8, num_labels=3)),
-                        dict(pixel_values=torch.randn(2, 3, 16, 16), labels=torch.tensor([0, 2]))),
+        "gpt2": lambda: (
+            tr.GPT2LMHeadModel(tr.GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=128, n_positions=32)),
+            dict(input_ids=ids, labels=ids),
+        ),
+        "llama": lambda: (
+            tr.LlamaForCausalLM(tr.LlamaConfig(**small, num_key_value_heads=2, max_position_embeddings=32)),
+            dict(input_ids=ids, labels=ids),
+        ),
+        "bert": lambda: (
+            tr.BertForMaskedLM(tr.BertConfig(**small, max_position_embeddings=32)),
+            dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids),
+        ),
+        "vit": lambda: (
+            tr.ViTForImageClassification(
+                tr.ViTConfig(
+                    hidden_size=32,
+                    num_hidden_layers=1,
+                    num_attention_heads=4,
+                    intermediate_size=64,
+                    image_size=16,
+                    patch_size=8,
+                    num_labels=3,
+                )
+            ),
+            dict(pixel_values=torch.randn(2, 3, 16, 16), labels=torch.tensor([0, 2])),
+        ),
     }
 
 
@@ -215,8 +237,9 @@ def test_transformers_models_run_with_no_wrapper(name):
     from _simulated import simulated
     from autopar.backends.verify import global_value
     from autopar.strategies._torch_adapter import outside_local_tensor_mode
+
     model, kw = _hf_cases()[name]()
-    model.eval()        # dropout off: random in-place ops are the functional capture's part, not this test's
+    model.eval()  # dropout off: random in-place ops are the functional capture's part, not this test's
     ref = copy.deepcopy(model)
     with simulated((2,)) as mesh:
         pm = autopar.parallelize(model, mesh, kw, pin=lambda n: {0: "S0"} if n.kind == "input" else None)
@@ -243,11 +266,19 @@ def test_llama_runs_with_its_mask_check_guarded():
     from _simulated import simulated
     from autopar.backends.verify import global_value
     from autopar.strategies._torch_adapter import outside_local_tensor_mode
+
     tr.utils.logging.set_verbosity_error()
     torch.manual_seed(0)
     ids = torch.randint(0, 128, (4, 16))
-    cfg = tr.LlamaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                         intermediate_size=64, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = tr.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+    )
     model = tr.LlamaForCausalLM(cfg).eval()
     ref = copy.deepcopy(model)
     kw = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids, use_cache=False)

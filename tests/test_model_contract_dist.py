@@ -2,6 +2,7 @@
 ModelOutput, no wrapper, through autopar.parallelize; loss, every gradient and 3 AdamW steps equal one device.
 Also: a guard broken by a later input stops every rank with the same clear error, and a parameter the loss does
 not reach keeps grad None."""
+
 from __future__ import annotations
 
 import copy
@@ -20,10 +21,21 @@ pytest.importorskip("transformers")
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
+
     logging.set_verbosity_error()
     torch.manual_seed(7)
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64, bos_token_id=0,
-                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)   # randomness: not here
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=128,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )  # randomness: not here
     return GPT2LMHeadModel(cfg)
 
 
@@ -34,20 +46,26 @@ def job_gpt2(tmp):
     import autopar
     from autopar.backends.comm import CommCounter, compare
     from autopar.backends.verify import global_value
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _gpt2()
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(8)
-    batches = [dict(input_ids=torch.randint(0, 128, (8, 64), generator=g),
-                    labels=torch.randint(0, 128, (8, 64), generator=g)) for _ in range(3)]
+    batches = [
+        dict(input_ids=torch.randint(0, 128, (8, 64), generator=g), labels=torch.randint(0, 128, (8, 64), generator=g))
+        for _ in range(3)
+    ]
     # on this tiny model the cost model prefers data parallel with replicated weights; the Megatron MLP is pinned
     # so that sharded weights and their collectives run through the keyword-input path too, and the batch is
     # pinned on dp (with the MLP pinned, keeping the batch whole ties with splitting it)
     from autopar.backends.engines_ref import batch_pin
-    force = {f"transformer.h.{i}.mlp.{k}.weight": pl for i in range(2) for k, pl in (("c_fc", ("R", "S1")),
-                                                                                     ("c_proj", ("R", "S0")))}
-    pm = autopar.parallelize(model, mesh, example_kwargs=batches[0], cluster=SHAPES, force=force,
-                             pin=batch_pin([0]))
+
+    force = {
+        f"transformer.h.{i}.mlp.{k}.weight": pl
+        for i in range(2)
+        for k, pl in (("c_fc", ("R", "S1")), ("c_proj", ("R", "S0")))
+    }
+    pm = autopar.parallelize(model, mesh, example_kwargs=batches[0], cluster=SHAPES, force=force, pin=batch_pin([0]))
     # Adam divides by sqrt(v) + eps: on a gradient entry near zero, float32 rounding differences between one
     # device and a sharded sum (~1e-9) become update differences up to lr * dg / eps; eps=1e-6 keeps that far
     # below the tolerance (with the default 1e-8 and lr=1e-2 they reached 7e-5 on c_attn, tolerance 9e-6)
@@ -61,6 +79,7 @@ def job_gpt2(tmp):
         out["worst"] = max(out["worst"], err / tol)
         if err > tol:
             out["errors"].append(f"{what}: {err:.3e}")
+
     named = dict(pm.named_parameters())
     for s, batch in enumerate(batches):
         opt.zero_grad(set_to_none=True)
@@ -85,8 +104,9 @@ def job_gpt2(tmp):
         check(f"param {k}", global_value(named[k]), p.detach())
     out["ref_kind"] = type(r).__name__
     pl = pm.plan
-    out["sharded"] = [n for n, v in pl.params.items() if any(x != "R" for x in v)] + \
-        [f"input {i}" for i in pm.program.g.inputs if any(x != "R" for x in pm.program.P[i].out[0])]
+    out["sharded"] = [n for n, v in pl.params.items() if any(x != "R" for x in v)] + [
+        f"input {i}" for i in pm.program.g.inputs if any(x != "R" for x in pm.program.P[i].out[0])
+    ]
     return out
 
 
@@ -96,7 +116,7 @@ class _Positive(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(16, 16)
-        self.head = torch.nn.Linear(16, 4)        # never used: no gradient, as on one device
+        self.head = torch.nn.Linear(16, 4)  # never used: no gradient, as on one device
 
     def forward(self, x, y):
         h = self.lin(x)
@@ -109,6 +129,7 @@ def job_guard(tmp):
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
     from autopar.backends.verify import global_value
+
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
     model = _Positive()
@@ -118,16 +139,20 @@ def job_guard(tmp):
     loss = pm(x, y)
     loss.backward()
     ref(x, y).backward()
-    res = {"loss": [global_value(loss).item(), ref(x, y).item()],
-           "grad_err": max((global_value(pm.lin.weight.grad) - ref.lin.weight.grad).abs().max().item(),
-                           (global_value(pm.lin.bias.grad) - ref.lin.bias.grad).abs().max().item()),
-           "head_grad": [pm.head.weight.grad is None, ref.head.weight.grad is None]}
+    res = {
+        "loss": [global_value(loss).item(), ref(x, y).item()],
+        "grad_err": max(
+            (global_value(pm.lin.weight.grad) - ref.lin.weight.grad).abs().max().item(),
+            (global_value(pm.lin.bias.grad) - ref.lin.bias.grad).abs().max().item(),
+        ),
+        "head_grad": [pm.head.weight.grad is None, ref.head.weight.grad is None],
+    }
     try:
         pm(-x, y)
         res["error"] = None
-    except Exception as e:      # noqa: BLE001 (the test reads its type and message)
+    except Exception as e:  # noqa: BLE001 (the test reads its type and message)
         res["error"] = f"{type(e).__name__}: {e}"
-    loss = pm(x * 2, y)         # still positive: the plan runs
+    loss = pm(x * 2, y)  # still positive: the plan runs
     res["after"] = [global_value(loss).item(), ref(x * 2, y).item()]
     return res
 
@@ -137,8 +162,9 @@ def test_gpt2_kwargs_modeloutput_4_ranks(tmp_path):
     for r in res:
         assert r["errors"] == [], r["errors"]
         assert r["kind"] == r["ref_kind"] == "CausalLMOutputWithCrossAttentions"
-        assert any(s.endswith("c_fc.weight") for s in r["sharded"]) and any(s.startswith("input") for s in
-                                                                             r["sharded"]), r["sharded"]
+        assert any(s.endswith("c_fc.weight") for s in r["sharded"]) and any(
+            s.startswith("input") for s in r["sharded"]
+        ), r["sharded"]
         assert r["collectives"] > 0 and r["collective_diff"] == "", r["collective_diff"]
         print("worst error / tolerance", r["worst"], "sharded", r["sharded"][:4])
 

@@ -5,7 +5,14 @@ from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from autopar.models import (
-    CONFIGS, build_model, example_inputs, get_config, llama_ffn_dim, model_args, model_names, num_params,
+    CONFIGS,
+    build_model,
+    example_inputs,
+    get_config,
+    llama_ffn_dim,
+    model_args,
+    model_names,
+    num_params,
 )
 from autopar.models.moe import MoE
 
@@ -14,8 +21,20 @@ TINY = [n for n in model_names() if n.endswith("-tiny")]
 
 def test_registry():
     names = model_names()
-    for required in ["mlp-tiny", "mlp-heavy", "llama-tiny", "llama3-debug", "llama3-8b", "llama3-70b", "llama3-405b",
-                     "gpt2-tiny", "gpt2-small", "moe-tiny", "moe-debug", "cnn-tiny"]:
+    for required in [
+        "mlp-tiny",
+        "mlp-heavy",
+        "llama-tiny",
+        "llama3-debug",
+        "llama3-8b",
+        "llama3-70b",
+        "llama3-405b",
+        "gpt2-tiny",
+        "gpt2-small",
+        "moe-tiny",
+        "moe-debug",
+        "cnn-tiny",
+    ]:
         assert required in names
     with pytest.raises(ValueError, match="llama3-8b"):
         get_config("llama3-9b")
@@ -41,7 +60,9 @@ def test_deterministic():
     a, b = build_model("llama-tiny", device="cpu", seed=3), build_model("llama-tiny", device="cpu", seed=3)
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
         assert torch.equal(p, q), n
-    assert not torch.equal(a.layers[0].attention.wq.weight, build_model("llama-tiny", "cpu", seed=4).layers[0].attention.wq.weight)
+    assert not torch.equal(
+        a.layers[0].attention.wq.weight, build_model("llama-tiny", "cpu", seed=4).layers[0].attention.wq.weight
+    )
     x1, x2 = example_inputs("llama-tiny", seed=1), example_inputs("llama-tiny", seed=1)
     assert all(torch.equal(u, v) for u, v in zip(x1, x2))
     tokens, labels = example_inputs("gpt2-tiny", batch=3, seq=8)
@@ -50,8 +71,9 @@ def test_deterministic():
     assert images.is_meta and images.shape == (8, 3, 16, 16) and labels.shape == (8,)
 
 
-@pytest.mark.parametrize("name,expected", [("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9), ("llama3-405b", 405.9e9),
-                                           ("gpt2-small", 124.44e6)])
+@pytest.mark.parametrize(
+    "name,expected", [("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9), ("llama3-405b", 405.9e9), ("gpt2-small", 124.44e6)]
+)
 def test_param_counts(name, expected):
     model = build_model(name, device="meta")
     assert all(p.is_meta for p in model.parameters())

@@ -10,9 +10,9 @@ So the losses of 3 steps, the first step's gradients and the parameters after 3 
 sharding pays: something sharded, collectives counted equal to the plan's). The same seed twice gives the same
 losses to the bit. The README's quickstart is autopar/examples/hf_gpt2.py, run here with torchrun as written.
 """
+
 from __future__ import annotations
 
-import copy
 import os
 import re
 import subprocess
@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
+
     logging.set_verbosity_error()
     torch.manual_seed(7)
     # the defaults except the size: resid/embd/attn_pdrop 0.1, use_cache True
@@ -43,6 +44,7 @@ def _gpt2():
 def _train(model, batch, seed_fn, opt_params):
     """3 AdamW steps: the losses, the first step's gradients, the parameters after (full tensors)."""
     from autopar.backends.verify import global_value
+
     seed_fn(SEED)
     # eps=1e-6: Adam's division by sqrt(v) + eps turns ~1e-9 float32 rounding differences of a near-zero gradient
     # entry into update differences lr * dg / eps (see tests/test_model_contract_dist.py)
@@ -80,6 +82,7 @@ def job_newcomer(_):
     import autopar
     from autopar.backends.comm import CommCounter, compare
     from autopar.backends.engines_ref import batch_pin
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     ids = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(3))
     batch = dict(input_ids=ids, labels=ids)
@@ -89,13 +92,16 @@ def job_newcomer(_):
     # on this tiny model even SHAPES keeps everything replicated: the shapes case pins the Megatron MLP on tp and
     # the batch on dp (as tests/test_model_contract_dist.py does), so sharded weights, batch-sharded masks and
     # their collectives run on the dropout path too
-    force = {f"transformer.h.{i}.mlp.{k}.weight": pl for i in range(2)
-             for k, pl in (("c_fc", ("R", "S1")), ("c_proj", ("R", "S0")))}
+    force = {
+        f"transformer.h.{i}.mlp.{k}.weight": pl
+        for i in range(2)
+        for k, pl in (("c_fc", ("R", "S1")), ("c_proj", ("R", "S0")))
+    }
     for name, kw in (("cpu-gloo", {}), ("shapes", dict(cluster=SHAPES, force=force, pin=batch_pin([0])))):
         model = _gpt2()
-        pm = autopar.parallelize(model, mesh, example_kwargs=batch, **kw)      # as a user writes it
+        pm = autopar.parallelize(model, mesh, example_kwargs=batch, **kw)  # as a user writes it
         out[f"kind {name}"] = type(pm(**batch)).__name__
-        with CommCounter(mesh) as cc:        # one counted step (outside the seeded run: its draws are its own)
+        with CommCounter(mesh) as cc:  # one counted step (outside the seeded run: its draws are its own)
             pm(**batch).loss.backward()
         out[f"collectives {name}"] = len(cc.records)
         out[f"collective_diff {name}"] = compare(cc.records, pm.plan.collectives())
@@ -104,11 +110,15 @@ def job_newcomer(_):
         out["worst"][name] = _worst(got, ref)
         out[f"losses {name}"] = got[0]
         pl = pm.plan
-        out[f"sharded {name}"] = [n for n, v in pl.params.items() if any(x != "R" for x in v)] + \
-            [f"input {i}" for i in pm.program.g.inputs if any(x != "R" for x in pm.program.P[i].out[0])]
-        out[f"masks {name}"] = [n["placement"]["out"][0] for n in pl.nodes if n["kind"] == "op" and
-                                n["name"].split(":")[-1].split(".")[0] in ("bernoulli", "native_dropout")]
-        if name == "shapes":                # the same seed again: the same losses, to the bit
+        out[f"sharded {name}"] = [n for n, v in pl.params.items() if any(x != "R" for x in v)] + [
+            f"input {i}" for i in pm.program.g.inputs if any(x != "R" for x in pm.program.P[i].out[0])
+        ]
+        out[f"masks {name}"] = [
+            n["placement"]["out"][0]
+            for n in pl.nodes
+            if n["kind"] == "op" and n["name"].split(":")[-1].split(".")[0] in ("bernoulli", "native_dropout")
+        ]
+        if name == "shapes":  # the same seed again: the same losses, to the bit
             pm2 = autopar.parallelize(_gpt2(), mesh, example_kwargs=batch, **kw)
             out["again"] = _train(pm2, batch, pm2.program.manual_seed, pm2.parameters())[0]
     out["ref_losses"] = ref[0]
@@ -124,13 +134,14 @@ def test_gpt2_defaults_dropout_equals_one_device_4_ranks(tmp_path):
             w, where = out["worst"][name]
             assert w <= 1.0, (r, name, w, where, out[f"losses {name}"], out["ref_losses"])
             assert out[f"kind {name}"] == out["kind"] == "CausalLMOutputWithCrossAttentions"
-            assert out[f"collectives {name}"] > 0 and out[f"collective_diff {name}"] == "", \
-                out[f"collective_diff {name}"]
+            assert out[f"collectives {name}"] > 0 and out[f"collective_diff {name}"] == "", out[
+                f"collective_diff {name}"
+            ]
             # embeddings, 2 x (attention, attention output, MLP output): 7 masks drawn by the program
             assert len(out[f"masks {name}"]) == 7, out[f"masks {name}"]
         assert out["sharded shapes"], "the SHAPES plan shards nothing"
         assert any(any(p != "R" for p in pl) for pl in out["masks shapes"]), out["masks shapes"]
-        assert out["losses shapes"][0] != out["losses shapes"][1]        # the masks (and weights) change per step
+        assert out["losses shapes"][0] != out["losses shapes"][1]  # the masks (and weights) change per step
         assert out["again"] == out["losses shapes"], (out["again"], out["losses shapes"])
     assert all(out["losses shapes"] == res[0]["losses shapes"] for out in res)
 
@@ -140,19 +151,36 @@ def test_quickstart_example_runs_with_torchrun(tmp_path):
     """The README's quickstart as written: torchrun -m autopar.examples.hf_gpt2 prints 3 losses per rank, the
     ranks agree, and they are one device's (the same model, torch.manual_seed(0) before training)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-                           "-m", "autopar.examples.hf_gpt2"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=400)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "4",
+            "-m",
+            "autopar.examples.hf_gpt2",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     # four ranks share one stdout pipe: a rank's line can land after another process's unterminated output, so the
     # records are found anywhere in the text, not at line starts
-    lines = [["rank", r, "step", s, "loss", v] for r, s, v in re.findall(r"rank (\d+) step (\d+) loss (\S+)", proc.stdout)]
-    losses = {}                                     # step -> the losses the ranks printed
+    lines = [
+        ["rank", r, "step", s, "loss", v] for r, s, v in re.findall(r"rank (\d+) step (\d+) loss (\S+)", proc.stdout)
+    ]
+    losses = {}  # step -> the losses the ranks printed
     for ln in lines:
         losses.setdefault(int(ln[3]), set()).add(ln[5])
     assert sorted({int(ln[1]) for ln in lines}) == [0, 1, 2, 3] and len(lines) == 12, (lines, proc.stdout[-3000:])
     assert sorted(losses) == [0, 1, 2] and all(len(v) == 1 for v in losses.values()), lines
     from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)).train()
     ids = torch.randint(0, 128, (8, 64))

@@ -1,4 +1,5 @@
 """Bad input to the planner gets a clear error naming what is at fault."""
+
 import pytest
 import torch
 import torch.nn as nn
@@ -34,7 +35,7 @@ def test_op_without_rule_is_listed_and_can_be_forced_replicate():
     with pytest.raises(autopar.NoStrategyError, match=r"autopar_test\.mystery.*module '<root>'"):
         autopar.plan(m, (2,), (x,))
     p = autopar.plan(m, (2,), (x,), replicate_ops=["autopar_test.mystery.default"])
-    assert p.coverage == {"autopar_test.mystery.default": 1}     # its backward is a plain mul
+    assert p.coverage == {"autopar_test.mystery.default": 1}  # its backward is a plain mul
     assert all(n["placement"]["out"][0] == ["R"] for n in p.nodes if "mystery" in n["name"])
 
 
@@ -50,7 +51,7 @@ class Branchy(nn.Module):
 
 class Gate(nn.Module):
     def forward(self, x):
-        if x.sum() > 0:                 # data-dependent control flow
+        if x.sum() > 0:  # data-dependent control flow
             return x * 2
         return x
 
@@ -88,7 +89,9 @@ def test_buffer_mutation_is_a_state_update():
     p, st = autopar.plan(Counter(), (2,), (torch.randn(4, 8),), return_state=True)
     g = st.graph
     r = g.state_updates["steps"]
-    assert g.nodes[r.node].target is torch.ops.aten.add.Tensor and g.nodes[r.node].inputs()[0].node == g.buffers["steps"]
+    assert (
+        g.nodes[r.node].target is torch.ops.aten.add.Tensor and g.nodes[r.node].inputs()[0].node == g.buffers["steps"]
+    )
 
 
 def test_parameter_mutation_is_rejected():
@@ -105,7 +108,7 @@ def test_non_scalar_output_needs_loss_fn():
 
 
 def test_forced_shard_that_does_not_divide_names_parameter():
-    m = M.build_model("mlp-tiny")        # hidden 128, dim 32, vocab 64
+    m = M.build_model("mlp-tiny")  # hidden 128, dim 32, vocab 64
     with pytest.raises(ValueError, match=r"layers\.0\.fc1\.bias.*\(128,\).*mesh"):
         autopar.plan(m, (3,), M.example_inputs("mlp-tiny", device="meta"), force={"layers.0.fc1.bias": ("S0",)})
     with pytest.raises(ValueError, match="unknown parameter 'nope'"):
@@ -114,8 +117,15 @@ def test_forced_shard_that_does_not_divide_names_parameter():
         autopar.plan(m, (2, 2), M.example_inputs("mlp-tiny", device="meta"), force={"layers.0.fc1.bias": ("S0",)})
 
 
-@pytest.mark.parametrize("shape,names,msg", [((0, 4), None, "positive ints"), ((2, 2), ("dp",), "2 dims"),
-                                             ((2, 2), ("dp", "dp"), "distinct"), ((2.5,), None, "positive ints")])
+@pytest.mark.parametrize(
+    "shape,names,msg",
+    [
+        ((0, 4), None, "positive ints"),
+        ((2, 2), ("dp",), "2 dims"),
+        ((2, 2), ("dp", "dp"), "distinct"),
+        ((2.5,), None, "positive ints"),
+    ],
+)
 def test_bad_mesh_spec(shape, names, msg):
     with pytest.raises(ValueError, match=msg):
         autopar.MeshSpec(shape, names)
@@ -136,5 +146,6 @@ def test_unused_parameter_gets_no_gradient():
 
         def forward(self, x):
             return self.a(x).sum()
+
     p, state = autopar.plan(Unused(), (2,), (torch.randn(2, 4),), return_state=True)
     assert "b.weight" in p.params and "b.weight" not in state.graph.grads and "a.weight" in state.graph.grads

@@ -9,6 +9,7 @@ a residual add (also S2 and partials). DTensor's full-mesh view strategy follows
 view in the last block's mlp.c_proj backward lacked S2 -> S1 (and P), which the representative could choose.
 The candidates pass now gives every copy its region's list, and `verify` checks that invariant after candidates.
 """
+
 from __future__ import annotations
 
 import copy
@@ -47,8 +48,10 @@ def smallish_plan(mesh_shape):
         model = build_model("gpt2-small", **SMALLISH)
         x = example_inputs("gpt2-small", batch=4, seq=64, device="meta", **SMALLISH)
         force = fsdp2_force(model, mesh_shape)
-        _PLANS[mesh_shape] = (force, *autopar.plan(model, mesh_shape, x, cluster=SHAPES, force=force,
-                                                   return_state=True))
+        _PLANS[mesh_shape] = (
+            force,
+            *autopar.plan(model, mesh_shape, x, cluster=SHAPES, force=force, return_state=True),
+        )
     return _PLANS[mesh_shape]
 
 
@@ -86,8 +89,14 @@ def test_verify_rejects_copy_missing_its_representatives_choice():
     candidates (naming both nodes), and a copy whose chosen placement is not its own is rejected after solve."""
     _, _, state = smallish_plan((4,))
     g = state.graph
-    i = next(n.idx for n in g.nodes if state.rep[n.idx] != n.idx and n.kind == "op" and n.phase == "bw"
-             and len(state.strategies[state.rep[n.idx]]) > 1)
+    i = next(
+        n.idx
+        for n in g.nodes
+        if state.rep[n.idx] != n.idx
+        and n.kind == "op"
+        and n.phase == "bw"
+        and len(state.strategies[state.rep[n.idx]]) > 1
+    )
     chosen = state.placement[i]
     strategies = list(state.strategies)
     strategies[i] = [s for s in strategies[i] if s != chosen]
@@ -107,8 +116,14 @@ def test_gpt2_tiny_fsdp_forced_plan_matches_single_device(mesh_shape):
     meta = build_model("gpt2-tiny")
     force = fsdp_force(meta, mesh_shape)
     assert all(v == ("S0",) for v in force.values())
-    plan, state = autopar.plan(meta, mesh_shape, example_inputs("gpt2-tiny", 2, 4, device="meta"),
-                               cluster="cpu-gloo", force=force, return_state=True)
+    plan, state = autopar.plan(
+        meta,
+        mesh_shape,
+        example_inputs("gpt2-tiny", 2, 4, device="meta"),
+        cluster="cpu-gloo",
+        force=force,
+        return_state=True,
+    )
     assert_forced(plan, state, force)
     assert [r["layers"] for r in plan.regions] == [[0, 1]]
     model = build_model("gpt2-tiny", device="cpu", seed=3)

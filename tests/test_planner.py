@@ -1,4 +1,5 @@
 """Planning core: structure of the plans, memory budgets, GQA, determinism, dump/save/load, pass manager."""
+
 import re
 
 import pytest
@@ -9,8 +10,15 @@ from autopar import models as M
 from autopar.pipeline import VerificationError, verify
 from autopar.strategies import _CACHE
 
-MEGATRON = {"attention.wq": "S0", "attention.wk": "S0", "attention.wv": "S0", "attention.wo": "S1",
-            "feed_forward.w1": "S0", "feed_forward.w3": "S0", "feed_forward.w2": "S1"}
+MEGATRON = {
+    "attention.wq": "S0",
+    "attention.wk": "S0",
+    "attention.wv": "S0",
+    "attention.wo": "S1",
+    "feed_forward.w1": "S0",
+    "feed_forward.w3": "S0",
+    "feed_forward.w2": "S1",
+}
 
 
 def _plan(name, mesh, batch=None, seq=None, dtype=torch.float32, **kw):
@@ -35,14 +43,17 @@ def test_1d_mesh_ample_memory_is_data_parallel(dp_plan):
         kinds = [c[0] for c in opt[0]["collectives"]] if opt else []
         if fqn in block:
             assert kinds == ["all_reduce"], (fqn, reds)
-        else:   # embedding/head may also store sharded: all_gather + reduce_scatter costs the same as all_reduce
+        else:  # embedding/head may also store sharded: all_gather + reduce_scatter costs the same as all_reduce
             assert kinds in (["all_reduce"], ["reduce_scatter"]), (fqn, reds)
         synced += bool(kinds)
     assert synced == len(dp_plan.params)
     # the planner's DDP traffic is one all-reduce of every block gradient (seed formula 2M(P-1)/P per rank)
     ar = [c for c in dp_plan.collectives() if c[0] == "all_reduce"]
-    block_bytes = sum(4 * n["shape"][0][0] * (n["shape"][0][1] if len(n["shape"][0]) > 1 else 1)
-                      for n in dp_plan.nodes if n["kind"] == "param" and n["target"] in block)
+    block_bytes = sum(
+        4 * n["shape"][0][0] * (n["shape"][0][1] if len(n["shape"][0]) > 1 else 1)
+        for n in dp_plan.nodes
+        if n["kind"] == "param" and n["target"] in block
+    )
     assert sum(c[2] for c in ar) >= block_bytes
 
 
@@ -56,8 +67,12 @@ def test_memory_budget_below_replicated_footprint_shards_parameters():
     assert p.predicted["state_mem_bytes"] < free.predicted["state_mem_bytes"]
     assert p.predicted["peak_mem_bytes"] <= budget
     # some sharded storage is gathered before use (FSDP-like): a parameter-class all_gather
-    gathers = [r for n in p.nodes for r in n["redistribute"] if r["class"] == "param"
-               and any(c[0] == "all_gather" for c in r["collectives"])]
+    gathers = [
+        r
+        for n in p.nodes
+        for r in n["redistribute"]
+        if r["class"] == "param" and any(c[0] == "all_gather" for c in r["collectives"])
+    ]
     assert gathers
 
 
@@ -88,7 +103,7 @@ def test_gqa_never_shards_kv_heads_beyond_8():
         for shape, pl in zip(n["shape"], n["placement"]["out"]):
             if shape is None or pl is None or len(shape) != 4:
                 continue
-            head_dim = next((d for d in (1, 2) if shape[d] == 8), None)   # (B,S,8,D) or (B,8,S,D)
+            head_dim = next((d for d in (1, 2) if shape[d] == 8), None)  # (B,S,8,D) or (B,8,S,D)
             if head_dim is None:
                 continue
             kv_nodes += 1
@@ -103,7 +118,7 @@ def test_gqa_never_shards_kv_heads_beyond_8():
 def test_plan_is_deterministic_and_round_trips(tmp_path, dp_plan):
     _CACHE.clear()
     again = _plan("llama3-debug", (8,), batch=32, seq=512, n_layers=2)
-    assert again.dump() == dp_plan.dump()          # byte for byte
+    assert again.dump() == dp_plan.dump()  # byte for byte
     assert again.hash() == dp_plan.hash()
     path = tmp_path / "plan.json"
     dp_plan.save(path)
@@ -111,6 +126,7 @@ def test_plan_is_deterministic_and_round_trips(tmp_path, dp_plan):
     assert back.dump() == dp_plan.dump()
     pp = back.param_placements()
     from torch.distributed.tensor import Replicate, Shard
+
     assert set(pp) == set(dp_plan.params)
     assert all(isinstance(x, (Replicate, Shard)) for v in pp.values() for x in v)
     assert all(isinstance(pp[k][0], Replicate) for k in pp if k.startswith("layers."))
@@ -118,9 +134,9 @@ def test_plan_is_deterministic_and_round_trips(tmp_path, dp_plan):
 
 def test_dump_has_a_placement_for_every_node(llama8b_dp_tp):
     d = llama8b_dp_tp.dump()
-    node_lines = [l for l in d.splitlines() if re.match(r"^(%\d+:|param:|input:)", l)]
+    node_lines = [line for line in d.splitlines() if re.match(r"^(%\d+:|param:|input:)", line)]
     assert len(node_lines) == len(llama8b_dp_tp.nodes)
-    assert all(" out [" in l for l in node_lines)
+    assert all(" out [" in line for line in node_lines)
     assert re.search(r"input \d+: \[.*\] -> \[.*\]  (all_gather|all_reduce|reduce_scatter|all_to_all)\(dim tp", d)
     p = llama8b_dp_tp.predicted
     assert p["step_s"] >= p["compute_s"] > 0 and p["peak_mem_bytes"] > p["state_mem_bytes"] > 0
@@ -140,8 +156,7 @@ def test_repeated_layers_share_decisions():
 
 def test_one_layer_forced_differently_gets_its_own_decisions():
     """A force on one layer only must not be shared with (or dropped for) its sibling layers."""
-    p = _plan("llama3-debug", (2, 2), batch=8, seq=64, n_layers=3,
-              force={"layers.1.attention.wq.weight": ("S0", "R")})
+    p = _plan("llama3-debug", (2, 2), batch=8, seq=64, n_layers=3, force={"layers.1.attention.wq.weight": ("S0", "R")})
     assert tuple(p.params["layers.1.attention.wq.weight"]) == ("S0", "R")
     assert [r["layers"] for r in p.regions] == [[0, 2]]
     assert tuple(p.params["layers.0.attention.wq.weight"]) == tuple(p.params["layers.2.attention.wq.weight"])
@@ -155,10 +170,24 @@ def test_one_device_mesh_plans_without_communication(name):
 
 def test_pass_manager_times_verifies_and_dumps():
     m = M.build_model("mlp-tiny")
-    p, st = autopar.plan(m, (2,), M.example_inputs("mlp-tiny", device="meta"), return_state=True,
-                         dump_after=("candidates", "solve"), force={"layers.0.fc1.weight": ("S0",)})
-    assert [k for k, _ in p.timings] == ["precision", "regions", "candidates", "costs", "checkpointing", "solve",
-                                         "redistribute", "buckets"]
+    p, st = autopar.plan(
+        m,
+        (2,),
+        M.example_inputs("mlp-tiny", device="meta"),
+        return_state=True,
+        dump_after=("candidates", "solve"),
+        force={"layers.0.fc1.weight": ("S0",)},
+    )
+    assert [k for k, _ in p.timings] == [
+        "precision",
+        "regions",
+        "candidates",
+        "costs",
+        "checkpointing",
+        "solve",
+        "redistribute",
+        "buckets",
+    ]
     assert "cands=" in st.dumps["candidates"] and "out=" in st.dumps["solve"]
     bad = st.placement[5]
     st.placement[5] = None
@@ -194,20 +223,28 @@ def test_moe_aux_loss_reductions_take_one_all_reduce(mesh):
     x = M.example_inputs("moe-debug", batch=4, seq=32, device="meta")
     plan = autopar.plan(m, mesh, x, cluster="cpu-gloo", overlap=False)
     assert set(plan.predicted["collectives"]) == {"all_reduce"}, plan.predicted["collectives"]
-    fw = [(n["name"], r) for n in plan.nodes if n["phase"] == "fw" for r in n.get("redistribute", [])
-          if r["class"] == "act" and (r["collectives"] or "coalesced" in r)]
+    fw = [
+        (n["name"], r)
+        for n in plan.nodes
+        if n["phase"] == "fw"
+        for r in n.get("redistribute", [])
+        if r["class"] == "act" and (r["collectives"] or "coalesced" in r)
+    ]
     leads = [(name, r) for name, r in fw if r["collectives"]]
     assert len(leads) == 1 and len(leads[0][1]["collectives"]) == 1, leads
     n_moe = sum(1 for k, _ in m.named_modules() if k.endswith(".moe"))
     others = {name for name, r in fw if isinstance(r.get("coalesced"), str)}
-    assert len(others) >= n_moe and all(r["coalesced"] == f"{leads[0][0]}:{leads[0][1]['input']}"
-                                        for _, r in fw if isinstance(r.get("coalesced"), str))
+    assert len(others) >= n_moe and all(
+        r["coalesced"] == f"{leads[0][0]}:{leads[0][1]['input']}" for _, r in fw if isinstance(r.get("coalesced"), str)
+    )
     assert plan.predicted["collectives"]["all_reduce"]["count"] == len({b["chain"] for b in plan.buckets}) + 1
     line = f"(in {leads[0][0]}:{leads[0][1]['input']}'s all_reduce)"
     assert line in plan.dump() and ("dim dp+tp" in plan.dump()) == (len(mesh) == 2)
     # DDP / FSDP2 ranks would each compute their own shard's aux loss (not this model's): the lowering refuses,
     # naming the op, also where the reduction runs over the flattened dp+tp group
     from autopar.backends.engines import recognize
+
     low = recognize(plan, m)
-    assert not low.expressible and any(part == f"op {leads[0][0]}" and "sums over the batch ranks" in why
-                                       for part, why in low.reasons), low.report()
+    assert not low.expressible and any(
+        part == f"op {leads[0][0]}" and "sums over the batch ranks" in why for part, why in low.reasons
+    ), low.report()

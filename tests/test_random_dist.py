@@ -13,6 +13,7 @@ with s, equals one device after torch.manual_seed(s).
   the same losses to the bit; with p = 0 (nothing dropped) every plan equals one device seeded differently; neither
   parallelize nor the steps advance the user's generator.
 """
+
 from __future__ import annotations
 
 import copy
@@ -32,13 +33,22 @@ SEED, STEPS, B, D, H, C = 1234, 3, 8, 32, 64, 16
 def _pieces(op, args, kwargs, out_metas, dim, n=2):
     """What n ranks holding Shard(dim) of every tensor draw, concatenated (each rank its own generator)."""
     from autopar.backends.local_ops import draw_random
+
     parts = []
     for r in range(n):
         gen = torch.Generator().manual_seed(SEED)
         cut = lambda t: t.chunk(n, dim)[r] if isinstance(t, torch.Tensor) else t
         node = SimpleNamespace(outs=out_metas)
-        res = draw_random(op, node, [cut(a) for a in args], {k: cut(v) for k, v in kwargs.items()}, gen,
-                          torch.device("cpu"), lambda full, k: full.chunk(n, dim)[r], _null)
+        res = draw_random(
+            op,
+            node,
+            [cut(a) for a in args],
+            {k: cut(v) for k, v in kwargs.items()},
+            gen,
+            torch.device("cpu"),
+            lambda full, k: full.chunk(n, dim)[r],
+            _null,
+        )
         parts.append(res)
     return [torch.cat([p[k] for p in parts], dim) for k in range(len(out_metas))]
 
@@ -54,15 +64,20 @@ class _null:
 def test_every_random_op_draws_one_devices_values():
     from autopar.backends.local_ops import RANDOM
     from autopar.graph import TensorMeta
+
     x = torch.randn(6, 10)
     probs = torch.rand(6, 10)
     meta = (TensorMeta((6, 10), torch.float32),)
     cases = {
-        aten.bernoulli.p: ((x, 0.3), {}, meta), aten.bernoulli.default: ((probs,), {}, meta),
+        aten.bernoulli.p: ((x, 0.3), {}, meta),
+        aten.bernoulli.default: ((probs,), {}, meta),
         aten.native_dropout.default: ((x, 0.25, True), {}, meta + (TensorMeta((6, 10), torch.bool),)),
-        aten.rand_like.default: ((x,), {}, meta), aten.randn_like.default: ((x,), {}, meta),
-        aten.rand.default: (([6, 10],), {}, meta), aten.randn.default: (([6, 10],), {}, meta),
-        aten.uniform.default: ((x, -2.0, 3.0), {}, meta), aten.normal_functional.default: ((x, 1.0, 2.0), {}, meta),
+        aten.rand_like.default: ((x,), {}, meta),
+        aten.randn_like.default: ((x,), {}, meta),
+        aten.rand.default: (([6, 10],), {}, meta),
+        aten.randn.default: (([6, 10],), {}, meta),
+        aten.uniform.default: ((x, -2.0, 3.0), {}, meta),
+        aten.normal_functional.default: ((x, 1.0, 2.0), {}, meta),
         aten.randint.default: ((7, [6, 10]), {}, (TensorMeta((6, 10), torch.int64),)),
         aten.randint.low: ((2, 9, [6, 10]), {}, (TensorMeta((6, 10), torch.int64),)),
         aten.randint_like.default: ((x, 7), {"dtype": torch.int64}, (TensorMeta((6, 10), torch.int64),)),
@@ -79,8 +94,20 @@ def test_every_random_op_draws_one_devices_values():
                 assert g.dtype == r.dtype and torch.equal(g, r), (op, dim)
     # native_dropout in eval draws nothing: the op runs as it is
     from autopar.backends.local_ops import draw_random
-    assert draw_random(aten.native_dropout.default, SimpleNamespace(outs=meta * 2), [x, 0.5, False], {}, None,
-                       torch.device("cpu"), None, _null) is None
+
+    assert (
+        draw_random(
+            aten.native_dropout.default,
+            SimpleNamespace(outs=meta * 2),
+            [x, 0.5, False],
+            {},
+            None,
+            torch.device("cpu"),
+            None,
+            _null,
+        )
+        is None
+    )
 
 
 class DropNet(nn.Module):
@@ -106,6 +133,7 @@ def _model(p):
 def _run(pm_or_ref, x, y, seed=None):
     """3 SGD steps; the losses and the first step's gradients (full tensors)."""
     from torch.distributed.tensor import DTensor
+
     full = lambda t: t.full_tensor() if isinstance(t, DTensor) else t
     if seed is not None:
         torch.manual_seed(seed)
@@ -139,37 +167,44 @@ def job_random(_):
     import autopar
     from _clusters import SHAPES
     from autopar.backends.engines_ref import batch_pin
+
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     gen = torch.Generator().manual_seed(9)
     x, y = torch.randn(B, D, generator=gen), torch.randint(0, C, (B,), generator=gen)
     out = {"worst": {}, "rng_same": True}
     names = [k for k, _ in _model(0.5).named_parameters()]
-    plans = {"replicated": dict(force={k: ("R", "R") for k in names}),
-             "data_parallel": dict(force={k: ("R", "R") for k in names}, pin=batch_pin([0, 1], (B, 1))),
-             "tensor_parallel": dict(force={"fc1.weight": ("R", "S0"), "fc1.bias": ("R", "S0"),
-                                            "fc2.weight": ("R", "S1")}, pin=batch_pin([0], (B, 1))),
-             "shapes": dict(cluster=SHAPES)}
+    plans = {
+        "replicated": dict(force={k: ("R", "R") for k in names}),
+        "data_parallel": dict(force={k: ("R", "R") for k in names}, pin=batch_pin([0, 1], (B, 1))),
+        "tensor_parallel": dict(
+            force={"fc1.weight": ("R", "S0"), "fc1.bias": ("R", "S0"), "fc2.weight": ("R", "S1")},
+            pin=batch_pin([0], (B, 1)),
+        ),
+        "shapes": dict(cluster=SHAPES),
+    }
     for p in (0.5, 0.0):
-        ref = _run(_model(p), x, y, seed=SEED if p else SEED + 1)   # p = 0: another seed, the same result
+        ref = _run(_model(p), x, y, seed=SEED if p else SEED + 1)  # p = 0: another seed, the same result
         for name, kw in plans.items():
             model = _model(p)
-            torch.manual_seed(SEED + rank)          # rank 0's seed is the one agreed
+            torch.manual_seed(SEED + rank)  # rank 0's seed is the one agreed
             before = torch.get_rng_state()
             pm = autopar.parallelize(model, mesh, (x, y), **kw)
             out["rng_same"] &= bool(torch.equal(before, torch.get_rng_state()))
             res = _run(pm, x, y)
-            out["rng_same"] &= bool(torch.equal(before, torch.get_rng_state()))     # the steps draw elsewhere
+            out["rng_same"] &= bool(torch.equal(before, torch.get_rng_state()))  # the steps draw elsewhere
             out["worst"][f"{name} p={p}"] = _worst(res, ref)
             out[f"losses {name} p={p}"] = res[0]
-            if p and name == "shapes":              # the same seed again: the same losses, to the bit
+            if p and name == "shapes":  # the same seed again: the same losses, to the bit
                 model = _model(p)
                 torch.manual_seed(SEED + rank)
                 out["again"] = _run(autopar.parallelize(model, mesh, (x, y), **kw), x, y)[0]
             if p:
-                out[f"random_pl {name}"] = [n["placement"]["out"][0] for n in pm.plan.nodes
-                                            if n["kind"] == "op" and n["name"].split(":")[-1].split(".")[0] in
-                                            ("bernoulli", "rand_like")]
+                out[f"random_pl {name}"] = [
+                    n["placement"]["out"][0]
+                    for n in pm.plan.nodes
+                    if n["kind"] == "op" and n["name"].split(":")[-1].split(".")[0] in ("bernoulli", "rand_like")
+                ]
     return out
 
 
@@ -200,21 +235,35 @@ def test_simulated_ranks_draw_one_devices_masks(plan_kind):
     import autopar
     from _simulated import simulated
     from autopar.backends.engines_ref import batch_pin
+
     gen = torch.Generator().manual_seed(9)
     x, y = torch.randn(B, D, generator=gen), torch.randint(0, C, (B,), generator=gen)
     model = _model(0.5)
     names = [k for k, _ in model.named_parameters()]
-    kw = dict(force={k: ("R", "R") for k in names}, pin=batch_pin([0, 1], (B, 1))) if plan_kind == "data_parallel" \
-        else dict(force={"fc1.weight": ("R", "S0"), "fc1.bias": ("R", "S0"), "fc2.weight": ("R", "S1")},
-                  pin=batch_pin([0], (B, 1)))
-    planned = autopar.plan(model, autopar.MeshSpec((2, 2), ("dp", "tp")), (x, y), cluster="cpu-gloo", overlap=False,
-                           return_state=True, **kw)
+    kw = (
+        dict(force={k: ("R", "R") for k in names}, pin=batch_pin([0, 1], (B, 1)))
+        if plan_kind == "data_parallel"
+        else dict(
+            force={"fc1.weight": ("R", "S0"), "fc1.bias": ("R", "S0"), "fc2.weight": ("R", "S1")},
+            pin=batch_pin([0], (B, 1)),
+        )
+    )
+    planned = autopar.plan(
+        model,
+        autopar.MeshSpec((2, 2), ("dp", "tp")),
+        (x, y),
+        cluster="cpu-gloo",
+        overlap=False,
+        return_state=True,
+        **kw,
+    )
     # the reference first, on its own: LocalTensorMode sets the global generator around every op it runs, and
     # leaving it (outside_local_tensor_mode) restores it, so a reference run between simulated steps would redraw
     ref = _run(copy.deepcopy(model), x, y, seed=SEED)
     from autopar.backends.comm import CommCounter, compare
     from autopar.backends.verify import global_value
-    torch.manual_seed(SEED)         # outside LocalTensorMode (inside it, it would seed per-rank generators)
+
+    torch.manual_seed(SEED)  # outside LocalTensorMode (inside it, it would seed per-rank generators)
     with simulated((2, 2)) as mesh:
         pm = autopar.parallelize(model, mesh, (x, y), planned=planned)
         opt = torch.optim.SGD(pm.parameters(), lr=0.5)
@@ -231,6 +280,9 @@ def test_simulated_ranks_draw_one_devices_masks(plan_kind):
             opt.step()
     assert not diff, diff
     assert _worst((losses, grads), ref) <= 1.0, (losses, ref[0])
-    drawn = [n["placement"]["out"][0] for n in planned[0].nodes if n["kind"] == "op" and
-             n["name"].split(":")[-1].split(".")[0] in ("bernoulli", "rand_like")]
+    drawn = [
+        n["placement"]["out"][0]
+        for n in planned[0].nodes
+        if n["kind"] == "op" and n["name"].split(":")[-1].split(".")[0] in ("bernoulli", "rand_like")
+    ]
     assert drawn and all(any(p != "R" for p in pl) for pl in drawn), drawn

@@ -1,5 +1,6 @@
 """The README as a user reads it: its quickstart runs as written (torchrun, 2 gloo ranks) and trains one device's
 model, the file stays short, its lines stay readable, and every relative link points to a file in the repo."""
+
 from __future__ import annotations
 
 import os
@@ -46,7 +47,7 @@ def test_readme_relative_links_exist():
     missing = []
     for link in links:
         if re.match(r"[a-z]+:", link) or link.startswith("#"):
-            continue                                  # web addresses and anchors in the page itself
+            continue  # web addresses and anchors in the page itself
         if not (README.parent / link.split("#")[0]).exists():
             missing.append(link)
     assert not missing, f"README.md links to files that do not exist: {missing}"
@@ -55,10 +56,13 @@ def test_readme_relative_links_exist():
 def test_readme_commands_match_ci():
     """The test command the README gives is the one .ci/run runs (its three steps, in order)."""
     text = _text()
-    cmd = "python -m pip install torch==2.13.0 && python -m pip install -e \".[test]\" && python -m pytest -q"
+    cmd = 'python -m pip install torch==2.13.0 && python -m pip install -e ".[test]" && python -m pytest -q'
     assert cmd in text
-    ci = [ln.replace(" -q ", " ").replace("pip install -q", "pip install")
-          for ln in (ROOT / ".ci" / "run").read_text().splitlines() if ln.startswith("python")]
+    ci = [
+        ln.replace(" -q ", " ").replace("pip install -q", "pip install")
+        for ln in (ROOT / ".ci" / "run").read_text().splitlines()
+        if ln.startswith("python")
+    ]
     assert " && ".join(ci) == cmd, ci
 
 
@@ -70,8 +74,14 @@ def test_quickstart_runs_as_written(tmp_path):
     assert "torchrun --standalone --nproc-per-node 2 quickstart.py" in _text()
     (tmp_path / "quickstart.py").write_text(code)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "quickstart.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "quickstart.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     out = proc.stdout
     assert "mesh [dp=2]" in out and "collectives per step: all_reduce x2" in out, out
@@ -80,7 +90,7 @@ def test_quickstart_runs_as_written(tmp_path):
 
     # one device: the same seed, the same model and batch, the same 3 steps
     ns: dict = {}
-    exec(compile(code.split("dist.init_process_group")[0], "quickstart-head", "exec"), ns)   # imports, Net
+    exec(compile(code.split("dist.init_process_group")[0], "quickstart-head", "exec"), ns)  # imports, Net
     torch.manual_seed(0)
     x, y = torch.randn(2048, 64), torch.randn(2048, 64)
     model = ns["Net"]()

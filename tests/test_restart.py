@@ -14,6 +14,7 @@ What is asserted, on rank 0's log (autopar.examples.train.read_log / committed):
 * the checkpoint directory holds the complete checkpoints of steps 3 and 6 and no partial one; torchrun exits 0.
 The whole job has a deadline (a hung rank fails the test; its process group is killed).
 """
+
 from __future__ import annotations
 
 import os
@@ -38,8 +39,13 @@ def torchrun(args: list[str], log_path, timeout: float = DEADLINE_S) -> tuple[in
     cmd = [sys.executable, "-m", "torch.distributed.run", *args]
     t0 = time.perf_counter()
     with open(log_path, "wb") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+        p = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        )
         try:
             rc = p.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -55,6 +61,7 @@ def single_device_losses(argv) -> list[float]:
     """The uninterrupted run on one device: the trainer's model, optimizer and batches, STEPS steps."""
     from autopar.examples import train
     from autopar.models import build_model
+
     args = train.parse(argv)
     model = build_model(args.model, device="cpu", seed=args.seed)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
@@ -63,11 +70,21 @@ def single_device_losses(argv) -> list[float]:
 
 def test_kill_one_rank_and_resume_under_torchrun(tmp_path):
     from autopar.examples.train import committed, read_log
+
     ckpt = tmp_path / "ckpt"
-    argv = TRAIN + ["--checkpoint-dir", str(ckpt), "--checkpoint-every", str(EVERY), "--resume",
-                    "--kill-after-step", str(KILL)]
-    rc, out, secs = torchrun(["--standalone", "--nproc-per-node", "4", "--max-restarts", "1",
-                              "-m", "autopar.examples.train", *argv], tmp_path / "torchrun.log")
+    argv = TRAIN + [
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        str(EVERY),
+        "--resume",
+        "--kill-after-step",
+        str(KILL),
+    ]
+    rc, out, secs = torchrun(
+        ["--standalone", "--nproc-per-node", "4", "--max-restarts", "1", "-m", "autopar.examples.train", *argv],
+        tmp_path / "torchrun.log",
+    )
     print(f"torchrun, 2 attempts: {secs:.1f} s")
     assert rc == 0, out[-6000:]
     attempts = read_log(out)
@@ -80,7 +97,7 @@ def test_kill_one_rank_and_resume_under_torchrun(tmp_path):
     assert [s for s, _ in second["steps"]] == list(range(last_ckpt + 1, STEPS + 1)), second
 
     log = committed(attempts)
-    assert [s for s, _, _ in log] == list(range(1, STEPS + 1)), log          # steps 1..N, once each
+    assert [s for s, _, _ in log] == list(range(1, STEPS + 1)), log  # steps 1..N, once each
     assert [a for s, _, a in log] == [0] * last_ckpt + [1] * (STEPS - last_ckpt), log
     superseded = {s: loss for s, loss in first["steps"] if s > last_ckpt}
     rerun = dict(second["steps"])
@@ -89,6 +106,6 @@ def test_kill_one_rank_and_resume_under_torchrun(tmp_path):
     ref = single_device_losses(argv)
     for s, loss, _ in log:
         assert abs(loss - ref[s - 1]) <= 1e-6 + 1e-4 * abs(ref[s - 1]), (s, loss, ref[s - 1])
-    assert ref[STEPS - 1] < ref[0]                                          # it trains
+    assert ref[STEPS - 1] < ref[0]  # it trains
     assert sorted(os.listdir(ckpt)) == [f"step_{s:06d}" for s in (last_ckpt, STEPS)], os.listdir(ckpt)
     assert f"collectives of step {last_ckpt + 1}:" in out and "COLLECTIVES DIFFER" not in out

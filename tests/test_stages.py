@@ -1,5 +1,6 @@
 """Pipeline stage planning: the schedule model, the stage DP against brute force, balance on uneven models, plan
 fields, and the runtime's static-shape check. Planning only (meta tensors); tests/test_pipeline_dist.py runs plans."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -39,22 +40,27 @@ def test_single_stage_orders_mirror_torch():
     """Our GPipe/1F1B orders are what torch's _step_microbatches executes; torch's drawing IR agrees except for the
     last rank of 1F1B (whose micro-batch labels it shifts)."""
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
     p, m = 4, 8
     for name, ranks in (("GPipe", range(p)), ("1F1B", range(p - 1))):
         ir = get_schedule_ops(name, p, m)
         ours = pm.actions(pm.get_schedule(name), p, m, 1)
         for r in ranks:
-            want = [(a.stage_index, a.computation_type.value, a.microbatch_index) for a in ir[r]
-                    if a is not None and a.computation_type.value in "FB"]
+            want = [
+                (a.stage_index, a.computation_type.value, a.microbatch_index)
+                for a in ir[r]
+                if a is not None and a.computation_type.value in "FB"
+            ]
             assert list(ours[r]) == want
 
 
 def test_zero_bubble_beats_1f1b_when_backward_splits():
     p, m = 4, 8
-    one = pm.simulate(pm.actions(pm.get_schedule("1F1B"), p, m, 1), tuple(range(p)), [1.0] * p, [1.0] * p,
-                      [1.0] * p, [0.0] * p)
+    one = pm.simulate(
+        pm.actions(pm.get_schedule("1F1B"), p, m, 1), tuple(range(p)), [1.0] * p, [1.0] * p, [1.0] * p, [0.0] * p
+    )
     zb = pm.get_schedule("ZBVZeroBubble")
-    two = pm.simulate(pm.actions(zb, p, m, 2), pm.stage_ranks(zb, p, 2), [.5] * 8, [.5] * 8, [.5] * 8, [0.0] * 8)
+    two = pm.simulate(pm.actions(zb, p, m, 2), pm.stage_ranks(zb, p, 2), [0.5] * 8, [0.5] * 8, [0.5] * 8, [0.0] * 8)
     assert one.bubble_fraction == pytest.approx(3 / 11)
     assert two.bubble_fraction < 0.1 < one.bubble_fraction
     assert pm.timeline(two, 40)[0].startswith("rank   0 |F")
@@ -65,8 +71,18 @@ def _random_costs(rng, n, V):
     out = []
     legal = rng.random(n - 1) > 0.2
     for v in range(V):
-        c = Costs(f"v{v}", rng.random(n), rng.random(n), rng.random(n) * 0.5, rng.random(n) * 3,
-                  rng.random(n) * 10, rng.random(n), rng.random(n - 1), legal, np.ones(n - 1, int))
+        c = Costs(
+            f"v{v}",
+            rng.random(n),
+            rng.random(n),
+            rng.random(n) * 0.5,
+            rng.random(n) * 3,
+            rng.random(n) * 10,
+            rng.random(n),
+            rng.random(n - 1),
+            legal,
+            np.ones(n - 1, int),
+        )
         c.blk = np.array([False] + [True] * (n - 2) + [False])
         c.save = np.where(c.blk, c.act * rng.random(n), 0.0)
         c.rtime = np.where(c.blk, c.F, 0.0)
@@ -107,19 +123,27 @@ def moe_ops():
     blocks = list(m.get_submodule(find_layers(m)))
     sigs = [layer_signature(b) for b in blocks]
     reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
-    ctx = {"cluster": get_cluster("h100"), "precision": TrainingPrecision.fp32_adam(), "loss_fn": None, "force": {},
-           "replicate_ops": [], "allow_replicate": False, "time_limit": 60, "n_variants": 2,
-           "dp_shards_batch": True}
+    ctx = {
+        "cluster": get_cluster("h100"),
+        "precision": TrainingPrecision.fp32_adam(),
+        "loss_fn": None,
+        "force": {},
+        "replicate_ops": [],
+        "allow_replicate": False,
+        "time_limit": 60,
+        "n_variants": 2,
+        "dp_shards_batch": True,
+    }
     ops = StageOps(m, "layers", reps, [reps.index(sigs.index(s)) for s in sigs], x, MeshSpec((2,), ("dp",)), ctx)
     return ops, reps
 
 
 def test_dp_equals_brute_force_on_a_real_model(moe_ops):
     ops, reps = moe_ops
-    assert len(reps) == 2                                 # dense and MoE blocks are distinct clusters
+    assert len(reps) == 2  # dense and MoE blocks are distinct clusters
     costs = ops.costs()
     F = costs[0].F
-    assert F[1] != F[2] and F[1] == F[3]                  # alternating block costs reach the DP
+    assert F[1] != F[2] and F[1] == F[3]  # alternating block costs reach the DP
     xfer = np.array([[collective_time_p2p(b) for b in cv.xbytes] for cv in costs])
     checkpointed = 0
     for name, p, v in (("GPipe", 2, 1), ("1F1B", 3, 1), ("1F1B", 4, 1), ("Interleaved1F1B", 2, 2)):
@@ -133,11 +157,12 @@ def test_dp_equals_brute_force_on_a_real_model(moe_ops):
                 if a is not None:
                     assert a.proxy_s == pytest.approx(b.proxy_s, rel=1e-12), (name, p, m, cap)
                     checkpointed += sum(a.recompute) > 0
-    assert checkpointed >= 2                              # the tight caps were met by recomputing blocks
+    assert checkpointed >= 2  # the tight caps were met by recomputing blocks
 
 
 def collective_time_p2p(nbytes):
     from autopar.cost import collective_time
+
     return collective_time("send_recv", float(nbytes), 2, get_cluster("h100").inter)
 
 
@@ -155,14 +180,17 @@ def test_cut_points_carry_the_block_outputs(moe_ops):
     assert cv.ntensors[0] == 1 and set(cv.ntensors[1:]) == {2}
     emb = next(n for n in ops.plans[0].nodes if n["target"] == "embedding.default")
     split = 2 if emb["placement"]["out"][0] != ["R"] else 1
-    assert cv.xbytes[0] == 4 * 16 * 64 * 4 / split       # (batch 4 x seq 16 x dim 64) fp32 as the plan places it
+    assert cv.xbytes[0] == 4 * 16 * 64 * 4 / split  # (batch 4 x seq 16 x dim 64) fp32 as the plan places it
 
 
 # ---- balance on uneven models --------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,over,pp", [
-    ("llama3-8b", dict(n_layers=8), 4),                                     # 128k-vocab embedding and head
-    ("moe-debug", dict(n_layers=8, first_k_dense=4, moe_every=1), 4),       # dense half, MoE half
-])
+@pytest.mark.parametrize(
+    "name,over,pp",
+    [
+        ("llama3-8b", dict(n_layers=8), 4),  # 128k-vocab embedding and head
+        ("moe-debug", dict(n_layers=8, first_k_dense=4, moe_every=1), 4),  # dense half, MoE half
+    ],
+)
 def test_dp_partition_beats_even_layer_split(name, over, pp):
     m = models.build_model(name, device="meta", dtype=torch.bfloat16, **over)
     x = models.example_inputs(name, batch=8, seq=1024, device="meta", **over)
@@ -171,11 +199,13 @@ def test_dp_partition_beats_even_layer_split(name, over, pp):
     even = sc["even_split"]
     assert even is not None and even["fits"]
     ratio = even["step_s"] / sc["step_s"]
-    print(f"\n{name} {over} pp={pp}: DP {sc['step_s'] * 1e3:.2f} ms bounds {sc['bounds']}, even split "
-          f"{even['step_s'] * 1e3:.2f} ms -> {ratio:.3f}x")
+    print(
+        f"\n{name} {over} pp={pp}: DP {sc['step_s'] * 1e3:.2f} ms bounds {sc['bounds']}, even split "
+        f"{even['step_s'] * 1e3:.2f} ms -> {ratio:.3f}x"
+    )
     assert ratio > 1.05
     times = [st["time"]["per_microbatch_s"] for st in plan.stages]
-    assert max(times) < 0.9 * max(even["stage_s"])        # the bottleneck stage got lighter
+    assert max(times) < 0.9 * max(even["stage_s"])  # the bottleneck stage got lighter
     assert sc["bounds"] != even["bounds"]
 
 
@@ -184,15 +214,16 @@ def test_dp_partition_beats_even_layer_split(name, over, pp):
 def tiny_plan():
     m = models.build_model("llama-tiny", device="meta", n_layers=4)
     x = models.example_inputs("llama-tiny", batch=8, device="meta", n_layers=4)
-    return autopar.plan(m, MeshSpec((2, 2), ("pp", "dp")), x, cluster="h100",
-                        pipeline={"schedules": ["1F1B", "Interleaved1F1B"]}), m
+    return autopar.plan(
+        m, MeshSpec((2, 2), ("pp", "dp")), x, cluster="h100", pipeline={"schedules": ["1F1B", "Interleaved1F1B"]}
+    ), m
 
 
 def test_plan_lists_stages_schedule_and_dump(tiny_plan, tmp_path):
     plan, m = tiny_plan
     names = [n for n, _ in m.named_parameters()]
     held = [f for st in plan.stages for f in st["params"]]
-    assert sorted(held) == sorted(names)                   # every parameter on exactly one stage
+    assert sorted(held) == sorted(names)  # every parameter on exactly one stage
     sc = plan.schedule
     assert sc["name"] in ("1F1B", "Interleaved1F1B") and sc["num_stages"] == len(plan.stages)
     assert 8 % sc["n_microbatches"] == 0 and sc["microbatch_shapes"][0] == [8 // sc["n_microbatches"], 32]
@@ -210,6 +241,7 @@ def test_plan_lists_stages_schedule_and_dump(tiny_plan, tmp_path):
 
 def test_runtime_rejects_batches_that_break_static_shapes(tiny_plan):
     from autopar.backends.pipeline import PipelineShapeError, check_batch
+
     plan, _ = tiny_plan
     local = plan.schedule["local_batch_shapes"][0]
     check_batch(plan, (torch.zeros(local, dtype=torch.long),))
@@ -225,7 +257,7 @@ def test_auto_on_flat_ranks_chooses_pp_and_submesh():
     plan = autopar.plan(m, (4,), x, cluster="h100", pipeline={"max_microbatch_options": 1})
     sc = plan.schedule
     assert np.prod(plan.mesh_shape) == 4 and plan.mesh_names[0] == "pp" and plan.mesh_shape[0] == sc["pp"]
-    assert sc["search"]["pp_degrees"] == [1, 2, 4]                        # every pp <= 6 clusters dividing 4
+    assert sc["search"]["pp_degrees"] == [1, 2, 4]  # every pp <= 6 clusters dividing 4
     assert set(sc["search"]["stage_meshes"]) == {"4(dp)", "2x2(dp,tp)", "4(tp)", "2(dp)", "2(tp)", "1(dp)"}
     assert sc["step_s"] == min(c["step_s"] for c in sc["candidates"])
 

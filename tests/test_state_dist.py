@@ -12,6 +12,7 @@ the user's RNG state is unchanged by parallelize, the agreed seed is rank 0's, a
 only after parallelize is named in the first step's error, and DCP loading after parallelize gives the saved
 values (loaded values win over rank 0's).
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,8 +24,8 @@ from _dist import launch
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(600)]
 
-MLP = dict(dim=128, hidden=512)         # big enough that SHAPES shards parameters
-BATCH, SEQ, STEPS = 8, 12, 3       # 96 tokens: no weight dim is the batch (batch_pin)
+MLP = dict(dim=128, hidden=512)  # big enough that SHAPES shards parameters
+BATCH, SEQ, STEPS = 8, 12, 3  # 96 tokens: no weight dim is the batch (batch_pin)
 
 
 def _diff(a, b) -> float:
@@ -34,12 +35,14 @@ def _diff(a, b) -> float:
 
 def _full(t):
     from torch.distributed.tensor import DTensor
+
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _train(pm, ref, x, y, local=None, ctx=None):
     """3 AdamW steps on the parallel module and on the single-device reference; the worst scaled differences."""
     import contextlib
+
     ctx = ctx or contextlib.nullcontext
     xl, yl = local if local is not None else (x, y)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
@@ -55,8 +58,9 @@ def _train(pm, ref, x, y, local=None, ctx=None):
         ref_loss = ref(x, y)
         ref_loss.backward()
         lv = _full(loss).detach()
-        if local is not None:           # the torch backend: each rank's mean over its equal batch shard
+        if local is not None:  # the torch backend: each rank's mean over its equal batch shard
             import torch.distributed as dist
+
             dist.all_reduce(lv)
             lv = lv / dist.get_world_size()
         worst["loss"] = max(worst["loss"], _diff(lv, ref_loss.detach()))
@@ -79,10 +83,11 @@ def job_state(tmp):
     from autopar import models
     from autopar.backends.engines_ref import batch_pin
     from autopar.backends.state import ReplicaMismatchError
+
     rank = dist.get_rank()
-    torch.manual_seed(100 + rank)                       # each rank its own generator, as a careless script has
-    build = lambda: models.build_model("mlp-tiny", device="cpu", seed=rank, **MLP)    # each rank its own weights
-    ref0 = models.build_model("mlp-tiny", device="cpu", seed=0, **MLP)               # rank 0's, on one device
+    torch.manual_seed(100 + rank)  # each rank its own generator, as a careless script has
+    build = lambda: models.build_model("mlp-tiny", device="cpu", seed=rank, **MLP)  # each rank its own weights
+    ref0 = models.build_model("mlp-tiny", device="cpu", seed=0, **MLP)  # rank 0's, on one device
     x, y = models.example_inputs("mlp-tiny", batch=BATCH, seq=SEQ, seed=5, **MLP)
     mesh22 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     mesh4 = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
@@ -99,6 +104,7 @@ def job_state(tmp):
     out["cases"]["graph_sharded"] = _train(pm, copy.deepcopy(ref0), x, y)
     # DCP: the saved state wins over rank 0's values taken at construction
     import torch.distributed.checkpoint as dcp
+
     dcp.save(pm.state_dict(), checkpoint_id=f"{tmp}/ckpt")
     saved = {k: _full(v).clone() for k, v in pm.state_dict().items()}
     pm2 = autopar.parallelize(build(), mesh22, (x, y), planned=planned)
@@ -108,8 +114,16 @@ def job_state(tmp):
 
     # graph backend, every parameter replicated, the batch split over all 4 ranks (data parallel)
     rep = {k: ("R", "R") for k, _ in ref0.named_parameters()}
-    planned = autopar.plan(build(), mesh22, (x, y), force=rep, pin=batch_pin([0, 1], (BATCH, SEQ)), overlap=False,
-                           cluster="cpu-gloo", return_state=True)
+    planned = autopar.plan(
+        build(),
+        mesh22,
+        (x, y),
+        force=rep,
+        pin=batch_pin([0, 1], (BATCH, SEQ)),
+        overlap=False,
+        cluster="cpu-gloo",
+        return_state=True,
+    )
     pm = autopar.parallelize(build(), mesh22, (x, y), planned=planned)
     out["replicated"] = all(all(p == "R" for p in v) for v in pm.plan.params.values())
     out["cases"]["graph_replicated"] = _train(pm, copy.deepcopy(ref0), x, y)
@@ -131,15 +145,23 @@ def job_state(tmp):
     for name, pl in (("torch_fsdp", ("S0",)), ("torch_replicated", ("R",))):
         model = build()
         rng = torch.get_rng_state()
-        autopar.parallelize(model, mesh4, (x, y), backend="torch", force={k: pl for k, _ in ref0.named_parameters()},
-                            pin=batch_pin([0], (BATCH, SEQ)))
+        autopar.parallelize(
+            model,
+            mesh4,
+            (x, y),
+            backend="torch",
+            force={k: pl for k, _ in ref0.named_parameters()},
+            pin=batch_pin([0], (BATCH, SEQ)),
+        )
         out[f"{name}_rng_same"] = bool(torch.equal(rng, torch.get_rng_state()))
         out[f"{name}_dump"] = model.autopar_dump.splitlines()[:3]
         out[f"{name}_init"] = model.autopar_init_comm
         from autopar.backends import engines
+
         local = engines.local_inputs(model, mesh4, x, y)
-        out["cases"][name] = _train(model, copy.deepcopy(ref0), x, y, local=local,
-                                    ctx=lambda: engines.train_context(model))
+        out["cases"][name] = _train(
+            model, copy.deepcopy(ref0), x, y, local=local, ctx=lambda: engines.train_context(model)
+        )
     return out
 
 
@@ -157,17 +179,17 @@ def test_world4_every_rank_trains_rank0s_model(tmp_path):
     for r, out in enumerate(res):
         for name, w in out["cases"].items():
             assert max(w.values()) <= 1.0, (r, name, w)
-        assert out["sharded"], out["sharded"]                  # the SHAPES plan shards parameters
+        assert out["sharded"], out["sharded"]  # the SHAPES plan shards parameters
         assert out["replicated"]
         ic = out["init_comm"]
         assert ic["scatter_bytes"] > 0 and ic["collectives"] >= 1, ic
         assert "state from rank 0" in out["repr"] and "B once" in out["repr"], out["repr"]
         assert out["dcp_diff"] == 0.0
         assert out["rng_same"] and out["torch_fsdp_rng_same"] and out["torch_replicated_rng_same"]
-        assert out["seed"] == 100 and out["initial_seed"] == 100 + r    # rank 0's initial_seed, agreed
+        assert out["seed"] == 100 and out["initial_seed"] == 100 + r  # rank 0's initial_seed, agreed
         assert "layers.1.fc2.bias" in out["changed"] and "replicas" in out["changed"], out["changed"]
         assert "replicas" in out["control_error"], out["control_error"]
-        assert max(out["control"].values()) > 1.0, out["control"]      # without the broadcast: another model
+        assert max(out["control"].values()) > 1.0, out["control"]  # without the broadcast: another model
         for name in ("torch_fsdp", "torch_replicated"):
             assert out[f"{name}_init"]["broadcast_bytes"] > 0, out[f"{name}_init"]
             assert any("from rank 0" in line for line in out[f"{name}_dump"]), out[f"{name}_dump"]

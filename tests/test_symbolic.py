@@ -1,4 +1,5 @@
 """The sympy batch formula of a fixed plan equals the cost model evaluated at other batch sizes."""
+
 import pytest
 import sympy
 
@@ -20,8 +21,14 @@ def test_batch_formula_matches_replanning_with_same_placements():
     assert float(f["compute_s"].subs(b, 4)) == pytest.approx(p4.predicted["compute_s"], rel=1e-9)
     assert float(f["comm_s"].subs(b, 4)) == pytest.approx(p4.predicted["comm_s"], rel=1e-9)
     # the same placements costed from scratch at batch 8 (no re-solve): the formula must give them exactly
-    st8 = PlanState(capture(m, M.example_inputs("llama-tiny", batch=8, device="meta")), st.mesh, st.cluster,
-                    st.precision, st.budget, dict(st.options))
+    st8 = PlanState(
+        capture(m, M.example_inputs("llama-tiny", batch=8, device="meta")),
+        st.mesh,
+        st.cluster,
+        st.precision,
+        st.budget,
+        dict(st.options),
+    )
     run_passes(st8, ("regions", "candidates", "costs"))
     st8.placement, st8.solution = st.placement, st.solution
     run_passes(st8, ("redistribute", "buckets"))
@@ -39,9 +46,11 @@ def test_batch_formula_counts_a_flattened_gradient_bucket_once(flatten, monkeypa
     m = M.build_model("llama-tiny")
     x4 = M.example_inputs("llama-tiny", batch=4, device="meta")
     force = {k: ("R", "R") for k, _ in m.named_parameters()}
-    from autopar.backends.engines_ref import batch_pin   # batch-sharded activations: else it gathers its tokens
-    p4, st = autopar.plan(m, (2, 2), x4, cluster="cpu-gloo", return_state=True, force=force,
-                          pin=batch_pin([0, 1], tuple(x4[0].shape)))
+    from autopar.backends.engines_ref import batch_pin  # batch-sharded activations: else it gathers its tokens
+
+    p4, st = autopar.plan(
+        m, (2, 2), x4, cluster="cpu-gloo", return_state=True, force=force, pin=batch_pin([0, 1], tuple(x4[0].shape))
+    )
     flat = [bk for bk in p4.buckets if isinstance(bk["mesh_dim"], list)]
     assert bool(flat) == flatten and all(bk["group"] == 4 for bk in flat)
     f = batch_formula(st, m, x4)
@@ -57,7 +66,8 @@ def test_batch_formula_prices_shares_recompute_and_overlap_as_the_prediction(ove
     m = M.build_model("llama-tiny")
     x4 = M.example_inputs("llama-tiny", batch=4, device="meta")
     from autopar.backends.engines_ref import torchtitan_placements
-    force, pin = torchtitan_placements(m, ("tp",), None, "tp", tuple(x4[0].shape))   # TP + sequence parallel
+
+    force, pin = torchtitan_placements(m, ("tp",), None, "tp", tuple(x4[0].shape))  # TP + sequence parallel
     kw = dict(cluster="h100", force=force, pin=pin, overlap=overlap)
     free = autopar.plan(m, (2,), x4, **kw)
     p4, st = autopar.plan(m, (2,), x4, return_state=True, memory_budget=0.8 * free.predicted["peak_mem_bytes"], **kw)

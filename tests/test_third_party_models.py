@@ -9,6 +9,7 @@ model failing on one rank fails on all and the launch goes on), shared by the te
 Models that do not pass today are strict xfails naming the stage and error benchmarks/models.py recorded: a fix
 shows up as an XPASS failure, and its mark is then removed. The table: benchmarks/results/models.md.
 """
+
 from __future__ import annotations
 
 import os
@@ -33,14 +34,16 @@ FLAKY: set[str] = set()
 
 
 def _params(known: dict):
-    return [pytest.param(n, marks=pytest.mark.xfail(strict=n not in FLAKY, reason=known[n])) if n in known else n
-            for n in ZOO]
+    return [
+        pytest.param(n, marks=pytest.mark.xfail(strict=n not in FLAKY, reason=known[n])) if n in known else n
+        for n in ZOO
+    ]
 
 
 @pytest.fixture(scope="module")
 def records(tmp_path_factory):
     recs, why = zoo_check.run_suite(list(ZOO), "as-is", tmp_path_factory.mktemp("zoo"), LAUNCH_TIMEOUT_S)
-    if why:         # the models the ranks finished keep their records; the rest fail at stage "launch"
+    if why:  # the models the ranks finished keep their records; the rest fail at stage "launch"
         print(why[-6000:])
     return {r["model"]: r for r in recs}
 

@@ -8,6 +8,7 @@ compared (wk/wv S0 or S1) both gathered q/k/v on tp and ran attention on the que
 Capture now makes enable_gqa's head repeat explicit (kv.repeat_interleave, torch's math semantics) and records
 the fused attention op, whose rule shards the heads.
 """
+
 from __future__ import annotations
 
 import copy
@@ -58,13 +59,14 @@ def test_titan_llama3_8b_shape_plans_megatron_on_tp():
     h100 mesh: every block's wq/wk/wv/w1/w3 is S0 on tp and wo/w2 S1, the attention op computes with its heads
     sharded on tp, and no q/k/v is gathered on tp before it."""
     args = dataclasses.replace(llama3.llama3_args["8B"], n_layers=2)
-    assert args.n_kv_heads < args.n_heads                 # GQA: the case the math path lost
+    assert args.n_kv_heads < args.n_heads  # GQA: the case the math path lost
     with torch.device("meta"):
         model = TitanLoss(llama3.Transformer(args).to(torch.bfloat16))
     tok = torch.randint(0, args.vocab_size, (8, 2048), device="meta")
     t = time.perf_counter()
-    plan, state = autopar.plan(model, autopar.MeshSpec((8, 8), ("dp", "tp")), (tok, tok.clone()), cluster="h100",
-                               return_state=True)
+    plan, state = autopar.plan(
+        model, autopar.MeshSpec((8, 8), ("dp", "tp")), (tok, tok.clone()), cluster="h100", return_state=True
+    )
     print(f"plan 2 layers: {time.perf_counter() - t:.1f} s, step {plan.predicted['step_s'] * 1e3:.3f} ms")
     tp = tp_layout(plan.params)
     assert {n: tp[n] for n in COLUMN + ROW} == {**{n: {"S0"} for n in COLUMN}, **{n: {"S1"} for n in ROW}}, tp
@@ -75,13 +77,21 @@ def test_titan_llama3_8b_shape_plans_megatron_on_tp():
     for n in attn:
         pl = state.placement[n.idx]
         assert pl.out[0] == ("S0", "S1") and all(p == ("S0", "S1") for p in pl.ins), (n.name, pl)
-        for j in range(3):                                 # q, k, v arrive head-sharded: nothing gathered on tp
+        for j in range(3):  # q, k, v arrive head-sharded: nothing gathered on tp
             assert (n.idx, j) not in state.redistributes, (n.name, j, state.redistributes[(n.idx, j)])
 
 
 def _small_gqa():
-    args = dataclasses.replace(llama3.llama3_args["debugmodel"], dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
-                               vocab_size=128, max_seq_len=16, multiple_of=32)
+    args = dataclasses.replace(
+        llama3.llama3_args["debugmodel"],
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        vocab_size=128,
+        max_seq_len=16,
+        multiple_of=32,
+    )
     torch.manual_seed(0)
     with torch.device("meta"):
         model = llama3.Transformer(args)
@@ -109,7 +119,7 @@ def test_titan_gqa_fused_attention_head_sharded_matches_single_device():
         meta_model = copy.deepcopy(model).to("meta")
     plan, state = autopar.plan(meta_model, (2, 2), meta_x, cluster=SHAPES, force=force, return_state=True)
     attn = [n for n in state.graph.nodes if n.target is SDPA]
-    assert attn and all(state.placement[n.idx].out[0][1] == "S1" for n in attn)    # heads on tp
+    assert attn and all(state.placement[n.idx].out[0][1] == "S1" for n in attn)  # heads on tp
     ref = copy.deepcopy(model)
     with simulated((2, 2)) as mesh:
         pm = autopar.parallelize(model, mesh, x, planned=(plan, state))

@@ -2,6 +2,7 @@
 parameters kept where they are), an indivisible batch, ranks with different shapes, eval under inference_mode
 (a forward-only plan), and gradient accumulation (no_sync / set_requires_gradient_sync) with its collectives counted
 per micro-step. Every number is compared with one device: |diff| <= 1e-6 + 1e-4 max|ref|."""
+
 from __future__ import annotations
 
 import copy
@@ -77,22 +78,28 @@ def job(tmp):
     from autopar.backends.comm import CommCounter, compare
     from autopar.backends.engines_ref import batch_pin
     from autopar.backends.shapes import ShapeMismatchError
+
     out = {}
     t0 = time.perf_counter()
-    say = lambda what: print(f"{time.perf_counter() - t0:7.2f} s  {what}", flush=True)     # the log's timeline
+    say = lambda what: print(f"{time.perf_counter() - t0:7.2f} s  {what}", flush=True)  # the log's timeline
     torch.manual_seed(SEED)
     model = Net()
     ref = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    force = {"embed.weight": ("S0",), "fc1.weight": ("S0",), "fc1.bias": ("S0",),     # FSDP-like
-             "fc2.weight": ("R",), "fc2.bias": ("R",)}                               # DDP-like
+    force = {
+        "embed.weight": ("S0",),
+        "fc1.weight": ("S0",),
+        "fc1.bias": ("S0",),  # FSDP-like
+        "fc2.weight": ("R",),
+        "fc2.bias": ("R",),
+    }  # DDP-like
     x8 = _batch(8, 16, 1)
     pm = autopar.parallelize(model, mesh, x8, cluster=SHAPES, force=force, pin=batch_pin([0]))
     first = {k: list(v) for k, v in pm.plan.params.items()}
     out["sharded"] = [k for k, v in first.items() if v != ["R"]]
     out["input_placement"] = list(pm.program.P[pm.program.g.inputs[0]].out[0])
 
-    say('the first shape, then a new batch and se')
+    say("the first shape, then a new batch and se")
     # --- the first shape, then a new batch and sequence length (re-plan), then the first again (cached)
     with CommCounter(mesh) as cc:
         out["loss8"] = _step(pm, ref, x8, 1)
@@ -105,17 +112,17 @@ def job(tmp):
     out["loss4"] = _step(pm, ref, x4, 2)
     out["first_step4_s"] = time.perf_counter() - t
     out["worst4"] = _worst(pm, ref)
-    out["replans"] = [dict(r, plan_s=round(r["plan_s"], 3), total_s=round(r["total_s"], 3))
-                      for r in pm.plan_cache.replans]
+    out["replans"] = [
+        dict(r, plan_s=round(r["plan_s"], 3), total_s=round(r["total_s"], 3)) for r in pm.plan_cache.replans
+    ]
     pm.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
     out["loss4b"] = _step(pm, ref, _batch(4, 12, 3), 3)
     out["loss8b"] = _step(pm, ref, _batch(8, 16, 4), 4)
     out["n_programs"] = len(pm.programs)
-    out["placements_kept"] = all({k: list(v) for k, v in p.plan.params.items()} == first
-                                 for p in pm.programs.values())
+    out["placements_kept"] = all({k: list(v) for k, v in p.plan.params.items()} == first for p in pm.programs.values())
     pm.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
 
-    say('5 rows on 2 ranks with the batch pinned ')
+    say("5 rows on 2 ranks with the batch pinned ")
     # --- 5 rows on 2 ranks with the batch pinned sharded: a clear error on every rank, and the module still works
     try:
         pm(*_batch(5, 16, 5))
@@ -123,7 +130,7 @@ def job(tmp):
     except ValueError as e:
         out["uneven"] = str(e)
 
-    say('ranks with different shapes: ShapeMismat')
+    say("ranks with different shapes: ShapeMismat")
     # --- ranks with different shapes: ShapeMismatchError on both, before any collective of a plan
     try:
         pm(*_batch(6, 8 + 2 * dist.get_rank(), 6))
@@ -131,24 +138,27 @@ def job(tmp):
     except ShapeMismatchError as e:
         out["mismatch"] = str(e)
 
-    say('eval under inference_mode at a new batch')
+    say("eval under inference_mode at a new batch")
     # --- eval under inference_mode at a new batch size: a forward-only plan, one device's eval loss
     pm.eval(), ref.eval()
     x6 = _batch(6, 16, 7)
     with torch.inference_mode():
-        got = pm(*x6).item()              # plans (the ranks agree on the shape and on the plan first)
+        got = pm(*x6).item()  # plans (the ranks agree on the shape and on the plan first)
     with torch.no_grad(), CommCounter(mesh) as cc:
         out["eval_again"] = pm(*x6).item()
     with torch.no_grad():
         out["eval"] = (got, ref(*x6).item())
     ev = pm.programs[max(pm.programs, key=lambda k: (not k[1], not k[2]))]
-    out["eval_plan"] = {"buckets": len(ev.plan.buckets), "bw_nodes": sum(n.phase == "bw" for n in ev.g.nodes),
-                        "collectives": [list(r) for r in cc.records],
-                        "diff": compare(cc.records, ev.plan.collectives()),
-                        "train_plan_collectives": len(pm.plan.collectives())}
+    out["eval_plan"] = {
+        "buckets": len(ev.plan.buckets),
+        "bw_nodes": sum(n.phase == "bw" for n in ev.g.nodes),
+        "collectives": [list(r) for r in cc.records],
+        "diff": compare(cc.records, ev.plan.collectives()),
+        "train_plan_collectives": len(pm.plan.collectives()),
+    }
     pm.train(), ref.train()
 
-    say('accumulation: 2 micro-steps under no_syn')
+    say("accumulation: 2 micro-steps under no_syn")
     # --- accumulation: 2 micro-steps under no_sync, 1 outside; the same 3 micro-batches on one device
     micro = [_batch(8, 16, 20 + k) for k in range(3)]
     counts, losses = [], []
@@ -167,11 +177,13 @@ def job(tmp):
     out["acc_losses"] = losses
     out["acc_worst"] = _worst(pm, ref)
     out["full_count"] = full
-    prog = pm.program         # the plan's gradient reductions: its buckets and any unbucketed redistribute
+    prog = pm.program  # the plan's gradient reductions: its buckets and any unbucketed redistribute
     bucketed = {f for bs in prog.chains.values() for f in bs[0]["params"]}
-    out["grad_comm"] = len(prog.plan.buckets) + sum(len(prog.red[(prog.g.params[f], "opt")][2])
-                                                    for f in prog.grad_fqns if f not in bucketed
-                                                    and (prog.g.params[f], "opt") in prog.red)
+    out["grad_comm"] = len(prog.plan.buckets) + sum(
+        len(prog.red[(prog.g.params[f], "opt")][2])
+        for f in prog.grad_fqns
+        if f not in bucketed and (prog.g.params[f], "opt") in prog.red
+    )
     pm.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
 
     say("FSDP2's spelling, micro-batches of two s")
@@ -191,8 +203,14 @@ def job(tmp):
     torch.manual_seed(SEED)
     model = Net()
     ref = copy.deepcopy(model)
-    ddp = autopar.parallelize(model, mesh, x8, cluster=SHAPES, force={k: ("R",) for k, _ in model.named_parameters()},
-                              pin=batch_pin([0], (8, 16)))       # every activation batch-sharded, as DDP
+    ddp = autopar.parallelize(
+        model,
+        mesh,
+        x8,
+        cluster=SHAPES,
+        force={k: ("R",) for k, _ in model.named_parameters()},
+        pin=batch_pin([0], (8, 16)),
+    )  # every activation batch-sharded, as DDP
     with CommCounter(mesh) as cc:
         _step(ddp, ref, x8, 60)
     out["ddp_full"] = [list(r) for r in cc.records]
@@ -227,10 +245,14 @@ def test_shapes_eval_accumulation(tmp_path):
         # one re-plan for (4, 12), none for the second call of it or for the first shape again
         assert len(r["replans"]) >= 1 and r["replans"][0]["shapes"][0] == [4, 12], r["replans"]
         assert r["n_programs"] == 2 and r["placements_kept"]
-        assert "input 'tokens' dim 0 has size 5" in r["uneven"] and "mesh dim 0 ('dp', 2 ranks)" in r["uneven"], \
-            r["uneven"]
-        assert "different global input shapes" in r["mismatch"] and "(6, 8)" in r["mismatch"] and \
-            "(6, 10)" in r["mismatch"], r["mismatch"]
+        assert "input 'tokens' dim 0 has size 5" in r["uneven"] and "mesh dim 0 ('dp', 2 ranks)" in r["uneven"], r[
+            "uneven"
+        ]
+        assert (
+            "different global input shapes" in r["mismatch"]
+            and "(6, 8)" in r["mismatch"]
+            and "(6, 10)" in r["mismatch"]
+        ), r["mismatch"]
         # eval: dropout off (one device's eval loss), forward only: no backward nodes, no buckets, no gradient
         # collective, exactly the plan's collectives
         assert _close(*r["eval"]) and _close(r["eval_again"], r["eval"][1]), r["eval"]
@@ -240,7 +262,7 @@ def test_shapes_eval_accumulation(tmp_path):
         # accumulation: no gradient collective under no_sync (no reduce_scatter, and the full step's count less
         # its gradient reductions), the last micro-step the full step; one device's accumulated gradient
         grad_comm = r["grad_comm"]
-        assert grad_comm >= 2, grad_comm            # a reduce_scatter (sharded) and an all_reduce (fc2)
+        assert grad_comm >= 2, grad_comm  # a reduce_scatter (sharded) and an all_reduce (fc2)
         c0, c1, c2 = (len(c) for c in r["acc_counts"])
         assert c0 == c1 == r["full_count"] - grad_comm, (c0, c1, r["full_count"], grad_comm)
         assert all(c[0] != "reduce_scatter" for c in r["acc_counts"][0] + r["acc_counts"][1])
@@ -254,5 +276,5 @@ def test_shapes_eval_accumulation(tmp_path):
         assert r["ddp_flat"] >= 1 and nb >= 1 and all(c[0] == "all_reduce" for c in r["ddp_full"]), r
         assert [len(c) for c in r["ddp_counts"]] == [n - nb, n - nb, n], r["ddp_counts"]
         assert r["ddp_worst"] <= 1 and all(_close(*x) for x in r["ddp_losses"]), (r["ddp_worst"], r["ddp_losses"])
-        assert r["mixed"][1] == c0, r["mixed"]        # no_sync by set_requires_gradient_sync(False)
+        assert r["mixed"][1] == c0, r["mixed"]  # no_sync by set_requires_gradient_sync(False)
         assert r["mixed_worst"] <= 1 and _close(*r["mixed"][0]) and _close(*r["mixed"][2]), r["mixed"]

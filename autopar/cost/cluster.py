@@ -3,108 +3,141 @@
 Numbers are dense (no sparsity) peaks; bandwidths are unidirectional bytes/s per rank.
 Seed figures: /work/shared/reference/seed_figures.json "hardware" (copied into tests/test_seed_figures.py).
 """
+
 from __future__ import annotations
-import json, math, os
+import json
+import math
+import os
 from dataclasses import dataclass, asdict
 import torch
 
 _DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp32"}
 for _n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
-  if hasattr(torch, _n): _DTYPE_KEY[getattr(torch, _n)] = "fp8"
+    if hasattr(torch, _n):
+        _DTYPE_KEY[getattr(torch, _n)] = "fp8"
+
 
 @dataclass(frozen=True)
 class DeviceSpec:
-  name: str
-  peak_flops: dict[str, float]   # "bf16","fp16","fp32","tf32","fp8" -> dense FLOP/s
-  mem_bw: float                  # bytes/s HBM (or DRAM)
-  mem_bytes: float               # capacity per device, bytes
-  matmul_eff: float = 0.7        # achievable fraction of peak for large matmuls
-  mem_eff: float = 0.8           # achievable fraction of mem_bw
-  op_overhead: float = 0.0       # fixed seconds per op (dispatch / launch); 0 for GPU presets (launches overlap)
+    name: str
+    peak_flops: dict[str, float]  # "bf16","fp16","fp32","tf32","fp8" -> dense FLOP/s
+    mem_bw: float  # bytes/s HBM (or DRAM)
+    mem_bytes: float  # capacity per device, bytes
+    matmul_eff: float = 0.7  # achievable fraction of peak for large matmuls
+    mem_eff: float = 0.8  # achievable fraction of mem_bw
+    op_overhead: float = 0.0  # fixed seconds per op (dispatch / launch); 0 for GPU presets (launches overlap)
 
-  def flops_for(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
-    """Peak dense FLOP/s for matmuls in `dtype`. Missing keys fall back (fp8 -> bf16 -> fp32)."""
-    key = _DTYPE_KEY.get(dtype, "fp32")
-    if key == "fp32" and allow_tf32 and "tf32" in self.peak_flops: key = "tf32"
-    for k in (key, "bf16" if key == "fp8" else key, "fp32"):
-      if k in self.peak_flops: return float(self.peak_flops[k])
-    return float(max(self.peak_flops.values()))
+    def flops_for(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
+        """Peak dense FLOP/s for matmuls in `dtype`. Missing keys fall back (fp8 -> bf16 -> fp32)."""
+        key = _DTYPE_KEY.get(dtype, "fp32")
+        if key == "fp32" and allow_tf32 and "tf32" in self.peak_flops:
+            key = "tf32"
+        for k in (key, "bf16" if key == "fp8" else key, "fp32"):
+            if k in self.peak_flops:
+                return float(self.peak_flops[k])
+        return float(max(self.peak_flops.values()))
 
-  def __hash__(self): return hash((self.name, tuple(sorted(self.peak_flops.items())), self.mem_bw, self.mem_bytes,
-                                   self.op_overhead))
+    def __hash__(self):
+        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.mem_bw, self.mem_bytes, self.op_overhead))
+
 
 @dataclass(frozen=True)
 class LinkSpec:
-  name: str
-  alpha: float   # seconds per message step (latency)
-  bw: float      # bytes/s, unidirectional per rank
-  kinds: tuple = ()   # ((kind, alpha, bw[, launch]), ...): a calibrated link's fit per kind; other kinds: the link's
-  launch: float = 0.0  # seconds per collective call whatever its group size (0 for the analytic presets)
+    name: str
+    alpha: float  # seconds per message step (latency)
+    bw: float  # bytes/s, unidirectional per rank
+    kinds: tuple = ()  # ((kind, alpha, bw[, launch]), ...): a calibrated link's fit per kind; other kinds: the link's
+    launch: float = 0.0  # seconds per collective call whatever its group size (0 for the analytic presets)
 
-  def __post_init__(self):   # JSON: {"all_gather": [alpha, bw(, launch)], ...} or [[kind, alpha, bw(, launch)], ...]
-    rows = [(k, *v) for k, v in self.kinds.items()] if isinstance(self.kinds, dict) else self.kinds
-    object.__setattr__(self, "launch", float(self.launch))
-    object.__setattr__(self, "kinds", tuple(sorted((str(r[0]), float(r[1]), float(r[2]),
-                                                    float(r[3]) if len(r) > 3 else self.launch) for r in rows)))
-    object.__setattr__(self, "_hash", hash((self.name, self.alpha, self.bw, self.kinds, self.launch)))
+    def __post_init__(self):  # JSON: {"all_gather": [alpha, bw(, launch)], ...} or [[kind, alpha, bw(, launch)], ...]
+        rows = [(k, *v) for k, v in self.kinds.items()] if isinstance(self.kinds, dict) else self.kinds
+        object.__setattr__(self, "launch", float(self.launch))
+        object.__setattr__(
+            self,
+            "kinds",
+            tuple(
+                sorted((str(r[0]), float(r[1]), float(r[2]), float(r[3]) if len(r) > 3 else self.launch) for r in rows)
+            ),
+        )
+        object.__setattr__(self, "_hash", hash((self.name, self.alpha, self.bw, self.kinds, self.launch)))
 
-  def __hash__(self): return self._hash
+    def __hash__(self):
+        return self._hash
 
-  def of(self, kind: str) -> tuple[float, float]:
-    """(alpha, bw) of one collective kind on this link."""
-    for k, a, b, _ in self.kinds:     # empty for the analytic presets
-      if k == kind: return a, b
-    return self.alpha, self.bw
+    def of(self, kind: str) -> tuple[float, float]:
+        """(alpha, bw) of one collective kind on this link."""
+        for k, a, b, _ in self.kinds:  # empty for the analytic presets
+            if k == kind:
+                return a, b
+        return self.alpha, self.bw
 
-  def launch_of(self, kind: str) -> float:
-    """Seconds one collective call of `kind` costs on top of its ring steps and bytes."""
-    for k, _, _, c in self.kinds:
-      if k == kind: return c
-    return self.launch
+    def launch_of(self, kind: str) -> float:
+        """Seconds one collective call of `kind` costs on top of its ring steps and bytes."""
+        for k, _, _, c in self.kinds:
+            if k == kind:
+                return c
+        return self.launch
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
-  name: str
-  device: DeviceSpec
-  gpus_per_node: int
-  intra: LinkSpec
-  inter: LinkSpec
+    name: str
+    device: DeviceSpec
+    gpus_per_node: int
+    intra: LinkSpec
+    inter: LinkSpec
 
-  def __post_init__(self):   # a key of the planner's cost caches: hashed once
-    object.__setattr__(self, "_hash", hash((self.name, self.device, self.gpus_per_node, self.intra, self.inter)))
+    def __post_init__(self):  # a key of the planner's cost caches: hashed once
+        object.__setattr__(self, "_hash", hash((self.name, self.device, self.gpus_per_node, self.intra, self.inter)))
 
-  def __hash__(self): return self._hash
+    def __hash__(self):
+        return self._hash
 
-  def link_for(self, mesh_shape: tuple[int, ...], dim: int) -> LinkSpec:
-    """Link used by the process group along mesh dim `dim`. Ranks are row-major over mesh_shape (last dim
-    fastest) and nodes hold consecutive ranks; the group along `dim` spans stride*size consecutive ranks
-    (stride = prod(mesh_shape[dim+1:])). It stays in one node iff that span tiles a node exactly."""
-    mesh_shape = tuple(int(s) for s in mesh_shape)
-    dim = dim % len(mesh_shape)
-    if mesh_shape[dim] <= 1 or math.prod(mesh_shape) <= self.gpus_per_node: return self.intra
-    span = math.prod(mesh_shape[dim:])
-    return self.intra if span <= self.gpus_per_node and self.gpus_per_node % span == 0 else self.inter
+    def link_for(self, mesh_shape: tuple[int, ...], dim: int) -> LinkSpec:
+        """Link used by the process group along mesh dim `dim`. Ranks are row-major over mesh_shape (last dim
+        fastest) and nodes hold consecutive ranks; the group along `dim` spans stride*size consecutive ranks
+        (stride = prod(mesh_shape[dim+1:])). It stays in one node iff that span tiles a node exactly."""
+        mesh_shape = tuple(int(s) for s in mesh_shape)
+        dim = dim % len(mesh_shape)
+        if mesh_shape[dim] <= 1 or math.prod(mesh_shape) <= self.gpus_per_node:
+            return self.intra
+        span = math.prod(mesh_shape[dim:])
+        return self.intra if span <= self.gpus_per_node and self.gpus_per_node % span == 0 else self.inter
 
-  @property
-  def peak_bf16(self) -> float: return self.device.flops_for(torch.bfloat16)
+    @property
+    def peak_bf16(self) -> float:
+        return self.device.flops_for(torch.bfloat16)
 
-  def to_json(self) -> dict: return asdict(self)
+    def to_json(self) -> dict:
+        return asdict(self)
 
-  @classmethod
-  def from_json(cls, d: dict) -> ClusterSpec:
-    return cls(name=d["name"], device=DeviceSpec(**d["device"]), gpus_per_node=int(d["gpus_per_node"]),
-               intra=LinkSpec(**d["intra"]), inter=LinkSpec(**d["inter"]))
+    @classmethod
+    def from_json(cls, d: dict) -> ClusterSpec:
+        return cls(
+            name=d["name"],
+            device=DeviceSpec(**d["device"]),
+            gpus_per_node=int(d["gpus_per_node"]),
+            intra=LinkSpec(**d["intra"]),
+            inter=LinkSpec(**d["inter"]),
+        )
 
-  def save(self, path: str) -> None:
-    with open(path, "w") as f: json.dump(self.to_json(), f, indent=1)
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+
 
 # ---- presets ----
 GB = 1e9
-_H100 = DeviceSpec("H100-SXM", {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp32": 66.9e12},
-                   mem_bw=3.35e12, mem_bytes=80 * GB)
+_H100 = DeviceSpec(
+    "H100-SXM",
+    {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp32": 66.9e12},
+    mem_bw=3.35e12,
+    mem_bytes=80 * GB,
+)
 _H200 = DeviceSpec("H200-SXM", dict(_H100.peak_flops), mem_bw=4.8e12, mem_bytes=141 * GB)
-_A100 = DeviceSpec("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
-                   mem_bw=2.0e12, mem_bytes=80 * GB)
+_A100 = DeviceSpec(
+    "A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, mem_bw=2.0e12, mem_bytes=80 * GB
+)
 # cpu-gloo: one rank of 4 gloo ranks sharing the 2-core reference (CI) machine, OMP_NUM_THREADS=1 each, as the
 # tests and benchmarks run them. Four runs of `python benchmarks/cpu_calibrate.py`, pooled by `--refit`
 # (results/cpu_gloo_calibrated.json). Device: the copy bandwidth (8.6 GB/s per rank, median), and a FLOP rate and a
@@ -117,30 +150,51 @@ _A100 = DeviceSpec("A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156
 # ms per ring step, one fit per kind (gloo runs each kind its own way; median error 11%): two pair all_reduces of a
 # loss's 8 bytes cost more than one over the 4 ranks (6.5 vs 5.8 ms), as a direct A/B measures (4.3 vs 2.2 ms).
 # Calibrate your own machine with it.
-_CPU = DeviceSpec("cpu", {"fp32": 47e9, "bf16": 47e9, "fp16": 47e9}, mem_bw=8.6e9, mem_bytes=16 * GB,
-                  matmul_eff=1.0, mem_eff=1.0, op_overhead=39e-6)
+_CPU = DeviceSpec(
+    "cpu",
+    {"fp32": 47e9, "bf16": 47e9, "fp16": 47e9},
+    mem_bw=8.6e9,
+    mem_bytes=16 * GB,
+    matmul_eff=1.0,
+    mem_eff=1.0,
+    op_overhead=39e-6,
+)
 
-_NVLINK4 = LinkSpec("nvlink4", alpha=3e-6, bw=450 * GB)       # seed: 450 GB/s, alpha 2-5 us
+_NVLINK4 = LinkSpec("nvlink4", alpha=3e-6, bw=450 * GB)  # seed: 450 GB/s, alpha 2-5 us
 _NVLINK3 = LinkSpec("nvlink3", alpha=3e-6, bw=300 * GB)
-_IB_NDR = LinkSpec("ib-ndr400", alpha=15e-6, bw=40 * GB)      # seed: 40 GB/s effective, alpha 10-20 us
+_IB_NDR = LinkSpec("ib-ndr400", alpha=15e-6, bw=40 * GB)  # seed: 40 GB/s effective, alpha 10-20 us
 _IB_HDR = LinkSpec("ib-hdr200", alpha=15e-6, bw=25 * GB)
-_LOOP = LinkSpec("gloo-loopback", alpha=0.71e-3, bw=0.85 * GB, launch=2.03e-3,     # (kind, alpha, bw, launch)
-                 kinds=(("all_gather", 1.27e-3, 0.68 * GB, 1.48e-3), ("all_reduce", 0.64e-3, 1.02 * GB, 1.98e-3),
-                        ("all_to_all", 0.60e-3, 0.98 * GB, 1.75e-3), ("reduce_scatter", 1.51e-3, 0.36 * GB, 1.69e-3)))
+_LOOP = LinkSpec(
+    "gloo-loopback",
+    alpha=0.71e-3,
+    bw=0.85 * GB,
+    launch=2.03e-3,  # (kind, alpha, bw, launch)
+    kinds=(
+        ("all_gather", 1.27e-3, 0.68 * GB, 1.48e-3),
+        ("all_reduce", 0.64e-3, 1.02 * GB, 1.98e-3),
+        ("all_to_all", 0.60e-3, 0.98 * GB, 1.75e-3),
+        ("reduce_scatter", 1.51e-3, 0.36 * GB, 1.69e-3),
+    ),
+)
 
 CLUSTERS: dict[str, ClusterSpec] = {
-  "h100": ClusterSpec("h100", _H100, 8, _NVLINK4, _IB_NDR),
-  "h200": ClusterSpec("h200", _H200, 8, _NVLINK4, _IB_NDR),
-  "a100": ClusterSpec("a100", _A100, 8, _NVLINK3, _IB_HDR),
-  "cpu-gloo": ClusterSpec("cpu-gloo", _CPU, 1 << 20, _LOOP, _LOOP),
+    "h100": ClusterSpec("h100", _H100, 8, _NVLINK4, _IB_NDR),
+    "h200": ClusterSpec("h200", _H200, 8, _NVLINK4, _IB_NDR),
+    "a100": ClusterSpec("a100", _A100, 8, _NVLINK3, _IB_HDR),
+    "cpu-gloo": ClusterSpec("cpu-gloo", _CPU, 1 << 20, _LOOP, _LOOP),
 }
 
+
 def get_cluster(name_or_path: str | ClusterSpec) -> ClusterSpec:
-  """A ClusterSpec, a preset name from CLUSTERS, or a path to a JSON file written by ClusterSpec.to_json."""
-  if isinstance(name_or_path, ClusterSpec): return name_or_path
-  key = str(name_or_path)
-  if key in CLUSTERS: return CLUSTERS[key]
-  if key.lower() in CLUSTERS: return CLUSTERS[key.lower()]
-  if os.path.isfile(key):
-    with open(key) as f: return ClusterSpec.from_json(json.load(f))
-  raise ValueError(f"unknown cluster {key!r}: not a file and not one of {sorted(CLUSTERS)}")
+    """A ClusterSpec, a preset name from CLUSTERS, or a path to a JSON file written by ClusterSpec.to_json."""
+    if isinstance(name_or_path, ClusterSpec):
+        return name_or_path
+    key = str(name_or_path)
+    if key in CLUSTERS:
+        return CLUSTERS[key]
+    if key.lower() in CLUSTERS:
+        return CLUSTERS[key.lower()]
+    if os.path.isfile(key):
+        with open(key) as f:
+            return ClusterSpec.from_json(json.load(f))
+    raise ValueError(f"unknown cluster {key!r}: not a file and not one of {sorted(CLUSTERS)}")

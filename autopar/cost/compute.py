@@ -3,6 +3,7 @@
 FLOPs come from torch.utils.flop_counter's registry (the same formulas FlopCounterMode uses; attention is
 counted without a causal discount, as torch does). Ops without a formula count 0 FLOPs and are memory bound.
 """
+
 from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
@@ -15,50 +16,69 @@ aten = torch.ops.aten
 # and their leading args line up (q, k, v, ... / grad_out, q, k, v, ...), so reuse torch's formulas directly.
 # Registered into torch's registry so FlopCounterMode counts them too; skipped if torch already has them.
 _ALIASES = {
-  aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
-  aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu: aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: aten._scaled_dot_product_flash_attention_backward,
 }
 for _op, _src in _ALIASES.items():
-  if _op not in flop_registry and _src in flop_registry: flop_registry[_op] = flop_registry[_src]
+    if _op not in flop_registry and _src in flop_registry:
+        flop_registry[_op] = flop_registry[_src]
+
 
 def _packet(func):
-  return getattr(func, "overloadpacket", func)
+    return getattr(func, "overloadpacket", func)
 
-def has_flop_formula(func) -> bool: return _packet(func) in flop_registry
+
+def has_flop_formula(func) -> bool:
+    return _packet(func) in flop_registry
+
 
 def op_flops(func, args, kwargs, out) -> int:
-  """FLOPs of one aten op call (func: OpOverload or OpOverloadPacket) on real/fake/meta tensors; 0 if no formula."""
-  f = flop_registry.get(_packet(func))
-  if f is None: return 0
-  return int(f(*args, **(kwargs or {}), out_val=out))
+    """FLOPs of one aten op call (func: OpOverload or OpOverloadPacket) on real/fake/meta tensors; 0 if no formula."""
+    f = flop_registry.get(_packet(func))
+    if f is None:
+        return 0
+    return int(f(*args, **(kwargs or {}), out_val=out))
+
 
 def _tensors(tree) -> list[torch.Tensor]:
-  seen, ts = set(), []
-  for t in tree_leaves(tree):
-    if isinstance(t, torch.Tensor) and id(t) not in seen: seen.add(id(t)); ts.append(t)
-  return ts
+    seen, ts = set(), []
+    for t in tree_leaves(tree):
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            ts.append(t)
+    return ts
 
-def tensor_bytes(t: torch.Tensor) -> int: return t.numel() * t.element_size()
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
 
 def op_bytes(args, out, kwargs=None) -> int:
-  """Bytes read (distinct tensor inputs in args/kwargs) + bytes written (tensor outputs)."""
-  return sum(map(tensor_bytes, _tensors((args, kwargs or {})))) + sum(map(tensor_bytes, _tensors(out)))
+    """Bytes read (distinct tensor inputs in args/kwargs) + bytes written (tensor outputs)."""
+    return sum(map(tensor_bytes, _tensors((args, kwargs or {})))) + sum(map(tensor_bytes, _tensors(out)))
+
 
 def is_view(op) -> bool:
-  """An op whose output aliases its input (view, t, permute, expand, squeeze, slice...; `_unsafe_view` too): it
-  moves no data, so it costs the device's per-op overhead and no memory traffic."""
-  return bool(getattr(op, "is_view", False)) or op is torch.ops.aten._unsafe_view.default
+    """An op whose output aliases its input (view, t, permute, expand, squeeze, slice...; `_unsafe_view` too): it
+    moves no data, so it costs the device's per-op overhead and no memory traffic."""
+    return bool(getattr(op, "is_view", False)) or op is torch.ops.aten._unsafe_view.default
+
 
 def roofline_time(flops: float, nbytes: float, device: DeviceSpec, dtype: torch.dtype) -> float:
-  """Seconds: max(compute at matmul_eff of the dtype's peak, traffic at mem_eff of memory bandwidth)."""
-  return max(flops / (device.flops_for(dtype) * device.matmul_eff), nbytes / (device.mem_bw * device.mem_eff))
+    """Seconds: max(compute at matmul_eff of the dtype's peak, traffic at mem_eff of memory bandwidth)."""
+    return max(flops / (device.flops_for(dtype) * device.matmul_eff), nbytes / (device.mem_bw * device.mem_eff))
+
 
 def compute_dtype(args, out=None) -> torch.dtype:
-  """The dtype an op computes in: that of its first floating-point tensor (inputs first), else fp32."""
-  for t in _tensors((args, out)):
-    if t.is_floating_point(): return t.dtype
-  return torch.float32
+    """The dtype an op computes in: that of its first floating-point tensor (inputs first), else fp32."""
+    for t in _tensors((args, out)):
+        if t.is_floating_point():
+            return t.dtype
+    return torch.float32
+
 
 def op_time(func, args, kwargs, out, device: DeviceSpec) -> float:
-  """Roofline seconds of one aten op call."""
-  return roofline_time(op_flops(func, args, kwargs, out), op_bytes(args, out, kwargs), device, compute_dtype(args, out))
+    """Roofline seconds of one aten op call."""
+    return roofline_time(
+        op_flops(func, args, kwargs, out), op_bytes(args, out, kwargs), device, compute_dtype(args, out)
+    )

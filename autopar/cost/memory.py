@@ -1,58 +1,77 @@
 """Model-state memory (params, grads, fp32 master copy, optimizer states) per rank, with ZeRO/FSDP sharding."""
+
 from __future__ import annotations
 from dataclasses import dataclass
 
+
 @dataclass(frozen=True)
 class TrainingPrecision:
-  """Bytes per element of each kind of model state."""
-  param: int = 4
-  grad: int = 4
-  master: int = 0          # fp32 master copy of the weights (mixed precision); 0 when params are already fp32
-  optim_states: int = 2    # number of optimizer state tensors per param (AdamW: exp_avg, exp_avg_sq)
-  optim_bytes: int = 4     # bytes per optimizer state element
+    """Bytes per element of each kind of model state."""
 
-  @classmethod
-  def mixed_bf16_adam(cls) -> TrainingPrecision: return cls(param=2, grad=2, master=4, optim_states=2, optim_bytes=4)
-  @classmethod
-  def fp32_adam(cls) -> TrainingPrecision: return cls(param=4, grad=4, master=0, optim_states=2, optim_bytes=4)
-  @classmethod
-  def fp32_sgd(cls) -> TrainingPrecision: return cls(param=4, grad=4, master=0, optim_states=0, optim_bytes=4)
+    param: int = 4
+    grad: int = 4
+    master: int = 0  # fp32 master copy of the weights (mixed precision); 0 when params are already fp32
+    optim_states: int = 2  # number of optimizer state tensors per param (AdamW: exp_avg, exp_avg_sq)
+    optim_bytes: int = 4  # bytes per optimizer state element
 
-  @property
-  def bytes_per_param(self) -> int: return self.param + self.grad + self.master + self.optim_states * self.optim_bytes
+    @classmethod
+    def mixed_bf16_adam(cls) -> TrainingPrecision:
+        return cls(param=2, grad=2, master=4, optim_states=2, optim_bytes=4)
 
-def model_state_bytes(n_params: float, prec: TrainingPrecision, param_shard=1, grad_shard=1, master_shard=1,
-                      optim_shard=1) -> dict[str, float]:
-  """Per-rank bytes of each model-state kind when it is sharded `*_shard` ways."""
-  d = {"params": n_params * prec.param / param_shard, "grads": n_params * prec.grad / grad_shard,
-       "master": n_params * prec.master / master_shard,
-       "optim": n_params * prec.optim_states * prec.optim_bytes / optim_shard}
-  d["total"] = d["params"] + d["grads"] + d["master"] + d["optim"]
-  return d
+    @classmethod
+    def fp32_adam(cls) -> TrainingPrecision:
+        return cls(param=4, grad=4, master=0, optim_states=2, optim_bytes=4)
+
+    @classmethod
+    def fp32_sgd(cls) -> TrainingPrecision:
+        return cls(param=4, grad=4, master=0, optim_states=0, optim_bytes=4)
+
+    @property
+    def bytes_per_param(self) -> int:
+        return self.param + self.grad + self.master + self.optim_states * self.optim_bytes
+
+
+def model_state_bytes(
+    n_params: float, prec: TrainingPrecision, param_shard=1, grad_shard=1, master_shard=1, optim_shard=1
+) -> dict[str, float]:
+    """Per-rank bytes of each model-state kind when it is sharded `*_shard` ways."""
+    d = {
+        "params": n_params * prec.param / param_shard,
+        "grads": n_params * prec.grad / grad_shard,
+        "master": n_params * prec.master / master_shard,
+        "optim": n_params * prec.optim_states * prec.optim_bytes / optim_shard,
+    }
+    d["total"] = d["params"] + d["grads"] + d["master"] + d["optim"]
+    return d
+
 
 # stage -> which of (params, grads, master, optim) are sharded over the data-parallel group
 ZERO_STAGES: dict = {
-  0: (False, False, False, False),       # DDP: everything replicated
-  1: (False, False, True, True),         # ZeRO-1 as usually defined: fp32 master + optimizer states sharded
-  "1-seed": (False, False, False, True),  # seed doc 003 s6.2.7: only the Adam moments sharded (master replicated)
-  2: (False, True, True, True),          # ZeRO-2: + gradients
-  3: (True, True, True, True),           # ZeRO-3 / FSDP2 full shard: everything
+    0: (False, False, False, False),  # DDP: everything replicated
+    1: (False, False, True, True),  # ZeRO-1 as usually defined: fp32 master + optimizer states sharded
+    "1-seed": (False, False, False, True),  # seed doc 003 s6.2.7: only the Adam moments sharded (master replicated)
+    2: (False, True, True, True),  # ZeRO-2: + gradients
+    3: (True, True, True, True),  # ZeRO-3 / FSDP2 full shard: everything
 }
 
+
 def zero_bytes(n_params: float, prec: TrainingPrecision, P: int, stage) -> dict[str, float]:
-  """Per-rank model-state bytes under ZeRO `stage` (0, 1, "1-seed", 2, 3) over P data-parallel ranks.
-  Excludes the transient unsharded layer FSDP gathers during forward/backward."""
-  if stage not in ZERO_STAGES: raise ValueError(f"unknown ZeRO stage {stage!r}; expected one of {list(ZERO_STAGES)}")
-  p, g, m, o = (P if s else 1 for s in ZERO_STAGES[stage])
-  return model_state_bytes(n_params, prec, param_shard=p, grad_shard=g, master_shard=m, optim_shard=o)
+    """Per-rank model-state bytes under ZeRO `stage` (0, 1, "1-seed", 2, 3) over P data-parallel ranks.
+    Excludes the transient unsharded layer FSDP gathers during forward/backward."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"unknown ZeRO stage {stage!r}; expected one of {list(ZERO_STAGES)}")
+    p, g, m, o = (P if s else 1 for s in ZERO_STAGES[stage])
+    return model_state_bytes(n_params, prec, param_shard=p, grad_shard=g, master_shard=m, optim_shard=o)
+
 
 def valid_tp_degrees(n_heads: int, n_kv_heads: int | None, max_tp: int, *other_dims: int) -> list[int]:
-  """Tensor-parallel degrees <= max_tp that evenly split the query heads, the KV heads (GQA: no KV-head
-  replication) and any further sharded dims (e.g. the MLP intermediate size)."""
-  dims = (n_heads, n_kv_heads or n_heads, *other_dims)
-  return [t for t in range(1, max_tp + 1) if all(d % t == 0 for d in dims)]
+    """Tensor-parallel degrees <= max_tp that evenly split the query heads, the KV heads (GQA: no KV-head
+    replication) and any further sharded dims (e.g. the MLP intermediate size)."""
+    dims = (n_heads, n_kv_heads or n_heads, *other_dims)
+    return [t for t in range(1, max_tp + 1) if all(d % t == 0 for d in dims)]
+
 
 def sp_activation_saving_bytes(b: int, s: int, h: int, dtype_bytes: int, tp: int) -> float:
-  """Bytes per layer saved by sequence parallelism on one [b, s, h] activation that TP alone keeps replicated
-  (the LayerNorm/dropout regions): SP shards it tp ways, saving (tp-1)/tp of it."""
-  return b * s * h * dtype_bytes * (tp - 1) / tp
+    """Bytes per layer saved by sequence parallelism on one [b, s, h] activation that TP alone keeps replicated
+    (the LayerNorm/dropout regions): SP shards it tp ways, saving (tp-1)/tp of it."""
+    return b * s * h * dtype_bytes * (tp - 1) / tp

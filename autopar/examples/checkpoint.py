@@ -10,6 +10,7 @@ directory has lost the `.tmp` suffix: rank 0 renames it after `dcp.save` returne
 after every rank's data), so a job killed while saving leaves only a `.tmp` directory, which is never loaded.
 Rank 0 picks the checkpoint to resume from and tells the others, so every rank loads the same one.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,6 +29,7 @@ def path(directory: str, step: int) -> str:
 
 def _state(model, opt, step: int, extra: dict) -> dict:
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
     msd, osd = get_state_dict(model, opt)
     return {"model": msd, "optim": osd, "trainer": {"step": torch.tensor(step, dtype=torch.int64), **extra}}
 
@@ -35,16 +37,17 @@ def _state(model, opt, step: int, extra: dict) -> dict:
 def save(directory: str, step: int, model, opt, extra: dict | None = None) -> str:
     """A checkpoint of the state after `step` (collective: every rank calls it). Returns its directory."""
     import torch.distributed.checkpoint as dcp
+
     final, tmp = path(directory, step), path(directory, step) + ".tmp"
     if dist.get_rank() == 0:
         os.makedirs(directory, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)       # a save of this step cut short by a kill
+        shutil.rmtree(tmp, ignore_errors=True)  # a save of this step cut short by a kill
     dist.barrier()
     dcp.save(_state(model, opt, step, extra or {}), checkpoint_id=tmp)
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-    dist.barrier()                                   # nobody reads the directory while rank 0 renames
+    dist.barrier()  # nobody reads the directory while rank 0 renames
     return final
 
 
@@ -52,8 +55,11 @@ def latest(directory: str) -> int:
     """The step of the last complete checkpoint in `directory` as rank 0 sees it, on every rank (0: none)."""
     step = 0
     if dist.get_rank() == 0 and os.path.isdir(directory):
-        done = [int(m.group(1)) for n in os.listdir(directory) if (m := _NAME.match(n))
-                and os.path.exists(os.path.join(directory, n, ".metadata"))]
+        done = [
+            int(m.group(1))
+            for n in os.listdir(directory)
+            if (m := _NAME.match(n)) and os.path.exists(os.path.join(directory, n, ".metadata"))
+        ]
         step = max(done, default=0)
     t = torch.tensor([step], dtype=torch.int64)
     dist.broadcast(t, src=0)
@@ -65,6 +71,7 @@ def resume(directory: str, model, opt, extra: dict | None = None) -> int:
     `extra` (its tensors are overwritten in place); returns its step, or 0 (nothing loaded) when there is none."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
+
     step = latest(directory)
     if step == 0:
         return 0

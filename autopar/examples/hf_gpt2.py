@@ -7,6 +7,7 @@ Each rank prints its step's loss (the global loss: every rank prints the same nu
 from the program's generator, seeded like one device's (`pm.program.manual_seed`), so the losses equal the same
 model trained on one device after `torch.manual_seed(0)` (tests/test_newcomer_gpt2_dist.py checks that).
 """
+
 from __future__ import annotations
 
 from datetime import timedelta
@@ -29,7 +30,7 @@ def main() -> None:
         model.train()
         ids = torch.randint(0, 128, (8, 64))
         pm = autopar.parallelize(model, mesh, example_kwargs=dict(input_ids=ids, labels=ids))
-        pm.program.manual_seed(0)                 # the dropout masks one device draws after torch.manual_seed(0)
+        pm.program.manual_seed(0)  # the dropout masks one device draws after torch.manual_seed(0)
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
         for step in range(3):
             opt.zero_grad()

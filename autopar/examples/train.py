@@ -22,6 +22,7 @@ of an uninterrupted run. Each step logs one line, `step i loss x ...`, steps cou
 logs again the steps after its checkpoint that the failed attempt had already logged (those lines are superseded).
 The single-device reference replays the steps before the checkpoint, so it stays an uninterrupted run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,12 @@ def parse(argv=None):
     ap.add_argument("--mesh", default="2x2", help="mesh shape, e.g. 4 or 2x2 (product = world size)")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--data-batches", type=int, default=2,
-                    help="synthetic batches cycled through (a small pool the model can fit, so the loss falls)")
+    ap.add_argument(
+        "--data-batches",
+        type=int,
+        default=2,
+        help="synthetic batches cycled through (a small pool the model can fit, so the loss falls)",
+    )
     ap.add_argument("--shard", default="fsdp+tp", choices=["auto", "fsdp", "tp", "fsdp+tp"])
     ap.add_argument("--cluster", default=None, help="cost model cluster (default cpu-gloo on CPU, h100 on CUDA)")
     ap.add_argument("--memory-budget", type=float, default=None, help="bytes per rank")
@@ -56,12 +61,19 @@ def parse(argv=None):
     ap.add_argument("--no-reference", action="store_true", help="skip the single-device model")
     ap.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (optimizer state to checkpoint)")
     ap.add_argument("--checkpoint-dir", default=None, help="write DCP checkpoints into this directory")
-    ap.add_argument("--checkpoint-every", type=int, default=0,
-                    help="a checkpoint after every K-th step (0: only after the last step)")
+    ap.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="a checkpoint after every K-th step (0: only after the last step)",
+    )
     ap.add_argument("--resume", action="store_true", help="start from the last complete checkpoint, if any")
-    ap.add_argument("--kill-after-step", type=int, default=None,
-                    help="(for the restart test) after this step, on torchrun's first attempt only, one rank "
-                         "SIGKILLs itself")
+    ap.add_argument(
+        "--kill-after-step",
+        type=int,
+        default=None,
+        help="(for the restart test) after this step, on torchrun's first attempt only, one rank SIGKILLs itself",
+    )
     ap.add_argument("--kill-rank", type=int, default=None, help="the rank --kill-after-step kills (default: the last)")
     args = ap.parse_args(argv)
     if args.resume and not args.checkpoint_dir:
@@ -75,6 +87,7 @@ def batch(args, step: int):
     """The global batch of step `step` (from 1): a function of the step alone, so resuming at step i needs no
     data loader state beyond i."""
     from autopar.models import example_inputs
+
     return example_inputs(args.model, batch=args.batch, seq=args.seq, seed=1000 + (step - 1) % args.data_batches)
 
 
@@ -101,9 +114,13 @@ def resume(args, pm, opt, rank: int) -> int:
         pm.program.rng().set_state(extra["program_rng"])
         torch.set_rng_state(extra["torch_rng"])
     if rank == 0:
-        print(f"resumed from {checkpoint.path(args.checkpoint_dir, start)}: model, optimizer, step counter, random "
-              f"state; continuing at step {start + 1}" if start else
-              f"no complete checkpoint in {args.checkpoint_dir}: starting at step 1", flush=True)
+        print(
+            f"resumed from {checkpoint.path(args.checkpoint_dir, start)}: model, optimizer, step counter, random "
+            f"state; continuing at step {start + 1}"
+            if start
+            else f"no complete checkpoint in {args.checkpoint_dir}: starting at step 1",
+            flush=True,
+        )
     return start
 
 
@@ -165,11 +182,17 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
         dist.init_process_group(backend, timeout=timeout)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"autopar/attempt_{attempt}/", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(f"autopar/attempt_{attempt}/", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
 
 
 def main(argv=None) -> int:
@@ -194,10 +217,12 @@ def main(argv=None) -> int:
         mesh = init_device_mesh(dev, shape, mesh_dim_names=names)
         model = build_model(args.model, device="cpu", seed=args.seed)
         ex = example_inputs(args.model, batch=args.batch, seq=args.seq, seed=args.seed)
-        force = {"auto": lambda: {}, "fsdp": lambda: fsdp_force(model, shape),
-                 "tp": lambda: tp_force(model, shape),
-                 "fsdp+tp": lambda: fsdp_tp_force(model, shape) if len(shape) == 2 else fsdp_force(model, shape)
-                 }[args.shard]()
+        force = {
+            "auto": lambda: {},
+            "fsdp": lambda: fsdp_force(model, shape),
+            "tp": lambda: tp_force(model, shape),
+            "fsdp+tp": lambda: fsdp_tp_force(model, shape) if len(shape) == 2 else fsdp_force(model, shape),
+        }[args.shard]()
         kw = {"force": force}
         if args.cluster:
             kw["cluster"] = args.cluster
@@ -210,14 +235,16 @@ def main(argv=None) -> int:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         if rank == 0:
             print(pm.plan.summary(), flush=True)
-            print(f"\nplanned + parallelized in {plan_s:.2f} s on {world} ranks, mesh {shape}, device {dev}; "
-                  f"torchrun attempt {attempt}\n")
+            print(
+                f"\nplanned + parallelized in {plan_s:.2f} s on {world} ranks, mesh {shape}, device {dev}; "
+                f"torchrun attempt {attempt}\n"
+            )
             if not args.no_reference:
                 ref = copy.deepcopy(model).to(dev)
         opt = torch.optim.SGD(pm.parameters(), lr=args.lr, momentum=args.momentum)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=args.lr, momentum=args.momentum) if ref is not None else None
         start = resume(args, pm, opt, rank)
-        if ref is not None:             # the reference replays the steps before the checkpoint: uninterrupted
+        if ref is not None:  # the reference replays the steps before the checkpoint: uninterrupted
             for step in range(1, start + 1):
                 sgd_step(ref, ref_opt, [t.to(dev) for t in batch(args, step)])
         worst, verdict = 0.0, ""
@@ -233,30 +260,38 @@ def main(argv=None) -> int:
             ms = (time.perf_counter() - t) * 1e3
             if counter is not None:
                 diff = compare(counter.records, pm.plan.collectives())
-                verdict = (f"collectives of step {step}: {len(counter.records)} measured == "
-                           f"{len(pm.plan.collectives())} predicted (kind, mesh dim, bytes)") if not diff else \
-                    f"COLLECTIVES DIFFER: {diff}"
+                verdict = (
+                    (
+                        f"collectives of step {step}: {len(counter.records)} measured == "
+                        f"{len(pm.plan.collectives())} predicted (kind, mesh dim, bytes)"
+                    )
+                    if not diff
+                    else f"COLLECTIVES DIFFER: {diff}"
+                )
             if rank == 0:
-                line = f"step {step} loss {loss.item()!r}"     # repr: the float exactly, to compare runs
+                line = f"step {step} loss {loss.item()!r}"  # repr: the float exactly, to compare runs
                 if ref is not None:
                     rl = sgd_step(ref, ref_opt, [t.to(dev) for t in x])
                     d = abs(loss.item() - rl.item())
                     worst = max(worst, d)
                     line += f" single-device {rl.item()!r} |diff| {d:.2e}"
                 print(line + f" {ms:.1f} ms", flush=True)
-            if args.checkpoint_dir and (step == args.steps or args.checkpoint_every and
-                                        step % args.checkpoint_every == 0):
+            if args.checkpoint_dir and (
+                step == args.steps or args.checkpoint_every and step % args.checkpoint_every == 0
+            ):
                 where = checkpoint.save(args.checkpoint_dir, step, pm, opt, rng_state(pm))
                 if rank == 0:
                     print(f"checkpoint {where} (after step {step})", flush=True)
             kill_if_asked(args, step, rank, world)
-        full = {k: global_value(p) for k, p in pm.named_parameters()}   # collective: every rank takes part
+        full = {k: global_value(p) for k, p in pm.named_parameters()}  # collective: every rank takes part
         if rank == 0:
             print("\n" + verdict)
             if ref is not None:
                 pd = max((full[k].cpu() - p.detach().cpu()).abs().max().item() for k, p in ref.named_parameters())
-                print(f"max |loss diff| over steps {start + 1}..{args.steps}: {worst:.3e}; max |param diff| after "
-                      f"{args.steps} SGD steps: {pd:.3e}")
+                print(
+                    f"max |loss diff| over steps {start + 1}..{args.steps}: {worst:.3e}; max |param diff| after "
+                    f"{args.steps} SGD steps: {pd:.3e}"
+                )
         dist.barrier()
         return 0 if not verdict.startswith("COLLECTIVES DIFFER") else 1
     finally:

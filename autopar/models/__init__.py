@@ -20,9 +20,25 @@ from autopar.models.mlp import MLP
 from autopar.models.moe import MoEConfig, MoETransformer
 
 __all__ = [
-    "CONFIGS", "FAMILIES", "ModelConfig", "build_model", "example_inputs", "get_config", "model_names",
-    "model_args", "num_params", "MLP", "Transformer", "LlamaConfig", "GPT2", "GPT2Config", "MoETransformer",
-    "MoEConfig", "CNN", "CNNConfig", "llama_ffn_dim",
+    "CONFIGS",
+    "FAMILIES",
+    "ModelConfig",
+    "build_model",
+    "example_inputs",
+    "get_config",
+    "model_names",
+    "model_args",
+    "num_params",
+    "MLP",
+    "Transformer",
+    "LlamaConfig",
+    "GPT2",
+    "GPT2Config",
+    "MoETransformer",
+    "MoEConfig",
+    "CNN",
+    "CNNConfig",
+    "llama_ffn_dim",
 ]
 
 # family -> (model class, config dataclass or None when the class takes kwargs directly)
@@ -52,36 +68,108 @@ class ModelConfig:
 
 
 def _llama3(dim, n_layers, n_heads, n_kv_heads, ffn_dim, vocab_size=128256, **kw) -> dict[str, Any]:
-    return dict(dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv_heads, vocab_size=vocab_size,
-                ffn_dim=ffn_dim, rope_theta=500000.0, norm_eps=1e-5, max_seq_len=8192, **kw)
+    return dict(
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        vocab_size=vocab_size,
+        ffn_dim=ffn_dim,
+        rope_theta=500000.0,
+        norm_eps=1e-5,
+        max_seq_len=8192,
+        **kw,
+    )
 
 
 CONFIGS: dict[str, ModelConfig] = {
     "mlp-tiny": ModelConfig("mlp", dict(dim=32, hidden=128, n_layers=2, vocab=64), batch=4, seq=16),
-    "mlp-heavy": ModelConfig("mlp", dict(dim=256, hidden=2048, n_layers=4, vocab=512), batch=8, seq=128,
-                             description="MLP-dominated FLOPs, for benchmarks"),
-    "llama-tiny": ModelConfig("llama", dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256,
-                                            ffn_dim=192, max_seq_len=128), batch=2, seq=32),
-    "llama3-debug": ModelConfig("llama", _llama3(256, 6, 16, 16, llama_ffn_dim(256), vocab_size=2048),
-                                batch=8, seq=2048, description="torchtitan llama3 debugmodel"),
+    "mlp-heavy": ModelConfig(
+        "mlp",
+        dict(dim=256, hidden=2048, n_layers=4, vocab=512),
+        batch=8,
+        seq=128,
+        description="MLP-dominated FLOPs, for benchmarks",
+    ),
+    "llama-tiny": ModelConfig(
+        "llama",
+        dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_dim=192, max_seq_len=128),
+        batch=2,
+        seq=32,
+    ),
+    "llama3-debug": ModelConfig(
+        "llama",
+        _llama3(256, 6, 16, 16, llama_ffn_dim(256), vocab_size=2048),
+        batch=8,
+        seq=2048,
+        description="torchtitan llama3 debugmodel",
+    ),
     "llama3-8b": ModelConfig("llama", _llama3(4096, 32, 32, 8, 14336), batch=8, seq=8192),
     "llama3-70b": ModelConfig("llama", _llama3(8192, 80, 64, 8, 28672), batch=8, seq=8192),
     "llama3-405b": ModelConfig("llama", _llama3(16384, 126, 128, 8, 53248), batch=8, seq=8192),
-    "gpt2-tiny": ModelConfig("gpt2", dict(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=32),
-                             batch=2, seq=32),
-    "gpt2-small": ModelConfig("gpt2", dict(dim=768, n_layers=12, n_heads=12, vocab_size=50257, max_seq_len=1024),
-                              batch=8, seq=1024),
-    "moe-tiny": ModelConfig("moe", dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=256, n_experts=4,
-                                        top_k=2, moe_hidden=128, dense_ffn_dim=128, max_seq_len=128),
-                            batch=2, seq=16),
-    "moe-alt-tiny": ModelConfig("moe", dict(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, vocab_size=256, n_experts=4,
-                                            top_k=1, moe_hidden=64, n_shared_experts=1, dense_ffn_dim=128,
-                                            moe_every=2, max_seq_len=128),
-                                batch=2, seq=16, description="uneven layers: MoE, dense, MoE"),
-    "moe-debug": ModelConfig("moe", dict(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, vocab_size=2048, n_experts=8,
-                                         top_k=2, moe_hidden=256, n_shared_experts=1, dense_ffn_dim=1024,
-                                         first_k_dense=1, max_seq_len=2048),
-                             batch=8, seq=2048, description="DeepSeek-V3-like debug shape (first layer dense)"),
+    "gpt2-tiny": ModelConfig(
+        "gpt2", dict(dim=64, n_layers=2, n_heads=4, vocab_size=256, max_seq_len=32), batch=2, seq=32
+    ),
+    "gpt2-small": ModelConfig(
+        "gpt2", dict(dim=768, n_layers=12, n_heads=12, vocab_size=50257, max_seq_len=1024), batch=8, seq=1024
+    ),
+    "moe-tiny": ModelConfig(
+        "moe",
+        dict(
+            dim=64,
+            n_layers=2,
+            n_heads=4,
+            n_kv_heads=2,
+            vocab_size=256,
+            n_experts=4,
+            top_k=2,
+            moe_hidden=128,
+            dense_ffn_dim=128,
+            max_seq_len=128,
+        ),
+        batch=2,
+        seq=16,
+    ),
+    "moe-alt-tiny": ModelConfig(
+        "moe",
+        dict(
+            dim=64,
+            n_layers=3,
+            n_heads=4,
+            n_kv_heads=2,
+            vocab_size=256,
+            n_experts=4,
+            top_k=1,
+            moe_hidden=64,
+            n_shared_experts=1,
+            dense_ffn_dim=128,
+            moe_every=2,
+            max_seq_len=128,
+        ),
+        batch=2,
+        seq=16,
+        description="uneven layers: MoE, dense, MoE",
+    ),
+    "moe-debug": ModelConfig(
+        "moe",
+        dict(
+            dim=256,
+            n_layers=6,
+            n_heads=16,
+            n_kv_heads=16,
+            vocab_size=2048,
+            n_experts=8,
+            top_k=2,
+            moe_hidden=256,
+            n_shared_experts=1,
+            dense_ffn_dim=1024,
+            first_k_dense=1,
+            max_seq_len=2048,
+        ),
+        batch=8,
+        seq=2048,
+        description="DeepSeek-V3-like debug shape (first layer dense)",
+    ),
     "cnn-tiny": ModelConfig("cnn", dict(in_channels=3, channels=16, n_classes=10, image_size=16), batch=8, seq=16),
 }
 
@@ -131,8 +219,9 @@ def init_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * s)
 
 
-def build_model(name: str, device: torch.device | str = "meta", dtype: torch.dtype = torch.float32,
-                seed: int = 0, **overrides) -> nn.Module:
+def build_model(
+    name: str, device: torch.device | str = "meta", dtype: torch.dtype = torch.float32, seed: int = 0, **overrides
+) -> nn.Module:
     """Build a named model. On "meta" nothing is allocated; elsewhere weights are initialized from `seed`."""
     mc = get_config(name)
     model_cls, cfg_cls = FAMILIES[mc.family]
@@ -148,8 +237,15 @@ def build_model(name: str, device: torch.device | str = "meta", dtype: torch.dty
     return model
 
 
-def example_inputs(name: str, batch: int | None = None, seq: int | None = None, device: torch.device | str = "cpu",
-                   seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+def example_inputs(
+    name: str,
+    batch: int | None = None,
+    seq: int | None = None,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **overrides,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, labels) int64 in [0, vocab), or (images `dtype`, labels) for "cnn". Deterministic from `seed`.
 
     `overrides` are the same config overrides given to build_model (they may change vocab/image size).

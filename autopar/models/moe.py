@@ -42,7 +42,9 @@ class MoEConfig:
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(f"bad head config: dim={self.dim} n_heads={self.n_heads} n_kv_heads={self.n_kv_heads}")
         if not 1 <= self.top_k <= self.n_experts or self.moe_every < 1:
-            raise ValueError(f"bad moe config: top_k={self.top_k} n_experts={self.n_experts} moe_every={self.moe_every}")
+            raise ValueError(
+                f"bad moe config: top_k={self.top_k} n_experts={self.n_experts} moe_every={self.moe_every}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -119,7 +121,9 @@ class MoEBlock(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg.dim, cfg.dense_ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         if self.is_moe:
             out, aux = self.moe(self.ffn_norm(h))

@@ -6,6 +6,7 @@ embedding). Own rules are registered per op family with `@rule(op, ...)` and wri
 strategies: a list of (outputs..., inputs...) placement tuples valid on ONE mesh dim; `expand` combines them
 over the mesh and drops combinations that do not divide a tensor evenly.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -19,13 +20,13 @@ from ..graph import Node, Ref, TensorMeta
 from . import _torch_adapter as adapter
 
 aten = torch.ops.aten
-Placements = tuple[str, ...]          # one placement string per mesh dim
+Placements = tuple[str, ...]  # one placement string per mesh dim
 
 
 @dataclass(frozen=True)
 class Strategy:
-    out: tuple[Placements | None, ...]   # per output (None: not a tensor)
-    ins: tuple[Placements, ...]          # per tensor input, in flatten order
+    out: tuple[Placements | None, ...]  # per output (None: not a tensor)
+    ins: tuple[Placements, ...]  # per tensor input, in flatten order
 
 
 class NoStrategyError(RuntimeError):
@@ -40,10 +41,12 @@ def rule(*ops):
         for op in ops:
             RULES[op] = fn
         return fn
+
     return deco
 
 
 # ---- autopar's own rules -----------------------------------------------------------------------------------------
+
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def _attention_fw(args, kwargs, metas):
@@ -57,16 +60,27 @@ def _attention_bw(args, kwargs, metas):
     return [("S0",) * 9, ("S1",) * 9]
 
 
-@rule(aten.avg_pool2d_backward.default, aten.max_pool2d_with_indices_backward.default,
-      aten.adaptive_max_pool2d_backward.default)
+@rule(
+    aten.avg_pool2d_backward.default,
+    aten.max_pool2d_with_indices_backward.default,
+    aten.adaptive_max_pool2d_backward.default,
+)
 def _pool_bw(args, kwargs, metas):
     # grad_out, self (, indices) -> grad_in, all (N, C, H, W): shard batch or channels
     n = 1 + len(metas)
     return [("S0",) * n, ("S1",) * n]
 
 
-@rule(aten.bernoulli.p, aten.bernoulli.default, aten.rand_like.default, aten.randn_like.default,
-      aten.uniform.default, aten.normal_functional.default, aten.randint_like.default, aten.randint_like.low_dtype)
+@rule(
+    aten.bernoulli.p,
+    aten.bernoulli.default,
+    aten.rand_like.default,
+    aten.randn_like.default,
+    aten.uniform.default,
+    aten.normal_functional.default,
+    aten.randint_like.default,
+    aten.randint_like.low_dtype,
+)
 def _random_like(args, kwargs, metas):
     # a random tensor of the input's shape: at whatever placement the input takes, never partial (the executor
     # draws the global tensor and keeps this rank's piece: backends/local_ops.draw_random)
@@ -79,11 +93,24 @@ def _dropout(args, kwargs, metas):
     return [(f"S{d}",) * 3 for d in range(len(metas[0].shape))]
 
 
-@rule(aten.arange.default, aten.arange.start, aten.arange.start_step, aten.zeros.default, aten.ones.default,
-      aten.full.default, aten.scalar_tensor.default, aten.empty.memory_format, aten.randn.default, aten.rand.default,
-      aten.randint.default, aten.randint.low, aten.lift_fresh_copy.default, aten.lift_fresh.default)
+@rule(
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.full.default,
+    aten.scalar_tensor.default,
+    aten.empty.memory_format,
+    aten.randn.default,
+    aten.rand.default,
+    aten.randint.default,
+    aten.randint.low,
+    aten.lift_fresh_copy.default,
+    aten.lift_fresh.default,
+)
 def _factory(args, kwargs, metas):
-    return []          # every rank builds (or copies, lift_fresh_copy: a constant) the same tensor: all-Replicate
+    return []  # every rank builds (or copies, lift_fresh_copy: a constant) the same tensor: all-Replicate
 
 
 def _broadcast(shapes, out_shape):
@@ -136,8 +163,11 @@ def _glu(args, kwargs, metas):
     return _except(nd, {dim}, 1 + len(metas))
 
 
-@rule(aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
-      aten.replication_pad3d_backward.default)
+@rule(
+    aten.replication_pad1d_backward.default,
+    aten.replication_pad2d_backward.default,
+    aten.replication_pad3d_backward.default,
+)
 def _pad_bw(args, kwargs, metas):
     # grad_output, self -> grad_input: the padded trailing dims stay whole, the others (batch, channels) shard
     nd = len(metas[1].shape)
@@ -182,8 +212,13 @@ def decomposition_for(op):
         return got
     fn = None
     s = getattr(op, "_schema", None)
-    if s is not None and not has_rule(op) and not s.is_mutable and \
-            all(r.alias_info is None for r in s.returns) and torch.Tag.nondeterministic_seeded not in op.tags:
+    if (
+        s is not None
+        and not has_rule(op)
+        and not s.is_mutable
+        and all(r.alias_info is None for r in s.returns)
+        and torch.Tag.nondeterministic_seeded not in op.tags
+    ):
         fn = torch._decomp.decomposition_table.get(op)
         if fn is None:
             fn = _core_aten().get(op)
@@ -200,8 +235,11 @@ def describe(node) -> str:
     """The node for a message: its name, the op it was decomposed from and the user's torch call it ran in
     (`Node.user_op`, where the recorder notes it)."""
     call = getattr(node, "user_op", None)
-    return node.name + (f" (in torch's decomposition of {node.origin})" if node.origin is not None else "") + \
-        (f", called from {call}" if call else "")
+    return (
+        node.name
+        + (f" (in torch's decomposition of {node.origin})" if node.origin is not None else "")
+        + (f", called from {call}" if call else "")
+    )
 
 
 _CORE: list = []
@@ -210,11 +248,13 @@ _CORE: list = []
 def _core_aten() -> dict:
     if not _CORE:
         from torch._decomp import core_aten_decompositions
+
         _CORE.append(dict(core_aten_decompositions().items()))
     return _CORE[0]
 
 
 # ---- expansion over the mesh -------------------------------------------------------------------------------------
+
 
 def divides(meta: TensorMeta, pl: Placements, mesh_shape) -> bool:
     if meta is None:
@@ -226,7 +266,9 @@ def divides(meta: TensorMeta, pl: Placements, mesh_shape) -> bool:
             if d >= len(meta.shape):
                 return False
             split[d] *= n
-        elif p[0] == "P" and p != "Pm" and not meta.dtype.is_floating_point:   # Pm: masked indices of a vocab-sharded table
+        elif (
+            p[0] == "P" and p != "Pm" and not meta.dtype.is_floating_point
+        ):  # Pm: masked indices of a vocab-sharded table
             return False
     return all(s % k == 0 for s, k in zip(meta.shape, split))
 
@@ -286,35 +328,44 @@ def node_strategies(node: Node, meta_of, mesh_shape: tuple[int, ...], in_cands: 
     try:
         if op in RULES or adapter.has_single_dim(op):
             source = "autopar" if op in RULES else "dtensor"
-            rules = RULES[op](node.args, node.kwargs, in_metas) if op in RULES else \
-                adapter.single_dim_rules(op, node.args, node.kwargs, meta_of)
+            rules = (
+                RULES[op](node.args, node.kwargs, in_metas)
+                if op in RULES
+                else adapter.single_dim_rules(op, node.args, node.kwargs, meta_of)
+            )
             tensor_outs = [i for i, m in enumerate(node.outs) if m is not None]
             width = len(tensor_outs) + len(ins)
             # a rule may list every output of the schema, also those this call does not compute (e.g.
             # convolution_backward's grad_input of a first layer): keep the entries of the computed ones
-            rules = [r if len(r) == width else tuple(r[i] for i in tensor_outs) + tuple(r[n_out:])
-                     for r in rules if len(r) in (width, n_out + len(ins))]
+            rules = [
+                r if len(r) == width else tuple(r[i] for i in tensor_outs) + tuple(r[n_out:])
+                for r in rules
+                if len(r) in (width, n_out + len(ins))
+            ]
             metas = [node.outs[i] for i in tensor_outs] + in_metas
             res = []
             for combo in expand(rules, metas, mesh_shape):
                 outs = [None] * n_out
                 for j, i in enumerate(tensor_outs):
                     outs[i] = combo[j]
-                res.append(Strategy(tuple(outs), tuple(combo[len(tensor_outs):])))
+                res.append(Strategy(tuple(outs), tuple(combo[len(tensor_outs) :])))
         elif adapter.has_full(op):
             source = "dtensor-full"
             res = []
             for o, i in adapter.full_strategies(op, node.args, node.kwargs, meta_of, mesh_shape, in_cands):
                 o = tuple(o) + (None,) * (n_out - len(o))
-                if all(divides(m, p, mesh_shape) for m, p in zip(node.outs, o) if p is not None) and \
-                        all(divides(m, p, mesh_shape) for m, p in zip(in_metas, i)):
+                if all(divides(m, p, mesh_shape) for m, p in zip(node.outs, o) if p is not None) and all(
+                    divides(m, p, mesh_shape) for m, p in zip(in_metas, i)
+                ):
                     res.append(Strategy(o[:n_out], i))
     except Exception as e:  # a strategy function that cannot handle these args: report as no rule
         res, source = None, f"error: {type(e).__name__}: {e}"
     if not ins and res is None:
         res, source = [], "factory"
-    rep = Strategy(tuple(None if m is None else ("R",) * len(mesh_shape) for m in node.outs),
-                   tuple(("R",) * len(mesh_shape) for _ in ins))
+    rep = Strategy(
+        tuple(None if m is None else ("R",) * len(mesh_shape) for m in node.outs),
+        tuple(("R",) * len(mesh_shape) for _ in ins),
+    )
     if res is None:
         res, source = [rep], "fallback" if source is None else "fallback (" + source + ")"
     elif rep not in res:

@@ -5,6 +5,7 @@ placement strings ("R", "S<d>", "P", "Pm": the masked partial of a vocab-sharded
 flavours are served: the per-mesh-dim strategies (`op_single_dim_strategy_funcs`, expanded here over the mesh
 dims) and the older full-mesh strategy functions (`op_strategy_funcs`, called with the producers' candidates).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -20,8 +21,10 @@ from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlacehold
 from torch.distributed.tensor.placement_types import _StridedShard
 
 _PROP = DTensor._op_dispatcher.sharding_propagator
-_COST_USERS = [importlib.import_module(f"torch.distributed.tensor._ops.{m}")
-               for m in ("utils", "_math_ops", "_matrix_ops", "_tensor_ops", "_view_ops", "single_dim_strategy")]
+_COST_USERS = [
+    importlib.import_module(f"torch.distributed.tensor._ops.{m}")
+    for m in ("utils", "_math_ops", "_matrix_ops", "_tensor_ops", "_view_ops", "single_dim_strategy")
+]
 
 
 @contextlib.contextmanager
@@ -104,6 +107,7 @@ def _schema_args(args, kwargs, meta_of, wrap):
         if isinstance(a, (list, tuple)):
             return type(a)(conv(x) for x in a)
         return a
+
     return tuple(conv(a) for a in args), {k: conv(v) for k, v in kwargs.items()}
 
 
@@ -140,7 +144,7 @@ def full_strategies(op, args, kwargs, meta_of, mesh_shape, in_cands) -> list[tup
             try:
                 out.extend(_full_once(op, args, kwargs, meta_of, mesh_shape, cands))
             except (IndexError, KeyError, AssertionError, ValueError, RuntimeError):
-                continue       # this input placement cannot propagate through the op (e.g. uneven unflatten)
+                continue  # this input placement cannot propagate through the op (e.g. uneven unflatten)
         return list(dict.fromkeys(out))
 
 
@@ -156,13 +160,15 @@ def _full_once(op, args, kwargs, meta_of, mesh_shape, in_cands):
         if isinstance(a, (list, tuple)) and a and all(isinstance(x, OpStrategy) for x in a):
             return TupleStrategy(tuple(a))
         return a
+
     a, k = _schema_args(args, kwargs, meta_of, wrap)
-    schema = OpSchema(op, tuple(tup(x) for x in a), {kk: tup(v) for kk, v in k.items()},
-                      schema_info=_PROP.op_to_schema_info.get(op))
+    schema = OpSchema(
+        op, tuple(tup(x) for x in a), {kk: tup(v) for kk, v in k.items()}, schema_info=_PROP.op_to_schema_info.get(op)
+    )
     with _no_dtensor_costs():
         res = _PROP.op_strategy_funcs[op](schema)
     children = res.children if isinstance(res, TupleStrategy) else None
-    if children is not None:   # e.g. split: one OpStrategy per output, zip them by index
+    if children is not None:  # e.g. split: one OpStrategy per output, zip them by index
         if len({len(c.strategies) for c in children}) != 1:
             return []
         specs = [[c.strategies[i] for c in children] for i in range(len(children[0].strategies))]
@@ -172,8 +178,8 @@ def _full_once(op, args, kwargs, meta_of, mesh_shape, in_cands):
         for s in res.strategies:
             outs = s.output_specs if isinstance(s.output_specs, tuple) else (s.output_specs,)
             if len(outs) == 1 and len(op._schema.returns) > 1:
-                outs = outs * len(op._schema.returns)   # one spec for every return (torch 2.11's layer_norm), as
-                                                        # torch's ShardingPropagator reads it
+                outs = outs * len(op._schema.returns)  # one spec for every return (torch 2.11's layer_norm), as
+                # torch's ShardingPropagator reads it
             items.append((outs, s.input_specs if s.input_specs is not None else (s.output_spec,)))
     result = []
     for outs, ins in items:
@@ -188,10 +194,13 @@ def _full_once(op, args, kwargs, meta_of, mesh_shape, in_cands):
 def redistribute_cost_dtensor(src: tuple[str, ...], dst: tuple[str, ...], meta, mesh_shape) -> float:
     """DTensor's own redistribute cost estimate (for cross-checks; autopar's cost model uses the cluster spec)."""
     from torch.distributed.tensor._collective_utils import redistribute_cost
+
     mesh = sim_mesh(mesh_shape)
     m = _dtmeta(meta)
-    return redistribute_cost(DTensorSpec(mesh, tuple(map(to_placement, src)), tensor_meta=m),
-                             DTensorSpec(mesh, tuple(map(to_placement, dst)), tensor_meta=m))
+    return redistribute_cost(
+        DTensorSpec(mesh, tuple(map(to_placement, src)), tensor_meta=m),
+        DTensorSpec(mesh, tuple(map(to_placement, dst)), tensor_meta=m),
+    )
 
 
 # ---- pipelining: torch's own schedule generators (private module torch.distributed.pipelining._*) ----------------
@@ -202,22 +211,27 @@ def pipeline_actions(schedule: str, pp: int, n_microbatches: int, stages_per_ran
     OVERLAP_F_B actions (DualPipeV) are expanded into their sub-actions. Raises ValueError when torch rejects the
     (schedule, pp, n_microbatches, stages_per_rank) combination."""
     from unittest import mock
-    from torch.distributed.pipelining.schedules import (PipelineScheduleSingle, _PipelineScheduleRuntime,
-                                                        get_schedule_class)
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleSingle,
+        _PipelineScheduleRuntime,
+        get_schedule_class,
+    )
+
     cls = get_schedule_class(schedule)
     if issubclass(cls, PipelineScheduleSingle) and stages_per_rank != 1:
         raise ValueError(f"{schedule} runs one stage per rank, not {stages_per_rank}")
-    stage = _fake_stage()       # what torch's _schedule_visualizer.get_schedule_ops does, with one cached mock
+    stage = _fake_stage()  # what torch's _schedule_visualizer.get_schedule_ops does, with one cached mock
     stage.group_rank, stage.group_size, stage.submod = 0, pp, None
     stage.num_stages = stages_per_rank * pp
-    try:        # only the compute order is read: skip lowering it to send/recv/unshard actions (most of the time)
+    try:  # only the compute order is read: skip lowering it to send/recv/unshard actions (most of the time)
         with mock.patch.object(_PipelineScheduleRuntime, "_prepare_schedule_with_comms", lambda *a, **k: None):
-            sched = cls(stage if issubclass(cls, PipelineScheduleSingle) else [stage] * stages_per_rank,
-                        n_microbatches)
+            sched = cls(stage if issubclass(cls, PipelineScheduleSingle) else [stage] * stages_per_rank, n_microbatches)
         ops = [sched.pipeline_order[r] for r in range(pp)]
     except (AssertionError, RuntimeError, IndexError, KeyError, ValueError) as e:
-        raise ValueError(f"torch rejects schedule {schedule} with pp={pp}, {n_microbatches} micro-batches, "
-                         f"{stages_per_rank} stages per rank: {e}") from e
+        raise ValueError(
+            f"torch rejects schedule {schedule} with pp={pp}, {n_microbatches} micro-batches, "
+            f"{stages_per_rank} stages per rank: {e}"
+        ) from e
 
     def flat(a):
         if a is None:
@@ -226,6 +240,7 @@ def pipeline_actions(schedule: str, pp: int, n_microbatches: int, stages_per_ran
             return [x for s in a.sub_actions for x in flat(s)]
         kind = a.computation_type.value
         return [(a.stage_index, kind, a.microbatch_index)] if kind in ("F", "B", "I", "W") else []
+
     return tuple(tuple(x for a in rank for x in flat(a)) for rank in ops)
 
 
@@ -233,12 +248,14 @@ def pipeline_actions(schedule: str, pp: int, n_microbatches: int, stages_per_ran
 def _fake_stage():
     from unittest import mock
     from torch.distributed.pipelining.stage import PipelineStage
+
     return mock.create_autospec(PipelineStage, instance=True)
 
 
 def pipeline_stage_to_rank(pp: int, num_stages: int, style: str) -> tuple[int, ...]:
     """torch's stage -> pp rank mapping: style "loop" (stage k on rank k % pp) or "v" (V-shape, ZBV/DualPipeV)."""
     from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
     m = generate_stage_to_rank_mapping(pp, num_stages, style=style)
     return tuple(m[k] for k in range(num_stages))
 
@@ -254,12 +271,17 @@ def unmask_partial(dt: DTensor) -> DTensor:
     for m, p in enumerate(pls):
         if type(p).__name__ == "_MaskPartial":
             if p.mask_buffer.data is None and dt.device_mesh.size(m) == 1:
-                continue            # one rank holds the whole table: DTensor masked nothing, nothing to zero
+                continue  # one rank holds the whole table: DTensor masked nothing, nothing to zero
             p.mask_buffer.apply_mask(local)
             p.mask_buffer.release_mask()
-    return DTensor.from_local(local, dt.device_mesh, [Partial() if type(p).__name__ == "_MaskPartial" else p
-                                                      for p in pls], run_check=False, shape=dt.shape,
-                              stride=dt.stride())
+    return DTensor.from_local(
+        local,
+        dt.device_mesh,
+        [Partial() if type(p).__name__ == "_MaskPartial" else p for p in pls],
+        run_check=False,
+        shape=dt.shape,
+        stride=dt.stride(),
+    )
 
 
 # ---- lowering to torch's engines (backends/engines.py) --------------------------------------------------------------
@@ -277,19 +299,22 @@ def replicate_dtensor_module(module, mesh):
     replicate_with_fsdp) does."""
     try:
         from torch.distributed._composable.replicate_with_fsdp import replicate
-    except ImportError as e:        # older torch
-        raise NotImplementedError(f"data parallelism over tensor-parallel (DTensor) parameters needs FSDP2's "
-                                  f"replicate, which this torch ({torch.__version__}) lacks: {e}") from e
+    except ImportError as e:  # older torch
+        raise NotImplementedError(
+            f"data parallelism over tensor-parallel (DTensor) parameters needs FSDP2's "
+            f"replicate, which this torch ({torch.__version__}) lacks: {e}"
+        ) from e
     return replicate(module, mesh=mesh)
 
 
 def resolve_group(name: str):
     """The ProcessGroup registered under a group name (what functional collectives carry)."""
     import torch.distributed as dist
+
     return dist.distributed_c10d._resolve_process_group(name)
 
 
-FLAT_GROUPS: dict[str, tuple[int, ...]] = {}     # process-group name -> the mesh dims it flattens
+FLAT_GROUPS: dict[str, tuple[int, ...]] = {}  # process-group name -> the mesh dims it flattens
 
 
 def flat_group_name(mesh: DeviceMesh, dims) -> str:
@@ -298,6 +323,7 @@ def flat_group_name(mesh: DeviceMesh, dims) -> str:
     rank must call it, in the same order: the first call, when the program is built). Recorded in FLAT_GROUPS for
     the collective counters; later calls (each bucket launch) are a lookup in the mesh's own cache."""
     import torch.distributed as dist
+
     dims = tuple(sorted(int(d) for d in dims))
     cache = mesh.__dict__.setdefault("_autopar_flat_groups", {})
     if dims in cache:
@@ -307,8 +333,10 @@ def flat_group_name(mesh: DeviceMesh, dims) -> str:
     else:
         names = mesh.mesh_dim_names
         if not names:
-            raise ValueError(f"a collective over mesh dims {dims} of a mesh without dim names that is not the whole "
-                             f"world: name the mesh dims (init_device_mesh(..., mesh_dim_names=...))")
+            raise ValueError(
+                f"a collective over mesh dims {dims} of a mesh without dim names that is not the whole "
+                f"world: name the mesh dims (init_device_mesh(..., mesh_dim_names=...))"
+            )
         name = flatten_mesh(mesh, tuple(names[d] for d in dims)).get_group().group_name
     FLAT_GROUPS[name] = dims
     cache[dims] = name
@@ -323,17 +351,18 @@ def make_dtensor(local: torch.Tensor, mesh, placements, shape, stride) -> DTenso
     if spec is None or spec.mesh is not mesh:
         if len(_SPECS) > 4096:
             _SPECS.clear()
-        spec = _SPECS[key] = DTensorSpec(mesh, tuple(placements),
-                                         tensor_meta=DTMeta(torch.Size(shape), tuple(stride), local.dtype))
+        spec = _SPECS[key] = DTensorSpec(
+            mesh, tuple(placements), tensor_meta=DTMeta(torch.Size(shape), tuple(stride), local.dtype)
+        )
     return DTensor(local, spec, requires_grad=False)
 
 
-_SPECS: dict = {}     # DTensorSpecs are immutable: one per (mesh, placements, shape, stride, dtype)
+_SPECS: dict = {}  # DTensorSpecs are immutable: one per (mesh, placements, shape, stride, dtype)
 
 
 def sole_owner(t: torch.Tensor) -> bool:
     """No other tensor (a view handed out, a gradient kept by autograd) shares t's storage: t may be overwritten."""
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2      # t's own + the temporary handle
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata) <= 2  # t's own + the temporary handle
 
 
 def per_rank(x: torch.Tensor) -> torch.Tensor:
@@ -343,7 +372,7 @@ def per_rank(x: torch.Tensor) -> torch.Tensor:
     mode = lt.enabled_local_tensor_mode() if lt is not None else None
     if mode is None or isinstance(x, lt.LocalTensor):
         return x
-    return mode.rank_map(lambda r: x.clone())   # one copy per rank: in-place updates must not alias
+    return mode.rank_map(lambda r: x.clone())  # one copy per rank: in-place updates must not alias
 
 
 def collapse(x: torch.Tensor) -> torch.Tensor:

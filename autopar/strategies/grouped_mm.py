@@ -16,6 +16,7 @@ slice of the rows would read the offsets of the whole batch. What is exact, per 
   3d x 2d  a (G, M, K), b (K, N) -> (M, N), N grouped: a on M (out on M), a and b on K (partial).
   3d x 3d  (no offs, a batched mm): batch G, rows, columns, contraction.
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,16 +29,22 @@ aten = torch.ops.aten
 def meta_grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     """The output of `_grouped_mm` on meta tensors for every floating dtype the CPU kernel takes."""
     from torch._meta_registrations import _create_grouped_mm_output_tensor
-    torch._check(mat_a.dtype == mat_b.dtype and mat_a.dtype.is_floating_point,
-                 lambda: f"_grouped_mm: mat_a and mat_b must have the same floating dtype, got {mat_a.dtype} and "
-                         f"{mat_b.dtype}")
-    torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3),
-                 lambda: f"_grouped_mm: multiplicands must be 2D or 3D, got {mat_a.dim()}D and {mat_b.dim()}D")
+
+    torch._check(
+        mat_a.dtype == mat_b.dtype and mat_a.dtype.is_floating_point,
+        lambda: f"_grouped_mm: mat_a and mat_b must have the same floating dtype, got {mat_a.dtype} and {mat_b.dtype}",
+    )
+    torch._check(
+        mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3),
+        lambda: f"_grouped_mm: multiplicands must be 2D or 3D, got {mat_a.dim()}D and {mat_b.dim()}D",
+    )
     if mat_a.dim() == 3 or mat_b.dim() == 3:
         torch._check(mat_a.size(-1) == mat_b.size(-2), lambda: "_grouped_mm: contraction dims differ")
     if mat_a.dim() == 2 or mat_b.dim() == 2:
-        torch._check(offs is not None and offs.dim() == 1 and offs.dtype == torch.int32,
-                     lambda: "_grouped_mm: a 2D multiplicand needs 1D int32 offsets")
+        torch._check(
+            offs is not None and offs.dim() == 1 and offs.dtype == torch.int32,
+            lambda: "_grouped_mm: a 2D multiplicand needs 1D int32 offsets",
+        )
     else:
         torch._check(offs is None, lambda: "_grouped_mm: offsets given for 3D x 3D")
     torch._check(bias is None, lambda: "_grouped_mm: bias is not supported")
@@ -58,9 +65,9 @@ def _grouped_mm(args, kwargs, metas):
     # (out, mat_a, mat_b[, offs]) per mesh dim; offs (when given) always "R"
     a, b = len(metas[0].shape), len(metas[1].shape)
     offs = ("R",) if len(metas) > 2 else ()
-    if len(metas) > 3:          # a bias: no rule of its own (the kernels refuse it today)
+    if len(metas) > 3:  # a bias: no rule of its own (the kernels refuse it today)
         return []
-    rules = [("P", "P", "R"), ("P", "R", "P")]          # linear in each multiplicand
+    rules = [("P", "P", "R"), ("P", "R", "P")]  # linear in each multiplicand
     if (a, b) == (2, 3):
         rules += [("S1", "R", "S2"), ("P", "S1", "S1")]
     elif (a, b) == (2, 2):

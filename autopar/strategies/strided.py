@@ -14,6 +14,7 @@ covers all of a contiguous `base` in that order (the result is src's values in b
 is a view (`aten.view`), which has placement rules and runs on shards; capture records that instead
 (`restride_decomposition`). Any other call is left as it is: the plan names it with the user's op it came from.
 """
+
 from __future__ import annotations
 
 import math
@@ -64,10 +65,17 @@ def restride_decomposition(func, args, kwargs):
         a = _args(args, kwargs, ("self", "src", "size", "stride", "storage_offset"))
         base, src = a["self"], a["src"]
         off = base.storage_offset() if a["storage_offset"] is None else a["storage_offset"]
-        if isinstance(src, torch.Tensor) and src.dtype == base.dtype and list(src.shape) == list(a["size"]) and \
-                base.is_contiguous() and _reads_in_order(base, a["size"], a["stride"], off):
+        if (
+            isinstance(src, torch.Tensor)
+            and src.dtype == base.dtype
+            and list(src.shape) == list(a["size"])
+            and base.is_contiguous()
+            and _reads_in_order(base, a["size"], a["stride"], off)
+        ):
+
             def scatter(*_, **__):
                 s = src if src.is_contiguous() else aten.clone.default(src, memory_format=torch.contiguous_format)
                 return aten.view.default(s, list(base.shape))
+
             return scatter
     return None

@@ -11,6 +11,7 @@ destroy_process_group. The zygote waits at most `timeout` s; a rank still runnin
 (faulthandler, SIGUSR1) and is killed. Returns (results by rank, None where a rank wrote none; why, '' if all
 ranks exited 0).
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -40,14 +41,25 @@ def _free_port() -> int:
 def launch(job_file, fn_name, world, args, run_dir, timeout) -> tuple[list, str]:
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    spec = {"job_file": str(job_file), "fn": fn_name, "world": world, "args": args, "port": _free_port(),
-            "timeout": timeout}
+    spec = {
+        "job_file": str(job_file),
+        "fn": fn_name,
+        "world": world,
+        "args": args,
+        "port": _free_port(),
+        "timeout": timeout,
+    }
     (run_dir / "launch.json").write_text(json.dumps(spec))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with open(run_dir / "zygote.log", "wb") as log:
         try:
-            code = subprocess.run([sys.executable, __file__, str(run_dir)], env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=timeout + 60).returncode
+            code = subprocess.run(
+                [sys.executable, __file__, str(run_dir)],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout + 60,
+            ).returncode
         except subprocess.TimeoutExpired:
             code = "timeout"
     results = []
@@ -56,21 +68,32 @@ def launch(job_file, fn_name, world, args, run_dir, timeout) -> tuple[list, str]
         results.append(json.loads(p.read_text()) if p.exists() else None)
     if code == 0 and None not in results:
         return results, ""
-    tails = "\n".join(f"---- {p.name} (last {LOG_TAIL} chars) ----\n{p.read_text(errors='replace')[-LOG_TAIL:]}"
-                      for p in [run_dir / "zygote.log"] + [run_dir / f"rank{r}.log" for r in range(world)]
-                      if p.exists())
+    tails = "\n".join(
+        f"---- {p.name} (last {LOG_TAIL} chars) ----\n{p.read_text(errors='replace')[-LOG_TAIL:]}"
+        for p in [run_dir / "zygote.log"] + [run_dir / f"rank{r}.log" for r in range(world)]
+        if p.exists()
+    )
     zlog = (run_dir / "zygote.log").read_text(errors="replace").strip().splitlines() if code != 0 else []
     last = f": {zlog[-1][:200]}" if zlog else ""
-    return results, f"the launch failed (zygote exit {code}{last}; ranks without a result: " \
-                    f"{[r for r, x in enumerate(results) if x is None]})\n{tails}"
+    return (
+        results,
+        f"the launch failed (zygote exit {code}{last}; ranks without a result: "
+        f"{[r for r, x in enumerate(results) if x is None]})\n{tails}",
+    )
 
 
 def _rank(r, spec, module, run_dir):
     import torch
     import torch.distributed as dist
+
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=r,
-                            world_size=spec["world"], timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{spec['port']}",
+        rank=r,
+        world_size=spec["world"],
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )
     try:
         out = getattr(module, spec["fn"])(*spec["args"])
         (run_dir / f"rank{r}.json").write_text(json.dumps(out, default=str))
@@ -94,7 +117,7 @@ def _zygote(run_dir):
         sys.stdout.flush()
         sys.stderr.flush()
         pid = os.fork()
-        if pid == 0:                      # the rank: its own log, then the job; never returns into the zygote
+        if pid == 0:  # the rank: its own log, then the job; never returns into the zygote
             code = 1
             try:
                 fd = os.open(run_dir / f"rank{r}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -119,11 +142,11 @@ def _zygote(run_dir):
         if pid:
             codes[pids[pid]] = os.waitstatus_to_exitcode(status)
             if codes[pids[pid]] != 0 and grace is None:
-                grace = now + FAIL_GRACE_S       # the others' errors (or their stacks) are logged, not lost
+                grace = now + FAIL_GRACE_S  # the others' errors (or their stacks) are logged, not lost
             continue
         time.sleep(0.2)
     hung = [pid for pid in pids if pids[pid] not in codes]
-    for pid in hung:                              # where it is stuck, into its log
+    for pid in hung:  # where it is stuck, into its log
         os.kill(pid, signal.SIGUSR1)
     if hung:
         time.sleep(1)

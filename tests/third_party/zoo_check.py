@@ -27,6 +27,7 @@ variant "as-is": the model as its users have it (keyword inputs with labels=, a 
 variant "wrapped": a diagnostic for the contract work (issue 23 point 6): a model taking keyword inputs is wrapped
 by hand (positional tensors in, `.loss` out), to see which stage fails after the input contract.
 """
+
 from __future__ import annotations
 
 import copy
@@ -40,13 +41,13 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))      # tests/: _clusters
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: _clusters
 
 from zoo import ZOO, loss_of  # noqa: E402
 
-ATOL, RTOL = 1e-6, 1e-4            # |diff| <= ATOL + RTOL * max|ref|, per tensor
+ATOL, RTOL = 1e-6, 1e-4  # |diff| <= ATOL + RTOL * max|ref|, per tensor
 STEPS, LR = 3, 1e-3
-SEED = 1234          # one device and the program draw their dropout masks after this seed
+SEED = 1234  # one device and the program draw their dropout masks after this seed
 # AdamW's eps: with torch's 1e-8, a gradient that is zero analytically (a key projection's bias: softmax ignores
 # it) but 1e-9-ish reduction-order noise in fp32 moves its parameter by +-lr on each side, a different sign per
 # run (measured: 1.1e-4 on nn.TransformerEncoder's in_proj_bias against a 1.3e-6 tolerance). 1e-4 keeps such
@@ -63,7 +64,7 @@ PLAN_TIME_LIMIT_S = 30.0
 # The status exchange between stages runs on its own gloo group with this timeout, so one rank planning longer than
 # the others (past the mesh groups' 60 s) does not break it; the mesh's groups keep their 60 s.
 STATUS_TIMEOUT_S = 900
-_STATUS = {}                       # "group": the status process group of this rank's launch
+_STATUS = {}  # "group": the status process group of this rank's launch
 ROOTS = ("autopar", "passes", "backends")
 
 
@@ -95,8 +96,10 @@ def build(name, variant="as-is"):
 
 def cast(model, args, kwargs, dtype):
     """The model's floating parameters and buffers and the floating tensor inputs in `dtype`."""
+
     def c(v):
         return v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+
     return model.to(dtype), tuple(c(a) for a in args), {k: c(v) for k, v in kwargs.items()}
 
 
@@ -118,8 +121,9 @@ def plan_stage(e: BaseException) -> str:
     files = {os.path.basename(fr.filename) for fr in traceback.extract_tb(e.__traceback__)}
     if "run_passes" in names or "solve" in names:
         return "plan"
-    return "capture" if type(e).__name__ == "CaptureError" or "capture.py" in files or isinstance(e, TypeError) \
-        else "plan"
+    return (
+        "capture" if type(e).__name__ == "CaptureError" or "capture.py" in files or isinstance(e, TypeError) else "plan"
+    )
 
 
 def call_kwargs(kwargs):
@@ -138,6 +142,7 @@ def placements_summary(params: dict, names=("dp", "tp")) -> dict:
 
 def _full(t):
     from torch.distributed.tensor import DTensor
+
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
@@ -168,10 +173,11 @@ class Checker:
 def _agree(err: str | None):
     """Every rank's status of this stage; the first failing rank's (rank, error) or None."""
     import torch.distributed as dist
+
     got = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(got, err, group=_STATUS.get("group"))
-    except Exception as e:      # a rank is stuck in a collective or gone
+    except Exception as e:  # a rank is stuck in a collective or gone
         raise GroupBroken(error_line(e)) from e
     bad = [(r, g) for r, g in enumerate(got) if g]
     if not bad:
@@ -182,6 +188,7 @@ def _agree(err: str | None):
 
 def _gather(value) -> list:
     import torch.distributed as dist
+
     got = [None] * dist.get_world_size()
     try:
         dist.all_gather_object(got, value, group=_STATUS.get("group"))
@@ -196,7 +203,7 @@ def _run_stage(rec, stage, fn):
     t = time.perf_counter()
     try:
         out = fn()
-    except Exception as e:       # recorded, then agreed on: the other ranks stop this model at the same stage
+    except Exception as e:  # recorded, then agreed on: the other ranks stop this model at the same stage
         err = (plan_stage(e) if stage == "plan" else stage) + ": " + error_line(e)
     rec.setdefault("times", {})[stage] = round(time.perf_counter() - t, 2)
     bad = _agree(err)
@@ -210,13 +217,14 @@ def check_model(name, variant, mesh, cluster) -> dict:
     """The 2x2 check of one model on every rank (see the module docstring)."""
     import autopar
     from autopar.backends.comm import CommCounter
+
     rec = {"model": name, "variant": variant, "stage": "", "error": "", "ok": False}
     t0 = time.perf_counter()
     ok, built = _run_stage(rec, "build", lambda: build(name, variant))
     if not ok:
         return rec
     model, args, kwargs, notes = built
-    if notes.get("check_dtype") is not None:        # see zoo.py: one device's float32 is itself too noisy
+    if notes.get("check_dtype") is not None:  # see zoo.py: one device's float32 is itself too noisy
         model, args, kwargs = cast(model, args, kwargs, notes["check_dtype"])
         rec["check_dtype"] = str(notes["check_dtype"]).replace("torch.", "")
     rec["family"], rec["dropout"] = notes["family"], notes["dropout"]
@@ -226,12 +234,13 @@ def check_model(name, variant, mesh, cluster) -> dict:
     if not ok:
         return rec
     hashes = _gather(planned[0].hash())
-    if len(set(hashes)) > 1:    # found under the time limit on some ranks only: parallelize would not agree
+    if len(set(hashes)) > 1:  # found under the time limit on some ranks only: parallelize would not agree
         rec["stage"], rec["error"] = "plan", f"the ranks planned differently (plan hashes {hashes})"
         return rec
     rec["placements_2x2"] = placements_summary(planned[0].params)
-    ok, pm = _run_stage(rec, "parallelize", lambda: autopar.parallelize(
-        model, mesh, args, planned=planned, **call_kwargs(kwargs)))
+    ok, pm = _run_stage(
+        rec, "parallelize", lambda: autopar.parallelize(model, mesh, args, planned=planned, **call_kwargs(kwargs))
+    )
     if not ok:
         return rec
     chk = Checker()
@@ -268,10 +277,19 @@ def fsdp_pins(model, mesh_shape) -> dict:
 def _plan_2x2(model, mesh, args, kwargs, cluster, rec):
     """The 2x2 plan under `cluster` with the parameters pinned FSDP-like on dp (see the module docstring)."""
     import autopar
+
     rec["forced"] = "parameters pinned FSDP on dp (SHAPES alone replicates them on models this small)"
-    return autopar.plan(model, mesh, example_inputs=args, cluster=cluster, overlap=False, return_state=True,
-                        force=fsdp_pins(model, tuple(mesh.shape)), time_limit=PLAN_TIME_LIMIT_S,
-                        **call_kwargs(kwargs))
+    return autopar.plan(
+        model,
+        mesh,
+        example_inputs=args,
+        cluster=cluster,
+        overlap=False,
+        return_state=True,
+        force=fsdp_pins(model, tuple(mesh.shape)),
+        time_limit=PLAN_TIME_LIMIT_S,
+        **call_kwargs(kwargs),
+    )
 
 
 def _train(pm, ref, args, kwargs, chk, rec, CommCounter):
@@ -284,8 +302,8 @@ def _train(pm, ref, args, kwargs, chk, rec, CommCounter):
     if missing:
         raise KeyError(f"the parallel module has no parameter {missing[0]} ({len(missing)} missing)")
     rec["collectives"], rec["losses"] = [], []
-    torch.manual_seed(SEED)             # one device's dropout masks ...
-    pm.program.manual_seed(SEED)        # ... are the ones the program draws whole and slices
+    torch.manual_seed(SEED)  # one device's dropout masks ...
+    pm.program.manual_seed(SEED)  # ... are the ones the program draws whole and slices
     for s in range(STEPS):
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
@@ -324,12 +342,19 @@ def _train(pm, ref, args, kwargs, chk, rec, CommCounter):
 def plan_8x8(name, variant="as-is") -> dict:
     """autopar.plan of the model as built (dropout on) on a simulated (8, 8) h100 mesh, timed."""
     import autopar
+
     rec = {"model": name}
     try:
         model, args, kwargs, _ = build(name, variant)
         t = time.perf_counter()
-        plan = autopar.plan(model, autopar.MeshSpec((8, 8), ("dp", "tp")), example_inputs=args, cluster="h100",
-                            time_limit=PLAN_TIME_LIMIT_S, **call_kwargs(kwargs))
+        plan = autopar.plan(
+            model,
+            autopar.MeshSpec((8, 8), ("dp", "tp")),
+            example_inputs=args,
+            cluster="h100",
+            time_limit=PLAN_TIME_LIMIT_S,
+            **call_kwargs(kwargs),
+        )
         rec["plan_s"] = round(time.perf_counter() - t, 2)
         rec["placements"] = placements_summary(plan.params)
         rec["ok"] = True
@@ -374,6 +399,7 @@ def job(names, variant="as-is", work=None):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from _clusters import SHAPES
+
     _STATUS["group"] = dist.new_group(backend="gloo", timeout=timedelta(seconds=STATUS_TIMEOUT_S))
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -381,17 +407,15 @@ def job(names, variant="as-is", work=None):
     out, broken = {"rank": rank, "checks": [], "plans": []}, None
     for name in names:
         if broken:
-            out["checks"].append({"model": name, "variant": variant, "ok": False, "stage": "not run",
-                                  "error": broken})
+            out["checks"].append({"model": name, "variant": variant, "ok": False, "stage": "not run", "error": broken})
             continue
         try:
             out["checks"].append(check_model(name, variant, mesh, SHAPES))
-            if out["checks"][-1]["stage"] in ("parallelize", "step"):     # a collective may have timed out:
-                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))   # fresh groups
+            if out["checks"][-1]["stage"] in ("parallelize", "step"):  # a collective may have timed out:
+                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # fresh groups
         except GroupBroken as e:
             broken = f"the ranks stopped agreeing at an earlier model: {e}"
-            out["checks"].append({"model": name, "variant": variant, "ok": False, "stage": "agree",
-                                  "error": str(e)})
+            out["checks"].append({"model": name, "variant": variant, "ok": False, "stage": "agree", "error": str(e)})
         _save(work, rank, out)
     for i, n in enumerate(names):
         if _claim(work, i):
@@ -412,6 +436,7 @@ def preload():
     import torch.distributed.tensor  # noqa: F401
     import _clusters  # noqa: F401
     import zoo
+
     zoo.preload()
 
 
@@ -422,9 +447,16 @@ def run_suite(names, variant, tmp, timeout) -> tuple[list[dict], str]:
     not run."""
     import tempfile
     import forked
+
     work = tempfile.mkdtemp(prefix="work_", dir=tmp)
-    results, why = forked.launch(os.path.abspath(__file__), "job", 4, [list(names), variant, work],
-                                 tempfile.mkdtemp(prefix="ranks_", dir=tmp), timeout)
+    results, why = forked.launch(
+        os.path.abspath(__file__),
+        "job",
+        4,
+        [list(names), variant, work],
+        tempfile.mkdtemp(prefix="ranks_", dir=tmp),
+        timeout,
+    )
     if not why:
         return merge(results), ""
     for r in range(4):
@@ -432,8 +464,11 @@ def run_suite(names, variant, tmp, timeout) -> tuple[list[dict], str]:
         if results[r] is None:
             results[r] = json.load(open(p)) if os.path.exists(p) else {"rank": r, "checks": [], "plans": []}
     done = {c["model"] for c in results[0]["checks"]}
-    results[0]["checks"] += [{"model": n, "variant": variant, "ok": False, "stage": "launch",
-                              "error": why.splitlines()[0]} for n in names if n not in done]
+    results[0]["checks"] += [
+        {"model": n, "variant": variant, "ok": False, "stage": "launch", "error": why.splitlines()[0]}
+        for n in names
+        if n not in done
+    ]
     return merge(results), why
 
 
