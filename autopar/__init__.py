@@ -4,13 +4,49 @@ plan = autopar.plan(model, mesh, example_inputs=(tokens, labels), cluster="h100"
 print(plan.dump())
 """
 
-from .api import plan
-from .capture import CaptureError
-from .cost import CLUSTERS, ClusterSpec, TrainingPrecision, get_cluster
-from .mesh import MeshSpec
-from .plan import Plan
-from .solver import InfeasibleMemoryError, SolverTimeLimitError
-from .strategies import NoStrategyError
+import importlib
+import sys
+import types
+
+# The public names, imported on first use (PEP 562) so that `import autopar` does not import torch: the CLI's
+# `--help` answers in well under a second, and commands import what they need.
+_EXPORTS = {
+    "plan": ".api",
+    "CaptureError": ".capture",
+    "CLUSTERS": ".cost",
+    "ClusterSpec": ".cost",
+    "TrainingPrecision": ".cost",
+    "get_cluster": ".cost",
+    "MeshSpec": ".mesh",
+    "Plan": ".plan",
+    "InfeasibleMemoryError": ".solver",
+    "SolverTimeLimitError": ".solver",
+    "NoStrategyError": ".strategies",
+}
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+class _Package(types.ModuleType):
+    def __setattr__(self, name, value):
+        # importing the submodule autopar/plan.py binds it as the package attribute `plan`, which would hide the
+        # function autopar.plan (eager imports used to rebind it by import order)
+        if name == "plan" and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __all__ = [
     "plan",
