@@ -12,6 +12,7 @@ from .capture import capture
 from .cost import TrainingPrecision, get_cluster
 from .mesh import as_mesh_spec
 from .model_io import ModelIO
+from .passes.alternatives import runner_ups
 from .pipeline import PASSES, PlanState, run_passes
 from .plan import Plan
 from .predict import build_plan
@@ -176,4 +177,5 @@ def plan(
     _, state, p = choose(results, infeasible) if len(variants) > 1 else results[0]
     p.meta["dumps"] = state.dumps if dump_after else {}
     p.meta["loss_fn"] = loss_fn is not None  # the loss is computed outside the module (engines_loss.py)
+    p.meta["alternatives"] = runner_ups(state)  # each decision's runner-up, for `autopar explain`
     return (p, state) if return_state else p
