@@ -202,7 +202,11 @@ def _tensors(inputs, kwargs) -> list:
 
 
 def _file_stem(label: str) -> str:
-    return label.rsplit(":", 1)[-1] if ":" in label else label
+    """A zoo name as it is; 'pkg.mod:build' -> 'mod_build', 'dir/file.py:build' -> 'file_build'."""
+    if ":" not in label:
+        return label
+    where, _, name = label.rpartition(":")
+    return f"{os.path.basename(where).removesuffix('.py').rsplit('.', 1)[-1]}_{name}"
 
 
 def _parse(fn, flag: str):

@@ -84,13 +84,13 @@ def _figures(f: dict) -> str:
 def _why(chosen: dict, runner: dict, plan) -> str:
     d = runner["cost_s"] - chosen["cost_s"]
     dm = runner["memory_bytes"] - chosen["memory_bytes"]
-    memory = f"{_bytes(abs(dm))} {'more' if dm > 0 else 'less'} memory per rank"
+    memory = f"{_bytes(abs(dm))} {'more' if dm > 0 else 'less'} memory per rank" if dm else "the same memory"
     scale = max(abs(chosen["cost_s"]), abs(runner["cost_s"]), 1e-12)
     if abs(d) <= 1e-9 * scale:
-        return f"a tie on local cost (the runner-up: {memory}); the solver kept the first"
+        return f"a tie on local cost (the runner-up with {memory}); the solver kept the first"
     if d > 0:
         parts = f"compute {_us(runner['compute_s'] - chosen['compute_s'], True)}, comm {_us(runner['comm_s'] - chosen['comm_s'], True)}"
-        return f"the runner-up costs {_us(d)} more ({parts}) for {memory}"
+        return f"the runner-up costs {_us(d)} more ({parts}), with {memory}"
     budget = plan.predicted.get("budget_bytes") or plan.meta.get("budget_bytes")
     if dm > 0 and budget:
         return (

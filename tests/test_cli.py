@@ -205,7 +205,10 @@ def test_help_is_fast_and_does_not_import_torch():
         """
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for argv in ([], ["plan"], ["explain"], ["diff"]):
+    import importlib.util
+
+    commands = [[], ["plan"], ["explain"], ["diff"]] + [["report"]] * bool(importlib.util.find_spec("autopar.report"))
+    for argv in commands:
         best = float("inf")
         for _ in range(3):
             t = time.perf_counter()
