@@ -72,14 +72,21 @@ def _add_plan(sub) -> None:
     p.add_argument(
         "--cluster", default="h100", help="cost model: h100 | a100 | h200 | cpu-gloo | path to a cluster JSON"
     )
-    p.add_argument("--batch", type=int, default=None, help="global batch size (zoo models; default: the model's)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (zoo models; default: the model's)")
-    p.add_argument("--layers", type=int, default=None, help="override the number of layers (zoo models)")
+    p.add_argument(
+        "--batch", type=_positive(int), default=None, help="global batch size (zoo models; default: the model's)"
+    )
+    p.add_argument(
+        "--seq", type=_positive(int), default=None, help="sequence length (zoo models; default: the model's)"
+    )
+    p.add_argument("--layers", type=_positive(int), default=None, help="override the number of layers (zoo models)")
     p.add_argument(
         "--dtype", default=None, help="bf16 | fp32: the model's parameter dtype (default: bf16 for llama3-*, else fp32)"
     )
     p.add_argument(
-        "--memory-gb", type=float, default=None, help="memory budget per rank in GB (default: 90%% of the device's)"
+        "--memory-gb",
+        type=_positive(float),
+        default=None,
+        help="memory budget per rank in GB (default: 90%% of the device's)",
     )
     p.add_argument(
         "--force",
@@ -94,6 +101,19 @@ def _add_plan(sub) -> None:
     p.add_argument("--json", default=None, metavar="PLAN.json", help=argparse.SUPPRESS)  # the old name of --out
     _debug_flag(p)
     p.set_defaults(func=cmd_plan)
+
+
+def _positive(kind):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not value > 0:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {'integer' if kind is int else 'number'}")
+        return value
+
+    return parse
 
 
 def _add_explain(sub) -> None:
@@ -231,7 +251,7 @@ def _check_cluster(name: str):
 
     try:
         return get_cluster(name)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, KeyError, TypeError) as e:
         if os.path.exists(name):
             raise UsageError(f"--cluster {name!r}: not a cluster JSON ({e})") from None
         raise UsageError(f"--cluster {name!r} is not one of {', '.join(CLUSTERS)} or a cluster JSON file") from None

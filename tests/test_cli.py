@@ -147,6 +147,24 @@ def test_diff_shows_placements_collectives_time_memory(plans, capsys):
     kinds = {k for k, _, _ in a.collectives()} | {k for k, _, _ in b.collectives()}
     assert all(k in out for k in kinds)
     assert "nodes placed differently:" in out
+    other = json.loads(files["hand"].read_text())
+    other["nodes"] = other["nodes"][:-1]  # another graph: everything but the nodes is still compared
+    (files["hand"].parent / "other.json").write_text(json.dumps(other))
+    rc, out, err = _run(capsys, "diff", str(files["auto"]), str(files["hand"].parent / "other.json"))
+    n = len(a.nodes)
+    assert rc == 0 and f"the graphs differ ({n} vs {n - 1} nodes)" in out and "predicted step" in out, out
+
+
+def test_explain_without_runner_ups_lists_placements(plans, capsys):
+    """Plans that record no runner-ups (pipeline plans) still explain: each node's placement."""
+    _, files = plans
+    bare = json.loads(files["auto"].read_text())
+    del bare["meta"]["alternatives"]
+    path = files["auto"].parent / "bare.json"
+    path.write_text(json.dumps(bare))
+    rc, out, err = _run(capsys, "explain", str(path), "--module", "up")
+    assert rc == 0, err
+    assert "records no runner-ups" in out and "param:up.weight" in out and "param:down.weight" not in out
 
 
 @pytest.mark.parametrize(
@@ -159,7 +177,8 @@ def test_diff_shows_placements_collectives_time_memory(plans, capsys):
         (["plan", "--model", "mlp-tiny", "--mesh", "2", "--force", "nothing.*=R"], "matches no parameter"),
         (["plan", "--model", "mlp-tiny", "--mesh", "2", "--force", "layers.*=R,R"], "one placement per mesh dim"),
         (["plan", "--model", "no_such_module:build"], "no module named 'no_such_module'"),
-        (["plan", "--batch", "many"], "argument --batch: invalid int value"),
+        (["plan", "--batch", "many"], "argument --batch: 'many' is not a positive integer"),
+        (["plan", "--layers", "0"], "argument --layers: '0' is not a positive integer"),
         (["explain", "missing.json"], "missing.json: no such file"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
     ],
