@@ -26,8 +26,13 @@ _EXPORTS = {
 
 
 def __getattr__(name):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+    if name not in _EXPORTS:  # a submodule (`autopar.cost.X` after `import autopar`), as the eager imports loaded
+        try:
+            return importlib.import_module(f".{name}", __name__)
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'autopar' has no attribute {name!r}") from None
     value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     globals()[name] = value
     return value
