@@ -202,7 +202,7 @@ def _plan_and_write(args, model, inputs, kwargs, label, mesh, cluster, force) ->
     print(pl.summary())
     shapes = [tuple(x.shape) for x in _tensors(inputs, kwargs)]
     print(
-        f"\nplanned {label} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} B params, inputs {shapes}) in {dt:.2f} s"
+        f"\nplanned {label} ({_count(sum(p.numel() for p in model.parameters()))} params, inputs {shapes}) in {dt:.2f} s"
     )
     path = args.dump or f"{_file_stem(label)}_{args.mesh}.dump.txt"
     with open(path, "w") as f:
@@ -212,6 +212,10 @@ def _plan_and_write(args, model, inputs, kwargs, label, mesh, cluster, force) ->
         pl.save(out)
         print(f"plan saved to {out}")
     return 0
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e8 else f"{n / 1e6:.2f} M" if n >= 1e5 else str(n)
 
 
 def _tensors(inputs, kwargs) -> list:
@@ -282,8 +286,8 @@ def load_model(args, dtype):
             if getattr(args, flag) is not None:
                 raise UsageError(f"--{flag} applies to zoo models; your factory {args.model} makes its own inputs")
         model, inputs, kwargs = from_factory(args.model, UsageError)
-        if dtype is not None:
-            model = model.to(dtype=dtype)
+        if dtype is not None:  # the parameters and the floating-point inputs, so that they still match
+            model, inputs, kwargs = model.to(dtype=dtype), _cast(inputs, dtype), _cast(kwargs, dtype)
         return model, inputs, kwargs, args.model
     import torch
 
@@ -297,6 +301,15 @@ def load_model(args, dtype):
     model = models.build_model(args.model, device="meta", dtype=dtype, **over)
     inputs = models.example_inputs(args.model, batch=args.batch, seq=args.seq, device="meta", **over)
     return model, inputs, None, args.model
+
+
+def _cast(values, dtype):
+    import torch
+
+    cast = lambda v: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+    if isinstance(values, dict):
+        return {k: cast(v) for k, v in values.items()}
+    return tuple(cast(v) for v in values) if values is not None else None
 
 
 def _unknown_model(name: str, known: list[str]) -> str:
