@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html
 import itertools
+import re
 from collections import Counter, defaultdict
 
 NOTATION = (
@@ -89,6 +90,8 @@ def stacked_bars(rows: list, unit, label: str, width: int = 1000) -> str:
         y, x = 8 + i * row_h, float(left)
         body.append(_text(left - 6, y + 16, name, "end"))
         for part, value, color in parts:
+            if value <= 0:  # nothing to draw, nothing to name in the legend
+                continue
             w = bar_w * value / top
             body.append(_rect(x, y, w, 22, color, f"{name}: {part} {unit(value)}"))
             if w > 70:
@@ -97,8 +100,10 @@ def stacked_bars(rows: list, unit, label: str, width: int = 1000) -> str:
             x += w
         body.append(_text(x + 6, y + 16, unit(sum(v for _, v, _ in parts))))
     y = 12 + len(rows) * row_h
-    for k, (part, color) in enumerate(legend.items()):
-        body += [_rect(left + k * 160, y, 12, 12, color, part), _text(left + k * 160 + 16, y + 10, part)]
+    x = left
+    for part, color in legend.items():
+        body += [_rect(x, y, 12, 12, color, part), _text(x + 16, y + 10, part)]
+        x += 40 + 7 * len(part)  # about 6.5 px a character at 11 px
     return _svg(width, y + 22, body, label)
 
 
@@ -234,8 +239,30 @@ def module_rows(d: dict) -> list:
     return rows
 
 
+def fold_layers(rows: list) -> list:
+    """Repeated layers in one row: modules whose names differ only in layer indices ("h.3.mlp" -> "h.*.mlp") and
+    whose parameters are placed alike become "h.*.mlp (x12)", their stages (pipeline plans) joined. The rows that
+    have ops must agree on them too; a row without ops (a layer a pipeline plan's representative graph does not
+    hold) takes them from its group. A layer placed differently keeps its own rows."""
+    groups = defaultdict(list)
+    for row in rows:
+        groups[re.sub(r"\.\d+(?=\.|$)", ".*", row[0])].append(row)
+    out = []
+    for key, group in groups.items():
+        held = [r for r in group if r[1] or r[2]] or group
+        if len(group) == 1 or any(r[3] != group[0][3] for r in group) or any(r[1:6] != held[0][1:6] for r in held):
+            out += group
+            continue
+        row = [f"{key} (x{len(group)})", *held[0][1:6]]
+        if len(group[0]) > 6:
+            stages = sorted({x for r in group for x in r[6].split(",") if x != "-"}, key=int)
+            row.append(",".join(stages) or "-")
+        out.append(row)
+    return out
+
+
 def modules_section(d: dict) -> str:
-    head = ["module", "fw ops", "bw ops", "parameters", "forward outputs", "collectives"]
+    head = ["module", "fw ops", "bw ops", "parameters", "forward outputs", "input collectives"]
     note = ""
     if d["stages"]:
         head.append("stage")
@@ -247,7 +274,9 @@ def modules_section(d: dict) -> str:
         "<h2>Placements per module</h2>"
         + f"<p class=note>placements per mesh dim ({_esc(', '.join(_param_mesh_names(d)))}): {_esc(NOTATION)}</p>"
         + note
-        + _table(head, module_rows(d), (1, 2, 5))
+        + "<p class=note>repeated layers placed alike share a row (x count); input collectives: the redistributes "
+        "its ops' inputs need (bucketed gradient reductions are counted under Collectives, once per bucket)</p>"
+        + _table(head, fold_layers(module_rows(d)), (1, 2, 5))
     )
 
 
@@ -255,18 +284,21 @@ def modules_section(d: dict) -> str:
 def pipeline_events(d: dict) -> list | None:
     """Per pp rank, the schedule's actions as (start_s, end_s, stage, kind, micro-batch): torch's action order for
     the plan's schedule, list-scheduled with the stages' F/B/W times and sends as the planner simulated them. None
-    when the re-simulation does not reproduce the plan's own timeline (then the text timeline is drawn instead)."""
+    when the schedule cannot be re-simulated or the re-simulation does not reproduce the plan's own timeline (then
+    the text timeline is drawn instead)."""
     from . import pipeline_model as pm  # torch's schedule generators: imported only for pipeline plans
 
     sc, st = d["schedule"], sorted(d["stages"], key=lambda s: s["index"])
-    spec = pm.get_schedule(sc["name"])
-    p, v, m = sc["pp"], sc["stages_per_rank"], sc["n_microbatches"]
-    order = pm.actions(spec, p, m, v)
-    F, B, W = ([s["time"][k] for s in st] for k in ("F_s", "B_s", "W_s"))
-    sim = pm.simulate(order, pm.stage_ranks(spec, p, v), F, B, W, [s.get("send", {}).get("time_s", 0.0) for s in st])
-    if pm.timeline(sim) != sc.get("timeline"):
+    try:
+        spec = pm.get_schedule(sc["name"])
+        p, v, m = sc["pp"], sc["stages_per_rank"], sc["n_microbatches"]
+        order = pm.actions(spec, p, m, v)
+        F, B, W = ([s["time"][k] for s in st] for k in ("F_s", "B_s", "W_s"))
+        p2p = [s.get("send", {}).get("time_s", 0.0) for s in st]
+        sim = pm.simulate(order, pm.stage_ranks(spec, p, v), F, B, W, p2p)
+    except (ValueError, KeyError, RuntimeError):  # an unknown schedule name, a field this version lacks
         return None
-    return sim.events
+    return sim.events if pm.timeline(sim) == sc.get("timeline") else None
 
 
 def _timeline_runs(rows: list) -> list:
@@ -288,7 +320,8 @@ def _timeline_runs(rows: list) -> list:
 def _action_box(x, y, w, stage, kind, mb, faded: bool, span: str) -> list:
     """One action of the schedule: a box coloured by kind (faded for the rank's later stage), a hover title, and
     its kind and micro-batch written inside when it is wide enough."""
-    tip = f"stage {stage} {_ACTION_NAME.get(kind, kind)}" + ("" if mb is None else f" micro-batch {mb}") + f" {span}"
+    where = f"stage {stage}" if isinstance(stage, int) else f"the rank's {stage} stage"  # from the text timeline
+    tip = f"{where} {_ACTION_NAME.get(kind, kind)}" + ("" if mb is None else f" micro-batch {mb}") + f" {span}"
     out = [
         f'<rect x="{x:.1f}" y="{y:.1f}" width="{max(w, 0.5):.1f}" height="26" fill="{_ACTION_COLOR.get(kind, "#999")}"'
         f' fill-opacity="{0.5 if faded else 1.0}" stroke="#fff" stroke-width="0.5"><title>{_esc(tip)}</title></rect>'

@@ -5,6 +5,8 @@ headless Chromium whose screenshot shows the plots. Planning only (meta tensors,
 from __future__ import annotations
 
 import argparse
+import copy
+import html
 import os
 import re
 import shutil
@@ -55,7 +57,7 @@ def _cells(page: str, heading: str) -> list[list[str]]:
     """The rows (cell texts) of the first table after `heading` in the page."""
     at = page.index(f"<h2>{heading}</h2>")
     table = page[at : page.index("</table>", at)]
-    return [re.findall(r"<td[^>]*>(.*?)</td>", row) for row in table.split("<tr>")[2:]]
+    return [[html.unescape(c) for c in re.findall(r"<td[^>]*>(.*?)</td>", row)] for row in table.split("<tr>")[2:]]
 
 
 def test_flat_report_lists_modules_collectives_and_plots(flat_plan):
@@ -77,8 +79,22 @@ def test_flat_report_lists_modules_collectives_and_plots(flat_plan):
     by_dim = report.collective_rows(plan.to_json())
     assert sum(c for *_, c, _ in by_dim) == len(plan.collectives())
     assert {m for _, m, _, _ in by_dim} >= {"dp", "tp"}
+    table = _cells(page, "Placements per module")
+    assert [r[0] for r in table] == [r[0] for r in report.fold_layers(list(rows.values()))]
+    assert "layers.*.attention.wq (x2)" in [r[0] for r in table]  # two layers placed alike: one row
     assert page.count("<svg") == 4  # step, comm, collectives, memory
     assert "no pipeline" in page and "<title>predicted step: compute" in page
+
+
+def test_fold_layers_keeps_a_layer_placed_differently():
+    rows = [
+        ["h.0.mlp", 4, 8, "weight [S0]", "[S1] x1", 0, "0"],
+        ["h.1.mlp", 0, 0, "weight [S0]", "-", 0, "1"],  # not in a pipeline plan's representative graph
+        ["h.2.mlp", 4, 8, "weight [S0]", "[S1] x1", 0, "1"],
+        ["h.0.attn", 4, 8, "weight [S0]", "[S1] x1", 0, "0"],
+        ["h.1.attn", 4, 8, "weight [R]", "[R] x1", 0, "1"],
+    ]
+    assert report.fold_layers(rows) == [["h.*.mlp (x3)", 4, 8, "weight [S0]", "[S1] x1", 0, "0,1"]] + rows[3:]
 
 
 def test_pipeline_report_draws_the_schedule(pipe_plan):
@@ -100,6 +116,18 @@ def test_pipeline_report_draws_the_schedule(pipe_plan):
     assert [int(r[0]) for r in stages] == list(range(sc["num_stages"]))
     held = {r[0]: r[-1] for r in report.module_rows(d)}
     assert held["layers.3.attention.wq"] == "3" and held["tok_embeddings"] == "0"
+
+
+def test_pipeline_report_falls_back_to_the_text_timeline(pipe_plan):
+    """A plan whose timeline the re-simulation does not reproduce (here: edited) is drawn from its own text rows:
+    one box per run of equal characters, idle slices left empty."""
+    plan = copy.deepcopy(pipe_plan)
+    rows = plan.schedule["timeline"]
+    rows[0] = rows[0].replace("F", "B", 1)
+    assert report.pipeline_events(plan.to_json()) is None
+    gantt = report.render_html(plan).split('aria-label="pipeline schedule timeline"')[1].split("</svg>")[0]
+    runs = sum(len(re.findall(r"([A-Za-z])\1*", r.split("|")[1])) for r in rows)
+    assert len(re.findall(r"<title>the rank&#x27;s (first|later) stage", gantt)) == runs
 
 
 def test_main_renders_a_saved_plan_without_planning(flat_plan, tmp_path, monkeypatch):
