@@ -177,8 +177,7 @@ def collective_rows(d: dict) -> list:
         key = (kind, "+".join(names[x] for x in dims))
         acc[key][0] += 1
         acc[key][1] += nbytes
-    order = lambda k: (_KIND_ORDER.index(k[0]) if k[0] in _KIND_ORDER else 99, k)
-    return [(k, dim, c, b) for (k, dim), (c, b) in sorted(acc.items(), key=lambda kv: order(kv[0]))]
+    return [(k, dim, c, b) for (k, dim), (c, b) in sorted(acc.items(), key=lambda kv: (_kind_rank(kv[0][0]), kv[0]))]
 
 
 def collectives_section(d: dict) -> str:
@@ -380,16 +379,9 @@ def pipeline_section(d: dict) -> str:
     legend = "; ".join(f"{k} {v}" for k, v in _ACTION_NAME.items())
     note = f"<p class=note>{_esc(legend)}; faded: the rank's later stage; label: kind and micro-batch</p>"
     rows = [
-        (
-            s["index"],
-            s["pp_rank"],
-            ", ".join(s["clusters"]),
-            f"{s['n_params'] / 1e6:.3f}M",
-            _ms(s["time"]["F_s"]),
-            _ms(s["time"]["B_s"]),
-            _ms(s["time"]["W_s"]),
-            _gib(s["memory"]["rank_peak_bytes"]),
-        )
+        (s["index"], s["pp_rank"], ", ".join(s["clusters"]), f"{s['n_params'] / 1e6:.3f}M")
+        + tuple(_ms(s["time"][k]) for k in ("F_s", "B_s", "W_s"))
+        + (_gib(s["memory"]["rank_peak_bytes"]),)
         for s in st
     ]
     table = _table(["stage", "pp rank", "clusters", "params", "F", "B", "W", "rank peak"], rows, (0, 1, 3, 4, 5, 6, 7))
