@@ -157,9 +157,11 @@ def memory_section(d: dict) -> str:
         note = "no memory budget was set"
     else:
         note = f"budget {_gib(budget)} per rank; peak is {100 * peak / budget:.2f}% of it"
+    why = d["meta"].get("checkpointing", {}).get("why")
     return (
         "<h2>Memory</h2>"
         + f"<p>predicted peak <b>{_gib(peak)}</b> per rank (model state {_gib(state)}); {note}</p>"
+        + (f"<p class=note>activation checkpointing: {_esc(why)}</p>" if why else "")
         + stacked_bars(rows, _gib, "predicted memory per rank")
     )
 
@@ -399,6 +401,9 @@ def render_html(plan) -> str:
         f"{_ms(p['step_s'])}, peak {_gib(p['peak_mem_bytes'])} per rank, solver {_esc(d['solver'].get('status'))}</p>"
     )
     sections = [cost_section(d), collectives_section(d), memory_section(d), pipeline_section(d), modules_section(d)]
+    sections.append(  # the same plan as text: what `autopar plan` prints, for searching and copying
+        f"<h2>Summary</h2><details><summary>plan.summary() as text</summary><pre>{_esc(plan.summary())}</pre></details>"
+    )
     return (
         f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>{_esc(title)}</title>"
         f"<style>{_CSS}</style></head><body>{header}{''.join(sections)}</body></html>\n"

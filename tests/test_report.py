@@ -84,6 +84,7 @@ def test_flat_report_lists_modules_collectives_and_plots(flat_plan):
     assert "layers.*.attention.wq (x2)" in [r[0] for r in table]  # two layers placed alike: one row
     assert page.count("<svg") == 4  # step, comm, collectives, memory
     assert "no pipeline" in page and "<title>predicted step: compute" in page
+    assert html.escape(plan.summary().splitlines()[1]) in page  # the text summary, folded away at the end
 
 
 def test_fold_layers_keeps_a_layer_placed_differently():
