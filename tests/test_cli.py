@@ -13,13 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+from _clusters import SHAPES  # a cost model on which the tiny model's sharding pays
 
 from autopar.cli import main
 from autopar.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).parent))
-from _clusters import SHAPES  # noqa: E402  (a cost model on which the tiny model's sharding pays)
 
 FACTORY = """
 import torch
@@ -73,19 +72,16 @@ def plans(tmp_path_factory):
     return d, outputs
 
 
-def test_plan_own_factory_saves_a_plan(plans, capsys):
+def test_plan_own_factory_saves_a_plan(plans, capsys, monkeypatch):
     d, files = plans
     auto, hand = Plan.load(files["auto"]), Plan.load(files["hand"])
     assert (d / "auto.dump.txt").read_text().startswith("autopar plan  mesh [dp=2 x tp=2]")
     assert hand.params["up.weight"] == ["R", "R"] and hand.params["up.bias"] == ["R", "R"]
     assert auto.params["up.weight"] != ["R", "R"], "on this cost model autopar shards `up`: the diff is not empty"
     # the factory may return (model, args, kwargs), and a module:factory is imported from the working directory
-    cwd = os.getcwd()
-    os.chdir(d)
-    try:
-        rc, out, err = _run(capsys, "plan", "--model", "tiny_factory:build_kwargs", "--mesh", "2", "--dump", "k.txt")
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(d)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the CLI puts the working directory on it
+    rc, out, err = _run(capsys, "plan", "--model", "tiny_factory:build_kwargs", "--mesh", "2", "--dump", "k.txt")
     assert rc == 0, err
     assert "planned tiny_factory:build_kwargs" in out and (d / "k.txt").exists()
 
