@@ -126,6 +126,13 @@ def _add_explain(sub) -> None:
     p.add_argument("plan", metavar="PLAN.json", help="a plan saved by 'autopar plan -o' or Plan.save")
     p.add_argument("--module", default=None, metavar="M", help="only the nodes of module M and its submodules")
     p.add_argument("--nodes", action="store_true", help="one line per node (placement, the decision it follows)")
+    p.add_argument(
+        "--closest",
+        type=_positive(int),
+        default=None,
+        metavar="N",
+        help="only the N decisions whose runner-up comes nearest in cost (the close calls), nearest first",
+    )
     _debug_flag(p)
     p.set_defaults(func=cmd_explain)
 
@@ -359,7 +366,7 @@ def _load_plan(path: str):
 def cmd_explain(args) -> int:
     from autopar.explain import explain
 
-    print(explain(_load_plan(args.plan), module=args.module, per_node=args.nodes))
+    print(explain(_load_plan(args.plan), module=args.module, per_node=args.nodes, closest=args.closest))
     return 0
 
 

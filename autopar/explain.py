@@ -16,7 +16,9 @@ LOCAL_COST = (
 )
 
 
-def explain(plan, module: str | None = None, per_node: bool = False) -> str:
+def explain(plan, module: str | None = None, per_node: bool = False, closest: int | None = None) -> str:
+    """The plan's decisions in graph order (those with a node in `module` or below); `closest=N`: only the N whose
+    runner-up is nearest in local cost (either way), nearest first."""
     alt = plan.meta.get("alternatives")
     lines = _header(plan)
     nodes = [n for n in plan.nodes if _in_module(n["module"], module)]
@@ -33,13 +35,24 @@ def explain(plan, module: str | None = None, per_node: bool = False) -> str:
     for n in nodes:
         members.setdefault(group_of[n["idx"]], []).append(n)
     lines += [LOCAL_COST, ""]
-    for g in sorted(members, key=lambda g: alt["groups"][g]["node"]):
+    for g in _order(alt["groups"], members, closest):
         lines += _group_lines(plan, alt["groups"][g], members[g], sizes[g])
         if per_node:
             lines += ["      " + _node_line(n) for n in members[g]]
-    n_groups = len(members)
-    lines.append(f"\n{n_groups} decisions over {len(nodes)} nodes" + (f" of module {module}" if module else ""))
+    shown = f"the {min(closest, len(members))} closest of " if closest else ""
+    lines.append(
+        f"\n{shown}{len(members)} decisions over {len(nodes)} nodes" + (f" of module {module}" if module else "")
+    )
     return "\n".join(lines)
+
+
+def _order(groups: list, members: dict, closest: int | None) -> list[int]:
+    if not closest:
+        return sorted(members, key=lambda g: groups[g]["node"])
+    margin = lambda g: abs(groups[g]["runner_up"]["cost_s"] - groups[g]["chosen"]["cost_s"])
+    return sorted((g for g in members if groups[g]["runner_up"]), key=lambda g: (margin(g), groups[g]["node"]))[
+        :closest
+    ]
 
 
 def _header(plan) -> list[str]:
@@ -99,7 +112,7 @@ def _why(chosen: dict, runner: dict, plan) -> str:
         )
     return (
         f"the runner-up is {_us(-d)} cheaper here ({memory}); the terms the local cost leaves out (bucket "
-        "latency, shared redistributes) decided"
+        "latency, shared redistributes) or the solver's optimality gap decided"
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -125,6 +126,13 @@ def test_explain_gives_each_decision_its_runner_up(plans, capsys):
     rc, out, _ = _run(capsys, "explain", str(files["auto"]), "--module", "down", "--nodes")
     assert rc == 0 and "param:down.weight" in out and "param:up.weight" not in out
     assert "of module down" in out and "addmm" in out  # --nodes: the module's nodes under their decision
+    rc, out, _ = _run(capsys, "explain", str(files["auto"]), "--closest", "2")
+    margins = sorted(abs(g["runner_up"]["cost_s"] - g["chosen"]["cost_s"]) for g in groups if g["runner_up"])
+    shown = [ln for ln in out.splitlines() if ln.startswith("    runner-up  ")]
+    assert rc == 0 and len(shown) == 2 and f"the 2 closest of {len(groups)} decisions" in out
+    cost = lambda kind: [float(x) for x in re.findall(rf"^    {kind} +out .*? ([\d.]+) us \(compute", out, re.M)]
+    printed = [abs(r - c) for c, r in zip(cost("chosen"), cost("runner-up"))]  # in us, to 2 decimals
+    assert printed == pytest.approx([m * 1e6 for m in margins[:2]], abs=0.011), out  # nearest first
 
 
 def test_diff_shows_placements_collectives_time_memory(plans, capsys):
