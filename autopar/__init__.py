@@ -43,7 +43,7 @@ def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", **k
 
         return _parallelize(model, mesh, example_inputs, **kwargs)
     if backend in ("torch", "mixed", "auto"):
-        from .backends.engines import parallelize_torch
+        from .backends.torch.recognize import parallelize_torch
 
         return parallelize_torch(model, mesh, example_inputs, backend=backend, **kwargs)
     raise ValueError(f"backend must be 'graph', 'torch', 'mixed' or 'auto', got {backend!r}")

@@ -110,10 +110,10 @@ def main(argv=None) -> int:
     import torch
     import autopar
     from autopar import models
-    from autopar.backends.engines import recognize
-    from autopar.backends.engines_codegen import _fold
-    from autopar.backends.engines_comm import engine_collectives
-    from autopar.backends.engines_ref import loss_parallel_delta, torchtitan_placements, torchtitan_styles
+    from autopar.backends.torch.recognize import recognize
+    from autopar.backends.torch.render import _fold
+    from autopar.backends.torch.collectives import engine_collectives
+    from torchtitan_plan import loss_parallel_delta, torchtitan_placements, torchtitan_styles
     from autopar.cost import get_cluster
 
     shape = tuple(int(v) for v in args.mesh.split("x"))
@@ -274,8 +274,8 @@ r, w = dist.get_rank(), dist.get_world_size()
 from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar import models
-from autopar.backends.engines import parallelize_torch, local_inputs, train_context
-from autopar.backends.engines_ref import batch_pin, torchtitan_placements
+from autopar.backends.torch.recognize import parallelize_torch, local_inputs, train_context
+from torchtitan_plan import batch_pin, torchtitan_placements
 case = json.loads(sys.argv[1])
 shape, names = tuple(case["shape"]), tuple(case["names"])
 mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -344,6 +344,7 @@ def _compile_runs() -> list[str]:
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", COMPILE_CHILD, json.dumps(c)],
+                    cwd=HERE,  # the child imports torchtitan_plan from benchmarks/ (sys.path[0] of -c)
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

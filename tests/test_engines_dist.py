@@ -107,7 +107,7 @@ def _dp_cases(tmp_path):
     # gradients over dp in the plan's dp bucket; the norms' gradients (the plan: a chain over dp and tp) are
     # all-reduced by DTensor on tp and by the hook on dp (an extra bucket)
     from _clusters import SHAPES
-    from autopar.backends.engines_ref import torchtitan_placements
+    from _bench import torchtitan_placements
 
     force, pin = torchtitan_placements(m, ("dp", "tp"), "dp", "tp", (BATCH, SEQ))
     x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta")
@@ -128,7 +128,7 @@ def _dp_cases(tmp_path):
 def _cases(tmp_path, world):
     import autopar
     from autopar import models
-    from autopar.backends.engines_ref import batch_pin, torchtitan_placements
+    from _bench import batch_pin, torchtitan_placements
 
     m = models.build_model(MODEL, device="meta")
     x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta")
@@ -298,9 +298,9 @@ def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
     from autopar import models
-    from autopar.backends import engines
-    from autopar.backends.engines_comm import CollectiveCounter, engine_collectives, measured_list
-    from autopar.backends.engines_ref import batch_pin
+    from autopar.backends.torch import recognize as engines
+    from autopar.backends.torch.collectives import CollectiveCounter, engine_collectives, measured_list
+    from _bench import batch_pin
 
     mesh = init_device_mesh("cpu", tuple(case["shape"]), mesh_dim_names=tuple(case["names"]))
     out = {"name": case["name"]}

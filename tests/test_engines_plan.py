@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import autopar
 from autopar import models as M
 from autopar.capture import NLL_LOSSES
-from autopar.backends.engines import EngineLoweringError, recognize
-from autopar.backends.engines_comm import engine_collectives
-from autopar.backends.engines_ref import batch_pin, torchtitan_placements, torchtitan_styles
+from autopar.backends.torch.recognize import EngineLoweringError, recognize
+from autopar.backends.torch.collectives import engine_collectives
+from _bench import batch_pin, torchtitan_placements, torchtitan_styles
 from _clusters import GLOO_PER_STEP, SHAPES
 
 B, S = 8, 64
@@ -132,7 +132,7 @@ def test_tp_sp_plan_is_torchtitans(tp):
     plan, m = tp
     low = recognize(plan, m)
     assert low.expressible, low.report()
-    from autopar.backends.engines_codegen import _fold
+    from autopar.backends.torch.render import _fold
 
     ours = {k: v.code() for k, v in _fold(low.styles, low.block_fqns).items()}
     theirs = {k: v.replace(" ", "") for k, v in torchtitan_styles(loss_parallel=False).items()}
@@ -149,7 +149,7 @@ def test_tp_without_sequence_parallel_is_megatron():
     plan = autopar.plan(m, autopar.MeshSpec((2,), ("tp",)), x, cluster=CLUSTER, overlap=False, force=force, pin=pin)
     low = recognize(plan, m)
     assert low.expressible, low.report()
-    from autopar.backends.engines_codegen import _fold
+    from autopar.backends.torch.render import _fold
 
     st = {k: v.code() for k, v in _fold(low.styles, low.block_fqns).items()}
     assert st["layers.*.attention.wq"] == "ColwiseParallel()" and st["layers.*.feed_forward.w2"] == "RowwiseParallel()"
@@ -165,7 +165,7 @@ def test_tp_without_sequence_parallel_is_megatron():
 
 
 def test_export_code_is_importable_and_complete(tp, tmp_path):
-    from autopar.backends.engines import export_code
+    from autopar.backends.torch.recognize import export_code
 
     plan, m = tp
     path = tmp_path / "tp_plan.py"
@@ -330,7 +330,7 @@ def test_parameter_used_outside_its_module_is_a_reason():
     assert bad and "outside its FSDP unit 'layers.0'" in bad[0] and "<root>" in bad[0], low.reasons
     assert "-> graph  parameter layers.0.fc2.weight" in low.report()
     with pytest.raises(EngineLoweringError, match="layers.0.fc2.weight"):
-        from autopar.backends.engines import lower_to_torch
+        from autopar.backends.torch.recognize import lower_to_torch
 
         lower_to_torch(m, None, plan, units=["layers.0", "layers.1"])
 
@@ -482,7 +482,7 @@ def test_plan_for_engines_predicts_the_engines_collectives(mesh, names):
     1-D mesh (the loss hook's (weighted loss, count)); on 2x2 the plan reduces them per mesh dim (a few bytes
     more than the hook's one all_reduce over the flattened group; batch 16 there: GATHER_BATCH)."""
     from collections import Counter
-    from autopar.backends.engines_plan import plan_for_engines
+    from autopar.backends.torch.replan import plan_for_engines
 
     m, x = _model(GATHER_BATCH[len(mesh)])
     spec = autopar.MeshSpec(mesh, names)
@@ -515,7 +515,7 @@ def test_engine_step_time_equals_the_plans_prediction(mesh):
     the engines' collectives, each priced on its link). Where the engines run a plan exactly as planned (data
     parallel: the same collectives), that estimate and the planner's own prediction (its redistribute and bucket
     passes) are two computations of one step and must agree."""
-    from autopar.backends.engines_comm import engine_step_time
+    from autopar.backends.torch.collectives import engine_step_time
     from collections import Counter
 
     m = M.build_model("llama-tiny", device="meta")

@@ -40,8 +40,8 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from .engines_batch import _check_batch_ops, _check_batch_shards, _fed
-from .engines_loss import recognize_mean_loss
+from .batch import _check_batch_ops, _check_batch_shards, _fed
+from .loss import recognize_mean_loss
 
 
 class EngineLoweringError(ValueError):
@@ -114,12 +114,12 @@ class TorchLowering:
         return not self.reasons
 
     def code(self) -> str:
-        from .engines_codegen import render
+        from .render import render
 
         return render(self)
 
     def report(self) -> str:
-        from .engines_codegen import report
+        from .render import report
 
         return report(self)
 
@@ -217,7 +217,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
     names, shape = tuple(plan.mesh_names), tuple(plan.mesh_shape)
     low = TorchLowering(plan.hash(), names, shape)
     low.parts = {p: None for p in parts}
-    from .engines_mixed import within
+    from .mixed import within
 
     in_part = lambda m: within(m, parts)
     low.part_params = [f for f in plan.params if in_part(f.rsplit(".", 1)[0] if "." in f else "")]
@@ -271,7 +271,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
     _check_state_updates(low, plan, data, in_part)
     _recognize_fsdp(low, G, plan, units)
     if low.tp_dim is not None:
-        from .engines_tp import recognize_tp
+        from .tp import recognize_tp
 
         recognize_tp(low, G, plan, model, styles)
     elif styles:
@@ -301,7 +301,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
             )
     low.checkpoint = list(plan.meta.get("checkpointing", {}).get("blocks", []))
     if parts:
-        from .engines_mixed import reason_module
+        from .mixed import reason_module
 
         low.reasons = [r for r in low.reasons if not in_part(reason_module(*r) or "")]
         for m in [m for m in low.styles if in_part(m)]:
@@ -642,7 +642,7 @@ def parallelize_torch(
     broadcast before the engines shard them, `model.autopar_init_comm`; a replica checksum before the first step).
     The user's RNG state is left as it was; `model.autopar_rng_seed` is rank 0's torch.initial_seed()."""
     import torch
-    from .graph import _rng_devices
+    from ..graph import _rng_devices
 
     with torch.random.fork_rng(devices=_rng_devices(mesh)):
         return _parallelize_torch(
@@ -661,8 +661,8 @@ def parallelize_torch(
 
 
 def _take_rank0(model, mesh, assume_identical, check_replicas) -> str:
-    from .graph import _device
-    from .state import prepare_engine_model
+    from ..graph import _device
+    from ..state import prepare_engine_model
 
     return prepare_engine_model(model, mesh, _device(mesh), assume_identical, check_replicas)
 
@@ -691,7 +691,7 @@ def _parallelize_torch(
     replan = None
     plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")  # also the parts'
     if planned is None:
-        from .engines_plan import plan_for_engines
+        from .replan import plan_for_engines
 
         planned, replan = plan_for_engines(model, mesh, ex, **({"example_kwargs": kw} if kw else {}), **plan_kwargs)
     plan, state = planned
@@ -715,7 +715,7 @@ def _parallelize_torch(
         else (None, "keyword inputs: graph parts are split off positional calls only")
     )
     if mixed is not None and backend == "auto":  # the faster of the two by the cost model
-        from .engines_comm import engine_step_time
+        from .collectives import engine_step_time
 
         t_mixed, t_graph = engine_step_time(plan, mixed, plan_kwargs["cluster"]), plan.predicted["step_s"]
         if t_mixed > t_graph:
@@ -730,14 +730,14 @@ def _parallelize_torch(
     if mixed is not None:
         init = _take_rank0(model, mesh, assume_identical, check_replicas)
         apply_lowering(model, mesh, mixed, compile_blocks)
-        from .engines_mixed import install_parts
-        from .graph import _device
+        from .mixed import install_parts
+        from ..graph import _device
 
         install_parts(model, mesh, mixed, _device(mesh))
         model._autopar_plan = plan
         model.autopar_dump = _dump(plan, mixed, "torch + graph parts", init)
         return model
-    from .graph import parallelize as graph_parallelize
+    from ..graph import parallelize as graph_parallelize
 
     pm = graph_parallelize(
         model,
@@ -756,7 +756,7 @@ def _parallelize_torch(
 def _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs):
     """(the lowering with graph parts, None) when every reason names a module that can run as a part on the
     graph backend while the engines run the rest (backends/engines_mixed.py); (None, why not) otherwise."""
-    from .engines_mixed import choose_parts, plan_parts
+    from .mixed import choose_parts, plan_parts
 
     try:
         chosen, calls = choose_parts(plan, low, model, ex, recognize)
@@ -778,7 +778,7 @@ def _mixed(model, mesh, ex, plan, low, units, styles, plan_kwargs):
 
 def _compare_collectives(plan, low) -> None:
     """A note when what the engines issue (engine_collectives) differs from the plan's own prediction."""
-    from .engines_comm import engine_collectives
+    from .collectives import engine_collectives
 
     mine, _ = engine_collectives(plan, low)
     planned = plan.collectives()

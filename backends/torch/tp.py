@@ -23,8 +23,8 @@ from collections import defaultdict
 
 import torch.nn as nn
 
-from .engines import EngineLoweringError, Style, _PASS_THROUGH
-from .engines_batch import _op
+from .recognize import EngineLoweringError, Style, _PASS_THROUGH
+from .batch import _op
 
 
 def _kind(M, modules, G, members) -> str:

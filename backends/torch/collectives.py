@@ -294,7 +294,7 @@ def engine_collectives(plan, low) -> tuple[list, list]:
         dims = tuple(low.replicate_dims + low.shard_dims)
         out.append(("all_reduce", dims[0] if len(dims) == 1 else dims, low.mean_loss["nbytes"]))
     seen = set()
-    from .engines_mixed import within
+    from .mixed import within
 
     parts = getattr(low, "parts", {})
     in_part = lambda m: within(m, parts)

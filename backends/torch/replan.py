@@ -41,7 +41,7 @@ def plan_for_engines(model, mesh, example_inputs, **plan_kwargs):
     inputs over the data-parallel dims, the plan solved again with those nodes partial on them (module
     docstring). The note says which nodes were pinned and what it cost (None when the first plan is kept)."""
     import autopar
-    from .engines import recognize
+    from .recognize import recognize
 
     first = autopar.plan(model, mesh, example_inputs, return_state=True, **plan_kwargs)
     low = recognize(first[0], model)

@@ -155,7 +155,7 @@ def _check_batch_ops(low, G, plan, data, dn):
     """Data parallelism in the engines means every rank computes on its own batch shard. The plan may instead
     gather an activation over a data dim: harmless for the loss (each rank's mean over an equal shard, gradients
     averaged: the same values), but any other such op couples samples across the batch (e.g. batch norm)."""
-    from .engines_mixed import within
+    from .mixed import within
 
     parts = getattr(low, "parts", None) or {}
     in_part = lambda m: within(m, parts)

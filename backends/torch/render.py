@@ -213,7 +213,7 @@ def render(low) -> str:
     ]
     L += _BUCKETS.splitlines() + [""]
     if ml:
-        from .engines_loss import HOOK
+        from .loss import HOOK
 
         L += ["", *HOOK.splitlines(), ""]
     return "\n".join(L)
@@ -368,7 +368,7 @@ def report(low) -> str:
     for part, why in low.reasons:
         L.append(f"  -> graph  {part}: {why}")
     if getattr(low, "parts", None):
-        from .engines_mixed import report as parts_report
+        from .mixed import report as parts_report
 
         L += parts_report(low)
     return "\n".join(L)
