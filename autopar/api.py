@@ -61,6 +61,7 @@ def plan(
     mip_rel_gap: float = 1e-3,
     output: str = "loss",
     backward: bool = True,
+    target: str | None = None,
 ) -> Plan:
     """Plan how to run one training step of `model` on `mesh`.
 
@@ -91,10 +92,17 @@ def plan(
         returning one tensor whose gradient comes from outside; its input gradients are outputs of the step
         (how backend="auto" runs the modules the engines cannot express, backends/engines_mixed.py).
     backward: False plans the forward alone (evaluation: no backward nodes, no gradients, no buckets).
+    target: the backend that will run the plan, when it cannot run every plan as solved: "torch" (PyTorch's engines)
+        pins the nodes the engines compute otherwise and solves again (autopar/targets.py); None: any backend.
     pipeline: "auto" (or a dict narrowing the search, see passes/stages.py) plans pipeline stages, submeshes,
         schedule and micro-batch count jointly with each stage's per-op plan; a mesh with a dim named "pp" does
         so too. The plan's `stages` and `schedule` are filled; `force` then names placements on the stage submesh.
     """
+    if target is not None:  # what the target backend cannot run as planned, decided in autopar/targets.py
+        kwargs = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs", "target")}
+        from .targets import plan_for_target
+
+        return plan_for_target(target, model, mesh, example_inputs, **kwargs)
     io = ModelIO.from_example(model, example_inputs, example_kwargs)  # bad arguments: named, before capture
     mesh = as_mesh_spec(mesh)
     cl = get_cluster(cluster)

@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     import autopar
     from autopar import models
     from autopar.backends.torch.recognize import recognize
-    from autopar.backends.torch.render import _fold
+    from autopar.backends.torch.source import _fold
     from autopar.backends.torch.collectives import engine_collectives
     from torchtitan_plan import loss_parallel_delta, torchtitan_placements, torchtitan_styles
     from autopar.cost import get_cluster
@@ -274,7 +274,7 @@ r, w = dist.get_rank(), dist.get_world_size()
 from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar import models
-from autopar.backends.torch.recognize import parallelize_torch, local_inputs, train_context
+from autopar.backends.torch import parallelize as parallelize_torch, local_inputs, train_context
 from torchtitan_plan import batch_pin, torchtitan_placements
 case = json.loads(sys.argv[1])
 shape, names = tuple(case["shape"]), tuple(case["names"])

@@ -123,7 +123,7 @@ def _compare(losses, params, ref_losses, ref_params, first=0) -> dict:
 def _torch_step(model, mesh):
     """A step on the torch backend: this rank's batch shard in, the global mean loss out (equal batch shards)."""
     import torch.distributed as dist
-    from autopar.backends.torch import recognize as engines
+    import autopar.backends.torch as engines
 
     def step(x, y):
         xl, yl = engines.local_inputs(model, mesh, x, y)

@@ -4,8 +4,8 @@ training, and issue exactly the collectives derived from the plan.
 The parent plans every case (llama-tiny, batch 8, seq 64, cost model tests/_clusters.py SHAPES, so plans take the shapes engines lower; the data-parallel and torchtitan
 layouts are pinned with `force`/`pin`, the planner fills in everything else), saves the plans, and launches one
 process per rank (tests/_dist.py, running `_rank_cases`); several cases share one launch per world size. Every
-rank builds the model and the single-device reference itself (same seed), lowers the plan (`lower_to_torch` on
-the loaded plan, or `parallelize_torch` planning on the rank), runs 3 SGD steps and compares, each step, every gradient
+rank builds the model and the single-device reference itself (same seed), lowers the plan (`autopar.backends.torch.lower`
+on the loaded plan, or autopar.parallelize(backend="torch") planning on the rank), runs 3 SGD steps and compares, each step, every gradient
 with the reference's (max |g - g_ref| / max |g_ref| per tensor; fp32 <= 1e-5, bf16 mixed precision <= BF16_TOL)
 and the loss (mean of the ranks' local losses). The labels of the first sample are ignore_index (-100), so the
 batch shards count different numbers of targets: the engines' loss hook (backends/engines_loss.py) must weigh each
@@ -245,10 +245,10 @@ def test_world4_replicated_data_parallel_issues_the_plans_buckets(tmp_path):
     results = launch(_rank_cases, 4, [cases], tmp_path)
     _check(results, cases)
     by = {c["name"]: results[0]["cases"][i] for i, c in enumerate(cases)}
-    assert "_reduce_grads_in_buckets" in by["dp4"]["code"] and "[('dp', 'tp')]" in by["dp2x2_flat"]["code"]
+    assert "reduce_grads_in_buckets(" in by["dp4"]["code"] and "[('dp', 'tp')]" in by["dp2x2_flat"]["code"]
     assert "[('dp',), ('tp',)]" in by["dp2x2_chain"]["code"]
     assert "not a plan bucket" in by["dp2x2_extra"]["code"] and by["dp2x2_extra"]["n_collectives"] == 3
-    assert all("_weigh_mean_loss(model" in h["code"] and h["mean_loss"]["ignore_index"] == -100 for h in by.values())
+    assert all("weigh_mean_loss(model" in h["code"] and h["mean_loss"]["ignore_index"] == -100 for h in by.values())
     assert "SequenceParallel" in by["dp_x_tp"]["code"] and "plan bucket 0" in by["dp_x_tp"]["code"]
 
 
@@ -298,7 +298,7 @@ def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
     from autopar import models
-    from autopar.backends.torch import recognize as engines
+    import autopar.backends.torch as engines
     from autopar.backends.torch.collectives import CollectiveCounter, engine_collectives, measured_list
     from _bench import batch_pin
 
@@ -340,7 +340,7 @@ def _run_case(case, rank, world):
             plan = model._autopar_plan
         else:
             plan = autopar.Plan.load(case["plan"])
-            engines.lower_to_torch(model, mesh, plan)
+            engines.lower(model, plan, mesh)
         low = model._autopar_lowering
         out.update(
             backend="torch",

@@ -156,7 +156,7 @@ def job_state(tmp):
         out[f"{name}_rng_same"] = bool(torch.equal(rng, torch.get_rng_state()))
         out[f"{name}_dump"] = model.autopar_dump.splitlines()[:3]
         out[f"{name}_init"] = model.autopar_init_comm
-        from autopar.backends.torch import recognize as engines
+        import autopar.backends.torch as engines
 
         local = engines.local_inputs(model, mesh4, x, y)
         out["cases"][name] = _train(

@@ -24,6 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from autopar.redistribute import dims_of
 from autopar.strategies._torch_adapter import resolve_group
 
+from .mixed import within
+
 _c10d = torch.ops.c10d
 _fn = torch.ops._c10d_functional
 
@@ -294,7 +296,6 @@ def engine_collectives(plan, low) -> tuple[list, list]:
         dims = tuple(low.replicate_dims + low.shard_dims)
         out.append(("all_reduce", dims[0] if len(dims) == 1 else dims, low.mean_loss["nbytes"]))
     seen = set()
-    from .mixed import within
 
     parts = getattr(low, "parts", {})
     in_part = lambda m: within(m, parts)

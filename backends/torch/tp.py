@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import torch.nn as nn
 
-from .recognize import EngineLoweringError, Style, _PASS_THROUGH
+from .lowering import _PASS_THROUGH, EngineLoweringError, Style
 from .batch import _op
 
 
