@@ -5,7 +5,13 @@ render.py prints the same steps as code for people; nothing here is generated or
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import parallelize_module
+
+from autopar.strategies._torch_adapter import flatten_mesh
 
 from .hooks import checkpoint_block, reduce_grads_in_buckets, weigh_mean_loss
 from .lowering import EngineLoweringError, TorchLowering
@@ -23,8 +29,6 @@ def apply_tp(model: nn.Module, mesh, low: TorchLowering) -> None:
     """parallelize_module on the tensor-parallel mesh dim with the recognized ParallelStyle of each module."""
     if low.tp_dim is None:
         return
-    from torch.distributed.tensor.parallel import parallelize_module
-
     plan = {fqn: style.build() for fqn, style in low.styles.items()}
     parallelize_module(model, mesh[low.mesh_names[low.tp_dim]], plan)
 
@@ -47,8 +51,6 @@ def data_mesh(mesh, low: TorchLowering):
     """The mesh FSDP2 shards over: one data dim, (replicate, shard) for HSDP, or two shard dims flattened."""
     names = low.mesh_names
     if len(low.shard_dims) > 1:
-        from autopar.strategies._torch_adapter import flatten_mesh
-
         return flatten_mesh(mesh, tuple(names[d] for d in low.shard_dims))
     dims = low.replicate_dims + low.shard_dims
     return mesh[names[dims[0]]] if len(dims) == 1 else mesh[tuple(names[d] for d in dims)]
@@ -58,10 +60,6 @@ def apply_fsdp(model: nn.Module, mesh, low: TorchLowering) -> None:
     """fully_shard on every unit, root last; replicated parameters and the graph parts' are ignored."""
     if not low.units:
         return
-    import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed.tensor import Shard
-
     mp = low.mixed_precision
     policy = (
         MixedPrecisionPolicy(
