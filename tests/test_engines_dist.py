@@ -168,6 +168,13 @@ def _cases(tmp_path, world):
         force, pin = torchtitan_placements(m, ("tp",), None, "tp", (BATCH, SEQ), sequence_parallel=False)
         add("tp_megatron", (2,), ("tp",), force=force, pin=pin)
         cases.append({"name": "auto_fallback", "shape": [2], "names": ["dp"], "plan": None})
+        # fsdp2_api's plan, planned here for target="torch" as autopar.parallelize plans it on the ranks, saved, and
+        # loaded there with the planner patched to raise: Plan.load runs on the torch backend with no planner call
+        spec = autopar.MeshSpec((2,), ("dp",))
+        p = autopar.plan(m, spec, x, cluster="cpu-gloo", force=fsdp, pin=batch_pin([0], (BATCH, SEQ)), target="torch")
+        p.save(tmp_path / "fsdp2_loaded.json")
+        path = str(tmp_path / "fsdp2_loaded.json")
+        cases.append({"name": "fsdp2_loaded", "shape": [2], "names": ["dp"], "plan": path, "no_planner": True})
     else:
         add("fsdp4", (4,), ("dp",), force=fsdp, pin=batch_pin([0], (BATCH, SEQ)))
         force, pin = torchtitan_placements(m, ("dp", "tp"), "dp", "tp", (BATCH, SEQ))
@@ -228,6 +235,8 @@ def test_world2_fsdp2_bf16_checkpointing_tp_sp_fallback(tmp_path):
     assert by["fsdp2_bf16"]["mixed_precision"] and max(by["fsdp2_bf16"]["grad_rel"]) > FP32_TOL  # really bf16
     assert by["fsdp2_checkpoint"]["checkpointed"] == ["layers.0", "layers.1"]
     assert by["fsdp2_checkpoint"]["fw_calls"] == 2 * STEPS and by["fsdp2_api"]["fw_calls"] == STEPS
+    # the saved torch-target plan, loaded and run with the planner patched to raise, is the plan the ranks made
+    assert by["fsdp2_loaded"]["plan_hash"] == by["fsdp2_api"]["plan_hash"], (by["fsdp2_loaded"], by["fsdp2_api"])
     assert (
         "SequenceParallel" in by["tp_sp"]["code"] and "RowwiseParallel(output_layouts=Shard(1))" in by["tp_sp"]["code"]
     )
@@ -341,6 +350,7 @@ def _run_case(case, rank, world):
         else:
             plan = autopar.Plan.load(case["plan"])
             engines.lower(model, plan, mesh)
+        out["plan_hash"] = plan.hash()
         low = model._autopar_lowering
         out.update(
             backend="torch",
@@ -422,4 +432,26 @@ def _rank_cases(cases):
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
-    return {"cases": [_run_case(c, dist.get_rank(), dist.get_world_size()) for c in cases]}
+    return {
+        "cases": [
+            _run_without_planner(c) if c.get("no_planner") else _run_case(c, dist.get_rank(), dist.get_world_size())
+            for c in cases
+        ]
+    }
+
+
+def _run_without_planner(case):
+    """The case with autopar.plan and the pass manager patched to raise: lowering and training never plan."""
+    import torch.distributed as dist
+    import autopar
+    import autopar.api
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch backend called the planner on a loaded plan")
+
+    saved = autopar.plan, autopar.api.plan, autopar.api.run_passes
+    autopar.plan = autopar.api.plan = autopar.api.run_passes = refuse
+    try:
+        return _run_case(case, dist.get_rank(), dist.get_world_size())
+    finally:
+        autopar.plan, autopar.api.plan, autopar.api.run_passes = saved
