@@ -80,7 +80,7 @@ def plan(
     allow_checkpointing: let the planner checkpoint repeated blocks when memory-bound (passes/checkpointing.py).
     pin: callable(graph node) -> {mesh dim: placement} (every tensor output) or {(mesh dim, output index): placement}
         or None, fixing nodes' outputs (inputs, activations) to
-        evaluate a given hand plan in the cost model (e.g. backends/engines_ref.py's torchtitan plan).
+        evaluate a given hand plan in the cost model (e.g. benchmarks/torchtitan_plan.py's torchtitan plan).
     overlap: False (default): every collective is paid in full, step = compute + all comm (autopar's graph
         executor runs them in program order), and the MILP is exact. True: parameter gathers and gradient
         reductions overlap compute (FSDP2's prefetch, DDP's bucketed all-reduce under the backward): step =
@@ -90,7 +90,7 @@ def plan(
         plan.solver reports objective, bound and gap); 0 proves optimality, which can take seconds longer.
     output: "loss" (default: the model returns its scalar loss) or "activation": the model is a part of a model,
         returning one tensor whose gradient comes from outside; its input gradients are outputs of the step
-        (how backend="auto" runs the modules the engines cannot express, backends/engines_mixed.py).
+        (how backend="auto" runs the modules the engines cannot express, backends/torch/mixed.py).
     backward: False plans the forward alone (evaluation: no backward nodes, no gradients, no buckets).
     target: the backend that will run the plan, when it cannot run every plan as solved: "torch" (PyTorch's engines)
         pins the nodes the engines compute otherwise and solves again (autopar/targets.py); None: any backend.
@@ -183,5 +183,5 @@ def plan(
         raise infeasible[-1][1]
     _, state, p = choose(results, infeasible) if len(variants) > 1 else results[0]
     p.meta["dumps"] = state.dumps if dump_after else {}
-    p.meta["loss_fn"] = loss_fn is not None  # the loss is computed outside the module (engines_loss.py)
+    p.meta["loss_fn"] = loss_fn is not None  # the loss is computed outside the module (backends/torch/loss.py)
     return (p, state) if return_state else p

@@ -5,7 +5,7 @@ the differences. Writes benchmarks/results/torchtitan_compare.md.
 Plans (all on the same (dp, tp) mesh, cluster model, batch, mixed precision allowed = torchtitan's default
 bf16 params / fp32 reduce):
   A  autopar's free choice;
-  B  torchtitan's hand plan priced in autopar's cost model (backends/engines_ref.py: its parameter placements
+  B  torchtitan's hand plan priced in autopar's cost model (benchmarks/torchtitan_plan.py: its parameter placements
      and its activation layout pinned; loss_parallel=False, the variant autopar can express, plus the analytic
      loss_parallel delta);
   C  autopar given torchtitan's parameter placements only (TP on tp, FSDP on dp), activations free.
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         "* **A** autopar's free choice.",
         "* **B** torchtitan's hand plan (`parallelize_llama`: FSDP on dp, colwise wq/wk/wv/w1/w3, rowwise wo/w2, "
         "sequence-parallel norms, vocab-parallel embedding, colwise output) priced in autopar's cost model: "
-        "parameter placements and activation layout pinned (backends/engines_ref.py), the rest (attention, "
+        "parameter placements and activation layout pinned (benchmarks/torchtitan_plan.py), the rest (attention, "
         "backward) filled in by the solver. autopar has no vocab-sharded cross-entropy rule, so B is torchtitan "
         "with `loss_parallel=False`; the loss_parallel delta is computed analytically below.",
         "* **C** autopar given torchtitan's parameter placements (TP on tp, FSDP on dp) and replicated inputs on "

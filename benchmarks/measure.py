@@ -171,7 +171,7 @@ def build(source, cfg, mesh, world_mesh, x):
             extra["note"] += (
                 f"; graph backend for {sorted(low.parts)} (predicted: the engines' collectives + each part's plan)"
             )
-        # the gradient hook's flat buckets live between steps (backends/engines_codegen.py _reduce_grads_in_buckets)
+        # the gradient hook's flat buckets live between steps (backends/torch/hooks.py reduce_grads_in_buckets)
         extra["persistent_bytes"] = sum(b.nbytes for b in low.grad_buckets)
         return Run(source, m, opt, step, extra)
     run = apply_hand(source, name, model, mesh, world_mesh)

@@ -8,7 +8,7 @@ rank builds the model and the single-device reference itself (same seed), lowers
 on the loaded plan, or autopar.parallelize(backend="torch") planning on the rank), runs 3 SGD steps and compares, each step, every gradient
 with the reference's (max |g - g_ref| / max |g_ref| per tensor; fp32 <= 1e-5, bf16 mixed precision <= BF16_TOL)
 and the loss (mean of the ranks' local losses). The labels of the first sample are ignore_index (-100), so the
-batch shards count different numbers of targets: the engines' loss hook (backends/engines_loss.py) must weigh each
+batch shards count different numbers of targets: the engines' loss hook (backends/torch/loss.py) must weigh each
 rank's mean by its counted targets for the loss and gradients to equal one device's. Step 0 runs under a collective
 counter: the measured collectives (kind, mesh dim, bytes) must equal `engine_collectives(plan, lowering)` exactly.
 Gloo timeout 60 s per collective, 300 s per launch; every rank ends with barrier + destroy_process_group.

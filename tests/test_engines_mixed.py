@@ -1,4 +1,4 @@
-"""backend="mixed" with graph parts (backends/engines_mixed.py): the engines run what they express, the graph
+"""backend="mixed" with graph parts (backends/torch/mixed.py): the engines run what they express, the graph
 backend runs the modules they cannot, in the user's own module.
 
 The model is moe-tiny (2 MoE blocks, 4 experts, dense routing) with its experts forced Shard(0) on the data dim

@@ -1,5 +1,5 @@
 """Recognition of plans as torch-engine constructs, the exported code, the planner's precision and checkpointing
-decisions, and the bad-input errors: all without processes (backends/engines*.py, passes/precision.py,
+decisions, and the bad-input errors: all without processes (backends/torch/, passes/precision.py,
 passes/checkpointing.py). Execution on real gloo groups is tests/test_engines_dist.py."""
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def test_tp_without_sequence_parallel_is_megatron():
     assert [k for k, _, _ in exp if k != "all_reduce"] == ["all_gather"]
 
 
-def test_export_code_is_importable_and_complete(tp, tmp_path):
+def test_rendered_code_is_importable_and_complete(tp, tmp_path):
     from autopar.backends.torch import render
 
     plan, m = tp

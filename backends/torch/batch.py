@@ -1,7 +1,7 @@
 """Data parallelism in the engines: how each rank is fed its batch shard, and what of the plan that feeding
 cannot reproduce. An input the plan keeps replicated only to chunk it by batch at every forward consumer, or to
 feed the loss it runs on the whole batch (gathered log-softmax, replicated labels), is fed batch-sharded; each
-rank's mean over an equal shard (weighted by its counted targets, engines_loss.py), gradients averaged, gives the
+rank's mean over an equal shard (weighted by its counted targets, loss.py), gradients averaged, gives the
 same values. Refused (TorchLowering.reasons): a class-weighted loss on the whole batch, a batch that does not
 split evenly, and any other op the plan runs across batch shards (it couples samples, e.g. batch norm)."""
 
@@ -102,7 +102,7 @@ def _check_batch_ops(low, G, plan, data, dn):
                 or _from_part(plan, n["inputs"][r["input"]][0], in_part)
                 and all(r["dst"][d] == "S0" for d in data)
             ):
-                continue  # a graph part runs it, or delivers this input batch-sharded (engines_mixed.py)
+                continue  # a graph part runs it, or delivers this input batch-sharded (mixed.py)
             if n["phase"] == "bw":  # backward choices of the planner: gradients are sums over the batch
                 msg = (
                     f"the plan gathers some backward inputs over {dn(data)} (e.g. {n['name']}); autograd on each "

@@ -94,8 +94,8 @@ class TorchLowering:
     notes: list = field(default_factory=list)
     block_fqns: list = field(default_factory=list)  # the plan's repeated blocks ("layers.0", ...)
     tp_roles: dict = field(default_factory=dict)  # (node, input) -> what a forward redistribute on tp is
-    mean_loss: dict | None = None  # the loss hook (engines_loss.py): labels, ignore_index, ...
-    parts: dict = field(default_factory=dict)  # module FQN the graph backend runs -> its Part (engines_mixed)
+    mean_loss: dict | None = None  # the loss hook (loss.py): labels, ignore_index, ...
+    parts: dict = field(default_factory=dict)  # module FQN the graph backend runs -> its Part (mixed.py)
     part_params: list = field(default_factory=list)  # their parameters (FSDP ignores them, the part reduces them)
 
     @property

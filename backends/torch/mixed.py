@@ -1,7 +1,7 @@
 """backend="auto": PyTorch's engines for every part of the plan they express, autopar's graph backend for the
 modules they cannot (the "parts"), in the user's own module.
 
-Which modules. Each reason the engines give (backends/engines.py) names a parameter, an op or a module; the part
+Which modules. Each reason the engines give (backends/torch/recognize.py) names a parameter, an op or a module; the part
 is the innermost module holding it that can run on its own: not the root, called once per step with positional
 arguments (tensors, or constants), returning one tensor, its parameters used by no op outside it. A reason that
 names the mesh or the whole model (a mesh dim, mixed precision, a tied parameter, a parameter the root reads)

@@ -5,7 +5,7 @@ The rendered code imports torch and the backend's hooks (autopar/backends/torch/
 buckets, the mean loss; plus autopar's mesh-flattening helper when FSDP shards over two mesh dims) and defines
 `parallelize_plan`, `fsdp_units`, ... and `apply(model, mesh)`: the same steps, in the same order, as apply.py
 runs on the recognized lowering; write it to a file, edit it, import it and call `apply`. autopar never executes
-it (tests/test_engines_plan.py checks that it names what apply did).
+it (tests/test_torch_backend.py checks that it names what apply did).
 """
 
 from __future__ import annotations
