@@ -69,7 +69,7 @@ def _run(case):
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
     from autopar import models
-    from autopar.backends.torch.recognize import local_inputs, train_context
+    from autopar.backends.torch import local_inputs, train_context
     from autopar.backends.torch.collectives import CollectiveCounter, engine_collectives, measured_list
     from autopar.backends.program import ExecutionError
 
