@@ -13,6 +13,7 @@ from .cost import TrainingPrecision, get_cluster
 from .mesh import as_mesh_spec
 from .model_io import ModelIO
 from .pipeline import PASSES, PlanState, run_passes
+from .targets import plan_for_target
 from .plan import Plan
 from .predict import build_plan
 from .solver import InfeasibleMemoryError
@@ -100,9 +101,7 @@ def plan(
     """
     if target is not None:  # what the target backend cannot run as planned, decided in autopar/targets.py
         kwargs = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs", "target")}
-        from .targets import plan_for_target
-
-        return plan_for_target(target, model, mesh, example_inputs, **kwargs)
+        return plan_for_target(target, lambda **kw: plan(model, mesh, example_inputs, **kw), mesh, **kwargs)
     io = ModelIO.from_example(model, example_inputs, example_kwargs)  # bad arguments: named, before capture
     mesh = as_mesh_spec(mesh)
     cl = get_cluster(cluster)

@@ -26,6 +26,7 @@ from collections import defaultdict
 
 from .capture import NLL_LOSSES
 from .mesh import as_mesh_spec
+from .solver import InfeasibleMemoryError
 
 TARGETS = ("torch",)
 
@@ -151,8 +152,6 @@ def engine_pins(state, data: list[int]) -> dict:
 
 def _replan_for_torch(solve, first):
     """((plan, state), note): `first`, or the plan solved again with the engines' pins (module docstring)."""
-    from .solver import InfeasibleMemoryError
-
     data = data_dims(first[0])
     want = engine_pins(first[1], data) if data else {}
     if not want:
@@ -176,21 +175,19 @@ def _replan_for_torch(solve, first):
     return again, note
 
 
-def plan_for_target(target: str, model, mesh, example_inputs, **plan_kwargs):
-    """autopar.plan(model, mesh, example_inputs, **plan_kwargs) for a backend `target` (module docstring)."""
-    from .api import plan
-
+def plan_for_target(target: str, solve, mesh, **plan_kwargs):
+    """The plan for a backend `target` (module docstring); solve(**kwargs) is autopar.plan on the caller's model,
+    mesh and example inputs with those planner options."""
     if target not in TARGETS:
         raise ValueError(f"target must be one of {TARGETS} or None, got {target!r}")
     return_state = plan_kwargs.pop("return_state", False)
     if plan_kwargs.get("pipeline") or "pp" in as_mesh_spec(mesh).names:
-        return plan(model, mesh, example_inputs, return_state=return_state, **plan_kwargs)
-    first = plan(model, mesh, example_inputs, return_state=True, **plan_kwargs)
+        return solve(return_state=return_state, **plan_kwargs)
+    first = solve(return_state=True, **plan_kwargs)
     result, note = first, None
     if plan_kwargs.get("pin") is None:
         kw = {k: v for k, v in plan_kwargs.items() if k != "pin"}
-        solve = lambda pin: plan(model, mesh, example_inputs, return_state=True, pin=pin, **kw)
-        result, note = _replan_for_torch(solve, first)
+        result, note = _replan_for_torch(lambda pin: solve(return_state=True, pin=pin, **kw), first)
     result[0].meta["target"] = target
     if note:
         result[0].meta["engine_replan"] = note

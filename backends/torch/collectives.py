@@ -14,6 +14,7 @@ group gets a tuple).
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -21,7 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from autopar.redistribute import dims_of
+from autopar.cost import get_cluster
+from autopar.cost.comm import collective_time
+from autopar.redistribute import dims_of, link_of
 from autopar.strategies._torch_adapter import resolve_group
 
 from .mixed import within
@@ -408,10 +411,6 @@ def engine_step_time(plan, low, cluster) -> float:
     """Predicted step of `low` as the engines run it: the plan's compute plus each collective engine_collectives
     lists, priced by the cost model (autopar/cost/comm.py) on its group's link, every one exposed (as the plan's own
     prediction on a cluster whose collectives block). Comparable with plan.predicted["step_s"]."""
-    import math
-    from autopar.cost import get_cluster
-    from autopar.cost.comm import collective_time
-    from autopar.redistribute import dims_of, link_of
 
     cl, shape = get_cluster(cluster), tuple(plan.mesh_shape)
     comm = sum(

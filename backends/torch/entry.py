@@ -9,6 +9,9 @@ import contextlib
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor.parallel import loss_parallel
+
+import autopar
 
 from .apply import apply
 from .collectives import engine_collectives, engine_step_time
@@ -46,8 +49,6 @@ def train_context(model) -> contextlib.AbstractContextManager:
     """Wrap forward AND backward of a lowered model in this (loss_parallel when the plan shards the loss)."""
     low = getattr(model, "_autopar_lowering", None)
     if low is not None and low.loss_parallel:
-        from torch.distributed.tensor.parallel import loss_parallel
-
         return loss_parallel()
     return contextlib.nullcontext()
 
@@ -110,8 +111,6 @@ def _parallelize(model, mesh, example_inputs, backend, planned, options, plan_kw
     ex, kw = _split_inputs(example_inputs, plan_kwargs)
     plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")  # also the parts'
     if planned is None:
-        import autopar
-
         extra = {"example_kwargs": kw} if kw else {}
         planned = autopar.plan(model, mesh, ex, target="torch", return_state=True, **extra, **plan_kwargs)
     plan, state = planned if isinstance(planned, tuple) else (planned, None)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.autograd import Variable
+from torch.utils.checkpoint import checkpoint
+
+from autopar.strategies._torch_adapter import flatten_mesh
 
 
 def checkpoint_block(block) -> None:
     """Recompute the block's forward in the backward (torch.utils.checkpoint, non-reentrant)."""
-    from torch.utils.checkpoint import checkpoint
-
     forward = block.forward
     block.forward = lambda *a, **k: checkpoint(forward, *a, use_reentrant=False, **k)
 
@@ -23,8 +25,6 @@ def group_of(mesh, dims):
         return mesh.get_group(dims[0])
     if len(dims) == mesh.ndim and mesh.size() == dist.get_world_size():
         return dist.group.WORLD
-    from autopar.strategies._torch_adapter import flatten_mesh
-
     return flatten_mesh(mesh, tuple(dims)).get_group()
 
 
@@ -61,8 +61,6 @@ def reduce_grads_in_buckets(model, mesh, buckets, batch_shards):
     is in. A plain gradient then lives in its slice of the bucket (as with DDP's gradient_as_bucket_view: no
     second copy is held). At the end of the backward every bucket is waited for, its later steps run, and the sums
     are divided by the number of batch shards in place (copied back into DTensor gradients)."""
-    from torch.autograd import Variable
-
     state, where = _bucket_buffers(model, mesh, buckets)
 
     def launch(b):

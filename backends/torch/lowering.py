@@ -8,6 +8,9 @@ import ast
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import parallel
+
 from .source import report, source_of
 
 
@@ -27,9 +30,6 @@ class Style:
 
     def build(self):
         """The ParallelStyle object itself, built from the same keyword sources `code()` prints."""
-        from torch.distributed.tensor import Replicate, Shard
-        from torch.distributed.tensor import parallel
-
         layouts = {"Shard": Shard, "Replicate": Replicate}
         kwargs = {k: _layout_value(ast.parse(v, mode="eval").body, layouts) for k, v in self.kwargs.items()}
         return getattr(parallel, self.cls)(**kwargs)

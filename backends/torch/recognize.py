@@ -36,7 +36,10 @@ from __future__ import annotations
 
 import math
 
+import torch
 import torch.nn as nn
+
+from autopar.redistribute import BUCKET_BYTES, dims_of
 
 from autopar.targets import _fed
 
@@ -202,8 +205,6 @@ def _leave_parts(low, parts, in_part) -> None:
 
 def _local_nbytes(low, plan, pnode, fqn) -> int:
     """Bytes of the parameter's gradient on one rank: its shape, split on the tensor-parallel dim."""
-    import torch
-
     shape = list(pnode["shape"][0])
     t = low.tp_dim
     if t is not None and plan.params[fqn][t][0] == "S":
@@ -218,8 +219,6 @@ def _grad_buckets(low, G, plan) -> None:
     backward inputs, or reduces it over other dims) in extra buckets over all data dims, in backward order, up
     to the plan's bucket size. The average divides by the number of batch shards (each rank's loss is the mean
     over its own)."""
-    from autopar.redistribute import BUCKET_BYTES, dims_of
-
     data = low.replicate_dims + low.shard_dims
     rep = set(low.replicated_grads)
     if not rep or not data:

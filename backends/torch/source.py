@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import re
 
+from .mixed import report as parts_report
+
 
 def _mesh_expr(names, dims) -> str:
     if len(dims) == 1:
@@ -286,8 +288,6 @@ def report(low) -> str:
     for part, why in low.reasons:
         L.append(f"  -> graph  {part}: {why}")
     if getattr(low, "parts", None):
-        from .mixed import report as parts_report
-
         L += parts_report(low)
     return "\n".join(L)
 

@@ -19,6 +19,7 @@ cannot express the plan, naming the op and module.
 from __future__ import annotations
 
 import inspect
+from fnmatch import fnmatch
 from collections import defaultdict
 
 import torch.nn as nn
@@ -397,8 +398,6 @@ def _order(fqn, plan) -> int:
 
 
 def _check_forced(low, forced, tn) -> None:
-    from fnmatch import fnmatch
-
     for key, style in forced.items():
         want = style if isinstance(style, str) else type(style).__name__
         hits = [m for m in low.styles if fnmatch(m, key) or m == key]
