@@ -78,15 +78,15 @@ def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", **k
     engines for what they express, the graph backend for the modules they cannot) or "auto" (the torch engines
     when they express the plan; else "mixed" where the cost model predicts it no slower than the graph backend,
     else the graph backend). The result's `.autopar_dump` says which part went where and why. See
-    autopar.backends.engines."""
+    autopar.backends.torch."""
     if backend == "graph":
         from .backends.graph import parallelize as _parallelize
 
         return _parallelize(model, mesh, example_inputs, **kwargs)
     if backend in ("torch", "mixed", "auto"):
-        from .backends.engines import parallelize_torch
+        from .backends.torch import parallelize as _parallelize_torch
 
-        return parallelize_torch(model, mesh, example_inputs, backend=backend, **kwargs)
+        return _parallelize_torch(model, mesh, example_inputs, backend=backend, **kwargs)
     raise ValueError(f"backend must be 'graph', 'torch', 'mixed' or 'auto', got {backend!r}")
 
 

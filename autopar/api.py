@@ -14,6 +14,7 @@ from .mesh import as_mesh_spec
 from .model_io import ModelIO
 from .passes.alternatives import runner_ups
 from .pipeline import PASSES, PlanState, run_passes
+from .targets import plan_for_target
 from .plan import Plan
 from .predict import build_plan
 from .solver import InfeasibleMemoryError
@@ -62,6 +63,7 @@ def plan(
     mip_rel_gap: float = 1e-3,
     output: str = "loss",
     backward: bool = True,
+    target: str | None = None,
 ) -> Plan:
     """Plan how to run one training step of `model` on `mesh`.
 
@@ -80,7 +82,7 @@ def plan(
     allow_checkpointing: let the planner checkpoint repeated blocks when memory-bound (passes/checkpointing.py).
     pin: callable(graph node) -> {mesh dim: placement} (every tensor output) or {(mesh dim, output index): placement}
         or None, fixing nodes' outputs (inputs, activations) to
-        evaluate a given hand plan in the cost model (e.g. backends/engines_ref.py's torchtitan plan).
+        evaluate a given hand plan in the cost model (e.g. benchmarks/torchtitan_plan.py's torchtitan plan).
     overlap: False (default): every collective is paid in full, step = compute + all comm (autopar's graph
         executor runs them in program order), and the MILP is exact. True: parameter gathers and gradient
         reductions overlap compute (FSDP2's prefetch, DDP's bucketed all-reduce under the backward): step =
@@ -90,12 +92,17 @@ def plan(
         plan.solver reports objective, bound and gap); 0 proves optimality, which can take seconds longer.
     output: "loss" (default: the model returns its scalar loss) or "activation": the model is a part of a model,
         returning one tensor whose gradient comes from outside; its input gradients are outputs of the step
-        (how backend="auto" runs the modules the engines cannot express, backends/engines_mixed.py).
+        (how backend="auto" runs the modules the engines cannot express, backends/torch/mixed.py).
     backward: False plans the forward alone (evaluation: no backward nodes, no gradients, no buckets).
+    target: the backend that will run the plan, when it cannot run every plan as solved: "torch" (PyTorch's engines)
+        pins the nodes the engines compute otherwise and solves again (autopar/targets.py); None: any backend.
     pipeline: "auto" (or a dict narrowing the search, see passes/stages.py) plans pipeline stages, submeshes,
         schedule and micro-batch count jointly with each stage's per-op plan; a mesh with a dim named "pp" does
         so too. The plan's `stages` and `schedule` are filled; `force` then names placements on the stage submesh.
     """
+    if target is not None:  # what the target backend cannot run as planned, decided in autopar/targets.py
+        kwargs = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs", "target")}
+        return plan_for_target(target, lambda **kw: plan(model, mesh, example_inputs, **kw), mesh, **kwargs)
     io = ModelIO.from_example(model, example_inputs, example_kwargs)  # bad arguments: named, before capture
     mesh = as_mesh_spec(mesh)
     cl = get_cluster(cluster)
@@ -176,6 +183,6 @@ def plan(
         raise infeasible[-1][1]
     _, state, p = choose(results, infeasible) if len(variants) > 1 else results[0]
     p.meta["dumps"] = state.dumps if dump_after else {}
-    p.meta["loss_fn"] = loss_fn is not None  # the loss is computed outside the module (engines_loss.py)
+    p.meta["loss_fn"] = loss_fn is not None  # the loss is computed outside the module (backends/torch/loss.py)
     p.meta["alternatives"] = runner_ups(state)  # each decision's runner-up, for `autopar explain`
     return (p, state) if return_state else p

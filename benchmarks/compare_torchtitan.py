@@ -5,7 +5,7 @@ the differences. Writes benchmarks/results/torchtitan_compare.md.
 Plans (all on the same (dp, tp) mesh, cluster model, batch, mixed precision allowed = torchtitan's default
 bf16 params / fp32 reduce):
   A  autopar's free choice;
-  B  torchtitan's hand plan priced in autopar's cost model (backends/engines_ref.py: its parameter placements
+  B  torchtitan's hand plan priced in autopar's cost model (benchmarks/torchtitan_plan.py: its parameter placements
      and its activation layout pinned; loss_parallel=False, the variant autopar can express, plus the analytic
      loss_parallel delta);
   C  autopar given torchtitan's parameter placements only (TP on tp, FSDP on dp), activations free.
@@ -110,10 +110,10 @@ def main(argv=None) -> int:
     import torch
     import autopar
     from autopar import models
-    from autopar.backends.engines import recognize
-    from autopar.backends.engines_codegen import _fold
-    from autopar.backends.engines_comm import engine_collectives
-    from autopar.backends.engines_ref import loss_parallel_delta, torchtitan_placements, torchtitan_styles
+    from autopar.backends.torch.recognize import recognize
+    from autopar.backends.torch.source import _fold
+    from autopar.backends.torch.collectives import engine_collectives
+    from torchtitan_plan import loss_parallel_delta, torchtitan_placements, torchtitan_styles
     from autopar.cost import get_cluster
 
     shape = tuple(int(v) for v in args.mesh.split("x"))
@@ -144,7 +144,7 @@ def main(argv=None) -> int:
         "* **A** autopar's free choice.",
         "* **B** torchtitan's hand plan (`parallelize_llama`: FSDP on dp, colwise wq/wk/wv/w1/w3, rowwise wo/w2, "
         "sequence-parallel norms, vocab-parallel embedding, colwise output) priced in autopar's cost model: "
-        "parameter placements and activation layout pinned (backends/engines_ref.py), the rest (attention, "
+        "parameter placements and activation layout pinned (benchmarks/torchtitan_plan.py), the rest (attention, "
         "backward) filled in by the solver. autopar has no vocab-sharded cross-entropy rule, so B is torchtitan "
         "with `loss_parallel=False`; the loss_parallel delta is computed analytically below.",
         "* **C** autopar given torchtitan's parameter placements (TP on tp, FSDP on dp) and replicated inputs on "
@@ -274,8 +274,8 @@ r, w = dist.get_rank(), dist.get_world_size()
 from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar import models
-from autopar.backends.engines import parallelize_torch, local_inputs, train_context
-from autopar.backends.engines_ref import batch_pin, torchtitan_placements
+from autopar.backends.torch import parallelize as parallelize_torch, local_inputs, train_context
+from torchtitan_plan import batch_pin, torchtitan_placements
 case = json.loads(sys.argv[1])
 shape, names = tuple(case["shape"]), tuple(case["names"])
 mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -344,6 +344,7 @@ def _compile_runs() -> list[str]:
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", COMPILE_CHILD, json.dumps(c)],
+                    cwd=HERE,  # the child imports torchtitan_plan from benchmarks/ (sys.path[0] of -c)
                     env=env,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,

@@ -140,10 +140,10 @@ def build(source, cfg, mesh, world_mesh, x):
         keep = lambda: sum(b.nbytes for b in pm.program.flat_bufs.values())  # noqa: E731
         return Run(source, pm, opt, step, {"plan": pm.plan, "persistent_bytes": keep})
     if source == "autopar-torch":  # backend="auto": the engines, with graph parts where they cannot
-        from autopar.backends import engines
+        import autopar.backends.torch as engines
         from hand_plans import NotApplicable
 
-        m = engines.parallelize_torch(model, mesh, x, backend="auto", cluster="cpu-gloo")
+        m = engines.parallelize(model, mesh, x, backend="auto", cluster="cpu-gloo")
         if m is not model:
             raise NotApplicable(
                 f"backend='auto' runs the whole model on the graph backend (the autopar row): {m.autopar_fallback}"
@@ -164,14 +164,14 @@ def build(source, cfg, mesh, world_mesh, x):
         }
         # predicted: what runs, the engines' collectives (+ each graph part's own plan), not the plan's own list
         # (e.g. the plan reduces the loss's (sum, count) over dp then tp; the loss hook once over both)
-        from autopar.backends.engines_comm import engine_collectives, tally
+        from autopar.backends.torch.collectives import engine_collectives, tally
 
         extra["predicted_collectives"] = tally(engine_collectives(m._autopar_plan, low)[0])
         if low.parts:
             extra["note"] += (
                 f"; graph backend for {sorted(low.parts)} (predicted: the engines' collectives + each part's plan)"
             )
-        # the gradient hook's flat buckets live between steps (backends/engines_codegen.py _reduce_grads_in_buckets)
+        # the gradient hook's flat buckets live between steps (backends/torch/hooks.py reduce_grads_in_buckets)
         extra["persistent_bytes"] = sum(b.nbytes for b in low.grad_buckets)
         return Run(source, m, opt, step, extra)
     run = apply_hand(source, name, model, mesh, world_mesh)
@@ -240,7 +240,7 @@ def _peak_during(fn) -> int:
 
 def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress):
     from torch.distributed.device_mesh import init_device_mesh
-    from autopar.backends.engines_comm import CollectiveCounter
+    from autopar.backends.torch.collectives import CollectiveCounter
 
     shape = _mesh_shape(mesh_str)
     mesh = world_mesh if len(shape) == 1 else init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))

@@ -450,10 +450,10 @@ def _goals(rows, planning_json) -> list[str]:
         + (
             f"; autopar-torch rows (backend='auto': the plan lowered to torch's engines, and where a module "
             f"needs what they cannot express, that module on the graph backend with its own plan; predicted "
-            f"as the engines' collectives (backends/engines_comm.py) + the parts' plans; where autopar's plan "
+            f"as the engines' collectives (backends/torch/collectives.py) + the parts' plans; where autopar's plan "
             f"gathers the "
             f"loss input or a gradient's backward input over the data dims, which the engines cannot, "
-            f"backend='torch' re-plans with those nodes partial there: backends/engines_plan.py) "
+            f"backend='torch' re-plans with those nodes partial there: autopar/targets.py) "
             f"{len(torch6) - len(bad_t)}/{len(torch6)} equal to that prediction"
             + (f" (differ: {'; '.join(bad_t)})" if bad_t else "")
             if torch6
@@ -613,8 +613,8 @@ def write_all(rows, prefix, command, seconds, readme=False) -> list[str]:
         "traced on the fake process group, benchmarks/hand_trace.py), peak memory: autopar's cost model of the "
         "best execution of the hand plan's parameter layout (activations chosen by the solver). "
         "autopar-torch is `autopar.parallelize(..., backend='auto')`: autopar's plan lowered to fully_shard / "
-        "parallelize_module (backends/engines.py), with the modules the engines cannot express run by the graph "
-        "backend (backends/engines_mixed.py); n/a where that leaves the whole model to the graph backend. "
+        "parallelize_module (backends/torch/), with the modules the engines cannot express run by the graph "
+        "backend (backends/torch/mixed.py); n/a where that leaves the whole model to the graph backend. "
         "Every source computes one device's gradient of the mean loss: the hand plans and torchtitan normalize "
         "it as torchtitan 0.2.2's train_step does (each rank's summed loss over the global count of valid labels, "
         "that count all-reduced over the data-parallel ranks before the forward: 8 bytes; "

@@ -69,7 +69,7 @@ def _mlp_model(tp: bool):
     g = torch.Generator().manual_seed(1)
     x = (torch.randint(0, 128, (4, 16), generator=g), torch.randint(0, 128, (4, 16), generator=g))
     if not tp:
-        from autopar.backends.engines_ref import batch_pin
+        from torchtitan_plan import batch_pin
 
         return model, x, {}, dict(pin=batch_pin([0]))
     force = {
@@ -83,7 +83,7 @@ def _mlp_model(tp: bool):
 def _gpt2_model():
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging
-    from autopar.backends.engines_ref import batch_pin
+    from torchtitan_plan import batch_pin
 
     logging.set_verbosity_error()
     torch.manual_seed(7)

@@ -40,7 +40,7 @@ def _timed(fn):
 def _run(args, world):
     import autopar
     from autopar.backends.comm import CommCounter
-    from autopar.backends.engines_ref import batch_pin
+    from torchtitan_plan import batch_pin
     from autopar.backends.verify import fsdp_force
     from autopar.models import build_model, example_inputs
     from torch.distributed.device_mesh import init_device_mesh

@@ -219,7 +219,7 @@ def test_engines_refuse_batchnorm_on_batch_shards():
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
     from _clusters import SHAPES
-    from autopar.backends.engines import recognize
+    from autopar.backends.torch.recognize import recognize
 
     class Net(nn.Module):
         def __init__(self):

@@ -123,7 +123,7 @@ def _compare(losses, params, ref_losses, ref_params, first=0) -> dict:
 def _torch_step(model, mesh):
     """A step on the torch backend: this rank's batch shard in, the global mean loss out (equal batch shards)."""
     import torch.distributed as dist
-    from autopar.backends import engines
+    import autopar.backends.torch as engines
 
     def step(x, y):
         xl, yl = engines.local_inputs(model, mesh, x, y)
@@ -152,7 +152,7 @@ def _shapes_plan(mesh):
 def _torch_plan(mesh):
     """The FSDP2 plan (every parameter Shard(0) on the first mesh dim, the batch split), made once per mesh."""
     import autopar
-    from autopar.backends.engines_ref import batch_pin
+    from _bench import batch_pin
 
     model, ndim = _build(0), mesh.ndim
     return autopar.plan(
@@ -218,7 +218,7 @@ def job_world4(tmp):
 
     out["t"].append(round(time.perf_counter() - t0, 1))
     # resharding on 4 ranks: the graph checkpoint into a replicated plan (data parallel over all 4 ranks)
-    from autopar.backends.engines_ref import batch_pin
+    from _bench import batch_pin
 
     rep = {k: ("R", "R") for k, _ in _build(0).named_parameters()}
     pmr = autopar.parallelize(

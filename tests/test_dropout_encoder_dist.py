@@ -73,7 +73,7 @@ def job_dropout(names):
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
     from autopar.backends.comm import CommCounter, compare
-    from autopar.backends.engines_ref import batch_pin
+    from _bench import batch_pin
     from zoo import ZOO
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -4,11 +4,11 @@ training, and issue exactly the collectives derived from the plan.
 The parent plans every case (llama-tiny, batch 8, seq 64, cost model tests/_clusters.py SHAPES, so plans take the shapes engines lower; the data-parallel and torchtitan
 layouts are pinned with `force`/`pin`, the planner fills in everything else), saves the plans, and launches one
 process per rank (tests/_dist.py, running `_rank_cases`); several cases share one launch per world size. Every
-rank builds the model and the single-device reference itself (same seed), lowers the plan (`lower_to_torch` on
-the loaded plan, or `parallelize_torch` planning on the rank), runs 3 SGD steps and compares, each step, every gradient
+rank builds the model and the single-device reference itself (same seed), lowers the plan (`autopar.backends.torch.lower`
+on the loaded plan, or autopar.parallelize(backend="torch") planning on the rank), runs 3 SGD steps and compares, each step, every gradient
 with the reference's (max |g - g_ref| / max |g_ref| per tensor; fp32 <= 1e-5, bf16 mixed precision <= BF16_TOL)
 and the loss (mean of the ranks' local losses). The labels of the first sample are ignore_index (-100), so the
-batch shards count different numbers of targets: the engines' loss hook (backends/engines_loss.py) must weigh each
+batch shards count different numbers of targets: the engines' loss hook (backends/torch/loss.py) must weigh each
 rank's mean by its counted targets for the loss and gradients to equal one device's. Step 0 runs under a collective
 counter: the measured collectives (kind, mesh dim, bytes) must equal `engine_collectives(plan, lowering)` exactly.
 Gloo timeout 60 s per collective, 300 s per launch; every rank ends with barrier + destroy_process_group.
@@ -107,7 +107,7 @@ def _dp_cases(tmp_path):
     # gradients over dp in the plan's dp bucket; the norms' gradients (the plan: a chain over dp and tp) are
     # all-reduced by DTensor on tp and by the hook on dp (an extra bucket)
     from _clusters import SHAPES
-    from autopar.backends.engines_ref import torchtitan_placements
+    from _bench import torchtitan_placements
 
     force, pin = torchtitan_placements(m, ("dp", "tp"), "dp", "tp", (BATCH, SEQ))
     x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta")
@@ -128,7 +128,7 @@ def _dp_cases(tmp_path):
 def _cases(tmp_path, world):
     import autopar
     from autopar import models
-    from autopar.backends.engines_ref import batch_pin, torchtitan_placements
+    from _bench import batch_pin, torchtitan_placements
 
     m = models.build_model(MODEL, device="meta")
     x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta")
@@ -168,6 +168,13 @@ def _cases(tmp_path, world):
         force, pin = torchtitan_placements(m, ("tp",), None, "tp", (BATCH, SEQ), sequence_parallel=False)
         add("tp_megatron", (2,), ("tp",), force=force, pin=pin)
         cases.append({"name": "auto_fallback", "shape": [2], "names": ["dp"], "plan": None})
+        # fsdp2_api's plan, planned here for target="torch" as autopar.parallelize plans it on the ranks, saved, and
+        # loaded there with the planner patched to raise: Plan.load runs on the torch backend with no planner call
+        spec = autopar.MeshSpec((2,), ("dp",))
+        p = autopar.plan(m, spec, x, cluster="cpu-gloo", force=fsdp, pin=batch_pin([0], (BATCH, SEQ)), target="torch")
+        p.save(tmp_path / "fsdp2_loaded.json")
+        path = str(tmp_path / "fsdp2_loaded.json")
+        cases.append({"name": "fsdp2_loaded", "shape": [2], "names": ["dp"], "plan": path, "no_planner": True})
     else:
         add("fsdp4", (4,), ("dp",), force=fsdp, pin=batch_pin([0], (BATCH, SEQ)))
         force, pin = torchtitan_placements(m, ("dp", "tp"), "dp", "tp", (BATCH, SEQ))
@@ -228,6 +235,8 @@ def test_world2_fsdp2_bf16_checkpointing_tp_sp_fallback(tmp_path):
     assert by["fsdp2_bf16"]["mixed_precision"] and max(by["fsdp2_bf16"]["grad_rel"]) > FP32_TOL  # really bf16
     assert by["fsdp2_checkpoint"]["checkpointed"] == ["layers.0", "layers.1"]
     assert by["fsdp2_checkpoint"]["fw_calls"] == 2 * STEPS and by["fsdp2_api"]["fw_calls"] == STEPS
+    # the saved torch-target plan, loaded and run with the planner patched to raise, is the plan the ranks made
+    assert by["fsdp2_loaded"]["plan_hash"] == by["fsdp2_api"]["plan_hash"], (by["fsdp2_loaded"], by["fsdp2_api"])
     assert (
         "SequenceParallel" in by["tp_sp"]["code"] and "RowwiseParallel(output_layouts=Shard(1))" in by["tp_sp"]["code"]
     )
@@ -245,10 +254,10 @@ def test_world4_replicated_data_parallel_issues_the_plans_buckets(tmp_path):
     results = launch(_rank_cases, 4, [cases], tmp_path)
     _check(results, cases)
     by = {c["name"]: results[0]["cases"][i] for i, c in enumerate(cases)}
-    assert "_reduce_grads_in_buckets" in by["dp4"]["code"] and "[('dp', 'tp')]" in by["dp2x2_flat"]["code"]
+    assert "reduce_grads_in_buckets(" in by["dp4"]["code"] and "[('dp', 'tp')]" in by["dp2x2_flat"]["code"]
     assert "[('dp',), ('tp',)]" in by["dp2x2_chain"]["code"]
     assert "not a plan bucket" in by["dp2x2_extra"]["code"] and by["dp2x2_extra"]["n_collectives"] == 3
-    assert all("_weigh_mean_loss(model" in h["code"] and h["mean_loss"]["ignore_index"] == -100 for h in by.values())
+    assert all("weigh_mean_loss(model" in h["code"] and h["mean_loss"]["ignore_index"] == -100 for h in by.values())
     assert "SequenceParallel" in by["dp_x_tp"]["code"] and "plan bucket 0" in by["dp_x_tp"]["code"]
 
 
@@ -298,9 +307,9 @@ def _run_case(case, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
     from autopar import models
-    from autopar.backends import engines
-    from autopar.backends.engines_comm import CollectiveCounter, engine_collectives, measured_list
-    from autopar.backends.engines_ref import batch_pin
+    import autopar.backends.torch as engines
+    from autopar.backends.torch.collectives import CollectiveCounter, engine_collectives, measured_list
+    from _bench import batch_pin
 
     mesh = init_device_mesh("cpu", tuple(case["shape"]), mesh_dim_names=tuple(case["names"]))
     out = {"name": case["name"]}
@@ -340,7 +349,8 @@ def _run_case(case, rank, world):
             plan = model._autopar_plan
         else:
             plan = autopar.Plan.load(case["plan"])
-            engines.lower_to_torch(model, mesh, plan)
+            engines.lower(model, plan, mesh)
+        out["plan_hash"] = plan.hash()
         low = model._autopar_lowering
         out.update(
             backend="torch",
@@ -422,4 +432,26 @@ def _rank_cases(cases):
     warnings.filterwarnings("ignore")
     import torch.distributed as dist
 
-    return {"cases": [_run_case(c, dist.get_rank(), dist.get_world_size()) for c in cases]}
+    return {
+        "cases": [
+            _run_without_planner(c) if c.get("no_planner") else _run_case(c, dist.get_rank(), dist.get_world_size())
+            for c in cases
+        ]
+    }
+
+
+def _run_without_planner(case):
+    """The case with autopar.plan and the pass manager patched to raise: lowering and training never plan."""
+    import torch.distributed as dist
+    import autopar
+    import autopar.api
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the torch backend called the planner on a loaded plan")
+
+    saved = autopar.plan, autopar.api.plan, autopar.api.run_passes
+    autopar.plan = autopar.api.plan = autopar.api.run_passes = refuse
+    try:
+        return _run_case(case, dist.get_rank(), dist.get_world_size())
+    finally:
+        autopar.plan, autopar.api.plan, autopar.api.run_passes = saved

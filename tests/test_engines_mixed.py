@@ -1,4 +1,4 @@
-"""backend="mixed" with graph parts (backends/engines_mixed.py): the engines run what they express, the graph
+"""backend="mixed" with graph parts (backends/torch/mixed.py): the engines run what they express, the graph
 backend runs the modules they cannot, in the user's own module.
 
 The model is moe-tiny (2 MoE blocks, 4 experts, dense routing) with its experts forced Shard(0) on the data dim
@@ -27,7 +27,7 @@ def _pin_and_force(model, case: str):
     MoE modules batch-sharded on dp. case "dp": every other parameter replicated; "fsdp": Shard(0) on dp (FSDP2
     units); "fsdp_tp": torchtitan's FSDP x Megatron TP layout (no sequence parallelism) on (dp, tp), the experts
     replicated on tp."""
-    from autopar.backends.engines_ref import batch_pin, torchtitan_placements
+    from _bench import batch_pin, torchtitan_placements
 
     n_experts = model.cfg.n_experts
     if case == "fsdp_tp":
@@ -69,8 +69,8 @@ def _run(case):
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
     from autopar import models
-    from autopar.backends.engines import local_inputs, train_context
-    from autopar.backends.engines_comm import CollectiveCounter, engine_collectives, measured_list
+    from autopar.backends.torch import local_inputs, train_context
+    from autopar.backends.torch.collectives import CollectiveCounter, engine_collectives, measured_list
     from autopar.backends.program import ExecutionError
 
     world = dist.get_world_size()
@@ -196,7 +196,7 @@ def test_part_capture_and_plan_pin_the_boundary():
     import autopar
     from autopar.capture import capture
     from autopar.models.llama import FeedForward
-    from autopar.backends.engines_mixed import _boundary_pins
+    from autopar.backends.torch.mixed import _boundary_pins
 
     ff = FeedForward(32, 64)
     x = torch.zeros(8, 16, 32)
@@ -224,7 +224,7 @@ def test_part_capture_and_plan_pin_the_boundary():
 
 
 def test_reasons_name_the_module_a_part_would_hold():
-    from autopar.backends.engines_mixed import reason_module
+    from autopar.backends.torch.mixed import reason_module
 
     assert (
         reason_module(
@@ -257,7 +257,7 @@ def test_part_program_matches_one_device_on_simulated_ranks():
     from autopar.capture import capture
     from autopar.models.llama import FeedForward
     from autopar.backends.comm import CommCounter
-    from autopar.backends.engines_mixed import _boundary_pins
+    from autopar.backends.torch.mixed import _boundary_pins
     from autopar.backends.graph import _distribute
     from autopar.backends.program import Program
     from autopar.strategies._torch_adapter import outside_local_tensor_mode
@@ -308,8 +308,8 @@ def test_which_modules_can_run_as_parts():
     refusal names the module, the parameter and the op that reads it."""
     import autopar
     from autopar import models
-    from autopar.backends.engines import recognize
-    from autopar.backends.engines_mixed import _calls, _runs_alone, choose_parts
+    from autopar.backends.torch.recognize import recognize
+    from autopar.backends.torch.mixed import _calls, _runs_alone, choose_parts
 
     m = models.build_model("llama-tiny", device="cpu")
     x = models.example_inputs("llama-tiny", batch=4, seq=16)

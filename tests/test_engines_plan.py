@@ -1,5 +1,5 @@
 """Recognition of plans as torch-engine constructs, the exported code, the planner's precision and checkpointing
-decisions, and the bad-input errors: all without processes (backends/engines*.py, passes/precision.py,
+decisions, and the bad-input errors: all without processes (backends/torch/, passes/precision.py,
 passes/checkpointing.py). Execution on real gloo groups is tests/test_engines_dist.py."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import torch.nn.functional as F
 import autopar
 from autopar import models as M
 from autopar.capture import NLL_LOSSES
-from autopar.backends.engines import EngineLoweringError, recognize
-from autopar.backends.engines_comm import engine_collectives
-from autopar.backends.engines_ref import batch_pin, torchtitan_placements, torchtitan_styles
+from autopar.backends.torch.recognize import EngineLoweringError, recognize
+from autopar.backends.torch.collectives import engine_collectives
+from _bench import batch_pin, torchtitan_placements, torchtitan_styles
 from _clusters import GLOO_PER_STEP, SHAPES
 
 B, S = 8, 64
@@ -132,7 +132,7 @@ def test_tp_sp_plan_is_torchtitans(tp):
     plan, m = tp
     low = recognize(plan, m)
     assert low.expressible, low.report()
-    from autopar.backends.engines_codegen import _fold
+    from autopar.backends.torch.source import _fold
 
     ours = {k: v.code() for k, v in _fold(low.styles, low.block_fqns).items()}
     theirs = {k: v.replace(" ", "") for k, v in torchtitan_styles(loss_parallel=False).items()}
@@ -149,7 +149,7 @@ def test_tp_without_sequence_parallel_is_megatron():
     plan = autopar.plan(m, autopar.MeshSpec((2,), ("tp",)), x, cluster=CLUSTER, overlap=False, force=force, pin=pin)
     low = recognize(plan, m)
     assert low.expressible, low.report()
-    from autopar.backends.engines_codegen import _fold
+    from autopar.backends.torch.source import _fold
 
     st = {k: v.code() for k, v in _fold(low.styles, low.block_fqns).items()}
     assert st["layers.*.attention.wq"] == "ColwiseParallel()" and st["layers.*.feed_forward.w2"] == "RowwiseParallel()"
@@ -164,12 +164,12 @@ def test_tp_without_sequence_parallel_is_megatron():
     assert [k for k, _, _ in exp if k != "all_reduce"] == ["all_gather"]
 
 
-def test_export_code_is_importable_and_complete(tp, tmp_path):
-    from autopar.backends.engines import export_code
+def test_rendered_code_is_importable_and_complete(tp, tmp_path):
+    from autopar.backends.torch import render
 
     plan, m = tp
     path = tmp_path / "tp_plan.py"
-    path.write_text(export_code(plan, m))
+    path.write_text(render(plan, m))
     spec = importlib.util.spec_from_file_location("tp_plan", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -330,9 +330,9 @@ def test_parameter_used_outside_its_module_is_a_reason():
     assert bad and "outside its FSDP unit 'layers.0'" in bad[0] and "<root>" in bad[0], low.reasons
     assert "-> graph  parameter layers.0.fc2.weight" in low.report()
     with pytest.raises(EngineLoweringError, match="layers.0.fc2.weight"):
-        from autopar.backends.engines import lower_to_torch
+        from autopar.backends.torch import lower
 
-        lower_to_torch(m, None, plan, units=["layers.0", "layers.1"])
+        lower(m, plan, None, units=["layers.0", "layers.1"])
 
 
 def test_parameter_shared_across_units_is_a_reason():
@@ -383,7 +383,7 @@ def _check_replicated_dp(plan, m, n_shards):
     )  # + the loss hook
     code = low.code()
     compile(code, "<lowering>", "exec")
-    assert "_reduce_grads_in_buckets(model, mesh, grad_buckets, batch_shards)" in code
+    assert "reduce_grads_in_buckets(model, mesh, grad_buckets, batch_shards)" in code
     assert f"batch_shards = {n_shards}" in code
     whole = any(
         n["name"].endswith(":nll_loss_forward.default") and "R" in n["placement"]["ins"][0] for n in plan.nodes
@@ -473,24 +473,24 @@ def test_loss_on_the_whole_batch_lowers_only_as_an_unweighted_mean_over_equal_sh
 
 
 @pytest.mark.parametrize("mesh,names", [((4,), ("dp",)), ((2, 2), ("dp", "tp"))])
-def test_plan_for_engines_predicts_the_engines_collectives(mesh, names):
+def test_torch_target_plan_predicts_the_engines_collectives(mesh, names):
     """Under a cost model with no per-call cost (GLOO_PER_STEP: the cpu-gloo preset before sub-group calibration)
     the free plan of llama-tiny gathers the log-softmax over the data dims and runs the loss on the whole batch,
-    which the engines cannot (each rank computes its shard's loss): backend="torch" plans again with
+    which the engines cannot (each rank computes its shard's loss): target="torch" plans again with
     the loss and the parameter gradients pinned partial on the data dims, and the re-solved plan predicts what the
     engines issue: no gather, the gradients in the plan's buckets, the loss's sum and count in one all_reduce on a
     1-D mesh (the loss hook's (weighted loss, count)); on 2x2 the plan reduces them per mesh dim (a few bytes
     more than the hook's one all_reduce over the flattened group; batch 16 there: GATHER_BATCH)."""
     from collections import Counter
-    from autopar.backends.engines_plan import plan_for_engines
 
     m, x = _model(GATHER_BATCH[len(mesh)])
     spec = autopar.MeshSpec(mesh, names)
     free = autopar.plan(m, spec, x, cluster=GLOO_PER_STEP)
     assert "all_gather" in free.predicted["collectives"]  # the loss input, gathered
-    (plan, _), note = plan_for_engines(m, spec, x, cluster=GLOO_PER_STEP)
+    plan = autopar.plan(m, spec, x, cluster=GLOO_PER_STEP, target="torch")
+    note = plan.meta.get("engine_replan")
     assert note and note.startswith("re-planned for the engines") and "nll_loss_forward" in note, note
-    assert plan.meta["engine_replan"] == note
+    assert plan.meta["target"] == "torch"
     nll = next(n for n in plan.nodes if n["name"].endswith(":nll_loss_forward.default"))
     assert all(p == "P" for o in nll["placement"]["out"] for p in o), nll["placement"]
     low = recognize(plan, m)
@@ -515,7 +515,7 @@ def test_engine_step_time_equals_the_plans_prediction(mesh):
     the engines' collectives, each priced on its link). Where the engines run a plan exactly as planned (data
     parallel: the same collectives), that estimate and the planner's own prediction (its redistribute and bucket
     passes) are two computations of one step and must agree."""
-    from autopar.backends.engines_comm import engine_step_time
+    from autopar.backends.torch.collectives import engine_step_time
     from collections import Counter
 
     m = M.build_model("llama-tiny", device="meta")

@@ -58,7 +58,7 @@ def job_gpt2(tmp):
     # on this tiny model the cost model prefers data parallel with replicated weights; the Megatron MLP is pinned
     # so that sharded weights and their collectives run through the keyword-input path too, and the batch is
     # pinned on dp (with the MLP pinned, keeping the batch whole ties with splitting it)
-    from autopar.backends.engines_ref import batch_pin
+    from _bench import batch_pin
 
     force = {
         f"transformer.h.{i}.mlp.{k}.weight": pl

@@ -81,7 +81,7 @@ def job_newcomer(_):
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
     from autopar.backends.comm import CommCounter, compare
-    from autopar.backends.engines_ref import batch_pin
+    from _bench import batch_pin
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     ids = torch.randint(0, 128, (8, 64), generator=torch.Generator().manual_seed(3))

@@ -82,7 +82,7 @@ def _tp_plans(tmp_path):
     and torchtitan's placements forced (1F1B: colwise q/k/v/w1/w3/output, rowwise wo/w2, vocab-sharded embedding)."""
     import autopar
     from autopar import models
-    from autopar.backends.engines_ref import torchtitan_placements
+    from _bench import torchtitan_placements
 
     m = models.build_model(MODEL, device="meta", n_layers=LAYERS)
     x = models.example_inputs(MODEL, batch=BATCH, seq=TP_SEQ, device="meta", n_layers=LAYERS)
@@ -213,7 +213,7 @@ def test_pipeline_fsdp_x_tp_stages_equal_single_device(tmp_path):
     rowwise q/k/v), FSDP2's replicate (DDP for DTensor parameters) where it replicates on dp."""
     import autopar
     from autopar import models
-    from autopar.backends.engines_ref import torchtitan_placements
+    from _bench import torchtitan_placements
 
     m = models.build_model(MODEL, device="meta", n_layers=LAYERS)
     x = models.example_inputs(MODEL, batch=BATCH, seq=TP_SEQ, device="meta", n_layers=LAYERS)

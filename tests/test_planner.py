@@ -242,7 +242,7 @@ def test_moe_aux_loss_reductions_take_one_all_reduce(mesh):
     assert line in plan.dump() and ("dim dp+tp" in plan.dump()) == (len(mesh) == 2)
     # DDP / FSDP2 ranks would each compute their own shard's aux loss (not this model's): the lowering refuses,
     # naming the op, also where the reduction runs over the flattened dp+tp group
-    from autopar.backends.engines import recognize
+    from autopar.backends.torch.recognize import recognize
 
     low = recognize(plan, m)
     assert not low.expressible and any(

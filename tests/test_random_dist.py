@@ -166,7 +166,7 @@ def job_random(_):
 
     import autopar
     from _clusters import SHAPES
-    from autopar.backends.engines_ref import batch_pin
+    from _bench import batch_pin
 
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -234,7 +234,7 @@ def test_simulated_ranks_draw_one_devices_masks(plan_kind):
     (the losses of 3 SGD steps, every gradient of the first) and the step's collectives are the plan's."""
     import autopar
     from _simulated import simulated
-    from autopar.backends.engines_ref import batch_pin
+    from _bench import batch_pin
 
     gen = torch.Generator().manual_seed(9)
     x, y = torch.randn(B, D, generator=gen), torch.randint(0, C, (B,), generator=gen)

@@ -81,7 +81,7 @@ def job_state(tmp):
     import autopar
     from _clusters import SHAPES
     from autopar import models
-    from autopar.backends.engines_ref import batch_pin
+    from _bench import batch_pin
     from autopar.backends.state import ReplicaMismatchError
 
     rank = dist.get_rank()
@@ -156,7 +156,7 @@ def job_state(tmp):
         out[f"{name}_rng_same"] = bool(torch.equal(rng, torch.get_rng_state()))
         out[f"{name}_dump"] = model.autopar_dump.splitlines()[:3]
         out[f"{name}_init"] = model.autopar_init_comm
-        from autopar.backends import engines
+        import autopar.backends.torch as engines
 
         local = engines.local_inputs(model, mesh4, x, y)
         out["cases"][name] = _train(

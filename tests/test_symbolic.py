@@ -46,7 +46,7 @@ def test_batch_formula_counts_a_flattened_gradient_bucket_once(flatten, monkeypa
     m = M.build_model("llama-tiny")
     x4 = M.example_inputs("llama-tiny", batch=4, device="meta")
     force = {k: ("R", "R") for k, _ in m.named_parameters()}
-    from autopar.backends.engines_ref import batch_pin  # batch-sharded activations: else it gathers its tokens
+    from _bench import batch_pin  # batch-sharded activations: else it gathers its tokens
 
     p4, st = autopar.plan(
         m, (2, 2), x4, cluster="cpu-gloo", return_state=True, force=force, pin=batch_pin([0, 1], tuple(x4[0].shape))
@@ -65,7 +65,7 @@ def test_batch_formula_prices_shares_recompute_and_overlap_as_the_prediction(ove
     formula at the example batch gives the prediction's compute, comm, exposed comm and step exactly."""
     m = M.build_model("llama-tiny")
     x4 = M.example_inputs("llama-tiny", batch=4, device="meta")
-    from autopar.backends.engines_ref import torchtitan_placements
+    from _bench import torchtitan_placements
 
     force, pin = torchtitan_placements(m, ("tp",), None, "tp", tuple(x4[0].shape))  # TP + sequence parallel
     kw = dict(cluster="h100", force=force, pin=pin, overlap=overlap)

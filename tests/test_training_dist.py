@@ -76,7 +76,7 @@ def job(tmp):
     import autopar
     from _clusters import SHAPES
     from autopar.backends.comm import CommCounter, compare
-    from autopar.backends.engines_ref import batch_pin
+    from _bench import batch_pin
     from autopar.backends.shapes import ShapeMismatchError
 
     out = {}

@@ -284,7 +284,7 @@ def unmask_partial(dt: DTensor) -> DTensor:
     )
 
 
-# ---- lowering to torch's engines (backends/engines.py) --------------------------------------------------------------
+# ---- lowering to torch's engines (backends/torch/) ----------------------------------------------------------------
 def flatten_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     """A 1-D DeviceMesh over several dims of `mesh` (its ranks row-major), for FSDP2 sharding over more than one
     data-parallel dim. `DeviceMesh._flatten` is the method torchtitan uses for the same purpose (dp x cp)."""

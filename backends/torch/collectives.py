@@ -14,6 +14,7 @@ group gets a tuple).
 from __future__ import annotations
 
 import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -21,8 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from autopar.redistribute import dims_of
+from autopar.cost import get_cluster
+from autopar.cost.comm import collective_time
+from autopar.redistribute import dims_of, link_of
 from autopar.strategies._torch_adapter import resolve_group
+
+from .mixed import within
 
 _c10d = torch.ops.c10d
 _fn = torch.ops._c10d_functional
@@ -256,18 +261,30 @@ def engine_collectives(plan, low) -> tuple[list, list]:
       * parameters of SequenceParallel modules (replicated, used on sequence shards): their gradient is partial
         on the tp dim and is all-reduced once (DTensor), at the size autograd produced it (before FSDP sharding).
     """
-    out, notes = [], []
+    notes = []
     pnode = {n["target"]: n for n in plan.nodes if n["kind"] == "param"}
     t = low.tp_dim
     tp_n = plan.mesh_shape[t] if t is not None else 1
-    grad_dtype = lambda f: (low.mixed_precision or {}).get("reduce_dtype") or pnode[f]["dtype"][0]
 
-    def local(f, dtype):
+    def local_param(f, dtype):
         shape = list(pnode[f]["shape"][0])
         if t is not None and plan.params[f][t][0] == "S":
             shape[int(plan.params[f][t][1:])] //= tp_n
         return _nb(shape, dtype)
 
+    out = _data_parallel_collectives(plan, low, pnode, local_param, notes)
+    out += _redistribute_collectives(plan, low, notes)
+    parts = getattr(low, "parts", {})
+    for part in {id(p): p for p in parts.values()}.values():  # each part's own plan, per instance
+        out += part.plan.collectives() * len(part.instances)
+    out += _tp_backward_collectives(plan, low, pnode, local_param)
+    return out, notes
+
+
+def _data_parallel_collectives(plan, low, pnode, local_param, notes) -> list:
+    """FSDP2 units' gathers and reduce-scatters, the gradient buckets' all_reduces, the loss hook's."""
+    out = []
+    grad_dtype = lambda f: (low.mixed_precision or {}).get("reduce_dtype") or pnode[f]["dtype"][0]
     shard_key = low.shard_dims[0] if len(low.shard_dims) == 1 else tuple(low.shard_dims)
     n_shard = 1
     for d in low.shard_dims:
@@ -275,8 +292,8 @@ def engine_collectives(plan, low) -> tuple[list, list]:
     for u in low.units:
         if not u.params:
             continue
-        ag = sum(local(f, pnode[f]["dtype"][0]) for f in u.params)
-        rs = sum(local(f, grad_dtype(f)) for f in u.params)
+        ag = sum(local_param(f, pnode[f]["dtype"][0]) for f in u.params)
+        rs = sum(local_param(f, grad_dtype(f)) for f in u.params)
         out += [("all_gather", shard_key, ag)] * (2 if u.reshard_after_forward else 1)
         out.append(("reduce_scatter", shard_key, rs))
         for d in low.replicate_dims:
@@ -289,52 +306,59 @@ def engine_collectives(plan, low) -> tuple[list, list]:
                 f"gradients {b.params[:3]}{' ...' if len(b.params) > 3 else ''}: the plan reduces them "
                 f"otherwise; the engines all-reduce them in an extra bucket ({b.nbytes:,d} B)"
             )
-    data = set(low.replicate_dims + low.shard_dims)
     if getattr(low, "mean_loss", None):  # the loss hook: (weighted loss, count) over the data dims
         dims = tuple(low.replicate_dims + low.shard_dims)
         out.append(("all_reduce", dims[0] if len(dims) == 1 else dims, low.mean_loss["nbytes"]))
-    seen = set()
-    from .engines_mixed import within
+    return out
 
+
+def _data_dim_note(plan, low, n, r) -> str | None:
+    """How the engines replace a redistribute the plan runs over the data dims (None: nothing to say)."""
+    cs = r["collectives"]
+    if not isinstance(r["input"], int):  # e.g. "loss": the plan reduces the loss value itself
+        if not cs:
+            return None
+        return f"{n['name']} {r['input']}: the plan reduces it ({r['src']} -> {r['dst']}); the engines " + (
+            "reduce (weighted loss, count) in the loss hook" if low.mean_loss else "leave each rank its local loss"
+        )
+    src = n["inputs"][r["input"]]
+    shape = plan.nodes[src[0]]["shape"][src[1]]
+    pair = any(q.get("coalesced") == r["input"] for q in n.get("redistribute", []))
+    if r["class"] == "act" and pair and low.mean_loss and len(cs) == 1:
+        return (
+            f"{n['name']}: the plan's all_reduce of (loss sum, count) over the data dims is the "
+            f"loss hook's all_reduce of (weighted loss, count)"
+        )
+    if r["class"] == "act":
+        return (
+            f"{n['name']}: the plan redistributes {'a scalar' if not shape else 'a loss input'} "
+            f"({r['src']} -> {r['dst']}) over the data dims; "
+            + (
+                "the engines reduce (weighted loss, count) in the loss hook instead"
+                if low.mean_loss
+                else "each engine rank averages its own equal batch shard instead"
+            )
+        )
+    return None
+
+
+def _redistribute_collectives(plan, low, notes) -> list:
+    """The plan's forward redistributes on the tensor-parallel dim, once per produced tensor, and their
+    backward mirrors; notes for the redistributes over the data dims the engines do otherwise."""
+    out, seen, t = [], set(), low.tp_dim
+    data = set(low.replicate_dims + low.shard_dims)
     parts = getattr(low, "parts", {})
-    in_part = lambda m: within(m, parts)
     for n in plan.nodes:
-        if parts and in_part(n["module"]):
-            continue  # run by the graph backend (engines_mixed.py)
+        if parts and within(n["module"], parts):
+            continue  # run by the graph backend (mixed.py)
         for r in n.get("redistribute", []):
             cs = r["collectives"]
             if r["input"] == "opt":
                 continue
-            if not isinstance(r["input"], int):  # e.g. "loss": the plan reduces the loss value itself
-                if cs:
-                    notes.append(
-                        f"{n['name']} {r['input']}: the plan reduces it ({r['src']} -> {r['dst']}); the engines "
-                        + (
-                            "reduce (weighted loss, count) in the loss hook"
-                            if low.mean_loss
-                            else "leave each rank its local loss"
-                        )
-                    )
-                continue
-            if any(set(dims_of(c[1])) & set(data) for c in cs):  # (over a flattened group of dims too)
-                src = n["inputs"][r["input"]]
-                shape = plan.nodes[src[0]]["shape"][src[1]]
-                pair = any(q.get("coalesced") == r["input"] for q in n.get("redistribute", []))
-                if r["class"] == "act" and pair and low.mean_loss and len(cs) == 1:
-                    notes.append(
-                        f"{n['name']}: the plan's all_reduce of (loss sum, count) over the data dims is the "
-                        f"loss hook's all_reduce of (weighted loss, count)"
-                    )
-                elif r["class"] == "act":
-                    notes.append(
-                        f"{n['name']}: the plan redistributes {'a scalar' if not shape else 'a loss input'} "
-                        f"({r['src']} -> {r['dst']}) over the data dims; "
-                        + (
-                            "the engines reduce (weighted loss, count) in the loss hook instead"
-                            if low.mean_loss
-                            else "each engine rank averages its own equal batch shard instead"
-                        )
-                    )
+            if not isinstance(r["input"], int) or any(set(dims_of(c[1])) & data for c in cs):
+                note = _data_dim_note(plan, low, n, r)  # (over a flattened group of dims too)
+                if note:
+                    notes.append(note)
                 continue
             if t is None or n["phase"] != "fw" or not any(c[1] == t for c in cs):
                 continue
@@ -355,14 +379,20 @@ def engine_collectives(plan, low) -> tuple[list, list]:
                     out.append(("reduce_scatter", t, nb))
                 elif kind == "reduce_scatter":
                     out.append(("all_gather", t, nb))
+    return out
+
+
+def _tp_backward_collectives(plan, low, pnode, local_param) -> list:
+    """SequenceParallel parameters' partial gradients all-reduced; the backward of a rowwise Linear fed a
+    replicated input (gather) and of a colwise Linear fed one (all_reduce of the input gradient)."""
+    out, t = [], low.tp_dim
+    parts = getattr(low, "parts", {})
     sp = [m for m, st in low.styles.items() if st.cls == "SequenceParallel"]
-    for part in {id(p): p for p in parts.values()}.values():  # each part's own plan, per instance
-        out += part.plan.collectives() * len(part.instances)
     for f in pnode:  # SequenceParallel params: partial gradients, all-reduced
         if t is not None and any(f.startswith(m + ".") for m in sp):
-            out.append(("all_reduce", t, local(f, pnode[f]["dtype"][0])))
+            out.append(("all_reduce", t, local_param(f, pnode[f]["dtype"][0])))
     for (i, j), role in low.tp_roles.items():
-        if parts and in_part(plan.nodes[i]["module"]):
+        if parts and within(plan.nodes[i]["module"], parts):
             continue
         p, o = plan.nodes[i]["inputs"][j]
         pl = plan.nodes[p]["placement"]["out"][o]
@@ -374,17 +404,13 @@ def engine_collectives(plan, low) -> tuple[list, list]:
             out.append(("all_gather", t, local))
         elif role == "in_repl":  # ColwiseParallel on a replicated input: its gradient is partial
             out.append(("all_reduce", t, local))  # and all-reduced in the backward (Megatron's f operator)
-    return out, notes
+    return out
 
 
 def engine_step_time(plan, low, cluster) -> float:
     """Predicted step of `low` as the engines run it: the plan's compute plus each collective engine_collectives
     lists, priced by the cost model (autopar/cost/comm.py) on its group's link, every one exposed (as the plan's own
     prediction on a cluster whose collectives block). Comparable with plan.predicted["step_s"]."""
-    import math
-    from autopar.cost import get_cluster
-    from autopar.cost.comm import collective_time
-    from autopar.redistribute import dims_of, link_of
 
     cl, shape = get_cluster(cluster), tuple(plan.mesh_shape)
     comm = sum(

@@ -1,7 +1,7 @@
 """Data parallelism in the engines: how each rank is fed its batch shard, and what of the plan that feeding
 cannot reproduce. An input the plan keeps replicated only to chunk it by batch at every forward consumer, or to
 feed the loss it runs on the whole batch (gathered log-softmax, replicated labels), is fed batch-sharded; each
-rank's mean over an equal shard (weighted by its counted targets, engines_loss.py), gradients averaged, gives the
+rank's mean over an equal shard (weighted by its counted targets, loss.py), gradients averaged, gives the
 same values. Refused (TorchLowering.reasons): a class-weighted loss on the whole batch, a batch that does not
 split evenly, and any other op the plan runs across batch shards (it couples samples, e.g. batch norm)."""
 
@@ -11,75 +11,9 @@ import math
 
 from autopar.redistribute import dims_of
 
+from autopar.targets import _LOSS_OPS, _op
 
-def _op(rec) -> str:
-    return rec["target"].split(".")[0] if rec["kind"] == "op" else rec["kind"]
-
-
-_ROW_VIEWS = {"view", "_unsafe_view", "reshape"}
-_SAME_SHAPE = {"_to_copy", "clone", "detach", "alias", "contiguous"}
-
-
-def _batch_uses(G, i, o, d, seen) -> bool:
-    """Whether every use of output `o` of node `i` (replicated on mesh dim d) takes it batch-sharded there (a
-    local R -> S0 chunk; seen["batch"]), or is a loss op (seen["loss"]: the plan runs the loss replicated, on the
-    whole batch), or is a backward op (seen["bw"]: the plan gathers some backward inputs; autograd on each rank's
-    shard computes partial sums instead, which the data-parallel reduction adds up), following row-preserving
-    views / copies that the plan runs replicated (flatten(0, 1) of the labels: a batch chunk of the input is a row
-    chunk of the view)."""
-    uses = [(u, j) for u, j, uo in G.users[i] if uo == o]
-    if not uses:
-        return False
-    src_shape = G.rec(i)["shape"][o]
-    for u, j in uses:
-        ur = G.rec(u)
-        if ur["placement"]["ins"][j][d] == "S0":
-            seen["batch" if ur["phase"] == "fw" else "bw_batch"].append(u)
-            continue
-        if ur["kind"] != "op":
-            return False
-        op = _op(ur)
-        if op in _LOSS_OPS:
-            seen["loss"].append(u)
-            continue
-        if ur["phase"] == "bw":
-            seen["bw"].append(u)
-            continue
-        out = ur["shape"][0] if ur["shape"] else None
-        rows = (op in _SAME_SHAPE and out == src_shape) or (
-            op in _ROW_VIEWS
-            and out
-            and src_shape
-            and any(
-                math.prod(src_shape[:k]) == out[0] and math.prod(src_shape[k:]) == math.prod(out[1:])
-                for k in range(1, len(src_shape) + 1)
-            )
-        )
-        if not (
-            rows and len(ur["inputs"]) == 1 and ur["placement"]["out"][0][d] == "R" and _batch_uses(G, u, 0, d, seen)
-        ):
-            return False
-    return True
-
-
-def _fed(G, inp, loss_fed=None) -> list:
-    """How a rank is fed an input: its placement, except that a dim the plan keeps replicated only to chunk it
-    by batch at every forward consumer (a local R -> S0) is fed batch-sharded right away (the same local values;
-    backward consumers that take it whole compute partial sums on a shard instead, see _batch_uses). With
-    `loss_fed` (a list), a forward consumer that is the loss also counts (the plan gathers the loss inputs and
-    computes the mean over the whole batch): the engines compute each rank's mean over its equal batch shard and
-    average the gradients (the same values; _check_batch_shards says when not); (input name, mesh dim, loss node)
-    of those are appended to it."""
-    pl = list(inp["placement"]["out"][0])
-    for d, p in enumerate(pl):
-        seen = {"batch": [], "bw_batch": [], "loss": [], "bw": []}
-        if p != "R" or not _batch_uses(G, inp["idx"], 0, d, seen):
-            continue
-        if seen["batch"] and not seen["loss"] or loss_fed is not None and (seen["batch"] or seen["loss"]):
-            pl[d] = "S0"
-            if loss_fed is not None:
-                loss_fed += [(inp["name"], d, u) for u in seen["loss"]]
-    return pl
+from .mixed import within
 
 
 def _check_batch_shards(low, G, plan, inputs, data, loss_fed):
@@ -121,9 +55,6 @@ def _check_batch_shards(low, G, plan, inputs, data, loss_fed):
             low.notes.append(msg)
 
 
-_LOSS_OPS = {"nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward"}
-
-
 def _class_weighted(low, rec) -> bool:
     """A class-weighted loss the plan computes on the whole batch (its inputs replicated or gathered) is a reason:
     per-rank weighted means over batch shards, averaged, are not the batch's weighted mean."""
@@ -155,7 +86,6 @@ def _check_batch_ops(low, G, plan, data, dn):
     """Data parallelism in the engines means every rank computes on its own batch shard. The plan may instead
     gather an activation over a data dim: harmless for the loss (each rank's mean over an equal shard, gradients
     averaged: the same values), but any other such op couples samples across the batch (e.g. batch norm)."""
-    from .engines_mixed import within
 
     parts = getattr(low, "parts", None) or {}
     in_part = lambda m: within(m, parts)
@@ -172,7 +102,7 @@ def _check_batch_ops(low, G, plan, data, dn):
                 or _from_part(plan, n["inputs"][r["input"]][0], in_part)
                 and all(r["dst"][d] == "S0" for d in data)
             ):
-                continue  # a graph part runs it, or delivers this input batch-sharded (engines_mixed.py)
+                continue  # a graph part runs it, or delivers this input batch-sharded (mixed.py)
             if n["phase"] == "bw":  # backward choices of the planner: gradients are sums over the batch
                 msg = (
                     f"the plan gathers some backward inputs over {dn(data)} (e.g. {n['name']}); autograd on each "

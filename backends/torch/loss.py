@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import math
 
-from .engines_batch import _op
-from .engines_comm import _nb
+from .batch import _op
+from .collectives import _nb
 
 # ops between the labels input and the loss that keep every label (in some order): the count is the same
 _KEEP_LABELS = {

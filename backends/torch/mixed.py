@@ -1,7 +1,7 @@
 """backend="auto": PyTorch's engines for every part of the plan they express, autopar's graph backend for the
 modules they cannot (the "parts"), in the user's own module.
 
-Which modules. Each reason the engines give (backends/engines.py) names a parameter, an op or a module; the part
+Which modules. Each reason the engines give (backends/torch/recognize.py) names a parameter, an op or a module; the part
 is the innermost module holding it that can run on its own: not the root, called once per step with positional
 arguments (tensors, or constants), returning one tensor, its parameters used by no op outside it. A reason that
 names the mesh or the whole model (a mesh dim, mixed precision, a tied parameter, a parameter the root reads)
@@ -23,12 +23,18 @@ the ranks' gradients over them; the part's global view sums them).
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+
+import autopar
+from autopar.capture import capture, to_meta
+
+from .graph_backend import ExecutionError, Program, _distribute, agree_on_plan
 
 _IN_MODULE = re.compile(r"in module '([^']*)'")
 
@@ -79,8 +85,6 @@ class Part:
 def _calls(model, example_inputs, fqns, shards=1, split=()) -> dict:
     """{module FQN: [(args, kwargs, output)]} of the modules `fqns` in one forward of `model` on meta tensors;
     with `split` (positions of the inputs fed batch-sharded), on one rank's inputs: those cut into `shards`."""
-    from autopar.capture import to_meta
-
     meta = {k: to_meta(t) for k, t in [*model.named_parameters(), *model.named_buffers()]}
     ins = [to_meta(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
     for i in split:
@@ -189,9 +193,6 @@ def choose_parts(plan, low, model, example_inputs, recognize):
 def plan_parts(whole, model, mesh, low, chosen: dict, calls: dict, force=None, **plan_kwargs) -> dict:
     """{signature: Part}: each distinct part planned once on `mesh`, at the whole plan's placements inside it and
     its boundary pinned (module docstring)."""
-    import autopar
-    from autopar.capture import capture
-
     data = low.replicate_dims + low.shard_dims
     boundary = tuple("S0" if d in data else "R" for d in range(len(low.mesh_shape)))
     shards = math.prod(low.mesh_shape[d] for d in data)
@@ -242,8 +243,6 @@ def _plan_pins(whole, fqn, g) -> dict:
     """{node name: pin} keeping the whole model's plan inside the part: its op records in module `fqn` matched to
     the part's own graph by (phase, op, output shapes) in order (difflib's longest matching blocks), each matched
     node pinned to the plan's output placements."""
-    import difflib
-
     recs = [r for r in whole.nodes if r["kind"] == "op" and within(r["module"], (fqn,))]
     ops = list(g.ops())
     key_r = [(r["phase"], r["target"], tuple(map(tuple, r["shape"]))) for r in recs]
@@ -299,10 +298,6 @@ class _PartStep(torch.autograd.Function):
 def install_parts(model, mesh, low, device) -> None:
     """Make each part's parameters DTensors at its plan's placements and route its forward through its Program
     (after the engines are applied: FSDP ignores these parameters)."""
-    from .comm import agree_on_plan
-    from .graph import _distribute
-    from .program import Program
-
     for fqn, part in low.parts.items():
         if part.prog is None:
             agree_on_plan(mesh, part.plan.hash(), device)
@@ -321,8 +316,6 @@ def install_parts(model, mesh, low, device) -> None:
 
 def _forward(fqn, mod, part):
     """The part's forward: checks that it gets this rank's batch shard, then runs _PartStep."""
-    from .program import ExecutionError
-
     expect = []
     for i, a in enumerate(part.args):
         if isinstance(a, torch.Tensor):
