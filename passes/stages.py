@@ -266,7 +266,7 @@ class StageOps:
                 for n, _ in mod.named_parameters(recurse=False)
             }
         # the pipeline runtime shards only nn.Linear / nn.Embedding weights on a tensor-parallel stage dim (any dim
-        # of size > 1 not named dp*, as backends/pipeline.py reads it): every other parameter is Replicate there
+        # of size > 1 not named dp*, as backends/pipelining/runtime.py reads it): every other parameter is Replicate there
         tp = {
             d: "R"
             for d, (nm, n) in enumerate(zip(stage_mesh.names, stage_mesh.shape))

@@ -171,7 +171,7 @@ def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
     every tp rank. pos_of: per block of the model, its block in the plan's representative sub-model
     (block_positions; default: all blocks alike). Raises NotImplementedError, naming the stage, the parameter and
     its placement, for a placement no style expresses (never runs it replicated)."""
-    from .engines_tp import _kind, param_style
+    from ..engines_tp import _kind, param_style
 
     sc = plan.schedule
     tn, size = sc["stage_mesh_names"][t], sc["stage_mesh_shape"][t]
