@@ -135,15 +135,9 @@ def _cluster_of_nodes(g, prefix: str, n_layers: int) -> list:
     return where
 
 
-def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
-    """Per sub-model cluster (0 = pre, 1..n_sub blocks, n_sub + 1 = post) F/B/W/dp/state/act, and per boundary after
-    position q (0..n_sub) the crossing tensors' local bytes and count."""
-    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
-    where = _cluster_of_nodes(g, prefix, n_sub)
-    K = n_sub + 2
-    F, B, W, dp, st, act = (np.zeros(K) for _ in range(6))
-    bpp = state.precision.bytes_per_param
-    # weight-gradient work: backward nodes whose results never reach an earlier cluster's backward
+def _feeds_earlier(g, where) -> list:
+    """Per node: a backward node whose results reach an earlier cluster's backward (input-gradient work, B);
+    the others are weight-gradient work (W)."""
     feeds = [False] * len(g.nodes)
     for n in reversed(g.nodes):
         if n.kind != "op" or n.phase != "bw":
@@ -153,6 +147,16 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
             g.nodes[u].phase == "bw" and where[u] is not None and (where[u] < c or (where[u] == c and feeds[u]))
             for u in n.users
         )
+    return feeds
+
+
+def _node_metrics(state, plan, where, K: int) -> dict:
+    """Per cluster F/B/W seconds (compute + activation redistributes), dp comm seconds, model-state bytes,
+    saved-activation bytes, and the collectives (kind -> [count, bytes]) of its activation and dp redistributes."""
+    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
+    F, B, W, dp, st, act = (np.zeros(K) for _ in range(6))
+    bpp = state.precision.bytes_per_param
+    feeds = _feeds_earlier(g, where)
     coll = [{"act": {}, "dp": {}} for _ in range(K)]
     for rec in plan.nodes:
         i = rec["idx"]
@@ -183,6 +187,12 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
             B[c] += t
         else:
             W[c] += t
+    return {"F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act, "coll": coll}
+
+
+def _crossings(state, where, K: int):
+    """Per boundary after position q (0..K-2): local bytes and count of the forward tensors crossing it."""
+    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
     # data dependence: recomputable tensors (no input/param upstream) never cross a boundary
     dep = [False] * len(g.nodes)
     for n in g.nodes:
@@ -208,21 +218,27 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
             for q in range(c, last):  # crosses boundaries after positions c .. last-1
                 cross_bytes[q] += m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
                 cross_n[q] += 1
+    return cross_bytes, cross_n
+
+
+def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
+    """Per sub-model cluster (0 = pre, 1..n_sub blocks, n_sub + 1 = post) F/B/W/dp/state/act, and per boundary after
+    position q (0..n_sub) the crossing tensors' local bytes and count."""
+    g = state.graph
+    where = _cluster_of_nodes(g, prefix, n_sub)
+    K = n_sub + 2
+    metrics = _node_metrics(state, plan, where, K)
+    cross_bytes, cross_n = _crossings(state, where, K)
     ops = np.zeros(K, dtype=int)
     for n in g.ops():
         if where[n.idx] is not None:
             ops[where[n.idx]] += 1
     param_pos = {fqn: where[i] for fqn, i in g.params.items()}
     return {
-        "F": F,
-        "B": B,
-        "W": W,
-        "dp": dp,
-        "state": st,
-        "act": act,
+        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act")},
         "xbytes": cross_bytes,
         "xn": cross_n,
-        "coll": coll,
+        "coll": metrics["coll"],
         "ops": ops,
         "param_pos": param_pos,
     }
