@@ -53,8 +53,37 @@ def _placements(best, ops, model, prefix, reps, pos_of, smesh):
     return params, per_stage_params
 
 
-def _stage_record(best, k: int, cv, names, held: list, numel: dict, smesh) -> dict:
-    """Stage k of the best configuration: clusters, parameters, submesh, modeled time and memory, its send."""
+def _outer_modules(main, prefix: str) -> tuple[list, list]:
+    """The modules outside the layer list that the forward runs before its first block and after its last one, in
+    forward order: per forward op of the plan's graph, its module's outermost ancestor that does not hold the layer
+    list (the model's own ops, module "", are the loss and what depends on no input: not a stage's module)."""
+    holders = {".".join(prefix.split(".")[:i]) for i in range(1, prefix.count(".") + 1)}
+    pre, post, seen_block = [], [], False
+    for n in main.nodes:
+        m = n["module"]
+        if n["kind"] != "op" or n["phase"] != "fw" or not m:
+            continue
+        if m == prefix or m.startswith(prefix + "."):
+            seen_block = True
+            continue
+        parts = m.split(".")
+        top = next((".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) not in holders), None)
+        where = post if seen_block else pre
+        if top is not None and top not in where:
+            where.append(top)
+    return pre, post
+
+
+def _stage_modules(clusters, prefix: str, pre: list, post: list) -> list:
+    """The module FQNs a stage holds, in forward order: the outer modules before the blocks with "pre", its blocks,
+    the outer modules after them with "post"."""
+    blocks = [c for c in clusters if c.startswith(prefix + ".")]
+    return (pre if "pre" in clusters else []) + blocks + (post if "post" in clusters else [])
+
+
+def _stage_record(best, k: int, cv, names, held: list, numel: dict, smesh, modules: list) -> dict:
+    """Stage k of the best configuration: clusters, parameters, modules, submesh, modeled time and memory, its
+    send."""
     a, b = best["part"].bounds[k], best["part"].bounds[k + 1]
     r = best["rank_of"][k]
     rec = {
@@ -62,6 +91,7 @@ def _stage_record(best, k: int, cv, names, held: list, numel: dict, smesh) -> di
         "pp_rank": r,
         "clusters": names[a:b],
         "params": held,
+        "modules": modules,
         "n_params": sum(numel[f] for f in held),
         "graph_ops": int(sum(cv.ops[a:b])),
         "submesh": {
@@ -250,13 +280,15 @@ def build_pipeline_plan(
     names = _cluster_names(prefix, len(pos_of))
     params, per_stage_params = _placements(best, ops, model, prefix, reps, pos_of, smesh)
     numel = {f: p.numel() for f, p in model.named_parameters()}
-    stages = [
-        _stage_record(best, k, costs[part.variants[k]], names, per_stage_params[k], numel, smesh)
-        for k in range(p * best["v"])
-    ]
     main = _main_plan(best, ops)
+    pre, post = _outer_modules(main, prefix)
+    stages = []
+    for k in range(p * best["v"]):
+        held = _stage_modules(names[part.bounds[k] : part.bounds[k + 1]], prefix, pre, post)
+        stages.append(_stage_record(best, k, costs[part.variants[k]], names, per_stage_params[k], numel, smesh, held))
     layout = _batch_layout(main, smesh, inputs, best["m"])
     schedule = _schedule(best, top, n_candidates, prefix, names, layout, times)
+    schedule["block_positions"] = list(pos_of)  # per block its block in the representative sub-model
     predicted = _predicted(best, _step_collectives(best, costs), budget)
     solver = dict(main.solver)
     solver["seconds"] = sum(pl.solver["seconds"] for pl in ops.plans)
