@@ -23,7 +23,7 @@ from . import pipeline_model as pm
 from .cost import collective_time
 from .mesh import MeshSpec
 from .passes.stage_plan import build_pipeline_plan
-from .passes.stages import StageOps, evaluate, even_bounds, find_layers, layer_signature, layout_bounds
+from .passes.stage_costs import StageOps, evaluate, even_bounds, find_layers, layer_signature, layout_bounds
 
 INF = float("inf")
 

@@ -12,7 +12,7 @@ from autopar import models
 from autopar import pipeline_model as pm
 from autopar.cost import TrainingPrecision, get_cluster
 from autopar.mesh import MeshSpec
-from autopar.passes.stages import Costs, StageOps, find_layers, layer_signature
+from autopar.passes.stage_costs import Costs, StageOps, find_layers, layer_signature
 
 
 # ---- schedule model ------------------------------------------------------------------------------------------
