@@ -1,29 +1,23 @@
-"""The stage search (`plan_pipeline`, what `autopar.plan(..., pipeline=...)` runs) and the Plan it returns.
-
-Search: every (pp degree, stage submesh, micro-batch count) gets intra-op plans of its stage (passes/stages.py
-StageOps, cached per submesh and micro-batch shape); every (schedule, stages per rank) on top of it is a
-configuration. Configurations are visited in increasing order of a lower bound on the closed form; those whose
+"""The stage search's configurations (what passes/stages.py `run` visits): per (pp degree, stage submesh,
+micro-batch count) the intra-op plans of its stage (passes/stage_costs.py StageOps, cached per submesh and
+micro-batch shape, `stage_plans`); every (schedule, stages per rank) on top of it is a configuration.
+Configurations are visited in increasing order of a lower bound on the closed form (`lower_bound`); those whose
 bound exceeds `prune_margin` (1.25) x the best simulated step so far are skipped (the closed form tracks the
 simulation within a few percent; the margin covers that). Each visited configuration gets the exact stage DP
-(autopar/pipeline_model.partition) and is simulated on torch's action order; the fastest that fits memory wins.
-
-The Plan it returns is assembled by passes/stage_plan.py (stages, schedule, params, predicted).
+(autopar/pipeline_model.partition) and is simulated on torch's action order (`search_config`, `search`).
 """
 
 from __future__ import annotations
 
 import math
-import time
 
 import numpy as np
 import torch
-from torch import nn
 
 from . import pipeline_model as pm
 from .cost import collective_time
 from .mesh import MeshSpec
-from .passes.stage_plan import build_pipeline_plan
-from .passes.stage_costs import StageOps, evaluate, even_bounds, find_layers, layer_signature, layout_bounds
+from .passes.stage_costs import StageOps, evaluate, layout_bounds
 
 INF = float("inf")
 
@@ -116,7 +110,7 @@ def _one_stage_plan(job):
     return StageOps(model, prefix, reps, pos_of, mbi, smesh, {**ctx, "drop_state": True, "n_microbatches": m})
 
 
-def _stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=None) -> dict:
+def stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=None) -> dict:
     """StageOps per (stage submesh, micro-batch size). Several keys are planned in forked worker processes (one per
     core, at most 2 unless `workers` says otherwise): each is an independent capture + intra-op solve."""
     import multiprocessing as mp
@@ -173,7 +167,7 @@ def _search_share(share):
     return results, pruned
 
 
-def _search(job, workers=None):
+def search(job, workers=None):
     """All configurations, split over forked workers (a worker prunes against its own best, so it evaluates at
     least what one process would)."""
     import multiprocessing as mp
@@ -198,7 +192,7 @@ def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _dp_size(mesh: MeshSpec) -> int:
+def dp_size(mesh: MeshSpec) -> int:
     return math.prod(s for s, nm in zip(mesh.shape, mesh.names) if nm.startswith("dp"))
 
 
@@ -232,193 +226,3 @@ def microbatch_counts(B: int, p: int, dp: int, opts) -> list:
         ms = [m for m in _divisors(B) if (B // m) % dp == 0 and (m >= p if p > 1 else m == 1)]
         ms = sorted(ms, key=lambda m: B // m)[: opts.get("max_microbatch_options", 3)]
     return sorted(ms)
-
-
-def _blocks(model):
-    """The model's layer list: its prefix, the blocks, the representative block of each distinct block signature
-    (in order of first appearance) and each block's representative position."""
-    prefix = find_layers(model)
-    layers = model.get_submodule(prefix)
-    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
-    sigs = [layer_signature(b) for b in blocks]
-    reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
-    pos_of = [reps.index(sigs.index(s)) for s in sigs]
-    return prefix, blocks, reps, pos_of
-
-
-def _configs(grid, cache, Bsz: int, specs, opts, hand, n: int) -> list:
-    """Every (pp, stage submesh, micro-batches, schedule, stages per rank) whose stage has intra-op plans, in
-    increasing order of its lower bound."""
-    configs = []
-    for p, smesh, m in grid:
-        key = (smesh, Bsz // m)
-        if not cache[key].variants:
-            continue
-        for spec in specs:
-            for v in (opts.get("stages_per_rank") or spec.stages_per_rank) if p > 1 else (1,):
-                if (
-                    (p == 1 and spec.name != "GPipe")
-                    or (v > 1) != spec.multi
-                    or p * v > n
-                    or (hand and len(hand) != p * v)
-                ):
-                    continue
-                configs.append(
-                    {
-                        "p": p,
-                        "mesh": smesh,
-                        "m": m,
-                        "spec": spec,
-                        "v": v,
-                        "key": key,
-                        "lb": lower_bound(cache[key].costs(), spec, p, v, m),
-                    }
-                )
-    configs.sort(key=lambda c: c["lb"])
-    return configs
-
-
-def _ranked(results, cache, n_blocks: int, mesh, cluster, budget, opts, recompute):
-    """The fitting results, fastest first (the report's `top`), the first five with their even layer split; the
-    best one evaluated in detail. Raises InfeasibleMemoryError when none fits."""
-    from .solver import InfeasibleMemoryError
-
-    fitting = [r for r in results if r["fits"]]
-    if not fitting:
-        low = min((r["peak_mem"] for r in results), default=INF)
-        raise InfeasibleMemoryError(
-            f"no pipeline plan fits {budget / 1e9:.3f} GB per rank on {mesh}: smallest "
-            f"peak found {low / 1e9:.3f} GB over {len(results)} candidates"
-        )
-    fitting.sort(key=lambda r: (r["step_s"], r["p"] * r["v"], r["m"]))
-    top = fitting[: int(opts.get("top", 12))]
-    for r in top[:5]:  # the torchtitan-style even layer split of the same configuration, for comparison
-        if r.get("order") is None:
-            r["order"] = pm.actions(r["spec"], r["p"], r["m"], r["v"])
-        S = r["p"] * r["v"]
-        r["even"] = (
-            evaluate_fitted(cache[r["key"]].costs(), even_bounds(n_blocks, S), r, cluster, budget, recompute)
-            if S <= n_blocks
-            else None
-        )
-    t0 = top[0]
-    top[0] = {
-        **t0,
-        **evaluate(
-            cache[t0["key"]].costs(),
-            t0["part"].bounds,
-            t0["part"].variants,
-            t0["part"].recompute,
-            t0["spec"],
-            t0["p"],
-            t0["v"],
-            t0["m"],
-            t0["order"],
-            cluster,
-            t0["mesh"].size,
-            budget,
-            detail=True,
-        ),
-    }
-    return top
-
-
-def _context(cluster, precision, loss_fn, force, replicate_ops, allow_replicate, time_limit, opts) -> dict:
-    """What every stage's intra-op plan is planned with."""
-    return {
-        "cluster": cluster,
-        "precision": precision,
-        "loss_fn": loss_fn,
-        "force": dict(force or {}),
-        "replicate_ops": [str(o) for o in replicate_ops],
-        "allow_replicate": allow_replicate,
-        "time_limit": time_limit,
-        "n_variants": int(opts.get("n_variants", 2)),
-        "dp_shards_batch": bool(opts.get("dp_shards_batch", True)),
-        "recompute": opts.get("recompute", True),
-    }
-
-
-def _search_stats(configs, cache, pruned, t_start, t_keys, t_search) -> dict:
-    return {
-        "intra_op_s": sum(o.seconds for o in cache.values()),
-        "total_s": time.perf_counter() - t_start,
-        "configs": len(configs),
-        "stage_plans_wall_s": t_keys,
-        "search_wall_s": t_search,
-        "pruned": pruned,
-        "intra_op_keys": len(cache),
-        "pp_degrees": sorted({c["p"] for c in configs}),
-        "stage_meshes": sorted(
-            {"x".join(map(str, c["mesh"].shape)) + "(" + ",".join(c["mesh"].names) + ")" for c in configs}
-        ),
-    }
-
-
-def plan_pipeline(
-    model,
-    mesh,
-    example_inputs,
-    *,
-    cluster,
-    precision,
-    budget,
-    loss_fn=None,
-    force=None,
-    replicate_ops=(),
-    allow_replicate=False,
-    time_limit=60.0,
-    pipeline="auto",
-):
-    """Choose pp degree, stage submesh, micro-batch count, schedule, stages per rank, stage boundaries and each
-    stage's per-op plan; returns a Plan with `stages` and `schedule` filled (see module docstring).
-
-    pipeline: "auto"/True, or a dict narrowing the search: pp, tp (lists), n_microbatches, schedules,
-    stages_per_rank (lists), layers_per_stage (a hand layout: blocks per stage, no DP), max_microbatch_options,
-    n_variants (intra-op plans per stage submesh: 1 time-optimal, 2 (default) + FSDP-sharded params, 3-4 +
-    memory-budgeted), recompute (checkpointed blocks: True (default) as memory needs, False never, "all": every
-    block, for hand layouts), dp_shards_batch (default True),
-    prune_margin (1.25), dp_tol (1e-3: relative tolerance of the bottleneck scan; 0 = exact), top (candidates
-    kept in the report)."""
-    t_start = time.perf_counter()
-    opts = dict(pipeline) if isinstance(pipeline, dict) else {}
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-    if not tensors or tensors[0].dim() == 0:
-        raise ValueError("pipeline planning needs a batched first input (the batch dim 0 is split into micro-batches)")
-    Bsz = tensors[0].shape[0]
-    prefix, blocks, reps, pos_of = _blocks(model)
-    n = len(blocks) + 2
-    tied = {a for a, _ in model.named_parameters(remove_duplicate=False)} - {a for a, _ in model.named_parameters()}
-    ctx = _context(cluster, precision, loss_fn, force, replicate_ops, allow_replicate, time_limit, opts)
-    specs = [pm.get_schedule(k) for k in opts.get("schedules") or pm.SCHEDULES]
-    hand = opts.get("layers_per_stage")
-    grid = []
-    for p, smesh in candidate_meshes(mesh, n, cluster, opts):
-        if tied and p > 1:
-            raise ValueError(f"tied parameters {sorted(tied)} cannot be split across pipeline stages")
-        grid += [(p, smesh, m) for m in microbatch_counts(Bsz, p, _dp_size(smesh), opts)]
-    keys = list(dict.fromkeys((smesh, Bsz // m) for _, smesh, m in grid))
-    t_keys = time.perf_counter()
-    cache = _stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, opts.get("workers"))
-    t_keys = time.perf_counter() - t_keys
-    configs = _configs(grid, cache, Bsz, specs, opts, hand, n)
-    job = (
-        configs,
-        cache,
-        cluster,
-        budget,
-        hand,
-        float(opts.get("dp_tol", 1e-3)),
-        ctx["recompute"],
-        float(opts.get("prune_margin", 1.25)),
-    )
-    t_search = time.perf_counter()
-    results, pruned = _search(job, opts.get("workers"))
-    t_search = time.perf_counter() - t_search
-    top = _ranked(results, cache, len(blocks), mesh, cluster, budget, opts, ctx["recompute"])
-    best = top[0]
-    stats = _search_stats(configs, cache, pruned, t_start, t_keys, t_search)
-    return build_pipeline_plan(
-        best, top, len(results), cache[best["key"]], model, prefix, reps, pos_of, mesh, inputs, cluster, budget, stats
-    )

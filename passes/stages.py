@@ -1,0 +1,224 @@
+"""Pass: pipeline stages (Alpa-style inter-op pass). `run(request)` chooses the pp degree, stage submesh,
+micro-batch count, schedule, stages per rank, stage boundaries and each stage's per-op plan, and returns the Plan
+with `stages` and `schedule` filled.
+
+The request (StagesRequest) is what autopar.plan was given for a pipeline plan. The parts: per-cluster costs of a
+stage's intra-op plans (passes/stage_costs.py: StageOps, the legal cuts, the evaluation of a partition), the search
+over configurations (autopar/pipeline_plan.py), the schedule model and the stage DP (autopar/pipeline_model.py), the
+Plan's stage records (passes/stage_plan.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from autopar import pipeline_model as pm
+from autopar.pipeline_plan import (
+    INF,
+    candidate_meshes,
+    dp_size,
+    evaluate_fitted,
+    lower_bound,
+    microbatch_counts,
+    search,
+    stage_plans,
+)
+from autopar.plan import Plan
+from autopar.solver import InfeasibleMemoryError
+
+from .stage_costs import evaluate, even_bounds, find_layers, layer_signature
+from .stage_plan import build_pipeline_plan
+
+
+@dataclass(frozen=True)
+class StagesRequest:
+    """A pipeline plan's inputs. inputs: the step's positional example inputs (the first is batched on dim 0);
+    options: "auto"/True, or a dict narrowing the search: pp, tp (lists), n_microbatches, schedules,
+    stages_per_rank (lists), layers_per_stage (a hand layout: blocks per stage, no DP), max_microbatch_options,
+    n_variants (intra-op plans per stage submesh: 1 time-optimal, 2 (default) + FSDP-sharded params, 3-4 +
+    memory-budgeted), recompute (checkpointed blocks: True (default) as memory needs, False never, "all": every
+    block, for hand layouts), dp_shards_batch (default True), prune_margin (1.25), dp_tol (1e-3: relative tolerance
+    of the bottleneck scan; 0 = exact), top (candidates kept in the report), workers."""
+
+    model: nn.Module
+    mesh: object
+    inputs: tuple
+    cluster: object
+    precision: object
+    budget: float
+    loss_fn: object = None
+    force: dict = field(default_factory=dict)
+    replicate_ops: tuple = ()
+    allow_replicate: bool = False
+    time_limit: float = 60.0
+    options: object = "auto"
+
+
+def _blocks(model):
+    """The model's layer list: its prefix, the blocks, the representative block of each distinct block signature
+    (in order of first appearance) and each block's representative position."""
+    prefix = find_layers(model)
+    layers = model.get_submodule(prefix)
+    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    sigs = [layer_signature(b) for b in blocks]
+    reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
+    pos_of = [reps.index(sigs.index(s)) for s in sigs]
+    return prefix, blocks, reps, pos_of
+
+
+def _configs(grid, cache, Bsz: int, specs, opts, hand, n: int) -> list:
+    """Every (pp, stage submesh, micro-batches, schedule, stages per rank) whose stage has intra-op plans, in
+    increasing order of its lower bound."""
+    configs = []
+    for p, smesh, m in grid:
+        key = (smesh, Bsz // m)
+        if not cache[key].variants:
+            continue
+        for spec in specs:
+            for v in (opts.get("stages_per_rank") or spec.stages_per_rank) if p > 1 else (1,):
+                if (
+                    (p == 1 and spec.name != "GPipe")
+                    or (v > 1) != spec.multi
+                    or p * v > n
+                    or (hand and len(hand) != p * v)
+                ):
+                    continue
+                configs.append(
+                    {
+                        "p": p,
+                        "mesh": smesh,
+                        "m": m,
+                        "spec": spec,
+                        "v": v,
+                        "key": key,
+                        "lb": lower_bound(cache[key].costs(), spec, p, v, m),
+                    }
+                )
+    configs.sort(key=lambda c: c["lb"])
+    return configs
+
+
+def _ranked(results, cache, n_blocks: int, mesh, cluster, budget, opts, recompute):
+    """The fitting results, fastest first (the report's `top`), the first five with their even layer split; the
+    best one evaluated in detail. Raises InfeasibleMemoryError when none fits."""
+    fitting = [r for r in results if r["fits"]]
+    if not fitting:
+        low = min((r["peak_mem"] for r in results), default=INF)
+        raise InfeasibleMemoryError(
+            f"no pipeline plan fits {budget / 1e9:.3f} GB per rank on {mesh}: smallest "
+            f"peak found {low / 1e9:.3f} GB over {len(results)} candidates"
+        )
+    fitting.sort(key=lambda r: (r["step_s"], r["p"] * r["v"], r["m"]))
+    top = fitting[: int(opts.get("top", 12))]
+    for r in top[:5]:  # the torchtitan-style even layer split of the same configuration, for comparison
+        if r.get("order") is None:
+            r["order"] = pm.actions(r["spec"], r["p"], r["m"], r["v"])
+        S = r["p"] * r["v"]
+        r["even"] = (
+            evaluate_fitted(cache[r["key"]].costs(), even_bounds(n_blocks, S), r, cluster, budget, recompute)
+            if S <= n_blocks
+            else None
+        )
+    t0 = top[0]
+    top[0] = {
+        **t0,
+        **evaluate(
+            cache[t0["key"]].costs(),
+            t0["part"].bounds,
+            t0["part"].variants,
+            t0["part"].recompute,
+            t0["spec"],
+            t0["p"],
+            t0["v"],
+            t0["m"],
+            t0["order"],
+            cluster,
+            t0["mesh"].size,
+            budget,
+            detail=True,
+        ),
+    }
+    return top
+
+
+def _context(request: "StagesRequest", opts: dict) -> dict:
+    """What every stage's intra-op plan is planned with."""
+    return {
+        "cluster": request.cluster,
+        "precision": request.precision,
+        "loss_fn": request.loss_fn,
+        "force": dict(request.force or {}),
+        "replicate_ops": [str(o) for o in request.replicate_ops],
+        "allow_replicate": request.allow_replicate,
+        "time_limit": request.time_limit,
+        "n_variants": int(opts.get("n_variants", 2)),
+        "dp_shards_batch": bool(opts.get("dp_shards_batch", True)),
+        "recompute": opts.get("recompute", True),
+    }
+
+
+def _search_stats(configs, cache, pruned, t_start, t_keys, t_search) -> dict:
+    return {
+        "intra_op_s": sum(o.seconds for o in cache.values()),
+        "total_s": time.perf_counter() - t_start,
+        "configs": len(configs),
+        "stage_plans_wall_s": t_keys,
+        "search_wall_s": t_search,
+        "pruned": pruned,
+        "intra_op_keys": len(cache),
+        "pp_degrees": sorted({c["p"] for c in configs}),
+        "stage_meshes": sorted(
+            {"x".join(map(str, c["mesh"].shape)) + "(" + ",".join(c["mesh"].names) + ")" for c in configs}
+        ),
+    }
+
+
+def run(request: StagesRequest) -> Plan:
+    """The stage search (see the module docstring and StagesRequest); the fastest configuration that fits memory."""
+    t_start = time.perf_counter()
+    model, mesh, cluster, budget = request.model, request.mesh, request.cluster, request.budget
+    opts = dict(request.options) if isinstance(request.options, dict) else {}
+    inputs = tuple(request.inputs) if isinstance(request.inputs, (tuple, list)) else (request.inputs,)
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError("pipeline planning needs a batched first input (the batch dim 0 is split into micro-batches)")
+    Bsz = tensors[0].shape[0]
+    prefix, blocks, reps, pos_of = _blocks(model)
+    n = len(blocks) + 2
+    tied = {a for a, _ in model.named_parameters(remove_duplicate=False)} - {a for a, _ in model.named_parameters()}
+    ctx = _context(request, opts)
+    specs = [pm.get_schedule(k) for k in opts.get("schedules") or pm.SCHEDULES]
+    hand = opts.get("layers_per_stage")
+    grid = []
+    for p, smesh in candidate_meshes(mesh, n, cluster, opts):
+        if tied and p > 1:
+            raise ValueError(f"tied parameters {sorted(tied)} cannot be split across pipeline stages")
+        grid += [(p, smesh, m) for m in microbatch_counts(Bsz, p, dp_size(smesh), opts)]
+    keys = list(dict.fromkeys((smesh, Bsz // m) for _, smesh, m in grid))
+    t_keys = time.perf_counter()
+    cache = stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, opts.get("workers"))
+    t_keys = time.perf_counter() - t_keys
+    configs = _configs(grid, cache, Bsz, specs, opts, hand, n)
+    job = (
+        configs,
+        cache,
+        cluster,
+        budget,
+        hand,
+        float(opts.get("dp_tol", 1e-3)),
+        ctx["recompute"],
+        float(opts.get("prune_margin", 1.25)),
+    )
+    t_search = time.perf_counter()
+    results, pruned = search(job, opts.get("workers"))
+    t_search = time.perf_counter() - t_search
+    top = _ranked(results, cache, len(blocks), mesh, cluster, budget, opts, ctx["recompute"])
+    best = top[0]
+    stats = _search_stats(configs, cache, pruned, t_start, t_keys, t_search)
+    return build_pipeline_plan(
+        best, top, len(results), cache[best["key"]], model, prefix, reps, pos_of, mesh, inputs, cluster, budget, stats
+    )
