@@ -17,7 +17,8 @@ torchtitan's own Llama-3 8B (bench_titan_plan.py, 32 layers), and pipeline plans
 test_pipeline_dist.py's tiny cases, bench_scale.py's 405B search and published layouts). A configuration that
 fails to plan is a line with the error's type (compared) and message (not compared); `plan_s` (wall seconds) is
 not compared either. Plan.hash() covers placements only, not a pipeline plan's stages or schedule: the `stages`
-record does. The whole set plans in about 5 minutes on one core.
+record does. Every plan runs with time_limit=TIME_LIMIT_S, so a loaded machine cannot change a plan by cutting a
+solve short. The whole set plans in about 5 minutes on one idle core.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ import time
 import torch
 
 NOT_COMPARED = ("plan_s", "message")  # wall time; an error's wording (the error's type is compared)
+# Every plan gets this solver time limit (autopar.plan's default is 60 s): on a loaded machine a solve that hits
+# the limit returns another plan, or none, which would read as a change of the code.
+TIME_LIMIT_S = 900.0
 SIG = 6  # significant digits of the compared floats: the predictions are sums whose last bits follow op order
 PREDICTED = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "peak_mem_bytes", "state_mem_bytes", "act_peak_bytes")
 COLWISE = (
@@ -309,7 +313,8 @@ def run(names, out_path) -> int:
             t = time.perf_counter()
             try:
                 model, x, mesh, kw = built[name]()
-                rec = record(name, autopar.plan(model, mesh, x, **kw), time.perf_counter() - t)
+                plan = autopar.plan(model, mesh, x, time_limit=TIME_LIMIT_S, **kw)
+                rec = record(name, plan, time.perf_counter() - t)
             except Exception as e:  # a configuration that cannot plan is a line saying why: that too is compared
                 failed += 1
                 text = str(e).splitlines()[0][:300] if str(e) else ""
