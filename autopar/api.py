@@ -116,13 +116,13 @@ def plan(
     if output != "loss" and (pipeline or loss_fn is not None):
         raise ValueError(f"output={output!r} plans a part of a model: no pipeline, no loss_fn")
     if pipeline or "pp" in mesh.names:
-        from .pipeline_plan import plan_pipeline
+        from .passes import stages
 
         if return_state:
             raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")
         if example_kwargs or isinstance(example_inputs, dict):
             raise ValueError("pipeline plans take positional example_inputs only (no keyword inputs)")
-        return plan_pipeline(
+        request = stages.StagesRequest(
             model,
             mesh,
             example_inputs,
@@ -134,8 +134,9 @@ def plan(
             replicate_ops=replicate_ops,
             allow_replicate=allow_replicate,
             time_limit=time_limit,
-            pipeline=pipeline or "auto",
+            options=pipeline or "auto",
         )
+        return stages.run(request)
     names = dict(model.named_parameters())
     for fqn, pl in force.items():
         if fqn not in names:

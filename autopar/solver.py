@@ -137,78 +137,85 @@ class _Model:
         return v
 
 
-def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
-    off = np.cumsum([0] + [len(c) for c in lin])
-    nx = int(off[-1])
-    cost = [np.concatenate(lin)]
-    ovl_lin, ovl_edges, capacity = overlap if overlap is not None else (None, {}, None)
-    ocost = [np.concatenate(ovl_lin) - np.concatenate(capacity)] if overlap is not None else [np.zeros(nx)]
-    R = _Rows()
-    sizes = np.diff(off)  # one strategy per group
-    R.block(np.repeat(np.arange(len(lin)), sizes), np.arange(nx), 1.0, len(lin), 1.0, 1.0)
-    nz, zs = nx, []
-    trig: dict = {}  # edge -> [(bucket charge, weights of the choices joining it)]
-    trig_cols = [{} for _ in fixed]  # per bucket charge: {column joining it: weight}
+class _Builder:
+    """The MILP's columns and rows as `_build` adds them: x (one per group strategy, columns off[g]:off[g+1]), then
+    per edge with several classes on both sides its transportation variables z, then the bucket charges' (y, e) and
+    the shared charges' y; `cost` / `ocost` collect each block's objective and overlap-row coefficients in column
+    order."""
 
-    def join(s, cols, w):
+    def __init__(self, lin, overlap, n_fixed: int):
+        self.lin = lin
+        self.off = np.cumsum([0] + [len(c) for c in lin])
+        self.nx = int(self.off[-1])
+        self.cost = [np.concatenate(lin)]
+        ovl_lin, self.ovl_edges, self.capacity = overlap if overlap is not None else (None, {}, None)
+        self.has_overlap = overlap is not None
+        self.ocost = (
+            [np.concatenate(ovl_lin) - np.concatenate(self.capacity)] if self.has_overlap else [np.zeros(self.nx)]
+        )
+        self.rows = _Rows()
+        sizes = np.diff(self.off)  # one strategy per group
+        self.rows.block(np.repeat(np.arange(len(lin)), sizes), np.arange(self.nx), 1.0, len(lin), 1.0, 1.0)
+        self.nz, self.zs = self.nx, []
+        self.trig_cols = [{} for _ in range(n_fixed)]  # per bucket charge: {column joining it: weight}
+        self.where_x: dict = {}  # edge -> how its pairs are columns: ("z", ...) or ("x", ...)
+
+    def join(self, s, cols, w) -> None:
         for c, x in zip(cols, w):
-            trig_cols[s][int(c)] = trig_cols[s].get(int(c), 0.0) + float(x)
+            self.trig_cols[s][int(c)] = self.trig_cols[s].get(int(c), 0.0) + float(x)
 
-    for s, (_, where) in enumerate(fixed):
-        for (g1, g2), W in where:
-            if g1 == g2:  # inside one group: its own choices
-                k = np.flatnonzero(np.diag(W) > 0)
-                join(s, off[g1] + k, np.diag(W)[k])
-            else:
-                trig.setdefault((g1, g2), []).append((s, W))
-    weights: dict = {}  # edge -> the W of the shared charges on it
-    for _, where in shared:
-        for (g1, g2), W in where:
-            if g1 != g2:
-                weights.setdefault((g1, g2), []).append(np.asarray(W, float))
-    where_x: dict = {}  # edge -> how its pairs are columns: ("z", ...) or ("x", ...)
-    for key in sorted(set(edges) | set(ovl_edges) | set(trig) | set(weights)):
+    def bucket_triggers(self, fixed) -> dict:
+        """Edge -> [(bucket charge, weights of the choices joining it)]; a charge's choices inside one group join
+        it directly."""
+        trig: dict = {}
+        for s, (_, where) in enumerate(fixed):
+            for (g1, g2), W in where:
+                if g1 == g2:  # inside one group: its own choices
+                    k = np.flatnonzero(np.diag(W) > 0)
+                    self.join(s, self.off[g1] + k, np.diag(W)[k])
+                else:
+                    trig.setdefault((g1, g2), []).append((s, W))
+        return trig
+
+    def edge(self, key, C, Ts, Ws) -> None:
+        """One edge's price matrix C (and overlappable part): on the x columns of the side with several classes when
+        the other side has one, else as transportation variables z over the (producer class, consumer class)
+        pairs with their two marginal rows. Ts: bucket charges joined on it; Ws: shared charges' weights."""
         g1, g2 = key
-        C, O = edges.get(key), ovl_edges.get(key)
+        off, lin = self.off, self.lin
+        O = self.ovl_edges.get(key)
         C = np.zeros((len(lin[g1]), len(lin[g2]))) if C is None and O is None else C
         C = np.zeros_like(O) if C is None else C
         O = np.zeros_like(C) if O is None else O
-        Ts = trig.get(key, [])
-        Ws = weights.get(key, [])
         fa, a_of = _classes(np.hstack([C, O] + [T for _, T in Ts] + Ws), 0)  # distinct producer rows
         fb, b_of = _classes(np.vstack([C, O] + [T for _, T in Ts] + Ws), 1)  # distinct consumer columns
         A, B = len(fa), len(fb)
         small, osmall = C[np.ix_(fa, fb)], O[np.ix_(fa, fb)]
-        if A == 1:
-            where_x[key] = ("x", g2)
-            cost[0][off[g2] : off[g2 + 1]] += small[0][b_of]
-            ocost[0][off[g2] : off[g2 + 1]] += osmall[0][b_of]
+        if A == 1 or B == 1:
+            g = g2 if A == 1 else g1
+            self.where_x[key] = ("x", g)
+            row = (lambda M: M[0][b_of]) if A == 1 else (lambda M: M[:, 0][a_of])
+            self.cost[0][off[g] : off[g + 1]] += row(small)
+            self.ocost[0][off[g] : off[g + 1]] += row(osmall)
             for s, W in Ts:
-                k = np.flatnonzero(W[0] > 0)
-                join(s, off[g2] + k, W[0][k])
-            continue
-        if B == 1:
-            where_x[key] = ("x", g1)
-            cost[0][off[g1] : off[g1 + 1]] += small[:, 0][a_of]
-            ocost[0][off[g1] : off[g1 + 1]] += osmall[:, 0][a_of]
-            for s, W in Ts:
-                k = np.flatnonzero(W[:, 0] > 0)
-                join(s, off[g1] + k, W[:, 0][k])
-            continue
-        z0 = nz
-        nz += A * B
-        zs.append((z0, A, B, a_of, b_of, g1, g2))
-        where_x[key] = ("z", z0, B, fa, fb, a_of)
+                w = W[0] if A == 1 else W[:, 0]
+                k = np.flatnonzero(w > 0)
+                self.join(s, off[g] + k, w[k])
+            return
+        z0 = self.nz
+        self.nz += A * B
+        self.zs.append((z0, A, B, a_of, b_of, g1, g2))
+        self.where_x[key] = ("z", z0, B, fa, fb, a_of)
         for s, W in Ts:
-            Ws = W[np.ix_(fa, fb)]
-            ab = np.argwhere(Ws > 0)
-            join(s, z0 + ab[:, 0] * B + ab[:, 1], Ws[ab[:, 0], ab[:, 1]])
-        cost.append(small.reshape(-1))
-        ocost.append(osmall.reshape(-1))
+            Wc = W[np.ix_(fa, fb)]
+            ab = np.argwhere(Wc > 0)
+            self.join(s, z0 + ab[:, 0] * B + ab[:, 1], Wc[ab[:, 0], ab[:, 1]])
+        self.cost.append(small.reshape(-1))
+        self.ocost.append(osmall.reshape(-1))
         za, zb = np.divmod(np.arange(A * B), B)
         ka, kb = np.arange(len(a_of)), np.arange(len(b_of))
         # sum_b z[a, b] = sum_{k in a} x[g1, k]; then sum_a z[a, b] = sum_{k in b} x[g2, k]
-        R.block(
+        self.rows.block(
             np.concatenate([za, a_of]),
             np.concatenate([z0 + za * B + zb, off[g1] + ka]),
             np.concatenate([np.ones(A * B), -np.ones(len(ka))]),
@@ -216,7 +223,7 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
             0.0,
             0.0,
         )
-        R.block(
+        self.rows.block(
             np.concatenate([zb, b_of]),
             np.concatenate([z0 + za * B + zb, off[g2] + kb]),
             np.concatenate([np.ones(A * B), -np.ones(len(kb))]),
@@ -224,31 +231,37 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
             0.0,
             0.0,
         )
-    ys = []
-    for s, (F, _) in enumerate(fixed):  # y >= each column joining; e >= sum w col - y; F (y + e)
-        cols_s = np.array(sorted(trig_cols[s]), np.int64)
-        if not len(cols_s):
-            continue
-        w = np.array([trig_cols[s][c] for c in cols_s])
-        y, e = nz, nz + 1
-        nz += 2
-        ys.append((y, e, cols_s, w))
-        cost.append(np.array([F, F]))
-        ocost.append(np.zeros(2))
-        n = len(cols_s)
-        R.block(
-            np.repeat(np.arange(n), 2),
-            np.column_stack([np.full(n, y), cols_s]).reshape(-1),
-            np.tile([1.0, -1.0], n),
-            n,
-            0.0,
-            np.inf,
-        )
-        R.row(np.concatenate([[y, e], cols_s]), np.concatenate([[1.0, 1.0], -w]), 0.0, np.inf)
-    sh = []
-    for F, where in shared:  # y >= each consumer edge's W-weighted columns; F y
-        y = nz
-        nz += 1
+
+    def bucket_charges(self, fixed) -> list:
+        """y >= each column joining; e >= sum w col - y; F (y + e). [(y, e, columns, weights)] per charge joined."""
+        ys = []
+        for s, (F, _) in enumerate(fixed):
+            cols_s = np.array(sorted(self.trig_cols[s]), np.int64)
+            if not len(cols_s):
+                continue
+            w = np.array([self.trig_cols[s][c] for c in cols_s])
+            y, e = self.nz, self.nz + 1
+            self.nz += 2
+            ys.append((y, e, cols_s, w))
+            self.cost.append(np.array([F, F]))
+            self.ocost.append(np.zeros(2))
+            n = len(cols_s)
+            self.rows.block(
+                np.repeat(np.arange(n), 2),
+                np.column_stack([np.full(n, y), cols_s]).reshape(-1),
+                np.tile([1.0, -1.0], n),
+                n,
+                0.0,
+                np.inf,
+            )
+            self.rows.row(np.concatenate([[y, e], cols_s]), np.concatenate([[1.0, 1.0], -w]), 0.0, np.inf)
+        return ys
+
+    def shared_charge(self, F, where) -> tuple:
+        """y >= each consumer edge's W-weighted columns; F y. (y, parts, (producer choices, classes) or None)."""
+        off, lin = self.off, self.lin
+        y = self.nz
+        self.nz += 1
         parts, grps = [], []
         unit = max(max(float(np.abs(W).max()) for _, W in where), 1e-300)  # y in units of the largest price:
         for (g1, g2), W in where:  # matrix entries of order 1
@@ -257,14 +270,14 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
             if g1 == g2:  # the group's own choices
                 k = np.flatnonzero(np.diag(W))
                 part, w, ks, grp = off[g1] + k, np.diag(W)[k], k, None
-            elif where_x[(g1, g2)][0] == "x":  # one side has a single class
-                g = where_x[(g1, g2)][1]
+            elif self.where_x[(g1, g2)][0] == "x":  # one side has a single class
+                g = self.where_x[(g1, g2)][1]
                 w = W[0, :] if g == g2 else W[:, 0]
                 k = np.flatnonzero(w)
                 part, w = off[g] + k, w[k]
                 ks, grp = (np.zeros(len(k), np.int64), np.zeros(n1, np.int64)) if g == g2 else (k, None)
             else:  # W is constant on each (producer, consumer) class block
-                _, z0, B, fa, fb, a_of = where_x[(g1, g2)]
+                _, z0, B, fa, fb, a_of = self.where_x[(g1, g2)]
                 Wc = W[np.ix_(fa, fb)]
                 ab = np.argwhere(Wc != 0)
                 part, w = z0 + ab[:, 0] * B + ab[:, 1], Wc[ab[:, 0], ab[:, 1]]
@@ -273,20 +286,37 @@ def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
                 continue
             parts.append((part, w, ks))
             grps.append(grp)
-            R.row(np.concatenate([[y], part]), np.concatenate([[1.0], -w]), 0.0, np.inf)
+            self.rows.row(np.concatenate([[y], part]), np.concatenate([[1.0], -w]), 0.0, np.inf)
         one = len(parts) > 1 and len({k[0] for k, _ in where}) == 1  # one producer: a cut can tighten it
-        sh.append((y, parts, (len(lin[where[0][0][0]]), grps) if one else None))
-        cost.append(np.array([F * unit]))
-        ocost.append(np.zeros(1))
-    for coefs, budget in mem:
-        vec = np.concatenate(coefs)
-        idx = np.flatnonzero(vec)
-        R.row(idx, vec[idx], -np.inf, budget)
-    A_, lo, hi = R.matrix(nz)
-    cap = np.zeros(nz)
-    if overlap is not None:
-        cap[:nx] = np.concatenate(capacity)
-    return _Model(A_, lo, hi, np.concatenate(cost), np.concatenate(ocost), off, zs, cap, ys, sh)
+        self.cost.append(np.array([F * unit]))
+        self.ocost.append(np.zeros(1))
+        return (y, parts, (len(lin[where[0][0][0]]), grps) if one else None)
+
+    def model(self, mem, ys, sh) -> _Model:
+        for coefs, budget in mem:
+            vec = np.concatenate(coefs)
+            idx = np.flatnonzero(vec)
+            self.rows.row(idx, vec[idx], -np.inf, budget)
+        A_, lo, hi = self.rows.matrix(self.nz)
+        cap = np.zeros(self.nz)
+        if self.has_overlap:
+            cap[: self.nx] = np.concatenate(self.capacity)
+        return _Model(A_, lo, hi, np.concatenate(self.cost), np.concatenate(self.ocost), self.off, self.zs, cap, ys, sh)
+
+
+def _build(lin, edges, mem, overlap, fixed=(), shared=()) -> _Model:
+    build = _Builder(lin, overlap, len(fixed))
+    trig = build.bucket_triggers(fixed)
+    weights: dict = {}  # edge -> the W of the shared charges on it
+    for _, where in shared:
+        for (g1, g2), W in where:
+            if g1 != g2:
+                weights.setdefault((g1, g2), []).append(np.asarray(W, float))
+    for key in sorted(set(edges) | set(build.ovl_edges) | set(trig) | set(weights)):
+        build.edge(key, edges.get(key), trig.get(key, []), weights.get(key, []))
+    ys = build.bucket_charges(fixed)
+    sh = [build.shared_charge(F, where) for F, where in shared]
+    return build.model(mem, ys, sh)
 
 
 def _joined_classes(n, grps):

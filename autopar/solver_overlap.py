@@ -17,6 +17,79 @@ EXACT_OVERLAP_VARS = 20_000
 LAMBDAS = (0.0, 0.5)  # the Lagrangian weights tried, in order (each one LP)
 
 
+class _Search:
+    """The Lagrangian search's running state: the HiGHS LP (costs scaled by `scale`), the best plan and its F,
+    the best lower bound, the LPs run and the slowest one's seconds, every plan found (`candidates`)."""
+
+    def __init__(self, m: _Model, time_limit):
+        self.m, self.nz = m, m.A.shape[1]
+        self.scale = max(float(np.abs(m.cost).max()), float(np.abs(m.ovl).max()), 1e-30)
+        self.h = _model(m.cost / self.scale, m.A, m.lo, m.hi, m.upper, time_limit)
+        self.idx = np.arange(self.nz, dtype=np.int32)
+        self.best, self.best_F, self.bound, self.n_lp, self.slowest_lp = None, np.inf, -np.inf, 0, 0.0
+        self.mem_rows = m.A[m.lo == -np.inf] if np.any(m.lo == -np.inf) else None
+        self.mem_hi = m.hi[m.lo == -np.inf]
+        self.candidates = []
+
+    def value(self, ch):
+        return _value(self.m, ch, self.mem_rows, self.mem_hi)
+
+    def offer(self, ch) -> None:
+        """A plan found: a candidate when it fits, the best when it is better."""
+        F = self.value(ch)
+        if F is not None:
+            self.candidates.append(ch)
+            if F < self.best_F - 1e-15:
+                self.best, self.best_F = ch, F
+
+    def gap_left(self) -> bool:
+        return self.best_F - self.bound > 1e-4 * max(self.best_F, 1e-30)
+
+    def lambdas(self, time_limit, t0, max_lps, lambda_search_s) -> None:
+        """L(lam) = min_x base(x) + lam * ovl(x) for lam = 0 then the LAMBDAS, within max_lps and the time."""
+        m, h, lam, tried = self.m, self.h, 0.0, []
+        for _ in range(max_lps):
+            if lam > 0:
+                h.changeColsCost(self.nz, self.idx, (m.cost + lam * m.ovl) / self.scale)
+                h.clearSolver()  # cold dual simplex: a warm start after a cost change can stall for minutes
+            left = time_limit - (time.perf_counter() - t0)
+            cap = left if self.n_lp == 0 else min(left, max(1.0, 5 * self.slowest_lp))  # a stalling lam: given up
+            h.setOptionValue("time_limit", h.getRunTime() + max(cap, 0.01))  # HiGHS's clock runs across runs
+            t_lp = time.perf_counter()
+            h.run()
+            self.slowest_lp = max(self.slowest_lp, time.perf_counter() - t_lp)
+            self.n_lp += 1
+            if self.n_lp > 1 and h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+                break  # a degenerate lam that simplex cannot settle in time: keep what we have
+            x = _solution(h, self.nz)
+            if x is None:
+                raise _no_solution(h.modelStatusToString(h.getModelStatus()), time_limit)
+            self.bound = max(self.bound, float(h.getInfo().objective_function_value) * self.scale)
+            self.offer(_choice(x, m.off))
+            if not self.gap_left():
+                break
+            tried.append(lam)
+            if float(m.ovl @ x) <= 0 or len(tried) >= len(LAMBDAS) or time.perf_counter() - t0 > lambda_search_s:
+                break  # lam = 0 hides everything it exposes: larger lam only bound lower
+            lam = LAMBDAS[len(tried)]
+
+    def plain_and_polish(self, problem) -> None:
+        """One more plan: every collective paid in full (the plain objective; good when little can hide); then a
+        local search from each distinct plan found: one group at a time to its best strategy."""
+        m, h = self.m, self.h
+        h.changeColsCost(self.nz, self.idx, (m.cost + m.ovl + m.cap) / self.scale)
+        h.clearSolver()
+        h.setOptionValue("time_limit", h.getRunTime() + max(1.0, 5 * self.slowest_lp))
+        h.run()
+        self.n_lp += 1
+        x = _solution(h, self.nz) if h.getModelStatus() == highspy.HighsModelStatus.kOptimal else None
+        ch = None if x is None else _choice(x, m.off)
+        if ch is not None and self.value(ch) is not None:
+            self.candidates.append(ch)
+        for ch in list({tuple(c): c for c in self.candidates}.values()):
+            self.offer(_polish(ch, *problem))
+
+
 def solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lambda_search_s) -> SolveResult:
     """min F(x) = base(x) + max(0, ovl(x)), ovl = overlappable comm - capacity.
 
@@ -29,97 +102,23 @@ def solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lamb
     (one continuous variable e >= ovl, e >= 0) when the model is small, seeded with the best plan; otherwise the
     best plan is returned with its gap to the best bound. All plans found are returned as candidates (the solve
     pass picks among them by the full prediction, which counts gradient buckets exactly)."""
-    nz = m.A.shape[1]
-    scale = max(float(np.abs(m.cost).max()), float(np.abs(m.ovl).max()), 1e-30)
-    h = _model(m.cost / scale, m.A, m.lo, m.hi, m.upper, time_limit)
-    idx = np.arange(nz, dtype=np.int32)
-    best, best_F, bound, n_lp = None, np.inf, -np.inf, 0
-    mem_rows = m.A[m.lo == -np.inf] if np.any(m.lo == -np.inf) else None
-    mem_hi = m.hi[m.lo == -np.inf]
-    lam, slowest_lp, tried, cands = 0.0, 0.0, [], []
-    for _ in range(max_lps):
-        if lam > 0:
-            h.changeColsCost(nz, idx, (m.cost + lam * m.ovl) / scale)
-            h.clearSolver()  # cold dual simplex: a warm start after a cost change can stall for minutes
-        left = time_limit - (time.perf_counter() - t0)
-        cap = left if n_lp == 0 else min(left, max(1.0, 5 * slowest_lp))  # a stalling lam is given up on
-        h.setOptionValue("time_limit", h.getRunTime() + max(cap, 0.01))  # HiGHS's clock runs across runs
-        t_lp = time.perf_counter()
-        h.run()
-        slowest_lp = max(slowest_lp, time.perf_counter() - t_lp)
-        n_lp += 1
-        if n_lp > 1 and h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-            break  # a degenerate lam that simplex cannot settle in time: keep what we have
-        x = _solution(h, nz)
-        if x is None:
-            raise _no_solution(h.modelStatusToString(h.getModelStatus()), time_limit)
-        bound = max(bound, float(h.getInfo().objective_function_value) * scale)
-        ch = _choice(x, m.off)
-        F = _value(m, ch, mem_rows, mem_hi)
-        if F is not None:
-            cands.append(ch)
-            if F < best_F - 1e-15:
-                best, best_F = ch, F
-        if best_F - bound <= 1e-4 * max(best_F, 1e-30):
-            break
-        tried.append(lam)
-        if float(m.ovl @ x) <= 0 or len(tried) >= len(LAMBDAS) or time.perf_counter() - t0 > lambda_search_s:
-            break  # lam = 0 hides everything it exposes: larger lam only bound lower
-        lam = LAMBDAS[len(tried)]
-    if best is not None and best_F - bound > 1e-4 * max(best_F, 1e-30):
-        # one more plan: every collective paid in full (the plain objective; good when little can hide)
-        h.changeColsCost(nz, idx, (m.cost + m.ovl + m.cap) / scale)
-        h.clearSolver()
-        h.setOptionValue("time_limit", h.getRunTime() + max(1.0, 5 * slowest_lp))
-        h.run()
-        n_lp += 1
-        x = _solution(h, nz) if h.getModelStatus() == highspy.HighsModelStatus.kOptimal else None
-        ch = None if x is None else _choice(x, m.off)
-        if ch is not None and _value(m, ch, mem_rows, mem_hi) is not None:
-            cands.append(ch)
-        # then a local search from each distinct plan found: one group at a time to its best strategy
-        for ch in list({tuple(c): c for c in cands}.values()):
-            ch = _polish(ch, *problem)
-            F = _value(m, ch, mem_rows, mem_hi)
-            if F is not None:
-                cands.append(ch)
-                if F < best_F - 1e-15:
-                    best, best_F = ch, F
-    found = sorted({tuple(c): (_value(m, c, mem_rows, mem_hi), list(c)) for c in cands}.values(), key=lambda fc: fc[0])
+    search = _Search(m, time_limit)
+    search.lambdas(time_limit, t0, max_lps, lambda_search_s)
+    if search.best is not None and search.gap_left():
+        search.plain_and_polish(problem)
+    best, best_F, bound, nz = search.best, search.best_F, search.bound, search.nz
+    found = sorted({tuple(c): (search.value(c), list(c)) for c in search.candidates}.values(), key=lambda fc: fc[0])
     gap = (best_F - bound) / best_F if best is not None and best_F > 0 else 0.0
-    method = f"Lagrangian search, {n_lp} LPs"
+    method = f"Lagrangian search, {search.n_lp} LPs"
     if best is not None and gap <= 1e-4:
         return SolveResult(
             best, best_F, bound, max(gap, 0.0), time.perf_counter() - t0, f"optimal ({method})", nz, m.A.shape[0], found
         )
     left = time_limit - (time.perf_counter() - t0)
     if nz <= EXACT_OVERLAP_VARS and left > 1.0:
-        e_col = m.A.shape[1]
-        A2 = _with_overlap_row(m, scale)
-        h2 = _model(
-            np.append(m.cost, scale) / scale,
-            A2,
-            np.append(m.lo, -np.inf),
-            np.append(m.hi, 0.0),
-            np.append(m.upper, np.inf),
-            left,
-        )
-        seed = None if best is None else np.append(m.one_hot(best), max(0.0, float(m.ovl @ m.one_hot(best))) / scale)
-        x, h2 = _branch_and_bound(h2, m.nx, mip_rel_gap, seed)
-        if x is not None:
-            info = h2.getInfo()
-            status = h2.modelStatusToString(h2.getModelStatus())
-            obj = float(info.objective_function_value) * scale
-            return SolveResult(
-                _choice(x[:e_col], m.off),
-                obj,
-                max(bound, float(info.mip_dual_bound) * scale),
-                float(info.mip_gap),
-                time.perf_counter() - t0,
-                f"optimal (branch and bound after {method})" if status == "Optimal" else status,
-                e_col + 1,
-                A2.shape[0],
-            )
+        exact = _exact(m, search.scale, best, bound, left, mip_rel_gap, method, t0)
+        if exact is not None:
+            return exact
     if best is None:  # every LP optimum rounded out of the budget: the exact plain model
         plain = solve(
             [c + o for c, o in zip(problem[0], problem[2][0])],
@@ -140,6 +139,38 @@ def solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lamb
         nz,
         m.A.shape[0],
         found,
+    )
+
+
+def _exact(m: _Model, scale, best, bound, left, mip_rel_gap, method, t0):
+    """Branch and bound on the exact model (a column e >= ovl, e >= 0), seeded with the search's best plan; None
+    when it finds no plan in the time left."""
+    e_col = m.A.shape[1]
+    A2 = _with_overlap_row(m, scale)
+    h2 = _model(
+        np.append(m.cost, scale) / scale,
+        A2,
+        np.append(m.lo, -np.inf),
+        np.append(m.hi, 0.0),
+        np.append(m.upper, np.inf),
+        left,
+    )
+    seed = None if best is None else np.append(m.one_hot(best), max(0.0, float(m.ovl @ m.one_hot(best))) / scale)
+    x, h2 = _branch_and_bound(h2, m.nx, mip_rel_gap, seed)
+    if x is None:
+        return None
+    info = h2.getInfo()
+    status = h2.modelStatusToString(h2.getModelStatus())
+    obj = float(info.objective_function_value) * scale
+    return SolveResult(
+        _choice(x[:e_col], m.off),
+        obj,
+        max(bound, float(info.mip_dual_bound) * scale),
+        float(info.mip_gap),
+        time.perf_counter() - t0,
+        f"optimal (branch and bound after {method})" if status == "Optimal" else status,
+        e_col + 1,
+        A2.shape[0],
     )
 
 

@@ -20,6 +20,8 @@ the series, autopar.redistribute.grad_bucket_latency; the prediction counts each
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -73,229 +75,328 @@ def _plain(a):
     return a
 
 
-def run(state) -> None:
-    g, mesh_shape, cluster = state.graph, state.mesh.shape, state.cluster
-    S, rep, region_of = state.strategies, state.rep, state.region_of
-    dev = cluster.device
-    prec = state.precision
-    nodes = g.nodes
-    ndev = 1
-    for x in mesh_shape:
-        ndev *= x
-    flop_cache: dict = {}
-    rt_cache: dict = {}
+@dataclass
+class Pricing:
+    """How this plan prices time: `redistribute(src, dst, meta)` (a value's move between placements, cached),
+    `tail(src, dst, meta)` (a loss-tail value's all_reduce: its bandwidth and a share of one collective's latency),
+    `node_time(node, strategy)` (roofline seconds), and `of(producer, output)`: which of the first two prices a
+    redistribute of that value. predict.py reads `node_time` and `redistribute` again from state.cost."""
 
-    def rtime(src, dst, meta):
+    redistribute: Callable
+    tail: Callable
+    node_time: Callable
+    tail_values: set
+
+    def of(self, producer: int, output: int) -> Callable:
+        return self.tail if (producer, output) in self.tail_values else self.redistribute
+
+
+def _pricing(state) -> Pricing:
+    graph, mesh_shape, cluster = state.graph, state.mesh.shape, state.cluster
+    device = cluster.device
+    n_devices = 1
+    for size in mesh_shape:
+        n_devices *= size
+    flop_cache: dict = {}
+    time_cache: dict = {}
+
+    def redistribute(src, dst, meta):
         if src == dst:
             return 0.0
         key = (src, dst, meta.nbytes)
-        t = rt_cache.get(key)
+        t = time_cache.get(key)
         if t is None:
-            t = rt_cache[key] = redistribute_time(src, dst, meta, mesh_shape, cluster)
+            t = time_cache[key] = redistribute_time(src, dst, meta, mesh_shape, cluster)
         return t
 
-    tail = tail_values(g, can_be_partial(state))
+    tail = tail_values(graph, can_be_partial(state))
     tail_share = max(1, len(tail))
 
-    def ttime(src, dst, meta):
+    def tail_time(src, dst, meta):
         """A loss-tail value's all_reduce (autopar/schedule.py: the redistribute pass groups them): its bandwidth and
         its share of one collective's latency, as a gradient's in a bucket (1 / the number of loss-tail values)."""
         if src == dst or not all_reduced(src, dst, meta, mesh_shape):
-            return rtime(src, dst, meta)
+            return redistribute(src, dst, meta)
         key = (src, dst, meta.nbytes, "tail")
-        t = rt_cache.get(key)
+        t = time_cache.get(key)
         if t is None:
-            t = rt_cache[key] = grad_reduce_time(src, dst, meta, mesh_shape, cluster, tail_share)
+            t = time_cache[key] = grad_reduce_time(src, dst, meta, mesh_shape, cluster, tail_share)
         return t
-
-    def price(p, o):
-        """How a redistribute of node p's output o is priced: rtime, or ttime for a loss-tail value."""
-        return ttime if (p, o) in tail else rtime
 
     def node_time(n, s):
         """Roofline seconds of node n under strategy s (work split by the mesh dims its first output shards), plus
         the device's fixed time per op."""
-        flops = global_flops(g, n, flop_cache)
+        flops = global_flops(graph, n, flop_cache)
         if flops == 0.0 and n.kind != "op":
             return 0.0
         if is_view(n.target):  # aliases its input: no data moves
-            return dev.op_overhead
+            return device.op_overhead
         work = 1
-        o = next((p for p in s.out if p is not None), None)
-        if o is not None:
-            work = ndev // max(1, _replicated(o, mesh_shape))
+        out = next((p for p in s.out if p is not None), None)
+        if out is not None:
+            work = n_devices // max(1, _replicated(out, mesh_shape))
         nbytes = sum(m.nbytes / num_shards(p, mesh_shape) for m, p in zip(n.outs, s.out) if m is not None and p) + sum(
-            g.meta(r).nbytes / num_shards(p, mesh_shape) for r, p in zip(n.inputs(), s.ins)
+            graph.meta(r).nbytes / num_shards(p, mesh_shape) for r, p in zip(n.inputs(), s.ins)
         )
         dtype = next((m.dtype for m in n.outs if m is not None and m.dtype.is_floating_point), torch.float32)
-        return roofline_time(flops / work, nbytes, dev, dtype) + dev.op_overhead
+        return roofline_time(flops / work, nbytes, device, dtype) + device.op_overhead
 
-    # --- followers and groups, in representative space -------------------------------------------------------
+    return Pricing(redistribute, tail_time, node_time, tail)
+
+
+@dataclass
+class Groups:
+    """Decision groups in representative space. follow: follower -> (producer, producer output, input position);
+    root: rep node -> its group's root; roots: the group roots in order; group_id: root -> group index;
+    choice[i][k]: strategy index of rep node i when its group root takes strategy k; extra[i]: a follower's
+    redistribute time per root strategy."""
+
+    reps: list
+    follow: dict
+    root: dict
+    roots: list
+    group_id: dict
+    choice: dict
+    extra: dict
+
+
+def _groups(state, redistribute) -> Groups:
+    nodes, strategies, rep, region_of = state.graph.nodes, state.strategies, state.rep, state.region_of
     reps = [i for i in range(len(nodes)) if rep[i] == i]
-    follow: dict[int, tuple[int, int, int]] = {}  # follower -> (producer, producer output, input position)
+    follow: dict[int, tuple[int, int, int]] = {}
     for i in reps:
         n = nodes[i]
         if n.kind != "op":
             continue
         ins = n.inputs()
-        lead = _lead_input(g, n, ins)
+        lead = _lead_input(state.graph, n, ins)
         if lead is None:
             continue
-        r = ins[lead]
-        if region_of[r.node] == region_of[i] and nodes[r.node].kind in ("op", "param"):
-            follow[i] = (r.node, r.out, lead)
+        ref = ins[lead]
+        if region_of[ref.node] == region_of[i] and nodes[ref.node].kind in ("op", "param"):
+            follow[i] = (ref.node, ref.out, lead)
     root = {}
     for i in reps:  # topological order: producers first
         root[i] = root[follow[i][0]] if i in follow else i
-    groups = [i for i in reps if root[i] == i]
-    gid = {r: k for k, r in enumerate(groups)}
-    K = [len(S[r]) for r in groups]
-    # choice[i][k]: strategy index of rep node i when its group root takes strategy k
+    roots = [i for i in reps if root[i] == i]
+    group_id = {r: k for k, r in enumerate(roots)}
     best_memo: dict = {}  # (producer placement, follower's input options) -> best
     choice: dict[int, np.ndarray] = {}
-    extra: dict[int, np.ndarray] = {}  # follower redistribute time per root strategy
+    extra: dict[int, np.ndarray] = {}
     for i in reps:
         if i not in follow:
-            choice[i] = np.arange(len(S[i])) if root[i] == i else None
+            choice[i] = np.arange(len(strategies[i])) if root[i] == i else None
             continue
-        p, k_out, lead = follow[i]
-        pc = choice[p]
+        producer, out, lead = follow[i]
         first: dict = {}  # distinct placement of the lead input -> first strategy
-        for j, s in enumerate(S[i]):
+        for j, s in enumerate(strategies[i]):
             first.setdefault(s.ins[lead], j)
-        meta = nodes[p].outs[k_out]
+        meta = nodes[producer].outs[out]
         best: dict = {}
-        fkey = (tuple(first.items()), meta.nbytes)
-        for s_p in S[p]:
-            pl = s_p.out[k_out]
-            if pl not in best:
-                hit = best_memo.get((pl, fkey))
+        first_key = (tuple(first.items()), meta.nbytes)
+        for s_p in strategies[producer]:
+            placement = s_p.out[out]
+            if placement not in best:
+                hit = best_memo.get((placement, first_key))
                 if hit is None:
-                    hit = best_memo[(pl, fkey)] = min((rtime(pl, d, meta), j) for d, j in first.items())
-                best[pl] = hit
-        ch = np.empty(len(pc), dtype=np.int64)
-        ex = np.empty(len(pc))
-        for r_k, pk in enumerate(pc):
-            t, j = best[S[p][pk].out[k_out]]
-            ch[r_k], ex[r_k] = j, t
-        choice[i], extra[i] = ch, ex
+                    hit = best_memo[(placement, first_key)] = min(
+                        (redistribute(placement, d, meta), j) for d, j in first.items()
+                    )
+                best[placement] = hit
+        producer_choice = choice[producer]
+        chosen = np.empty(len(producer_choice), dtype=np.int64)
+        seconds = np.empty(len(producer_choice))
+        for k, pk in enumerate(producer_choice):
+            t, j = best[strategies[producer][pk].out[out]]
+            chosen[k], seconds[k] = j, t
+        choice[i], extra[i] = chosen, seconds
+    return Groups(reps, follow, root, roots, group_id, choice, extra)
 
+
+@dataclass
+class Terms:
+    """Per-group linear terms (one array per group, one entry per root strategy)."""
+
+    compute: list
+    comm: list
+    comm_overlappable: list  # the part of comm that can overlap compute
+    state_mem: list
+    act_mem: list
+
+
+def _gathers_param(graph) -> Callable:
+    """p -> is a redistribute of node p's output a parameter gather (overlappable, as FSDP prefetches)? (cached)"""
+    rooted: dict = {}
+
+    def gathers(p):
+        if p not in rooted:
+            rooted[p] = param_root(graph, p) is not None
+        return rooted[p]
+
+    return gathers
+
+
+def _group_terms(state, groups: Groups, node_time, gathers_param) -> Terms:
+    nodes, strategies, rep, mesh_shape = state.graph.nodes, state.strategies, state.rep, state.mesh.shape
     count = defaultdict(int)
     for i in range(len(nodes)):
         count[rep[i]] += 1
-
-    # --- per-group linear terms ------------------------------------------------------------------------------
-    compute = [np.zeros(k) for k in K]
-    comm_lin = [np.zeros(k) for k in K]
-    comm_ovl = [np.zeros(k) for k in K]  # the part of comm_lin that can overlap compute
-    rooted: dict = {}
-
-    def ovl_src(p):
-        """Is a redistribute of node p's output a parameter gather (overlappable, as FSDP prefetches)?"""
-        if p not in rooted:
-            rooted[p] = param_root(g, p) is not None
-        return rooted[p]
-
-    state_mem = [np.zeros(k) for k in K]
-    act_mem = [np.zeros(k) for k in K]
-    bpp = prec.bytes_per_param
-    for i in reps:
-        n, gi, c = nodes[i], gid[root[i]], count[i]
-        ch = choice[i]
-        t_by_s = {}
-        for k, j in enumerate(ch):
-            if j not in t_by_s:
-                t_by_s[j] = node_time(n, S[i][j])
-            compute[gi][k] += c * t_by_s[j]
-        if i in extra:
-            comm_lin[gi] += c * extra[i]
-            if ovl_src(follow[i][0]):
-                comm_ovl[gi] += c * extra[i]
+    sizes = [len(strategies[r]) for r in groups.roots]
+    terms = Terms(*([np.zeros(k) for k in sizes] for _ in range(5)))
+    bytes_per_param = state.precision.bytes_per_param
+    for i in groups.reps:
+        n, gi, c = nodes[i], groups.group_id[groups.root[i]], count[i]
+        chosen = groups.choice[i]
+        time_of = {}
+        for k, j in enumerate(chosen):
+            if j not in time_of:
+                time_of[j] = node_time(n, strategies[i][j])
+            terms.compute[gi][k] += c * time_of[j]
+        if i in groups.extra:
+            terms.comm[gi] += c * groups.extra[i]
+            if gathers_param(groups.follow[i][0]):
+                terms.comm_overlappable[gi] += c * groups.extra[i]
         if n.kind == "param":
-            for k, j in enumerate(ch):
-                state_mem[gi][k] += c * n.out.numel * bpp / num_shards(S[i][j].out[0], mesh_shape)
+            for k, j in enumerate(chosen):
+                terms.state_mem[gi][k] += (
+                    c * n.out.numel * bytes_per_param / num_shards(strategies[i][j].out[0], mesh_shape)
+                )
         elif n.kind == "op" and n.phase == "fw":
             saved = [o for o, m in enumerate(n.outs) if m is not None]
             if saved and any(nodes[u].phase == "bw" for u in n.users):
-                for k, j in enumerate(ch):
-                    s = S[i][j]
-                    act_mem[gi][k] += c * sum(
+                for k, j in enumerate(chosen):
+                    s = strategies[i][j]
+                    terms.act_mem[gi][k] += c * sum(
                         n.outs[o].nbytes / num_shards(s.out[o], mesh_shape) for o in saved if s.out[o] is not None
                     )
+    return terms
 
-    # --- edges between groups --------------------------------------------------------------------------------
+
+def _edge_counts(graph, rep, follow) -> dict:
+    """(rep producer, output, rep consumer, input position | "opt" | "state") -> instances, for every input that is
+    not a follower's lead, every gradient into its optimizer step and every buffer update."""
     edge_count = defaultdict(int)
-    for v in range(len(nodes)):
+    for v in range(len(graph.nodes)):
         rv = rep[v]
-        if nodes[v].kind != "op":
+        if graph.nodes[v].kind != "op":
             continue
         lead = follow[rv][2] if rv in follow else None
-        for j, r in enumerate(nodes[v].inputs()):
+        for j, r in enumerate(graph.nodes[v].inputs()):
             if j != lead:
                 edge_count[(rep[r.node], r.out, rv, j)] += 1
-    for fqn, r in g.grads.items():  # optimizer step: grad must match the parameter's placement
-        edge_count[(rep[r.node], r.out, rep[g.params[fqn]], "opt")] += 1
-    for fqn, r in g.state_updates.items():  # a buffer's new value is written at the buffer's placement
-        edge_count[(rep[r.node], r.out, rep[g.buffers[fqn]], "state")] += 1
-    matrices: dict[tuple[int, int], np.ndarray] = {}
-    ovl_matrices: dict[tuple[int, int], np.ndarray] = {}  # the overlappable part of each matrix
-    mat_cache: dict = {}
-    bucket_delta: dict = {}  # (g1, g2) -> gradient-reduction price without bucket latency minus by share
-    series: dict = {}  # bucket series -> [one bucket's latency, {(g1, g2): bucket fraction per choice pair}]
+    for fqn, r in graph.grads.items():  # optimizer step: grad must match the parameter's placement
+        edge_count[(rep[r.node], r.out, rep[graph.params[fqn]], "opt")] += 1
+    for fqn, r in graph.state_updates.items():  # a buffer's new value is written at the buffer's placement
+        edge_count[(rep[r.node], r.out, rep[graph.buffers[fqn]], "state")] += 1
+    return edge_count
+
+
+@dataclass
+class Edges:
+    """Between groups: (g1, g2) -> redistribute-time matrix (producer choice x consumer choice), its overlappable
+    part, the bucket-latency corrections and the bucket series (see _bucket_series)."""
+
+    matrices: dict = field(default_factory=dict)
+    overlappable: dict = field(default_factory=dict)
+    bucket_delta: dict = field(default_factory=dict)
+    series: dict = field(default_factory=dict)
+
+
+def _edge_matrix(state, meta, us, vs, gradient: bool, price) -> np.ndarray:
+    """Seconds of each (distinct source placement, distinct destination placement) move of one value."""
+    mesh_shape, cluster, n_grads = state.mesh.shape, state.cluster, len(state.graph.grads)
+    if gradient:  # gradient into the optimizer step: bucketed reductions pay latency per bucket
+        return np.array(
+            [[0.0 if a == b else grad_reduce_time(a, b, meta, mesh_shape, cluster, n_grads) for b in vs] for a in us]
+        )
+    return np.array([[price(a, b, meta) for b in vs] for a in us])
+
+
+def _edge_terms(state, groups: Groups, edge_count, pricing: Pricing, gathers_param, terms: Terms) -> Edges:
+    nodes, strategies, mesh_shape, cluster = state.graph.nodes, state.strategies, state.mesh.shape, state.cluster
+    edges, matrix_cache = Edges(), {}
     for (p, o, v, j), c in sorted(edge_count.items(), key=lambda kv: tuple(map(str, kv[0]))):
-        g1, g2 = gid[root[p]], gid[root[v]]
+        g1, g2 = groups.group_id[groups.root[p]], groups.group_id[groups.root[v]]
         meta = nodes[p].outs[o]
-        src = [S[p][x].out[o] for x in choice[p]]
-        dst = [S[v][x].out[0] if j in ("opt", "state") else S[v][x].ins[j] for x in choice[v]]
+        src = [strategies[p][x].out[o] for x in groups.choice[p]]
+        dst = [strategies[v][x].out[0] if j in ("opt", "state") else strategies[v][x].ins[j] for x in groups.choice[v]]
         us, ui = _uniq(src)
         vs, vi = _uniq(dst)
-        opt = j == "opt"  # gradient into the optimizer step: bucketed reductions pay latency per bucket
-        pr = price(p, o)
-        mkey = (tuple(us), tuple(vs), meta.nbytes, opt, pr is ttime)
-        small = mat_cache.get(mkey)
+        gradient = j == "opt"
+        price = pricing.of(p, o)
+        key = (tuple(us), tuple(vs), meta.nbytes, gradient, price is pricing.tail)
+        small = matrix_cache.get(key)
         if small is None:
-            f = (
-                (lambda a, b: 0.0 if a == b else grad_reduce_time(a, b, meta, mesh_shape, cluster, len(g.grads)))
-                if opt
-                else (lambda a, b: pr(a, b, meta))
+            small = matrix_cache[key] = _edge_matrix(state, meta, us, vs, gradient, price)
+        cost = c * small[np.ix_(ui, vi)]
+        if gradient or price is pricing.tail and nodes[v].phase == "fw":
+            joins = (_grad_joins if gradient else _tail_joins)(meta, mesh_shape, cluster)
+            _bucket_series(
+                us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, edges.bucket_delta, edges.series, joins
             )
-            small = mat_cache[mkey] = np.array([[f(a, b) for b in vs] for a in us])
-        C = c * small[np.ix_(ui, vi)]
-        if opt or pr is ttime and nodes[v].phase == "fw":
-            joins = (_grad_joins if opt else _tail_joins)(meta, mesh_shape, cluster)
-            _bucket_series(us, vs, ui, vi, meta, c, small, g1, g2, mesh_shape, cluster, bucket_delta, series, joins)
-        ovl = opt or ovl_src(p)  # gradient reductions and parameter gathers overlap compute
+        overlappable = gradient or gathers_param(p)  # gradient reductions and parameter gathers overlap compute
         if g1 == g2:
-            comm_lin[g1] += np.diag(C)
-            if ovl:
-                comm_ovl[g1] += np.diag(C)
-        elif not C.any():
+            terms.comm[g1] += np.diag(cost)
+            if overlappable:
+                terms.comm_overlappable[g1] += np.diag(cost)
+        elif not cost.any():
             continue
         else:
-            key = (g1, g2)
-            matrices[key] = matrices[key] + C if key in matrices else C
-            if ovl:
-                ovl_matrices[key] = ovl_matrices[key] + C if key in ovl_matrices else C
-    share_delta, shared = _shared(g, rep, S, choice, gid, root, price, mesh_shape, ovl_src)
-    _coalesce(edge_count, nodes, S, choice, gid, root, matrices, price, mesh_shape, tail)
-    lr, li = g.loss, rep[g.loss.node]  # the step returns the loss replicated (global view)
-    rep_pl = ("R",) * len(mesh_shape)
-    comm_lin[gid[root[li]]] += np.array(
-        [rtime(S[li][x].out[lr.out], rep_pl, nodes[li].outs[lr.out]) for x in choice[li]]
+            pair = (g1, g2)
+            edges.matrices[pair] = edges.matrices[pair] + cost if pair in edges.matrices else cost
+            if overlappable:
+                ovl = edges.overlappable
+                ovl[pair] = ovl[pair] + cost if pair in ovl else cost
+    return edges
+
+
+def run(state) -> None:
+    graph, strategies, rep = state.graph, state.strategies, state.rep
+    pricing = _pricing(state)
+    groups = _groups(state, pricing.redistribute)
+    gathers_param = _gathers_param(graph)
+    terms = _group_terms(state, groups, pricing.node_time, gathers_param)
+    edge_count = _edge_counts(graph, rep, groups.follow)
+    edges = _edge_terms(state, groups, edge_count, pricing, gathers_param, terms)
+    choice, group_id, root = groups.choice, groups.group_id, groups.root
+    mesh_shape = state.mesh.shape
+    share_delta, shared = _shared(graph, rep, strategies, choice, group_id, root, pricing.of, mesh_shape, gathers_param)
+    _coalesce(
+        edge_count,
+        graph.nodes,
+        strategies,
+        choice,
+        group_id,
+        root,
+        edges.matrices,
+        pricing.of,
+        mesh_shape,
+        pricing.tail_values,
     )
-    state.groups, state.group_of = groups, {i: gid[root[rep[i]]] for i in range(len(nodes))}
-    state.choice, state.follow = choice, follow
+    loss, loss_rep = graph.loss, rep[graph.loss.node]  # the step returns the loss replicated (global view)
+    replicated = ("R",) * len(mesh_shape)
+    terms.comm[group_id[root[loss_rep]]] += np.array(
+        [
+            pricing.redistribute(
+                strategies[loss_rep][x].out[loss.out], replicated, graph.nodes[loss_rep].outs[loss.out]
+            )
+            for x in choice[loss_rep]
+        ]
+    )
+    state.groups, state.group_of = groups.roots, {i: group_id[root[rep[i]]] for i in range(len(graph.nodes))}
+    state.choice, state.follow = choice, groups.follow
+    series = edges.series
     state.cost = {
-        "compute": compute,
-        "comm": comm_lin,
-        "state_mem": state_mem,
-        "act_mem": act_mem,
-        "edges": matrices,
-        "rtime": rtime,
-        "node_time": node_time,
-        "comm_ovl": comm_ovl,
-        "edges_ovl": ovl_matrices,
-        "bucket_delta": bucket_delta,
+        "compute": terms.compute,
+        "comm": terms.comm,
+        "state_mem": terms.state_mem,
+        "act_mem": terms.act_mem,
+        "edges": edges.matrices,
+        "rtime": pricing.redistribute,
+        "node_time": pricing.node_time,
+        "comm_ovl": terms.comm_overlappable,
+        "edges_ovl": edges.overlappable,
+        "bucket_delta": edges.bucket_delta,
         "share_delta": share_delta,
         "shared": shared,
         "bucket_series": [(F, list(t.items())) for _, (F, t) in sorted(series.items(), key=lambda kv: str(kv[0]))],

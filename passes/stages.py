@@ -1,530 +1,224 @@
-"""Pass: pipeline stages (Alpa-style inter-op pass): per-cluster costs from the per-op plan of each stage, and the
-evaluation of a partition. The search over pp degree / submesh / schedule / micro-batches is
-autopar/pipeline_plan.py; the schedule model and the dynamic program are autopar/pipeline_model.py.
+"""Pass: pipeline stages (Alpa-style inter-op pass). `run(request)` chooses the pp degree, stage submesh,
+micro-batch count, schedule, stages per rank, stage boundaries and each stage's per-op plan, and returns the Plan
+with `stages` and `schedule` filled.
 
-Layer clusters: "pre" (everything before the first block of the model's layer list: embedding, RoPE tables),
-one cluster per block, "post" (final norm, head, loss). For each candidate stage submesh and micro-batch shape
-`StageOps` runs the intra-op passes (regions, candidates, costs, solve, redistribute) on a representative sub-model
-(the model with its layer list cut to one block per distinct block signature) at the micro-batch shape: the
-time-optimal plan and the plan with parameters sharded over the dp dims; parameter gathers and gradient reductions,
-which a stage pays once per step for m micro-batches, are weighted 1/m in their objective. That gives per cluster:
-forward F, input-backward B, weight-backward W (seconds per micro-batch, compute + activation redistributes),
-data-parallel comm per step, model-state bytes, saved-activation bytes per micro-batch, what checkpointing a block
-saves and costs, and per cluster boundary the activations that cross it.
-
-A boundary is a legal cut when the forward tensors crossing it (produced before, consumed after; tensors that
-depend on no input or parameter, like RoPE tables, are recomputed by each stage, inputs go straight to the stage
-that reads them) are at least one, all with static shapes (one sweep over the captured graph in topological order
-finds them exactly); their bytes, on the link between the two stages' ranks, cost one p2p transfer forward
-(activation) and one backward (its gradient) per micro-batch.
+The request (StagesRequest) is what autopar.plan was given for a pipeline plan. The parts: per-cluster costs of a
+stage's intra-op plans (passes/stage_costs.py: StageOps, the legal cuts, the evaluation of a partition), the search
+over configurations (autopar/pipeline_plan.py), the schedule model and the stage DP (autopar/pipeline_model.py), the
+Plan's stage records (passes/stage_plan.py).
 """
 
 from __future__ import annotations
 
-import re
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-import numpy as np
+import torch
 from torch import nn
 
 from autopar import pipeline_model as pm
-from autopar.cost import collective_time
-from autopar.mesh import MeshSpec
-from autopar.strategies import num_shards
+from autopar.pipeline_plan import (
+    INF,
+    candidate_meshes,
+    dp_size,
+    evaluate_fitted,
+    lower_bound,
+    microbatch_counts,
+    search,
+    stage_plans,
+)
+from autopar.plan import Plan
+from autopar.solver import InfeasibleMemoryError
 
-INF = float("inf")
-
-
-# ---- per-cluster costs ---------------------------------------------------------------------------------------
-@dataclass
-class Costs:
-    """One intra-op variant, per full-model cluster (arrays of length n) and boundary (length n - 1)."""
-
-    name: str
-    F: np.ndarray
-    B: np.ndarray
-    W: np.ndarray
-    dp: np.ndarray  # data-parallel comm seconds per step
-    state: np.ndarray  # model-state bytes per rank
-    act: np.ndarray  # saved-activation bytes per rank per micro-batch
-    xbytes: np.ndarray  # bytes per rank crossing boundary b (between cluster b and b+1)
-    legal: np.ndarray  # bool per boundary
-    ntensors: np.ndarray  # tensors crossing each boundary
-    base: int = 0  # index of the intra-op plan (StageOps.plans) these costs come from
-    blk: np.ndarray = None  # bool per cluster: a block (may be checkpointed)
-    save: np.ndarray = None  # bytes per micro-batch a checkpointed block frees (its activations minus its input)
-    rtime: np.ndarray = None  # seconds a checkpointed block adds (its forward, run again before its backward)
+from .stage_costs import evaluate, even_bounds, find_layers, layer_signature
+from .stage_plan import build_pipeline_plan
 
 
-def find_layers(model: nn.Module) -> str:
-    """FQN of the model's layer list: the nn.ModuleList / ModuleDict with the most children (shallowest on ties)."""
-    best = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and len(mod) > 0 and name:
-            key = (len(mod), -name.count("."))
-            if best is None or key > best[0]:
-                best = (key, name)
-    if best is None:
-        raise ValueError(
-            f"pipeline planning needs a layer list (nn.ModuleList/ModuleDict of blocks) in "
-            f"{type(model).__name__}; none found"
-        )
-    return best[1]
+@dataclass(frozen=True)
+class StagesRequest:
+    """A pipeline plan's inputs. inputs: the step's positional example inputs (the first is batched on dim 0);
+    options: "auto"/True, or a dict narrowing the search: pp, tp (lists), n_microbatches, schedules,
+    stages_per_rank (lists), layers_per_stage (a hand layout: blocks per stage, no DP), max_microbatch_options,
+    n_variants (intra-op plans per stage submesh: 1 time-optimal, 2 (default) + FSDP-sharded params, 3-4 +
+    memory-budgeted), recompute (checkpointed blocks: True (default) as memory needs, False never, "all": every
+    block, for hand layouts), dp_shards_batch (default True), prune_margin (1.25), dp_tol (1e-3: relative tolerance
+    of the bottleneck scan; 0 = exact), top (candidates kept in the report), workers."""
+
+    model: nn.Module
+    mesh: object
+    inputs: tuple
+    cluster: object
+    precision: object
+    budget: float
+    loss_fn: object = None
+    force: dict = field(default_factory=dict)
+    replicate_ops: tuple = ()
+    allow_replicate: bool = False
+    time_limit: float = 60.0
+    options: object = "auto"
 
 
-def layer_signature(mod: nn.Module) -> tuple:
-    return (
-        type(mod).__name__,
-        tuple((n, tuple(p.shape), str(p.dtype)) for n, p in mod.named_parameters()),
-        tuple(type(m).__name__ for _, m in mod.named_modules()),
-    )
+def _blocks(model):
+    """The model's layer list: its prefix, the blocks, the representative block of each distinct block signature
+    (in order of first appearance) and each block's representative position."""
+    prefix = find_layers(model)
+    layers = model.get_submodule(prefix)
+    blocks = list(layers.values()) if isinstance(layers, nn.ModuleDict) else list(layers)
+    sigs = [layer_signature(b) for b in blocks]
+    reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
+    pos_of = [reps.index(sigs.index(s)) for s in sigs]
+    return prefix, blocks, reps, pos_of
 
 
-@contextmanager
-def swap_layers(model: nn.Module, prefix: str, blocks: list):
-    parent, _, attr = prefix.rpartition(".")
-    owner = model.get_submodule(parent) if parent else model
-    old = getattr(owner, attr)
-    new = (
-        nn.ModuleList(blocks)
-        if isinstance(old, nn.ModuleList)
-        else nn.ModuleDict({str(i): b for i, b in enumerate(blocks)})
-    )
-    setattr(owner, attr, new)
-    try:
-        yield
-    finally:
-        setattr(owner, attr, old)
-
-
-def _cluster_of_nodes(g, prefix: str, n_layers: int) -> list:
-    """Sub-model cluster position per node: 0 = pre, 1..n_layers = blocks, n_layers + 1 = post, None = free."""
-    pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(?:\.|$)")
-    post = n_layers + 1
-    where = [None] * len(g.nodes)
-    lay = [None] * len(g.nodes)
-    for n in g.nodes:
-        key = n.target if n.kind == "param" else n.module
-        m = pat.match(key) if isinstance(key, str) else None
-        lay[n.idx] = int(m.group(1)) + 1 if m else None
-    fw_layer = [i for i, n in enumerate(g.nodes) if n.kind == "op" and n.phase == "fw" and lay[i]]
-    bw_layer = [i for i, n in enumerate(g.nodes) if n.kind == "op" and n.phase == "bw" and lay[i]]
-    fw_first, fw_last = (fw_layer[0], fw_layer[-1]) if fw_layer else (INF, -1)
-    bw_first, bw_last = (bw_layer[0], bw_layer[-1]) if bw_layer else (INF, -1)
-    cur = 0
-    for n in g.nodes:
-        if n.kind != "op":
+def _configs(grid, cache, Bsz: int, specs, opts, hand, n: int) -> list:
+    """Every (pp, stage submesh, micro-batches, schedule, stages per rank) whose stage has intra-op plans, in
+    increasing order of its lower bound."""
+    configs = []
+    for p, smesh, m in grid:
+        key = (smesh, Bsz // m)
+        if not cache[key].variants:
             continue
-        if lay[n.idx]:
-            where[n.idx] = cur = lay[n.idx]
-            continue
-        root = n.module == ""
-        if n.phase == "fw":
-            where[n.idx] = 0 if n.idx < fw_first else post if n.idx > fw_last or not root else cur
-        else:
-            where[n.idx] = post if n.idx < bw_first else 0 if n.idx > bw_last or not root else cur
-    for fqn, i in g.params.items():  # a parameter lives with its first forward consumer
-        m = pat.match(fqn)
-        if m:
-            where[i] = int(m.group(1)) + 1
-            continue
-        users = sorted(u for u in g.nodes[i].users if g.nodes[u].phase == "fw")
-        where[i] = where[users[0]] if users else 0
-    return where
-
-
-def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
-    """Per sub-model cluster (0 = pre, 1..n_sub blocks, n_sub + 1 = post) F/B/W/dp/state/act, and per boundary after
-    position q (0..n_sub) the crossing tensors' local bytes and count."""
-    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
-    where = _cluster_of_nodes(g, prefix, n_sub)
-    K = n_sub + 2
-    F, B, W, dp, st, act = (np.zeros(K) for _ in range(6))
-    bpp = state.precision.bytes_per_param
-    # weight-gradient work: backward nodes whose results never reach an earlier cluster's backward
-    feeds = [False] * len(g.nodes)
-    for n in reversed(g.nodes):
-        if n.kind != "op" or n.phase != "bw":
-            continue
-        c = where[n.idx]
-        feeds[n.idx] = any(
-            g.nodes[u].phase == "bw" and where[u] is not None and (where[u] < c or (where[u] == c and feeds[u]))
-            for u in n.users
-        )
-    coll = [{"act": {}, "dp": {}} for _ in range(K)]
-    for rec in plan.nodes:
-        i = rec["idx"]
-        c = where[i]
-        if c is None:
-            continue
-        n = g.nodes[i]
-        t_act = sum(r["time_s"] for r in rec.get("redistribute", []) if r["class"] == "act")
-        dp[c] += sum(r["time_s"] for r in rec.get("redistribute", []) if r["class"] != "act")
-        for r in rec.get("redistribute", []):
-            d = coll[c]["act" if r["class"] == "act" else "dp"]
-            for kind, _, nbytes, _ in r["collectives"]:
-                cnt = d.setdefault(kind, [0, 0])
-                cnt[0] += 1
-                cnt[1] += nbytes
-        t = (rec.get("time_s") or 0.0) + t_act
-        if n.kind == "param":
-            st[c] += n.out.numel * bpp / num_shards(P[i].out[0], mesh_shape)
-        elif n.phase == "fw":
-            F[c] += t
-            if any(g.nodes[u].phase == "bw" for u in n.users):
-                act[c] += sum(
-                    m.nbytes / num_shards(p, mesh_shape)
-                    for m, p in zip(n.outs, P[i].out)
-                    if m is not None and p is not None
+        for spec in specs:
+            for v in (opts.get("stages_per_rank") or spec.stages_per_rank) if p > 1 else (1,):
+                if (
+                    (p == 1 and spec.name != "GPipe")
+                    or (v > 1) != spec.multi
+                    or p * v > n
+                    or (hand and len(hand) != p * v)
+                ):
+                    continue
+                configs.append(
+                    {
+                        "p": p,
+                        "mesh": smesh,
+                        "m": m,
+                        "spec": spec,
+                        "v": v,
+                        "key": key,
+                        "lb": lower_bound(cache[key].costs(), spec, p, v, m),
+                    }
                 )
-        elif feeds[i]:
-            B[c] += t
-        else:
-            W[c] += t
-    # data dependence: recomputable tensors (no input/param upstream) never cross a boundary
-    dep = [False] * len(g.nodes)
-    for n in g.nodes:
-        dep[n.idx] = n.kind in ("param", "input", "buffer") or any(dep[r.node] for r in n.inputs())
-    cross_bytes, cross_n = np.zeros(K - 1), np.zeros(K - 1, dtype=int)
-    for n in g.nodes:
-        if n.kind != "op" or n.phase != "fw" or not dep[n.idx]:
-            continue
-        c = where[n.idx]
-        for o, m in enumerate(n.outs):
-            if m is None:
-                continue
-            last = max(
-                (
-                    where[u]
-                    for u in n.users
-                    if g.nodes[u].phase == "fw"
-                    and where[u] is not None
-                    and any(r.node == n.idx and r.out == o for r in g.nodes[u].inputs())
-                ),
-                default=c,
-            )
-            for q in range(c, last):  # crosses boundaries after positions c .. last-1
-                cross_bytes[q] += m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
-                cross_n[q] += 1
-    ops = np.zeros(K, dtype=int)
-    for n in g.ops():
-        if where[n.idx] is not None:
-            ops[where[n.idx]] += 1
-    param_pos = {fqn: where[i] for fqn, i in g.params.items()}
+    configs.sort(key=lambda c: c["lb"])
+    return configs
+
+
+def _ranked(results, cache, n_blocks: int, mesh, cluster, budget, opts, recompute):
+    """The fitting results, fastest first (the report's `top`), the first five with their even layer split; the
+    best one evaluated in detail. Raises InfeasibleMemoryError when none fits."""
+    fitting = [r for r in results if r["fits"]]
+    if not fitting:
+        low = min((r["peak_mem"] for r in results), default=INF)
+        raise InfeasibleMemoryError(
+            f"no pipeline plan fits {budget / 1e9:.3f} GB per rank on {mesh}: smallest "
+            f"peak found {low / 1e9:.3f} GB over {len(results)} candidates"
+        )
+    fitting.sort(key=lambda r: (r["step_s"], r["p"] * r["v"], r["m"]))
+    top = fitting[: int(opts.get("top", 12))]
+    for r in top[:5]:  # the torchtitan-style even layer split of the same configuration, for comparison
+        if r.get("order") is None:
+            r["order"] = pm.actions(r["spec"], r["p"], r["m"], r["v"])
+        S = r["p"] * r["v"]
+        r["even"] = (
+            evaluate_fitted(cache[r["key"]].costs(), even_bounds(n_blocks, S), r, cluster, budget, recompute)
+            if S <= n_blocks
+            else None
+        )
+    t0 = top[0]
+    top[0] = {
+        **t0,
+        **evaluate(
+            cache[t0["key"]].costs(),
+            t0["part"].bounds,
+            t0["part"].variants,
+            t0["part"].recompute,
+            t0["spec"],
+            t0["p"],
+            t0["v"],
+            t0["m"],
+            t0["order"],
+            cluster,
+            t0["mesh"].size,
+            budget,
+            detail=True,
+        ),
+    }
+    return top
+
+
+def _context(request: "StagesRequest", opts: dict) -> dict:
+    """What every stage's intra-op plan is planned with."""
     return {
-        "F": F,
-        "B": B,
-        "W": W,
-        "dp": dp,
-        "state": st,
-        "act": act,
-        "xbytes": cross_bytes,
-        "xn": cross_n,
-        "coll": coll,
-        "ops": ops,
-        "param_pos": param_pos,
+        "cluster": request.cluster,
+        "precision": request.precision,
+        "loss_fn": request.loss_fn,
+        "force": dict(request.force or {}),
+        "replicate_ops": [str(o) for o in request.replicate_ops],
+        "allow_replicate": request.allow_replicate,
+        "time_limit": request.time_limit,
+        "n_variants": int(opts.get("n_variants", 2)),
+        "dp_shards_batch": bool(opts.get("dp_shards_batch", True)),
+        "recompute": opts.get("recompute", True),
     }
 
 
-def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
-    """Sub-model metrics -> full-model clusters: pre, block i (costed as its representative pos_of[i]), post."""
-    idx = [0] + [1 + p for p in pos_of] + [n_sub + 1]
-    arr = lambda k: np.array([metrics[k][j] for j in idx], dtype=float)
-    xb = np.array([metrics["xbytes"][j] for j in idx[:-1]])
-    xn = np.array([metrics["xn"][j] for j in idx[:-1]])
-    c = Costs(name, arr("F"), arr("B"), arr("W"), arr("dp"), arr("state"), arr("act"), xb, xn > 0, xn)
-    c.blk = np.array([False] + [True] * len(pos_of) + [False])
-    c.save = np.where(c.blk, np.maximum(0.0, c.act - np.concatenate([[0.0], xb])), 0.0)
-    c.rtime = np.where(c.blk, c.F, 0.0)
-    c.coll = [metrics["coll"][j] for j in idx]
-    c.ops = [int(metrics["ops"][j]) for j in idx]
-    c.param_pos = metrics["param_pos"]
-    return c
-
-
-# ---- intra-op plans of one stage ------------------------------------------------------------------------------
-class StageOps:
-    """The intra-op plans of the representative sub-model on one stage submesh at one micro-batch shape (see
-    `more` for which); the stage DP picks one per stage."""
-
-    def __init__(self, model, prefix, reps, pos_of, mb_inputs, stage_mesh: MeshSpec, ctx):
-        from autopar.capture import capture
-        from autopar.pipeline import PASSES, PlanState, run_passes
-        from autopar.solver import min_memory
-
-        t0 = time.perf_counter()
-        layers = model.get_submodule(prefix)
-        blocks = [layers[i] if isinstance(layers, nn.ModuleList) else list(layers.values())[i] for i in reps]
-        with swap_layers(model, prefix, blocks):
-            g = capture(model, mb_inputs, ctx["loss_fn"])
-            styled = {
-                f"{k}.{n}"
-                for k, mod in model.named_modules()
-                if isinstance(mod, (nn.Linear, nn.Embedding))
-                for n, _ in mod.named_parameters(recurse=False)
-            }
-        # the pipeline runtime shards only nn.Linear / nn.Embedding weights on a tensor-parallel stage dim (any dim
-        # of size > 1 not named dp*, as backends/pipeline.py reads it): every other parameter is Replicate there
-        tp = {
-            d: "R"
-            for d, (nm, n) in enumerate(zip(stage_mesh.names, stage_mesh.shape))
-            if n > 1 and not nm.startswith("dp")
-        }
-        pin = (lambda n: tp if n.kind == "param" and n.target not in styled else None) if tp else None
-        sub_force = {}
-        for fqn, pl in ctx["force"].items():
-            m = re.match(rf"^{re.escape(prefix)}\.(\d+)\.(.*)$", fqn)
-            if m is None:
-                sub_force[fqn] = pl
-            elif int(m.group(1)) in reps:
-                sub_force[f"{prefix}.{reps.index(int(m.group(1)))}.{m.group(2)}"] = pl
-        self.state = PlanState(
-            g,
-            stage_mesh,
-            ctx["cluster"],
-            ctx["precision"],
-            1e30,
-            {
-                "force": sub_force,
-                "replicate_ops": ctx["replicate_ops"],
-                "pin": pin,
-                # on a one-device stage every placement is Replicate: no rule is needed to say so
-                "allow_replicate": ctx["allow_replicate"] or stage_mesh.size == 1,
-                "time_limit": ctx["time_limit"],
-                "mixed_precision": None,
-                "allow_checkpointing": False,
-            },
-        )
-        self._k = PASSES.index("solve")
-        kc = PASSES.index("candidates") + 1
-        run_passes(self.state, PASSES[:kc])
-        if ctx["dp_shards_batch"]:
-            shard_batch_on_dp(self.state, mb_inputs)
-        run_passes(self.state, PASSES[kc : self._k])
-        amortize_dp_comm(self.state, int(ctx.get("n_microbatches", 1)))
-        c = self.state.cost
-        self._rows = [c["state_mem"][i] + c["act_mem"][i] for i in range(len(c["compute"]))]
-        self._floor = min_memory(self._rows)
-        self.prefix, self.reps, self.pos_of, self.ctx = prefix, reps, pos_of, ctx
-        self.variants, self.plans, self.budgets, self._seen = [], [], [], set()
-        self._budget, self._left = 1e30, max(1, ctx["n_variants"])
-        self.seconds = 0.0
-        while self.more():
-            pass
-        self.seconds = time.perf_counter() - t0
-        if ctx.get("drop_state"):  # travels back from a worker process: keep only the results
-            self.state = self.ctx = None
-
-    def costs(self) -> list:
-        """What the stage DP chooses from (each with any number of checkpointed blocks per stage)."""
-        return list(self.variants)
-
-    def more(self) -> bool:
-        """Add the next intra-op plan; True if it differs from those so far. Order: time-optimal; parameters
-        sharded over the dp dims (FSDP/ZeRO-3: the per-op plan re-solved with unsharded parameter placements
-        priced out, an LP); then (n_variants > 2) plans under memory budgets halfway to, and at, the most-sharded."""
-        from autopar.pipeline import PASSES, run_passes
-        from autopar.predict import build_plan
-        from autopar.solver import InfeasibleMemoryError
-
-        t0 = time.perf_counter()
-        st = self.state
-        while st is not None and self._left > 0 and self._budget is not None:
-            self._left -= 1
-            step = self.ctx["n_variants"] - self._left - 1
-            budget = st.budget = self._budget if step != 1 else 1e30
-            st.placement = st.redistributes = st.solution = None  # re-solve from the same costs
-            if budget < 1e29:  # tight budgets make branch-and-bound work; cap it
-                st.options["time_limit"] = min(self.ctx["time_limit"], self.ctx.get("lean_time_limit", 10.0))
-            pen = self._fsdp_penalty() if step == 1 else None
-            if pen == {}:  # nothing left unsharded on dp (or no dp dim): same plan again
-                continue
-            try:
-                if pen is not None:
-                    for g, v in pen.items():
-                        st.cost["compute"][g] += v
-                run_passes(st, PASSES[self._k :])
-            except InfeasibleMemoryError:
-                self._budget = None
-                break
-            finally:
-                if pen is not None:
-                    for g, v in pen.items():
-                        st.cost["compute"][g] -= v
-            mem = sum(self._rows[i][st.solution.choice[i]] for i in range(len(self._rows)))
-            if step >= 1:
-                self._budget = (
-                    None
-                    if mem <= self._floor * 1.0001
-                    else self._floor * 1.0001
-                    if self._left == 1
-                    else (mem + self._floor) / 2
-                )
-            key = tuple(st.solution.choice)
-            if key in self._seen:
-                continue
-            self._seen.add(key)
-            plan = build_plan(st)
-            met = cluster_metrics(st, plan, self.prefix, len(self.reps))
-            label = (
-                "time-optimal" if step == 0 else "params sharded on dp" if step == 1 else f"mem<={budget / 1e9:.4g}GB"
-            )
-            cv = expand(met, self.pos_of, len(self.reps), f"v{len(self.variants)} {label}")
-            cv.base = len(self.plans)
-            self.variants.append(cv)
-            self.plans.append(plan)
-            self.budgets.append(budget)
-            self.seconds += time.perf_counter() - t0
-            return True
-        self.seconds += time.perf_counter() - t0
-        return False
-
-    def _fsdp_penalty(self) -> dict:
-        """Per decision group, +1 s on strategies that leave a parameter unsharded on some dp dim (when a sharded
-        one exists): the next solve then shards every parameter over dp, FSDP-style."""
-        st = self.state
-        dims = [d for d, nm in enumerate(st.mesh.names) if nm.startswith("dp") and st.mesh.shape[d] > 1]
-        pen = {}
-        if not dims:
-            return pen
-        for i in st.graph.params.values():
-            r = st.rep[i]
-            ch = st.choice.get(r) if isinstance(st.choice, dict) else None
-            if ch is None:
-                continue
-            ok = np.array([all(st.strategies[r][j].out[0][d][0] == "S" for d in dims) for j in ch])
-            if ok.any() and not ok.all():
-                g = st.group_of[r]
-                pen[g] = pen.get(g, 0.0) + np.where(ok, 0.0, 1.0)
-        return pen
-
-
-def amortize_dp_comm(state, m: int) -> None:
-    """The sub-model is planned for one micro-batch, but a stage runs m of them per step while parameters are
-    gathered and gradients reduced once (FSDP2 under torch's schedules: no resharding between micro-batches,
-    gradient sync on the last backward). Scale the parameter-side terms of the solver's objective by 1/m: the edges
-    out of a parameter's decision group (gathers), into it (the gradient -> optimizer-step edge) and the
-    redistributes inside it."""
-    if m <= 1:
-        return
-    c = state.cost
-    pg = {state.group_of[i] for i in state.graph.params.values()}
-    for key, mat in c["edges"].items():
-        if key[0] in pg or key[1] in pg:
-            c["edges"][key] = mat / m
-    for g in pg:
-        c["comm"][g] = c["comm"][g] / m
-
-
-def shard_batch_on_dp(state, mb_inputs) -> None:
-    """3-D plans: mesh dims named dp* are data parallel, so every batched input is split on dim 0 over them (the
-    per-op plan still chooses FSDP or replicated parameters, and everything on the other dims)."""
-    dims = [d for d, nm in enumerate(state.mesh.names) if nm.startswith("dp") and state.mesh.shape[d] > 1]
-    if not dims:
-        return
-    g = state.graph
-    for pos, i in enumerate(g.inputs):
-        n = g.nodes[i]
-        if not n.out.shape or n.out.shape[0] != mb_inputs[0].shape[0]:
-            continue
-        keep = [s for s in state.strategies[i] if all(s.out[0][d] == "S0" for d in dims)]
-        if not keep:
-            raise ValueError(
-                f"input {pos} of shape {n.out.shape} cannot be split on dim 0 over mesh dims "
-                f"{[state.mesh.names[d] for d in dims]} {state.mesh.shape}: batch not divisible"
-            )
-        state.strategies[i] = keep
-
-
-def p2p_link(cluster, stage_size: int, a: int, b: int):
-    """Link between pp ranks a and b: stage submeshes are consecutive blocks of `stage_size` ranks (row-major mesh
-    with pp outermost) and nodes hold `gpus_per_node` consecutive ranks; intra-node iff every rank of a's block and
-    its peer in b's block share a node."""
-    g = cluster.gpus_per_node
-    same = all((a * stage_size + r) // g == (b * stage_size + r) // g for r in (0, stage_size - 1))
-    return cluster.intra if same and stage_size <= g else cluster.inter
-
-
-# ---- evaluation of one partition ------------------------------------------------------------------------------
-def evaluate(
-    costs, bounds, variants, recompute, spec, p, v, m, order, cluster, stage_size, budget, detail=False
-) -> dict:
-    """Step time (simulated on torch's action order), bubble and per-rank memory of one partition: stage k holds
-    clusters bounds[k]:bounds[k+1] with intra-op plan costs[variants[k]] and recompute[k] checkpointed blocks."""
-    S = p * v
-    rank_of = pm.stage_ranks(spec, p, v)
-    F, B, W, dp, st, act, x, trans = [], [], [], [], [], [], [], []
-    for k in range(S):
-        cv, a, b, r = costs[variants[k]], bounds[k], bounds[k + 1], recompute[k]
-        nb = max(1, int(cv.blk[a:b].sum()))
-        F.append(float(cv.F[a:b].sum()))
-        B.append(float(cv.B[a:b].sum() + r * cv.rtime[a:b].sum() / nb))
-        W.append(float(cv.W[a:b].sum()))
-        dp.append(float(cv.dp[a:b].sum()))
-        st.append(float(cv.state[a:b].sum()))
-        act.append(float(cv.act[a:b].sum() - r * cv.save[a:b].sum() / nb))
-        trans.append(float(np.max(np.where(cv.blk[a:b], cv.act[a:b], 0.0))) if r else 0.0)
-        if k < S - 1:
-            link = p2p_link(cluster, stage_size, rank_of[k], rank_of[k + 1])
-            x.append(
-                (
-                    float(cv.xbytes[b - 1]),
-                    link.name,
-                    collective_time("send_recv", float(cv.xbytes[b - 1]), 2, link)
-                    if rank_of[k] != rank_of[k + 1]
-                    else 0.0,
-                )
-            )
-    sim = pm.simulate(order, rank_of, F, B, W, [t for *_, t in x])
-    no_p2p = pm.simulate(order, rank_of, F, B, W, [0.0] * len(x)).step_s if detail else sim.step_s
-    exposed = [max(0.0, dp[k] - m * (F[k] + B[k] + W[k])) for k in range(S)]
-    act_peak = pm.rank_act_peak(order, act, spec.split_backward)
-    rank_state = [sum(st[k] for k in range(S) if rank_of[k] == r) for r in range(p)]
-    tr = [max((trans[k] for k in range(S) if rank_of[k] == r), default=0.0) for r in range(p)]
-    mem = [rank_state[r] + act_peak[r] + tr[r] for r in range(p)]
-    fl = pm.inflight(order, S, spec.split_backward)
+def _search_stats(configs, cache, pruned, t_start, t_keys, t_search) -> dict:
     return {
-        "step_s": sim.step_s + max(exposed),
-        "pipeline_s": sim.step_s,
-        "exposed_dp_s": max(exposed),
-        "exposed_p2p_s": sim.step_s - no_p2p,
-        "bubble": sim.bubble_fraction,
-        "sim": sim,
-        "F": F,
-        "B": B,
-        "W": W,
-        "dp": dp,
-        "state": st,
-        "act": act,
-        "xfer": x,
-        "inflight": fl,
-        "rank_of": rank_of,
-        "rank_mem": mem,
-        "fits": max(mem) <= budget,
-        "recompute": list(recompute),
-        "transient": trans,
-        "peak_mem": max(mem),
+        "intra_op_s": sum(o.seconds for o in cache.values()),
+        "total_s": time.perf_counter() - t_start,
+        "configs": len(configs),
+        "stage_plans_wall_s": t_keys,
+        "search_wall_s": t_search,
+        "pruned": pruned,
+        "intra_op_keys": len(cache),
+        "pp_degrees": sorted({c["p"] for c in configs}),
+        "stage_meshes": sorted(
+            {"x".join(map(str, c["mesh"].shape)) + "(" + ",".join(c["mesh"].names) + ")" for c in configs}
+        ),
     }
 
 
-def even_bounds(n_blocks: int, S: int, has_pre=True, has_post=True) -> list:
-    """torchtitan-style split: blocks as even as possible (earlier stages take the extra ones), embedding with the
-    first stage, head with the last."""
-    q, r = divmod(n_blocks, S)
-    sizes = [q + (1 if k < r else 0) for k in range(S)]
-    b = [0]
-    for k, s in enumerate(sizes):
-        b.append(b[-1] + s + (1 if k == 0 and has_pre else 0))
-    b[-1] += 1 if has_post else 0
-    return b
-
-
-def layout_bounds(sizes: list[int]) -> list:
-    """Bounds for a hand layout: sizes[k] blocks on stage k, the embedding (pre) with stage 0, head (post) last."""
-    b = [0]
-    for k, s in enumerate(sizes):
-        b.append(b[-1] + s + (1 if k == 0 else 0))
-    b[-1] += 1
-    return b
+def run(request: StagesRequest) -> Plan:
+    """The stage search (see the module docstring and StagesRequest); the fastest configuration that fits memory."""
+    t_start = time.perf_counter()
+    model, mesh, cluster, budget = request.model, request.mesh, request.cluster, request.budget
+    opts = dict(request.options) if isinstance(request.options, dict) else {}
+    inputs = tuple(request.inputs) if isinstance(request.inputs, (tuple, list)) else (request.inputs,)
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    if not tensors or tensors[0].dim() == 0:
+        raise ValueError("pipeline planning needs a batched first input (the batch dim 0 is split into micro-batches)")
+    Bsz = tensors[0].shape[0]
+    prefix, blocks, reps, pos_of = _blocks(model)
+    n = len(blocks) + 2
+    tied = {a for a, _ in model.named_parameters(remove_duplicate=False)} - {a for a, _ in model.named_parameters()}
+    ctx = _context(request, opts)
+    specs = [pm.get_schedule(k) for k in opts.get("schedules") or pm.SCHEDULES]
+    hand = opts.get("layers_per_stage")
+    grid = []
+    for p, smesh in candidate_meshes(mesh, n, cluster, opts):
+        if tied and p > 1:
+            raise ValueError(f"tied parameters {sorted(tied)} cannot be split across pipeline stages")
+        grid += [(p, smesh, m) for m in microbatch_counts(Bsz, p, dp_size(smesh), opts)]
+    keys = list(dict.fromkeys((smesh, Bsz // m) for _, smesh, m in grid))
+    t_keys = time.perf_counter()
+    cache = stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, opts.get("workers"))
+    t_keys = time.perf_counter() - t_keys
+    configs = _configs(grid, cache, Bsz, specs, opts, hand, n)
+    job = (
+        configs,
+        cache,
+        cluster,
+        budget,
+        hand,
+        float(opts.get("dp_tol", 1e-3)),
+        ctx["recompute"],
+        float(opts.get("prune_margin", 1.25)),
+    )
+    t_search = time.perf_counter()
+    results, pruned = search(job, opts.get("workers"))
+    t_search = time.perf_counter() - t_search
+    top = _ranked(results, cache, len(blocks), mesh, cluster, budget, opts, ctx["recompute"])
+    best = top[0]
+    stats = _search_stats(configs, cache, pruned, t_start, t_keys, t_search)
+    return build_pipeline_plan(
+        best, top, len(results), cache[best["key"]], model, prefix, reps, pos_of, mesh, inputs, cluster, budget, stats
+    )

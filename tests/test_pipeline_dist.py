@@ -3,7 +3,7 @@
 The parent plans (autopar.plan with a "pp" mesh dim; the schedule is pinned per case, stage cuts and micro-batch
 count are the planner's), saves the plans, and launches one process per rank (tests/_dist.py, running
 `_rank_cases`). Every rank builds the same model, computes the single-device reference loss and gradients itself,
-runs one pipeline step with backends/pipeline.py and compares: loss (fp32, rtol 1e-5) on the ranks holding the last
+runs one pipeline step with backends/pipelining/runtime.py and compares: loss (fp32, rtol 1e-5) on the ranks holding the last
 stage, each local parameter's gradient (rtol 1e-5 of the tensor's scale; FSDP-sharded gradients gathered). Several
 cases share one launch per world size (start-up costs seconds); every collective has a 60 s timeout, the launch a
 300 s one. Cases: world 2 (pp=2): GPipe, 1F1B, Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV, and
@@ -246,7 +246,7 @@ def test_pipeline_tp_refuses_inexpressible_stage_placement():
     ColwiseParallel shards both); a norm weight sharded on tp (no style shards an RMSNorm) likewise."""
     import autopar
     from autopar import models
-    from autopar.backends.pipeline import block_positions, build_stage_module, stage_tp_styles
+    from autopar.backends.pipelining.runtime import build_stage_module, stage_tp_styles
 
     mesh = autopar.MeshSpec((2, 2), ("pp", "tp"))
     m = models.build_model("mlp-tiny", device="meta", n_layers=LAYERS)
@@ -266,14 +266,14 @@ def test_pipeline_tp_refuses_inexpressible_stage_placement():
         match=rf"stage 0: parameter '{fc1}' is placed S0 on the "
         rf"tensor-parallel stage-mesh dim 'tp'.*bias R",
     ):
-        stage_tp_styles(plan, 0, build_stage_module(m, plan, 0), 0, block_positions(m, "layers"))
+        stage_tp_styles(plan, 0, build_stage_module(m, plan, 0), 0, plan.schedule["block_positions"])
     m = models.build_model(MODEL, device="meta", n_layers=LAYERS)
     x = models.example_inputs(MODEL, batch=BATCH, seq=TP_SEQ, device="meta", n_layers=LAYERS)
     plan = autopar.plan(m, mesh, x, cluster=_tp_cluster(), pipeline={"schedules": ["GPipe"]})
     k = len(plan.stages) - 1
     # layouts from the plan's graph: Megatron pairs keep the activation between them sharded, other styles hand
     # over whole tensors (wk/wv rowwise read the attention input itself: no pair, q/k/v/wo all replicated outside)
-    styles = stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, block_positions(m, "layers"))
+    styles = stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, plan.schedule["block_positions"])
     want_out = {
         "S0": "ColwiseParallel(output_layouts=Replicate())",  # the output projection as planned
         "S1": "RowwiseParallel(input_layouts=Replicate())",
@@ -285,7 +285,7 @@ def test_pipeline_tp_refuses_inexpressible_stage_placement():
     ), styles
     for f in ("wk", "wv"):
         plan.params[f"layers.3.attention.{f}.weight"] = ["S1"]
-    styles = stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, block_positions(m, "layers"))
+    styles = stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, plan.schedule["block_positions"])
     assert (
         styles["layers.3.attention.wq"] == "ColwiseParallel(output_layouts=Replicate())"
         and styles["layers.3.attention.wk"]
@@ -298,7 +298,7 @@ def test_pipeline_tp_refuses_inexpressible_stage_placement():
         match=rf"stage {k}: parameter 'layers.3.ffn_norm.weight' is placed S0 "
         rf"on the tensor-parallel stage-mesh dim 'tp'.*RMSNorm",
     ):
-        stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, block_positions(m, "layers"))
+        stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, plan.schedule["block_positions"])
 
 
 # ---- one rank (tests/_dist.py runs it) -------------------------------------------------------------------------
@@ -310,7 +310,7 @@ def _rank_cases(cases):
     from torch.distributed.device_mesh import init_device_mesh
     from autopar import Plan, models
     from torch.distributed.tensor import DTensor, Shard
-    from autopar.backends.pipeline import PipelineRunner, PipelineShapeError, local_batch
+    from autopar.backends.pipelining.runtime import PipelineRunner, PipelineShapeError, local_batch
 
     res = []
     for case in cases:

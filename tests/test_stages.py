@@ -12,7 +12,7 @@ from autopar import models
 from autopar import pipeline_model as pm
 from autopar.cost import TrainingPrecision, get_cluster
 from autopar.mesh import MeshSpec
-from autopar.passes.stages import Costs, StageOps, find_layers, layer_signature
+from autopar.passes.stage_costs import Costs, StageOps, find_layers, layer_signature
 
 
 # ---- schedule model ------------------------------------------------------------------------------------------
@@ -240,7 +240,7 @@ def test_plan_lists_stages_schedule_and_dump(tiny_plan, tmp_path):
 
 
 def test_runtime_rejects_batches_that_break_static_shapes(tiny_plan):
-    from autopar.backends.pipeline import PipelineShapeError, check_batch
+    from autopar.backends.pipelining.runtime import PipelineShapeError, check_batch
 
     plan, _ = tiny_plan
     local = plan.schedule["local_batch_shapes"][0]

@@ -195,13 +195,97 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     )
 
 
-def main(argv=None) -> int:
-    args = parse(argv)
+def _force(args, model, shape) -> dict:
+    """The `force=` pins of --shard (autopar.backends.verify's FSDP-like / Megatron-like helpers)."""
+    from autopar.backends.verify import fsdp_force, fsdp_tp_force, tp_force
+
+    return {
+        "auto": lambda: {},
+        "fsdp": lambda: fsdp_force(model, shape),
+        "tp": lambda: tp_force(model, shape),
+        "fsdp+tp": lambda: fsdp_tp_force(model, shape) if len(shape) == 2 else fsdp_force(model, shape),
+    }[args.shard]()
+
+
+def _parallelize(args, dev: str, rank: int, world: int):
+    """Plan and parallelize the model on this job's mesh; rank 0 prints the plan. (model, parallel model, mesh)."""
     import autopar
-    from autopar.backends.comm import CommCounter, compare
-    from autopar.backends.verify import fsdp_force, fsdp_tp_force, global_value, tp_force
     from autopar.models import build_model, example_inputs
     from torch.distributed.device_mesh import init_device_mesh
+
+    shape = tuple(int(s) for s in args.mesh.split("x"))
+    names = ("dp", "tp") if len(shape) == 2 else ("dp",) if len(shape) == 1 else None
+    mesh = init_device_mesh(dev, shape, mesh_dim_names=names)
+    model = build_model(args.model, device="cpu", seed=args.seed)
+    ex = example_inputs(args.model, batch=args.batch, seq=args.seq, seed=args.seed)
+    kw = {"force": _force(args, model, shape)}
+    if args.cluster:
+        kw["cluster"] = args.cluster
+    if args.memory_budget:
+        kw["memory_budget"] = args.memory_budget
+    t = time.perf_counter()
+    pm = autopar.parallelize(model, mesh, ex, **kw)
+    plan_s = time.perf_counter() - t
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if rank == 0:
+        print(pm.plan.summary(), flush=True)
+        print(
+            f"\nplanned + parallelized in {plan_s:.2f} s on {world} ranks, mesh {shape}, device {dev}; "
+            f"torchrun attempt {attempt}\n"
+        )
+    return model, pm, mesh
+
+
+def _verdict(counter, pm, step: int) -> str:
+    """The first step's measured collectives against the plan's list."""
+    from autopar.backends.comm import compare
+
+    diff = compare(counter.records, pm.plan.collectives())
+    if diff:
+        return f"COLLECTIVES DIFFER: {diff}"
+    return (
+        f"collectives of step {step}: {len(counter.records)} measured == "
+        f"{len(pm.plan.collectives())} predicted (kind, mesh dim, bytes)"
+    )
+
+
+def _train(args, pm, opt, ref, ref_opt, mesh, start: int, rank: int, world: int, dev: str):
+    """Steps start+1..args.steps on the parallel model (and on rank 0 the reference), logging each step and
+    checkpointing as asked; (largest |loss diff|, the first step's collective verdict)."""
+    from autopar.backends.comm import CommCounter
+
+    worst, verdict = 0.0, ""
+    for step in range(start + 1, args.steps + 1):
+        x = batch(args, step)
+        counter = CommCounter(mesh) if step == start + 1 else None
+        t = time.perf_counter()
+        if counter is not None:
+            with counter:
+                loss = sgd_step(pm, opt, x)
+        else:
+            loss = sgd_step(pm, opt, x)
+        ms = (time.perf_counter() - t) * 1e3
+        if counter is not None:
+            verdict = _verdict(counter, pm, step)
+        if rank == 0:
+            line = f"step {step} loss {loss.item()!r}"  # repr: the float exactly, to compare runs
+            if ref is not None:
+                rl = sgd_step(ref, ref_opt, [t.to(dev) for t in x])
+                d = abs(loss.item() - rl.item())
+                worst = max(worst, d)
+                line += f" single-device {rl.item()!r} |diff| {d:.2e}"
+            print(line + f" {ms:.1f} ms", flush=True)
+        if args.checkpoint_dir and (step == args.steps or args.checkpoint_every and step % args.checkpoint_every == 0):
+            where = checkpoint.save(args.checkpoint_dir, step, pm, opt, rng_state(pm))
+            if rank == 0:
+                print(f"checkpoint {where} (after step {step})", flush=True)
+        kill_if_asked(args, step, rank, world)
+    return worst, verdict
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    from autopar.backends.verify import global_value
 
     dev = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if dev == "cuda":
@@ -212,77 +296,15 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         raise SystemExit(f"--kill-rank {args.kill_rank} is not a rank of this job (world size {world})")
     try:
-        shape = tuple(int(s) for s in args.mesh.split("x"))
-        names = ("dp", "tp") if len(shape) == 2 else ("dp",) if len(shape) == 1 else None
-        mesh = init_device_mesh(dev, shape, mesh_dim_names=names)
-        model = build_model(args.model, device="cpu", seed=args.seed)
-        ex = example_inputs(args.model, batch=args.batch, seq=args.seq, seed=args.seed)
-        force = {
-            "auto": lambda: {},
-            "fsdp": lambda: fsdp_force(model, shape),
-            "tp": lambda: tp_force(model, shape),
-            "fsdp+tp": lambda: fsdp_tp_force(model, shape) if len(shape) == 2 else fsdp_force(model, shape),
-        }[args.shard]()
-        kw = {"force": force}
-        if args.cluster:
-            kw["cluster"] = args.cluster
-        if args.memory_budget:
-            kw["memory_budget"] = args.memory_budget
-        t = time.perf_counter()
-        pm = autopar.parallelize(model, mesh, ex, **kw)
-        plan_s = time.perf_counter() - t
-        ref = None
-        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if rank == 0:
-            print(pm.plan.summary(), flush=True)
-            print(
-                f"\nplanned + parallelized in {plan_s:.2f} s on {world} ranks, mesh {shape}, device {dev}; "
-                f"torchrun attempt {attempt}\n"
-            )
-            if not args.no_reference:
-                ref = copy.deepcopy(model).to(dev)
+        model, pm, mesh = _parallelize(args, dev, rank, world)
+        ref = copy.deepcopy(model).to(dev) if rank == 0 and not args.no_reference else None
         opt = torch.optim.SGD(pm.parameters(), lr=args.lr, momentum=args.momentum)
         ref_opt = torch.optim.SGD(ref.parameters(), lr=args.lr, momentum=args.momentum) if ref is not None else None
         start = resume(args, pm, opt, rank)
         if ref is not None:  # the reference replays the steps before the checkpoint: uninterrupted
             for step in range(1, start + 1):
                 sgd_step(ref, ref_opt, [t.to(dev) for t in batch(args, step)])
-        worst, verdict = 0.0, ""
-        for step in range(start + 1, args.steps + 1):
-            x = batch(args, step)
-            counter = CommCounter(mesh) if step == start + 1 else None
-            t = time.perf_counter()
-            if counter is not None:
-                with counter:
-                    loss = sgd_step(pm, opt, x)
-            else:
-                loss = sgd_step(pm, opt, x)
-            ms = (time.perf_counter() - t) * 1e3
-            if counter is not None:
-                diff = compare(counter.records, pm.plan.collectives())
-                verdict = (
-                    (
-                        f"collectives of step {step}: {len(counter.records)} measured == "
-                        f"{len(pm.plan.collectives())} predicted (kind, mesh dim, bytes)"
-                    )
-                    if not diff
-                    else f"COLLECTIVES DIFFER: {diff}"
-                )
-            if rank == 0:
-                line = f"step {step} loss {loss.item()!r}"  # repr: the float exactly, to compare runs
-                if ref is not None:
-                    rl = sgd_step(ref, ref_opt, [t.to(dev) for t in x])
-                    d = abs(loss.item() - rl.item())
-                    worst = max(worst, d)
-                    line += f" single-device {rl.item()!r} |diff| {d:.2e}"
-                print(line + f" {ms:.1f} ms", flush=True)
-            if args.checkpoint_dir and (
-                step == args.steps or args.checkpoint_every and step % args.checkpoint_every == 0
-            ):
-                where = checkpoint.save(args.checkpoint_dir, step, pm, opt, rng_state(pm))
-                if rank == 0:
-                    print(f"checkpoint {where} (after step {step})", flush=True)
-            kill_if_asked(args, step, rank, world)
+        worst, verdict = _train(args, pm, opt, ref, ref_opt, mesh, start, rank, world, dev)
         full = {k: global_value(p) for k, p in pm.named_parameters()}  # collective: every rank takes part
         if rank == 0:
             print("\n" + verdict)

@@ -3,18 +3,22 @@ torch.distributed.pipelining: one PipelineStage per stage of `plan.stages` on th
 the schedule class the plan names (ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B,
 ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) with the plan's micro-batch count.
 
-Stage modules are built torchtitan-style from the user's model: the stage keeps the modules of its clusters (the
-embedding on the stage holding "pre", its blocks under their original FQNs `layers.<i>`, final norm and head on the
-stage holding "post"), shares their parameters with the model (deep copies with `copy_model=True`), and recomputes
-what depends on no input (RoPE tables) itself, and checkpoints the first `recompute_blocks` blocks the plan asks
-for (torch.utils.checkpoint). The last stage outputs logits; the loss is `loss_fn(logits, target)`,
-by default the model's own loss for the example families (cross entropy over flattened tokens, what
-`Transformer.forward` / `MLP.forward` compute), so a step equals `model(x, labels)` on the same batch.
+Stage modules come from the plan: each stage of `plan.stages` lists the modules it holds in forward order
+(`modules`: the outer modules before the layer list on the stage holding "pre", its blocks under their FQNs
+`<layer prefix>.<i>`, the outer modules after the blocks on the stage holding "post"; passes/stage_plan.py reads
+them off the plan's graph). The stage registers the model's own modules under those FQNs (deep copies with
+`copy_model=True`) and chains them: each outer module takes the running tensor, each block takes it with what the
+model's forward hands its blocks besides it (RoPE tables: values that depend on no input, captured once from the
+model's forward, stopped at its first block, `block_inputs`); the first `recompute_blocks` blocks are checkpointed
+as the plan asks (torch.utils.checkpoint). So a model whose forward outside the layer list is such a chain (the zoo's
+Llama and MLP families; torchtitan-style models) runs as planned, whatever its module names. The last stage
+outputs logits; the loss is `loss_fn(logits, target)`, by default cross entropy over flattened tokens (what the
+zoo's `Transformer.forward` / `MLP.forward` compute), so a step equals `model(x, labels)` on the same batch.
 
 Inside a stage, torchtitan's order: tensor parallelism first, then data parallelism.
 
 Tensor parallelism (a stage-submesh dim of size > 1 not named dp*, "tp"): each module's ParallelStyle comes from its
-parameters' placements on that dim (`stage_tp_styles`, the table of backends/engines_tp.py `param_style`: nn.Linear
+parameters' placements on that dim (`stage_tp_styles`, the table of backends/torch/tp.py `param_style`: nn.Linear
 weight Shard(0) -> ColwiseParallel, Shard(1) -> RowwiseParallel, the bias with them; nn.Embedding Shard(0) ->
 RowwiseParallel, Shard(1) -> ColwiseParallel), applied with `parallelize_module` on the dim's 1-D submesh, so those
 parameters become DTensors sharded there. Layouts are Megatron's: a colwise and a rowwise Linear that form a pair in
@@ -49,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..torch.tp import _kind, param_style
+
 
 class PipelineShapeError(ValueError):
     """A batch whose shape breaks the plan's static micro-batch shapes."""
@@ -58,87 +64,112 @@ def _ce_loss(logits, target):
     return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(0, 1))
 
 
-class _LlamaStage(nn.Module):
-    """A stage of an autopar Llama-family Transformer (tok_embeddings / layers / norm / output)."""
+class _Stage(nn.Module):
+    """The modules one stage holds (plan.stages[k]["modules"], in forward order), registered under their FQNs in
+    the model so parameter names are the plan's; parameters are the model's own. Forward: every module that is not
+    a block of the layer list takes the running tensor (the embedding, the final norm, the head), every block takes
+    it with `block_args` / `block_kwargs` (what the model's forward hands its blocks besides it, e.g. RoPE tables,
+    captured by block_inputs); the first `recompute` blocks are checkpointed as the plan asks."""
 
-    def __init__(self, model, layer_ids, first, last, recompute=0):
+    def __init__(self, model, fqns, prefix: str, recompute: int, block_args: tuple, block_kwargs: dict):
         super().__init__()
-        self.cfg = model.cfg
-        self.recompute = recompute
-        self.tok_embeddings = model.tok_embeddings if first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        self.norm = model.norm if last else None
-        self.output = model.output if last else None
+        self._order = list(fqns)
+        self._is_block = [f.startswith(prefix + ".") for f in fqns]
+        self._recompute = recompute
+        self._block_args, self._block_kwargs = block_args, block_kwargs
+        for f in fqns:
+            _attach(self, f, model.get_submodule(f))
 
     def forward(self, x):
-        from autopar.models.llama import rope_cos_sin
-
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
-        if len(self.layers):
-            cos, sin = rope_cos_sin(h.shape[1], self.cfg.head_dim, self.cfg.rope_theta, h.device, h.dtype)
-            for j, layer in enumerate(self.layers.values()):
-                out = _run_block(layer, j < self.recompute, h, cos, sin)
-                if isinstance(out, tuple):
-                    raise NotImplementedError(
-                        "blocks returning several tensors (MoE aux loss) need a stage boundary "
-                        "carrying two tensors; the pipeline runtime passes one"
-                    )
-                h = out
-        return self.output(self.norm(h)) if self.output is not None else h
-
-
-class _MLPStage(nn.Module):
-    """A stage of autopar's residual MLP language model (embed / layers / output)."""
-
-    def __init__(self, model, layer_ids, first, last, recompute=0):
-        super().__init__()
-        self.recompute = recompute
-        self.embed = model.embed if first else None
-        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_ids})
-        self.output = model.output if last else None
-
-    def forward(self, x):
-        h = self.embed(x) if self.embed is not None else x
-        for j, layer in enumerate(self.layers.values()):
-            h = _run_block(layer, j < self.recompute, h)
-        return self.output(h) if self.output is not None else h
+        h, j = x, 0
+        for f, block in zip(self._order, self._is_block):
+            mod = self.get_submodule(f)
+            if not block:
+                h = mod(h)
+                continue
+            args = tuple(a.to(h.device) if isinstance(a, torch.Tensor) else a for a in self._block_args)
+            out = _run_block(mod, j < self._recompute, h, *args, **self._block_kwargs)
+            j += 1
+            if isinstance(out, tuple):
+                raise NotImplementedError(
+                    f"block '{f}' returns several tensors (an MoE aux loss?): a stage boundary carries one tensor "
+                    f"in the pipeline runtime (plan-only for such models)"
+                )
+            h = out
+        return h
 
 
-def _run_block(layer, recompute: bool, *args):
+def _attach(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    """Register `module` at path `fqn` under `root`, with empty containers for the path's missing parents."""
+    *path, name = fqn.split(".")
+    parent = root
+    for part in path:
+        child = parent._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            parent.add_module(part, child)
+        parent = child
+    parent.add_module(name, module)
+
+
+def _run_block(layer, recompute: bool, *args, **kwargs):
     """A block, checkpointed (activations dropped after forward, recomputed before backward) if the plan says so."""
     if recompute:
         from torch.utils.checkpoint import checkpoint
 
-        return checkpoint(layer, *args, use_reentrant=False)
-    return layer(*args)
+        return checkpoint(layer, *args, use_reentrant=False, **kwargs)
+    return layer(*args, **kwargs)
 
 
-def _family(model):
-    names = dict(model.named_children())
-    if {"tok_embeddings", "layers", "norm", "output"} <= set(names) and hasattr(model, "cfg"):
-        if getattr(model.cfg, "n_experts", None):
-            raise NotImplementedError(
-                f"{type(model).__name__}: MoE blocks return (h, aux); the pipeline runtime "
-                f"passes one tensor between stages (plan-only for MoE models)"
-            )
-        return _LlamaStage
-    if {"embed", "layers", "output"} <= set(names):
-        return _MLPStage
-    raise NotImplementedError(
-        f"no pipeline stage adapter for {type(model).__name__}: the runtime knows the Llama "
-        f"(tok_embeddings/layers/norm/output) and MLP (embed/layers/output) module layouts"
-    )
+class _BlockReached(Exception):
+    """Raised by the hook on the first block: the model's forward has computed what its blocks take."""
 
 
-def build_stage_module(model: nn.Module, plan, k: int) -> nn.Module:
-    """The module of stage k: the model's modules of the stage's clusters, parameters shared with `model`."""
-    st = plan.stages[k]
+def _rank_microbatch_shapes(plan) -> list:
+    """The shapes of one micro-batch's inputs on one rank (what PipelineStage feeds the first stage)."""
+    sc = plan.schedule
+    local = sc["local_batch_shapes"] if _batch_dp_sharded(plan) else sc["batch_shapes"]
+    rows = local[0][0] if local and local[0] else None
+    return [[s[0] // sc["n_microbatches"]] + s[1:] if s and s[0] == rows else s for s in local]
+
+
+def block_inputs(model: nn.Module, plan) -> tuple[tuple, dict]:
+    """What the model's forward hands its blocks besides the running tensor (RoPE tables, ...): values that depend
+    on no input (passes/stages.py leaves them to each stage), captured from the model's own forward on a zero batch
+    of one rank's micro-batch shapes (the plan's input dtypes), stopped at its first block."""
     prefix = plan.schedule["layer_prefix"]
-    cls = _family(model)
-    if prefix != "layers":
-        raise NotImplementedError(f"stage adapters expect the layer list at 'layers', the plan has '{prefix}'")
-    ids = [int(c.rsplit(".", 1)[1]) for c in st["clusters"] if c.startswith(prefix + ".")]
-    mod = cls(model, ids, "pre" in st["clusters"], "post" in st["clusters"], int(st.get("recompute_blocks", 0)))
+    first = next(f for st in plan.stages for f in st["modules"] if f.startswith(prefix + "."))
+    dtypes = [getattr(torch, n["dtype"][0]) for n in plan.nodes if n["kind"] == "input"]
+    device = next(model.parameters()).device
+    batch = [torch.zeros(s, dtype=d, device=device) for s, d in zip(_rank_microbatch_shapes(plan), dtypes)]
+    seen = {}
+
+    def stop(mod, args, kwargs):
+        seen["args"], seen["kwargs"] = tuple(args[1:]), dict(kwargs)
+        raise _BlockReached
+
+    handle = model.get_submodule(first).register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(*batch)
+    except _BlockReached:
+        pass
+    finally:
+        handle.remove()
+    if "args" not in seen:
+        raise ValueError(f"the model's forward never ran its first block '{first}' on a batch of the plan's shapes")
+    return seen["args"], seen["kwargs"]
+
+
+def build_stage_module(model: nn.Module, plan, k: int, block_args=None) -> nn.Module:
+    """The module of stage k: the modules the plan's stage holds, parameters shared with `model`. block_args: what
+    block_inputs(model, plan) returns (computed here when None)."""
+    st = plan.stages[k]
+    if "modules" not in st:
+        raise ValueError(f"stage {k} of the plan lists no modules (a plan from an older autopar): plan it again")
+    args, kwargs = block_args if block_args is not None else block_inputs(model, plan)
+    prefix = plan.schedule["layer_prefix"]
+    mod = _Stage(model, st["modules"], prefix, int(st.get("recompute_blocks", 0)), args, kwargs)
     have = {n for n, _ in mod.named_parameters()}
     want = set(st["params"])
     if have != want:
@@ -161,7 +192,7 @@ def _tp_dims(plan) -> list:
 
 def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
     """{module FQN in `mod`: ParallelStyle source} for stage k on the tensor-parallel stage-mesh dim t: the style of
-    each module from its parameters' placements there (backends/engines_tp.py `param_style`: Linear Shard(0) ->
+    each module from its parameters' placements there (backends/torch/tp.py `param_style`: Linear Shard(0) ->
     ColwiseParallel, Shard(1) -> RowwiseParallel; Embedding Shard(0) -> RowwiseParallel, Shard(1) ->
     ColwiseParallel), with Megatron layouts: where the parameters of a module are exactly those of colwise and
     rowwise Linear children that form Megatron pairs in the plan's forward graph (_megatron_pair: attention
@@ -169,9 +200,8 @@ def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
     heads / hidden units); every other style input and output is a plain replicated tensor, so the residual
     stream, the stage boundaries (PipelineStage sends plain tensors) and the logits the loss reads are whole on
     every tp rank. pos_of: per block of the model, its block in the plan's representative sub-model
-    (block_positions; default: all blocks alike). Raises NotImplementedError, naming the stage, the parameter and
+    (plan.schedule["block_positions"]; default: all blocks alike). Raises NotImplementedError, naming the stage, the parameter and
     its placement, for a placement no style expresses (never runs it replicated)."""
-    from .torch.tp import _kind, param_style
 
     sc = plan.schedule
     tn, size = sc["stage_mesh_names"][t], sc["stage_mesh_shape"][t]
@@ -220,17 +250,6 @@ def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
         else:
             styles[m] = "RowwiseParallel()" if inside else "RowwiseParallel(input_layouts=Replicate())"
     return styles
-
-
-def block_positions(model: nn.Module, prefix: str) -> list:
-    """Per block of the model's layer list, its block in the plan's representative sub-model (one block per
-    distinct block signature, in order of first appearance: how autopar/pipeline_plan.py builds it)."""
-    from autopar.passes.stages import layer_signature
-
-    layers = model.get_submodule(prefix)
-    sigs = [layer_signature(b) for b in (layers.values() if isinstance(layers, nn.ModuleDict) else layers)]
-    reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
-    return [reps.index(sigs.index(s)) for s in sigs]
 
 
 def _megatron_pair(plan, P: str, col: list, row: list) -> bool:
@@ -371,10 +390,11 @@ class PipelineRunner:
         self.loss_fn = loss_fn or _ce_loss
         S, m = sc["num_stages"], sc["n_microbatches"]
         self.local = [k for k in range(S) if plan.stages[k]["pp_rank"] == self.pp_rank]
-        self._pos_of = block_positions(model, sc["layer_prefix"])
+        self._pos_of = sc["block_positions"]
+        extras = block_inputs(model, plan)
         self.modules, stages, self.tp_styles = [], [], []
         for k in self.local:
-            mod = build_stage_module(model, plan, k).to(self.device)
+            mod = build_stage_module(model, plan, k, extras).to(self.device)
             mod = self._tensor_parallel(mod, k)
             mod = self._data_parallel(mod, k)
             self.modules.append(mod)
