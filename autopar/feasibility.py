@@ -19,6 +19,7 @@ the budget: more ranks, a pp dim, checkpointing, lower-precision optimizer state
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -59,8 +60,6 @@ class MemoryBound:
 
 def memory_bound(state, allow_bf16: bool = False) -> MemoryBound:
     """The bound of a PlanState after the precision and regions passes (see the module docstring)."""
-    import time
-
     t = time.perf_counter()
     g, mesh_shape = state.graph, state.mesh.shape
     ranks = math.prod(mesh_shape)
