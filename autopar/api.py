@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 import gc
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
+from . import feasibility
 from .capture import capture
-from .cost import TrainingPrecision, get_cluster
-from .mesh import as_mesh_spec
+from .cost import ClusterSpec, TrainingPrecision, get_cluster
+from .mesh import MeshSpec, as_mesh_spec
 from .model_io import ModelIO
 from .passes.alternatives import runner_ups
 from .pipeline import PASSES, PlanState, run_passes
@@ -73,7 +75,8 @@ def plan(
         `out.loss` (a ModelOutput), `out["loss"]` (a dict), `out[0]` (a tuple), or `loss_fn(out)` (autopar/model_io.py).
     mesh: a DeviceMesh, a MeshSpec, 'AxB', or a shape tuple (meshes you do not have are fine).
     cluster: a name from autopar.cost.CLUSTERS or a path to a calibrated cluster JSON.
-    memory_budget: bytes per rank (default: 90% of the device's memory).
+    memory_budget: bytes per rank (default: 90% of the device's memory); one that no plan can meet fails before the
+        solve with InfeasibleMemoryError, naming what would fit (autopar/feasibility.py).
     precision: bytes per parameter for params/grads/master/optimizer (default from the model's dtype, AdamW).
     force: {param FQN: placements per mesh dim, e.g. ("S0", "R")} to pin parameters.
     replicate_ops / allow_replicate: accept Replicate-only for ops without a placement rule.
@@ -104,6 +107,29 @@ def plan(
         kwargs = {k: v for k, v in locals().items() if k not in ("model", "mesh", "example_inputs", "target")}
         return plan_for_target(target, lambda **kw: plan(model, mesh, example_inputs, **kw), mesh, **kwargs)
     io = ModelIO.from_example(model, example_inputs, example_kwargs)  # bad arguments: named, before capture
+    setup = _setup(model, mesh, cluster, precision, memory_budget)
+    force = {k: tuple(v) for k, v in (force or {}).items()}
+    limits = dict(force=force, replicate_ops=replicate_ops, allow_replicate=allow_replicate, time_limit=time_limit)
+    if output != "loss" and (pipeline or loss_fn is not None):
+        raise ValueError(f"output={output!r} plans a part of a model: no pipeline, no loss_fn")
+    if pipeline or "pp" in setup.mesh.names:
+        return _plan_pipeline(model, example_inputs, example_kwargs, return_state, pipeline, loss_fn, setup, limits)
+    options = _options(model, setup.mesh, limits, mip_rel_gap, allow_checkpointing, pin, overlap)
+    p, state = _plan_variants(model, io, setup, options, (loss_fn, output, backward), allow_bf16, dump_after)
+    p.meta["loss_fn"] = loss_fn is not None  # the loss is computed outside the module (backends/torch/loss.py)
+    return (p, state) if return_state else p
+
+
+class _Setup(NamedTuple):
+    mesh: MeshSpec
+    cluster: ClusterSpec
+    precision: TrainingPrecision
+    budget: float  # bytes per rank
+
+
+def _setup(model, mesh, cluster, precision, memory_budget) -> _Setup:
+    """The mesh, the cluster, the training precision (default from the model's dtype, AdamW) and the budget per rank
+    (default 90% of the device's memory)."""
     mesh = as_mesh_spec(mesh)
     cl = get_cluster(cluster)
     if precision is None:
@@ -112,37 +138,47 @@ def plan(
     budget = float(memory_budget) if memory_budget is not None else 0.9 * cl.device.mem_bytes
     if budget <= 0:
         raise ValueError(f"memory_budget must be positive bytes per rank, got {memory_budget!r}")
-    force = {k: tuple(v) for k, v in (force or {}).items()}
-    if output != "loss" and (pipeline or loss_fn is not None):
-        raise ValueError(f"output={output!r} plans a part of a model: no pipeline, no loss_fn")
-    if pipeline or "pp" in mesh.names:
-        from .passes import stages
+    return _Setup(mesh, cl, precision, budget)
 
-        if return_state:
-            raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")
-        if example_kwargs or isinstance(example_inputs, dict):
-            raise ValueError("pipeline plans take positional example_inputs only (no keyword inputs)")
-        request = stages.StagesRequest(
-            model,
-            mesh,
-            example_inputs,
-            cluster=cl,
-            precision=precision,
-            budget=budget,
-            loss_fn=loss_fn,
-            force=force,
-            replicate_ops=replicate_ops,
-            allow_replicate=allow_replicate,
-            time_limit=time_limit,
-            options=pipeline or "auto",
-        )
-        return stages.run(request)
+
+def _plan_pipeline(model, example_inputs, example_kwargs, return_state, pipeline, loss_fn, setup, limits) -> Plan:
+    """Pipeline stages planned jointly with each stage's per-op plan (passes/stages.py)."""
+    from .passes import stages
+
+    if return_state:
+        raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")
+    if example_kwargs or isinstance(example_inputs, dict):
+        raise ValueError("pipeline plans take positional example_inputs only (no keyword inputs)")
+    mesh, cl, precision, budget = setup
+    kwargs = dict(cluster=cl, precision=precision, budget=budget, loss_fn=loss_fn, options=pipeline or "auto")
+    return stages.run(stages.StagesRequest(model, mesh, example_inputs, **kwargs, **limits))
+
+
+def _options(model, mesh, limits, mip_rel_gap, allow_checkpointing, pin, overlap) -> dict:
+    """The passes' options (PlanState.options), after checking that `force` names parameters of the model with
+    one placement per mesh dim."""
     names = dict(model.named_parameters())
-    for fqn, pl in force.items():
+    for fqn, pl in limits["force"].items():
         if fqn not in names:
             raise ValueError(f"force names unknown parameter '{fqn}'")
         if len(pl) != mesh.ndim:
             raise ValueError(f"force['{fqn}'] = {pl} needs one placement per mesh dim {mesh.names}")
+    return {
+        "force": limits["force"],
+        "replicate_ops": [str(o) for o in limits["replicate_ops"]],
+        "allow_replicate": limits["allow_replicate"],
+        "time_limit": limits["time_limit"],
+        "mixed_precision": None,
+        "mip_rel_gap": float(mip_rel_gap),
+        "allow_checkpointing": allow_checkpointing,
+        "pin": pin,
+        "overlap": bool(overlap),
+    }
+
+
+def _plan_variants(model, io, setup, options, step, allow_bf16, dump_after):
+    """(plan, state): the model planned as it is and, with allow_bf16 on an fp32 model, with FSDP2's bf16 mixed
+    precision too; the faster plan that fits wins (passes/precision.py `choose`). step: (loss_fn, output, backward)."""
     from .passes.precision import MIXED_BF16, choose
 
     variants = [None]
@@ -150,30 +186,8 @@ def plan(
         variants.append(MIXED_BF16)
     results, infeasible = [], []
     for mp in variants:
-        with outside_local_tensor_mode():  # capture runs on meta tensors, never on simulated ranks' values
-            graph = capture(
-                model, io, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output, backward=backward
-            )
-        state = PlanState(
-            graph,
-            mesh,
-            cl,
-            precision,
-            budget,
-            {
-                "force": force,
-                "replicate_ops": [str(o) for o in replicate_ops],
-                "allow_replicate": allow_replicate,
-                "time_limit": time_limit,
-                "mixed_precision": mp,
-                "mip_rel_gap": float(mip_rel_gap),
-                "allow_checkpointing": allow_checkpointing,
-                "pin": pin,
-                "overlap": bool(overlap),
-            },
-        )
         try:
-            run_passes(state, PASSES, dump_after=dump_after)
+            state = _plan_one(model, io, setup, {**options, "mixed_precision": mp}, step, allow_bf16, dump_after)
         except InfeasibleMemoryError as e:
             if len(variants) == 1:
                 raise
@@ -184,6 +198,35 @@ def plan(
         raise infeasible[-1][1]
     _, state, p = choose(results, infeasible) if len(variants) > 1 else results[0]
     p.meta["dumps"] = state.dumps if dump_after else {}
-    p.meta["loss_fn"] = loss_fn is not None  # the loss is computed outside the module (backends/torch/loss.py)
+    why = feasibility.replicated_why(state, p)  # a plan that replicates everything: the figures that made it cheapest
+    if why:
+        p.meta["replicated_why"] = why
     p.meta["alternatives"] = runner_ups(state)  # each decision's runner-up, for `autopar explain`
-    return (p, state) if return_state else p
+    return p, state
+
+
+# the passes that run before the memory bound: precision (its casts are part of the graph) and regions (the
+# repeated blocks checkpointing may drop)
+_BEFORE_BOUND = PASSES[: PASSES.index("regions") + 1]
+
+
+def _plan_one(model, io, setup, options, step, allow_bf16, dump_after) -> PlanState:
+    """Capture one precision variant, check the memory lower bound (autopar/feasibility.py: no plan can fit fails
+    here, in seconds, naming what would fit), then run the remaining passes; the solver's InfeasibleMemoryError gets
+    the same lines of what would fit."""
+    loss_fn, output, backward = step
+    mp = options["mixed_precision"]
+    with outside_local_tensor_mode():  # capture runs on meta tensors, never on simulated ranks' values
+        graph = capture(
+            model, io, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output, backward=backward
+        )
+    state = PlanState(graph, *setup, options)
+    run_passes(state, _BEFORE_BOUND, dump_after=dump_after)
+    bound = feasibility.memory_bound(state, allow_bf16)
+    feasibility.check(bound, setup.mesh)
+    try:
+        run_passes(state, [n for n in PASSES if n not in _BEFORE_BOUND], dump_after=dump_after)
+    except InfeasibleMemoryError as e:
+        feasibility.add_fixes(e, bound, setup.mesh, e.smallest_bytes)
+        raise
+    return state

@@ -104,6 +104,8 @@ class Plan:
             f"{self.solver['gap']:.2e}  {self.solver['n_vars']} vars"
             + (f"  {self.solver['seconds']:.2f} s" if timings else ""),
         ]
+        if self.meta.get("replicated_why"):
+            lines += _replicated_why(self.meta["replicated_why"])
         if timings:
             lines.append("pass times " + "  ".join(f"{k} {v:.2f}s" for k, v in self.timings))
         if self.coverage:
@@ -301,3 +303,32 @@ def node_record(n, s, red, time_s, source) -> dict:
 def _co(c) -> str:
     """Where a coalesced input's all_reduce runs: another input of the op, or "<node>:<input>" of a later op."""
     return f"input {c}" if isinstance(c, int) else c
+
+
+def _replicated_why(why: dict) -> list[str]:
+    """Why a plan replicates everything: per mesh dim, the link's figures and what sharding the costliest op on it
+    would save against what its collectives would cost (autopar/feasibility.py `replicated_why`, at plan time)."""
+    us = lambda s: f"{s * 1e6:.4g} us"
+    ops = [d["op"] for d in why["dims"] if "sharded_s" in d.get("op", {})]
+    lines = [
+        "why replicated: no mesh dim has more than one rank"
+        if not why["dims"]
+        else "why replicated: on this cluster sharding costs more in collectives than it saves in compute"
+        if ops and all(o["comm_s"] >= o["replicated_s"] - o["sharded_s"] for o in ops)
+        else "why replicated: the cluster's figures (the solver weighs every op, the costliest is shown)"
+    ]
+    for d in why["dims"]:
+        link = (
+            f"{d['link']}: all_gather {us(d['alpha_s'])} per ring step + {us(d['launch_s'])} per call, "
+            f"{d['bw'] / 1e9:.2f} GB/s"
+        )
+        op = d.get("op") or {}
+        if "sharded_s" not in op:
+            lines.append(f"  {d['dim']} ({d['size']} ranks, {link}): the costliest op has no placement sharded on it")
+            continue
+        lines.append(
+            f"  {d['dim']} ({d['size']} ranks, {link}): sharding the costliest op ({op['op']} in "
+            f"'{op['module'] or '<root>'}', {us(op['replicated_s'])} replicated) on {d['dim']} saves "
+            f"{us(op['replicated_s'] - op['sharded_s'])} of compute but its collectives cost {us(op['comm_s'])}"
+        )
+    return lines

@@ -28,7 +28,14 @@ from . import dominance
 
 
 class InfeasibleMemoryError(ValueError):
-    """No plan fits the memory budget; the message states the smallest achievable peak."""
+    """No plan fits the memory budget; the message states the smallest achievable peak (`smallest_bytes`, per
+    rank, where the raiser knows it) and, from autopar.plan, what would fit (`fixes`, autopar/feasibility.py)."""
+
+    fixes: tuple = ()
+
+    def __init__(self, *args, smallest_bytes: float | None = None):
+        super().__init__(*args)
+        self.smallest_bytes = smallest_bytes
 
 
 class SolverTimeLimitError(RuntimeError):

@@ -167,7 +167,8 @@ def run(state) -> None:
         raise InfeasibleMemoryError(
             f"no plan fits {budget / 1e9:.3f} GB per rank on mesh {state.mesh}: the smallest achievable (model state "
             f"and saved activations, all maximally sharded) is {floors[0] / 1e9:.3f} GB, and "
-            f"{floors[len(blocks)] / 1e9:.3f} GB with activation checkpointing of all {len(blocks)} blocks"
+            f"{floors[len(blocks)] / 1e9:.3f} GB with activation checkpointing of all {len(blocks)} blocks",
+            smallest_bytes=floors[len(blocks)],
         )
     objective = {}
     if len(cands) > 1:

@@ -32,7 +32,8 @@ def run(state) -> None:
         raise InfeasibleMemoryError(
             f"no plan fits {state.budget / 1e9:.3f} GB per rank on mesh {state.mesh}: the smallest achievable "
             f"(parameters, gradients, optimizer state and saved activations, all maximally sharded) is "
-            f"{floor / 1e9:.3f} GB"
+            f"{floor / 1e9:.3f} GB",
+            smallest_bytes=floor,
         )
     row_budget = state.budget
     for _ in range(4):
@@ -58,11 +59,13 @@ def run(state) -> None:
             raise InfeasibleMemoryError(
                 f"no plan fits {state.budget / 1e9:.3f} GB per rank on mesh {state.mesh}: the best plan found peaks "
                 f"at {peak / 1e9:.3f} GB (transient activations included); the smallest achievable without "
-                f"transients is {floor / 1e9:.3f} GB"
+                f"transients is {floor / 1e9:.3f} GB",
+                smallest_bytes=peak,
             )
     else:
         raise InfeasibleMemoryError(
-            f"no plan found under {state.budget / 1e9:.3f} GB per rank after 4 rounds; last peak {peak / 1e9:.3f} GB"
+            f"no plan found under {state.budget / 1e9:.3f} GB per rank after 4 rounds; last peak {peak / 1e9:.3f} GB",
+            smallest_bytes=peak,
         )
     if res.candidates is not None:
         if thorough:  # small graphs: the classic layouts as candidates too

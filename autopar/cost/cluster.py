@@ -138,18 +138,7 @@ _H200 = DeviceSpec("H200-SXM", dict(_H100.peak_flops), mem_bw=4.8e12, mem_bytes=
 _A100 = DeviceSpec(
     "A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, mem_bw=2.0e12, mem_bytes=80 * GB
 )
-# cpu-gloo: one rank of 4 gloo ranks sharing the 2-core reference (CI) machine, OMP_NUM_THREADS=1 each, as the
-# tests and benchmarks run them. Four runs of `python benchmarks/cpu_calibrate.py`, pooled by `--refit`
-# (results/cpu_gloo_calibrated.json). Device: the copy bandwidth (8.6 GB/s per rank, median), and a FLOP rate and a
-# per-op cost fitted to eager forward + backward steps of llama3-debug, moe-debug and mlp-heavy at batch 1 and 4 on
-# all 4 ranks at once (median error 12%): 47 GFLOP/s (large matmuls alone reach ~90), 39 us per op (two ranks per
-# core, autograd included), views priced at that per-op cost only. A gloo collective timed inside a busy program
-# (5 ms of matmul between collectives, as between a small model's blocks) costs 3-8 ms even for 16 B: with more
-# ranks than cores it waits until every peer is scheduled again (with 1.5 ms between them, ~25% less). Timed over
-# the 4 ranks and over the pairs of a 2x2 mesh, the cost is a fixed cost per call (`launch`, 1.5-2 ms) plus 0.6-1.5
-# ms per ring step, one fit per kind (gloo runs each kind its own way; median error 11%): two pair all_reduces of a
-# loss's 8 bytes cost more than one over the 4 ranks (6.5 vs 5.8 ms), as a direct A/B measures (4.3 vs 2.2 ms).
-# Calibrate your own machine with it.
+# cpu-gloo: one of 4 gloo ranks on the 2-core CI machine; how it was measured: docs/cost_model.md, "The cpu-gloo preset"
 _CPU = DeviceSpec(
     "cpu",
     {"fp32": 47e9, "bf16": 47e9, "fp16": 47e9},
