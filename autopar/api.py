@@ -12,7 +12,7 @@ from .capture import capture
 from .cost import TrainingPrecision, get_cluster
 from .mesh import as_mesh_spec
 from .model_io import ModelIO
-from .pipeline import PASSES, PlanState, run_passes
+from .passmanager import PASSES, PlanState, run_passes
 from .plan import Plan
 from .predict import build_plan
 from .solver import InfeasibleMemoryError

@@ -331,7 +331,7 @@ def _candidates(model, inputs):
     from autopar.capture import capture
     from autopar.cost import TrainingPrecision, get_cluster
     from autopar.mesh import as_mesh_spec
-    from autopar.pipeline import PlanState, run_passes
+    from autopar.passmanager import PlanState, run_passes
 
     g = capture(model, inputs)
     state = PlanState(

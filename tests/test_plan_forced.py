@@ -23,7 +23,7 @@ from _clusters import SHAPES
 from _simulated import simulated
 from autopar.backends.verify import fsdp_force, train_and_compare
 from autopar.models import build_model, example_inputs
-from autopar.pipeline import VerificationError, verify
+from autopar.passmanager import VerificationError, verify
 
 lt = pytest.importorskip("torch.distributed._local_tensor")
 

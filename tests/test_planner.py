@@ -7,7 +7,7 @@ import torch
 
 import autopar
 from autopar import models as M
-from autopar.pipeline import VerificationError, verify
+from autopar.passmanager import VerificationError, verify
 from autopar.strategies import _CACHE
 
 MEGATRON = {

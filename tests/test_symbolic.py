@@ -5,7 +5,7 @@ import sympy
 
 import autopar
 from autopar.capture import capture
-from autopar.pipeline import PlanState, run_passes
+from autopar.passmanager import PlanState, run_passes
 from autopar.predict import build_plan
 from autopar import models as M
 from autopar.symbolic import b, batch_formula
