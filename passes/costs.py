@@ -34,7 +34,7 @@ from autopar.redistribute import (
     grad_reduce_time,
     redistribute_time,
 )
-from autopar.schedule import HELD_NUMEL, can_be_partial, tail_values
+from autopar.loss_tail import HELD_NUMEL, can_be_partial, tail_values
 from autopar.strategies import num_shards
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from autopar.graph import TensorMeta, param_root
 from autopar.redistribute import all_reduced, bucket_steps, collectives
-from autopar.schedule import HELD_NUMEL, can_be_partial, coalesce_tail
+from autopar.loss_tail import HELD_NUMEL, can_be_partial, coalesce_tail
 
 
 def run(state) -> None:
