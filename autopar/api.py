@@ -12,7 +12,9 @@ from .capture import capture
 from .cost import TrainingPrecision, get_cluster
 from .mesh import as_mesh_spec
 from .model_io import ModelIO
-from .passmanager import PASSES, PlanState, run_passes
+from .passes import PASSES
+from .passes.precision import MIXED_BF16, choose
+from .passmanager import PlanState, run_passes
 from .plan import Plan
 from .predict import build_plan
 from .solver import InfeasibleMemoryError
@@ -134,8 +136,6 @@ def plan(
             raise ValueError(f"force names unknown parameter '{fqn}'")
         if len(pl) != mesh.ndim:
             raise ValueError(f"force['{fqn}'] = {pl} needs one placement per mesh dim {mesh.names}")
-    from .passes.precision import MIXED_BF16, choose
-
     variants = [None]
     if allow_bf16 and any(p.dtype == torch.float32 for p in model.parameters()):
         variants.append(MIXED_BF16)

@@ -1,18 +1,18 @@
-"""The pass manager: runs the passes of `passes/` in order on one PlanState, times each, verifies the state
-after each, and can dump the annotated graph after any pass."""
+"""The pass manager: runs passes in order on one PlanState, times each, verifies the state after each, and can dump
+the annotated graph after any pass. The passes themselves and their order are autopar.passes.PASSES (passes/); a
+pass is a module whose `run(state)` reads and annotates the state, and is named after its module."""
 
 from __future__ import annotations
 
-import importlib
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import Any, Iterable
 
 from .cost import ClusterSpec, TrainingPrecision
 from .graph import Graph
 from .mesh import MeshSpec
-
-PASSES = ("precision", "regions", "candidates", "costs", "checkpointing", "solve", "redistribute", "buckets")
+from .plan import dump_state
 
 
 @dataclass
@@ -87,7 +87,7 @@ def verify(state: PlanState, after: str) -> None:
 def _verify_repeated_layers(state: PlanState, after: str) -> None:
     """Every node of a repeated layer must offer all its representative's candidates: the solver decides once per
     region, in the representative's candidate list, and that choice is applied to every copy (passes/solve.py
-    `_expand`). A copy's own enumeration can differ (its boundary inputs come from other producers, e.g. the
+    `expand_choice`). A copy's own enumeration can differ (its boundary inputs come from other producers, e.g. the
     last block's backward from the final norm's), so the candidates pass must give copies the shared list."""
     g, S, rep = state.graph, state.strategies, state.rep
     if rep is None:
@@ -106,16 +106,20 @@ def _verify_repeated_layers(state: PlanState, after: str) -> None:
             )
 
 
-def run_passes(state: PlanState, passes=PASSES, dump_after=(), check=True) -> PlanState:
-    for name in passes:
-        mod = importlib.import_module(f"autopar.passes.{name}")
+def pass_name(module: ModuleType) -> str:
+    return module.__name__.rsplit(".", 1)[-1]
+
+
+def run_passes(state: PlanState, passes: Iterable[ModuleType], dump_after=(), check=True) -> PlanState:
+    """Run each pass module's `run(state)` in order; dump_after: pass names (or "all") whose state to keep as
+    text in state.dumps."""
+    for module in passes:
+        name = pass_name(module)
         t = time.perf_counter()
-        mod.run(state)
+        module.run(state)
         state.timings[name] = time.perf_counter() - t
         if check:
             verify(state, name)
         if name in dump_after or "all" in dump_after:
-            from .plan import dump_state
-
             state.dumps[name] = dump_state(state)
     return state

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from .graph import TensorMeta, param_root
-from .plan import Plan, node_record
 from .cost import collective_time
+from .graph import TensorMeta, param_root
+from .liveness import liveness_peak, recompute_seconds, state_bytes
+from .plan import Plan, node_record
 from .redistribute import grad_reduce_time, link_of, redistribute_time
-from .strategies import num_shards
 
 
 def build_plan(state) -> Plan:
@@ -150,8 +150,6 @@ def predict(state):
     compute = sum(times)
     recompute_s = 0.0
     if state.recompute:  # activation checkpointing: checkpointed blocks run their forward twice
-        from autopar.passes.checkpointing import recompute_seconds
-
         recompute_s = recompute_seconds(state, times)
         compute += recompute_s
     overlappable = comm["param"] + comm["grad"]
@@ -172,55 +170,3 @@ def predict(state):
         "recompute_s": recompute_s,
     }
     return predicted, red_by_node, times
-
-
-def state_bytes(g, P, mesh_shape, precision) -> float:
-    """Parameters, gradients and optimizer state per rank at the parameters' storage placements."""
-    return sum(
-        g.nodes[i].out.numel * precision.bytes_per_param / num_shards(P[i].out[0], mesh_shape)
-        for i in g.params.values()
-    )
-
-
-def last_uses(g):
-    """(last consumer index per (node, output), the gradient refs): the lifetimes a liveness walk needs; the loss
-    lives to the end of the step."""
-    last = {}
-    for n in g.nodes:
-        for r in n.inputs():
-            last[(r.node, r.out)] = n.idx
-    for r in [g.loss, *g.input_grads.values(), *g.state_updates.values()]:
-        last[(r.node, r.out)] = len(g.nodes)
-    return last, {(r.node, r.out) for r in g.grads.values()}
-
-
-def liveness_peak(g, P, mesh_shape, recompute=None) -> float:
-    """Max over the fw+bw order of live activation bytes per rank (parameters are model state, not counted).
-    recompute: checkpointed blocks (passes/checkpointing.py), whose saved activations are dropped and recomputed."""
-    if recompute:
-        from autopar.passes.checkpointing import liveness_peak_checkpointed
-
-        return liveness_peak_checkpointed(g, P, mesh_shape, recompute)
-    last, grad_refs = last_uses(g)
-    frees: dict[int, list] = {}
-    live = peak = 0.0
-    size = {}
-    for n in g.nodes:
-        if n.kind == "op":
-            for o, m in enumerate(n.outs):
-                if m is None or P[n.idx].out[o] is None:
-                    continue
-                b = m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
-                size[(n.idx, o)] = b
-                live += b
-                end = n.idx if (n.idx, o) in grad_refs else last.get((n.idx, o), n.idx)
-                frees.setdefault(end, []).append((n.idx, o))
-        elif n.kind == "input":
-            b = n.out.nbytes / num_shards(P[n.idx].out[0], mesh_shape)
-            size[(n.idx, 0)] = b
-            live += b
-            frees.setdefault(last.get((n.idx, 0), n.idx), []).append((n.idx, 0))
-        peak = max(peak, live)
-        for key in frees.pop(n.idx, []):
-            live -= size[key]
-    return peak

@@ -24,8 +24,8 @@ from collections import defaultdict
 import numpy as np
 import torch
 
-from autopar.cost import has_flop_formula, is_view, op_flops, roofline_time
-from autopar.graph import Ref, TensorMeta, param_root
+from autopar.cost import global_flops, is_view, roofline_time
+from autopar.graph import TensorMeta, param_root
 from autopar.redistribute import (
     BUCKET_BYTES,
     all_reduced,
@@ -36,41 +36,6 @@ from autopar.redistribute import (
 )
 from autopar.loss_tail import HELD_NUMEL, can_be_partial, tail_values
 from autopar.strategies import num_shards
-
-
-def _meta_tensor(m):
-    return torch.empty(m.shape, dtype=m.dtype, device="meta")
-
-
-def global_flops(g, n, cache) -> float:
-    if n.kind != "op" or not has_flop_formula(n.target):
-        return 0.0
-    key = (n.target, tuple(g.meta(r).shape for r in n.inputs()), repr(_plain(n.args)), repr(_plain(n.kwargs)))
-    if key not in cache:
-        conv = lambda a: (
-            _meta_tensor(g.meta(a))
-            if isinstance(a, Ref)
-            else type(a)(conv(x) for x in a)
-            if isinstance(a, (list, tuple))
-            else a
-        )
-        args = conv(n.args)
-        kwargs = {k: conv(v) for k, v in n.kwargs.items()}
-        outs = [_meta_tensor(m) if m is not None else None for m in n.outs]
-        out = outs[0] if len(outs) == 1 else tuple(outs)
-        try:
-            cache[key] = float(op_flops(n.target, args, kwargs, out))
-        except Exception:
-            cache[key] = 0.0
-    return cache[key]
-
-
-def _plain(a):
-    if isinstance(a, Ref):
-        return "T"
-    if isinstance(a, (list, tuple)):
-        return tuple(_plain(x) for x in a)
-    return a
 
 
 def run(state) -> None:

@@ -251,7 +251,8 @@ class StageOps:
 
     def __init__(self, model, prefix, reps, pos_of, mb_inputs, stage_mesh: MeshSpec, ctx):
         from autopar.capture import capture
-        from autopar.passmanager import PASSES, PlanState, run_passes
+        from autopar.passes import PASSES, candidates, solve
+        from autopar.passmanager import PlanState, run_passes
         from autopar.solver import min_memory
 
         t0 = time.perf_counter()
@@ -297,8 +298,8 @@ class StageOps:
                 "allow_checkpointing": False,
             },
         )
-        self._k = PASSES.index("solve")
-        kc = PASSES.index("candidates") + 1
+        self._k = PASSES.index(solve)
+        kc = PASSES.index(candidates) + 1
         run_passes(self.state, PASSES[:kc])
         if ctx["dp_shards_batch"]:
             shard_batch_on_dp(self.state, mb_inputs)
@@ -325,7 +326,8 @@ class StageOps:
         """Add the next intra-op plan; True if it differs from those so far. Order: time-optimal; parameters
         sharded over the dp dims (FSDP/ZeRO-3: the per-op plan re-solved with unsharded parameter placements
         priced out, an LP); then (n_variants > 2) plans under memory budgets halfway to, and at, the most-sharded."""
-        from autopar.passmanager import PASSES, run_passes
+        from autopar.passes import PASSES
+        from autopar.passmanager import run_passes
         from autopar.predict import build_plan
         from autopar.solver import InfeasibleMemoryError
 
