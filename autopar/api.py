@@ -110,7 +110,7 @@ def plan(
     if output != "loss" and (pipeline or loss_fn is not None):
         raise ValueError(f"output={output!r} plans a part of a model: no pipeline, no loss_fn")
     if pipeline or "pp" in mesh.names:
-        from .pipeline_plan import plan_pipeline
+        from .passes.stage_search import plan_pipeline
 
         if return_state:
             raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from . import pipeline_model as pm
-from .cost import collective_time
-from .mesh import MeshSpec
-from .passes.stages import StageOps, evaluate, even_bounds, find_layers, layer_signature, layout_bounds
-from .plan import Plan
+from autopar import pipeline_model as pm
+from autopar.cost import collective_time
+from autopar.mesh import MeshSpec
+from autopar.passes.stages import StageOps, evaluate, even_bounds, find_layers, layer_signature, layout_bounds
+from autopar.plan import Plan
 
 INF = float("inf")
 
@@ -493,7 +493,7 @@ def plan_pipeline(
     block, for hand layouts), dp_shards_batch (default True),
     prune_margin (1.25), dp_tol (1e-3: relative tolerance of the bottleneck scan; 0 = exact), top (candidates
     kept in the report)."""
-    from .solver import InfeasibleMemoryError
+    from autopar.solver import InfeasibleMemoryError
 
     t_start = time.perf_counter()
     opts = dict(pipeline) if isinstance(pipeline, dict) else {}
