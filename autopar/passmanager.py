@@ -7,44 +7,81 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Iterable
+from typing import Callable, Iterable, TypedDict
+
+import numpy as np
 
 from .cost import ClusterSpec, TrainingPrecision
-from .graph import Graph
+from .graph import Graph, Node
 from .mesh import MeshSpec
+from .milp import SolveResult
 from .plan import dump_state
+from .redistribute import Collective
+from .strategies import Placements, Strategy
+
+InputKey = int | str  # a tensor input's position, or "opt" (optimizer step: the gradient), "loss", "state"
+Use = tuple[int, InputKey]  # (consumer node, input): where a value is used at a placement
+GroupPair = tuple[int, int]  # (producer decision group, consumer decision group)
+
+
+class CostTerms(TypedDict):
+    """The costs pass's terms, per decision group (one array entry per strategy of the group's root) and per edge
+    between groups (a producer strategy x consumer strategy matrix); seconds and bytes per rank."""
+
+    compute: list[np.ndarray]  # compute time of the group's members
+    comm: list[np.ndarray]  # redistributes inside the group (followers, the loss's gather)
+    state_mem: list[np.ndarray]  # parameters, gradients, optimizer state at the storage placement
+    act_mem: list[np.ndarray]  # saved activations
+    edges: dict[GroupPair, np.ndarray]  # redistribute time between groups
+    rtime: Callable  # (src placements, dst placements, TensorMeta) -> seconds of one redistribute
+    node_time: Callable[[Node, Strategy], float]  # compute seconds of one node at one strategy
+    comm_ovl: list[np.ndarray]  # the part of `comm` that can overlap compute (gathers, gradient reductions)
+    edges_ovl: dict[GroupPair, np.ndarray]  # the part of `edges` that can overlap compute
+    bucket_delta: dict[GroupPair, np.ndarray]  # gradient reductions' bandwidth-only price minus the by-share one
+    share_delta: dict[GroupPair, np.ndarray]  # added to the edges: the shared prices moved into `shared`
+    shared: list  # what several consumers share, paid once (solve(shared=...); passes/costs.py _shared)
+    bucket_series: list  # [(one bucket's latency, [(GroupPair, bucket fraction per choice pair)])]
 
 
 @dataclass
 class PlanState:
+    """What the passes read and write: the inputs first, then each pass's results (None until it ran; the pass
+    named after the field's comment writes it)."""
+
     graph: Graph
     mesh: MeshSpec
     cluster: ClusterSpec
     precision: TrainingPrecision
-    budget: float
-    options: dict = field(default_factory=dict)
-    timings: dict = field(default_factory=dict)
-    dumps: dict = field(default_factory=dict)
-    # filled by passes (see each pass's docstring)
-    rep: Any = None
-    region_of: Any = None
-    regions: Any = None
-    strategies: Any = None
-    sources: Any = None
-    coverage: Any = None
-    groups: Any = None
-    group_of: Any = None
-    choice: Any = None
-    follow: Any = None
-    cost: Any = None
-    solution: Any = None
-    placement: Any = None  # per node: chosen Strategy
-    redistributes: Any = None  # (consumer node, input index | "opt") -> (src, dst, collectives)
-    shares: Any = None  # (consumer, input) -> (consumer, input) whose redistribute of the same value it reuses
-    coalesced: Any = None  # (consumer, input) -> (consumer, input) whose all_reduce also carries this input
-    fw_order: Any = None  # forward op nodes in order of execution where a loss-tail group reorders them
-    buckets: Any = None  # gradient buckets [{kind, mesh_dim, group, from, to, dtype, params, bytes}]
-    recompute: Any = None  # checkpointed blocks [{"block": FQN, "nodes": [idx]}] (checkpointing pass)
+    budget: float  # bytes per rank
+    options: dict = field(default_factory=dict)  # plan()'s options (force, pin, time_limit, overlap, ...)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per pass
+    dumps: dict[str, str] = field(default_factory=dict)  # the state as text after the passes in dump_after
+    # regions: repeated layers
+    rep: list[int] | None = None  # per node, its representative (itself unless a copy in a repeated layer)
+    region_of: list[tuple[str, int] | None] | None = None  # per node, (layer list prefix, layer index) or None
+    regions: list[dict] | None = None  # [{"prefix", "layers": [index], "nodes_per_layer"}] per repeated region
+    # candidates
+    strategies: list[list[Strategy]] | None = None  # per node, its candidate placements
+    sources: list[str] | None = None  # per node, where its candidates come from ("autopar", "dtensor", "leaf", ...)
+    coverage: dict[str, list[tuple[str, str, str]]] | None = None  # replicate-only op -> [(node, module, source)]
+    # costs: decision groups and their cost terms
+    groups: list[int] | None = None  # per decision group, its root node
+    group_of: dict[int, int] | None = None  # node -> its decision group
+    choice: dict[int, np.ndarray | None] | None = None  # representative node -> its strategy per root strategy
+    follow: dict[int, tuple[int, int, int]] | None = None  # follower -> (producer, producer output, input position)
+    cost: CostTerms | None = None
+    # solve
+    solution: SolveResult | None = None
+    placement: list[Strategy] | None = None  # per node: chosen Strategy
+    # redistribute
+    redistributes: dict[Use, tuple[Placements, Placements, list[Collective]]] | None = None  # (src, dst, collectives)
+    shares: dict[Use, Use] | None = None  # a use -> the use whose redistribute of the same value it reuses
+    coalesced: dict[Use, Use] | None = None  # a use -> the use whose all_reduce also carries it
+    fw_order: list[int] | None = None  # forward op nodes in order of execution where a loss-tail group reorders them
+    # buckets
+    buckets: list[dict] | None = None  # gradient buckets [{kind, mesh_dim, group, from, to, dtype, params, bytes}]
+    # checkpointing (runs before solve)
+    recompute: list[dict] | None = None  # checkpointed blocks [{"block": FQN, "nodes": [idx]}] (checkpointing pass)
     extras: dict = field(default_factory=dict)  # decisions copied into Plan.meta (precision, checkpointing)
 
 
