@@ -14,6 +14,7 @@ from .mesh import as_mesh_spec
 from .model_io import ModelIO
 from .passes import PASSES
 from .passes.precision import MIXED_BF16, choose
+from .passes.stage_search import plan_pipeline
 from .passmanager import PlanState, run_passes
 from .plan import Plan
 from .predict import build_plan
@@ -110,8 +111,6 @@ def plan(
     if output != "loss" and (pipeline or loss_fn is not None):
         raise ValueError(f"output={output!r} plans a part of a model: no pipeline, no loss_fn")
     if pipeline or "pp" in mesh.names:
-        from .passes.stage_search import plan_pipeline
-
         if return_state:
             raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")
         if example_kwargs or isinstance(example_inputs, dict):

@@ -63,7 +63,7 @@ def run(state) -> None:
     tail_share = max(1, len(tail))
 
     def ttime(src, dst, meta):
-        """A loss-tail value's all_reduce (autopar/schedule.py: the redistribute pass groups them): its bandwidth and
+        """A loss-tail value's all_reduce (autopar/loss_tail.py: the redistribute pass groups them): its bandwidth and
         its share of one collective's latency, as a gradient's in a bucket (1 / the number of loss-tail values)."""
         if src == dst or not all_reduced(src, dst, meta, mesh_shape):
             return rtime(src, dst, meta)
@@ -299,7 +299,7 @@ def _grad_joins(meta, mesh_shape, cluster):
 
 
 def _tail_joins(meta, mesh_shape, cluster):
-    """A loss-tail value's all_reduce in the forward (autopar/schedule.py): the one collective its group takes, a
+    """A loss-tail value's all_reduce in the forward (autopar/loss_tail.py): the one collective its group takes, a
     series per partial kind (a mean counted as a sum) and destination; exact where the plan's loss tail takes one
     group, as on every model planned here (values whose consumer computes another's take a second collective and
     are not in the tail: schedule.tail_values)."""

@@ -1,6 +1,6 @@
 """Pass: pipeline stages (Alpa-style inter-op pass): per-cluster costs from the per-op plan of each stage, and the
 evaluation of a partition. The search over pp degree / submesh / schedule / micro-batches is
-autopar/pipeline_plan.py; the schedule model and the dynamic program are autopar/pipeline_model.py.
+passes/stage_search.py; the schedule model and the dynamic program are autopar/pipeline_model.py.
 
 Layer clusters: "pre" (everything before the first block of the model's layer list: embedding, RoPE tables),
 one cluster per block, "post" (final norm, head, loss). For each candidate stage submesh and micro-batch shape
