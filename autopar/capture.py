@@ -401,9 +401,18 @@ def capture(
     finally:
         h1.remove()
         h2.remove()
+    leaves = (params, bufs, inputs)
+    return _graph_of(rec, leaves, loss, dict(zip(train, grads)), in_grads, updates, aliases, act, io)
+
+
+def _graph_of(rec: _Recorder, leaves, loss, grads: dict, in_grads: dict, updates: dict, aliases, act, io) -> Graph:
+    """The Graph of what the recorder saw: the nodes that reach the loss, the gradients and the state updates
+    (others dropped, indices renumbered). leaves: (param nodes, buffer nodes, input nodes) as recorded; grads:
+    {parameter FQN: its gradient tensor or None}."""
+    params, bufs, inputs = leaves
     # a parameter the loss does not reach keeps no gradient (None), as on one device and under DDP/FSDP2
     loss_ref = rec.ref[id(loss)]
-    grad_refs = {k: rec.ref[id(gr)] for k, gr in zip(train, grads) if gr is not None}
+    grad_refs = {k: rec.ref[id(gr)] for k, gr in grads.items() if gr is not None}
     in_refs = {i: rec.ref[id(gr)] for i, gr in in_grads.items() if gr is not None}
     roots = [loss_ref, *grad_refs.values(), *in_refs.values(), *updates.values()]
     nodes, fix = _drop_dead(rec.nodes, [r.node for r in roots])
