@@ -28,6 +28,7 @@ from autopar.cost import collective_time
 from autopar.mesh import MeshSpec
 from autopar.passes.stages import StageOps, evaluate, even_bounds, find_layers, layer_signature, layout_bounds
 from autopar.plan import Plan
+from autopar.solver import InfeasibleMemoryError
 
 INF = float("inf")
 
@@ -493,8 +494,6 @@ def plan_pipeline(
     block, for hand layouts), dp_shards_batch (default True),
     prune_margin (1.25), dp_tol (1e-3: relative tolerance of the bottleneck scan; 0 = exact), top (candidates
     kept in the report)."""
-    from autopar.solver import InfeasibleMemoryError
-
     t_start = time.perf_counter()
     opts = dict(pipeline) if isinstance(pipeline, dict) else {}
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
