@@ -33,7 +33,7 @@ FRONT = {
     "autopar.cli": "the command line: plans, explains and reports for the user",
     "autopar.__main__": "`python -m autopar` / the `autopar` script",
     "autopar.report": "the HTML report of a plan",
-    "autopar.testing": "helpers for the tests: plan and run a model on simulated ranks",
+    "autopar.testing": "helpers that plan and run a model for a test (ours or a user's)",
     "autopar.examples": "example training scripts: plan, parallelize, train",
 }
 MAX_FILE_LINES = 600
