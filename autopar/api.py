@@ -14,8 +14,10 @@ from .capture import capture
 from .cost import ClusterSpec, TrainingPrecision, get_cluster
 from .mesh import MeshSpec, as_mesh_spec
 from .model_io import ModelIO
+from .passes import PASSES, regions, stages
 from .passes.alternatives import runner_ups
-from .pipeline import PASSES, PlanState, run_passes
+from .passes.precision import MIXED_BF16, choose
+from .passmanager import PlanState, run_passes
 from .targets import plan_for_target
 from .plan import Plan
 from .predict import build_plan
@@ -143,8 +145,6 @@ def _setup(model, mesh, cluster, precision, memory_budget) -> _Setup:
 
 def _plan_pipeline(model, example_inputs, example_kwargs, return_state, pipeline, loss_fn, setup, limits) -> Plan:
     """Pipeline stages planned jointly with each stage's per-op plan (passes/stages.py)."""
-    from .passes import stages
-
     if return_state:
         raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")
     if example_kwargs or isinstance(example_inputs, dict):
@@ -179,8 +179,6 @@ def _options(model, mesh, limits, mip_rel_gap, allow_checkpointing, pin, overlap
 def _plan_variants(model, io, setup, options, step, allow_bf16, dump_after):
     """(plan, state): the model planned as it is and, with allow_bf16 on an fp32 model, with FSDP2's bf16 mixed
     precision too; the faster plan that fits wins (passes/precision.py `choose`). step: (loss_fn, output, backward)."""
-    from .passes.precision import MIXED_BF16, choose
-
     variants = [None]
     if allow_bf16 and any(p.dtype == torch.float32 for p in model.parameters()):
         variants.append(MIXED_BF16)
@@ -207,7 +205,7 @@ def _plan_variants(model, io, setup, options, step, allow_bf16, dump_after):
 
 # the passes that run before the memory bound: precision (its casts are part of the graph) and regions (the
 # repeated blocks checkpointing may drop)
-_BEFORE_BOUND = PASSES[: PASSES.index("regions") + 1]
+_BEFORE_BOUND = PASSES[: PASSES.index(regions) + 1]
 
 
 def _plan_one(model, io, setup, options, step, allow_bf16, dump_after) -> PlanState:

@@ -402,11 +402,13 @@ def capture(
         h1.remove()
         h2.remove()
     leaves = (params, bufs, inputs)
-    return _assemble(rec, loss, dict(zip(train, grads)), in_grads, updates, leaves, aliases, act, io)
+    return _graph_of(rec, leaves, loss, dict(zip(train, grads)), in_grads, updates, aliases, act, io)
 
 
-def _assemble(rec, loss, grads: dict, in_grads: dict, updates: dict, leaves, aliases, act: bool, io) -> Graph:
-    """The Graph of what the recorder saw: the nodes that reach the loss, the gradients and the state updates."""
+def _graph_of(rec: _Recorder, leaves, loss, grads: dict, in_grads: dict, updates: dict, aliases, act, io) -> Graph:
+    """The Graph of what the recorder saw: the nodes that reach the loss, the gradients and the state updates
+    (others dropped, indices renumbered). leaves: (param nodes, buffer nodes, input nodes) as recorded; grads:
+    {parameter FQN: its gradient tensor or None}."""
     params, bufs, inputs = leaves
     # a parameter the loss does not reach keeps no gradient (None), as on one device and under DDP/FSDP2
     loss_ref = rec.ref[id(loss)]

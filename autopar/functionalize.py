@@ -5,16 +5,21 @@ state update; a parameter or input: refused), and functionalization's copy(dst, 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
 from .capture_error import CaptureError
-
-if TYPE_CHECKING:
-    from .capture import _Recorder
+from .graph import Node, Ref
 
 aten = torch.ops.aten
+
+
+class Recording(Protocol):
+    """What these helpers read of capture's recorder: the nodes so far and the value each tensor holds."""
+
+    nodes: list[Node]
+    ref: dict[int, Ref]  # id(tensor) -> the graph value it holds
 
 
 class functionalization:
@@ -42,7 +47,7 @@ def unwrap(t):
     return torch._from_functional_tensor(t)
 
 
-def mutations(rec: _Recorder, wrapped: dict, originals: dict) -> dict:
+def mutations(rec: Recording, wrapped: dict, originals: dict) -> dict:
     """{name: Ref of the new value} of the wrapped leaves the forward mutated (in place, or through a view)."""
     out = {}
     for k, f in wrapped.items():
@@ -61,7 +66,7 @@ def mutations(rec: _Recorder, wrapped: dict, originals: dict) -> dict:
     return out
 
 
-def refuse_mutations(rec: _Recorder, wrapped: dict, originals: dict, what: str) -> None:
+def refuse_mutations(rec: Recording, wrapped: dict, originals: dict, what: str) -> None:
     """A parameter or user input mutated by the forward: refused (one step's in-place change of a weight or of
     the caller's batch would have to be carried between ranks and steps with single-device semantics)."""
     for k, r in mutations(rec, wrapped, originals).items():

@@ -392,27 +392,7 @@ def partition(
         C = np.where(cut_ok[None], C, INF)
         by_q[q] = (C, np.where(np.isfinite(C), Fm, INF), R)
     coef = proxy_coef(m, v)
-    cols = np.arange(n + 1)
-
-    def solve(t, record=False):
-        """min sum f over partitions with every stage's c <= t (dynamic program over the stage index)."""
-        D = np.full(n + 1, INF)
-        D[0] = 0.0
-        arg, masked = [], {}
-        for k in range(S):
-            q = inflight[k]
-            if q not in masked:
-                C, Fm, _ = by_q[q]
-                cost = np.where(C > t, INF, Fm)
-                masked[q] = (cost.min(axis=0), cost.argmin(axis=0) if record else None)
-            cmin, vbest = masked[q]
-            tot = D[:, None] + cmin
-            jb = tot.argmin(axis=0)
-            D = tot[jb, cols]
-            if record:
-                arg.append((jb, vbest))
-        return D[n], arg
-
+    solve = lambda t, record=False: _min_sum_under(by_q, inflight[:S], n, t, record)
     vals = np.unique(np.concatenate([C[np.isfinite(C)] for C, _, _ in by_q.values()]))
     lo_sum, _ = solve(INF)
     if not np.isfinite(lo_sum):
@@ -433,20 +413,46 @@ def partition(
         s, _ = solve(t)
         if coef * t + s < best:
             best, best_t = coef * t + s, t
-    _, best_arg = solve(best_t, record=True)
+    bounds, variants = _backtrack(solve(best_t, record=True)[1], n)
+    rec = [int(by_q[inflight[k]][2][variants[k], bounds[k], bounds[k + 1]]) for k in range(S)]
+    cs = [by_q[inflight[k]][0][variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
+    fs = [by_q[inflight[k]][1][variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
+    return Partition(bounds, variants, float(coef * max(cs) + sum(fs)), rec)
+
+
+def _min_sum_under(by_q: dict, inflight: list[int], n: int, t: float, record: bool = False):
+    """min sum f over partitions of n clusters into len(inflight) stages with every stage's c <= t (dynamic
+    program over the stage index), and with record the argmins per stage that _backtrack reads."""
+    cols = np.arange(n + 1)
+    D = np.full(n + 1, INF)
+    D[0] = 0.0
+    arg, masked = [], {}
+    for q in inflight:
+        if q not in masked:
+            C, Fm, _ = by_q[q]
+            cost = np.where(C > t, INF, Fm)
+            masked[q] = (cost.min(axis=0), cost.argmin(axis=0) if record else None)
+        cmin, vbest = masked[q]
+        tot = D[:, None] + cmin
+        jb = tot.argmin(axis=0)
+        D = tot[jb, cols]
+        if record:
+            arg.append((jb, vbest))
+    return D[n], arg
+
+
+def _backtrack(arg: list, n: int) -> tuple[list[int], list[int]]:
+    """(stage bounds, variant per stage) of the partition the recorded dynamic program found."""
     bounds, variants, i = [n], [], n
-    for k in range(S - 1, -1, -1):
-        jb, vb = best_arg[k]
+    for k in range(len(arg) - 1, -1, -1):
+        jb, vb = arg[k]
         j = int(jb[i])
         variants.append(int(vb[j, i]))
         bounds.append(j)
         i = j
     bounds.reverse()
     variants.reverse()
-    rec = [int(by_q[inflight[k]][2][variants[k], bounds[k], bounds[k + 1]]) for k in range(S)]
-    cs = [by_q[inflight[k]][0][variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
-    fs = [by_q[inflight[k]][1][variants[k], bounds[k], bounds[k + 1]] for k in range(S)]
-    return Partition(bounds, variants, float(coef * max(cs) + sum(fs)), rec)
+    return bounds, variants
 
 
 def brute_force(costs: list, xfer, spec, p, v, m, inflight, cap, recompute: bool = True) -> Partition | None:

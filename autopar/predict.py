@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from .graph import TensorMeta, param_root
-from .plan import Plan, node_record
 from .cost import collective_time
+from .graph import TensorMeta, param_root
+from .liveness import liveness_peak, recompute_seconds, state_bytes
+from .plan import Plan, node_record
 from .redistribute import grad_reduce_time, link_of, redistribute_time
-from .strategies import num_shards
 
 
 def build_plan(state) -> Plan:
@@ -69,89 +69,18 @@ def _state_meta(g) -> dict:
 def predict(state):
     """(predicted step / memory / collectives, redistribute records per node, compute seconds per node) of the
     state's placement, redistributes and gradient buckets."""
-    g, P, mesh_shape, cluster = state.graph, state.placement, state.mesh.shape, state.cluster
-    node_time = state.cost["node_time"]
-    nodes = g.nodes
-    red_by_node: dict[int, list] = {}
-    comm = {"act": 0.0, "param": 0.0, "grad": 0.0}
-    kinds: dict[str, dict] = {}
-    buckets = state.buckets or []
-    bucket_of = {f: k for k, b in enumerate(buckets) for f in b["params"]}
-    coalesced, leads = state.coalesced or {}, {}
-    for (i, j), lead in coalesced.items():
-        leads.setdefault(lead, []).append((i, j))
-    for (i, j), (src, dst, cs) in sorted(state.redistributes.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        bucket = bucket_of.get(nodes[i].target) if j == "opt" else None
-        if bucket is not None:  # carried by its bucket's one collective (counted below)
-            t = grad_reduce_time(src, dst, g.meta(g.grads[nodes[i].target]), mesh_shape, cluster, len(g.grads))
-            red_by_node.setdefault(i, []).append(
-                {
-                    "input": j,
-                    "src": list(src),
-                    "dst": list(dst),
-                    "time_s": t,
-                    "collectives": [c.to_json() for c in cs],
-                    "class": "grad",
-                    "param": nodes[i].target,
-                    "bucket": bucket,
-                }
-            )
-            continue
-        if j == "opt":
-            meta, cls = g.meta(g.grads[nodes[i].target]), "grad"
-        elif j == "loss":
-            meta, cls = g.meta(g.loss), "act"
-        elif j == "state":
-            meta, cls = g.meta(g.state_updates[nodes[i].target]), "act"
-        else:
-            r = nodes[i].inputs()[j]
-            meta = g.meta(r)
-            cls = "param" if param_root(g, r.node) is not None else "act"
-        shared = (state.shares or {}).get((i, j)) or coalesced.get((i, j))
-        if (i, j) in leads:  # its all_reduce carries the coalesced inputs too
-            meta = TensorMeta(
-                (meta.numel + sum(g.meta(nodes[a].inputs()[b]).numel for a, b in leads[(i, j)]),), meta.dtype
-            )
-        t = 0.0 if shared else redistribute_time(src, dst, meta, mesh_shape, cluster)
-        comm[cls] += t
-        red_by_node.setdefault(i, []).append(
-            {
-                "input": j,
-                "src": list(src),
-                "dst": list(dst),
-                "time_s": t,
-                "collectives": [c.to_json() for c in cs],
-                "class": cls,
-            }
-        )
-        if (i, j) in coalesced:
-            a, b = coalesced[(i, j)]  # an input of this op, or of a later one (the loss tail's group)
-            red_by_node[i][-1]["coalesced"] = b if a == i else f"{nodes[a].name}:{b}"
-        elif shared:
-            red_by_node[i][-1]["shares"] = [nodes[shared[0]].name, shared[1]]
-        if cls != "act":  # which parameter this gather / gradient reduction is for (backends group them)
-            red_by_node[i][-1]["param"] = nodes[i].target if j == "opt" else param_root(g, r.node)
-        for c in cs:
-            k = kinds.setdefault(c.kind, {"count": 0, "bytes": 0})
-            k["count"] += 1
-            k["bytes"] += c.nbytes
-    for b in buckets:
-        comm["grad"] += collective_time(b["kind"], b["bytes"], b["group"], link_of(cluster, mesh_shape, b["mesh_dim"]))
-        k = kinds.setdefault(b["kind"], {"count": 0, "bytes": 0})
-        k["count"] += 1
-        k["bytes"] += b["bytes"]
-    rep, tcache = state.rep, {}
-    times = []
-    for n in nodes:
-        key = (rep[n.idx], P[n.idx])
-        if key not in tcache:
-            tcache[key] = node_time(n, P[n.idx]) if n.kind == "op" else 0.0
-        times.append(tcache[key])
+    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
+    comm = {"act": 0.0, "param": 0.0, "grad": 0.0}  # seconds per class: activations, parameter gathers, gradients
+    kinds: dict[str, dict] = {}  # collective kind -> {"count", "bytes"}
+    red_by_node = _redistribute_records(state, comm, kinds)
+    for b in state.buckets or []:
+        link = link_of(state.cluster, mesh_shape, b["mesh_dim"])
+        comm["grad"] += collective_time(b["kind"], b["bytes"], b["group"], link)
+        _count(kinds, b["kind"], b["bytes"])
+    times = _node_times(state)
     compute = sum(times)
     recompute_s = 0.0
     if state.recompute:  # activation checkpointing: checkpointed blocks run their forward twice
-        from autopar.passes.checkpointing import recompute_seconds
-
         recompute_s = recompute_seconds(state, times)
         compute += recompute_s
     overlappable = comm["param"] + comm["grad"]
@@ -174,53 +103,73 @@ def predict(state):
     return predicted, red_by_node, times
 
 
-def state_bytes(g, P, mesh_shape, precision) -> float:
-    """Parameters, gradients and optimizer state per rank at the parameters' storage placements."""
-    return sum(
-        g.nodes[i].out.numel * precision.bytes_per_param / num_shards(P[i].out[0], mesh_shape)
-        for i in g.params.values()
-    )
+def _count(kinds: dict, kind: str, nbytes) -> None:
+    k = kinds.setdefault(kind, {"count": 0, "bytes": 0})
+    k["count"] += 1
+    k["bytes"] += nbytes
 
 
-def last_uses(g):
-    """(last consumer index per (node, output), the gradient refs): the lifetimes a liveness walk needs; the loss
-    lives to the end of the step."""
-    last = {}
-    for n in g.nodes:
-        for r in n.inputs():
-            last[(r.node, r.out)] = n.idx
-    for r in [g.loss, *g.input_grads.values(), *g.state_updates.values()]:
-        last[(r.node, r.out)] = len(g.nodes)
-    return last, {(r.node, r.out) for r in g.grads.values()}
+def _node_times(state) -> list[float]:
+    """Compute seconds per node at its placement (a repeated layer's copies priced once, as their representative)."""
+    P, node_time, rep, cache = state.placement, state.cost["node_time"], state.rep, {}
+    times = []
+    for n in state.graph.nodes:
+        key = (rep[n.idx], P[n.idx])
+        if key not in cache:
+            cache[key] = node_time(n, P[n.idx]) if n.kind == "op" else 0.0
+        times.append(cache[key])
+    return times
 
 
-def liveness_peak(g, P, mesh_shape, recompute=None) -> float:
-    """Max over the fw+bw order of live activation bytes per rank (parameters are model state, not counted).
-    recompute: checkpointed blocks (passes/checkpointing.py), whose saved activations are dropped and recomputed."""
-    if recompute:
-        from autopar.passes.checkpointing import liveness_peak_checkpointed
+def _value_of(g, i, j):
+    """(meta, class, parameter FQN or None) of the value redistributed into node i's input j: an input position,
+    "opt" (the gradient into the optimizer step), "loss" or "state" (a buffer's new value)."""
+    nodes = g.nodes
+    if j == "opt":
+        return g.meta(g.grads[nodes[i].target]), "grad", nodes[i].target
+    if j == "loss":
+        return g.meta(g.loss), "act", None
+    if j == "state":
+        return g.meta(g.state_updates[nodes[i].target]), "act", None
+    r = nodes[i].inputs()[j]
+    root = param_root(g, r.node)
+    return g.meta(r), "param" if root is not None else "act", root
 
-        return liveness_peak_checkpointed(g, P, mesh_shape, recompute)
-    last, grad_refs = last_uses(g)
-    frees: dict[int, list] = {}
-    live = peak = 0.0
-    size = {}
-    for n in g.nodes:
-        if n.kind == "op":
-            for o, m in enumerate(n.outs):
-                if m is None or P[n.idx].out[o] is None:
-                    continue
-                b = m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
-                size[(n.idx, o)] = b
-                live += b
-                end = n.idx if (n.idx, o) in grad_refs else last.get((n.idx, o), n.idx)
-                frees.setdefault(end, []).append((n.idx, o))
-        elif n.kind == "input":
-            b = n.out.nbytes / num_shards(P[n.idx].out[0], mesh_shape)
-            size[(n.idx, 0)] = b
-            live += b
-            frees.setdefault(last.get((n.idx, 0), n.idx), []).append((n.idx, 0))
-        peak = max(peak, live)
-        for key in frees.pop(n.idx, []):
-            live -= size[key]
-    return peak
+
+def _redistribute_records(state, comm: dict, kinds: dict) -> dict[int, list]:
+    """Per consumer node, a record of each redistribute into it (the Plan's node "redistribute" list); adds each
+    one's time to comm[class] and its collectives to kinds. A bucketed gradient's reduction is carried by its
+    bucket's one collective (counted by the caller); a shared or coalesced one costs nothing of its own."""
+    g, nodes, mesh_shape, cluster = state.graph, state.graph.nodes, state.mesh.shape, state.cluster
+    bucket_of = {f: k for k, b in enumerate(state.buckets or []) for f in b["params"]}
+    coalesced, leads = state.coalesced or {}, {}
+    for (i, j), lead in coalesced.items():
+        leads.setdefault(lead, []).append((i, j))
+    red_by_node: dict[int, list] = {}
+    for (i, j), (src, dst, cs) in sorted(state.redistributes.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        rec = {"input": j, "src": list(src), "dst": list(dst), "time_s": 0.0, "collectives": [c.to_json() for c in cs]}
+        red_by_node.setdefault(i, []).append(rec)
+        bucket = bucket_of.get(nodes[i].target) if j == "opt" else None
+        if bucket is not None:
+            meta = g.meta(g.grads[nodes[i].target])
+            rec["time_s"] = grad_reduce_time(src, dst, meta, mesh_shape, cluster, len(g.grads))
+            rec.update({"class": "grad", "param": nodes[i].target, "bucket": bucket})
+            continue
+        meta, cls, root = _value_of(g, i, j)
+        shared = (state.shares or {}).get((i, j)) or coalesced.get((i, j))
+        if (i, j) in leads:  # its all_reduce carries the coalesced inputs too
+            numel = meta.numel + sum(g.meta(nodes[a].inputs()[b]).numel for a, b in leads[(i, j)])
+            meta = TensorMeta((numel,), meta.dtype)
+        rec["time_s"] = t = 0.0 if shared else redistribute_time(src, dst, meta, mesh_shape, cluster)
+        comm[cls] += t
+        rec["class"] = cls
+        if (i, j) in coalesced:
+            a, b = coalesced[(i, j)]  # an input of this op, or of a later one (the loss tail's group)
+            rec["coalesced"] = b if a == i else f"{nodes[a].name}:{b}"
+        elif shared:
+            rec["shares"] = [nodes[shared[0]].name, shared[1]]
+        if cls != "act":  # which parameter this gather / gradient reduction is for (backends group them)
+            rec["param"] = root
+        for c in cs:
+            _count(kinds, c.kind, c.nbytes)
+    return red_by_node

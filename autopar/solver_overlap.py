@@ -9,7 +9,7 @@ import numpy as np
 import highspy
 from scipy.sparse import coo_array
 
-from .solver import SolveResult, _Model, _branch_and_bound, _choice, _model, _no_solution, _solution, solve
+from .milp import SolveResult, _Model, _branch_and_bound, _choice, _model, _no_solution, _solution
 
 # Up to this many variables, an overlap objective whose Lagrangian search leaves a gap is finished by branch and
 # bound (seeded with the search's best plan); above it the search's plan is returned with its proven gap.
@@ -90,7 +90,7 @@ class _Search:
             self.offer(_polish(ch, *problem))
 
 
-def solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lambda_search_s) -> SolveResult:
+def solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lambda_search_s) -> SolveResult | None:
     """min F(x) = base(x) + max(0, ovl(x)), ovl = overlappable comm - capacity.
 
     Since max(0, y) = max over lam in [0, 1] of lam * y, every lam gives a lower bound
@@ -119,16 +119,8 @@ def solve_overlap(m: _Model, problem, time_limit, mip_rel_gap, t0, max_lps, lamb
         exact = _exact(m, search.scale, best, bound, left, mip_rel_gap, method, t0)
         if exact is not None:
             return exact
-    if best is None:  # every LP optimum rounded out of the budget: the exact plain model
-        plain = solve(
-            [c + o for c, o in zip(problem[0], problem[2][0])],
-            _plain_edges(problem),
-            problem[3],
-            time_limit=max(1.0, time_limit - (time.perf_counter() - t0)),
-            mip_rel_gap=mip_rel_gap,
-        )
-        plain.status = f"{plain.status}; plain objective (no overlap plan found within the budget)"
-        return plain
+    if best is None:  # every LP optimum rounded out of the budget: the caller solves the exact plain model
+        return None
     return SolveResult(
         best,
         best_F,

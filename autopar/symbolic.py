@@ -14,8 +14,9 @@ from __future__ import annotations
 import sympy
 
 from .capture import capture
-from .cost import collective_time, is_view
+from .cost import collective_time, global_flops, is_view  # the costs pass's FLOP counts: both agree term by term
 from .graph import param_root
+from .liveness import recompute_seconds
 from .redistribute import link_of
 from .strategies import num_shards
 
@@ -27,8 +28,6 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
     autopar/predict.py prices it: recomputed blocks' forward counted again, a shared redistribute once, and with
     overlap=True parameter gathers and gradient reductions hidden under compute (step = compute + activation comm
     + Max(0, gathers + reductions - compute))."""
-    from passes.costs import global_flops  # the costs pass's FLOP counts, so both agree term by term
-
     b0 = example_inputs[0].shape[batch_dim]
     grow = lambda t: t.new_empty(t.shape[:batch_dim] + (2 * b0,) + t.shape[batch_dim + 1 :], device="meta")
     g1 = state.graph
@@ -65,8 +64,6 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
         times[n1.idx] = t + dev.op_overhead
         compute += times[n1.idx]
     if state.recompute:  # activation checkpointing: checkpointed blocks run their forward twice
-        from autopar.passes.checkpointing import recompute_seconds
-
         compute += recompute_seconds(state, times)
     comm = {"act": sympy.Integer(0), "param": sympy.Integer(0), "grad": sympy.Integer(0)}
     bucket_of = {f: k for k, bk in enumerate(state.buckets or []) for f in bk["params"] if bk.get("step", 0) == 0}

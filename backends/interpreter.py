@@ -262,7 +262,7 @@ class Interpreter:
         n = it.node
         vals = [env[k] for k in it.keys]
         # inputs all-reduced to Replicate in one collective (passes/redistribute.py), with the loss-tail members of
-        # later ops where this op leads their group (autopar/schedule.py; entries ("ext", value key, where it goes))
+        # later ops where this op leads their group (autopar/loss_tail.py; entries ("ext", value key, where it goes))
         for grp in it.groups:
             locs = [_local(env[c[0][1]] if type(c[0]) is tuple else vals[c[0]]) for c in grp]
             locs = [self._as_sum(t, c[1], grp[0][1]) for t, c in zip(locs, grp)]
@@ -274,7 +274,7 @@ class Interpreter:
                 self._flat((n.idx, grp[0][0])),
             )
             for (j, _, _, share), t, piece in zip(grp, locs, flat.split([t.numel() for t in locs])):
-                if type(j) is tuple:  # a member at a later consumer (autopar/schedule.py): left where it loads
+                if type(j) is tuple:  # a member at a later consumer (autopar/loss_tail.py): left where it loads
                     env[j[2]] = collapse(piece.view(t.shape))
                     continue
                 vals[j] = collapse(piece.view(t.shape))

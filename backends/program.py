@@ -69,7 +69,7 @@ class Program(Interpreter, Buckets):
         self.loss_pl = self.P[g.loss.node].out[g.loss.out]
         self.rep = tuple(to_placement("R") for _ in range(mesh.ndim))
         self.constants = [(n.idx, g.constants[n.target]) for n in g.nodes if n.kind == "constant"]
-        # the forward runs in the plan's order (autopar/schedule.py: a loss-tail group's consumers after its last
+        # the forward runs in the plan's order (autopar/loss_tail.py: a loss-tail group's consumers after its last
         # source), the backward in the graph's; a value is freed after its last reader in that order
         order = getattr(state, "fw_order", None)
         fw_at = {i: k for k, i in enumerate(order or ())}

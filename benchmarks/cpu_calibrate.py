@@ -195,7 +195,7 @@ def step_fit(steps, dev):
     from autopar import models
     from autopar.cost import is_view
     from autopar.cost.cluster import ClusterSpec, DeviceSpec, LinkSpec
-    from autopar.passes.costs import global_flops
+    from autopar.cost import global_flops
 
     raw = ClusterSpec("raw", dev, 1, LinkSpec("l", 1e-6, 1e9), LinkSpec("l", 1e-6, 1e9))
     rows, y = [], []

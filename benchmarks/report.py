@@ -623,7 +623,7 @@ def write_all(rows, prefix, command, seconds, readme=False) -> list[str]:
         "tokens) is the model's in every source: the hand plans that split the batch all-reduce each layer's "
         "load and mean probability over the data-parallel ranks, every layer's in one all_reduce after the last "
         "layer (hand_plans.global_router_means: 64 bytes a layer); autopar all-reduces them in one collective at "
-        "the end of the forward too, with the loss's sum and count (autopar/schedule.py).",
+        "the end of the forward too, with the loss's sum and count (autopar/loss_tail.py).",
         "",
     ]
     md += table_measured(meas) + [""]

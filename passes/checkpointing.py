@@ -26,6 +26,8 @@ from collections import defaultdict
 
 import numpy as np
 
+from autopar.liveness import liveness_peak, state_bytes
+from autopar.passes.solve import expand_choice
 from autopar.solver import InfeasibleMemoryError, SolverTimeLimitError, solve
 from autopar.strategies import num_shards
 
@@ -201,9 +203,6 @@ def run(state) -> None:
 def _solve_fits(state, blocks, lin, mem, floor):
     """The objective of the best plan with these blocks checkpointed whose liveness peak fits the budget (the
     solve pass's tightening loop), or None."""
-    from autopar.passes.solve import _expand
-    from autopar.predict import liveness_peak, state_bytes
-
     recompute = [{"block": fqn, "nodes": members} for fqn, members in blocks] or None
     row = state.budget
     for _ in range(4):
@@ -211,7 +210,7 @@ def _solve_fits(state, blocks, lin, mem, floor):
             res = solve(lin, state.cost["edges"], [(mem, row)], time_limit=state.options.get("time_limit", 60.0))
         except (InfeasibleMemoryError, SolverTimeLimitError):  # this set of blocks: no plan (in time)
             return None
-        placement = _expand(state, res)
+        placement = expand_choice(state, res)
         peak = state_bytes(state.graph, placement, state.mesh.shape, state.precision) + liveness_peak(
             state.graph, placement, state.mesh.shape, recompute
         )
@@ -221,71 +220,3 @@ def _solve_fits(state, blocks, lin, mem, floor):
         if row < floor:
             return None
     return None
-
-
-# ---- used by the solve pass and the prediction ----------------------------------------------------------------
-
-
-def recompute_seconds(state, times) -> float:
-    """Forward time recomputed in the backward: the fw op nodes of every checkpointed block."""
-    g = state.graph
-    return sum(
-        times[i]
-        for b in state.recompute or ()
-        for i in b["nodes"]
-        if g.nodes[i].kind == "op" and g.nodes[i].phase == "fw"
-    )
-
-
-def liveness_peak_checkpointed(g, P, mesh_shape, recompute) -> float:
-    """predict.liveness_peak with checkpointed blocks: a block's saved activations (fw outputs with a bw use,
-    other than the block's outputs) are freed after its last forward node and live again from its first
-    backward node (the recompute) until their last use."""
-    from autopar.predict import last_uses
-
-    last, grad_refs = last_uses(g)
-    in_block, fw_end, bw_start = {}, {}, {}
-    for b, blk in enumerate(recompute):
-        for i in blk["nodes"]:
-            in_block[i] = b
-            if g.nodes[i].phase == "fw":
-                fw_end[b] = max(fw_end.get(b, -1), i)
-            elif g.nodes[i].kind == "op":
-                bw_start[b] = min(bw_start.get(b, len(g.nodes)), i)
-    adds: dict[int, list] = defaultdict(list)
-    frees: dict[int, list] = defaultdict(list)
-    size = {}
-    for n in g.nodes:
-        if n.kind not in ("op", "input"):
-            continue
-        for o, m in enumerate(n.outs):
-            if m is None or P[n.idx].out[o] is None:
-                continue
-            key = (n.idx, o)
-            size[key] = m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
-            end = n.idx if key in grad_refs else last.get(key, n.idx)
-            b = in_block.get(n.idx)
-            users = n.users
-            dropped = (
-                b is not None
-                and n.phase == "fw"
-                and b in bw_start
-                and end > fw_end[b]
-                and all(in_block.get(u) == b or g.nodes[u].phase == "bw" for u in users)
-                and bw_start[b] < end
-            )
-            adds[n.idx].append(key)
-            if dropped:
-                frees[fw_end[b]].append(key)
-                adds[bw_start[b] - 0.5].append(key)
-            frees[end].append(key)
-    live = peak = 0.0
-    for n in g.nodes:
-        for key in adds.pop(n.idx - 0.5, []):
-            live += size[key]
-        for key in adds.pop(n.idx, []):
-            live += size[key]
-        peak = max(peak, live)
-        for key in frees.pop(n.idx, []):
-            live -= size[key]
-    return peak

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from autopar.cost import has_flop_formula, is_view, op_flops, roofline_time
-from autopar.graph import Ref, TensorMeta, param_root
+from autopar.cost import global_flops, is_view, roofline_time
+from autopar.graph import TensorMeta, param_root
 from autopar.redistribute import (
     BUCKET_BYTES,
     all_reduced,
@@ -36,43 +36,8 @@ from autopar.redistribute import (
     grad_reduce_time,
     redistribute_time,
 )
-from autopar.schedule import HELD_NUMEL, can_be_partial, tail_values
+from autopar.loss_tail import HELD_NUMEL, can_be_partial, tail_values
 from autopar.strategies import num_shards
-
-
-def _meta_tensor(m):
-    return torch.empty(m.shape, dtype=m.dtype, device="meta")
-
-
-def global_flops(g, n, cache) -> float:
-    if n.kind != "op" or not has_flop_formula(n.target):
-        return 0.0
-    key = (n.target, tuple(g.meta(r).shape for r in n.inputs()), repr(_plain(n.args)), repr(_plain(n.kwargs)))
-    if key not in cache:
-        conv = lambda a: (
-            _meta_tensor(g.meta(a))
-            if isinstance(a, Ref)
-            else type(a)(conv(x) for x in a)
-            if isinstance(a, (list, tuple))
-            else a
-        )
-        args = conv(n.args)
-        kwargs = {k: conv(v) for k, v in n.kwargs.items()}
-        outs = [_meta_tensor(m) if m is not None else None for m in n.outs]
-        out = outs[0] if len(outs) == 1 else tuple(outs)
-        try:
-            cache[key] = float(op_flops(n.target, args, kwargs, out))
-        except Exception:
-            cache[key] = 0.0
-    return cache[key]
-
-
-def _plain(a):
-    if isinstance(a, Ref):
-        return "T"
-    if isinstance(a, (list, tuple)):
-        return tuple(_plain(x) for x in a)
-    return a
 
 
 @dataclass
@@ -113,7 +78,7 @@ def _pricing(state) -> Pricing:
     tail_share = max(1, len(tail))
 
     def tail_time(src, dst, meta):
-        """A loss-tail value's all_reduce (autopar/schedule.py: the redistribute pass groups them): its bandwidth and
+        """A loss-tail value's all_reduce (autopar/loss_tail.py: the redistribute pass groups them): its bandwidth and
         its share of one collective's latency, as a gradient's in a bucket (1 / the number of loss-tail values)."""
         if src == dst or not all_reduced(src, dst, meta, mesh_shape):
             return redistribute(src, dst, meta)
@@ -435,7 +400,7 @@ def _grad_joins(meta, mesh_shape, cluster):
 
 
 def _tail_joins(meta, mesh_shape, cluster):
-    """A loss-tail value's all_reduce in the forward (autopar/schedule.py): the one collective its group takes, a
+    """A loss-tail value's all_reduce in the forward (autopar/loss_tail.py): the one collective its group takes, a
     series per partial kind (a mean counted as a sum) and destination; exact where the plan's loss tail takes one
     group, as on every model planned here (values whose consumer computes another's take a second collective and
     are not in the tail: schedule.tail_values)."""

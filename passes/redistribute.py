@@ -14,14 +14,14 @@ expert load, reduced in the forward, read by the backward): holding it costs nex
 Inputs of one op that the same all_reduces take to Replicate (the loss sum and the count of targets into their
 quotient) are coalesced, as all_reduce_coalesced does: one collective of their summed size on the first of them,
 none on the others (`state.coalesced`: (consumer, input) -> (consumer, input) whose collective carries it). So are
-the all_reduces of loss-tail values across ops (autopar/schedule.py: an MoE's per-layer expert loads, one collective
+the all_reduces of loss-tail values across ops (autopar/loss_tail.py: an MoE's per-layer expert loads, one collective
 at the end of the forward), with the forward's order of execution that allows it (`state.fw_order`)."""
 
 from __future__ import annotations
 
 from autopar.graph import TensorMeta, param_root
 from autopar.redistribute import all_reduced, bucket_steps, collectives
-from autopar.schedule import HELD_NUMEL, can_be_partial, coalesce_tail
+from autopar.loss_tail import HELD_NUMEL, can_be_partial, coalesce_tail
 
 
 def run(state) -> None:

@@ -14,9 +14,13 @@ groups fractional with a 0.08% integrality gap; proving the last 0.08% costs HiG
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-from autopar.predict import liveness_peak, state_bytes
+from autopar.liveness import liveness_peak, state_bytes
+from autopar.passes import buckets, redistribute
+from autopar.predict import predict
 from autopar.solver import InfeasibleMemoryError, SolverTimeLimitError, min_memory, solve
 
 MIP_GAP = 1e-3
@@ -48,7 +52,7 @@ def run(state) -> None:
             shared=shared,
             lambda_search_s=float("inf") if thorough else 0.0,
         )
-        placement = _expand(state, res)
+        placement = expand_choice(state, res)
         peak = state_bytes(state.graph, placement, state.mesh.shape, state.precision) + liveness_peak(
             state.graph, placement, state.mesh.shape, state.recompute
         )
@@ -115,15 +119,10 @@ def _seeds(state, lin, edges, overlap, mem_rows, budget) -> list:
 def _by_prediction(state, res, placement, top):
     """Among the plans the overlap search found, the one with the lowest predicted step (within the budget): the
     MILP prices gradient-bucket latency by share, the prediction counts the real buckets."""
-    from dataclasses import replace
-
-    from autopar.passes import buckets, redistribute
-    from autopar.predict import predict
-
     best = None
     for F, choice in res.candidates[:top] + [fc for fc in res.candidates[top:] if fc[0] is None]:
         cand = replace(res, choice=choice, objective=F)
-        state.placement = _expand(state, cand)
+        state.placement = expand_choice(state, cand)
         redistribute.run(state)
         buckets.run(state)
         pred = predict(state)[0]
@@ -166,6 +165,8 @@ THOROUGH_BELOW_NODES = 3000
 HIDDEN_COMM_WEIGHT = 0.01
 
 
-def _expand(state, res):
+def expand_choice(state, res):
+    """Per node, the strategy the solver's choice gives it: its decision group's (a root), the one matching its
+    producer (a follower), its representative's (a copy of a repeated layer)."""
     rep, choice, S = state.rep, state.choice, state.strategies
     return [S[rep[i]][int(choice[rep[i]][res.choice[state.group_of[i]]])] for i in range(len(state.graph.nodes))]

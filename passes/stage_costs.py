@@ -1,6 +1,6 @@
 """Pass: pipeline stages (Alpa-style inter-op pass): per-cluster costs from the per-op plan of each stage, and the
 evaluation of a partition. The search over pp degree / submesh / schedule / micro-batches is
-autopar/pipeline_plan.py; the schedule model and the dynamic program are autopar/pipeline_model.py.
+passes/stage_search.py; the schedule model and the dynamic program are autopar/pipeline_model.py.
 
 Layer clusters: "pre" (everything before the first block of the model's layer list: embedding, RoPE tables),
 one cluster per block, "post" (final norm, head, loss). For each candidate stage submesh and micro-batch shape
@@ -30,8 +30,13 @@ import numpy as np
 from torch import nn
 
 from autopar import pipeline_model as pm
+from autopar.capture import capture
 from autopar.cost import collective_time
 from autopar.mesh import MeshSpec
+from autopar.passes import PASSES, candidates, solve
+from autopar.passmanager import PlanState, run_passes
+from autopar.predict import build_plan
+from autopar.solver import InfeasibleMemoryError, min_memory
 from autopar.strategies import num_shards
 
 INF = float("inf")
@@ -266,10 +271,6 @@ class StageOps:
     `more` for which); the stage DP picks one per stage."""
 
     def __init__(self, model, prefix, reps, pos_of, mb_inputs, stage_mesh: MeshSpec, ctx):
-        from autopar.capture import capture
-        from autopar.pipeline import PASSES, PlanState, run_passes
-        from autopar.solver import min_memory
-
         t0 = time.perf_counter()
         layers = model.get_submodule(prefix)
         blocks = [layers[i] if isinstance(layers, nn.ModuleList) else list(layers.values())[i] for i in reps]
@@ -313,8 +314,8 @@ class StageOps:
                 "allow_checkpointing": False,
             },
         )
-        self._k = PASSES.index("solve")
-        kc = PASSES.index("candidates") + 1
+        self._k = PASSES.index(solve)
+        kc = PASSES.index(candidates) + 1
         run_passes(self.state, PASSES[:kc])
         if ctx["dp_shards_batch"]:
             shard_batch_on_dp(self.state, mb_inputs)
@@ -341,10 +342,6 @@ class StageOps:
         """Add the next intra-op plan; True if it differs from those so far. Order: time-optimal; parameters
         sharded over the dp dims (FSDP/ZeRO-3: the per-op plan re-solved with unsharded parameter placements
         priced out, an LP); then (n_variants > 2) plans under memory budgets halfway to, and at, the most-sharded."""
-        from autopar.pipeline import PASSES, run_passes
-        from autopar.predict import build_plan
-        from autopar.solver import InfeasibleMemoryError
-
         t0 = time.perf_counter()
         st = self.state
         while st is not None and self._left > 0 and self._budget is not None:

@@ -1,4 +1,4 @@
-"""The Plan of a stage search (autopar/pipeline_plan.py): `stages` (per stage its clusters, parameter FQNs, the
+"""The Plan of a stage search (passes/stage_search.py): `stages` (per stage its clusters, parameter FQNs, the
 modules it holds in forward order, submesh, modeled time and memory, the p2p transfer to the next stage), `schedule`
 (name, micro-batch count and shapes, bubble, timeline, the runner-up candidates and the even-split baseline),
 `params` (placements on the stage submesh, from the intra-op plan of the stage that holds each parameter) and

@@ -4,7 +4,7 @@ with `stages` and `schedule` filled.
 
 The request (StagesRequest) is what autopar.plan was given for a pipeline plan. The parts: per-cluster costs of a
 stage's intra-op plans (passes/stage_costs.py: StageOps, the legal cuts, the evaluation of a partition), the search
-over configurations (autopar/pipeline_plan.py), the schedule model and the stage DP (autopar/pipeline_model.py), the
+over configurations (passes/stage_search.py), the schedule model and the stage DP (autopar/pipeline_model.py), the
 Plan's stage records (passes/stage_plan.py).
 """
 
@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from autopar import pipeline_model as pm
-from autopar.pipeline_plan import (
+from .stage_search import (
     INF,
     candidate_meshes,
     dp_size,

@@ -10,7 +10,8 @@ import torch
 import autopar
 from autopar import feasibility
 from autopar import models as M
-from autopar.pipeline import PASSES, PlanState, run_passes
+from autopar.passes import PASSES
+from autopar.passmanager import PlanState, run_passes
 from autopar.passes import checkpointing
 
 

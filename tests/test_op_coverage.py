@@ -331,13 +331,14 @@ def _candidates(model, inputs):
     from autopar.capture import capture
     from autopar.cost import TrainingPrecision, get_cluster
     from autopar.mesh import as_mesh_spec
-    from autopar.pipeline import PlanState, run_passes
+    from autopar.passes import candidates, precision, regions
+    from autopar.passmanager import PlanState, run_passes
 
     g = capture(model, inputs)
     state = PlanState(
         g, as_mesh_spec(MESH), get_cluster(SHAPES), TrainingPrecision.fp32_adam(), 1e12, {"allow_replicate": True}
     )
-    run_passes(state, ("precision", "regions", "candidates"))
+    run_passes(state, (precision, regions, candidates))
     return g, state.strategies
 
 

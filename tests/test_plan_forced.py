@@ -2,7 +2,7 @@
 
 Regression: planning GPT-2 with every parameter Shard(0) failed with VerificationError "node %213:view.default has
 no single chosen placement". Repeated layers share one decision per region (the solver picks an index into the
-representative layer's candidate list and passes/solve.py `_expand` applies it to every copy), but each copy used
+representative layer's candidate list and passes/solve.py `expand_choice` applies it to every copy), but each copy used
 to enumerate its own candidates, and a copy's boundary inputs come from other producers: the last block's backward
 starts from the final LayerNorm's backward (candidates R, S0, S1 of the (B, S, D) gradient), the other blocks' from
 a residual add (also S2 and partials). DTensor's full-mesh view strategy follows its input's candidates, so the
@@ -23,7 +23,7 @@ from _clusters import SHAPES
 from _simulated import simulated
 from autopar.backends.verify import fsdp_force, train_and_compare
 from autopar.models import build_model, example_inputs
-from autopar.pipeline import VerificationError, verify
+from autopar.passmanager import VerificationError, verify
 
 lt = pytest.importorskip("torch.distributed._local_tensor")
 

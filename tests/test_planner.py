@@ -7,7 +7,7 @@ import torch
 
 import autopar
 from autopar import models as M
-from autopar.pipeline import VerificationError, verify
+from autopar.passmanager import VerificationError, verify
 from autopar.strategies import _CACHE
 
 MEGATRON = {
@@ -217,7 +217,7 @@ def test_plan_for_large_simulated_mesh_on_meta():
 def test_moe_aux_loss_reductions_take_one_all_reduce(mesh):
     """moe-debug (the benchmark's shape) under the calibrated cpu-gloo model: data parallel, with the exact router
     aux loss over the split batch. Every MoE layer's expert load and mean probability, and the loss's sum and count
-    of targets, are all-reduced in ONE collective at the end of the forward (autopar/schedule.py), not one per
+    of targets, are all-reduced in ONE collective at the end of the forward (autopar/loss_tail.py), not one per
     layer, nor gathers of the router input: the step issues the gradient buckets and that one all_reduce."""
     m = M.build_model("moe-debug", device="meta")
     x = M.example_inputs("moe-debug", batch=4, seq=32, device="meta")

@@ -5,7 +5,8 @@ import sympy
 
 import autopar
 from autopar.capture import capture
-from autopar.pipeline import PlanState, run_passes
+from autopar.passes import buckets, candidates, costs, redistribute, regions
+from autopar.passmanager import PlanState, run_passes
 from autopar.predict import build_plan
 from autopar import models as M
 from autopar.symbolic import b, batch_formula
@@ -29,9 +30,9 @@ def test_batch_formula_matches_replanning_with_same_placements():
         st.budget,
         dict(st.options),
     )
-    run_passes(st8, ("regions", "candidates", "costs"))
+    run_passes(st8, (regions, candidates, costs))
     st8.placement, st8.solution = st.placement, st.solution
-    run_passes(st8, ("redistribute", "buckets"))
+    run_passes(st8, (redistribute, buckets))
     p8 = build_plan(st8)
     assert float(f["compute_s"].subs(b, 8)) == pytest.approx(p8.predicted["compute_s"], rel=1e-9)
     assert float(f["comm_s"].subs(b, 8)) == pytest.approx(p8.predicted["comm_s"], rel=1e-9)

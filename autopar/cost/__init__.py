@@ -2,7 +2,17 @@
 
 from .cluster import DeviceSpec, LinkSpec, ClusterSpec, CLUSTERS, get_cluster
 from .comm import KINDS, bytes_sent, ring_steps, collective_time, collective_time_expr
-from .compute import op_flops, op_bytes, op_time, roofline_time, compute_dtype, has_flop_formula, tensor_bytes, is_view
+from .compute import (
+    global_flops,
+    op_flops,
+    op_bytes,
+    op_time,
+    roofline_time,
+    compute_dtype,
+    has_flop_formula,
+    tensor_bytes,
+    is_view,
+)
 from .memory import (
     TrainingPrecision,
     model_state_bytes,
@@ -23,6 +33,7 @@ __all__ = [
     "ring_steps",
     "collective_time",
     "collective_time_expr",
+    "global_flops",
     "op_flops",
     "op_bytes",
     "op_time",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
+from ..graph import Ref
 from .cluster import DeviceSpec
 
 aten = torch.ops.aten
@@ -82,3 +83,40 @@ def op_time(func, args, kwargs, out, device: DeviceSpec) -> float:
     return roofline_time(
         op_flops(func, args, kwargs, out), op_bytes(args, out, kwargs), device, compute_dtype(args, out)
     )
+
+
+def _meta_tensor(m):
+    return torch.empty(m.shape, dtype=m.dtype, device="meta")
+
+
+def global_flops(g, n, cache) -> float:
+    """FLOPs of graph node n at its global shapes (torch's flop formulas on meta tensors; 0 without a formula).
+    cache: a dict shared across calls, keyed by op, input shapes and constant arguments."""
+    if n.kind != "op" or not has_flop_formula(n.target):
+        return 0.0
+    key = (n.target, tuple(g.meta(r).shape for r in n.inputs()), repr(_plain(n.args)), repr(_plain(n.kwargs)))
+    if key not in cache:
+        conv = lambda a: (
+            _meta_tensor(g.meta(a))
+            if isinstance(a, Ref)
+            else type(a)(conv(x) for x in a)
+            if isinstance(a, (list, tuple))
+            else a
+        )
+        args = conv(n.args)
+        kwargs = {k: conv(v) for k, v in n.kwargs.items()}
+        outs = [_meta_tensor(m) if m is not None else None for m in n.outs]
+        out = outs[0] if len(outs) == 1 else tuple(outs)
+        try:
+            cache[key] = float(op_flops(n.target, args, kwargs, out))
+        except Exception:
+            cache[key] = 0.0
+    return cache[key]
+
+
+def _plain(a):
+    if isinstance(a, Ref):
+        return "T"
+    if isinstance(a, (list, tuple)):
+        return tuple(_plain(x) for x in a)
+    return a

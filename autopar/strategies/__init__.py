@@ -12,12 +12,14 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from ..graph import Node, Ref, TensorMeta
 from . import _torch_adapter as adapter
+from .grouped_mm import meta_kernel  # noqa: F401  (registers aten._grouped_mm's rule; capture imports it from here)
+from .registry import RULES, rule
+from .strided import restride_decomposition  # noqa: F401  (capture imports it from here)
 
 aten = torch.ops.aten
 Placements = tuple[str, ...]  # one placement string per mesh dim
@@ -31,18 +33,6 @@ class Strategy:
 
 class NoStrategyError(RuntimeError):
     """Ops with no placement rule and no decomposition; the message lists them."""
-
-
-RULES: dict[object, Callable] = {}
-
-
-def rule(*ops):
-    def deco(fn):
-        for op in ops:
-            RULES[op] = fn
-        return fn
-
-    return deco
 
 
 # ---- autopar's own rules -----------------------------------------------------------------------------------------
@@ -377,7 +367,3 @@ def node_strategies(node: Node, meta_of, mesh_shape: tuple[int, ...], in_cands: 
 
 def num_shards(pl: Placements, mesh_shape) -> int:
     return math.prod(n for p, n in zip(pl, mesh_shape) if p[0] == "S")
-
-
-from .grouped_mm import meta_kernel  # noqa: E402,F401  (registers aten._grouped_mm's rule)
-from .strided import restride_decomposition  # noqa: E402,F401

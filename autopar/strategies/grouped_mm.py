@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from . import rule
+from .registry import rule
 
 aten = torch.ops.aten
 

@@ -14,10 +14,11 @@ import math
 import numpy as np
 import torch
 
-from . import pipeline_model as pm
-from .cost import collective_time
-from .mesh import MeshSpec
-from .passes.stage_costs import StageOps, evaluate, layout_bounds
+from autopar import pipeline_model as pm
+from autopar.cost import collective_time
+from autopar.mesh import MeshSpec
+
+from .stage_costs import StageOps, evaluate, layout_bounds
 
 INF = float("inf")
 

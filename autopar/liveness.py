@@ -1,0 +1,126 @@
+"""Memory per rank of a placed graph (model state, the activation liveness peak of the fw+bw order, with or without
+checkpointed blocks) and the forward time that checkpointing recomputes: what the prediction reports and what the
+solve and checkpointing passes check a candidate plan against.
+
+A placement P is one Strategy per node (P[i].out[o]: output o's placement per mesh dim); recompute is the
+checkpointing pass's [{"block": FQN, "nodes": [node indices]}] or None.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .strategies import num_shards
+
+
+def state_bytes(g, P, mesh_shape, precision) -> float:
+    """Parameters, gradients and optimizer state per rank at the parameters' storage placements."""
+    return sum(
+        g.nodes[i].out.numel * precision.bytes_per_param / num_shards(P[i].out[0], mesh_shape)
+        for i in g.params.values()
+    )
+
+
+def last_uses(g):
+    """(last consumer index per (node, output), the gradient refs): the lifetimes a liveness walk needs; the loss
+    lives to the end of the step."""
+    last = {}
+    for n in g.nodes:
+        for r in n.inputs():
+            last[(r.node, r.out)] = n.idx
+    for r in [g.loss, *g.input_grads.values(), *g.state_updates.values()]:
+        last[(r.node, r.out)] = len(g.nodes)
+    return last, {(r.node, r.out) for r in g.grads.values()}
+
+
+def liveness_peak(g, P, mesh_shape, recompute=None) -> float:
+    """Max over the fw+bw order of live activation bytes per rank (parameters are model state, not counted).
+    recompute: checkpointed blocks (passes/checkpointing.py), whose saved activations are dropped and recomputed."""
+    if recompute:
+        return liveness_peak_checkpointed(g, P, mesh_shape, recompute)
+    last, grad_refs = last_uses(g)
+    frees: dict[int, list] = {}
+    live = peak = 0.0
+    size = {}
+    for n in g.nodes:
+        if n.kind == "op":
+            for o, m in enumerate(n.outs):
+                if m is None or P[n.idx].out[o] is None:
+                    continue
+                b = m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
+                size[(n.idx, o)] = b
+                live += b
+                end = n.idx if (n.idx, o) in grad_refs else last.get((n.idx, o), n.idx)
+                frees.setdefault(end, []).append((n.idx, o))
+        elif n.kind == "input":
+            b = n.out.nbytes / num_shards(P[n.idx].out[0], mesh_shape)
+            size[(n.idx, 0)] = b
+            live += b
+            frees.setdefault(last.get((n.idx, 0), n.idx), []).append((n.idx, 0))
+        peak = max(peak, live)
+        for key in frees.pop(n.idx, []):
+            live -= size[key]
+    return peak
+
+
+def recompute_seconds(state, times) -> float:
+    """Forward time recomputed in the backward: the fw op nodes of every checkpointed block."""
+    g = state.graph
+    return sum(
+        times[i]
+        for b in state.recompute or ()
+        for i in b["nodes"]
+        if g.nodes[i].kind == "op" and g.nodes[i].phase == "fw"
+    )
+
+
+def liveness_peak_checkpointed(g, P, mesh_shape, recompute) -> float:
+    """liveness_peak with checkpointed blocks: a block's saved activations (fw outputs with a bw use,
+    other than the block's outputs) are freed after its last forward node and live again from its first
+    backward node (the recompute) until their last use."""
+    last, grad_refs = last_uses(g)
+    in_block, fw_end, bw_start = {}, {}, {}
+    for b, blk in enumerate(recompute):
+        for i in blk["nodes"]:
+            in_block[i] = b
+            if g.nodes[i].phase == "fw":
+                fw_end[b] = max(fw_end.get(b, -1), i)
+            elif g.nodes[i].kind == "op":
+                bw_start[b] = min(bw_start.get(b, len(g.nodes)), i)
+    adds: dict[int, list] = defaultdict(list)
+    frees: dict[int, list] = defaultdict(list)
+    size = {}
+    for n in g.nodes:
+        if n.kind not in ("op", "input"):
+            continue
+        for o, m in enumerate(n.outs):
+            if m is None or P[n.idx].out[o] is None:
+                continue
+            key = (n.idx, o)
+            size[key] = m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
+            end = n.idx if key in grad_refs else last.get(key, n.idx)
+            b = in_block.get(n.idx)
+            users = n.users
+            dropped = (
+                b is not None
+                and n.phase == "fw"
+                and b in bw_start
+                and end > fw_end[b]
+                and all(in_block.get(u) == b or g.nodes[u].phase == "bw" for u in users)
+                and bw_start[b] < end
+            )
+            adds[n.idx].append(key)
+            if dropped:
+                frees[fw_end[b]].append(key)
+                adds[bw_start[b] - 0.5].append(key)
+            frees[end].append(key)
+    live = peak = 0.0
+    for n in g.nodes:
+        for key in adds.pop(n.idx - 0.5, []):
+            live += size[key]
+        for key in adds.pop(n.idx, []):
+            live += size[key]
+        peak = max(peak, live)
+        for key in frees.pop(n.idx, []):
+            live -= size[key]
+    return peak
