@@ -30,7 +30,7 @@ __all__ = [
 
 def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", **kwargs):
     """Plan `model` for the DeviceMesh `mesh` and return a module that runs each training step SPMD on this rank
-    (see autopar.backends.graph.parallelize; imported on first use so planning never loads the backends).
+    (see autopar.backends.spmd.module.parallelize; imported on first use so planning never loads the backends).
 
     backend: "graph" (autopar's SPMD executor: any plan), "torch" (the user's own module, parallelized in place by
     fully_shard / parallelize_module; EngineLoweringError when the plan does not fit them), "mixed" (the torch
@@ -39,7 +39,7 @@ def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", **k
     else the graph backend). The result's `.autopar_dump` says which part went where and why. See
     autopar.backends.engines."""
     if backend == "graph":
-        from .backends.graph import parallelize as _parallelize
+        from .backends.spmd.module import parallelize as _parallelize
 
         return _parallelize(model, mesh, example_inputs, **kwargs)
     if backend in ("torch", "mixed", "auto"):

@@ -642,7 +642,7 @@ def parallelize_torch(
     broadcast before the engines shard them, `model.autopar_init_comm`; a replica checksum before the first step).
     The user's RNG state is left as it was; `model.autopar_rng_seed` is rank 0's torch.initial_seed()."""
     import torch
-    from .graph import _rng_devices
+    from .spmd.module import _rng_devices
 
     with torch.random.fork_rng(devices=_rng_devices(mesh)):
         return _parallelize_torch(
@@ -661,8 +661,8 @@ def parallelize_torch(
 
 
 def _take_rank0(model, mesh, assume_identical, check_replicas) -> str:
-    from .graph import _device
-    from .state import prepare_engine_model
+    from .spmd.module import _device
+    from .spmd.state import prepare_engine_model
 
     return prepare_engine_model(model, mesh, _device(mesh), assume_identical, check_replicas)
 
@@ -731,13 +731,13 @@ def _parallelize_torch(
         init = _take_rank0(model, mesh, assume_identical, check_replicas)
         apply_lowering(model, mesh, mixed, compile_blocks)
         from .engines_mixed import install_parts
-        from .graph import _device
+        from .spmd.module import _device
 
         install_parts(model, mesh, mixed, _device(mesh))
         model._autopar_plan = plan
         model.autopar_dump = _dump(plan, mixed, "torch + graph parts", init)
         return model
-    from .graph import parallelize as graph_parallelize
+    from .spmd.module import parallelize as graph_parallelize
 
     pm = graph_parallelize(
         model,

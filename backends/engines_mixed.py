@@ -299,9 +299,9 @@ class _PartStep(torch.autograd.Function):
 def install_parts(model, mesh, low, device) -> None:
     """Make each part's parameters DTensors at its plan's placements and route its forward through its Program
     (after the engines are applied: FSDP ignores these parameters)."""
-    from .comm import agree_on_plan
-    from .graph import _distribute
-    from .program import Program
+    from .spmd.comm import agree_on_plan
+    from .spmd.module import _distribute
+    from .spmd.program import Program
 
     for fqn, part in low.parts.items():
         if part.prog is None:
@@ -321,7 +321,7 @@ def install_parts(model, mesh, low, device) -> None:
 
 def _forward(fqn, mod, part):
     """The part's forward: checks that it gets this rank's batch shard, then runs _PartStep."""
-    from .program import ExecutionError
+    from .spmd.program import ExecutionError
 
     expect = []
     for i, a in enumerate(part.args):

@@ -39,9 +39,9 @@ def _timed(fn):
 
 def _run(args, world):
     import autopar
-    from autopar.backends.comm import CommCounter
+    from autopar.backends.spmd.comm import CommCounter
     from autopar.backends.engines_ref import batch_pin
-    from autopar.backends.verify import fsdp_force
+    from autopar.testing import fsdp_force
     from autopar.models import build_model, example_inputs
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -139,7 +139,7 @@ def _run(args, world):
 def _accumulate(pm, micro, mesh, rounds: int = 2) -> dict:
     """Micro-steps under no_sync, the last outside; against each micro-batch reduced; the last of `rounds` (the
     first pays one-time costs)."""
-    from autopar.backends.comm import CommCounter
+    from autopar.backends.spmd.comm import CommCounter
 
     for _ in range(rounds):
         pm.zero_grad(set_to_none=True)

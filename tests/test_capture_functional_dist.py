@@ -76,7 +76,7 @@ def _batch_pin(batch):
 
 def job(tmp):
     import autopar
-    from autopar.backends.verify import train_and_compare
+    from autopar.testing import train_and_compare
     from torch.distributed.device_mesh import init_device_mesh
     from _clusters import SHAPES
 

@@ -62,7 +62,7 @@ class Tiny(nn.Module):
 
 def _steps(model, x, seed_fn, steps=2):
     """SGD steps: losses, the first step's gradients and the parameters after, as full tensors."""
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
 
     seed_fn(SEED)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -100,8 +100,8 @@ def job():
     from _clusters import SHAPES
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
-    from autopar.backends.comm import CommCounter, compare
-    from autopar.backends.compiled import summary
+    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.backends.spmd.compiled import summary
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)

@@ -25,7 +25,7 @@ SEED, STEPS = 99, 3
 
 def _train(model, args, seed_fn):
     """3 AdamW steps: the losses, the first step's gradients, the parameters after (full tensors)."""
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
 
     seed_fn(SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)  # eps: see tests/third_party/zoo_check.py
@@ -72,7 +72,7 @@ def job_dropout(names):
     from _clusters import SHAPES
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
-    from autopar.backends.comm import CommCounter, compare
+    from autopar.backends.spmd.comm import CommCounter, compare
     from autopar.backends.engines_ref import batch_pin
     from zoo import ZOO
 
@@ -137,7 +137,7 @@ def test_draws_follow_one_devices_memory_layout():
     from types import SimpleNamespace
 
     import torch.nn.functional as F
-    from autopar.backends.local_ops import draw_random
+    from autopar.backends.spmd.local_ops import draw_random
     from autopar.capture import capture
     from autopar.graph import TensorMeta
 

@@ -198,8 +198,8 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
 def main(argv=None) -> int:
     args = parse(argv)
     import autopar
-    from autopar.backends.comm import CommCounter, compare
-    from autopar.backends.verify import fsdp_force, fsdp_tp_force, global_value, tp_force
+    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.testing import fsdp_force, fsdp_tp_force, global_value, tp_force
     from autopar.models import build_model, example_inputs
     from torch.distributed.device_mesh import init_device_mesh
 

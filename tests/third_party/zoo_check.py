@@ -216,7 +216,7 @@ def _run_stage(rec, stage, fn):
 def check_model(name, variant, mesh, cluster) -> dict:
     """The 2x2 check of one model on every rank (see the module docstring)."""
     import autopar
-    from autopar.backends.comm import CommCounter
+    from autopar.backends.spmd.comm import CommCounter
 
     rec = {"model": name, "variant": variant, "stage": "", "error": "", "ok": False}
     t0 = time.perf_counter()
@@ -429,9 +429,9 @@ def preload():
     """What every rank imports, imported once before the ranks are forked (forked.py): autopar, its executor and
     the zoo's libraries."""
     import autopar  # noqa: F401
-    import autopar.backends.comm  # noqa: F401
-    import autopar.backends.graph  # noqa: F401
-    import autopar.backends.verify  # noqa: F401
+    import autopar.backends.spmd.comm  # noqa: F401
+    import autopar.backends.spmd.module  # noqa: F401
+    import autopar.testing  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
     import _clusters  # noqa: F401
