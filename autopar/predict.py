@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .graph import TensorMeta, param_root
-from .plan import Plan, node_record
+from .plan import Plan, execution_record, node_record
 from .cost import collective_time
 from .redistribute import grad_reduce_time, link_of, redistribute_time
 from .strategies import num_shards
@@ -55,6 +55,7 @@ def build_plan(state) -> Plan:
             **_state_meta(g),
         },
         buckets=[dict(b) for b in state.buckets or []],
+        execution=execution_record(state),
     )
 
 

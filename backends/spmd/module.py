@@ -22,17 +22,26 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.execution import graph_inputs
 from autopar.model_io import ModelIO
 from autopar.strategies._torch_adapter import make_dtensor, per_rank, to_placement
 
 from .accumulate import Accumulator
 from .comm import agree_on_plan, redistribute_local
 from .compiled import compile_option
-from .shapes import PlanCache, ShapeMismatchError
+from .shapes import NoPlanForShapesError, PlanCache, ShapeMismatchError
 from .state import agreed_seed, check_replicas, simulated_world, sync_from_rank0
 from .program import ExecutionError, Program, placement_strs
 
-__all__ = ["parallelize", "ParallelModule", "ExecutionError", "ShapeMismatchError"]
+__all__ = [
+    "lower",
+    "check_call",
+    "parallelize",
+    "ParallelModule",
+    "ExecutionError",
+    "ShapeMismatchError",
+    "NoPlanForShapesError",
+]
 
 
 def _check_mesh(mesh):
@@ -64,98 +73,72 @@ def _device(mesh) -> torch.device:
     return torch.device(mesh.device_type, mod.current_device())
 
 
-def parallelize(
+OPTIONS = ("attention", "assume_identical", "check_replicas", "compile")  # lower()'s options, not the planner's
+
+
+def check_call(model: nn.Module, mesh, example_inputs=None, example_kwargs=None, compile=False) -> None:
+    """The arguments of a parallelize call, checked before anything is planned: bad ones named, at once."""
+    ModelIO.from_example(model, example_inputs, example_kwargs)
+    _check_mesh(mesh)
+    compile_option(compile)
+
+
+def lower(
     model: nn.Module,
     mesh,
-    example_inputs=None,
+    executable,
     *,
-    example_kwargs: dict | None = None,
-    planned=None,
+    replan=None,
     attention: str = "auto",
     assume_identical: bool = False,
     check_replicas: bool = True,
     compile=False,
-    **plan_kwargs,
 ) -> "ParallelModule":
-    """Plan `model` for `mesh` (autopar.plan, same keyword options: cluster, memory_budget, force, ...) and
-    return a module that runs one SPMD training step per call on this rank.
+    """The module that runs `executable` (autopar/execution.py: a finished Plan and its graph) one SPMD training
+    step per call on this rank. Never plans: a call with input shapes (or a mode) the plan was not made for asks
+    `replan` (the front door's callback, autopar.execution.graph_planner) for a new one, or raises
+    NoPlanForShapesError when there is none (a loaded plan).
 
-    example_inputs / example_kwargs: the global inputs of one step, positional and keyword (example_inputs may be
-        a dict of keyword inputs); a call with other shapes (or in eval mode) plans again, once per shape
-        (backends/shapes.py); its non-tensor inputs are constants of the plan. The module is called like the model
-        (`pm(**batch)`); it returns the loss in the container the model returns (`pm(**batch).loss` for a
-        transformers model), or the loss tensor.
-    planned: a `(plan, state)` pair from `autopar.plan(..., return_state=True)` for this model, inputs and mesh
-        shape (skips planning; the ranks still check that they agree).
     attention: "auto" (the captured CPU kernel on CPU, an exact math formulation elsewhere), "kernel" or "math".
     assume_identical: the model's parameters and buffers are already the same on every rank (as DTensor's
-        src_data_rank=None): skip taking rank 0's values (backends/state.py; `pm.init_comm` states the cost).
+        src_data_rank=None): skip taking rank 0's values (backends/spmd/state.py; `pm.init_comm` states the cost).
     check_replicas: on the first call, check that ranks holding replicas of a parameter or buffer agree.
     compile: True (Inductor) or a torch.compile backend name ("aot_eager", "eager"): each rank's local program is
-        compiled between its collectives (backends/compiled.py); the collectives and random draws are unchanged.
-        `torch.compile(pm)` also works, with or without it: Dynamo runs the program as an opaque call.
+        compiled between its collectives (backends/spmd/compiled.py); the collectives and random draws are
+        unchanged. `torch.compile(pm)` also works, with or without it: Dynamo runs the program as an opaque call.
     The user's random number generator state is left as it was; the program's random ops draw from a generator
     seeded by rank 0's torch.initial_seed() (`pm.program.rng_seed`).
     """
-    ModelIO.from_example(model, example_inputs, example_kwargs)  # bad arguments: named, before anything runs
     _check_mesh(mesh)
     compile_option(compile)
+    plan = executable.plan
+    if tuple(plan.mesh_shape) != tuple(mesh.shape):
+        raise ValueError(f"the plan is for mesh {tuple(plan.mesh_shape)} but the mesh is {tuple(mesh.shape)}")
     with torch.random.fork_rng(devices=_rng_devices(mesh)):
-        return _parallelize(
-            model,
-            mesh,
-            example_inputs,
-            example_kwargs,
-            planned,
-            attention,
-            assume_identical,
-            check_replicas,
-            plan_kwargs,
-            compile,
+        device = _device(mesh)
+        agree_on_plan(mesh, plan.hash(), device)
+        prog = Program(executable, plan, mesh, device, executable.graph.io.leaves, attention=attention, compile=compile)
+        prog.rng_seed = agreed_seed(device)
+        pm = ParallelModule(model, prog, assume_identical=assume_identical, check_replicas=check_replicas)
+        pm._plans = PlanCache(model, prog, replan, attention, model.training)
+    return pm
+
+
+def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs=None, planned=None, **options):
+    """The graph backend for a plan made elsewhere (`planned=(plan, state)`, as the torch backend's fallback
+    passes it); new input shapes are planned by autopar.execution.graph_planner. `autopar.parallelize` is the
+    front door."""
+    if planned is None:
+        raise TypeError(
+            "the graph backend runs a finished plan: pass planned=(plan, state), or use autopar.parallelize"
         )
+    check_call(model, mesh, example_inputs, example_kwargs, options.get("compile", False))
+    executable, replan = graph_inputs(model, mesh, example_inputs, example_kwargs=example_kwargs, planned=planned)
+    return lower(model, mesh, executable, replan=replan, **options)
 
 
 def _rng_devices(mesh) -> list:
     return [] if mesh.device_type == "cpu" else [_device(mesh)]
-
-
-def _parallelize(
-    model,
-    mesh,
-    example_inputs,
-    example_kwargs,
-    planned,
-    attention,
-    assume_identical,
-    check_replicas,
-    plan_kwargs,
-    compile=False,
-):
-    if planned is None:
-        import autopar
-
-        plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
-        plan_kwargs.setdefault("overlap", False)  # this executor runs each collective where the plan puts it
-        plan, state = autopar.plan(
-            model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True, **plan_kwargs
-        )
-    else:
-        if plan_kwargs:
-            raise TypeError(f"planned=... given together with plan options {sorted(plan_kwargs)}")
-        plan, state = planned
-    if tuple(plan.mesh_shape) != tuple(mesh.shape):
-        raise ValueError(f"the plan is for mesh {tuple(plan.mesh_shape)} but the mesh is {tuple(mesh.shape)}")
-    device = _device(mesh)
-    agree_on_plan(mesh, plan.hash(), device)
-    io = state.graph.io
-    if io is None:  # a graph captured before the model contract existed: positional inputs only
-        io = ModelIO.from_example(model, example_inputs, example_kwargs)
-        state.graph.io = io
-    prog = Program(state, plan, mesh, device, io.leaves, attention=attention, compile=compile)
-    prog.rng_seed = agreed_seed(device)
-    pm = ParallelModule(model, prog, assume_identical=assume_identical, check_replicas=check_replicas)
-    pm._plans = PlanCache(model, prog, plan_kwargs, attention, model.training)  # options of plans for new shapes
-    return pm
 
 
 class _Step(torch.autograd.Function):
@@ -188,7 +171,7 @@ class ParallelModule(nn.Module):
         mesh = prog.mesh
         self._orig_class = type(model).__name__
         self.train(model.training)  # the mode the plan was captured in
-        self._plans = PlanCache(model, prog, {}, "auto", model.training)
+        self._plans = PlanCache(model, prog, None, "auto", model.training)
         self._acc, self._sync = Accumulator(), True
         made: dict[int, nn.Parameter] = {}
         state = []  # (fqn, dtensor, placement strings, the model's tensor)
