@@ -344,7 +344,7 @@ def _candidates(model, inputs):
 def _values(g, model, inputs) -> dict:
     """Every value of the graph computed on one device (full tensors), by Ref."""
     from autopar.backends.spmd.local_ops import LOCAL_IMPL
-    from autopar.backends.spmd.program import _to_device
+    from autopar.backends.spmd.interpreter import _to_device
     from autopar.graph import Ref, map_refs
 
     params, bufs, val, cpu = dict(model.named_parameters()), dict(model.named_buffers()), {}, torch.device("cpu")

@@ -121,12 +121,20 @@ class Buckets:
         g, chain, k = self.g, [], key
         while g.nodes[k[0]].target in _PASS_VIEWS:
             it = self.bw[pos[k[0]]] if k[0] in pos else None
-            if it is None or it.fast is None or it.conv or it.groups or readers[k] != 1:
+            if it is None or it.direct_call is None or it.redistributes or it.groups or readers[k] != 1:
                 return None
             chain.append(it)
             k = it.keys[0]
         it = self.bw[pos[k[0]]] if k[0] in pos else None
-        if it is None or it.fast is None or it.conv or it.groups or k[1] != 0 or readers[k] != 1 or "out" in it.fast[1]:
+        if (
+            it is None
+            or it.direct_call is None
+            or it.redistributes
+            or it.groups
+            or k[1] != 0
+            or readers[k] != 1
+            or "out" in it.direct_call[1]
+        ):
             return None
         out = _out_overload(it.fn)
         meta = g.nodes[k[0]].outs[0]
@@ -135,7 +143,7 @@ class Buckets:
             return None
         x = torch.empty(zshape, dtype=dtype, device="meta")
         for v in reversed(chain):
-            x = v.fn(x, *v.fast[0], **v.fast[1])
+            x = v.fn(x, *v.direct_call[0], **v.direct_call[1])
         if list(x.shape) != list(shape) or not x.is_contiguous() or x.storage_offset():
             return None
         return pos[k[0]], out, tuple(zshape)

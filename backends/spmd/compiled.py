@@ -54,10 +54,10 @@ def compilable(it) -> bool:
     wrapper's host-side fixes are not what a compiler traces (`offs has to be 1D` from _grouped_mm under tracing)."""
     return (
         it.mode == "local"
-        and not it.conv
+        and not it.redistributes
         and not it.groups
-        and not it.contig
-        and not it.swapped
+        and not it.contiguous
+        and not it.replaced
         and it.fn not in _EAGER_KERNELS
     )
 
@@ -88,7 +88,7 @@ class Segment:
         self.wrap = []  # (placements, global shape) of a sharded output, else None
         for k in self.outs:
             it = made[k]
-            self.wrap.append(None if it.out_r[k[1]] else (it.expect[k[1]], tuple(it.node.outs[k[1]].shape)))
+            self.wrap.append(None if it.out_replicated[k[1]] else (it.expect[k[1]], tuple(it.node.outs[k[1]].shape)))
         self.drops = [k for k in freed if k not in made or k not in self.outs]
         self.gm = _graph(instrs, ins, self.outs)
         self.backend = backend
