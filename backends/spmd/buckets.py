@@ -1,6 +1,6 @@
 """Gradient buckets of a program: which gradients go in which bucket, when each bucket is issued in the backward,
 how its flat buffer is filled (copied into, or made in place by the op that computes a gradient) and what each
-gradient becomes once the bucket is done. `Buckets` is a mixin of `Program` (backends/program.py)."""
+gradient becomes once the bucket is done. `Buckets` is a mixin of `Program` (backends/spmd/program.py)."""
 
 from __future__ import annotations
 
@@ -179,7 +179,7 @@ class Buckets:
             self._launch(i, env, handles, bufs)
 
     def _launch(self, i: int, env: dict, handles: dict, bufs: dict):
-        """Issue gradient bucket i (with the rest of its chain, backends/comm.py launch_bucket) as soon as the
+        """Issue gradient bucket i (with the rest of its chain, backends/spmd/comm.py launch_bucket) as soon as the
         backward has produced its last gradient, like DDP's reducer; the backward goes on while it is in flight."""
         g, bs = self.g, self.chains[i]
         chain = [(b["mesh_dim"], b["from"], b["to"]) for b in bs]

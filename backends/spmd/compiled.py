@@ -1,13 +1,13 @@
 """`parallelize(..., compile=...)`: each rank's local program compiled between its collectives.
 
-The program (backends/program.py) is a list of instructions per phase. A maximal run of instructions that are plain
+The program (backends/spmd/program.py) is a list of instructions per phase. A maximal run of instructions that are plain
 local ops (no redistribute before them, no DTensor dispatch, no random draw, no factory, no loss seed) is a
 *segment*: one FX graph of aten ops on local shards, compiled by a torch.compile backend's compiler (Inductor by
 default). Everything else runs as in the eager program, through its one-instruction interpreter (`run1`), so:
   - every collective (redistributes, loss-tail groups, gradient buckets) is issued by the same code, in the same
     order, and counted by the same counters;
   - random ops stay outside the compiled regions and draw from the program's generator
-    (backends/local_ops.py draw_random): the masks one device draws;
+    (backends/spmd/local_ops.py draw_random): the masks one device draws;
   - a gradient bucket is launched right after the instruction that completes it: a backward segment ends there.
 Within a segment a view becomes a reshape (a shard laid out otherwise than on one device cannot alias its input:
 the eager program copies it, local_ops.view_of_copy; no value is mutated in a captured step, so the values are the

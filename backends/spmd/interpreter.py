@@ -1,4 +1,4 @@
-"""The executor's values and its interpreter of one instruction (backends/program.py compiles the rest).
+"""The executor's values and its interpreter of one instruction (backends/spmd/program.py compiles the rest).
 
 Values in a program's `env`: a plain tensor is replicated on every mesh dim; anything sharded or partial is a
 `Sharded` (this rank's local tensor, placement strings, global shape). `Interpreter` is the part of `Program` that

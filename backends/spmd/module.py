@@ -4,10 +4,12 @@
     pm = autopar.parallelize(model, mesh, example_inputs=(tokens, labels))
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     loss = pm(tokens, labels); loss.backward(); opt.step()
+    pm.plan.save("plan.json")  # later, with no planning: autopar.parallelize(model, mesh, (tokens, labels),
+                               #                                               plan=autopar.Plan.load("plan.json"))
 
-Each parameter becomes an `nn.Parameter(DTensor)` with its planned placement, under the model's own FQN. A call
-runs the captured graph node by node (backends/program.py): before each op every input is redistributed to the
-placement the plan chose for it, with the plan's own collectives (backends/comm.py); the op runs on DTensors
+`lower` is the entry (autopar.parallelize calls it with a finished plan); this backend never plans. Each parameter becomes an `nn.Parameter(DTensor)` with its planned placement, under the model's own FQN. A call
+runs the captured graph node by node (backends/spmd/program.py): before each op every input is redistributed to the
+placement the plan chose for it, with the plan's own collectives (backends/spmd/comm.py); the op runs on DTensors
 (DTensor rewrites shapes and view arguments to the local shards); its output placement is checked against the
 plan. The fw nodes run in an autograd.Function's forward, the bw nodes (from `ones_like(loss)`, which takes the
 incoming gradient) in its backward, which returns each gradient at its parameter's placement.
@@ -150,7 +152,7 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        acc, sync = ctx.acc  # (Accumulator, sync): no_sync micro-steps accumulate (backends/accumulate.py)
+        acc, sync = ctx.acc  # (Accumulator, sync): no_sync micro-steps accumulate (backends/spmd/accumulate.py)
         if sync and acc.prog is None:
             grads = ctx.prog.backward(ctx.env, grad_loss)
         else:
@@ -249,7 +251,7 @@ class ParallelModule(nn.Module):
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
         """As FSDP2's: False makes each backward accumulate this rank's local gradients with no gradient
-        collective (backends/accumulate.py); True again: the next backward reduces the accumulated sum once."""
+        collective (backends/spmd/accumulate.py); True again: the next backward reduces the accumulated sum once."""
         self._sync = bool(requires)
 
     @contextlib.contextmanager
@@ -325,7 +327,7 @@ def _distribute(t: torch.Tensor, mesh, placements, device) -> DTensor:
 
 def _take_rank0(state, mesh, device, assume_identical: bool) -> dict:
     """Overwrite every rank's shards in `state` [(fqn, dtensor, placements, the model's own full tensor)] with rank
-    0's values (backends/state.py); returns the one-time cost."""
+    0's values (backends/spmd/state.py); returns the one-time cost."""
     if assume_identical:
         return {"skipped": "skipped (assume_identical=True)", "broadcast_bytes": 0, "scatter_bytes": 0}
     if simulated_world():
@@ -344,7 +346,7 @@ def _take_rank0(state, mesh, device, assume_identical: bool) -> dict:
 
 @torch.compiler.disable
 def _check_first_step(module, args):
-    """Forward pre-hook, once: the replica checksum (backends/state.py) before the first step."""
+    """Forward pre-hook, once: the replica checksum (backends/spmd/state.py) before the first step."""
     module._first_check.remove()
     with torch.no_grad():
         entries = [

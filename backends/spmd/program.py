@@ -67,7 +67,7 @@ class Program(Interpreter, Buckets):
 
     def _compile_phases(self, compile):
         """The forward and backward instruction lists as functions: straight-line Python (`_compile`), or with the
-        runs of local ops between collectives compiled by a torch.compile backend (backends/compiled.py)."""
+        runs of local ops between collectives compiled by a torch.compile backend (backends/spmd/compiled.py)."""
         from .compiled import build, compile_option
 
         self.compile_backend = compile_option(compile)  # local segments compiled between the collectives
