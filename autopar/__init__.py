@@ -2,6 +2,8 @@
 
 plan = autopar.plan(model, mesh, example_inputs=(tokens, labels), cluster="h100")
 print(plan.dump())
+plan.save("plan.json")
+pm = autopar.parallelize(model, device_mesh, (tokens, labels), plan=autopar.Plan.load("plan.json"))  # no planning
 """
 
 import torch

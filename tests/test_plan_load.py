@@ -80,6 +80,7 @@ def test_loaded_plan_for_another_model_names_the_first_differing_node(tmp_path):
         autopar.parallelize(other, mesh, x, plan=plan)
 
 
+@pytest.mark.dist
 def test_loaded_plan_runs_on_2_ranks_with_no_planner_call(tmp_path):
     plan = _tp_plan(*LLAMA)
     assert any(p != ["R"] for p in plan.params.values()), "the test needs a sharded plan"
