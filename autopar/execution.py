@@ -129,7 +129,10 @@ def graph_inputs(
     model, mesh, example_inputs, *, example_kwargs=None, plan=None, planned=None, **plan_kwargs
 ) -> tuple[Executable, Callable | None]:
     """(the Executable for the graph backend, its callback for new input shapes or None) of one parallelize call:
-    plan now, or run `planned=(plan, state)`, or a loaded `plan=` (module docstring)."""
+    plan now, or run `planned=(plan, state)`, or a loaded `plan=` (module docstring; `planned=(plan, None)` is one
+    too)."""
+    if planned is not None and planned[1] is None:  # a finished plan without its PlanState (a loaded one)
+        plan, planned = planned[0], None
     if plan is not None:
         if planned is not None or set(plan_kwargs) - {"loss_fn"}:
             raise TypeError(f"plan=... runs a finished plan: no planned= or plan options ({sorted(plan_kwargs)})")

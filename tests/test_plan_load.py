@@ -170,3 +170,28 @@ def job_loaded(path):
         and all(torch.equal(grads_loaded[k], grads_fresh[k]) for k in grads_loaded),
         "new_shape_error": new_shape_error,
     }
+
+
+def test_backend_given_a_plan_without_its_state_captures_again(tmp_path):
+    """The torch backend's fallback hands the graph backend `planned=(plan, None)` for a loaded plan: it runs as a
+    loaded plan does (captured again, no planner call), one step equal to the single-device loss."""
+    from _simulated import simulated
+    from autopar.backends.spmd.module import parallelize as graph_parallelize
+    from autopar.testing import global_value
+
+    plan = _tp_plan(*LLAMA)
+    plan.save(tmp_path / "plan.json")
+    loaded = autopar.Plan.load(tmp_path / "plan.json")
+    name, ov, batch, seq = LLAMA
+    model = build_model(name, device="cpu", seed=3, **ov)
+    x = example_inputs(name, batch=batch, seq=seq, seed=4, **ov)
+    saved, calls = _forbid_planning()
+    try:
+        with simulated((2,)) as mesh:
+            pm = graph_parallelize(copy.deepcopy(model), mesh, x, planned=(loaded, None))
+            loss = global_value(pm(*x))
+    finally:
+        for mod, attr, fn in saved:
+            setattr(mod, attr, fn)
+    assert not calls and pm.plan.hash() == plan.hash()
+    assert torch.allclose(loss, model(*x), rtol=1e-5, atol=1e-6)
