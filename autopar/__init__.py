@@ -8,8 +8,10 @@ pm = autopar.parallelize(model, device_mesh, (tokens, labels), plan=autopar.Plan
 
 import torch
 
+from . import api as _api
 from .api import plan
 from .capture import CaptureError
+from .execution import finished, from_plan
 from .cost import CLUSTERS, ClusterSpec, TrainingPrecision, get_cluster
 from .mesh import MeshSpec
 from .plan import Plan
@@ -56,16 +58,64 @@ def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", pla
 
 
 def _parallelize_graph(model, mesh, example_inputs, plan, kwargs):
-    """Plan (or take the finished plan), then hand the graph backend the Executable and a planner for new shapes:
-    the front door plans, the backend only runs (autopar/execution.py)."""
+    """Plan (or take the finished plan), then hand the graph backend the Executable (autopar/execution.py) and a
+    planner for new shapes: the front door plans, the backend only runs."""
     from .backends import spmd
-    from .execution import graph_inputs
 
     options = {k: kwargs.pop(k) for k in spmd.OPTIONS if k in kwargs}
-    spmd.check_call(model, mesh, example_inputs, kwargs.get("example_kwargs"), options.get("compile", False))
+    example_kwargs, planned = kwargs.pop("example_kwargs", None), kwargs.pop("planned", None)
+    spmd.check_call(model, mesh, example_inputs, example_kwargs, options.get("compile", False))
     with torch.random.fork_rng(devices=spmd.rng_devices(mesh)):  # the user's random state is left as it was
-        executable, replan = graph_inputs(model, mesh, example_inputs, plan=plan, **kwargs)
+        replan = None  # a loaded plan runs as it is: no planner for new shapes
+        if plan is None and planned is None:
+            opts = _graph_defaults(mesh, kwargs)
+            planned, kwargs = (
+                _api.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True, **opts),
+                {},
+            )
+            replan = graph_planner(model, mesh, opts)
+        elif planned is not None and planned[1] is not None:
+            replan = graph_planner(model, mesh, _graph_defaults(mesh, {}))
+        executable = finished(model, example_inputs, example_kwargs, plan=plan, planned=planned, **kwargs)
     return spmd.lower(model, mesh, executable, replan=replan, **options)
+
+
+def _graph_defaults(mesh, plan_kwargs: dict) -> dict:
+    """The graph backend's planning defaults: its cluster, and no overlap (it runs each collective in place)."""
+    out = dict(plan_kwargs)
+    out.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
+    out.setdefault("overlap", False)
+    return out
+
+
+def graph_planner(model, mesh, plan_kwargs: dict):
+    """The callback the graph backend calls for inputs of new shapes (or a new mode): `replan(args, kwargs, *,
+    backward, params, buffers)` plans them with each parameter forced to `params[fqn]` and each buffer pinned to
+    `buffers[fqn]` (the first plan's placements: the optimizer state and state_dict never move), the user's own pin
+    kept for the other nodes; returns the new autopar.execution.Executable."""
+    user_pin = plan_kwargs.get("pin")
+    opts = {k: v for k, v in plan_kwargs.items() if k not in ("force", "pin")}
+
+    def replan(args, kwargs, *, backward: bool, params: dict, buffers: dict):
+        def pin(n):
+            if n.kind == "buffer" and n.target in buffers:
+                return dict(enumerate(buffers[n.target]))
+            return user_pin(n) if user_pin is not None else None
+
+        made, state = _api.plan(
+            model,
+            mesh,
+            args,
+            example_kwargs=kwargs,
+            return_state=True,
+            force=params,
+            pin=pin,
+            backward=backward,
+            **opts,
+        )
+        return from_plan(made, state.graph)
+
+    return replan
 
 
 __version__ = "0.1.0"

@@ -2,21 +2,20 @@
 executor's terms (`Executable`), rebuilt from the Plan alone.
 
 The graph backend (backends/spmd) never plans. `autopar.parallelize` (the front door) hands it an Executable made
-here in one of three ways, all through `from_plan`, so what runs is always what the Plan says:
-  - planned now: `autopar.plan(..., return_state=True)`, then the plan and the state's graph;
+here (`from_plan`) in one of three ways, so what runs is always what the Plan says:
+  - planned now by the front door (autopar/__init__.py): `autopar.plan(..., return_state=True)`, then the plan and
+    the state's graph;
   - `planned=(plan, state)`: the same, planned earlier;
   - `plan=Plan.load(path)`: the model is captured again (capture is not planning: no candidates, costs or solve)
     with the options the plan records, and the captured graph must repeat the plan's node for node.
-For a call with new input shapes the backend calls `graph_planner`'s callback, which plans those shapes with every
-parameter and buffer kept where the first plan put them; a loaded plan comes without one.
+This module plans nothing (it is below the planner's front door); for a call with new input shapes the backend
+calls the front door's callback (autopar.graph_planner), which plans those shapes with every parameter and buffer
+kept where the first plan put them; a loaded plan comes without one.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
-from . import api
 from .capture import capture
 from .graph import Graph
 from .model_io import ModelIO
@@ -117,71 +116,24 @@ def capture_for(plan: Plan, model, example_inputs, example_kwargs=None, loss_fn=
         return capture(model, io, loss_fn, output=cap["output"], backward=cap["backward"])
 
 
-def _defaults(mesh, plan_kwargs: dict) -> dict:
-    """The graph backend's planning defaults: its cluster, and no overlap (it runs each collective in place)."""
-    out = dict(plan_kwargs)
-    out.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
-    out.setdefault("overlap", False)
-    return out
-
-
-def graph_inputs(
-    model, mesh, example_inputs, *, example_kwargs=None, plan=None, planned=None, **plan_kwargs
-) -> tuple[Executable, Callable | None]:
-    """(the Executable for the graph backend, its callback for new input shapes or None) of one parallelize call:
-    plan now, or run `planned=(plan, state)`, or a loaded `plan=` (module docstring; `planned=(plan, None)` is one
-    too)."""
+def finished(model, example_inputs, example_kwargs=None, *, plan=None, planned=None, **plan_kwargs) -> Executable:
+    """The Executable of a plan made before: `planned=(plan, state)` (its graph from the state) or a loaded
+    `plan=` (captured again; `planned=(plan, None)` is one too). Nothing is planned here."""
     if planned is not None and planned[1] is None:  # a finished plan without its PlanState (a loaded one)
         plan, planned = planned[0], None
     if plan is not None:
         if planned is not None or set(plan_kwargs) - {"loss_fn"}:
             raise TypeError(f"plan=... runs a finished plan: no planned= or plan options ({sorted(plan_kwargs)})")
         graph = capture_for(plan, model, example_inputs, example_kwargs, plan_kwargs.get("loss_fn"))
-        return from_plan(plan, graph), None
-    if planned is not None:
-        if plan_kwargs:
-            raise TypeError(f"planned=... given together with plan options {sorted(plan_kwargs)}")
-        made, state = planned
-        _keep_io(state.graph, model, example_inputs, example_kwargs)
-        return from_plan(made, state.graph), graph_planner(model, mesh, _defaults(mesh, {}))
-    opts = _defaults(mesh, plan_kwargs)
-    made, state = api.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True, **opts)
-    return from_plan(made, state.graph), graph_planner(model, mesh, opts)
+        return from_plan(plan, graph)
+    if planned is None:
+        raise TypeError("a finished plan is needed: plan=Plan.load(path) or planned=(plan, state)")
+    if plan_kwargs:
+        raise TypeError(f"planned=... given together with plan options {sorted(plan_kwargs)}")
+    made, state = planned
+    if state.graph.io is None:  # a graph captured before the model contract existed: positional inputs only
+        state.graph.io = ModelIO.from_example(model, example_inputs, example_kwargs)
+    return from_plan(made, state.graph)
 
 
-def _keep_io(graph, model, example_inputs, example_kwargs):
-    if graph.io is None:  # a graph captured before the model contract existed: positional inputs only
-        graph.io = ModelIO.from_example(model, example_inputs, example_kwargs)
-
-
-def graph_planner(model, mesh, plan_kwargs: dict) -> Callable:
-    """The callback the graph backend calls for inputs of new shapes (or a new mode): `replan(args, kwargs, *,
-    backward, params, buffers)` plans them with each parameter forced to `params[fqn]` and each buffer pinned to
-    `buffers[fqn]` (the first plan's placements: the optimizer state and state_dict never move), the user's own pin
-    kept for the other nodes; returns the new Executable."""
-    user_pin = plan_kwargs.get("pin")
-    opts = {k: v for k, v in plan_kwargs.items() if k not in ("force", "pin")}
-
-    def replan(args, kwargs, *, backward: bool, params: dict, buffers: dict) -> Executable:
-        def pin(n):
-            if n.kind == "buffer" and n.target in buffers:
-                return dict(enumerate(buffers[n.target]))
-            return user_pin(n) if user_pin is not None else None
-
-        made, state = api.plan(
-            model,
-            mesh,
-            args,
-            example_kwargs=kwargs,
-            return_state=True,
-            force=params,
-            pin=pin,
-            backward=backward,
-            **opts,
-        )
-        return from_plan(made, state.graph)
-
-    return replan
-
-
-__all__ = ["Executable", "PlanLoadError", "from_plan", "check_graph", "capture_for", "graph_inputs", "graph_planner"]
+__all__ = ["Executable", "PlanLoadError", "from_plan", "check_graph", "capture_for", "finished"]

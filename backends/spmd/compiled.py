@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _python_dispatch
 
+from .interpreter import Sharded
 from .local_ops import LOCAL_IMPL, VIEWS
 
 aten = torch.ops.aten
@@ -157,8 +158,6 @@ def build(prog, instrs: list, launch_at, ready, backend: str, min_ops: int = 3):
     compiled, the other instructions through run1; `L[pos]()` after instruction pos as in the eager program, at the
     end of the segment holding pos (a segment ends at every position in `ready`, where a bucket launches).
     Returns (run, segments)."""
-    from .program import Sharded
-
     needed = needed_values(prog.g)
     steps, segs, cur = [], [], []
 

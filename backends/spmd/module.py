@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autopar.execution import graph_inputs
+from autopar.execution import finished
 from autopar.model_io import ModelIO
 from autopar.strategies._torch_adapter import make_dtensor, per_rank, to_placement
 
@@ -126,16 +126,14 @@ def lower(
     return pm
 
 
-def parallelize(model: nn.Module, mesh, example_inputs=None, *, example_kwargs=None, planned=None, **options):
-    """The graph backend for a plan made elsewhere (`planned=(plan, state)`, as the torch backend's fallback
-    passes it); new input shapes are planned by autopar.execution.graph_planner. `autopar.parallelize` is the
-    front door."""
-    if planned is None:
-        raise TypeError(
-            "the graph backend runs a finished plan: pass planned=(plan, state), or use autopar.parallelize"
-        )
+def parallelize(
+    model: nn.Module, mesh, example_inputs=None, *, example_kwargs=None, planned=None, replan=None, **options
+):
+    """The graph backend for a plan made elsewhere: `planned=(plan, state)`, or `(plan, None)` for a loaded plan, as
+    the torch backend's fallback passes it; `replan`: the front door's planner for new shapes (autopar.graph_planner),
+    else a call with new shapes raises NoPlanForShapesError. `autopar.parallelize` is the front door."""
     check_call(model, mesh, example_inputs, example_kwargs, options.get("compile", False))
-    executable, replan = graph_inputs(model, mesh, example_inputs, example_kwargs=example_kwargs, planned=planned)
+    executable = finished(model, example_inputs, example_kwargs, planned=planned)
     return lower(model, mesh, executable, replan=replan, **options)
 
 

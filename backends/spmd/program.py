@@ -28,9 +28,11 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.guards import check_guards
 from autopar.strategies._torch_adapter import local_of, outside_local_tensor_mode, per_rank, to_placement
 
 from .buckets import Buckets
+from .compiled import build, compile_option
 
 # ExecutionError, Sharded, placement_strs and _local are imported from here by the other backends and the tests
 from .interpreter import ExecutionError, Interpreter, Sharded, _Instr, _local, placement_strs
@@ -68,8 +70,6 @@ class Program(Interpreter, Buckets):
     def _compile_phases(self, compile):
         """The forward and backward instruction lists as functions: straight-line Python (`_compile`), or with the
         runs of local ops between collectives compiled by a torch.compile backend (backends/spmd/compiled.py)."""
-        from .compiled import build, compile_option
-
         self.compile_backend = compile_option(compile)  # local segments compiled between the collectives
         self._plan_bucket_copies()
         self.bucket_out = self._bucket_outputs()
@@ -112,7 +112,6 @@ class Program(Interpreter, Buckets):
         sharded leaf a guard reads is gathered (the same collective on every rank, in guard order)."""
         if not self.g.guards:
             return
-        from autopar.guards import check_guards
 
         def value(leaf):
             kind, name = leaf
