@@ -172,7 +172,8 @@ def test_quickstart_example_runs_with_torchrun(tmp_path):
     # four ranks share one stdout pipe: a rank's line can land after another process's unterminated output, so the
     # records are found anywhere in the text, not at line starts
     lines = [
-        ["rank", r, "step", s, "loss", v] for r, s, v in re.findall(r"rank (\d+) step (\d+) loss (\S+)", proc.stdout)
+        ["rank", r, "step", s, "loss", v]
+        for r, s, v in re.findall(r"rank (\d+) step (\d+) loss ([-+0-9.eE]+\d)", proc.stdout)
     ]
     losses = {}  # step -> the losses the ranks printed
     for ln in lines:
