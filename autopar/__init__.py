@@ -2,6 +2,8 @@
 
 plan = autopar.plan(model, mesh, example_inputs=(tokens, labels), cluster="h100")
 print(plan.dump())
+plan.save("plan.json")
+pm = autopar.parallelize(model, device_mesh, (tokens, labels), plan=autopar.Plan.load("plan.json"))  # no planning
 """
 
 import importlib
@@ -22,17 +24,24 @@ _EXPORTS = {
     "InfeasibleMemoryError": ".solver",
     "SolverTimeLimitError": ".solver",
     "NoStrategyError": ".strategies",
+    "parallelize": ".parallel",
+    "graph_planner": ".parallel",
+}
+
+
+# the submodules a user reaches as attributes after `import autopar` (the eager imports used to load them)
+_SUBMODULES = {
+    name: "." + name
+    for name in ("api", "backends", "capture", "cost", "examples", "graph", "mesh", "models", "passes", "solver")
+    + ("strategies", "testing")
 }
 
 
 def __getattr__(name):
-    if name not in _EXPORTS:  # a submodule (`autopar.cost.X` after `import autopar`), as the eager imports loaded
-        try:
-            return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module 'autopar' has no attribute {name!r}") from None
+    if name in _SUBMODULES:
+        return importlib.import_module(_SUBMODULES[name], __name__)
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     globals()[name] = value
     return value
@@ -67,27 +76,6 @@ __all__ = [
     "SolverTimeLimitError",
     "parallelize",
 ]
-
-
-def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", **kwargs):
-    """Plan `model` for the DeviceMesh `mesh` and return a module that runs each training step SPMD on this rank
-    (see autopar.backends.graph.parallelize; imported on first use so planning never loads the backends).
-
-    backend: "graph" (autopar's SPMD executor: any plan), "torch" (the user's own module, parallelized in place by
-    fully_shard / parallelize_module; EngineLoweringError when the plan does not fit them), "mixed" (the torch
-    engines for what they express, the graph backend for the modules they cannot) or "auto" (the torch engines
-    when they express the plan; else "mixed" where the cost model predicts it no slower than the graph backend,
-    else the graph backend). The result's `.autopar_dump` says which part went where and why. See
-    autopar.backends.torch."""
-    if backend == "graph":
-        from .backends.graph import parallelize as _parallelize
-
-        return _parallelize(model, mesh, example_inputs, **kwargs)
-    if backend in ("torch", "mixed", "auto"):
-        from .backends.torch import parallelize as _parallelize_torch
-
-        return _parallelize_torch(model, mesh, example_inputs, backend=backend, **kwargs)
-    raise ValueError(f"backend must be 'graph', 'torch', 'mixed' or 'auto', got {backend!r}")
 
 
 __version__ = "0.1.0"

@@ -219,7 +219,7 @@ class _Recorder(TorchDispatchMode):
         dev = kwargs.get("device")
         if isinstance(dev, torch.device) and dev.type != "meta":
             # a tensor made or moved to a device (torch.arange(n), x.cpu(), .to("cuda")): capture runs on meta and
-            # the run makes it on the run device (backends/program.py _to_device), so it is recorded on meta
+            # the run makes it on the run device (backends/spmd/program.py _to_device), so it is recorded on meta
             kwargs = {**kwargs, "device": _META}
         if func is aten.copy.default:
             func, args, kwargs = copy_as_clone(args, kwargs)

@@ -70,7 +70,7 @@ def tail_values(g, partial) -> set[tuple[int, int]]:
 def coalesce_tail(g, red: dict, shares: dict, coalesced: dict, mesh_shape, cluster, partial) -> list[int] | None:
     """Group the plan's all_reduces of loss-tail values into as few collectives as the graph allows, one group per
     destination placement and dtype (a partial mean joins partial sums, scaled by 1 / its ranks on the way in:
-    backends/program.py). A group never holds a value computed from another member's consumer: that would need a
+    backends/spmd/program.py). A group never holds a value computed from another member's consumer: that would need a
     second collective after the first. Each group's collective rides on the input of its first consumer in the new
     order; `red` and `coalesced` are updated in place (the other members carry no collective and name that input).
     partial: as for tail_values. Returns the forward nodes' order of execution, or None when nothing was grouped."""

@@ -36,6 +36,8 @@ class Plan:
     stages: list = field(default_factory=list)
     schedule: dict = field(default_factory=dict)
     buckets: list = field(default_factory=list)  # gradient buckets (passes/buckets.py): one collective each
+    # what the graph executor needs beyond `nodes` to run the plan without planning again (execution_record)
+    execution: dict = field(default_factory=dict)
 
     # ---- queries --------------------------------------------------------------------------------------------
     def param_placements(self) -> dict:
@@ -52,6 +54,14 @@ class Plan:
                 if "bucket" not in r:  # bucketed gradient reductions: their bucket's collective
                     out += [(c[0], _dim(c[1]), c[2]) for c in r["collectives"]]
         return out + [(b["kind"], _dim(b["mesh_dim"]), b["bytes"]) for b in self.buckets]
+
+    def graph_signature(self) -> list[tuple]:
+        """Per node (kind, target, phase, output shapes, dtypes, producers): what a captured graph must repeat for
+        this plan to run on it (`graph_signature` of a Graph gives the same)."""
+        return [
+            (r["kind"], r["target"], r["phase"], _tuples(r["shape"]), tuple(r["dtype"]), _tuples(r["inputs"]))
+            for r in self.nodes
+        ]
 
     def hash(self) -> str:
         body = json.dumps(
@@ -78,6 +88,10 @@ class Plan:
         with open(path) as f:
             d = json.load(f)
         d["mesh_shape"], d["mesh_names"] = tuple(d["mesh_shape"]), tuple(d["mesh_names"])
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{path} is not an autopar plan of this version: unknown fields {unknown}")
         return cls(**d)
 
     # ---- text -----------------------------------------------------------------------------------------------
@@ -298,6 +312,44 @@ def node_record(n, s, red, time_s, source) -> dict:
             else {}
         ),
     }  # scalar positional arguments (ignore_index, dims)
+
+
+def _tuples(x):
+    """Nested lists (JSON) as nested tuples, so a loaded plan compares equal to a fresh one."""
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def graph_signature(g) -> list[tuple]:
+    """Plan.graph_signature of a captured Graph."""
+    return [
+        (
+            n.kind,
+            n.target if n.kind != "op" else op_name(n.target),
+            n.phase,
+            tuple(tuple(m.shape) if m is not None else None for m in n.outs),
+            tuple(_dtype_name(m.dtype) if m is not None else None for m in n.outs),
+            tuple((r.node, r.out) for r in n.inputs()),
+        )
+        for n in g.nodes
+    ]
+
+
+def execution_record(state) -> dict:
+    """Plan.execution: the decisions of the redistribute pass that `nodes` do not spell out in executor terms
+    (shared and coalesced redistributes, the forward's order of execution) and how the graph was captured, so a
+    saved plan runs on a graph captured again (autopar/execution.py)."""
+    g, mp = state.graph, state.options.get("mixed_precision")
+    pairs = lambda d: sorted([*k, *v] for k, v in (d or {}).items())  # (consumer, input) -> (consumer, input)
+    return {
+        "capture": {
+            "output": "activation" if g.activation else "loss",
+            "backward": any(n.phase == "bw" for n in g.nodes),
+            "param_dtype": mp["param_dtype"] if mp else None,
+        },
+        "shares": pairs(state.shares),
+        "coalesced": pairs(state.coalesced),
+        "fw_order": list(state.fw_order) if state.fw_order else None,
+    }
 
 
 def _co(c) -> str:

@@ -14,7 +14,7 @@ import torch
 from .cost import collective_time
 from .graph import TensorMeta, param_root
 from .liveness import liveness_peak, recompute_seconds, state_bytes
-from .plan import Plan, node_record
+from .plan import Plan, execution_record, node_record
 from .redistribute import grad_reduce_time, link_of, redistribute_time
 
 
@@ -55,6 +55,7 @@ def build_plan(state) -> Plan:
             **_state_meta(g),
         },
         buckets=[dict(b) for b in state.buckets or []],
+        execution=execution_record(state),
     )
 
 

@@ -1,2 +1,3 @@
-"""Backends that run a plan. `graph`: the SPMD graph executor behind `autopar.parallelize` (DTensors, explicit
-collectives from `comm`). Imported lazily by `autopar.parallelize`; planning never imports this package."""
+"""Backends that run a finished plan, one package per engine: `spmd` (the graph executor behind
+`autopar.parallelize`: DTensors, explicit collectives). Imported lazily by `autopar.parallelize`; planning never
+imports this package."""

@@ -79,7 +79,7 @@ class HandDTensor(torch.nn.Module):
 def _run(args, world):
     """One rank's measurements of every config (benchmarks/ranks.py runs it on each rank)."""
     import autopar
-    from autopar.backends.verify import tp_force
+    from autopar.testing import tp_force
     from autopar.models import build_model, example_inputs
     from torch.distributed.device_mesh import init_device_mesh
 

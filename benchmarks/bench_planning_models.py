@@ -105,7 +105,7 @@ def _mesh(s):
 def cases():
     """name -> () -> (model, inputs, mesh, plan kwargs)."""
     from _clusters import SHAPES
-    from autopar.backends.verify import fsdp_tp_force
+    from autopar.testing import fsdp_tp_force
     from bench_config import MEASURED, SCALE_CLUSTER, scale_batch
 
     def tiny_train():

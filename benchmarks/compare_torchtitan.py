@@ -274,7 +274,7 @@ r, w = dist.get_rank(), dist.get_world_size()
 from torch.distributed.device_mesh import init_device_mesh
 import autopar
 from autopar import models
-from autopar.backends.torch import parallelize as parallelize_torch, local_inputs, train_context
+from autopar.backends.torch import local_inputs, train_context
 from torchtitan_plan import batch_pin, torchtitan_placements
 case = json.loads(sys.argv[1])
 shape, names = tuple(case["shape"]), tuple(case["names"])
@@ -289,10 +289,10 @@ else:
     force, pin = torchtitan_placements(meta, names, "dp" if "dp" in names else None, "tp", (b, s))
     kw = dict(force=force, pin=pin)
 if case["where"] == "blocks":    # torchtitan's order: TP, then compile each block, then FSDP
-    m = parallelize_torch(m, mesh, (x, y), backend="torch", compile_blocks={"backend": case["backend"]}, **kw)
+    m = autopar.parallelize(m, mesh, (x, y), backend="torch", compile_blocks={"backend": case["backend"]}, **kw)
     cm = m
 else:
-    m = parallelize_torch(m, mesh, (x, y), backend="torch", **kw)
+    m = autopar.parallelize(m, mesh, (x, y), backend="torch", **kw)
     cm = torch.compile(m, backend=case["backend"])
 xl, yl = local_inputs(m, mesh, x, y)
 t = time.perf_counter()

@@ -257,7 +257,7 @@ def executor_step(dev, quick) -> dict:
 
     sys.path.insert(0, ROOT)
     import autopar
-    from autopar.backends.comm import CommCounter
+    from autopar.backends.spmd.comm import CommCounter
     from autopar.models import build_model, example_inputs
 
     if dev.type == "cuda":

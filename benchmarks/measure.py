@@ -131,12 +131,12 @@ def build(source, cfg, mesh, world_mesh, x):
         import autopar
 
         pm = autopar.parallelize(model, mesh, x, cluster="cpu-gloo")
-        opt = pm.attach_optimizer(_adamw(pm.parameters()))  # step counts as DTensors (backends/graph.py)
+        opt = pm.attach_optimizer(_adamw(pm.parameters()))  # step counts as DTensors (backends/spmd/module.py)
 
         def step():
             pm(*x).backward()
 
-        # the gradient buckets' flat buffers live between steps, as DDP's reducer's (backends/program.py)
+        # the gradient buckets' flat buffers live between steps, as DDP's reducer's (backends/spmd/program.py)
         keep = lambda: sum(b.nbytes for b in pm.program.flat_bufs.values())  # noqa: E731
         return Run(source, pm, opt, step, {"plan": pm.plan, "persistent_bytes": keep})
     if source == "autopar-torch":  # backend="auto": the engines, with graph parts where they cannot

@@ -1,5 +1,5 @@
 """Eager vs compiled graph backend (`autopar.parallelize(..., compile=True)`: Inductor on each rank's local segments
-between the collectives, backends/compiled.py), 2 gloo ranks on CPU.
+between the collectives, backends/spmd/compiled.py), 2 gloo ranks on CPU.
 
     python benchmarks/training_compile.py            # writes benchmarks/results/training_compile.md
 
@@ -102,7 +102,7 @@ def _loss(out):
 def _seeded(pm, x, kw, steps=3, call=None):
     """`steps` SGD steps from SEED (through `call`, default pm): the losses and the first step's gradients (names
     without torch.compile's `_orig_mod.`)."""
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
 
     pm.program.manual_seed(SEED)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
@@ -132,8 +132,8 @@ def _rank(rank, world, port, names, steps, warmup, backend, out_path):
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
     )
     import autopar
-    from autopar.backends.comm import CommCounter, compare
-    from autopar.backends.compiled import summary
+    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.backends.spmd.compiled import summary
     from torch.distributed.device_mesh import init_device_mesh
     from _clusters import SHAPES
 
@@ -218,7 +218,7 @@ def _table(rows, cmd, world) -> str:
     lines = [
         f"# Eager vs compiled graph backend ({world} gloo ranks, CPU)",
         "",
-        f"`{cmd}` (backends/compiled.py; one run, eager and compiled steps alternating; median of the timed "
+        f"`{cmd}` (backends/spmd/compiled.py; one run, eager and compiled steps alternating; median of the timed "
         f"steps; compile s: the time the segments took to compile in the compiled program's first step, "
         f"with an empty Inductor cache; load average at the end: {os.getloadavg()[0]:.1f} on "
         f"{os.cpu_count()} cores).",

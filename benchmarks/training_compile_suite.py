@@ -36,7 +36,7 @@ SEED = 1234
 
 
 def _steps(pm, args, kwargs, loss_of, steps=2):
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
 
     pm.program.manual_seed(SEED)
     opt = torch.optim.SGD(pm.parameters(), lr=1e-3)
@@ -63,7 +63,7 @@ def _worst(got, ref):
 
 def _model(name, mesh, backend, SHAPES, CommCounter, compare, zc):
     import autopar
-    from autopar.backends.compiled import summary
+    from autopar.backends.spmd.compiled import summary
 
     rec = {"model": name}
     ok, built = zc._run_stage(rec, "build", lambda: zc.build(name))
@@ -138,7 +138,7 @@ def _rank(rank, world, port, names, backend, out_path):
     )
     import zoo_check as zc
     from _clusters import SHAPES
-    from autopar.backends.comm import CommCounter, compare
+    from autopar.backends.spmd.comm import CommCounter, compare
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.utils import logging
 

@@ -5,7 +5,7 @@
 One training loop on `--world` ranks (1-D mesh "dp"), the model FSDP-like (every parameter Shard(0) on dp where it
 divides, `fsdp_force`) with the batch sharded on dp (`batch_pin`), cost model cpu-gloo:
   - the first step of a new input shape (another batch size, another sequence length, eval at another batch size
-    under no_grad) plans again (backends/shapes.py): its time against a step of a cached shape;
+    under no_grad) plans again (backends/spmd/shapes.py): its time against a step of a cached shape;
   - gradient accumulation: `--micro` micro-steps, all but the last under `pm.no_sync()`: the collectives of each
     micro-step (CommCounter, kind and bytes), against the same micro-batches each reduced (no accumulation), and
     the bytes of unreduced gradients a rank holds in between (unsharded, as FSDP2 without gradient sync).
@@ -39,9 +39,9 @@ def _timed(fn):
 
 def _run(args, world):
     import autopar
-    from autopar.backends.comm import CommCounter
+    from autopar.backends.spmd.comm import CommCounter
     from torchtitan_plan import batch_pin
-    from autopar.backends.verify import fsdp_force
+    from autopar.testing import fsdp_force
     from autopar.models import build_model, example_inputs
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -139,7 +139,7 @@ def _run(args, world):
 def _accumulate(pm, micro, mesh, rounds: int = 2) -> dict:
     """Micro-steps under no_sync, the last outside; against each micro-batch reduced; the last of `rounds` (the
     first pays one-time costs)."""
-    from autopar.backends.comm import CommCounter
+    from autopar.backends.spmd.comm import CommCounter
 
     for _ in range(rounds):
         pm.zero_grad(set_to_none=True)

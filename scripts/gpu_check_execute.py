@@ -31,8 +31,8 @@ def main() -> int:
         print("SKIP: no CUDA device")
         return 0
     import autopar
-    from autopar.backends.local_ops import attention_bw_math, attention_fw_math
-    from autopar.backends.verify import fsdp_force, tp_force, train_and_compare
+    from autopar.backends.spmd.local_ops import attention_bw_math, attention_fw_math
+    from autopar.testing import fsdp_force, tp_force, train_and_compare
     from autopar.models import build_model, example_inputs
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -234,7 +234,7 @@ def test_measured_bytes_of_an_all_to_all_follow_the_plan_convention(mesh_shape):
     the group size twice (4x on mesh 4, 2x on 2x2: moe-debug's router all_to_alls, 81920 vs 20480 bytes)."""
     import measure
     from _simulated import simulated
-    from autopar.backends.comm import redistribute_local
+    from autopar.backends.spmd.comm import redistribute_local
     from autopar.backends.torch.collectives import CollectiveCounter
     from autopar.graph import TensorMeta
     from autopar.redistribute import collectives

@@ -1,7 +1,7 @@
 """Functionally captured models on 4 gloo ranks (2x2 mesh): a model with nn.RMSNorm, ReLU(inplace=True) and an
 in-place div_ on a temporary, and a CNN with BatchNorm2d in training mode on a batch-sharded plan. Each trains 2
 SGD steps next to one device: the loss of each step, every gradient of the first step and every parameter after
-the last agree (backends/verify.py train_and_compare); for BatchNorm, every rank's running_mean, running_var and
+the last agree (autopar/testing.py train_and_compare); for BatchNorm, every rank's running_mean, running_var and
 num_batches_tracked after the 2 steps equal one device's (the global batch's statistics, SyncBatchNorm's
 semantics, from the all_reduced moments of the plan)."""
 
@@ -76,7 +76,7 @@ def _batch_pin(batch):
 
 def job(tmp):
     import autopar
-    from autopar.backends.verify import train_and_compare
+    from autopar.testing import train_and_compare
     from torch.distributed.device_mesh import init_device_mesh
     from _clusters import SHAPES
 

@@ -142,7 +142,7 @@ def _shapes_plan(mesh):
     Megatron-like on the second (so every parameter is sharded; the solver alone needs tens of seconds here)."""
     import autopar
     from _clusters import SHAPES
-    from autopar.backends.verify import fsdp_force, fsdp_tp_force
+    from autopar.testing import fsdp_force, fsdp_tp_force
 
     model, shape = _build(0), tuple(mesh.shape)
     force = fsdp_tp_force(model, shape) if len(shape) == 2 else fsdp_force(model, shape)
@@ -178,7 +178,7 @@ def job_world4(tmp):
     import autopar
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from autopar.backends.comm import CommCounter
+    from autopar.backends.spmd.comm import CommCounter
 
     ref_losses, ref_params = reference()
     mesh22 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -3,7 +3,7 @@ a Megatron MLP pinned on the 1-D mesh under tests/_clusters.py SHAPES (weights s
 
 One launch checks:
   - `parallelize(..., compile="aot_eager")`: each rank's local segments between the collectives run through
-    torch.compile (backends/compiled.py); with the same seed as one device (`torch.manual_seed` there,
+    torch.compile (backends/spmd/compiled.py); with the same seed as one device (`torch.manual_seed` there,
     `pm.program.manual_seed` here) the losses of 2 SGD steps, every gradient of the first and the parameters after
     equal one device's (|diff| <= 1e-6 + 1e-4 max|ref|) and the eager program's to 1e-5 relative; the collectives
     of a step (kind, mesh dim, bytes) are the eager program's and the plan's; dropout masks are drawn outside the
@@ -62,7 +62,7 @@ class Tiny(nn.Module):
 
 def _steps(model, x, seed_fn, steps=2):
     """SGD steps: losses, the first step's gradients and the parameters after, as full tensors."""
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
 
     seed_fn(SEED)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -100,8 +100,8 @@ def job():
     from _clusters import SHAPES
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
-    from autopar.backends.comm import CommCounter, compare
-    from autopar.backends.compiled import summary
+    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.backends.spmd.compiled import summary
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     torch.manual_seed(0)

@@ -80,7 +80,7 @@ def test_llama_tiny_train_config_lp_is_integral():
     """examples/train.py's llama-tiny 2x2 plan (cpu-gloo, fsdp+tp pinned): without the reduction its LP relaxation
     is fractional and branch and bound runs (seconds of presolve and root cuts); dominance leaves fewer than half
     of the candidate strategies and an integral LP."""
-    from autopar.backends.verify import fsdp_tp_force
+    from autopar.testing import fsdp_tp_force
     from autopar.models import build_model, example_inputs
 
     model = build_model("llama-tiny", device="cpu")

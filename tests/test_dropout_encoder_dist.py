@@ -25,7 +25,7 @@ SEED, STEPS = 99, 3
 
 def _train(model, args, seed_fn):
     """3 AdamW steps: the losses, the first step's gradients, the parameters after (full tensors)."""
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
 
     seed_fn(SEED)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-4)  # eps: see tests/third_party/zoo_check.py
@@ -72,7 +72,7 @@ def job_dropout(names):
     from _clusters import SHAPES
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
-    from autopar.backends.comm import CommCounter, compare
+    from autopar.backends.spmd.comm import CommCounter, compare
     from _bench import batch_pin
     from zoo import ZOO
 
@@ -133,11 +133,11 @@ def test_draws_follow_one_devices_memory_layout():
     """A random op fills memory in order, so on a non-contiguous tensor (nn.MultiheadAttention's batch_first output
     is a transpose) the mask depends on the layout: capture records the layout one device fills (Node.stride:
     the output's for functional calls; for dropout, the empty_like buffer bernoulli_ fills) and every draw
-    (backends/local_ops.draw_random) is laid out alike, equal to one device to the bit."""
+    (backends/spmd/local_ops.draw_random) is laid out alike, equal to one device to the bit."""
     from types import SimpleNamespace
 
     import torch.nn.functional as F
-    from autopar.backends.local_ops import draw_random
+    from autopar.backends.spmd.local_ops import draw_random
     from autopar.capture import capture
     from autopar.graph import TensorMeta
 

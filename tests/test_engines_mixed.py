@@ -71,7 +71,7 @@ def _run(case):
     from autopar import models
     from autopar.backends.torch import local_inputs, train_context
     from autopar.backends.torch.collectives import CollectiveCounter, engine_collectives, measured_list
-    from autopar.backends.program import ExecutionError
+    from autopar.backends.spmd.program import ExecutionError
 
     world = dist.get_world_size()
     shape, names = ((2, 2), ("dp", "tp")) if case == "fsdp_tp" else ((world,), ("dp",))
@@ -256,10 +256,10 @@ def test_part_program_matches_one_device_on_simulated_ranks():
     from torch.distributed import _local_tensor as lt
     from autopar.capture import capture
     from autopar.models.llama import FeedForward
-    from autopar.backends.comm import CommCounter
+    from autopar.backends.spmd.comm import CommCounter
     from autopar.backends.torch.mixed import _boundary_pins
-    from autopar.backends.graph import _distribute
-    from autopar.backends.program import Program
+    from autopar.backends.spmd.module import _distribute
+    from autopar.backends.spmd.program import Program
     from autopar.strategies._torch_adapter import outside_local_tensor_mode
 
     torch.manual_seed(0)

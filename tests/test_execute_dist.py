@@ -37,7 +37,7 @@ def _mesh(shape, device):
 
 
 def _force(model, shape, constraint):
-    from autopar.backends.verify import fsdp_force, fsdp_tp_force, tp_force
+    from autopar.testing import fsdp_force, fsdp_tp_force, tp_force
 
     return {
         "none": lambda: {},
@@ -50,7 +50,7 @@ def _force(model, shape, constraint):
 def job_train(cases, tmp, device):
     """Each case: plan on this rank, train 3 SGD steps beside the single-device model, report the numbers."""
     import autopar
-    from autopar.backends.verify import train_and_compare
+    from autopar.testing import train_and_compare
     from autopar.models import build_model, example_inputs
 
     out = {"cases": []}
@@ -132,9 +132,9 @@ def job_extras(cases, tmp, device):
     """DCP round trip of the parallel state dict, pre-sharded inputs, then a rank with a different plan."""
     import torch.distributed.checkpoint as dcp
     import autopar
-    from autopar.backends.comm import PlanMismatchError
-    from autopar.backends.graph import local_batch
-    from autopar.backends.verify import global_value
+    from autopar.backends.spmd.comm import PlanMismatchError
+    from autopar.backends.spmd.module import local_batch
+    from autopar.testing import global_value
     from autopar.models import build_model, example_inputs
 
     name, ov, batch, seq, shape, constraint = cases[0]

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 import autopar
 from _simulated import simulated
-from autopar.backends.comm import CommCounter, compare, redistribute_local
-from autopar.backends.local_ops import attention_bw_math, attention_fw_math
-from autopar.backends.verify import fsdp_force, fsdp_tp_force, tp_force, train_and_compare
+from autopar.backends.spmd.comm import CommCounter, compare, redistribute_local
+from autopar.backends.spmd.local_ops import attention_bw_math, attention_fw_math
+from autopar.testing import fsdp_force, fsdp_tp_force, tp_force, train_and_compare
 from autopar.graph import TensorMeta
 from autopar.models import build_model, example_inputs
 from autopar.redistribute import collectives
@@ -362,7 +362,7 @@ def test_all_to_all_is_a_real_all_to_all():
 def test_sharded_indices_into_a_masked_partial_are_gathered():
     """Indices sharded on the batch that a vocab-sharded embedding reads ("Pm": masked by DTensor's rule) come whole
     on every rank, with the all_gather the planner prices (autopar.redistribute.collectives)."""
-    from autopar.backends.comm import executed_placements
+    from autopar.backends.spmd.comm import executed_placements
 
     ids = torch.arange(8).view(4, 2)
     with simulated((2,)) as mesh:
@@ -653,7 +653,7 @@ def test_op_bindings_compute_what_their_overloads_compute():
     """The compiled programs call an op's Python binding instead of its OpOverload where local_ops.binding lists
     one: on sample arguments of the kinds captured graphs hold (tensors, Python scalars, dim lists, keywords),
     each binding gives its overload's values, dtype, shape and strides (views: the same storage)."""
-    from autopar.backends.local_ops import binding
+    from autopar.backends.spmd.local_ops import binding
 
     aten = torch.ops.aten
     g = torch.Generator().manual_seed(0)
@@ -688,7 +688,7 @@ def test_op_bindings_compute_what_their_overloads_compute():
         aten._softmax.default: [(x, -1, False)],
         aten._softmax_backward_data.default: [(y, torch.softmax(x, -1), -1, torch.float32)],
     }
-    from autopar.backends import local_ops
+    from autopar.backends.spmd import local_ops
 
     binding(aten.mm.default)
     assert set(local_ops._BINDINGS) == set(cases)  # every listed binding is checked here

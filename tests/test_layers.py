@@ -30,6 +30,7 @@ LAYERS = ("core", "passes", "backends", "front")
 FRONT = {
     "autopar": "the front door: autopar.plan, and parallelize(), which loads the chosen backend on first use",
     "autopar.api": "plan(): captures the model and runs the passes in order",
+    "autopar.parallel": "parallelize(): plans (or takes a finished Plan) and hands it to the chosen backend",
     "autopar.cli": "the command line: plans, explains and reports for the user",
     "autopar.__main__": "`python -m autopar` / the `autopar` script",
     "autopar.report": "the HTML report of a plan",
@@ -88,8 +89,14 @@ def _bound_names(package: str, tree: ast.Module) -> set[str]:
         elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            for t in node.targets if isinstance(node, ast.Assign) else [node.target]:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for t in targets:
                 names |= {n.id for n in ast.walk(t) if isinstance(n, ast.Name)}
+            if any(isinstance(t, ast.Name) and t.id == "_EXPORTS" for t in targets) and isinstance(
+                node.value, ast.Dict
+            ):
+                # the names a PEP 562 __getattr__ exports on first use (autopar/__init__.py)
+                names |= {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
     return names
 
 

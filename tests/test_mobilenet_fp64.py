@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import autopar
 from _clusters import SHAPES
 from _simulated import simulated
-from autopar.backends.comm import CommCounter
+from autopar.backends.spmd.comm import CommCounter
 
 mn = pytest.importorskip("transformers.models.mobilenet_v2.modeling_mobilenet_v2")
 pytestmark = pytest.mark.timeout(300)

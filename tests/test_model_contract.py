@@ -176,7 +176,7 @@ def test_forward_made_constants_keep_their_data():
     devices = {a for n in g.ops() for a in n.kwargs.values() if isinstance(a, torch.device)}
     assert devices == {torch.device("meta")}  # made on the run device at run time
     from _simulated import simulated
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
     from autopar.strategies._torch_adapter import outside_local_tensor_mode
 
     model = _Made()
@@ -235,7 +235,7 @@ def test_transformers_models_run_with_no_wrapper(name):
     plan, then one step on 2 simulated ranks with the batch sharded (forward-made masks, caches and positions made
     on the run device), loss in the model's own ModelOutput, loss and every gradient equal to one device."""
     from _simulated import simulated
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
     from autopar.strategies._torch_adapter import outside_local_tensor_mode
 
     model, kw = _hf_cases()[name]()
@@ -264,7 +264,7 @@ def test_llama_runs_with_its_mask_check_guarded():
     and a padded batch (which would take the other path) is refused naming the module and the input."""
     tr = pytest.importorskip("transformers")
     from _simulated import simulated
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
     from autopar.strategies._torch_adapter import outside_local_tensor_mode
 
     tr.utils.logging.set_verbosity_error()

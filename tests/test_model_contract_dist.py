@@ -44,8 +44,8 @@ def job_gpt2(tmp):
     from _clusters import SHAPES
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
-    from autopar.backends.comm import CommCounter, compare
-    from autopar.backends.verify import global_value
+    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.testing import global_value
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = _gpt2()
@@ -128,7 +128,7 @@ class _Positive(torch.nn.Module):
 def job_guard(tmp):
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     torch.manual_seed(0)

@@ -43,7 +43,7 @@ def _gpt2():
 
 def _train(model, batch, seed_fn, opt_params):
     """3 AdamW steps: the losses, the first step's gradients, the parameters after (full tensors)."""
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
 
     seed_fn(SEED)
     # eps=1e-6: Adam's division by sqrt(v) + eps turns ~1e-9 float32 rounding differences of a near-zero gradient
@@ -80,7 +80,7 @@ def job_newcomer(_):
     from _clusters import SHAPES
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
-    from autopar.backends.comm import CommCounter, compare
+    from autopar.backends.spmd.comm import CommCounter, compare
     from _bench import batch_pin
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -172,7 +172,8 @@ def test_quickstart_example_runs_with_torchrun(tmp_path):
     # four ranks share one stdout pipe: a rank's line can land after another process's unterminated output, so the
     # records are found anywhere in the text, not at line starts
     lines = [
-        ["rank", r, "step", s, "loss", v] for r, s, v in re.findall(r"rank (\d+) step (\d+) loss (\S+)", proc.stdout)
+        ["rank", r, "step", s, "loss", v]
+        for r, s, v in re.findall(r"rank (\d+) step (\d+) loss ([-+0-9.eE]+\d)", proc.stdout)
     ]
     losses = {}  # step -> the losses the ranks printed
     for ln in lines:

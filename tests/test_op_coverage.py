@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import autopar
 from _clusters import SHAPES
 from _simulated import simulated
-from autopar.backends.verify import train_and_compare
+from autopar.testing import train_and_compare
 from autopar.strategies._torch_adapter import outside_local_tensor_mode
 
 pytest.importorskip("torch.distributed._local_tensor")
@@ -344,8 +344,8 @@ def _candidates(model, inputs):
 
 def _values(g, model, inputs) -> dict:
     """Every value of the graph computed on one device (full tensors), by Ref."""
-    from autopar.backends.local_ops import LOCAL_IMPL
-    from autopar.backends.program import _to_device
+    from autopar.backends.spmd.local_ops import LOCAL_IMPL
+    from autopar.backends.spmd.interpreter import _to_device
     from autopar.graph import Ref, map_refs
 
     params, bufs, val, cpu = dict(model.named_parameters()), dict(model.named_buffers()), {}, torch.device("cpu")
@@ -406,7 +406,7 @@ def _shard_cached(val, r, pl, mode):
 
 def _assemble(v, pl):
     """The global value of an executor value at placements `pl`, from the simulated ranks' local tensors."""
-    from autopar.backends.program import Sharded
+    from autopar.backends.spmd.program import Sharded
     from autopar.strategies._torch_adapter import local_of
 
     lt = torch.distributed._local_tensor
@@ -442,7 +442,7 @@ def _run_candidate(n, g, val, cand, mesh, mode):
     already at the candidate's input placements) on the per-rank pieces of its one-device inputs; the error, or
     None when each output equals the op's one-device output."""
     from types import SimpleNamespace
-    from autopar.backends.program import Program, Sharded
+    from autopar.backends.spmd.program import Program, Sharded
     from autopar.graph import Graph, Node, Ref, map_refs
     from autopar.strategies import Strategy
 

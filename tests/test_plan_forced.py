@@ -21,7 +21,7 @@ import pytest
 import autopar
 from _clusters import SHAPES
 from _simulated import simulated
-from autopar.backends.verify import fsdp_force, train_and_compare
+from autopar.testing import fsdp_force, train_and_compare
 from autopar.models import build_model, example_inputs
 from autopar.passmanager import VerificationError, verify
 

@@ -1,5 +1,5 @@
 """Random ops in the SPMD executor (issue 23, point 3): each rank draws its piece of the GLOBAL random tensor from
-the program's generator (backends/local_ops.draw_random), so the result does not depend on the plan and, seeded
+the program's generator (backends/spmd/local_ops.draw_random), so the result does not depend on the plan and, seeded
 with s, equals one device after torch.manual_seed(s).
 
 * every random op the executor draws, in one process: the pieces two "ranks" draw (each from its own generator
@@ -32,7 +32,7 @@ SEED, STEPS, B, D, H, C = 1234, 3, 8, 32, 64, 16
 
 def _pieces(op, args, kwargs, out_metas, dim, n=2):
     """What n ranks holding Shard(dim) of every tensor draw, concatenated (each rank its own generator)."""
-    from autopar.backends.local_ops import draw_random
+    from autopar.backends.spmd.local_ops import draw_random
 
     parts = []
     for r in range(n):
@@ -62,7 +62,7 @@ class _null:
 
 
 def test_every_random_op_draws_one_devices_values():
-    from autopar.backends.local_ops import RANDOM
+    from autopar.backends.spmd.local_ops import RANDOM
     from autopar.graph import TensorMeta
 
     x = torch.randn(6, 10)
@@ -93,7 +93,7 @@ def test_every_random_op_draws_one_devices_values():
             for g, r in zip(got, ref):
                 assert g.dtype == r.dtype and torch.equal(g, r), (op, dim)
     # native_dropout in eval draws nothing: the op runs as it is
-    from autopar.backends.local_ops import draw_random
+    from autopar.backends.spmd.local_ops import draw_random
 
     assert (
         draw_random(
@@ -260,8 +260,8 @@ def test_simulated_ranks_draw_one_devices_masks(plan_kind):
     # the reference first, on its own: LocalTensorMode sets the global generator around every op it runs, and
     # leaving it (outside_local_tensor_mode) restores it, so a reference run between simulated steps would redraw
     ref = _run(copy.deepcopy(model), x, y, seed=SEED)
-    from autopar.backends.comm import CommCounter, compare
-    from autopar.backends.verify import global_value
+    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.testing import global_value
 
     torch.manual_seed(SEED)  # outside LocalTensorMode (inside it, it would seed per-rank generators)
     with simulated((2, 2)) as mesh:

@@ -82,7 +82,7 @@ def job_state(tmp):
     from _clusters import SHAPES
     from autopar import models
     from _bench import batch_pin
-    from autopar.backends.state import ReplicaMismatchError
+    from autopar.backends.spmd.state import ReplicaMismatchError
 
     rank = dist.get_rank()
     torch.manual_seed(100 + rank)  # each rank its own generator, as a careless script has

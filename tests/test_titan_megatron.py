@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import autopar
 from _clusters import SHAPES
 from _simulated import simulated
-from autopar.backends.verify import train_and_compare
+from autopar.testing import train_and_compare
 
 llama3 = pytest.importorskip("torchtitan.models.llama3")
 pytest.importorskip("torch.distributed._local_tensor")

@@ -75,9 +75,9 @@ def job(tmp):
 
     import autopar
     from _clusters import SHAPES
-    from autopar.backends.comm import CommCounter, compare
+    from autopar.backends.spmd.comm import CommCounter, compare
     from _bench import batch_pin
-    from autopar.backends.shapes import ShapeMismatchError
+    from autopar.backends.spmd.shapes import ShapeMismatchError
 
     out = {}
     t0 = time.perf_counter()

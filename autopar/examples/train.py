@@ -196,8 +196,8 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
 
 
 def _force(args, model, shape) -> dict:
-    """The `force=` pins of --shard (autopar.backends.verify's FSDP-like / Megatron-like helpers)."""
-    from autopar.backends.verify import fsdp_force, fsdp_tp_force, tp_force
+    """The `force=` pins of --shard (autopar.testing's FSDP-like / Megatron-like helpers)."""
+    from autopar.testing import fsdp_force, fsdp_tp_force, tp_force
 
     return {
         "auto": lambda: {},
@@ -238,7 +238,7 @@ def _parallelize(args, dev: str, rank: int, world: int):
 
 def _verdict(counter, pm, step: int) -> str:
     """The first step's measured collectives against the plan's list."""
-    from autopar.backends.comm import compare
+    from autopar.backends.spmd.comm import compare
 
     diff = compare(counter.records, pm.plan.collectives())
     if diff:
@@ -252,7 +252,7 @@ def _verdict(counter, pm, step: int) -> str:
 def _train(args, pm, opt, ref, ref_opt, mesh, start: int, rank: int, world: int, dev: str):
     """Steps start+1..args.steps on the parallel model (and on rank 0 the reference), logging each step and
     checkpointing as asked; (largest |loss diff|, the first step's collective verdict)."""
-    from autopar.backends.comm import CommCounter
+    from autopar.backends.spmd.comm import CommCounter
 
     worst, verdict = 0.0, ""
     for step in range(start + 1, args.steps + 1):
@@ -285,7 +285,7 @@ def _train(args, pm, opt, ref, ref_opt, mesh, start: int, rank: int, world: int,
 
 def main(argv=None) -> int:
     args = parse(argv)
-    from autopar.backends.verify import global_value
+    from autopar.testing import global_value
 
     dev = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if dev == "cuda":

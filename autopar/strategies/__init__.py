@@ -73,7 +73,7 @@ def _pool_bw(args, kwargs, metas):
 )
 def _random_like(args, kwargs, metas):
     # a random tensor of the input's shape: at whatever placement the input takes, never partial (the executor
-    # draws the global tensor and keeps this rank's piece: backends/local_ops.draw_random)
+    # draws the global tensor and keeps this rank's piece: backends/spmd/local_ops.draw_random)
     return [(f"S{d}", f"S{d}") for d in range(len(metas[0].shape))]
 
 

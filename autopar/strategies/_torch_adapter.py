@@ -260,7 +260,7 @@ def pipeline_stage_to_rank(pp: int, num_stages: int, style: str) -> tuple[int, .
     return tuple(m[k] for k in range(num_stages))
 
 
-# ---- execution (backends/graph.py): the masked partial of a vocab-sharded embedding ---------------------------------
+# ---- execution (backends/spmd/module.py): the masked partial of a vocab-sharded embedding ---------------------------------
 def unmask_partial(dt: DTensor) -> DTensor:
     """A DTensor with `_MaskPartial` placements (embedding / gather on a sharded table) -> the same value as a plain
     Partial('sum'): the rows whose index fell outside this rank's shard are zeroed now instead of at reduction."""

@@ -11,8 +11,6 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-import autopar
-
 from .apply import apply
 from .collectives import engine_collectives, engine_step_time
 from .graph_backend import _device, _rng_devices, parallelize_graph, prepare_engine_model
@@ -74,23 +72,24 @@ def parallelize(
     units=None,
     styles=None,
     planned=None,
+    planner=None,
     compile_blocks=None,
     assume_identical: bool = False,
     check_replicas: bool = True,
     **plan_kwargs,
 ):
-    """Plan `model` for `mesh` (autopar.plan(..., target="torch"), unless `planned` gives the Plan or (Plan,
-    PlanState)) and lower it: backend "torch" (the user's own module, parallelized in place by the engines;
+    """Plan `model` for `mesh` with `planner` (autopar.plan, which the front door autopar.parallelize gives;
+    target="torch"), unless `planned` gives the Plan or (Plan, PlanState), and lower it: backend "torch" (the user's own module, parallelized in place by the engines;
     EngineLoweringError if the plan does not fit them), "mixed" (the engines for what they express, the graph
     backend for the modules they cannot, mixed.py; the whole model on the graph backend when no such split exists)
     or "auto" ("mixed", but a split is kept only when the cost model predicts it no slower than the graph backend
     running the whole plan). The dump says which part went where and why. compile_blocks: as in `lower`.
-    assume_identical / check_replicas: as autopar.backends.graph.parallelize (rank 0's parameters and buffers are
+    assume_identical / check_replicas: as autopar.backends.spmd.module.parallelize (rank 0's parameters and buffers are
     broadcast before the engines shard them, `model.autopar_init_comm`; a replica checksum before the first step).
     The user's RNG state is left as it was; `model.autopar_rng_seed` is rank 0's torch.initial_seed()."""
     if backend not in ("torch", "mixed", "auto"):
         raise ValueError(f"backend must be 'torch', 'mixed' or 'auto' here, got {backend!r}")
-    options = dict(units=units, styles=styles, compile_blocks=compile_blocks)
+    options = dict(units=units, styles=styles, compile_blocks=compile_blocks, planner=planner)
     options.update(assume_identical=assume_identical, check_replicas=check_replicas)
     with torch.random.fork_rng(devices=_rng_devices(mesh)):
         return _parallelize(model, mesh, example_inputs, backend, planned, options, plan_kwargs)
@@ -111,8 +110,10 @@ def _parallelize(model, mesh, example_inputs, backend, planned, options, plan_kw
     ex, kw = _split_inputs(example_inputs, plan_kwargs)
     plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")  # also the parts'
     if planned is None:
+        if options["planner"] is None:
+            raise ValueError("the torch backend runs a finished plan: pass planned=, or call autopar.parallelize")
         extra = {"example_kwargs": kw} if kw else {}
-        planned = autopar.plan(model, mesh, ex, target="torch", return_state=True, **extra, **plan_kwargs)
+        planned = options["planner"](model, mesh, ex, target="torch", return_state=True, **extra, **plan_kwargs)
     plan, state = planned if isinstance(planned, tuple) else (planned, None)
     low = recognize(plan, model, units=options["units"], styles=options["styles"])
     if plan.meta.get("engine_replan"):
@@ -188,7 +189,7 @@ def _mixed(model, mesh, ex, plan, low, options, plan_kwargs):
     if mixed.tp_dim is not None and any(st.cls == "SequenceParallel" for st in mixed.styles.values()):
         return None, "a part's inputs would be sequence-sharded on the tensor-parallel dim (SequenceParallel)"
     kw = {k: v for k, v in plan_kwargs.items() if k != "force"}
-    plan_parts(plan, model, mesh, mixed, chosen, calls, force=plan_kwargs.get("force"), **kw)
+    plan_parts(plan, model, mesh, mixed, chosen, calls, options["planner"], force=plan_kwargs.get("force"), **kw)
     return mixed, None
 
 

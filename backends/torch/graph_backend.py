@@ -4,11 +4,11 @@ taken by every rank before the engines shard them."""
 
 from __future__ import annotations
 
-from ..comm import agree_on_plan
-from ..graph import _device, _distribute, _rng_devices
-from ..graph import parallelize as parallelize_graph
-from ..program import ExecutionError, Program
-from ..state import prepare_engine_model
+from ..spmd.comm import agree_on_plan
+from ..spmd.module import _device, _distribute, _rng_devices
+from ..spmd.module import parallelize as parallelize_graph
+from ..spmd.program import ExecutionError, Program
+from ..spmd.state import prepare_engine_model
 
 __all__ = [
     "ExecutionError",

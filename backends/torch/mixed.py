@@ -14,7 +14,7 @@ How a part runs. It is planned as a model of its own (`autopar.plan(part, mesh, 
 with its inputs, its output and their gradients pinned where the engines hold them: batch-sharded (Shard(0)) on
 the data-parallel dims and replicated on the others, so each rank's plain local tensor is its piece of the part's
 global view; the placements the user forced on its parameters are kept. Instances with the same graph and the same
-forced and kept placements share one plan and one Program (backends/program.py). Its parameters become DTensors at
+forced and kept placements share one plan and one Program (backends/spmd/program.py). Its parameters become DTensors at
 that plan's placements. Its forward is an autograd.Function: the Program's forward on the local pieces, and in the
 backward the Program's backward from the incoming gradient, returning the input gradients to the engines and the
 parameter gradients reduced by the part's own plan, divided by the number of batch shards (the engines average
@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
-import autopar
 from autopar.capture import capture, to_meta
 
 from .graph_backend import ExecutionError, Program, _distribute, agree_on_plan
@@ -190,9 +189,13 @@ def choose_parts(plan, low, model, example_inputs, recognize):
     return parts, calls
 
 
-def plan_parts(whole, model, mesh, low, chosen: dict, calls: dict, force=None, **plan_kwargs) -> dict:
-    """{signature: Part}: each distinct part planned once on `mesh`, at the whole plan's placements inside it and
-    its boundary pinned (module docstring)."""
+def plan_parts(whole, model, mesh, low, chosen: dict, calls: dict, planner, force=None, **plan_kwargs) -> dict:
+    """{signature: Part}: each distinct part planned once on `mesh` by `planner` (autopar.plan, given by the front
+    door), at the whole plan's placements inside it and its boundary pinned (module docstring)."""
+    if planner is None:
+        raise ValueError(
+            "backend='mixed' plans each graph part: call it through autopar.parallelize (it gives the planner)"
+        )
     data = low.replicate_dims + low.shard_dims
     boundary = tuple("S0" if d in data else "R" for d in range(len(low.mesh_shape)))
     shards = math.prod(low.mesh_shape[d] for d in data)
@@ -213,7 +216,7 @@ def plan_parts(whole, model, mesh, low, chosen: dict, calls: dict, force=None, *
         )
         part = planned.get(sig)
         if part is None:
-            solve = lambda pins: autopar.plan(
+            solve = lambda pins: planner(
                 mod,
                 mesh,
                 args,

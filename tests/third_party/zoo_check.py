@@ -5,7 +5,7 @@ benchmarks/models.py tabulates and tests/test_third_party_models.py asserts on. 
   capture / plan   autopar.plan on the 2x2 mesh with tests/_clusters.SHAPES (sharding pays), on every rank;
   parallelize      autopar.parallelize with that plan (the ranks check they hold the same plan);
   step             3 AdamW steps of the parallel module next to a single-device copy, each step's collectives
-                   counted (backends/comm.CommCounter);
+                   counted (backends/spmd/comm.CommCounter);
   compare          the first step's loss and every parameter's gradient, and every parameter (and floating
                    buffer) after the 3 steps, against the single device: |diff| <= 1e-6 + 1e-4 max|ref| per
                    tensor, DTensors compared as full tensors; at least one parameter sharded, at least one
@@ -216,7 +216,7 @@ def _run_stage(rec, stage, fn):
 def check_model(name, variant, mesh, cluster) -> dict:
     """The 2x2 check of one model on every rank (see the module docstring)."""
     import autopar
-    from autopar.backends.comm import CommCounter
+    from autopar.backends.spmd.comm import CommCounter
 
     rec = {"model": name, "variant": variant, "stage": "", "error": "", "ok": False}
     t0 = time.perf_counter()
@@ -264,7 +264,7 @@ def check_model(name, variant, mesh, cluster) -> dict:
 
 def fsdp_pins(model, mesh_shape) -> dict:
     """Every parameter Shard(0) on mesh dim 0 where that divides it, replicated elsewhere and for 0-d parameters
-    (CLIP's logit_scale; backends/verify.fsdp_force indexes shape[0] of those and raises IndexError)."""
+    (CLIP's logit_scale; autopar.testing.fsdp_force indexes shape[0] of those and raises IndexError)."""
     out = {}
     for k, p in model.named_parameters():
         pl = ["R"] * len(mesh_shape)
@@ -429,9 +429,9 @@ def preload():
     """What every rank imports, imported once before the ranks are forked (forked.py): autopar, its executor and
     the zoo's libraries."""
     import autopar  # noqa: F401
-    import autopar.backends.comm  # noqa: F401
-    import autopar.backends.graph  # noqa: F401
-    import autopar.backends.verify  # noqa: F401
+    import autopar.backends.spmd.comm  # noqa: F401
+    import autopar.backends.spmd.module  # noqa: F401
+    import autopar.testing  # noqa: F401
     import torch.distributed.device_mesh  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
     import _clusters  # noqa: F401

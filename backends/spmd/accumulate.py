@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from .comm import launch_bucket, launch_filled
 from .program import ExecutionError, Sharded, _local, placement_strs
 from autopar.strategies._torch_adapter import per_rank
 
@@ -110,8 +111,6 @@ class Accumulator:
     def reduce(self) -> dict:
         """The accumulated gradients reduced with the plan's collectives (the same buckets, launched after the
         backward rather than during it), each a DTensor at its parameter's placement; the accumulator is emptied."""
-        from .comm import launch_bucket, launch_filled
-
         prog = self.prog
         if prog is None:
             return {}

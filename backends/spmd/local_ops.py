@@ -1,4 +1,4 @@
-"""How one captured op runs on this rank's local shards (backends/program.py compiles these into its program).
+"""How one captured op runs on this rank's local shards (backends/spmd/program.py compiles these into its program).
 
 `local_exact`: ops whose arguments carry no global shape run unchanged on the shards. `local_args`: ops whose
 global-shape argument has a local counterpart known ahead of time (a view's size becomes the output's local

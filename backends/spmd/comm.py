@@ -202,7 +202,7 @@ def launch_bucket(xs: list, mesh, chain: list):
 def launch_filled(flat: torch.Tensor, mesh, chain: list, shapes: list):
     """Issue an all_reduce bucket whose gradients are already in `flat` (one flat buffer, shards in `shapes`
     one after the other), reduced in place: the executor copies each gradient in as the backward makes it,
-    as DDP's reducer does (backends/program.py)."""
+    as DDP's reducer does (backends/spmd/program.py)."""
     for k, (m, a, _) in enumerate(chain):
         if a == "Pa":
             flat = flat.div_(group_size(mesh, m))

@@ -1,13 +1,13 @@
 """`parallelize(..., compile=...)`: each rank's local program compiled between its collectives.
 
-The program (backends/program.py) is a list of instructions per phase. A maximal run of instructions that are plain
+The program (backends/spmd/program.py) is a list of instructions per phase. A maximal run of instructions that are plain
 local ops (no redistribute before them, no DTensor dispatch, no random draw, no factory, no loss seed) is a
 *segment*: one FX graph of aten ops on local shards, compiled by a torch.compile backend's compiler (Inductor by
 default). Everything else runs as in the eager program, through its one-instruction interpreter (`run1`), so:
   - every collective (redistributes, loss-tail groups, gradient buckets) is issued by the same code, in the same
     order, and counted by the same counters;
   - random ops stay outside the compiled regions and draw from the program's generator
-    (backends/local_ops.py draw_random): the masks one device draws;
+    (backends/spmd/local_ops.py draw_random): the masks one device draws;
   - a gradient bucket is launched right after the instruction that completes it: a backward segment ends there.
 Within a segment a view becomes a reshape (a shard laid out otherwise than on one device cannot alias its input:
 the eager program copies it, local_ops.view_of_copy; no value is mutated in a captured step, so the values are the
@@ -28,6 +28,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _python_dispatch
 
+from .interpreter import Sharded
 from .local_ops import LOCAL_IMPL, VIEWS
 
 aten = torch.ops.aten
@@ -54,10 +55,10 @@ def compilable(it) -> bool:
     wrapper's host-side fixes are not what a compiler traces (`offs has to be 1D` from _grouped_mm under tracing)."""
     return (
         it.mode == "local"
-        and not it.conv
+        and not it.redistributes
         and not it.groups
-        and not it.contig
-        and not it.swapped
+        and not it.contiguous
+        and not it.replaced
         and it.fn not in _EAGER_KERNELS
     )
 
@@ -88,7 +89,7 @@ class Segment:
         self.wrap = []  # (placements, global shape) of a sharded output, else None
         for k in self.outs:
             it = made[k]
-            self.wrap.append(None if it.out_r[k[1]] else (it.expect[k[1]], tuple(it.node.outs[k[1]].shape)))
+            self.wrap.append(None if it.out_replicated[k[1]] else (it.expect[k[1]], tuple(it.node.outs[k[1]].shape)))
         self.drops = [k for k in freed if k not in made or k not in self.outs]
         self.gm = _graph(instrs, ins, self.outs)
         self.backend = backend
@@ -157,8 +158,6 @@ def build(prog, instrs: list, launch_at, ready, backend: str, min_ops: int = 3):
     compiled, the other instructions through run1; `L[pos]()` after instruction pos as in the eager program, at the
     end of the segment holding pos (a segment ends at every position in `ready`, where a bucket launches).
     Returns (run, segments)."""
-    from .program import Sharded
-
     needed = needed_values(prog.g)
     steps, segs, cur = [], [], []
 

@@ -28,26 +28,16 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from autopar.capture import SDPA, SDPA_BW
-from autopar.redistribute import steps as plan_steps
+from autopar.guards import check_guards
 from autopar.strategies._torch_adapter import local_of, outside_local_tensor_mode, per_rank, to_placement
 
 from .buckets import Buckets
+from .compiled import build, compile_option
 
 # ExecutionError, Sharded, placement_strs and _local are imported from here by the other backends and the tests
-from .interpreter import ExecutionError, Interpreter, Sharded, _Instr, _local, _to_device, placement_strs
-from .local_ops import (
-    VIEWS,
-    attention_bw_math,
-    attention_fw_math,
-    binder,
-    binding,
-    fast_args,
-    local_args,
-    local_exact,
-    view_of_copy,
-)
-from .local_ops import LOCAL_IMPL, RANDOM
+from .interpreter import ExecutionError, Interpreter, Sharded, _Instr, _local, placement_strs
+from .local_ops import VIEWS, binder, binding, fast_args, view_of_copy
+from .localize import localize
 
 aten = torch.ops.aten
 
@@ -56,11 +46,13 @@ class Program(Interpreter, Buckets):
     """The compiled program of one plan (module docstring); running one instruction (`Interpreter`) and the
     gradient buckets (`Buckets`) are its mixins."""
 
-    def __init__(self, state, plan, mesh, device, example_inputs, attention: str = "auto", compile=None):
+    def __init__(self, executable, plan, mesh, device, example_inputs, attention: str = "auto", compile=None):
+        """`executable`: an autopar.execution.Executable (or the planner's PlanState: the same fields), `plan` its
+        Plan."""
         if attention not in ("auto", "kernel", "math"):
             raise ValueError(f"attention must be 'auto', 'kernel' or 'math', got {attention!r}")
-        g = state.graph
-        self.g, self.P, self.red, self.plan = g, state.placement, state.redistributes, plan
+        g = executable.graph
+        self.g, self.P, self.red, self.plan = g, executable.placement, executable.redistributes, plan
         self.mesh, self.device, self.example = mesh, device, tuple(example_inputs)
         math = attention == "math" or (attention == "auto" and device.type != "cpu")
         self.param_fqns = list(g.params)
@@ -69,141 +61,15 @@ class Program(Interpreter, Buckets):
         self.loss_pl = self.P[g.loss.node].out[g.loss.out]
         self.rep = tuple(to_placement("R") for _ in range(mesh.ndim))
         self.constants = [(n.idx, g.constants[n.target]) for n in g.nodes if n.kind == "constant"]
-        # the forward runs in the plan's order (autopar/loss_tail.py: a loss-tail group's consumers after its last
-        # source), the backward in the graph's; a value is freed after its last reader in that order
-        order = getattr(state, "fw_order", None)
-        fw_at = {i: k for k, i in enumerate(order or ())}
-        when = lambda i: fw_at.get(i, i + len(g.nodes))  # a node's place in the order of execution
-        frees = self._frees(when)
-        co = state.coalesced or {}
-        conv_share, ext = self._group_reductions(state.shares or {}, co, frees, when)
-        self.fw, self.bw = [], []
-        for n in g.ops():
-            it = self._instr(n, conv_share, co, ext, frees, math)
-            (self.fw if n.phase == "fw" else self.bw).append(it)
-        if fw_at:
-            self.fw.sort(key=lambda it: fw_at[it.node.idx])
+        self.local = localize(executable, tuple(mesh.shape), device, math)  # what each op runs on this rank
+        self.fw = [_instr(op) for op in self.local.forward]
+        self.bw = [_instr(op) for op in self.local.backward]
         self._plan_buckets()
         self._compile_phases(compile)
 
-    # ---- building the instructions --------------------------------------------------------------------------------
-    def _frees(self, when) -> dict[int, list]:
-        """Node -> the values of ops to drop after it: each after its last reader in the order of execution
-        (`when`), the step's results after every node."""
-        g = self.g
-        last = {}
-        for n in g.nodes:
-            for r in n.inputs():
-                if (r.node, r.out) not in last or when(n.idx) > when(last[(r.node, r.out)]):
-                    last[(r.node, r.out)] = n.idx
-        for r in g.outputs():
-            last[(r.node, r.out)] = len(g.nodes)
-        frees: dict[int, list] = {}
-        for key, i in last.items():
-            if g.nodes[key[0]].kind == "op":
-                frees.setdefault(i, []).append(key)
-        return frees
-
-    def _group_reductions(self, shares: dict, co: dict, frees: dict, when) -> tuple[dict, dict]:
-        """Where redistributes are shared or grouped across consumers: ((consumer, input) -> ("store"|"load", env
-        key), lead (consumer, input) of a loss-tail group -> its members at other consumers). Adds the shared
-        results to `frees`."""
-        g = self.g
-        # shared redistributes (passes/redistribute.py): the first consumer keeps its result in env under a key of
-        # its own ("store"), the others read it ("load"); it is freed after the last of them
-        conv_share, last_share = {}, {}
-        for (c, j), (c0, j0) in sorted(shares.items()):
-            r = g.nodes[c0].inputs()[j0]
-            ck = ("shared", r.node, r.out, self.P[c0].ins[j0])
-            conv_share[(c0, j0)], conv_share[(c, j)] = ("store", ck), ("load", ck)
-            last_share[ck] = max(last_share.get(ck, c), c, key=when)
-        ext: dict = {}  # lead (consumer, input) of a loss-tail group -> its members at other consumers
-        for (c, j), (c0, j0) in sorted(co.items()):
-            if c == c0:
-                continue  # inputs of one op: its own group (_instr)
-            r = g.nodes[c].inputs()[j]
-            held = conv_share.get((c, j))
-            ck = held[1] if held is not None else ("tail", c, j)  # where the group leaves the member's result
-            if held is None:
-                frees.setdefault(c, []).append(ck)
-            conv_share[(c, j)] = ("load", ck)
-            ext.setdefault((c0, j0), []).append(
-                (("ext", (r.node, r.out), ck), self.P[r.node].out[r.out], self.P[c].ins[j], None)
-            )
-        for ck, c in last_share.items():
-            frees.setdefault(c, []).append(ck)
-        return conv_share, ext
-
-    def _instr(self, n, conv_share: dict, co: dict, ext: dict, frees: dict, math: bool) -> _Instr:
-        """The instruction of op node n: its redistributes (alone or in groups), how it runs, what it frees."""
-        ins = self.P[n.idx].ins
-        outs = self.P[n.idx].out
-        it = _Instr()
-        it.node, it.name = n, f"{n.name} (module '{n.module or '<root>'}')"
-        it.conv = [
-            (j, self.P[r.node].out[r.out], ins[j], conv_share.get((n.idx, j)))
-            for j, r in enumerate(n.inputs())
-            if (n.idx, j) in self.red
-        ]
-        it.expect = outs
-        it.frees = frees.get(n.idx, [])
-        it.fn = LOCAL_IMPL.get(n.target, n.target)  # ops whose kernel needs more than the graph gives
-        it.strides = {}
-        it.swapped = it.contig = False
-        it.out_r = [o is None or all(p == "R" for p in o) for o in outs]
-        args, kwargs = self._how(it, ins, outs, math)
-        it.keys = [(r.node, r.out) for r in n.inputs()]
-        it.bind = binder(args, kwargs)
-        if it.mode == "local":  # a change of label on size-1 mesh dims moves no data: an op on local shards
-            it.conv = [
-                c
-                for c in it.conv
-                if c[3] is not None  # does not need it (one-device meshes)
-                or any(self.mesh.size(m) > 1 for m, _, _ in plan_steps(tuple(c[1]), tuple(c[2])))
-            ]
-        lead = {j: co[(n.idx, j)][1] for j, *_ in it.conv if co.get((n.idx, j), (None,))[0] == n.idx}
-        it.groups = [
-            [c for c in it.conv if c[0] == j0 or lead.get(c[0]) == j0] + ext.get((n.idx, j0), [])
-            for j0 in sorted(set(lead.values()) | {j for i, j in ext if i == n.idx})
-        ]
-        it.conv = [c for c in it.conv if not any(c in grp for grp in it.groups)]
-        # the common case, a local op with one tensor out: a direct call in the compiled program
-        it.fast = fast_args(args, kwargs, it.fn) if it.mode == "local" and not (it.contig or it.swapped) else None
-        return it
-
-    def _how(self, it, ins, outs, math: bool) -> tuple:
-        """How instruction `it` runs (sets it.mode, and it.fn where attention is replaced): the module docstring's
-        modes. Returns its (args, kwargs), local ones where the op runs on local shards with arguments of their own."""
-        n, g, device = it.node, self.g, self.device
-        # tensors the forward makes or moves (arange, masks, caches, .to(device=...)) were recorded on the meta
-        # device of the capture: they are made on the run device
-        args, kwargs = _to_device(n.args, device), _to_device(n.kwargs, device)
-        all_r = all(p == "R" for pl in ins for p in pl) and all(it.out_r)
-        if n.phase == "bw" and n.target is aten.ones_like.default and n.inputs() == [g.loss]:
-            it.mode = "seed"
-        elif n.target in RANDOM:  # drawn from the program's generator (local_ops.draw_random)
-            it.mode = "random"
-        elif not n.inputs():
-            it.mode = "factory"
-        elif n.target in (SDPA, SDPA_BW):
-            it.mode, it.contig = "local", True  # fused kernels want unit inner stride
-            if math:
-                it.fn, it.swapped = (attention_fw_math if n.target is SDPA else attention_bw_math), True
-        elif all_r or local_exact(n, ins, outs):
-            it.mode = "local"
-        else:
-            local = local_args(g, n, ins, outs, tuple(self.mesh.shape), device)
-            if local is not None:
-                it.mode, (args, kwargs) = "local", _to_device(local, device)
-            else:
-                it.mode = "dtensor"
-        return args, kwargs
-
     def _compile_phases(self, compile):
         """The forward and backward instruction lists as functions: straight-line Python (`_compile`), or with the
-        runs of local ops between collectives compiled by a torch.compile backend (backends/compiled.py)."""
-        from .compiled import build, compile_option
-
+        runs of local ops between collectives compiled by a torch.compile backend (backends/spmd/compiled.py)."""
         self.compile_backend = compile_option(compile)  # local segments compiled between the collectives
         self._plan_bucket_copies()
         self.bucket_out = self._bucket_outputs()
@@ -246,7 +112,6 @@ class Program(Interpreter, Buckets):
         sharded leaf a guard reads is gathered (the same collective on every rank, in guard order)."""
         if not self.g.guards:
             return
-        from autopar.guards import check_guards
 
         def value(leaf):
             kind, name = leaf
@@ -413,8 +278,8 @@ class Program(Interpreter, Buckets):
         lines = ["def run(env, L, run1, B=None):"]
         for pos, it in enumerate(instrs):
             n = it.node
-            if it.fast is not None and not it.conv and not it.groups:
-                rest, kwargs = it.fast
+            if it.direct_call is not None and not it.redistributes and not it.groups:
+                rest, kwargs = it.direct_call
                 ins = [f"env[{k!r}].t" if sharded(k) else f"env[{k!r}]" for k in it.keys]
                 ns[f"R{pos}"], ns[f"W{pos}"] = rest, kwargs
                 args = ins + ([f"*R{pos}"] if rest else []) + ([f"**W{pos}"] if kwargs else [])
@@ -433,7 +298,7 @@ class Program(Interpreter, Buckets):
                         "    except RuntimeError as _e:",
                         f"        _v = view_of_copy(F{pos}, _e, ({', '.join(ins)}, *R{pos}), W{pos})",
                     ]
-                if it.out_r[0]:
+                if it.out_replicated[0]:
                     lines.append(f"    env[{(n.idx, 0)!r}] = {out}")
                 else:
                     ns[f"E{pos}"], ns[f"S{pos}"] = it.expect[0], n.outs[0].shape
@@ -462,3 +327,19 @@ class Program(Interpreter, Buckets):
             with outside_local_tensor_mode():
                 self.manual_seed(int(torch.initial_seed()) if seed is None else seed)
         return self._rng
+
+
+def _instr(op) -> _Instr:
+    """The executor's instruction of a localized op (localize.LocalOp) with what running it caches: its inputs' env
+    keys, its arguments bound once, and for the common case (a local op with one tensor out, no layout fix-up) the
+    arguments of a direct call in the compiled program."""
+    it = _Instr()
+    it.node, it.name, it.mode, it.fn = op.node, op.name, op.mode, op.fn
+    it.redistributes, it.groups, it.expect, it.frees = list(op.redistributes), op.groups, op.expect, op.frees
+    it.out_replicated, it.contiguous, it.replaced = op.out_replicated, op.contiguous, op.replaced
+    it.strides = {}
+    it.keys = [(r.node, r.out) for r in op.node.inputs()]
+    it.bind = binder(op.args, op.kwargs)
+    direct = op.mode == "local" and not (op.contiguous or op.replaced)
+    it.direct_call = fast_args(op.args, op.kwargs, op.fn) if direct else None
+    return it

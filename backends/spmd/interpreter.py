@@ -1,4 +1,4 @@
-"""The executor's values and its interpreter of one instruction (backends/program.py compiles the rest).
+"""The executor's values and its interpreter of one instruction (backends/spmd/program.py compiles the rest).
 
 Values in a program's `env`: a plain tensor is replicated on every mesh dim; anything sharded or partial is a
 `Sharded` (this rank's local tensor, placement strings, global shape). `Interpreter` is the part of `Program` that
@@ -110,7 +110,7 @@ class _Instr:
         "node",
         "mode",
         "fn",
-        "conv",
+        "redistributes",
         "groups",
         "expect",
         "frees",
@@ -118,10 +118,10 @@ class _Instr:
         "strides",
         "bind",
         "keys",
-        "swapped",
-        "contig",
-        "out_r",
-        "fast",
+        "replaced",
+        "contiguous",
+        "out_replicated",
+        "direct_call",
     )
 
 
@@ -232,7 +232,7 @@ class Interpreter:
             res = _flat(call_op(it.fn, args, kwargs))
         return [
             None if not isinstance(t, torch.Tensor) else t if r else Sharded(t, s, m.shape)
-            for t, r, s, m in zip(res, it.out_r, it.expect, n.outs)
+            for t, r, s, m in zip(res, it.out_replicated, it.expect, n.outs)
         ]
 
     def _run1(self, it, env):
@@ -280,7 +280,7 @@ class Interpreter:
                 vals[j] = collapse(piece.view(t.shape))
                 if share is not None and share[0] == "store":
                     env[share[1]] = vals[j]
-        for j, src, dst, share in it.conv:
+        for j, src, dst, share in it.redistributes:
             if share is None:
                 vals[j] = self.redistribute(vals[j], src, dst, (n.idx, j))
             elif share[0] == "load":
@@ -292,19 +292,19 @@ class Interpreter:
     def _run_local(self, it, vals) -> list:
         """The op on the local shards; its outputs at the planned placements."""
         local = [v.t if type(v) is Sharded else v for v in vals]
-        if it.contig:
+        if it.contiguous:
             local = [t if t.stride(-1) == 1 else t.contiguous() for t in local]
         args, kwargs = it.bind(local)
         res = call_op(it.fn, args, kwargs)
         flat = [res] if isinstance(res, torch.Tensor) else _flat(res)
-        if it.swapped:  # a replacement must hand on the captured kernel's memory layout
+        if it.replaced:  # a replacement must hand on the captured kernel's memory layout
             flat = [
                 _in_layout(t, st) if isinstance(t, torch.Tensor) else t
                 for t, st in zip(flat, self._out_strides(it, vals))
             ]
         return [
             None if not isinstance(t, torch.Tensor) else t if r else Sharded(t, s, m.shape)
-            for t, r, s, m in zip(flat, it.out_r, it.expect, it.node.outs)
+            for t, r, s, m in zip(flat, it.out_replicated, it.expect, it.node.outs)
         ]
 
     def _run_dtensor(self, it, vals) -> list:

@@ -4,10 +4,12 @@
     pm = autopar.parallelize(model, mesh, example_inputs=(tokens, labels))
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     loss = pm(tokens, labels); loss.backward(); opt.step()
+    pm.plan.save("plan.json")  # later, with no planning: autopar.parallelize(model, mesh, (tokens, labels),
+                               #                                               plan=autopar.Plan.load("plan.json"))
 
-Each parameter becomes an `nn.Parameter(DTensor)` with its planned placement, under the model's own FQN. A call
-runs the captured graph node by node (backends/program.py): before each op every input is redistributed to the
-placement the plan chose for it, with the plan's own collectives (backends/comm.py); the op runs on DTensors
+`lower` is the entry (autopar.parallelize calls it with a finished plan); this backend never plans. Each parameter becomes an `nn.Parameter(DTensor)` with its planned placement, under the model's own FQN. A call
+runs the captured graph node by node (backends/spmd/program.py): before each op every input is redistributed to the
+placement the plan chose for it, with the plan's own collectives (backends/spmd/comm.py); the op runs on DTensors
 (DTensor rewrites shapes and view arguments to the local shards); its output placement is checked against the
 plan. The fw nodes run in an autograd.Function's forward, the bw nodes (from `ones_like(loss)`, which takes the
 incoming gradient) in its backward, which returns each gradient at its parameter's placement.
@@ -22,17 +24,26 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from autopar.execution import finished
 from autopar.model_io import ModelIO
 from autopar.strategies._torch_adapter import make_dtensor, per_rank, to_placement
 
 from .accumulate import Accumulator
 from .comm import agree_on_plan, redistribute_local
 from .compiled import compile_option
-from .shapes import PlanCache, ShapeMismatchError
+from .shapes import NoPlanForShapesError, PlanCache, ShapeMismatchError
 from .state import agreed_seed, check_replicas, simulated_world, sync_from_rank0
 from .program import ExecutionError, Program, placement_strs
 
-__all__ = ["parallelize", "ParallelModule", "ExecutionError", "ShapeMismatchError"]
+__all__ = [
+    "lower",
+    "check_call",
+    "parallelize",
+    "ParallelModule",
+    "ExecutionError",
+    "ShapeMismatchError",
+    "NoPlanForShapesError",
+]
 
 
 def _check_mesh(mesh):
@@ -64,98 +75,70 @@ def _device(mesh) -> torch.device:
     return torch.device(mesh.device_type, mod.current_device())
 
 
-def parallelize(
+OPTIONS = ("attention", "assume_identical", "check_replicas", "compile")  # lower()'s options, not the planner's
+
+
+def check_call(model: nn.Module, mesh, example_inputs=None, example_kwargs=None, compile=False) -> None:
+    """The arguments of a parallelize call, checked before anything is planned: bad ones named, at once."""
+    ModelIO.from_example(model, example_inputs, example_kwargs)
+    _check_mesh(mesh)
+    compile_option(compile)
+
+
+def lower(
     model: nn.Module,
     mesh,
-    example_inputs=None,
+    executable,
     *,
-    example_kwargs: dict | None = None,
-    planned=None,
+    replan=None,
     attention: str = "auto",
     assume_identical: bool = False,
     check_replicas: bool = True,
     compile=False,
-    **plan_kwargs,
 ) -> "ParallelModule":
-    """Plan `model` for `mesh` (autopar.plan, same keyword options: cluster, memory_budget, force, ...) and
-    return a module that runs one SPMD training step per call on this rank.
+    """The module that runs `executable` (autopar/execution.py: a finished Plan and its graph) one SPMD training
+    step per call on this rank. Never plans: a call with input shapes (or a mode) the plan was not made for asks
+    `replan` (the front door's callback, autopar.execution.graph_planner) for a new one, or raises
+    NoPlanForShapesError when there is none (a loaded plan).
 
-    example_inputs / example_kwargs: the global inputs of one step, positional and keyword (example_inputs may be
-        a dict of keyword inputs); a call with other shapes (or in eval mode) plans again, once per shape
-        (backends/shapes.py); its non-tensor inputs are constants of the plan. The module is called like the model
-        (`pm(**batch)`); it returns the loss in the container the model returns (`pm(**batch).loss` for a
-        transformers model), or the loss tensor.
-    planned: a `(plan, state)` pair from `autopar.plan(..., return_state=True)` for this model, inputs and mesh
-        shape (skips planning; the ranks still check that they agree).
     attention: "auto" (the captured CPU kernel on CPU, an exact math formulation elsewhere), "kernel" or "math".
     assume_identical: the model's parameters and buffers are already the same on every rank (as DTensor's
-        src_data_rank=None): skip taking rank 0's values (backends/state.py; `pm.init_comm` states the cost).
+        src_data_rank=None): skip taking rank 0's values (backends/spmd/state.py; `pm.init_comm` states the cost).
     check_replicas: on the first call, check that ranks holding replicas of a parameter or buffer agree.
     compile: True (Inductor) or a torch.compile backend name ("aot_eager", "eager"): each rank's local program is
-        compiled between its collectives (backends/compiled.py); the collectives and random draws are unchanged.
-        `torch.compile(pm)` also works, with or without it: Dynamo runs the program as an opaque call.
+        compiled between its collectives (backends/spmd/compiled.py); the collectives and random draws are
+        unchanged. `torch.compile(pm)` also works, with or without it: Dynamo runs the program as an opaque call.
     The user's random number generator state is left as it was; the program's random ops draw from a generator
     seeded by rank 0's torch.initial_seed() (`pm.program.rng_seed`).
     """
-    ModelIO.from_example(model, example_inputs, example_kwargs)  # bad arguments: named, before anything runs
     _check_mesh(mesh)
     compile_option(compile)
+    plan = executable.plan
+    if tuple(plan.mesh_shape) != tuple(mesh.shape):
+        raise ValueError(f"the plan is for mesh {tuple(plan.mesh_shape)} but the mesh is {tuple(mesh.shape)}")
     with torch.random.fork_rng(devices=_rng_devices(mesh)):
-        return _parallelize(
-            model,
-            mesh,
-            example_inputs,
-            example_kwargs,
-            planned,
-            attention,
-            assume_identical,
-            check_replicas,
-            plan_kwargs,
-            compile,
-        )
+        device = _device(mesh)
+        agree_on_plan(mesh, plan.hash(), device)
+        prog = Program(executable, plan, mesh, device, executable.graph.io.leaves, attention=attention, compile=compile)
+        prog.rng_seed = agreed_seed(device)
+        pm = ParallelModule(model, prog, assume_identical=assume_identical, check_replicas=check_replicas)
+        pm._plans = PlanCache(model, prog, replan, attention, model.training)
+    return pm
+
+
+def parallelize(
+    model: nn.Module, mesh, example_inputs=None, *, example_kwargs=None, planned=None, replan=None, **options
+):
+    """The graph backend for a plan made elsewhere: `planned=(plan, state)`, or `(plan, None)` for a loaded plan, as
+    the torch backend's fallback passes it; `replan`: the front door's planner for new shapes (autopar.graph_planner),
+    else a call with new shapes raises NoPlanForShapesError. `autopar.parallelize` is the front door."""
+    check_call(model, mesh, example_inputs, example_kwargs, options.get("compile", False))
+    executable = finished(model, example_inputs, example_kwargs, planned=planned)
+    return lower(model, mesh, executable, replan=replan, **options)
 
 
 def _rng_devices(mesh) -> list:
     return [] if mesh.device_type == "cpu" else [_device(mesh)]
-
-
-def _parallelize(
-    model,
-    mesh,
-    example_inputs,
-    example_kwargs,
-    planned,
-    attention,
-    assume_identical,
-    check_replicas,
-    plan_kwargs,
-    compile=False,
-):
-    if planned is None:
-        import autopar
-
-        plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
-        plan_kwargs.setdefault("overlap", False)  # this executor runs each collective where the plan puts it
-        plan, state = autopar.plan(
-            model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True, **plan_kwargs
-        )
-    else:
-        if plan_kwargs:
-            raise TypeError(f"planned=... given together with plan options {sorted(plan_kwargs)}")
-        plan, state = planned
-    if tuple(plan.mesh_shape) != tuple(mesh.shape):
-        raise ValueError(f"the plan is for mesh {tuple(plan.mesh_shape)} but the mesh is {tuple(mesh.shape)}")
-    device = _device(mesh)
-    agree_on_plan(mesh, plan.hash(), device)
-    io = state.graph.io
-    if io is None:  # a graph captured before the model contract existed: positional inputs only
-        io = ModelIO.from_example(model, example_inputs, example_kwargs)
-        state.graph.io = io
-    prog = Program(state, plan, mesh, device, io.leaves, attention=attention, compile=compile)
-    prog.rng_seed = agreed_seed(device)
-    pm = ParallelModule(model, prog, assume_identical=assume_identical, check_replicas=check_replicas)
-    pm._plans = PlanCache(model, prog, plan_kwargs, attention, model.training)  # options of plans for new shapes
-    return pm
 
 
 class _Step(torch.autograd.Function):
@@ -167,7 +150,7 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        acc, sync = ctx.acc  # (Accumulator, sync): no_sync micro-steps accumulate (backends/accumulate.py)
+        acc, sync = ctx.acc  # (Accumulator, sync): no_sync micro-steps accumulate (backends/spmd/accumulate.py)
         if sync and acc.prog is None:
             grads = ctx.prog.backward(ctx.env, grad_loss)
         else:
@@ -188,7 +171,7 @@ class ParallelModule(nn.Module):
         mesh = prog.mesh
         self._orig_class = type(model).__name__
         self.train(model.training)  # the mode the plan was captured in
-        self._plans = PlanCache(model, prog, {}, "auto", model.training)
+        self._plans = PlanCache(model, prog, None, "auto", model.training)
         self._acc, self._sync = Accumulator(), True
         made: dict[int, nn.Parameter] = {}
         state = []  # (fqn, dtensor, placement strings, the model's tensor)
@@ -266,7 +249,7 @@ class ParallelModule(nn.Module):
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
         """As FSDP2's: False makes each backward accumulate this rank's local gradients with no gradient
-        collective (backends/accumulate.py); True again: the next backward reduces the accumulated sum once."""
+        collective (backends/spmd/accumulate.py); True again: the next backward reduces the accumulated sum once."""
         self._sync = bool(requires)
 
     @contextlib.contextmanager
@@ -342,7 +325,7 @@ def _distribute(t: torch.Tensor, mesh, placements, device) -> DTensor:
 
 def _take_rank0(state, mesh, device, assume_identical: bool) -> dict:
     """Overwrite every rank's shards in `state` [(fqn, dtensor, placements, the model's own full tensor)] with rank
-    0's values (backends/state.py); returns the one-time cost."""
+    0's values (backends/spmd/state.py); returns the one-time cost."""
     if assume_identical:
         return {"skipped": "skipped (assume_identical=True)", "broadcast_bytes": 0, "scatter_bytes": 0}
     if simulated_world():
@@ -361,7 +344,7 @@ def _take_rank0(state, mesh, device, assume_identical: bool) -> dict:
 
 @torch.compiler.disable
 def _check_first_step(module, args):
-    """Forward pre-hook, once: the replica checksum (backends/state.py) before the first step."""
+    """Forward pre-hook, once: the replica checksum (backends/spmd/state.py) before the first step."""
     module._first_check.remove()
     with torch.no_grad():
         entries = [

@@ -1,6 +1,6 @@
 """Gradient buckets of a program: which gradients go in which bucket, when each bucket is issued in the backward,
 how its flat buffer is filled (copied into, or made in place by the op that computes a gradient) and what each
-gradient becomes once the bucket is done. `Buckets` is a mixin of `Program` (backends/program.py)."""
+gradient becomes once the bucket is done. `Buckets` is a mixin of `Program` (backends/spmd/program.py)."""
 
 from __future__ import annotations
 
@@ -121,12 +121,20 @@ class Buckets:
         g, chain, k = self.g, [], key
         while g.nodes[k[0]].target in _PASS_VIEWS:
             it = self.bw[pos[k[0]]] if k[0] in pos else None
-            if it is None or it.fast is None or it.conv or it.groups or readers[k] != 1:
+            if it is None or it.direct_call is None or it.redistributes or it.groups or readers[k] != 1:
                 return None
             chain.append(it)
             k = it.keys[0]
         it = self.bw[pos[k[0]]] if k[0] in pos else None
-        if it is None or it.fast is None or it.conv or it.groups or k[1] != 0 or readers[k] != 1 or "out" in it.fast[1]:
+        if (
+            it is None
+            or it.direct_call is None
+            or it.redistributes
+            or it.groups
+            or k[1] != 0
+            or readers[k] != 1
+            or "out" in it.direct_call[1]
+        ):
             return None
         out = _out_overload(it.fn)
         meta = g.nodes[k[0]].outs[0]
@@ -135,7 +143,7 @@ class Buckets:
             return None
         x = torch.empty(zshape, dtype=dtype, device="meta")
         for v in reversed(chain):
-            x = v.fn(x, *v.fast[0], **v.fast[1])
+            x = v.fn(x, *v.direct_call[0], **v.direct_call[1])
         if list(x.shape) != list(shape) or not x.is_contiguous() or x.storage_offset():
             return None
         return pos[k[0]], out, tuple(zshape)
@@ -171,7 +179,7 @@ class Buckets:
             self._launch(i, env, handles, bufs)
 
     def _launch(self, i: int, env: dict, handles: dict, bufs: dict):
-        """Issue gradient bucket i (with the rest of its chain, backends/comm.py launch_bucket) as soon as the
+        """Issue gradient bucket i (with the rest of its chain, backends/spmd/comm.py launch_bucket) as soon as the
         backward has produced its last gradient, like DDP's reducer; the backward goes on while it is in flight."""
         g, bs = self.g, self.chains[i]
         chain = [(b["mesh_dim"], b["from"], b["to"]) for b in bs]

@@ -2,9 +2,11 @@
 
 A plan is specific to its shapes (capture specializes on them; the solver's placements must divide them). A
 ParallelModule therefore keeps a cache keyed by (the shape and dtype of every tensor input, training mode, whether
-a backward follows); a call whose key has no plan yet re-plans with the same model, mesh and plan options. The
-parameters and buffers stay the same tensors: the new plan is made with every parameter forced, and every buffer
-pinned, to the placements of the first plan, so the optimizer's state and the state_dict never change. Planning a
+a backward follows); a call whose key has no plan yet asks the front door's callback (`replan`,
+autopar.execution.graph_planner: the same model, mesh and plan options) for one; the backend itself never plans,
+and a module running a loaded plan has no callback (NoPlanForShapesError names the shapes). The parameters and
+buffers stay the same tensors: the new plan is made with every parameter forced, and every buffer pinned, to the
+placements of the first plan, so the optimizer's state and the state_dict never change. Planning a
 new shape costs what the first plan cost (benchmarks/training_shapes.py measures it); each later call of that
 shape finds its Program in the cache.
 
@@ -32,9 +34,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from .comm import agree_on_plan
+from .program import Program
+
 
 class ShapeMismatchError(RuntimeError):
     """Ranks called the module with different global input shapes (raised on every rank that can tell)."""
+
+
+class NoPlanForShapesError(ValueError):
+    """A call's input shapes (or mode) have no plan and the module has no planner to make one (a loaded plan)."""
 
 
 def signature(leaves) -> tuple:
@@ -47,17 +56,16 @@ class PlanCache:
     """Programs by (input signature, training, backward). `first` is the program parallelize made; its parameter
     and buffer placements are the ones every later plan keeps."""
 
-    def __init__(self, model, first, plan_kwargs: dict, attention: str, training: bool):
+    def __init__(self, model, first, replan, attention: str, training: bool):
         self.model = model  # re-captured for a new shape (never run, never written)
         self.first = first
-        # parallelize's defaults where the first plan came ready-made (planned=...)
-        cpu = first.mesh.device_type == "cpu"
-        self.plan_kwargs = dict(plan_kwargs) or {"cluster": "cpu-gloo" if cpu else "h100", "overlap": False}
+        # the front door's callback for new shapes (autopar.execution.graph_planner); None: a loaded plan
+        self.replan = replan
         self.attention = attention
         self.programs = {(signature(first.example), training, True): first}
         self.training0 = training
         self.modes0 = [(m, m.training) for m in model.modules()]  # the modes the first plan was captured in
-        # one record per plan made after the first: its key, plan_s (autopar.plan), total_s (with the agreements
+        # one record per plan made after the first: its key, plan_s (the callback), total_s (with the agreements
         # and building the program)
         self.replans: list[dict] = []
         self._group = None
@@ -70,20 +78,22 @@ class PlanCache:
         return got if got is not None else self._replan(leaves, sig, training, backward)
 
     def _replan(self, leaves, sig, training: bool, backward: bool):
-        from .comm import agree_on_plan
-        from .program import Program
-        import autopar
-
-        t0 = time.perf_counter()
         prog0 = self.first
+        if self.replan is None:
+            raise NoPlanForShapesError(
+                f"this call's input shapes {_shapes(sig)} ({'training' if training else 'eval'}"
+                f"{'' if backward else ', no backward'}) have no plan: the module runs a finished plan made for "
+                f"{_shapes(signature(prog0.example))} (training, backward) and was given no planner for new "
+                f"shapes; save a plan for these shapes too, or let autopar.parallelize plan (no plan=)"
+            )
+        t0 = time.perf_counter()
         self._agree(sig, prog0)
         t1 = time.perf_counter()
         io = prog0.g.io
         leaves = [x.full_tensor() if isinstance(x, DTensor) else x for x in leaves]
         args, kwargs = io.call_args(leaves)
-        force = {f: tuple(prog0.param_placement(f)) for f in prog0.param_fqns}
-        pin = _pins(prog0, self.plan_kwargs.get("pin"))
-        opts = {k: v for k, v in self.plan_kwargs.items() if k not in ("force", "pin")}
+        params = {f: tuple(prog0.param_placement(f)) for f in prog0.param_fqns}
+        buffers = {f: tuple(prog0.buffer_placement(f)) for f in prog0.g.buffers}
         # capture records autograd's backward even for a forward-only plan (its module labels): grad mode on
         with (
             _mode(self.model, training, self.modes0 if training == self.training0 else None),
@@ -91,29 +101,20 @@ class PlanCache:
             torch.enable_grad(),
         ):
             try:
-                plan, state = autopar.plan(
-                    self.model,
-                    prog0.mesh,
-                    args,
-                    example_kwargs=kwargs,
-                    return_state=True,
-                    force=force,
-                    pin=pin,
-                    backward=backward,
-                    **opts,
-                )
+                executable = self.replan(args, kwargs, backward=backward, params=params, buffers=buffers)
             except ValueError as e:
                 raise ValueError(
                     f"re-planning for new input shapes {_shapes(sig)} failed: {e}{_undivided(prog0, sig)}"
                 ) from e
         t_plan = time.perf_counter() - t1
+        plan = executable.plan
         agree_on_plan(prog0.mesh, plan.hash(), prog0.device)
         prog = Program(
-            state,
+            executable,
             plan,
             prog0.mesh,
             prog0.device,
-            state.graph.io.leaves,
+            executable.graph.io.leaves,
             attention=self.attention,
             compile=prog0.compile_backend,
         )  # compile= carries over to every shape's program
@@ -166,19 +167,6 @@ class PlanCache:
 
 def _shapes(sig) -> str:
     return ", ".join(f"{s}" for s in sig if s is not None)
-
-
-def _pins(prog0, user_pin):
-    """The user's pin, with every buffer at the first plan's placement (BatchNorm statistics stay where they are)."""
-    want = {i: prog0.buffer_placement(f) for f, i in prog0.g.buffers.items()}
-    by_fqn = {f: want[i] for f, i in prog0.g.buffers.items()}
-
-    def pin(n):
-        if n.kind == "buffer" and n.target in by_fqn:
-            return dict(enumerate(by_fqn[n.target]))
-        return user_pin(n) if user_pin is not None else None
-
-    return pin
 
 
 def _undivided(prog0, sig) -> str:

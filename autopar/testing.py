@@ -16,8 +16,8 @@ import torch.nn as nn
 
 from autopar.strategies._torch_adapter import collapse, local_of, outside_local_tensor_mode
 
-from .comm import CommCounter, compare, redistribute_local
-from .program import placement_strs
+from autopar.backends.spmd.comm import CommCounter, compare, redistribute_local
+from autopar.backends.spmd.program import placement_strs
 
 COLWISE = (
     "wq.weight",

@@ -1,0 +1,97 @@
+"""The front door that runs a model: plan it (or take a finished Plan) and hand it to a backend. The backends are
+imported on first use, so planning never loads them; they only run a plan, never make one: for inputs of new shapes
+they call the planner this module gives them."""
+
+from __future__ import annotations
+
+import torch
+
+from . import api as _api
+from .execution import finished, from_plan
+from .plan import Plan
+
+
+def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", plan: Plan | None = None, **kwargs):
+    """A module that runs each training step of `model` SPMD on this rank of the DeviceMesh `mesh`: planned now
+    (autopar.plan's options: cluster, memory_budget, force, ...), or `plan=autopar.Plan.load(path)`, a finished plan
+    run as it is (no planning; the model is captured again and must give the plan's graph). The backends are
+    imported on first use, so planning never loads them; they only run a plan, never make one.
+
+    backend: "graph" (autopar's SPMD executor, backends/spmd: any plan; options attention, assume_identical,
+    check_replicas, compile, see autopar.backends.spmd.lower; `planned=(plan, state)` runs a plan made with
+    autopar.plan(..., return_state=True)), "torch" (the user's own module, parallelized in place by fully_shard /
+    parallelize_module; EngineLoweringError when the plan does not fit them), "mixed" (the torch engines for what
+    they express, the graph backend for the modules they cannot) or "auto" (the torch engines when they express the
+    plan; else "mixed" where the cost model predicts it no slower than the graph backend, else the graph backend).
+    The result's `.autopar_dump` says which part went where and why. See autopar.backends.torch."""
+    if backend == "graph":
+        return _parallelize_graph(model, mesh, example_inputs, plan, kwargs)
+    if backend in ("torch", "mixed", "auto"):
+        from .backends import torch as torch_backend
+
+        planned = kwargs.pop("planned", plan)
+        return torch_backend.parallelize(
+            model, mesh, example_inputs, backend=backend, planned=planned, planner=_api.plan, **kwargs
+        )
+    raise ValueError(f"backend must be 'graph', 'torch', 'mixed' or 'auto', got {backend!r}")
+
+
+def _parallelize_graph(model, mesh, example_inputs, plan, kwargs):
+    """Plan (or take the finished plan), then hand the graph backend the Executable (autopar/execution.py) and a
+    planner for new shapes: the front door plans, the backend only runs."""
+    from .backends import spmd
+
+    options = {k: kwargs.pop(k) for k in spmd.OPTIONS if k in kwargs}
+    example_kwargs, planned = kwargs.pop("example_kwargs", None), kwargs.pop("planned", None)
+    spmd.check_call(model, mesh, example_inputs, example_kwargs, options.get("compile", False))
+    with torch.random.fork_rng(devices=spmd.rng_devices(mesh)):  # the user's random state is left as it was
+        replan = None  # a loaded plan runs as it is: no planner for new shapes
+        if plan is None and planned is None:
+            opts = _graph_defaults(mesh, kwargs)
+            planned, kwargs = (
+                _api.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True, **opts),
+                {},
+            )
+            replan = graph_planner(model, mesh, opts)
+        elif planned is not None and planned[1] is not None:
+            replan = graph_planner(model, mesh, _graph_defaults(mesh, {}))
+        executable = finished(model, example_inputs, example_kwargs, plan=plan, planned=planned, **kwargs)
+    return spmd.lower(model, mesh, executable, replan=replan, **options)
+
+
+def _graph_defaults(mesh, plan_kwargs: dict) -> dict:
+    """The graph backend's planning defaults: its cluster, and no overlap (it runs each collective in place)."""
+    out = dict(plan_kwargs)
+    out.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")
+    out.setdefault("overlap", False)
+    return out
+
+
+def graph_planner(model, mesh, plan_kwargs: dict):
+    """The callback the graph backend calls for inputs of new shapes (or a new mode): `replan(args, kwargs, *,
+    backward, params, buffers)` plans them with each parameter forced to `params[fqn]` and each buffer pinned to
+    `buffers[fqn]` (the first plan's placements: the optimizer state and state_dict never move), the user's own pin
+    kept for the other nodes; returns the new autopar.execution.Executable."""
+    user_pin = plan_kwargs.get("pin")
+    opts = {k: v for k, v in plan_kwargs.items() if k not in ("force", "pin")}
+
+    def replan(args, kwargs, *, backward: bool, params: dict, buffers: dict):
+        def pin(n):
+            if n.kind == "buffer" and n.target in buffers:
+                return dict(enumerate(buffers[n.target]))
+            return user_pin(n) if user_pin is not None else None
+
+        made, state = _api.plan(
+            model,
+            mesh,
+            args,
+            example_kwargs=kwargs,
+            return_state=True,
+            force=params,
+            pin=pin,
+            backward=backward,
+            **opts,
+        )
+        return from_plan(made, state.graph)
+
+    return replan
