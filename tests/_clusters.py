@@ -40,3 +40,17 @@ _LINK_OLD = LinkSpec(
     ),
 )
 GLOO_PER_STEP = ClusterSpec("cpu-gloo-per-step", _DEV_OLD, 1 << 20, _LINK_OLD, _LINK_OLD)
+
+# Slow compute, links slow in bandwidth only: on llama-tiny at 8 tokens a row a replicated weight would cost a
+# gradient all_reduce larger than the activations tensor parallelism reduces, so the planner shards the blocks'
+# Linears over tp (and the batch over dp): tests/test_pipeline_dist.py's stage plans, tests/test_report.py's page.
+_DEV_SLOW = DeviceSpec(
+    "cpu-slow-compute",
+    {"fp32": 1e8, "bf16": 1e8, "fp16": 1e8},
+    mem_bw=2e10,
+    mem_bytes=16e9,
+    matmul_eff=0.5,
+    mem_eff=0.7,
+)
+_LINK_SLOW = LinkSpec("slow-bandwidth-loopback", alpha=1e-6, bw=1e8)
+TP_FRIENDLY = ClusterSpec("tp-friendly", _DEV_SLOW, 1 << 20, _LINK_SLOW, _LINK_SLOW)

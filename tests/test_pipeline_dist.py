@@ -35,18 +35,9 @@ def _tp_cluster():
     reduces, so the planner shards the blocks' Linears over the stage's tp dim and keeps the batch whole there. (At
     SEQ tokens the activations outweigh the weights: the planner rightly splits the batch or the sequence instead,
     as under the calibrated cpu-gloo preset and tests/_clusters.py SHAPES.)"""
-    from autopar.cost.cluster import ClusterSpec, DeviceSpec, LinkSpec
+    from _clusters import TP_FRIENDLY
 
-    dev = DeviceSpec(
-        "cpu-slow-compute",
-        {"fp32": 1e8, "bf16": 1e8, "fp16": 1e8},
-        mem_bw=2e10,
-        mem_bytes=16e9,
-        matmul_eff=0.5,
-        mem_eff=0.7,
-    )
-    link = LinkSpec("slow-bandwidth-loopback", alpha=1e-6, bw=1e8)
-    return ClusterSpec("tp-friendly", dev, 1 << 20, link, link)
+    return TP_FRIENDLY
 
 
 def _plans(tmp_path, world):

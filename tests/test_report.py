@@ -19,21 +19,12 @@ import pytest
 
 import autopar
 from autopar import models, report
-from autopar.cost.cluster import ClusterSpec, DeviceSpec, LinkSpec
 from autopar.mesh import MeshSpec
+from _clusters import TP_FRIENDLY
 
 # slow compute and bandwidth-bound links: llama-tiny at 8 tokens a row shards its Linears over tp and its batch over
 # dp, so the report has placements of every kind and collectives on both mesh dims (as tests/test_pipeline_dist.py)
-_DEV = DeviceSpec(
-    "cpu-slow-compute",
-    {"fp32": 1e8, "bf16": 1e8, "fp16": 1e8},
-    mem_bw=2e10,
-    mem_bytes=16e9,
-    matmul_eff=0.5,
-    mem_eff=0.7,
-)
-_LINK = LinkSpec("slow-bandwidth-loopback", alpha=1e-6, bw=1e8)
-CLUSTER = ClusterSpec("tp-friendly", _DEV, 1 << 20, _LINK, _LINK)
+CLUSTER = TP_FRIENDLY
 SCREEN = (1200, 1600)
 
 
