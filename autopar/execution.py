@@ -20,7 +20,7 @@ from .capture import capture
 from .graph import Graph
 from .model_io import ModelIO
 from .plan import Plan, graph_signature
-from .redistribute import Collective
+from .collectives import Collective
 from .strategies import Strategy
 from .strategies._torch_adapter import outside_local_tensor_mode
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import networkx as nx
 
 from .graph import Ref, TensorMeta, param_root
-from .redistribute import all_reduced, collectives
+from .collectives import all_reduced, collectives
 
 # A value this small is reduced once and held from the forward to the backward (its shared redistribute spans both
 # phases: passes/redistribute.py, passes/costs.py): 4 KiB in fp32, less than any collective it saves.

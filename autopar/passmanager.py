@@ -16,7 +16,7 @@ from .graph import Graph, Node
 from .mesh import MeshSpec
 from .milp import SolveResult
 from .plan import dump_state
-from .redistribute import Collective
+from .collectives import Collective
 from .strategies import Placements, Strategy
 
 InputKey = int | str  # a tensor input's position, or "opt" (optimizer step: the gradient), "loss", "state"

@@ -15,7 +15,7 @@ from .cost import collective_time
 from .graph import TensorMeta, param_root
 from .liveness import liveness_peak, recompute_seconds, state_bytes
 from .plan import Plan, execution_record, node_record
-from .redistribute import grad_reduce_time, link_of, redistribute_time
+from .collectives import grad_reduce_time, link_of, redistribute_time
 
 
 def build_plan(state) -> Plan:

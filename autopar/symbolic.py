@@ -17,7 +17,7 @@ from .capture import capture
 from .cost import collective_time, global_flops, is_view  # the costs pass's FLOP counts: both agree term by term
 from .graph import param_root
 from .liveness import recompute_seconds
-from .redistribute import link_of
+from .collectives import link_of
 from .strategies import num_shards
 
 b = sympy.Symbol("b", positive=True)

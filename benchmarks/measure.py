@@ -212,7 +212,7 @@ def _agree(ok: bool, msg: str):
 def comm_summary(records) -> dict:
     """{kind: {"count", "bytes"}} over the collectives of groups larger than one rank, in the plan's byte convention
     (the tensor over the group), which CollectiveCounter's records already follow (an all_to_all: this rank's input
-    times the group size, autopar/redistribute.py: S(i)->S(j) moves the full tensor)."""
+    times the group size, autopar/collectives.py: S(i)->S(j) moves the full tensor)."""
     out = {}
     for r in records:
         if r.group_size <= 1:

@@ -1,9 +1,9 @@
 """Pass: gradient buckets. Gradient reductions that are one P -> R (all_reduce) or P -> S(d) (reduce_scatter)
-collective on a mesh dim, or a chain of all_reduces over several mesh dims (autopar.redistribute.bucket_steps),
+collective on a mesh dim, or a chain of all_reduces over several mesh dims (autopar.collectives.bucket_steps),
 are grouped, as DDP and FSDP2 group them, into buckets of up to BUCKET_BYTES: gradients in the order the backward
 produces them, one bucket series per (steps, dtype). Each bucket is one collective of the summed size; a chain is
 one bucket per step, over the same gradients ("chain": the index of its first bucket, "step" its position), run
-one after the other, or, when the cost model prices it lower for the bucket's size (autopar.redistribute.
+one after the other, or, when the cost model prices it lower for the bucket's size (autopar.collectives.
 flatten_chain), one all_reduce over the flattened group of the chain's mesh dims ("mesh_dim": the list of dims,
 as DDP over a 2-D data-parallel mesh runs). The executor issues exactly these."""
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.redistribute import BUCKET_BYTES, bucket_steps, flatten_chain
+from autopar.collectives import BUCKET_BYTES, bucket_steps, flatten_chain
 
 
 def run(state) -> None:

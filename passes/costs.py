@@ -14,7 +14,7 @@ consumers share a redistribute (passes/redistribute.py), one charge paid once re
 Gradients flow into an optimizer-step edge whose required placement is the parameter's own: the data-parallel
 all-reduce / reduce-scatter falls out of it (when it rides in a gradient bucket: its bandwidth, and the bucket
 series' latency max(1, sum of its gradients' bucket fractions) times, a charge the solver adds once any gradient joins
-the series, autopar.redistribute.grad_bucket_latency; the prediction counts each real bucket once).
+the series, autopar.collectives.grad_bucket_latency; the prediction counts each real bucket once).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 
 from autopar.cost import global_flops, is_view, roofline_time
 from autopar.graph import TensorMeta, param_root
-from autopar.redistribute import (
+from autopar.collectives import (
     BUCKET_BYTES,
     all_reduced,
     collectives,

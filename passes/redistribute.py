@@ -20,7 +20,7 @@ at the end of the forward), with the forward's order of execution that allows it
 from __future__ import annotations
 
 from autopar.graph import TensorMeta, param_root
-from autopar.redistribute import all_reduced, bucket_steps, collectives
+from autopar.collectives import all_reduced, bucket_steps, collectives
 from autopar.loss_tail import HELD_NUMEL, can_be_partial, coalesce_tail
 
 

@@ -230,14 +230,14 @@ def test_calibration_refit_recovers_each_kinds_link(tmp_path, monkeypatch):
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
 def test_measured_bytes_of_an_all_to_all_follow_the_plan_convention(mesh_shape):
     """The harness's byte count (measure.comm_summary over CollectiveCounter's records) of the executor's S(1) ->
-    S(0) all_to_all equals the plan's (autopar.redistribute.collectives: the tensor over the group). It counted
+    S(0) all_to_all equals the plan's (autopar.collectives.collectives: the tensor over the group). It counted
     the group size twice (4x on mesh 4, 2x on 2x2: moe-debug's router all_to_alls, 81920 vs 20480 bytes)."""
     import measure
     from _simulated import simulated
     from autopar.backends.spmd.comm import redistribute_local
     from autopar.backends.torch.collectives import CollectiveCounter
     from autopar.graph import TensorMeta
-    from autopar.redistribute import collectives
+    from autopar.collectives import collectives
 
     src, dst = ("S1",) + ("R",) * (len(mesh_shape) - 1), ("S0",) + ("R",) * (len(mesh_shape) - 1)
     want = collectives(src, dst, TensorMeta((128, 8), torch.float32), mesh_shape)

@@ -28,7 +28,7 @@ from autopar.backends.spmd.local_ops import attention_bw_math, attention_fw_math
 from autopar.testing import fsdp_force, fsdp_tp_force, tp_force, train_and_compare
 from autopar.graph import TensorMeta
 from autopar.models import build_model, example_inputs
-from autopar.redistribute import collectives
+from autopar.collectives import collectives
 from autopar.strategies._torch_adapter import per_rank, to_placement
 from _clusters import SHAPES
 
@@ -361,7 +361,7 @@ def test_all_to_all_is_a_real_all_to_all():
 
 def test_sharded_indices_into_a_masked_partial_are_gathered():
     """Indices sharded on the batch that a vocab-sharded embedding reads ("Pm": masked by DTensor's rule) come whole
-    on every rank, with the all_gather the planner prices (autopar.redistribute.collectives)."""
+    on every rank, with the all_gather the planner prices (autopar.collectives.collectives)."""
     from autopar.backends.spmd.comm import executed_placements
 
     ids = torch.arange(8).view(4, 2)
@@ -543,7 +543,7 @@ def test_flattening_a_bucket_chain_follows_the_cost_model():
     for a large bucket and for a tiny one (a call's fixed cost dominates there); on a link with no per-call cost,
     not for a tiny one; with a fast intra-node dim (NVLink) and a slow inter-node dim, the chain's fast hop wins."""
     from autopar.cost import get_cluster
-    from autopar.redistribute import _chain_time, flatten_chain
+    from autopar.collectives import _chain_time, flatten_chain
 
     todo = ((0, "P", "R"), (1, "P", "R"))
     gloo = get_cluster("cpu-gloo")
@@ -614,7 +614,7 @@ def test_loss_reduce_on_a_2d_mesh_chains_or_flattens_by_the_cost_model(launch):
     measures, the flattened one is cheaper. The plan records that choice, the prediction prices it, and the step
     issues exactly it and equals one device."""
     from autopar.cost.cluster import ClusterSpec, LinkSpec
-    from autopar.redistribute import redistribute_time
+    from autopar.collectives import redistribute_time
 
     link = LinkSpec("loop", alpha=5e-5, bw=2e9, launch=launch)
     cluster = ClusterSpec("launch", SHAPES.device, 1 << 20, link, link)

@@ -403,7 +403,7 @@ def test_collective_steps():
 def test_link_per_kind(tmp_path):
     """A calibrated link's own (alpha, bw) per collective kind; other kinds use the link's pooled figures. A ring over
     a flattened group runs each kind at the slowest of its dims' fits; JSON round-trips the fits."""
-    from autopar.redistribute import link_of
+    from autopar.collectives import link_of
 
     L = LinkSpec("l", alpha=1.0, bw=float("inf"), kinds={"all_gather": (3.0, float("inf")), "all_reduce": (0.5, 2.0)})
     assert L.of("all_gather") == (3.0, float("inf")) and L.of("broadcast") == (1.0, float("inf"))

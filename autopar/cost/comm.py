@@ -58,7 +58,7 @@ def ring_steps(kind: str, n):
 
 def collective_time(kind: str, M, n, link: LinkSpec, latency_share=1):
     """Seconds for one collective over a group of n ranks on `link`; 0.0 for n == 1. latency_share: the part of its
-    latency (launch + ring steps) it pays, e.g. a gradient's share of its bucket's (autopar/redistribute.py)."""
+    latency (launch + ring steps) it pays, e.g. a gradient's share of its bucket's (autopar/collectives.py)."""
     if _trivial(n):
         return 0.0
     alpha, bw = link.of(kind)

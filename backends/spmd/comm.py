@@ -1,7 +1,7 @@
 """Explicit collectives for the SPMD executor: the redistribute steps of a plan run on local shards, a counter of
 the collectives a step really issues (kind, mesh dim, bytes), and the plan-hash agreement between ranks.
 
-Redistribute: `autopar.redistribute.steps(src, dst)` lists the single-mesh-dim changes the planner priced; each
+Redistribute: `autopar.collectives.steps(src, dst)` lists the single-mesh-dim changes the planner priced; each
 runs here as one collective on that mesh dim's process group (or a local chunk / zero / rescale), on the local
 shard, through the `_c10d_functional` ops (the ones DTensor uses, and the ones LocalTensorMode simulates):
 S->R all_gather, S(i)->S(j) all_to_all (a real all_to_all, also on gloo), P->R all_reduce, P->S reduce_scatter,
@@ -10,7 +10,7 @@ and reduced with SUM, gloo has no AVG); "Pm" the masked partial of a vocab-shard
 right after the embedding). Nested shards (two mesh dims on one tensor dim) follow DTensor's layout; `steps`
 orders the changes so each one is a single collective plus local reshuffles.
 
-Byte convention (the plan's, autopar/redistribute.py): the full tensor over the group: all_gather output,
+Byte convention (the plan's, autopar/collectives.py): the full tensor over the group: all_gather output,
 reduce_scatter input, all_reduce size, all_to_all size (local input times the group size).
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.redistribute import dims_of, steps as plan_steps
+from autopar.collectives import dims_of, steps as plan_steps
 from autopar.strategies._torch_adapter import FLAT_GROUPS, flat_group_name, per_rank
 
 _fn = torch.ops._c10d_functional
@@ -82,10 +82,10 @@ def _exec_str(p: str) -> str:
 
 def redistribute_local(x: torch.Tensor, src, dst, mesh, flat=None) -> torch.Tensor:
     """Turn local shard `x` (global placements `src`, strings per mesh dim) into the local shard for `dst`,
-    one step of `autopar.redistribute.steps` at a time. A step into "Pm" (the indices of a vocab-sharded
+    one step of `autopar.collectives.steps` at a time. A step into "Pm" (the indices of a vocab-sharded
     embedding) is left to DTensor's embedding rule, which masks the indices itself: the value stays "R".
     `flat`: the mesh dims of a chain of P -> R steps the plan runs as ONE all_reduce over their flattened group
-    (autopar.redistribute.flat_reduce).
+    (autopar.collectives.flat_reduce).
 
     The result keeps x's memory layout (the order of its strides): the collectives run on x permuted into its
     memory order, as a single-device program would have laid the tensor out (views after it depend on that)."""

@@ -187,7 +187,7 @@ class Interpreter:
 
     def _flat(self, key):
         """The mesh dims of the one all_reduce over a flattened group the plan records for redistribute `key`
-        (autopar.redistribute.flat_reduce), else None: the executor runs the collectives the plan priced."""
+        (autopar.collectives.flat_reduce), else None: the executor runs the collectives the plan priced."""
         cs = self.red[key][2] if key in self.red else ()
         return cs[0].mesh_dim if len(cs) == 1 and isinstance(cs[0].mesh_dim, tuple) else None
 

@@ -23,7 +23,7 @@ import torch
 
 from autopar.capture import SDPA, SDPA_BW
 from autopar.graph import Ref
-from autopar.redistribute import steps as plan_steps
+from autopar.collectives import steps as plan_steps
 
 from .interpreter import _to_device
 from .local_ops import LOCAL_IMPL, RANDOM, attention_bw_math, attention_fw_math, local_args, local_exact

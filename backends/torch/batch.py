@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from autopar.redistribute import dims_of
+from autopar.collectives import dims_of
 
 from autopar.targets import _LOSS_OPS, _op
 

@@ -5,7 +5,7 @@
 tensor parallelism use (`_c10d_functional.all_gather_into_tensor`, `reduce_scatter_tensor`, `all_reduce`, ...).
 (CommDebugMode counts the same ops but records no bytes.)
 
-Byte convention (the plan's, see autopar/redistribute.py): the FULL tensor over the group: all_gather OUTPUT size,
+Byte convention (the plan's, see autopar/collectives.py): the FULL tensor over the group: all_gather OUTPUT size,
 reduce_scatter INPUT size, all_reduce size, all_to_all local input times the group size. Each record also names the
 process group's size and, when a DeviceMesh is given, the mesh dim whose group it ran on (a flattened or multi-dim
 group gets a tuple).
@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from autopar.cost import get_cluster
 from autopar.cost.comm import collective_time
-from autopar.redistribute import dims_of, link_of
+from autopar.collectives import dims_of, link_of
 from autopar.strategies._torch_adapter import resolve_group
 
 from .mixed import within

@@ -39,7 +39,7 @@ import math
 import torch
 import torch.nn as nn
 
-from autopar.redistribute import BUCKET_BYTES, dims_of
+from autopar.collectives import BUCKET_BYTES, dims_of
 
 from autopar.targets import _fed
 
