@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..spmd.module import parent_of
 from ..torch.tp import _kind, param_style
 
 
@@ -78,7 +79,8 @@ class _Stage(nn.Module):
         self._recompute = recompute
         self._block_args, self._block_kwargs = block_args, block_kwargs
         for f in fqns:
-            _attach(self, f, model.get_submodule(f))
+            parent, name = parent_of(self, f)  # the stage keeps the model's paths
+            parent.add_module(name, model.get_submodule(f))
 
     def forward(self, x):
         h, j = x, 0
@@ -97,19 +99,6 @@ class _Stage(nn.Module):
                 )
             h = out
         return h
-
-
-def _attach(root: nn.Module, fqn: str, module: nn.Module) -> None:
-    """Register `module` at path `fqn` under `root`, with empty containers for the path's missing parents."""
-    *path, name = fqn.split(".")
-    parent = root
-    for part in path:
-        child = parent._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            parent.add_module(part, child)
-        parent = child
-    parent.add_module(name, module)
 
 
 def _run_block(layer, recompute: bool, *args, **kwargs):

@@ -354,7 +354,9 @@ def _check_first_step(module, args):
     check_replicas(entries, module.program.mesh, module.program.device, what=f"autopar {module._orig_class}: ")
 
 
-def _register(root: nn.Module, fqn: str, t, param: bool):
+def parent_of(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    """(the module that holds path `fqn` under `root`, the last name of the path), with empty containers made for
+    the path's missing parents."""
     *path, leaf = fqn.split(".")
     mod = root
     for name in path:
@@ -363,6 +365,11 @@ def _register(root: nn.Module, fqn: str, t, param: bool):
             sub = nn.Module()
             mod.add_module(name, sub)
         mod = sub
+    return mod, leaf
+
+
+def _register(root: nn.Module, fqn: str, t, param: bool):
+    mod, leaf = parent_of(root, fqn)
     if param:
         mod.register_parameter(leaf, t)
     else:

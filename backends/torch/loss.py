@@ -80,26 +80,3 @@ def recognize_mean_loss(low, G, plan, data) -> None:
             "nbytes": _nb([2], n["dtype"][0]),
         }
         return
-
-
-HOOK = '''def _weigh_mean_loss(model, mesh, dims, labels_at, ignore_index, shards):
-    """The loss over the whole batch, as on one device: each rank's mean over its batch shard weighted by its
-    share of the counted targets (labels equal to ignore_index do not count), in the value the module returns and
-    in the gradients (which FSDP2 / the gradient buckets then average over the `shards` batch shards). One
-    all_reduce of (weighted loss, count) over the data-parallel mesh dims `dims` per step."""
-    group = _group(mesh, dims)
-
-    def weigh(module, args, loss):
-        if labels_at >= len(args) or not torch.is_tensor(args[labels_at]) or loss.numel() != 1:
-            raise RuntimeError(f"autopar's lowered loss expects the labels as positional argument {labels_at} and a "
-                               f"scalar loss out (got {len(args)} arguments, output of shape {tuple(loss.shape)})")
-        value = loss.detach()
-        value = value.to_local() if hasattr(value, "to_local") else value
-        count = (args[labels_at] != ignore_index).sum().to(value.dtype)
-        local = torch.where(count > 0, loss, torch.zeros_like(loss))   # a shard with no counted target adds 0
-        pair = torch.stack([torch.where(count > 0, value, 0.0) * count, count])
-        dist.all_reduce(pair, group=group)
-        scaled = local * (count * shards / pair[1])
-        return scaled + (pair[0] / pair[1] - scaled).detach()
-    model.register_forward_hook(weigh)
-'''
