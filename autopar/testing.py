@@ -14,10 +14,41 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from autopar.cost.cluster import ClusterSpec, DeviceSpec, LinkSpec
 from autopar.strategies._torch_adapter import collapse, local_of, outside_local_tensor_mode
 
 from autopar.backends.spmd.comm import CommCounter, compare, redistribute_local
 from autopar.backends.spmd.program import placement_strs
+
+# Cost models for tests and benchmarks of plan *shapes* on tiny models. SHAPES: the CPU preset autopar shipped
+# before it was calibrated on the 2-core CI machine (benchmarks/cpu_calibrate.py): with its cheap collectives (50 us,
+# 2 GB/s) the tiny models plan the Megatron / FSDP shapes the lowering tests need, where the calibrated preset's
+# milliseconds per gloo collective rightly keep them replicated.
+_DEV_FAST = DeviceSpec(
+    "cpu-fast-links",
+    {"fp32": 1e11, "bf16": 1e11, "fp16": 1e11},
+    mem_bw=2e10,
+    mem_bytes=16e9,
+    matmul_eff=0.5,
+    mem_eff=0.7,
+)
+_LINK_FAST = LinkSpec("fast-loopback", alpha=5e-5, bw=2e9)
+SHAPES = ClusterSpec("cpu-fast-links", _DEV_FAST, 1 << 20, _LINK_FAST, _LINK_FAST)
+
+# Slow compute, links slow in bandwidth only: on llama-tiny at 8 tokens a row a replicated weight would cost a
+# gradient all_reduce larger than the activations tensor parallelism reduces, so the planner shards the blocks'
+# Linears over tp (and the batch over dp): tests/test_pipeline_dist.py's stage plans, tests/test_report.py's page.
+_DEV_SLOW = DeviceSpec(
+    "cpu-slow-compute",
+    {"fp32": 1e8, "bf16": 1e8, "fp16": 1e8},
+    mem_bw=2e10,
+    mem_bytes=16e9,
+    matmul_eff=0.5,
+    mem_eff=0.7,
+)
+_LINK_SLOW = LinkSpec("slow-bandwidth-loopback", alpha=1e-6, bw=1e8)
+TP_FRIENDLY = ClusterSpec("tp-friendly", _DEV_SLOW, 1 << 20, _LINK_SLOW, _LINK_SLOW)
+
 
 COLWISE = (
     "wq.weight",

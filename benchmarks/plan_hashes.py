@@ -2,7 +2,8 @@
 collective count (issue 25).
 
 Plans every configuration below with the public API only (autopar.plan, autopar.MeshSpec, autopar.models, the
-Plan's fields and methods), so the same script runs on the code before and after a restructuring, and writes one
+Plan's fields and methods, autopar.testing's clusters and pins), so the same script runs on the code before and
+after a restructuring, and writes one
 JSON line per configuration: its name, Plan.hash(), the predicted step time and memory (6 significant digits),
 the collectives per (kind, mesh dim) with their bytes, the solver's status and objective, and for pipeline plans
 the schedule and what each stage holds.
@@ -28,7 +29,10 @@ import json
 import math
 import sys
 import time
+
 import torch
+
+from autopar.testing import SHAPES, TP_FRIENDLY, fsdp_tp_force
 
 NOT_COMPARED = ("plan_s", "message")  # wall time; an error's wording (the error's type is compared)
 # Every plan gets this solver time limit (autopar.plan's default is 60 s): on a loaded machine a solve that hits
@@ -36,75 +40,8 @@ NOT_COMPARED = ("plan_s", "message")  # wall time; an error's wording (the error
 TIME_LIMIT_S = 900.0
 SIG = 6  # significant digits of the compared floats: the predictions are sums whose last bits follow op order
 PREDICTED = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "peak_mem_bytes", "state_mem_bytes", "act_peak_bytes")
-COLWISE = (
-    "wq.weight",
-    "wk.weight",
-    "wv.weight",
-    "w1.weight",
-    "w3.weight",
-    "c_fc.weight",
-    "c_attn.weight",
-    "fc1.weight",
-    "router.weight",
-)
-ROWWISE = ("wo.weight", "w2.weight", "c_proj.weight", "fc2.weight")
 
 
-# ---- clusters and pins the benchmarks use (copied here so the script does not depend on test helpers' homes) ----
-def shapes_cluster():
-    """tests/_clusters.py SHAPES: cheap collectives, so the tiny models plan Megatron / FSDP shapes."""
-    from autopar.cost import ClusterSpec, DeviceSpec, LinkSpec
-
-    dev = DeviceSpec(
-        "cpu-fast-links",
-        {"fp32": 1e11, "bf16": 1e11, "fp16": 1e11},
-        mem_bw=2e10,
-        mem_bytes=16e9,
-        matmul_eff=0.5,
-        mem_eff=0.7,
-    )
-    link = LinkSpec("fast-loopback", alpha=5e-5, bw=2e9)
-    return ClusterSpec("cpu-fast-links", dev, 1 << 20, link, link)
-
-
-def tp_friendly_cluster():
-    """tests/test_pipeline_dist.py _tp_cluster: slow compute, slow links, so stages shard over tp."""
-    from autopar.cost import ClusterSpec, DeviceSpec, LinkSpec
-
-    dev = DeviceSpec(
-        "cpu-slow-compute",
-        {"fp32": 1e8, "bf16": 1e8, "fp16": 1e8},
-        mem_bw=2e10,
-        mem_bytes=16e9,
-        matmul_eff=0.5,
-        mem_eff=0.7,
-    )
-    link = LinkSpec("slow-bandwidth-loopback", alpha=1e-6, bw=1e8)
-    return ClusterSpec("tp-friendly", dev, 1 << 20, link, link)
-
-
-def fsdp_tp_force(model, mesh_shape) -> dict:
-    """autopar.examples.train's --shard fsdp+tp pins: every parameter Shard(0) on mesh dim 0 where it divides,
-    Megatron column/row-wise projections on the last dim; a tensor dim sharded by both is nested (dp outer)."""
-    n_dp, n_tp = mesh_shape[0], mesh_shape[-1]
-    out = {}
-    for k, p in model.named_parameters():
-        fsdp = "S0" if p.dim() and p.shape[0] % n_dp == 0 else "R"
-        tp = "R"
-        if k.endswith(COLWISE) and p.shape[0] % n_tp == 0:
-            tp = "S0"
-        elif k.endswith(ROWWISE) and p.ndim == 2 and p.shape[1] % n_tp == 0:
-            tp = "S1"
-        pl = (fsdp if fsdp != "R" else tp, tp)
-        split = {}
-        for d, n in zip(pl, mesh_shape):
-            if d[0] == "S":
-                split[int(d[1:])] = split.get(int(d[1:]), 1) * n
-        out[k] = pl if all(p.shape[d] % n == 0 for d, n in split.items()) else ("R", tp)  # nested must divide
-    return out
-
-
-# ---- model builders -----------------------------------------------------------------------------------------
 def zoo(name, *, dtype=torch.float32, batch=None, seq=None, device="meta", **over):
     from autopar import models
 
@@ -171,12 +108,12 @@ def configs() -> dict:
         return m, x, _mesh((2, 2)), dict(cluster="cpu-gloo", force=fsdp_tp_force(m, (2, 2)))
 
     out["llama-tiny 2x2 train.py (cpu-gloo, fsdp+tp)"] = train_example
-    out["llama-tiny 2x2 SHAPES"] = lambda: (*zoo("llama-tiny"), _mesh((2, 2)), dict(cluster=shapes_cluster()))
+    out["llama-tiny 2x2 SHAPES"] = lambda: (*zoo("llama-tiny"), _mesh((2, 2)), dict(cluster=SHAPES))
     for kind in ("llama", "gpt2"):
         out[f"hf-{kind} 2L h64 2x2 SHAPES"] = lambda kind=kind: (
             *hf_model(kind),
             _mesh((2, 2)),
-            dict(cluster=shapes_cluster()),
+            dict(cluster=SHAPES),
         )
     for c in SCALE:
         mesh = tuple(int(s) for s in c["mesh"].split("x"))
@@ -211,7 +148,7 @@ def pipeline_configs() -> dict:
         "pipeline llama-tiny 2x2(pp,tp) GPipe tp-friendly": lambda: (
             *zoo("llama-tiny", batch=8, seq=8, **tiny4),
             _mesh((2, 2), ("pp", "tp")),
-            dict(cluster=tp_friendly_cluster(), pipeline={"schedules": ["GPipe"], "n_microbatches": [2]}),
+            dict(cluster=TP_FRIENDLY, pipeline={"schedules": ["GPipe"], "n_microbatches": [2]}),
         ),
         "pipeline llama3-8b 8L 4(pp) 1F1B h100": lambda: (
             *zoo("llama3-8b", dtype=torch.bfloat16, batch=8, seq=1024, n_layers=8),

@@ -1,20 +1,9 @@
-"""A cost model for tests of plan *shapes* (engine lowering): the CPU preset autopar shipped before it was
-calibrated on the 2-core CI machine (benchmarks/cpu_calibrate.py). With its cheap collectives (50 us, 2 GB/s) the
-tiny test models plan the Megatron / FSDP shapes those tests lower; with the calibrated preset's milliseconds per
-gloo collective the planner rightly avoids per-layer collectives on them."""
+"""Cost models for tests of plan *shapes*: SHAPES and TP_FRIENDLY (autopar/testing.py, where the benchmarks find
+them too), and GLOO_PER_STEP, the cpu-gloo preset as it was before its sub-group calibration."""
 
 from autopar.cost.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from autopar.testing import SHAPES, TP_FRIENDLY  # noqa: F401  (the tests import them from here)
 
-_DEV = DeviceSpec(
-    "cpu-fast-links",
-    {"fp32": 1e11, "bf16": 1e11, "fp16": 1e11},
-    mem_bw=2e10,
-    mem_bytes=16e9,
-    matmul_eff=0.5,
-    mem_eff=0.7,
-)
-_LINK = LinkSpec("fast-loopback", alpha=5e-5, bw=2e9)
-SHAPES = ClusterSpec("cpu-fast-links", _DEV, 1 << 20, _LINK, _LINK)
 
 # The cpu-gloo preset as it was before sub-group and tiny-message calibration (a 2-core machine with 27 GFLOP/s
 # matmul; latency per ring step only, no per-call cost): under it the planner gathers a small loss input rather than
@@ -40,17 +29,3 @@ _LINK_OLD = LinkSpec(
     ),
 )
 GLOO_PER_STEP = ClusterSpec("cpu-gloo-per-step", _DEV_OLD, 1 << 20, _LINK_OLD, _LINK_OLD)
-
-# Slow compute, links slow in bandwidth only: on llama-tiny at 8 tokens a row a replicated weight would cost a
-# gradient all_reduce larger than the activations tensor parallelism reduces, so the planner shards the blocks'
-# Linears over tp (and the batch over dp): tests/test_pipeline_dist.py's stage plans, tests/test_report.py's page.
-_DEV_SLOW = DeviceSpec(
-    "cpu-slow-compute",
-    {"fp32": 1e8, "bf16": 1e8, "fp16": 1e8},
-    mem_bw=2e10,
-    mem_bytes=16e9,
-    matmul_eff=0.5,
-    mem_eff=0.7,
-)
-_LINK_SLOW = LinkSpec("slow-bandwidth-loopback", alpha=1e-6, bw=1e8)
-TP_FRIENDLY = ClusterSpec("tp-friendly", _DEV_SLOW, 1 << 20, _LINK_SLOW, _LINK_SLOW)
