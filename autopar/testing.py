@@ -17,7 +17,8 @@ import torch.nn as nn
 from autopar.cost.cluster import ClusterSpec, DeviceSpec, LinkSpec
 from autopar.strategies._torch_adapter import collapse, local_of, outside_local_tensor_mode
 
-from autopar.backends.spmd.comm import CommCounter, compare, redistribute_local
+from autopar.backends.counter import CollectiveCounter, compare
+from autopar.backends.spmd.comm import redistribute_local
 from autopar.backends.spmd.program import placement_strs
 
 # Cost models for tests and benchmarks of plan *shapes* on tiny models. SHAPES: the CPU preset autopar shipped
@@ -171,7 +172,7 @@ def train_and_compare(
     for s in range(steps):
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
-        counter = CommCounter(mesh) if count and s == 0 else None
+        counter = CollectiveCounter(mesh) if count and s == 0 else None
         if counter is not None:
             with counter:
                 loss = pm(*inputs)
@@ -195,7 +196,7 @@ def train_and_compare(
                 continue
             check(f"step {s} grad {k}", global_value(g), p.grad)
         if counter is not None:
-            rep.measured = list(counter.records)
+            rep.measured = list(counter.collectives())
             rep.predicted = pm.plan.collectives()
             rep.collective_diff = compare(rep.measured, rep.predicted)
         else:

@@ -257,7 +257,7 @@ def executor_step(dev, quick) -> dict:
 
     sys.path.insert(0, ROOT)
     import autopar
-    from autopar.backends.spmd.comm import CommCounter
+    from autopar.backends.counter import CollectiveCounter
     from autopar.models import build_model, example_inputs
 
     if dev.type == "cuda":
@@ -278,7 +278,7 @@ def executor_step(dev, quick) -> dict:
         plan_s = time.perf_counter() - t0
         ref = copy.deepcopy(model).to(dev)
         timer = Timer(dev)
-        with CommCounter(mesh) as counter:
+        with CollectiveCounter(mesh) as counter:
             lp = pm(*x)
             lp.backward()
         lr = ref(*x)
@@ -298,7 +298,7 @@ def executor_step(dev, quick) -> dict:
             "executor_fwd_bwd_s": statistics.median(t_pm),
             "eager_fwd_bwd_s": statistics.median(t_ref),
             "loss_diff": abs(lp.item() - lr.item()),
-            "collectives": len(counter.records),
+            "collectives": len(counter.collectives()),
             "predicted_collectives": len(pm.plan.collectives()),
         }
     finally:

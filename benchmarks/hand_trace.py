@@ -31,7 +31,7 @@ def trace(model_key: str, mesh_str: str, source: str) -> dict:
     from bench_config import MEASURED, QUICK_MEASURED, WORLD
     from measure import build, comm_summary
     from autopar import models as M
-    from autopar.backends.torch.collectives import CollectiveCounter
+    from autopar.backends.counter import CollectiveCounter
 
     cfg = {**MEASURED, **QUICK_MEASURED}[model_key]
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)

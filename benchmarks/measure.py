@@ -164,7 +164,8 @@ def build(source, cfg, mesh, world_mesh, x):
         }
         # predicted: what runs, the engines' collectives (+ each graph part's own plan), not the plan's own list
         # (e.g. the plan reduces the loss's (sum, count) over dp then tp; the loss hook once over both)
-        from autopar.backends.torch.collectives import engine_collectives, tally
+        from autopar.backends.counter import tally
+        from autopar.backends.torch.collectives import engine_collectives
 
         extra["predicted_collectives"] = tally(engine_collectives(m._autopar_plan, low)[0])
         if low.parts:
@@ -240,7 +241,7 @@ def _peak_during(fn) -> int:
 
 def measure_mesh(cfg, mesh_str, sources, x, world_mesh, steps, warmup, progress):
     from torch.distributed.device_mesh import init_device_mesh
-    from autopar.backends.torch.collectives import CollectiveCounter
+    from autopar.backends.counter import CollectiveCounter
 
     shape = _mesh_shape(mesh_str)
     mesh = world_mesh if len(shape) == 1 else init_device_mesh("cpu", shape, mesh_dim_names=("dp", "tp"))

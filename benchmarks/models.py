@@ -115,7 +115,7 @@ def render(command, sections, commit_id) -> str:
         "the first step, every parameter and floating buffer after 3 AdamW steps (lr 1e-3, eps 1e-4: see "
         "`ADAM_EPS` in tests/third_party/zoo_check.py), "
         "|diff| <= 1e-6 + 1e-4 max|ref| per tensor; at least one parameter sharded and one collective in each "
-        "step (CommCounter, forward + backward + optimizer step). Both run the model in train() mode as built, "
+        "step (CollectiveCounter, forward + backward + optimizer step). Both run the model in train() mode as built, "
         "dropout on: one device draws its masks after torch.manual_seed(s), the parallel module after "
         "pm.program.manual_seed(s) (each random tensor drawn whole in eager's order and layout, each rank keeping "
         "its piece), so the comparison is exact. SHAPES alone replicates every parameter of models this small "

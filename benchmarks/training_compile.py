@@ -132,7 +132,7 @@ def _rank(rank, world, port, names, steps, warmup, backend, out_path):
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=600)
     )
     import autopar
-    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.backends.counter import CollectiveCounter, compare
     from autopar.backends.spmd.compiled import summary
     from torch.distributed.device_mesh import init_device_mesh
     from _clusters import SHAPES
@@ -160,12 +160,12 @@ def _rank(rank, world, port, names, steps, warmup, backend, out_path):
         for side, pm in (("eager", eager), ("compiled", comp)):
             dist.barrier()
             t0 = time.perf_counter()
-            with CommCounter(mesh) as cc:
+            with CollectiveCounter(mesh) as cc:
                 _loss(pm(*x, **kw)).backward()
             dist.barrier()
             first[side] = time.perf_counter() - t0
-            row[f"collectives {side}"] = sorted(map(tuple, cc.records))
-            row[f"plan diff {side}"] = compare(cc.records, pm.plan.collectives())
+            row[f"collectives {side}"] = sorted(map(tuple, cc.collectives()))
+            row[f"plan diff {side}"] = compare(cc.collectives(), pm.plan.collectives())
             pm.zero_grad(set_to_none=True)
         row["first_step_s"] = first
         row["same collectives"] = row["collectives eager"] == row["collectives compiled"]

@@ -61,7 +61,7 @@ def _worst(got, ref):
     )
 
 
-def _model(name, mesh, backend, SHAPES, CommCounter, compare, zc):
+def _model(name, mesh, backend, SHAPES, CollectiveCounter, compare, zc):
     import autopar
     from autopar.backends.spmd.compiled import summary
 
@@ -94,7 +94,7 @@ def _model(name, mesh, backend, SHAPES, CommCounter, compare, zc):
         def run(kw=kw):
             pm = autopar.parallelize(copy.deepcopy(model), mesh, args, planned=planned, **zc.call_kwargs(kwargs), **kw)
             t0 = time.perf_counter()
-            with CommCounter(mesh) as cc:
+            with CollectiveCounter(mesh) as cc:
                 zc.loss_of(pm(*args, **kwargs)).backward()
             first = time.perf_counter() - t0
             pm.zero_grad(set_to_none=True)
@@ -103,8 +103,8 @@ def _model(name, mesh, backend, SHAPES, CommCounter, compare, zc):
                 p = pm.program
                 seg = [summary(p.fw_segments), summary(p.bw_segments)]
             return (
-                sorted(map(tuple, cc.records)),
-                compare(cc.records, pm.plan.collectives()),
+                sorted(map(tuple, cc.collectives())),
+                compare(cc.collectives(), pm.plan.collectives()),
                 first,
                 seg,
                 _steps(pm, args, kwargs, zc.loss_of),
@@ -138,7 +138,7 @@ def _rank(rank, world, port, names, backend, out_path):
     )
     import zoo_check as zc
     from _clusters import SHAPES
-    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.backends.counter import CollectiveCounter, compare
     from torch.distributed.device_mesh import init_device_mesh
     from transformers.utils import logging
 
@@ -147,7 +147,7 @@ def _rank(rank, world, port, names, backend, out_path):
     rows = []
     for name in names:
         t0 = time.perf_counter()
-        rec = _model(name, mesh, backend, SHAPES, CommCounter, compare, zc)
+        rec = _model(name, mesh, backend, SHAPES, CollectiveCounter, compare, zc)
         rec["total_s"] = round(time.perf_counter() - t0, 1)
         rows.append(rec)
         if rank == 0:

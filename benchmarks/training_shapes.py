@@ -7,7 +7,7 @@ divides, `fsdp_force`) with the batch sharded on dp (`batch_pin`), cost model cp
   - the first step of a new input shape (another batch size, another sequence length, eval at another batch size
     under no_grad) plans again (backends/spmd/shapes.py): its time against a step of a cached shape;
   - gradient accumulation: `--micro` micro-steps, all but the last under `pm.no_sync()`: the collectives of each
-    micro-step (CommCounter, kind and bytes), against the same micro-batches each reduced (no accumulation), and
+    micro-step (CollectiveCounter, kind and bytes), against the same micro-batches each reduced (no accumulation), and
     the bytes of unreduced gradients a rank holds in between (unsharded, as FSDP2 without gradient sync).
 Times are medians over `--steps` steps, barrier to barrier on rank 0.
 """
@@ -39,7 +39,7 @@ def _timed(fn):
 
 def _run(args, world):
     import autopar
-    from autopar.backends.spmd.comm import CommCounter
+    from autopar.backends.counter import CollectiveCounter
     from torchtitan_plan import batch_pin
     from autopar.testing import fsdp_force
     from autopar.models import build_model, example_inputs
@@ -98,7 +98,7 @@ def _run(args, world):
             run = lambda seed=2: train(batch(b, s, seed))
         first, _ = _timed(run)
         st = steady(lambda: run(3))
-        with CommCounter(mesh) as cc:
+        with CollectiveCounter(mesh) as cc:
             run(4)
         rp = pm.plan_cache.replans[n0:]
         res["shapes"].append(
@@ -108,13 +108,13 @@ def _run(args, world):
                 "plan_s": sum(r["plan_s"] for r in rp),
                 "replan_s": sum(r["total_s"] for r in rp),
                 "steady_s": st,
-                "collectives": len(cc.records),
+                "collectives": len(cc.collectives()),
             }
         )
         pm.train()
-    with CommCounter(mesh) as cc:
+    with CollectiveCounter(mesh) as cc:
         train(batch(b0, s0, 5))
-    res["shapes"][0]["collectives"] = len(cc.records)
+    res["shapes"][0]["collectives"] = len(cc.collectives())
     res["programs"] = len(pm.programs)
 
     micro = [batch(b0, s0, 10 + k) for k in range(args.micro)]
@@ -139,20 +139,20 @@ def _run(args, world):
 def _accumulate(pm, micro, mesh, rounds: int = 2) -> dict:
     """Micro-steps under no_sync, the last outside; against each micro-batch reduced; the last of `rounds` (the
     first pays one-time costs)."""
-    from autopar.backends.spmd.comm import CommCounter
+    from autopar.backends.counter import CollectiveCounter
 
     for _ in range(rounds):
         pm.zero_grad(set_to_none=True)
-        res = _accumulate_once(pm, micro, mesh, CommCounter)
+        res = _accumulate_once(pm, micro, mesh, CollectiveCounter)
     pm.zero_grad(set_to_none=True)
     return res
 
 
-def _accumulate_once(pm, micro, mesh, CommCounter) -> dict:
+def _accumulate_once(pm, micro, mesh, CollectiveCounter) -> dict:
     acc = []
     for k, x in enumerate(micro):
         sync = k == len(micro) - 1
-        with CommCounter(mesh) as cc:
+        with CollectiveCounter(mesh) as cc:
             if sync:
                 t, _ = _timed(lambda: pm(*x).backward())
             else:
@@ -163,8 +163,8 @@ def _accumulate_once(pm, micro, mesh, CommCounter) -> dict:
                 "micro": k + 1,
                 "sync": sync,
                 "s": t,
-                "collectives": _kinds(cc.records),
-                "n": len(cc.records),
+                "collectives": _kinds(cc.collectives()),
+                "n": len(cc.collectives()),
                 "held_bytes": pm.accumulated_bytes(),
             }
         )
@@ -172,9 +172,9 @@ def _accumulate_once(pm, micro, mesh, CommCounter) -> dict:
     pm.zero_grad(set_to_none=True)
     each = []
     for k, x in enumerate(micro):
-        with CommCounter(mesh) as cc:
+        with CollectiveCounter(mesh) as cc:
             t, _ = _timed(lambda: pm(*x).backward())
-        each.append({"micro": k + 1, "s": t, "collectives": _kinds(cc.records), "n": len(cc.records)})
+        each.append({"micro": k + 1, "s": t, "collectives": _kinds(cc.collectives()), "n": len(cc.collectives())})
     diff = max(
         ((p.grad.full_tensor() - grads[n]).abs().max() / (1e-6 + 1e-4 * grads[n].abs().max())).item()
         for n, p in pm.named_parameters()

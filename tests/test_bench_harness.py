@@ -235,7 +235,7 @@ def test_measured_bytes_of_an_all_to_all_follow_the_plan_convention(mesh_shape):
     import measure
     from _simulated import simulated
     from autopar.backends.spmd.comm import redistribute_local
-    from autopar.backends.torch.collectives import CollectiveCounter
+    from autopar.backends.counter import CollectiveCounter
     from autopar.graph import TensorMeta
     from autopar.collectives import collectives
 

@@ -178,7 +178,7 @@ def job_world4(tmp):
     import autopar
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from autopar.backends.spmd.comm import CommCounter
+    from autopar.backends.counter import CollectiveCounter
 
     ref_losses, ref_params = reference()
     mesh22 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -195,10 +195,10 @@ def job_world4(tmp):
     out["sharded"] = sorted(k for k, v in pm.plan.params.items() if any(p != "R" for p in v))
     out["keys_match"] = sorted(pm.state_dict()) == sorted(_build(0).state_dict())
     opt = _opt(pm)
-    counter = CommCounter(mesh22)
+    counter = CollectiveCounter(mesh22)
     with counter:
         first = run_steps(pm, opt, range(1))
-    out["collectives"] = len(counter.records)
+    out["collectives"] = len(counter.collectives())
     full = first + run_steps(pm, opt, range(1, K))
     save(pm, opt, f"{tmp}/graph")
     full += run_steps(pm, opt, range(K, N))

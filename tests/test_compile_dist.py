@@ -100,7 +100,7 @@ def job():
     from _clusters import SHAPES
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
-    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.backends.counter import CollectiveCounter, compare
     from autopar.backends.spmd.compiled import summary
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -121,11 +121,11 @@ def job():
     compiled = autopar.parallelize(copy.deepcopy(model), mesh, x, planned=planned, compile="aot_eager")
     for name, pm, call in (("eager", eager, torch.compile(eager)), ("compiled", compiled, compiled)):
         t0 = time.perf_counter()
-        with CommCounter(mesh) as cc:  # the first step: compiles, counted
+        with CollectiveCounter(mesh) as cc:  # the first step: compiles, counted
             call(*x).backward()
         out[f"first step s {name}"] = time.perf_counter() - t0
-        out[f"collectives {name}"] = sorted(map(list, cc.records))
-        out[f"collective_diff {name}"] = compare(cc.records, pm.plan.collectives())
+        out[f"collectives {name}"] = sorted(map(list, cc.collectives()))
+        out[f"collective_diff {name}"] = compare(cc.collectives(), pm.plan.collectives())
         pm.zero_grad(set_to_none=True)
         out[name] = got = _steps(call, x, pm.program.manual_seed)
         out[f"worst {name}"] = _worst(got, ref)

@@ -72,7 +72,7 @@ def job_dropout(names):
     from _clusters import SHAPES
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
-    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.backends.counter import CollectiveCounter, compare
     from _bench import batch_pin
     from zoo import ZOO
 
@@ -86,7 +86,7 @@ def job_dropout(names):
             key = f"{mname} {name}"
             model, args, _, _ = ZOO[mname]()
             pm = autopar.parallelize(model, mesh, args, **kw)
-            with CommCounter(mesh) as cc:
+            with CollectiveCounter(mesh) as cc:
                 pm(*args).backward()
             pm.zero_grad(set_to_none=True)
             got = _train(pm, args, pm.program.manual_seed)
@@ -94,8 +94,8 @@ def job_dropout(names):
                 worst=_worst(got, ref),
                 losses=got[0],
                 ref=ref[0],
-                collectives=len(cc.records),
-                diff=compare(cc.records, pm.plan.collectives()),
+                collectives=len(cc.collectives()),
+                diff=compare(cc.collectives(), pm.plan.collectives()),
                 sharded=[n for n, v in pm.plan.params.items() if any(x != "R" for x in v)],
                 masks=[
                     n["placement"]["out"][0]

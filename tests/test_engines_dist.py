@@ -308,7 +308,8 @@ def _run_case(case, rank, world):
     import autopar
     from autopar import models
     import autopar.backends.torch as engines
-    from autopar.backends.torch.collectives import CollectiveCounter, engine_collectives, measured_list
+    from autopar.backends.counter import CollectiveCounter
+    from autopar.backends.torch.collectives import engine_collectives
     from _bench import batch_pin
 
     mesh = init_device_mesh("cpu", tuple(case["shape"]), mesh_dim_names=tuple(case["names"]))
@@ -382,7 +383,7 @@ def _run_case(case, rank, world):
                 loss = step()
                 opt.step()
             exp, notes = engine_collectives(plan, low)
-            a, b = Counter(measured_list(cc)), Counter(exp)
+            a, b = Counter(cc.collectives()), Counter(exp)
             fmt = lambda d: {k: [v["count"], v["bytes"]] for k, v in sorted(d.items())}
             out.update(plan_kinds=fmt(plan.predicted["collectives"]), measured_kinds=fmt(cc.summary()))
             out.update(

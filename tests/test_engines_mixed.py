@@ -70,7 +70,8 @@ def _run(case):
     import autopar
     from autopar import models
     from autopar.backends.torch import local_inputs, train_context
-    from autopar.backends.torch.collectives import CollectiveCounter, engine_collectives, measured_list
+    from autopar.backends.counter import CollectiveCounter
+    from autopar.backends.torch.collectives import engine_collectives
     from autopar.backends.spmd.program import ExecutionError
 
     world = dist.get_world_size()
@@ -112,7 +113,7 @@ def _run(case):
             with train_context(model):
                 loss = model(xl, yl)
                 loss.backward()
-        a, b = Counter(measured_list(cc)), Counter(expected)
+        a, b = Counter(cc.collectives()), Counter(expected)
         res["match"].append(a == b)
         res["diff"].append(f"measured-only {sorted((a - b).items())} expected-only {sorted((b - a).items())}")
         res["kinds"] = {k: [v["count"], v["bytes"]] for k, v in sorted(cc.summary().items())}
@@ -256,7 +257,7 @@ def test_part_program_matches_one_device_on_simulated_ranks():
     from torch.distributed import _local_tensor as lt
     from autopar.capture import capture
     from autopar.models.llama import FeedForward
-    from autopar.backends.spmd.comm import CommCounter
+    from autopar.backends.counter import CollectiveCounter
     from autopar.backends.torch.mixed import _boundary_pins
     from autopar.backends.spmd.module import _distribute
     from autopar.backends.spmd.program import Program
@@ -285,7 +286,7 @@ def test_part_program_matches_one_device_on_simulated_ranks():
             f: _distribute(p, mesh, prog.param_placement(f), torch.device("cpu")) for f, p in ff.named_parameters()
         }
         piece = lambda t: lt.LocalTensor({r: t.chunk(2)[r].clone() for r in range(2)})
-        with CommCounter(mesh) as cc:
+        with CollectiveCounter(mesh) as cc:
             out, env = prog.forward(params, [piece(x)], {}, keep=True)
             grads, in_grads = prog.backward_part(env, piece(gout))
         with outside_local_tensor_mode():
@@ -298,7 +299,7 @@ def test_part_program_matches_one_device_on_simulated_ranks():
             with outside_local_tensor_mode():
                 assert torch.allclose(full, p.grad, atol=1e-5), f
     expected = sorted((k, d, b) for k, d, b in plan.collectives())
-    assert expected and sorted(cc.summary().elements()) == expected
+    assert expected and sorted(cc.collectives()) == expected
 
 
 def test_which_modules_can_run_as_parts():

@@ -23,7 +23,8 @@ from hypothesis import strategies as st
 
 import autopar
 from _simulated import simulated
-from autopar.backends.spmd.comm import CommCounter, compare, redistribute_local
+from autopar.backends.counter import CollectiveCounter, compare
+from autopar.backends.spmd.comm import redistribute_local
 from autopar.backends.spmd.local_ops import attention_bw_math, attention_fw_math
 from autopar.testing import fsdp_force, fsdp_tp_force, tp_force, train_and_compare
 from autopar.graph import TensorMeta
@@ -330,7 +331,7 @@ def test_redistribute_every_pair_equals_dtensor_and_plan(mesh_shape, placements)
         for src in itertools.product(placements, repeat=nd):
             x = redistribute_local(base, ("R",) * nd, src, mesh)  # local: chunk / zero / keep
             for dst in itertools.product(placements, repeat=nd):
-                c = CommCounter(mesh)
+                c = CollectiveCounter(mesh)
                 with c:
                     y = redistribute_local(x, src, dst, mesh)
                 sums = [to_placement("P" if p == "Pa" else p) for p in dst]
@@ -343,7 +344,7 @@ def test_redistribute_every_pair_equals_dtensor_and_plan(mesh_shape, placements)
                 got = lt.LocalTensor.reconcile(got) if isinstance(got, lt.LocalTensor) else got
                 assert torch.allclose(got, full, atol=1e-6), (src, dst)
                 plan_c = [(k.kind, k.mesh_dim, k.nbytes) for k in collectives(src, dst, meta, mesh_shape)]
-                assert not compare(c.records, plan_c), (src, dst, compare(c.records, plan_c))
+                assert not compare(c.collectives(), plan_c), (src, dst, compare(c.collectives(), plan_c))
                 checked += 1
     assert checked == len(placements) ** (2 * nd)
 
@@ -352,10 +353,10 @@ def test_all_to_all_is_a_real_all_to_all():
     with simulated((4,)) as mesh:
         x = DTensor.from_local(torch.arange(32.0).view(8, 4), mesh, [to_placement("R")], run_check=False)
         x0 = redistribute_local(x.to_local(), ("R",), ("S0",), mesh)
-        c = CommCounter(mesh)
+        c = CollectiveCounter(mesh)
         with c:
             y = redistribute_local(x0, ("S0",), ("S1",), mesh)
-    assert c.records == [("all_to_all", 0, 8 * 4 * 4)]
+    assert c.collectives() == [("all_to_all", 0, 8 * 4 * 4)]
     assert all(torch.equal(t, torch.arange(32.0).view(8, 4)[:, r : r + 1]) for r, t in y._local_tensors.items())
 
 
@@ -367,11 +368,11 @@ def test_sharded_indices_into_a_masked_partial_are_gathered():
     ids = torch.arange(8).view(4, 2)
     with simulated((2,)) as mesh:
         x0 = redistribute_local(per_rank(ids), ("R",), ("S0",), mesh)
-        c = CommCounter(mesh)
+        c = CollectiveCounter(mesh)
         with c:
             y = redistribute_local(x0, ("S0",), ("Pm",), mesh)
     assert executed_placements(("S0",), ("Pm",)) == ("R",) and executed_placements(("R",), ("Pm",)) == ("R",)
-    assert [r[:2] for r in c.records] == [("all_gather", 0)]
+    assert [r[:2] for r in c.collectives()] == [("all_gather", 0)]
     assert all(torch.equal(t, ids) for t in y._local_tensors.values())
 
 

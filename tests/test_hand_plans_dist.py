@@ -72,7 +72,7 @@ def _rank_hand_grads(bench, cases, model=MODEL, overrides=None):
     sys.path.insert(0, bench)
     from hand_plans import IGNORE_INDEX, _apply, apply_hand, hand_collectives
     from measure import comm_summary
-    from autopar.backends.torch.collectives import CollectiveCounter
+    from autopar.backends.counter import CollectiveCounter
     from autopar import models as M
 
     ov = overrides or {}
@@ -190,7 +190,7 @@ def _rank_counted_step(bench, cases):
     from bench_config import QUICK_MEASURED
     from measure import build, comm_summary
     from autopar import models as M
-    from autopar.backends.torch.collectives import CollectiveCounter
+    from autopar.backends.counter import CollectiveCounter
 
     world_mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
     two_d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import autopar
 from _clusters import SHAPES
 from _simulated import simulated
-from autopar.backends.spmd.comm import CommCounter
+from autopar.backends.counter import CollectiveCounter
 
 mn = pytest.importorskip("transformers.models.mobilenet_v2.modeling_mobilenet_v2")
 pytestmark = pytest.mark.timeout(300)
@@ -103,7 +103,7 @@ def test_mobilenet_blocks_fp64_2x2_equal_one_device():
             time_limit=30,
         )
         pm = autopar.parallelize(model, mesh, args, planned=(plan, state))
-        counter = CommCounter(pm.program.mesh)
+        counter = CollectiveCounter(pm.program.mesh)
         got = _steps(pm, args, first=lambda: counter)
     # the plan is parallel: the depthwise convolution's weight sharded, its input split on the batch, collectives
     assert plan.params["block1.conv_3x3.convolution.weight"][0] == "S0", plan.params
@@ -113,7 +113,7 @@ def test_mobilenet_blocks_fp64_2x2_equal_one_device():
         if n["kind"] == "op" and n["module"] == "block1.conv_3x3.convolution" and "convolution" in str(n["target"])
     ]
     assert dw and all(pl[0] == "S0" for pl in dw), dw
-    assert len(counter.records) > 0
+    assert len(counter.collectives()) > 0
     for what, a, b in (("grad", got["grads"], ref["grads"]), ("", got["state"], ref["state"])):
         for k, r in b.items():
             err = (a[k] - r).abs().max().item()

@@ -44,7 +44,7 @@ def job_gpt2(tmp):
     from _clusters import SHAPES
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
-    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.backends.counter import CollectiveCounter, compare
     from autopar.testing import global_value
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -84,14 +84,14 @@ def job_gpt2(tmp):
     for s, batch in enumerate(batches):
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
-        counter = CommCounter(mesh)
+        counter = CollectiveCounter(mesh)
         with counter:
             res = pm(**batch)
             res.loss.backward()
         out["kind"] = type(res).__name__
-        out["collectives"] = max(out["collectives"], len(counter.records))
+        out["collectives"] = max(out["collectives"], len(counter.collectives()))
         if s == 0:
-            out["collective_diff"] = compare(counter.records, pm.plan.collectives())
+            out["collective_diff"] = compare(counter.collectives(), pm.plan.collectives())
         r = ref(**batch)
         r.loss.backward()
         check(f"step {s} loss", global_value(res.loss), r.loss.detach())

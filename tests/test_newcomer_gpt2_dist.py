@@ -80,7 +80,7 @@ def job_newcomer(_):
     from _clusters import SHAPES
     from torch.distributed.device_mesh import init_device_mesh
     import autopar
-    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.backends.counter import CollectiveCounter, compare
     from _bench import batch_pin
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -101,10 +101,10 @@ def job_newcomer(_):
         model = _gpt2()
         pm = autopar.parallelize(model, mesh, example_kwargs=batch, **kw)  # as a user writes it
         out[f"kind {name}"] = type(pm(**batch)).__name__
-        with CommCounter(mesh) as cc:  # one counted step (outside the seeded run: its draws are its own)
+        with CollectiveCounter(mesh) as cc:  # one counted step (outside the seeded run: its draws are its own)
             pm(**batch).loss.backward()
-        out[f"collectives {name}"] = len(cc.records)
-        out[f"collective_diff {name}"] = compare(cc.records, pm.plan.collectives())
+        out[f"collectives {name}"] = len(cc.collectives())
+        out[f"collective_diff {name}"] = compare(cc.collectives(), pm.plan.collectives())
         pm.zero_grad(set_to_none=True)
         got = _train(pm, batch, pm.program.manual_seed, pm.parameters())
         out["worst"][name] = _worst(got, ref)

@@ -260,7 +260,7 @@ def test_simulated_ranks_draw_one_devices_masks(plan_kind):
     # the reference first, on its own: LocalTensorMode sets the global generator around every op it runs, and
     # leaving it (outside_local_tensor_mode) restores it, so a reference run between simulated steps would redraw
     ref = _run(copy.deepcopy(model), x, y, seed=SEED)
-    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.backends.counter import CollectiveCounter, compare
     from autopar.testing import global_value
 
     torch.manual_seed(SEED)  # outside LocalTensorMode (inside it, it would seed per-rank generators)
@@ -270,11 +270,11 @@ def test_simulated_ranks_draw_one_devices_masks(plan_kind):
         losses, grads = [], None
         for s in range(STEPS):
             opt.zero_grad(set_to_none=True)
-            with CommCounter(mesh) as cc:
+            with CollectiveCounter(mesh) as cc:
                 loss = pm(x, y)
                 loss.backward()
             if s == 0:
-                diff = compare(cc.records, pm.plan.collectives())
+                diff = compare(cc.collectives(), pm.plan.collectives())
                 grads = {k: global_value(p.grad) for k, p in pm.named_parameters()}
             losses.append(global_value(loss).item())
             opt.step()

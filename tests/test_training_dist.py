@@ -75,7 +75,7 @@ def job(tmp):
 
     import autopar
     from _clusters import SHAPES
-    from autopar.backends.spmd.comm import CommCounter, compare
+    from autopar.backends.counter import CollectiveCounter, compare
     from _bench import batch_pin
     from autopar.backends.spmd.shapes import ShapeMismatchError
 
@@ -101,10 +101,10 @@ def job(tmp):
 
     say("the first shape, then a new batch and se")
     # --- the first shape, then a new batch and sequence length (re-plan), then the first again (cached)
-    with CommCounter(mesh) as cc:
+    with CollectiveCounter(mesh) as cc:
         out["loss8"] = _step(pm, ref, x8, 1)
-    full = len(cc.records)
-    out["full_step"] = [list(r) for r in cc.records]
+    full = len(cc.collectives())
+    out["full_step"] = [list(r) for r in cc.collectives()]
     out["worst8"] = _worst(pm, ref)
     pm.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
     x4 = _batch(4, 12, 2)
@@ -144,7 +144,7 @@ def job(tmp):
     x6 = _batch(6, 16, 7)
     with torch.inference_mode():
         got = pm(*x6).item()  # plans (the ranks agree on the shape and on the plan first)
-    with torch.no_grad(), CommCounter(mesh) as cc:
+    with torch.no_grad(), CollectiveCounter(mesh) as cc:
         out["eval_again"] = pm(*x6).item()
     with torch.no_grad():
         out["eval"] = (got, ref(*x6).item())
@@ -152,8 +152,8 @@ def job(tmp):
     out["eval_plan"] = {
         "buckets": len(ev.plan.buckets),
         "bw_nodes": sum(n.phase == "bw" for n in ev.g.nodes),
-        "collectives": [list(r) for r in cc.records],
-        "diff": compare(cc.records, ev.plan.collectives()),
+        "collectives": [list(r) for r in cc.collectives()],
+        "diff": compare(cc.collectives(), ev.plan.collectives()),
         "train_plan_collectives": len(pm.plan.collectives()),
     }
     pm.train(), ref.train()
@@ -163,13 +163,13 @@ def job(tmp):
     micro = [_batch(8, 16, 20 + k) for k in range(3)]
     counts, losses = [], []
     for k, x in enumerate(micro):
-        with CommCounter(mesh) as cc:
+        with CollectiveCounter(mesh) as cc:
             if k < 2:
                 with pm.no_sync():
                     losses.append(_step(pm, ref, x, 30 + k))
             else:
                 losses.append(_step(pm, ref, x, 30 + k))
-        counts.append([list(r) for r in cc.records])
+        counts.append([list(r) for r in cc.collectives()])
         if k == 0:
             out["acc_grad_untouched"] = all(p.grad is None for p in pm.parameters())
             out["acc_bytes"] = pm.accumulated_bytes()
@@ -191,9 +191,9 @@ def job(tmp):
     pm.set_requires_gradient_sync(False)
     mixed = []
     for k, x in enumerate([_batch(8, 16, 40), _batch(4, 12, 41)]):
-        with CommCounter(mesh) as cc:
+        with CollectiveCounter(mesh) as cc:
             mixed.append(_step(pm, ref, x, 50 + k))
-        mixed.append(len(cc.records))
+        mixed.append(len(cc.collectives()))
     pm.set_requires_gradient_sync(True)
     mixed.append(_step(pm, ref, _batch(8, 16, 42), 52))
     out["mixed"] = mixed
@@ -211,21 +211,21 @@ def job(tmp):
         force={k: ("R",) for k, _ in model.named_parameters()},
         pin=batch_pin([0], (8, 16)),
     )  # every activation batch-sharded, as DDP
-    with CommCounter(mesh) as cc:
+    with CollectiveCounter(mesh) as cc:
         _step(ddp, ref, x8, 60)
-    out["ddp_full"] = [list(r) for r in cc.records]
+    out["ddp_full"] = [list(r) for r in cc.collectives()]
     out["ddp_flat"] = len(ddp.program.flat_sizes)
     out["ddp_buckets"] = len(ddp.plan.buckets)
     ddp.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
     out["ddp_counts"], out["ddp_losses"] = [], []
     for k, x in enumerate(micro):
-        with CommCounter(mesh) as cc:
+        with CollectiveCounter(mesh) as cc:
             if k < 2:
                 with ddp.no_sync():
                     out["ddp_losses"].append(_step(ddp, ref, x, 70 + k))
             else:
                 out["ddp_losses"].append(_step(ddp, ref, x, 70 + k))
-        out["ddp_counts"].append([list(r) for r in cc.records])
+        out["ddp_counts"].append([list(r) for r in cc.collectives()])
     out["ddp_worst"] = _worst(ddp, ref)
     say("done")
     return out

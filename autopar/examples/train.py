@@ -238,13 +238,13 @@ def _parallelize(args, dev: str, rank: int, world: int):
 
 def _verdict(counter, pm, step: int) -> str:
     """The first step's measured collectives against the plan's list."""
-    from autopar.backends.spmd.comm import compare
+    from autopar.backends.counter import compare
 
-    diff = compare(counter.records, pm.plan.collectives())
+    diff = compare(counter.collectives(), pm.plan.collectives())
     if diff:
         return f"COLLECTIVES DIFFER: {diff}"
     return (
-        f"collectives of step {step}: {len(counter.records)} measured == "
+        f"collectives of step {step}: {len(counter.collectives())} measured == "
         f"{len(pm.plan.collectives())} predicted (kind, mesh dim, bytes)"
     )
 
@@ -252,12 +252,12 @@ def _verdict(counter, pm, step: int) -> str:
 def _train(args, pm, opt, ref, ref_opt, mesh, start: int, rank: int, world: int, dev: str):
     """Steps start+1..args.steps on the parallel model (and on rank 0 the reference), logging each step and
     checkpointing as asked; (largest |loss diff|, the first step's collective verdict)."""
-    from autopar.backends.spmd.comm import CommCounter
+    from autopar.backends.counter import CollectiveCounter
 
     worst, verdict = 0.0, ""
     for step in range(start + 1, args.steps + 1):
         x = batch(args, step)
-        counter = CommCounter(mesh) if step == start + 1 else None
+        counter = CollectiveCounter(mesh) if step == start + 1 else None
         t = time.perf_counter()
         if counter is not None:
             with counter:

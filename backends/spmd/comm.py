@@ -1,5 +1,5 @@
-"""Explicit collectives for the SPMD executor: the redistribute steps of a plan run on local shards, a counter of
-the collectives a step really issues (kind, mesh dim, bytes), and the plan-hash agreement between ranks.
+"""Explicit collectives for the SPMD executor: the redistribute steps of a plan run on local shards, and the plan-hash
+agreement between ranks (backends/counter.py counts the collectives a step really issues).
 
 Redistribute: `autopar.collectives.steps(src, dst)` lists the single-mesh-dim changes the planner priced; each
 runs here as one collective on that mesh dim's process group (or a local chunk / zero / rescale), on the local
@@ -17,14 +17,11 @@ reduce_scatter input, all_reduce size, all_to_all size (local input times the gr
 from __future__ import annotations
 
 import math
-from collections import Counter
-
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.collectives import dims_of, steps as plan_steps
-from autopar.strategies._torch_adapter import FLAT_GROUPS, flat_group_name, per_rank
+from autopar.strategies._torch_adapter import flat_group_name, per_rank
 
 _fn = torch.ops._c10d_functional
 
@@ -272,116 +269,6 @@ def _all_to_all(x, d, e, n, name):
     shape = list(out.shape)
     shape[d : d + 2] = [shape[d] * shape[d + 1]]
     return torch.ops.aten._unsafe_view(out, shape)
-
-
-# ---- counting ----------------------------------------------------------------------------------------------------
-
-_KIND = {
-    "all_gather_into_tensor": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
-    "all_reduce": "all_reduce",
-    "all_reduce_": "all_reduce",
-    "all_to_all_single": "all_to_all",
-    "shard_dim_alltoall": "all_to_all",
-    "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor_coalesced": "all_gather",
-    "reduce_scatter_tensor_coalesced": "reduce_scatter",
-    "broadcast": "broadcast",
-    # c10d (process-group) ops
-    "allreduce_": "all_reduce",
-    "_allgather_base_": "all_gather",
-    "allgather_": "all_gather",
-    "_reduce_scatter_base_": "reduce_scatter",
-    "reduce_scatter_": "reduce_scatter",
-    "alltoall_base_": "all_to_all",
-    "alltoall_": "all_to_all",
-    "broadcast_": "broadcast",
-    "scatter_": "scatter",
-    "allgather_into_tensor_coalesced_": "all_gather",
-    "reduce_scatter_tensor_coalesced_": "reduce_scatter",
-    "allreduce_coalesced_": "all_reduce",
-}
-
-
-def _nbytes(t) -> int:
-    if isinstance(t, torch.Tensor):
-        return t.numel() * t.element_size()
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(a) for a in t)
-    return 0
-
-
-class CommCounter(TorchDispatchMode):
-    """Records every collective issued inside the context as (kind, mesh_dim, bytes) in the plan's convention.
-
-    Both paths are seen: `_c10d_functional` (DTensor, this executor) and `c10d` process-group ops (FSDP2,
-    torch.distributed calls). DTensor ops are let through first (NotImplemented), so the collectives DTensor
-    issues inside an op are counted too. Under LocalTensorMode one record stands for the whole simulated group.
-    """
-
-    def __init__(self, mesh):
-        super().__init__()
-        self.mesh = mesh
-        self.dim_of = {}
-        for m in range(mesh.ndim):
-            self.dim_of[mesh.get_group(m).group_name] = m
-        self.records: list[tuple[str, int, int]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        from torch.distributed.tensor import DTensor
-
-        if any(issubclass(t, DTensor) for t in types):
-            return NotImplemented
-        ns = func.namespace
-        if ns in ("_c10d_functional", "c10d", "_dtensor"):
-            kind = _KIND.get(func._opname)
-            if kind is not None:
-                self.records.append(self._record(func._opname, kind, args))
-        return func(*args, **kwargs)
-
-    def _group(self, args):
-        for a in args:
-            if isinstance(a, str) and a in self.dim_of:
-                return self.dim_of[a], self.mesh.size(self.dim_of[a])
-            if isinstance(a, str) and a in FLAT_GROUPS:  # one collective over several mesh dims
-                return FLAT_GROUPS[a], group_size(self.mesh, FLAT_GROUPS[a])
-            if isinstance(a, torch.ScriptObject):
-                pg = dist.ProcessGroup.unbox(a)
-                return self.dim_of.get(pg.group_name, -1), pg.size()
-        ints = [a for a in args if isinstance(a, int) and not isinstance(a, bool)]
-        return -1, (ints[0] if ints else 1)  # functional all_gather / reduce_scatter carry the group size
-
-    def _record(self, op, kind, args):
-        m, n = self._group(args)
-        if op in ("all_gather_into_tensor", "all_to_all_single", "shard_dim_alltoall"):
-            nb = _nbytes(args[0]) * n
-        elif op in ("_allgather_base_", "allgather_into_tensor_coalesced_"):
-            nb = _nbytes(args[0])
-        elif op == "allgather_":
-            nb = _nbytes(args[0])
-        elif op in ("_reduce_scatter_base_",):
-            nb = _nbytes(args[1])
-        elif op in ("reduce_scatter_", "alltoall_", "alltoall_base_", "reduce_scatter_tensor_coalesced_"):
-            nb = _nbytes(args[1])
-        else:
-            nb = _nbytes(args[0])
-        return (kind, m, nb)
-
-    def summary(self) -> Counter:
-        return Counter(self.records)
-
-
-def compare(measured, predicted) -> str:
-    """'' when the multisets of (kind, mesh_dim, bytes) are equal, else a readable difference."""
-    a, b = Counter(map(tuple, measured)), Counter(map(tuple, predicted))
-    if a == b:
-        return ""
-    extra, missing = a - b, b - a
-    return (
-        f"measured {sum(a.values())} collectives, plan predicts {sum(b.values())}; "
-        f"not in the plan: {sorted(extra.items())[:12]}; planned but not run: {sorted(missing.items())[:12]}"
-    )
 
 
 # ---- plan agreement ----------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ rank 0's values before the first step:
   raises ReplicaMismatchError on every rank, naming the tensors.
 
 The collectives here are one-time (construction, first step): they run outside any TorchDispatchMode, so the
-counters of a step's collectives (comm.CommCounter, engines_comm.CollectiveCounter) see only the plan's own.
+counter of a step's collectives (backends/counter.py CollectiveCounter) sees only the plan's own.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ benchmarks/models.py tabulates and tests/test_third_party_models.py asserts on. 
   capture / plan   autopar.plan on the 2x2 mesh with tests/_clusters.SHAPES (sharding pays), on every rank;
   parallelize      autopar.parallelize with that plan (the ranks check they hold the same plan);
   step             3 AdamW steps of the parallel module next to a single-device copy, each step's collectives
-                   counted (backends/spmd/comm.CommCounter);
+                   counted (backends/spmd/comm.CollectiveCounter);
   compare          the first step's loss and every parameter's gradient, and every parameter (and floating
                    buffer) after the 3 steps, against the single device: |diff| <= 1e-6 + 1e-4 max|ref| per
                    tensor, DTensors compared as full tensors; at least one parameter sharded, at least one
@@ -216,7 +216,7 @@ def _run_stage(rec, stage, fn):
 def check_model(name, variant, mesh, cluster) -> dict:
     """The 2x2 check of one model on every rank (see the module docstring)."""
     import autopar
-    from autopar.backends.spmd.comm import CommCounter
+    from autopar.backends.counter import CollectiveCounter
 
     rec = {"model": name, "variant": variant, "stage": "", "error": "", "ok": False}
     t0 = time.perf_counter()
@@ -244,7 +244,7 @@ def check_model(name, variant, mesh, cluster) -> dict:
     if not ok:
         return rec
     chk = Checker()
-    ok, _ = _run_stage(rec, "step", lambda: _train(pm, ref, args, kwargs, chk, rec, CommCounter))
+    ok, _ = _run_stage(rec, "step", lambda: _train(pm, ref, args, kwargs, chk, rec, CollectiveCounter))
     if not ok:
         return rec
     rec["max_err"], rec["worst_ratio"] = chk.max_err, chk.worst
@@ -292,7 +292,7 @@ def _plan_2x2(model, mesh, args, kwargs, cluster, rec):
     )
 
 
-def _train(pm, ref, args, kwargs, chk, rec, CommCounter):
+def _train(pm, ref, args, kwargs, chk, rec, CollectiveCounter):
     """STEPS AdamW steps of pm and the single-device ref; the first step's loss and gradients and the final
     parameters and buffers compared; collectives of every step counted."""
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=ADAM_EPS)
@@ -307,7 +307,7 @@ def _train(pm, ref, args, kwargs, chk, rec, CommCounter):
     for s in range(STEPS):
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
-        counter = CommCounter(pm.program.mesh)
+        counter = CollectiveCounter(pm.program.mesh)
         with counter:
             loss = loss_of(pm(*args, **kwargs))
             loss.backward()
@@ -327,7 +327,7 @@ def _train(pm, ref, args, kwargs, chk, rec, CommCounter):
         with counter:
             opt.step()
         ref_opt.step()
-        rec["collectives"].append(len(counter.records))
+        rec["collectives"].append(len(counter.collectives()))
     for k, p in ref_named.items():
         chk.check(f"param {k} after {STEPS} steps", named[k], p)
     pm_buffers = dict(pm.named_buffers())
