@@ -65,12 +65,13 @@ def liveness_peak(g, P, mesh_shape, recompute=None) -> float:
 
 def recompute_seconds(state, times) -> float:
     """Forward time recomputed in the backward: the fw op nodes of every checkpointed block."""
-    g = state.graph
+    return recomputed_seconds(state.graph, state.recompute, times)
+
+
+def recomputed_seconds(g, recompute, times) -> float:
+    """recompute_seconds of checkpointed blocks `recompute` ([{"block", "nodes"}]) on graph g, per-node `times`."""
     return sum(
-        times[i]
-        for b in state.recompute or ()
-        for i in b["nodes"]
-        if g.nodes[i].kind == "op" and g.nodes[i].phase == "fw"
+        times[i] for b in recompute or () for i in b["nodes"] if g.nodes[i].kind == "op" and g.nodes[i].phase == "fw"
     )
 
 

@@ -38,6 +38,9 @@ class Plan:
     buckets: list = field(default_factory=list)  # gradient buckets (passes/buckets.py): one collective each
     # what the graph executor needs beyond `nodes` to run the plan without planning again (execution_record)
     execution: dict = field(default_factory=dict)
+    # what the prediction needs beyond `nodes` and `buckets` (autopar/predict.py pricing_record): the cluster's
+    # figures, the overlap option, the precision, checkpointed blocks, the graph's outputs
+    pricing: dict = field(default_factory=dict)
 
     # ---- queries --------------------------------------------------------------------------------------------
     def param_placements(self) -> dict:

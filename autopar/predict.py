@@ -9,18 +9,25 @@ the fw+bw order, with each redistributed input held while its consumer runs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .cost import collective_time
-from .graph import TensorMeta, param_root
-from .liveness import liveness_peak, recompute_seconds, state_bytes
-from .plan import Plan, execution_record, node_record
+from .cost.cluster import ClusterSpec
+from .cost.memory import TrainingPrecision
+from .graph import Graph, Node, Ref, TensorMeta, param_root
+from .liveness import liveness_peak, recomputed_seconds, state_bytes
+from .plan import Plan, _dim, execution_record, node_record
+from .strategies import Strategy
 from .collectives import grad_reduce_time, link_of, redistribute_time
 
 
 def build_plan(state) -> Plan:
+    """The Plan of a solved state: its records (placements, redistributes with their collectives, buckets, node
+    times) and `pricing`; its prediction is `predict` of those records, so a saved plan predicts the same."""
     g, P, cluster = state.graph, state.placement, state.cluster
-    predicted, red_by_node, times = predict(state)
+    red_by_node, times = _redistribute_records(state), _node_times(state)
     sol = state.solution
     records = [
         node_record(n, P[n.idx], red_by_node.get(n.idx, []), times[n.idx], state.sources[n.idx]) for n in g.nodes
@@ -28,13 +35,13 @@ def build_plan(state) -> Plan:
     params = {fqn: list(P[i].out[0]) for fqn, i in g.params.items()}
     for alias, base in g.aliases.items():
         params.setdefault(alias, params[base])
-    return Plan(
+    plan = Plan(
         state.mesh.shape,
         state.mesh.names,
         cluster.name,
         records,
         params,
-        predicted,
+        {},
         {
             "status": sol.status,
             "objective": sol.objective,
@@ -56,7 +63,30 @@ def build_plan(state) -> Plan:
         },
         buckets=[dict(b) for b in state.buckets or []],
         execution=execution_record(state),
+        pricing=pricing_record(state),
     )
+    plan.predicted = predict_records(g, P, records, plan.buckets, plan.pricing, cluster, state.mesh.shape)
+    return plan
+
+
+def pricing_record(state) -> dict:
+    """Plan.pricing: what the prediction needs beyond the node records and buckets (the cluster's figures, the
+    options and decisions it depends on, the graph's outputs for the memory walk), as JSON."""
+    g = state.graph
+    ref = lambda r: [r.node, r.out]
+    return {
+        "cluster": state.cluster.to_json(),
+        "overlap": bool(state.options.get("overlap", False)),
+        "precision": dataclasses.asdict(state.precision),
+        "budget_bytes": state.budget,
+        "recompute": [{"block": b["block"], "nodes": list(b["nodes"])} for b in state.recompute or []],
+        "outputs": {
+            "loss": ref(g.loss),
+            "grads": {f: ref(r) for f, r in g.grads.items()},
+            "input_grads": [[k, ref(r)] for k, r in g.input_grads.items()],
+            "state_updates": {f: ref(r) for f, r in g.state_updates.items()},
+        },
+    }
 
 
 def _state_meta(g) -> dict:
@@ -67,28 +97,77 @@ def _state_meta(g) -> dict:
     return {"state_updates": {fqn: [r.node, r.out] for fqn, r in g.state_updates.items()}}
 
 
-def predict(state):
-    """(predicted step / memory / collectives, redistribute records per node, compute seconds per node) of the
-    state's placement, redistributes and gradient buckets."""
-    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
+def predict(plan: Plan) -> dict:
+    """The predicted step, memory and collectives of a Plan, from its records alone (no planner state, no cost
+    closures): a saved and loaded plan predicts what the fresh one did. Pipeline plans are priced by their schedule
+    (plan.schedule), not here."""
+    if plan.stages:
+        raise ValueError("a pipeline plan's prediction is its schedule's (plan.schedule and plan.predicted)")
+    pr = plan.pricing
+    if not pr:
+        raise ValueError("the plan has no pricing record (saved by an older autopar): plan again to predict it")
+    graph = graph_of(plan)
+    placement = [
+        Strategy(
+            tuple(tuple(p) if p is not None else None for p in r["placement"]["out"]),
+            tuple(tuple(p) for p in r["placement"]["ins"]),
+        )
+        for r in plan.nodes
+    ]
+    cluster = ClusterSpec.from_json(pr["cluster"])
+    return predict_records(graph, placement, plan.nodes, plan.buckets, pr, cluster, plan.mesh_shape)
+
+
+def predict_state(state) -> dict:
+    """`predict` of the Plan a solved state would give, without building its node records (the solver compares
+    candidate plans by it)."""
+    red_by_node, times = _redistribute_records(state), _node_times(state)
+    records = [
+        {"kind": n.kind, "time_s": times[n.idx], "redistribute": red_by_node.get(n.idx, [])} for n in state.graph.nodes
+    ]
+    pricing = {
+        "overlap": bool(state.options.get("overlap", False)),
+        "precision": dataclasses.asdict(state.precision),
+        "budget_bytes": state.budget,
+        "recompute": state.recompute or [],
+    }
+    buckets = state.buckets or []
+    return predict_records(state.graph, state.placement, records, buckets, pricing, state.cluster, state.mesh.shape)
+
+
+def predict_records(graph, placement, records, buckets, pricing, cluster, mesh_shape) -> dict:
+    """The prediction of node records (their compute seconds, redistributes and collectives), gradient buckets and
+    a pricing record on `graph` (the plan's, or one rebuilt from its records) at per-node `placement`."""
+    mesh_shape = tuple(mesh_shape)
     comm = {"act": 0.0, "param": 0.0, "grad": 0.0}  # seconds per class: activations, parameter gathers, gradients
     kinds: dict[str, dict] = {}  # collective kind -> {"count", "bytes"}
-    red_by_node = _redistribute_records(state, comm, kinds)
-    for b in state.buckets or []:
-        link = link_of(state.cluster, mesh_shape, b["mesh_dim"])
+    for rec in records:
+        for r in rec["redistribute"]:
+            if "bucket" in r:
+                continue  # carried by its bucket's one collective
+            if "shares" not in r and "coalesced" not in r:  # a shared or coalesced one costs nothing of its own
+                comm[r["class"]] += sum(
+                    collective_time(c[0], c[2], c[3], link_of(cluster, mesh_shape, _dim(c[1])))
+                    for c in r["collectives"]
+                )
+            for c in r["collectives"]:
+                _count(kinds, c[0], c[2])
+    for b in buckets:
+        link = link_of(cluster, mesh_shape, _dim(b["mesh_dim"]))
         comm["grad"] += collective_time(b["kind"], b["bytes"], b["group"], link)
         _count(kinds, b["kind"], b["bytes"])
-    times = _node_times(state)
+    times = [rec["time_s"] if rec["kind"] == "op" else 0.0 for rec in records]
     compute = sum(times)
+    recompute = pricing["recompute"] or None
     recompute_s = 0.0
-    if state.recompute:  # activation checkpointing: checkpointed blocks run their forward twice
-        recompute_s = recompute_seconds(state, times)
+    if recompute:  # activation checkpointing: checkpointed blocks run their forward twice
+        recompute_s = recomputed_seconds(graph, recompute, times)
         compute += recompute_s
     overlappable = comm["param"] + comm["grad"]
-    exposed = comm["act"] + (max(0.0, overlappable - compute) if state.options.get("overlap", False) else overlappable)
-    state_mem = state_bytes(g, P, mesh_shape, state.precision)
-    act_peak = liveness_peak(g, P, mesh_shape, state.recompute)
-    predicted = {
+    exposed = comm["act"] + (max(0.0, overlappable - compute) if pricing["overlap"] else overlappable)
+    state_mem = state_bytes(graph, placement, mesh_shape, TrainingPrecision(**pricing["precision"]))
+    act_peak = liveness_peak(graph, placement, mesh_shape, recompute)
+    return {
         "step_s": compute + exposed,
         "compute_s": compute,
         "comm_s": sum(comm.values()),
@@ -98,10 +177,9 @@ def predict(state):
         "act_peak_bytes": act_peak,
         "peak_mem_bytes": state_mem + act_peak,
         "collectives": kinds,
-        "budget_bytes": state.budget,
+        "budget_bytes": pricing["budget_bytes"],
         "recompute_s": recompute_s,
     }
-    return predicted, red_by_node, times
 
 
 def _count(kinds: dict, kind: str, nbytes) -> None:
@@ -137,10 +215,10 @@ def _value_of(g, i, j):
     return g.meta(r), "param" if root is not None else "act", root
 
 
-def _redistribute_records(state, comm: dict, kinds: dict) -> dict[int, list]:
-    """Per consumer node, a record of each redistribute into it (the Plan's node "redistribute" list); adds each
-    one's time to comm[class] and its collectives to kinds. A bucketed gradient's reduction is carried by its
-    bucket's one collective (counted by the caller); a shared or coalesced one costs nothing of its own."""
+def _redistribute_records(state) -> dict[int, list]:
+    """Per consumer node, a record of each redistribute into it (the Plan's node "redistribute" list): its
+    placements, collectives, class and seconds. A bucketed gradient's reduction is carried by its bucket's one
+    collective; a shared or coalesced one costs nothing of its own."""
     g, nodes, mesh_shape, cluster = state.graph, state.graph.nodes, state.mesh.shape, state.cluster
     bucket_of = {f: k for k, b in enumerate(state.buckets or []) for f in b["params"]}
     coalesced, leads = state.coalesced or {}, {}
@@ -161,8 +239,7 @@ def _redistribute_records(state, comm: dict, kinds: dict) -> dict[int, list]:
         if (i, j) in leads:  # its all_reduce carries the coalesced inputs too
             numel = meta.numel + sum(g.meta(nodes[a].inputs()[b]).numel for a, b in leads[(i, j)])
             meta = TensorMeta((numel,), meta.dtype)
-        rec["time_s"] = t = 0.0 if shared else redistribute_time(src, dst, meta, mesh_shape, cluster)
-        comm[cls] += t
+        rec["time_s"] = 0.0 if shared else redistribute_time(src, dst, meta, mesh_shape, cluster)
         rec["class"] = cls
         if (i, j) in coalesced:
             a, b = coalesced[(i, j)]  # an input of this op, or of a later one (the loss tail's group)
@@ -171,6 +248,37 @@ def _redistribute_records(state, comm: dict, kinds: dict) -> dict[int, list]:
             rec["shares"] = [nodes[shared[0]].name, shared[1]]
         if cls != "act":  # which parameter this gather / gradient reduction is for (backends group them)
             rec["param"] = root
-        for c in cs:
-            _count(kinds, c.kind, c.nbytes)
     return red_by_node
+
+
+def graph_of(plan: Plan) -> Graph:
+    """The plan's graph rebuilt from its node records and `pricing` outputs: kinds, phases, output shapes and dtypes,
+    producers (what the memory walk reads; op targets are their names, not callables)."""
+    nodes = [
+        Node(
+            r["idx"],
+            r["kind"],
+            r["target"],
+            args=tuple(Ref(a, b) for a, b in r["inputs"]),
+            outs=tuple(
+                TensorMeta(tuple(s), getattr(torch, d)) if s is not None else None
+                for s, d in zip(r["shape"], r["dtype"])
+            ),
+            phase=r["phase"],
+            module=r["module"],
+        )
+        for r in plan.nodes
+    ]
+    out = plan.pricing["outputs"]
+    ref = lambda x: Ref(x[0], x[1])
+    by_kind = lambda k: {n.target: n.idx for n in nodes if n.kind == k}
+    return Graph(
+        nodes,
+        by_kind("param"),
+        by_kind("buffer"),
+        [n.idx for n in nodes if n.kind == "input"],
+        ref(out["loss"]),
+        {f: ref(r) for f, r in out["grads"].items()},
+        input_grads={int(k): ref(r) for k, r in out["input_grads"]},
+        state_updates={f: ref(r) for f, r in out["state_updates"].items()},
+    )

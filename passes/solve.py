@@ -20,7 +20,7 @@ import numpy as np
 
 from autopar.liveness import liveness_peak, state_bytes
 from autopar.passes import buckets, redistribute
-from autopar.predict import predict
+from autopar.predict import predict_state
 from autopar.solver import InfeasibleMemoryError, SolverTimeLimitError, min_memory, solve
 
 MIP_GAP = 1e-3
@@ -125,7 +125,7 @@ def _by_prediction(state, res, placement, top):
         state.placement = expand_choice(state, cand)
         redistribute.run(state)
         buckets.run(state)
-        pred = predict(state)[0]
+        pred = predict_state(state)
         if pred["peak_mem_bytes"] <= state.budget and (best is None or pred["step_s"] < best[0] - 1e-15):
             best = (pred["step_s"], replace(cand, objective=pred["step_s"] if F is None else F), state.placement)
     state.redistributes = state.buckets = None
