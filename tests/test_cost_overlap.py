@@ -52,3 +52,18 @@ def test_optimizer_step_is_memory_bound_and_divided_by_sharding():
         8 * optimizer_step_time(8e9, mixed, h100, 8)
     )
     assert optimizer_step_bytes(1, TrainingPrecision.fp32_adam()) == 4 * 2 + 4 + 2 * 8
+
+
+def test_caching_allocator_rounding():
+    """PyTorch's caching allocator: requests rounded to 512 B; small ones in 2 MiB segments, 1-10 MiB ones in 20 MiB
+    segments, larger ones to a multiple of 2 MiB; the reserved peak of a set of live tensors follows."""
+    from autopar.cost.memory import allocated_bytes, reserved_peak, segment_bytes
+
+    MiB = 2**20
+    assert allocated_bytes(1) == 512 and allocated_bytes(1024) == 1024 and allocated_bytes(1025) == 1536
+    assert segment_bytes(100) == 2 * MiB and segment_bytes(3 * MiB) == 20 * MiB
+    assert segment_bytes(11 * MiB + 1) == 12 * MiB and segment_bytes(64 * MiB) == 64 * MiB
+    # 4 x 0.75 MiB small (3 MiB -> two 2 MiB segments), 3 x 8 MiB (24 MiB -> two 20 MiB), one 11 MiB + 1 B (12 MiB)
+    live = [0.75 * MiB] * 4 + [8 * MiB] * 3 + [11 * MiB + 1]
+    assert reserved_peak(live) == (4 + 40 + 12) * MiB
+    assert reserved_peak(live, frag=0.1) == pytest.approx(1.1 * 56 * MiB)
