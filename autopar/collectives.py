@@ -204,6 +204,8 @@ def link_of(cluster, mesh_shape, mesh_dim):
     links = [cluster.link_for(tuple(mesh_shape), d) for d in dims_of(mesh_dim)]
     if len(links) == 1:
         return links[0]
+    if cluster.inter.nccl:  # NCCL's model prices the flattened group by its own span (rail or hierarchical)
+        return cluster.group_link(tuple(mesh_shape), dims_of(mesh_dim))
     kinds = {r[0] for k in links for r in k.kinds}
     return type(links[0])(
         "+".join(dict.fromkeys(k.name for k in links)),

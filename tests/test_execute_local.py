@@ -542,7 +542,7 @@ def test_flattening_a_bucket_chain_follows_the_cost_model():
     """One all_reduce over the flattened group of two mesh dims beats a chain of one all_reduce per dim when its
     bandwidth saving and its one call instead of two outweigh its extra latency steps: on the calibrated gloo link
     for a large bucket and for a tiny one (a call's fixed cost dominates there); on a link with no per-call cost,
-    not for a tiny one; with a fast intra-node dim (NVLink) and a slow inter-node dim, the chain's fast hop wins."""
+    not for a tiny one; with a fast intra-node dim (NVLink) and a slow inter-node dim, the chain's fast hop wins on ring links."""
     from autopar.cost import get_cluster
     from autopar.collectives import _chain_time, flatten_chain
 
@@ -556,8 +556,10 @@ def test_flattening_a_bucket_chain_follows_the_cost_model():
     assert c > 0
     assert chain == pytest.approx(2 * (25 * 2**20 / bw + c + 2 * alpha))
     assert flat == pytest.approx(1.5 * 25 * 2**20 / bw + c + 6 * alpha)
-    h100 = get_cluster("h100")
-    assert not flatten_chain(todo, 25 * 2**20, (16, 8), h100)  # dp over IB, tp inside the node
+    ring = get_cluster("h100-ring")  # the ring alpha-beta links: dp over IB, tp inside the node
+    assert not flatten_chain(todo, 25 * 2**20, (16, 8), ring)
+    # NCCL's model: the flattened group leaves each node through all 8 NICs where the dp hop rides one rail
+    assert flatten_chain(todo, 25 * 2**20, (16, 8), get_cluster("h100"))
     assert not flatten_chain(((0, "P", "R"), (1, "Pa", "R")), 25 * 2**20, (2, 2), gloo)  # mixed: chain
 
 

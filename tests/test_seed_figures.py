@@ -12,6 +12,7 @@ from autopar.cost import (
     CLUSTERS,
     ClusterSpec,
     LinkSpec,
+    RING_CLUSTERS,
     TrainingPrecision,
     bytes_sent,
     collective_time,
@@ -184,7 +185,7 @@ CASES = {
 }
 
 GB, MB, MiB, GiB = 1e9, 1e6, 2**20, 2**30
-H100 = CLUSTERS["h100"]
+H100 = RING_CLUSTERS["h100-ring"]  # the seed's ring alpha-beta links (the h100 preset runs NCCL's model)
 MIXED = TrainingPrecision.mixed_bf16_adam()
 
 
@@ -208,7 +209,7 @@ def test_hardware_presets_match_seed():
     assert H100.intra.bw == h["nvlink_gbps"] * GB and H100.inter.bw == h["ib_ndr400_effective_gbps"] * GB
     assert h["alpha_nvswitch_us"][0] <= H100.intra.alpha * 1e6 <= h["alpha_nvswitch_us"][1]
     assert h["alpha_ib_us"][0] <= H100.inter.alpha * 1e6 <= h["alpha_ib_us"][1]
-    A = CLUSTERS["a100"]
+    A = RING_CLUSTERS["a100-ring"]
     assert (
         A.device.flops_for(torch.bfloat16) == a["bf16_dense_tflops"] * 1e12 and A.device.mem_bytes == a["hbm_gb"] * GB
     )
@@ -374,7 +375,7 @@ def test_link_for():
 
 
 def test_get_cluster(tmp_path):
-    assert get_cluster("h100") is H100 and get_cluster(H100) is H100
+    assert get_cluster("h100") is CLUSTERS["h100"] and get_cluster(H100) is H100 and get_cluster("h100-ring") is H100
     assert set(CLUSTERS) >= {"h100", "a100", "h200", "cpu-gloo"}
     with pytest.raises(ValueError, match="h100"):
         get_cluster("tpu-v9")

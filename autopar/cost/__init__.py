@@ -1,7 +1,7 @@
 """Analytic cost model: cluster specs, alpha-beta collectives, roofline compute, model-state memory."""
 
-from .cluster import DeviceSpec, LinkSpec, ClusterSpec, CLUSTERS, get_cluster
-from .comm import KINDS, bytes_sent, ring_steps, collective_time, collective_time_expr
+from .cluster import DeviceSpec, LinkSpec, ClusterSpec, CLUSTERS, RING_CLUSTERS, get_cluster
+from .comm import KINDS, bytes_sent, bus_bandwidth, ring_steps, collective_time, collective_time_expr
 from .compute import (
     global_flops,
     op_flops,
@@ -27,9 +27,11 @@ __all__ = [
     "LinkSpec",
     "ClusterSpec",
     "CLUSTERS",
+    "RING_CLUSTERS",
     "get_cluster",
     "KINDS",
     "bytes_sent",
+    "bus_bandwidth",
     "ring_steps",
     "collective_time",
     "collective_time_expr",

@@ -5,10 +5,12 @@ Seed figures: /work/shared/reference/seed_figures.json "hardware" (copied into t
 """
 
 from __future__ import annotations
+import collections
+import functools
 import json
 import math
 import os
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass, asdict, replace
 import torch
 
 _DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp32"}
@@ -48,6 +50,17 @@ class LinkSpec:
     bw: float  # bytes/s, unidirectional per rank
     kinds: tuple = ()  # ((kind, alpha, bw[, launch]), ...): a calibrated link's fit per kind; other kinds: the link's
     launch: float = 0.0  # seconds per collective call whatever its group size (0 for the analytic presets)
+    # NCCL's model (autopar/cost/nccl.py) where `nccl` names the GPU generation of its constants ("ampere",
+    # "hopper"); "" keeps the ring alpha-beta formula above (analytic and calibrated links). Free figures:
+    # bus_eff (bus bandwidth / bw), nvls_eff (in-node NVLink SHARP all_reduce bus bandwidth / bw; 0: none),
+    # lat_scale (x NCCL's latency constants). net: an inter-node link, bw = one GPU's NIC (rail-optimized).
+    nccl: str = ""
+    bus_eff: float = 1.0
+    nvls_eff: float = 0.0
+    lat_scale: float = 1.0
+    net: bool = False
+    local: int = 1  # ranks of the group per node (set by ClusterSpec.group_link for an inter-node group)
+    node_bw: float = 0.0  # bus bandwidth inside each node of a hierarchical group (set by ClusterSpec.group_link)
 
     def __post_init__(self):  # JSON: {"all_gather": [alpha, bw(, launch)], ...} or [[kind, alpha, bw(, launch)], ...]
         rows = [(k, *v) for k, v in self.kinds.items()] if isinstance(self.kinds, dict) else self.kinds
@@ -59,7 +72,8 @@ class LinkSpec:
                 sorted((str(r[0]), float(r[1]), float(r[2]), float(r[3]) if len(r) > 3 else self.launch) for r in rows)
             ),
         )
-        object.__setattr__(self, "_hash", hash((self.name, self.alpha, self.bw, self.kinds, self.launch)))
+        nccl = (self.nccl, self.bus_eff, self.nvls_eff, self.lat_scale, self.net, self.local, self.node_bw)
+        object.__setattr__(self, "_hash", hash((self.name, self.alpha, self.bw, self.kinds, self.launch, nccl)))
 
     def __hash__(self):
         return self._hash
@@ -101,8 +115,19 @@ class ClusterSpec:
         dim = dim % len(mesh_shape)
         if mesh_shape[dim] <= 1 or math.prod(mesh_shape) <= self.gpus_per_node:
             return self.intra
+        if self.inter.nccl:
+            return self.group_link(mesh_shape, (dim,))
         span = math.prod(mesh_shape[dim:])
         return self.intra if span <= self.gpus_per_node and self.gpus_per_node % span == 0 else self.inter
+
+    def group_link(self, mesh_shape: tuple[int, ...], dims: tuple[int, ...]) -> LinkSpec:
+        """The link of the group along mesh dims `dims` (their flattened group for several) on a cluster with
+        NCCL links: `intra` when the group stays in one node, else `inter` with the group's ranks per node and
+        the in-node bus bandwidth, so autopar/cost/nccl.py tells a rail group from a hierarchical one."""
+        nodes, local = _span(tuple(int(s) for s in mesh_shape), tuple(dims), self.gpus_per_node)
+        if nodes == 1:
+            return self.intra
+        return replace(self.inter, local=local, node_bw=self.intra.bw * self.intra.bus_eff if local > 1 else 0.0)
 
     @property
     def peak_bf16(self) -> float:
@@ -124,6 +149,19 @@ class ClusterSpec:
     def save(self, path: str) -> None:
         with open(path, "w") as f:
             json.dump(self.to_json(), f, indent=1)
+
+
+@functools.lru_cache(maxsize=4096)
+def _span(mesh_shape: tuple[int, ...], dims: tuple[int, ...], gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, most ranks on one node) of the group through rank 0 along mesh dims `dims`: ranks are row-major
+    over mesh_shape and each node holds gpus_per_node consecutive ranks (the groups through other ranks are
+    translates of it, node-aligned when the mesh tiles nodes)."""
+    strides = [math.prod(mesh_shape[d + 1 :]) for d in range(len(mesh_shape))]
+    ranks = [0]
+    for d in dims:
+        ranks = [r + i * strides[d] for r in ranks for i in range(mesh_shape[d])]
+    per_node = collections.Counter(r // gpus_per_node for r in ranks)
+    return len(per_node), max(per_node.values())
 
 
 # ---- presets ----
@@ -166,23 +204,36 @@ _LOOP = LinkSpec(
     ),
 )
 
+# NCCL links of the GPU presets (docs/cost_model.md, "Collectives as NCCL runs them"): the link's line rate per GPU
+# (NVLink 4: 450 GB/s, NVLink 3: 300 GB/s; one 400 Gb/s NDR / 200 Gb/s HDR NIC per GPU) and the bus efficiency
+# nccl-tests measures on it.
+_NV4_NCCL = LinkSpec("nvlink4", alpha=3e-6, bw=450 * GB, nccl="hopper", bus_eff=0.80, nvls_eff=1.04)
+_NV3_NCCL = LinkSpec("nvlink3", alpha=3e-6, bw=300 * GB, nccl="ampere", bus_eff=0.80)
+_NDR_NCCL = LinkSpec("ib-ndr400", alpha=15e-6, bw=50 * GB, nccl="hopper", bus_eff=0.95, net=True)
+_HDR_NCCL = LinkSpec("ib-hdr200", alpha=15e-6, bw=25 * GB, nccl="ampere", bus_eff=0.95, net=True)
+
 CLUSTERS: dict[str, ClusterSpec] = {
-    "h100": ClusterSpec("h100", _H100, 8, _NVLINK4, _IB_NDR),
-    "h200": ClusterSpec("h200", _H200, 8, _NVLINK4, _IB_NDR),
-    "a100": ClusterSpec("a100", _A100, 8, _NVLINK3, _IB_HDR),
+    "h100": ClusterSpec("h100", _H100, 8, _NV4_NCCL, _NDR_NCCL),
+    "h200": ClusterSpec("h200", _H200, 8, _NV4_NCCL, _NDR_NCCL),
+    "a100": ClusterSpec("a100", _A100, 8, _NV3_NCCL, _HDR_NCCL),
     "cpu-gloo": ClusterSpec("cpu-gloo", _CPU, 1 << 20, _LOOP, _LOOP),
+}
+# The same GPUs on the seed documents' ring alpha-beta links (the analytic model of tests/test_seed_figures.py).
+RING_CLUSTERS: dict[str, ClusterSpec] = {
+    "h100-ring": ClusterSpec("h100-ring", _H100, 8, _NVLINK4, _IB_NDR),
+    "h200-ring": ClusterSpec("h200-ring", _H200, 8, _NVLINK4, _IB_NDR),
+    "a100-ring": ClusterSpec("a100-ring", _A100, 8, _NVLINK3, _IB_HDR),
 }
 
 
 def get_cluster(name_or_path: str | ClusterSpec) -> ClusterSpec:
-    """A ClusterSpec, a preset name from CLUSTERS, or a path to a JSON file written by ClusterSpec.to_json."""
+    """A ClusterSpec, a preset name from CLUSTERS (or RING_CLUSTERS), or a path to a JSON file written by ClusterSpec.to_json."""
     if isinstance(name_or_path, ClusterSpec):
         return name_or_path
     key = str(name_or_path)
-    if key in CLUSTERS:
-        return CLUSTERS[key]
-    if key.lower() in CLUSTERS:
-        return CLUSTERS[key.lower()]
+    for k in (key, key.lower()):
+        if k in CLUSTERS or k in RING_CLUSTERS:
+            return CLUSTERS.get(k) or RING_CLUSTERS[k]
     if os.path.isfile(key):
         with open(key) as f:
             return ClusterSpec.from_json(json.load(f))

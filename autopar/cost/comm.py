@@ -1,16 +1,19 @@
-"""Ring alpha-beta model of collectives.
+"""Collective times: the ring alpha-beta model, or NCCL's model (autopar/cost/nccl.py) on links that name one.
 
 M is the FULL tensor size in bytes (unsharded over this group): the gathered output for all_gather, the input
 for reduce_scatter / all_reduce / all_to_all. n is the group size. Per rank:
     time = link.launch + ring_steps(kind, n) * link.alpha + bytes_sent(kind, M, n) / link.bw
 (launch, alpha and bw per collective kind where the link has its own fit for it: LinkSpec.of / launch_of, a
 calibrated link; launch is 0 on the analytic presets).
+A link with `nccl` set (the GPU presets) is priced by autopar/cost/nccl.py instead; the analytic ring links
+(RING_CLUSTERS, the seed figures) and the calibrated cpu-gloo link keep the formula above.
 The arithmetic is plain +-*/ so the same functions accept sympy symbols for M and/or n
 (collective_time_expr wraps the result in a sympy expression).
 """
 
 from __future__ import annotations
 import sympy
+from . import nccl
 from .cluster import LinkSpec
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send_recv")
@@ -61,6 +64,8 @@ def collective_time(kind: str, M, n, link: LinkSpec, latency_share=1):
     latency (launch + ring steps) it pays, e.g. a gradient's share of its bucket's (autopar/collectives.py)."""
     if _trivial(n):
         return 0.0
+    if link.nccl:
+        return nccl.collective_time(kind, M, n, link, latency_share)
     alpha, bw = link.of(kind)
     latency = link.launch_of(kind) + ring_steps(kind, n) * alpha
     t = (latency if latency_share == 1 else latency_share * latency) + bytes_sent(kind, M, n) / bw
@@ -70,3 +75,9 @@ def collective_time(kind: str, M, n, link: LinkSpec, latency_share=1):
 def collective_time_expr(kind: str, M, n, link: LinkSpec) -> sympy.Expr:
     """Same formula as collective_time, as a sympy expression (M, n may be symbols, e.g. M = k*batch)."""
     return sympy.sympify(collective_time(kind, M, n, link))
+
+
+def bus_bandwidth(kind: str, M: float, n: int, link: LinkSpec) -> float:
+    """nccl-tests' busbw of one collective (bytes/s): the ring's per-rank bytes over the time, so 1 GiB all_reduces
+    of different group sizes compare with the link's bandwidth (nccl-tests doc/PERFORMANCE.md)."""
+    return bytes_sent(kind, M, n) / collective_time(kind, M, n, link)

@@ -75,3 +75,40 @@ def sp_activation_saving_bytes(b: int, s: int, h: int, dtype_bytes: int, tp: int
     """Bytes per layer saved by sequence parallelism on one [b, s, h] activation that TP alone keeps replicated
     (the LayerNorm/dropout regions): SP shards it tp ways, saving (tp-1)/tp of it."""
     return b * s * h * dtype_bytes * (tp - 1) / tp
+
+
+# ---- the caching allocator (PyTorch's CUDACachingAllocator, c10/cuda/CUDACachingAllocator.cpp) ----
+MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to 512 bytes
+SMALL_SIZE = 2**20  # kSmallSize: requests up to 1 MiB come from 2 MiB segments of the small pool
+LARGE_BUFFER = 20 * 2**20  # kLargeBuffer: requests of 1-10 MiB are packed into 20 MiB segments
+MIN_LARGE_ALLOC = 10 * 2**20  # kMinLargeAlloc: larger requests get a segment of their own ...
+ROUND_LARGE = 2 * 2**20  # kRoundLarge: ... rounded up to 2 MiB
+
+
+def allocated_bytes(nbytes: float) -> float:
+    """Bytes the caching allocator hands out for one request (memory_allocated counts these): rounded up to 512."""
+    return -(-nbytes // MIN_BLOCK) * MIN_BLOCK if nbytes > 0 else 0
+
+
+def segment_bytes(nbytes: float) -> float:
+    """Bytes of the cudaMalloc segment a request of nbytes opens when no cached block fits it (memory_reserved
+    grows by these): 2 MiB for a small request, 20 MiB for one of 1-10 MiB, else the request rounded to 2 MiB."""
+    if nbytes <= 0:
+        return 0
+    if nbytes <= SMALL_SIZE:
+        return 2 * SMALL_SIZE
+    if nbytes < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-nbytes // ROUND_LARGE) * ROUND_LARGE
+
+
+def reserved_peak(tensors: list[float], frag: float = 0.0) -> float:
+    """memory_reserved at a peak where `tensors` (bytes each) are live: each large tensor in a segment rounded as
+    `segment_bytes` (a persistent tensor keeps its own), the small ones packed into 2 MiB segments, 1-10 MiB ones
+    into 20 MiB segments; `frag` adds the share of the reserved bytes that free blocks split by earlier
+    allocations hold (a free figure: 0 assumes every cached block is reused exactly)."""
+    small = sum(allocated_bytes(t) for t in tensors if 0 < t <= SMALL_SIZE)
+    mid = sum(allocated_bytes(t) for t in tensors if SMALL_SIZE < t < MIN_LARGE_ALLOC)
+    large = sum(segment_bytes(t) for t in tensors if t >= MIN_LARGE_ALLOC)
+    packed = -(-small // (2 * SMALL_SIZE)) * 2 * SMALL_SIZE + -(-mid // LARGE_BUFFER) * LARGE_BUFFER
+    return (packed + large) * (1 + frag)
