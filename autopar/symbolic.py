@@ -11,9 +11,13 @@ exact expression in the batch symbol `b`:
 
 from __future__ import annotations
 
+import math
+
 import sympy
+import torch
 
 from .capture import capture
+from .cost import kernels
 from .cost import collective_time, global_flops, is_view  # the costs pass's FLOP counts: both agree term by term
 from .graph import param_root
 from .liveness import recompute_seconds
@@ -21,6 +25,27 @@ from .collectives import link_of
 from .strategies import num_shards
 
 b = sympy.Symbol("b", positive=True)
+
+
+def _kernel_times(g1, g2, n1, n2, s, mesh, f1, f2, dev):
+    """(seconds at the example batch, at twice it) of a GEMM or attention op the device prices by its shapes
+    (autopar/cost/kernels.py, as the costs pass does); None for every other op and for roofline devices."""
+    if dev.kernels == "roofline":
+        return None
+    out = []
+    for g, n, f in ((g1, n1, f1), (g2, n2, f2)):
+        ins = [g.meta(r) for r in n.inputs()]
+        shapes = [kernels.local_shape(m.shape, p, mesh) for m, p in zip(ins, s.ins)]
+        pairs = [(m, p) for m, p in zip(n.outs, s.out) if m is not None and p] + list(zip(ins, s.ins))
+        nbytes = sum(m.nbytes / num_shards(p, mesh) for m, p in pairs)
+        o = next((p for p in s.out if p is not None), None)
+        work = math.prod(size for p_, size in zip(o, mesh) if p_ != "R") if o is not None else 1
+        dtype = next((m.dtype for m in n.outs if m is not None and m.dtype.is_floating_point), torch.float32)
+        t = kernels.kernel_time(n.target, n.args, n.kwargs, shapes, f / work, nbytes, dev, dtype)
+        if t is None:
+            return None
+        out.append(t)
+    return out
 
 
 def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None) -> dict[str, sympy.Expr]:
@@ -54,7 +79,10 @@ def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None
         )
         t = 0 if is_view(n1.target) else nbytes / (dev.mem_bw * dev.mem_eff)
         f1, f2 = global_flops(g1, n1, fc1), global_flops(g2, n2, fc2)
-        if f1:
+        kt = None if is_view(n1.target) else _kernel_times(g1, g2, n1, n2, s, mesh, f1, f2, dev)
+        if kt is not None:  # by kernel shapes: exact at both captured batches, linear between and beyond
+            t = kt[0] + (kt[1] - kt[0]) * k
+        elif f1:
             o = next(p for p in s.out if p is not None)
             work = 1
             for p_, n in zip(o, mesh):

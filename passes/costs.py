@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from autopar.cost import global_flops, is_view, roofline_time
+from autopar.cost import global_flops, is_view
+from autopar.cost.kernels import node_time as kernel_node_time
 from autopar.graph import TensorMeta, param_root
 from autopar.collectives import (
     BUCKET_BYTES,
@@ -89,8 +90,8 @@ def _pricing(state) -> Pricing:
         return t
 
     def node_time(n, s):
-        """Roofline seconds of node n under strategy s (work split by the mesh dims its first output shards), plus
-        the device's fixed time per op."""
+        """Seconds of node n under strategy s (work split by the mesh dims its first output shards; the device's
+        kernel model or roofline, autopar/cost/kernels.py), plus the device's fixed time per op."""
         flops = global_flops(graph, n, flop_cache)
         if flops == 0.0 and n.kind != "op":
             return 0.0
@@ -104,7 +105,9 @@ def _pricing(state) -> Pricing:
             graph.meta(r).nbytes / num_shards(p, mesh_shape) for r, p in zip(n.inputs(), s.ins)
         )
         dtype = next((m.dtype for m in n.outs if m is not None and m.dtype.is_floating_point), torch.float32)
-        return roofline_time(flops / work, nbytes, device, dtype) + device.op_overhead
+        ins = [graph.meta(r) for r in n.inputs()]  # GEMMs and attention priced by their local shapes
+        t = kernel_node_time(n.target, n.args, n.kwargs, ins, s.ins, mesh_shape, flops / work, nbytes, device, dtype)
+        return t + device.op_overhead
 
     return Pricing(redistribute, tail_time, node_time, tail)
 

@@ -213,7 +213,8 @@ def test_real_graph_optimum_equals_brute_force():
     )  # per-bucket latency: the one term the MILP leaves out
     from autopar.passes.solve import HIDDEN_COMM_WEIGHT
 
-    hidden = HIDDEN_COMM_WEIGHT * plan.predicted["comm_by_class_s"]["grad"] + plan.predicted["comm_by_class_s"]["param"]
+    # the objective charges every overlappable second HIDDEN_COMM_WEIGHT even where compute hides it
+    hidden = plan.predicted["comm_by_class_s"]["grad"] + plan.predicted["comm_by_class_s"]["param"]
     assert (
         st_.solution.objective - HIDDEN_COMM_WEIGHT * hidden - 1e-12
         <= plan.predicted["step_s"]

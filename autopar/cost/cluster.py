@@ -10,7 +10,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass, asdict, replace
+from dataclasses import asdict, dataclass, fields, replace
 import torch
 
 _DTYPE_KEY = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp32"}
@@ -28,6 +28,16 @@ class DeviceSpec:
     matmul_eff: float = 0.7  # achievable fraction of peak for large matmuls
     mem_eff: float = 0.8  # achievable fraction of mem_bw
     op_overhead: float = 0.0  # fixed seconds per op (dispatch / launch); 0 for GPU presets (launches overlap)
+    # How GEMMs and attention are priced: "roofline" (every op at matmul_eff of the peak) or "shapes" (by GEMM
+    # shape and attention sequence length / head dim, autopar/cost/kernels.py); the figures below serve "shapes".
+    kernels: str = "roofline"
+    num_sms: int = 0  # streaming multiprocessors: one GEMM tile / attention block each per wave
+    gemm_eff_max: float = 0.8  # the GEMM curve's ceiling: fraction of peak with full tiles, whole waves, long K
+    gemm_k_overhead: float = 128.0  # a tile's prologue + epilogue in steps of K: efficiency K / (K + this)
+    attention: str = "flash"  # "flash" (FlashAttention-2, torch's flash SDPA) or "unfused" (Megatron-LM 2021)
+    attn_fwd_eff: float = 0.35  # flash forward: fraction of peak at long sequences, head dim 128
+    attn_bwd_eff: float = 0.30  # flash backward, likewise
+    attn_seq_overhead: float = 128.0  # a query block's fixed cost in keys: efficiency Sk / (Sk + this)
 
     def flops_for(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
         """Peak dense FLOP/s for matmuls in `dtype`. Missing keys fall back (fp8 -> bf16 -> fp32)."""
@@ -40,7 +50,7 @@ class DeviceSpec:
         return float(max(self.peak_flops.values()))
 
     def __hash__(self):
-        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.mem_bw, self.mem_bytes, self.op_overhead))
+        return hash(tuple((k, tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in asdict(self).items()))
 
 
 @dataclass(frozen=True)
@@ -129,6 +139,15 @@ class ClusterSpec:
             return self.intra
         return replace(self.inter, local=local, node_bw=self.intra.bw * self.intra.bus_eff if local > 1 else 0.0)
 
+    def with_device(self, **changes) -> ClusterSpec:
+        """This cluster with some DeviceSpec fields changed, e.g. `CLUSTERS["a100"].with_device(attention="unfused")`
+        (the attention kernel a run used) or a fitted `gemm_eff_max`; the name says which fields changed."""
+        unknown = sorted(set(changes) - {f.name for f in fields(DeviceSpec)})
+        if unknown:
+            raise ValueError(f"cluster {self.name!r}: {unknown} are not DeviceSpec fields")
+        tag = ",".join(f"{k}={v}" for k, v in sorted(changes.items()))
+        return replace(self, name=f"{self.name}[{tag}]", device=replace(self.device, **changes))
+
     @property
     def peak_bf16(self) -> float:
         return self.device.flops_for(torch.bfloat16)
@@ -165,16 +184,52 @@ def _span(mesh_shape: tuple[int, ...], dims: tuple[int, ...], gpus_per_node: int
 
 
 # ---- presets ----
+# GPU presets: sources and assumptions in docs/cost_model.md, "GPU presets". Dense (no sparsity) peaks from NVIDIA's
+# H100 / A100 datasheets; matmul_eff 0.7 is the flat roofline's figure (kernels="roofline", the seed documents'),
+# the "shapes" figures price GEMMs and attention by shape (autopar/cost/kernels.py).
 GB = 1e9
+GIB = 2**30
+_HOPPER_KERNELS = dict(
+    kernels="shapes",
+    num_sms=132,  # H100 SXM5 / H200: 132 SMs
+    # GEMM ceiling: this project's H200 measurement (benchmarks/results/bench_gpu_cluster.json, torch 2.11, cuBLAS):
+    # five bf16 shapes 4096^3 .. 16384x14336x4096 at 667-779 TFLOP/s, the curve's ceiling fitted to their median
+    # (stas00/ml-engineering's MAMF table: H100 SXM best shape 792 TFLOP/s = 80.1% of 989)
+    gemm_eff_max=0.78,
+    # SDPA on Hopper (the same H200 run): causal bf16 [8, 16, 2048, 128] forward+backward at 846.8 TFLOP/s counted by
+    # torch's formula (the full square) = 0.50 of peak on the blocks a causal kernel computes
+    attn_fwd_eff=0.50,
+    attn_bwd_eff=0.50,
+)
 _H100 = DeviceSpec(
     "H100-SXM",
     {"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "tf32": 494.5e12, "fp32": 66.9e12},
     mem_bw=3.35e12,
     mem_bytes=80 * GB,
+    **_HOPPER_KERNELS,
 )
-_H200 = DeviceSpec("H200-SXM", dict(_H100.peak_flops), mem_bw=4.8e12, mem_bytes=141 * GB)
+_H200 = DeviceSpec("H200-SXM", dict(_H100.peak_flops), mem_bw=4.8e12, mem_bytes=141 * GB, **_HOPPER_KERNELS)
+# TorchTitan's H100s (arXiv 2410.06511: 95 GiB): "non-standard ... HBM2e and limited to a lower TDP. The actual peak
+# TFLOPs should be between SXM and NVL" (PyTorch's async-TP post, same team and cluster). Assumed: peaks midway
+# between the SXM part (989 TF bf16) and H100 NVL (835 TF); HBM2e as the H100 PCIe's (2.0 TB/s for 80 GB, five
+# stacks) with a sixth stack for 96 GB: 2.4 TB/s. Both are free figures for a fit (benchmarks/published.py).
+_H100_95G = DeviceSpec(
+    "H100-95GiB-HBM2e",
+    {"bf16": 912e12, "fp16": 912e12, "fp8": 1824e12, "tf32": 456e12, "fp32": 63.4e12},
+    mem_bw=2.4e12,
+    mem_bytes=95 * GIB,
+    **_HOPPER_KERNELS,
+)
 _A100 = DeviceSpec(
-    "A100-SXM-80GB", {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12}, mem_bw=2.0e12, mem_bytes=80 * GB
+    "A100-SXM-80GB",
+    {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    mem_bw=2.0e12,
+    mem_bytes=80 * GB,
+    kernels="shapes",
+    num_sms=108,
+    gemm_eff_max=0.86,  # MAMF table (stas00/ml-engineering): A100 SXM bf16 best shape 267.9 TFLOP/s = 85.9% of 312
+    attn_fwd_eff=0.70,  # FlashAttention-2 on A100: 50-73% of peak (Dao, arXiv 2307.08691), forward the higher end
+    attn_bwd_eff=0.60,
 )
 # cpu-gloo: one of 4 gloo ranks on the 2-core CI machine; how it was measured: docs/cost_model.md, "The cpu-gloo preset"
 _CPU = DeviceSpec(
@@ -216,6 +271,7 @@ CLUSTERS: dict[str, ClusterSpec] = {
     "h100": ClusterSpec("h100", _H100, 8, _NV4_NCCL, _NDR_NCCL),
     "h200": ClusterSpec("h200", _H200, 8, _NV4_NCCL, _NDR_NCCL),
     "a100": ClusterSpec("a100", _A100, 8, _NV3_NCCL, _HDR_NCCL),
+    "h100-95g": ClusterSpec("h100-95g", _H100_95G, 8, _NV4_NCCL, _NDR_NCCL),
     "cpu-gloo": ClusterSpec("cpu-gloo", _CPU, 1 << 20, _LOOP, _LOOP),
 }
 # The same GPUs on the seed documents' ring alpha-beta links (the analytic model of tests/test_seed_figures.py).
