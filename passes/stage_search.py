@@ -197,9 +197,36 @@ def dp_size(mesh: MeshSpec) -> int:
     return math.prod(s for s, nm in zip(mesh.shape, mesh.names) if nm.startswith("dp"))
 
 
-def candidate_meshes(mesh: MeshSpec, n_clusters: int, cluster, opts) -> list:
+_HEADS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
+_KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")
+
+
+def head_counts(model) -> set:
+    """Every attention head count the model's modules (or their config) declare: query and KV heads, as the
+    Llama/GPT-2 families, torchtitan and transformers name them. A tensor-parallel degree must divide each."""
+    out = set()
+    for mod in model.modules():
+        for obj in (mod, getattr(mod, "config", None), getattr(mod, "cfg", None)):
+            for name in _HEADS + _KV_HEADS:
+                val = getattr(obj, name, None) if obj is not None else None
+                if isinstance(val, int) and not isinstance(val, bool) and val > 0:
+                    out.add(val)
+    return out
+
+
+def tp_degrees(world: int, per_stage: int, cluster, heads: set, asked=None) -> list:
+    """Tensor-parallel degrees of a stage submesh of `per_stage` of `world` ranks: dividing it, at most a node,
+    dividing the node's GPU count when the ranks span several nodes (a tp group of consecutive ranks then never
+    crosses a node), and dividing every head count (no head split or replicated across tp ranks); `asked` (the
+    tp option) narrows them."""
+    g = cluster.gpus_per_node
+    ok = [t for t in range(1, min(g, per_stage) + 1) if all(h % t == 0 for h in heads)]
+    return [t for t in asked or ok if t in ok and per_stage % t == 0 and (g % t == 0 or world <= g)]
+
+
+def candidate_meshes(mesh: MeshSpec, n_clusters: int, cluster, opts, heads=frozenset(), max_pp=None) -> list:
     """(pp, stage submesh) pairs: the mesh's own pp dim, or every factorization of a flat rank set into
-    pp x dp x tp with tp inside one node."""
+    pp x dp x tp with tp a valid degree (tp_degrees) and pp <= max_pp (1 for a model with tied parameters)."""
     if "pp" in mesh.names:
         k = mesh.names.index("pp")
         rest = [(s, nm) for j, (s, nm) in enumerate(zip(mesh.shape, mesh.names)) if j != k]
@@ -208,11 +235,9 @@ def candidate_meshes(mesh: MeshSpec, n_clusters: int, cluster, opts) -> list:
     world = mesh.size
     out = []
     for p in opts.get("pp") or _divisors(world):
-        if world % p or p > n_clusters:
+        if world % p or p > n_clusters or (max_pp is not None and p > max_pp):
             continue
-        for tp in opts.get("tp") or _divisors(world // p):
-            if (world // p) % tp or tp > cluster.gpus_per_node:
-                continue
+        for tp in tp_degrees(world, world // p, cluster, heads, opts.get("tp")):
             dp = world // p // tp
             shape = [(dp, "dp"), (tp, "tp")]
             shape = [x for x in shape if x[0] > 1] or [(1, "dp")]

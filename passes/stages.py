@@ -22,6 +22,7 @@ from .stage_search import (
     candidate_meshes,
     dp_size,
     evaluate_fitted,
+    head_counts,
     lower_bound,
     microbatch_counts,
     search,
@@ -68,6 +69,25 @@ def _blocks(model):
     reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
     pos_of = [reps.index(sigs.index(s)) for s in sigs]
     return prefix, blocks, reps, pos_of
+
+
+def _meshes(model, mesh, n: int, cluster, opts, tied) -> list:
+    """The (pp, stage submesh) candidates. A model with tied parameters (one tensor used by two layers, e.g. tied
+    embeddings) plans without pipeline stages: the pipeline runtime keeps each parameter on one stage."""
+    if tied and "pp" in mesh.names and mesh.shape[mesh.names.index("pp")] > 1:
+        raise ValueError(
+            f"tied parameters {sorted(tied)} cannot be split across pipeline stages: plan {type(model).__name__} "
+            f"without a pp mesh dim (pipeline='auto' on a flat rank set then keeps pp = 1), or untie them"
+        )
+    out = candidate_meshes(mesh, n, cluster, opts, head_counts(model), max_pp=1 if tied else None)
+    if not out:
+        why = f"; tied parameters {sorted(tied)} keep pp = 1" if tied else ""
+        raise ValueError(
+            f"no (pp, dp, tp) layout of {mesh} for {type(model).__name__}: pp must divide the ranks and be at most "
+            f"{n} (its layer clusters), tp must divide the ranks, the node's {cluster.gpus_per_node} GPUs and "
+            f"the head counts {sorted(head_counts(model))}{why}; options pp={opts.get('pp')} tp={opts.get('tp')}"
+        )
+    return out
 
 
 def _configs(grid, cache, Bsz: int, specs, opts, hand, n: int) -> list:
@@ -194,9 +214,7 @@ def run(request: StagesRequest) -> Plan:
     specs = [pm.get_schedule(k) for k in opts.get("schedules") or pm.SCHEDULES]
     hand = opts.get("layers_per_stage")
     grid = []
-    for p, smesh in candidate_meshes(mesh, n, cluster, opts):
-        if tied and p > 1:
-            raise ValueError(f"tied parameters {sorted(tied)} cannot be split across pipeline stages")
+    for p, smesh in _meshes(model, mesh, n, cluster, opts, tied):
         grid += [(p, smesh, m) for m in microbatch_counts(Bsz, p, dp_size(smesh), opts)]
     keys = list(dict.fromkeys((smesh, Bsz // m) for _, smesh, m in grid))
     t_keys = time.perf_counter()

@@ -259,7 +259,8 @@ def test_auto_on_flat_ranks_chooses_pp_and_submesh():
     sc = plan.schedule
     assert np.prod(plan.mesh_shape) == 4 and plan.mesh_names[0] == "pp" and plan.mesh_shape[0] == sc["pp"]
     assert sc["search"]["pp_degrees"] == [1, 2, 4]  # every pp <= 6 clusters dividing 4
-    assert set(sc["search"]["stage_meshes"]) == {"4(dp)", "2x2(dp,tp)", "4(tp)", "2(dp)", "2(tp)", "1(dp)"}
+    # tp = 4 would split llama-tiny's 2 KV heads: only tp dividing every head count is a stage submesh
+    assert set(sc["search"]["stage_meshes"]) == {"4(dp)", "2x2(dp,tp)", "2(dp)", "2(tp)", "1(dp)"}
     assert sc["step_s"] == min(c["step_s"] for c in sc["candidates"])
 
 
@@ -268,3 +269,31 @@ def test_tied_parameters_cannot_span_stages():
     x = models.example_inputs("llama-tiny", device="meta")
     with pytest.raises(ValueError, match="tied parameters"):
         autopar.plan(m, MeshSpec((2,), ("pp",)), x, cluster="h100")
+
+
+def test_tied_parameters_keep_auto_search_at_one_stage():
+    m = models.build_model("llama-tiny", device="meta", tie_embeddings=True)
+    x = models.example_inputs("llama-tiny", batch=8, device="meta")
+    plan = autopar.plan(m, (4,), x, cluster="h100", pipeline={"max_microbatch_options": 1})
+    assert plan.schedule["pp"] == 1 and plan.schedule["search"]["pp_degrees"] == [1]
+    with pytest.raises(ValueError, match="tied parameters"):
+        autopar.plan(m, (4,), x, cluster="h100", pipeline={"pp": [2]})
+
+
+def test_tp_degrees_divide_heads_and_stay_in_a_node():
+    from autopar.passes.stage_search import candidate_meshes, head_counts
+
+    h100 = get_cluster("h100")
+    gpt = models.build_model("gpt2-small", device="meta", n_heads=128, dim=1024, n_layers=2, tie_embeddings=False)
+    assert head_counts(gpt) == {128}
+    tps = {
+        sm.shape[sm.names.index("tp")] if "tp" in sm.names else 1
+        for _, sm in candidate_meshes(MeshSpec((2520,), ("dp",)), 40, h100, {}, head_counts(gpt))
+    }
+    assert tps == {1, 2, 4, 8}  # 2520 = 2^3 * 315: 3, 5, 6, 7 divide it but not the heads or the 8-GPU node
+    llama = models.build_model("llama-tiny", device="meta")  # 4 query heads, 2 KV heads
+    tps = {
+        sm.shape[sm.names.index("tp")] if "tp" in sm.names else 1
+        for _, sm in candidate_meshes(MeshSpec((12,), ("dp",)), 40, h100, {}, head_counts(llama))
+    }
+    assert tps == {1, 2}
