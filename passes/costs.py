@@ -39,6 +39,8 @@ from autopar.collectives import (
 from autopar.loss_tail import HELD_NUMEL, can_be_partial, tail_values
 from autopar.strategies import num_shards
 
+from . import float8
+
 
 @dataclass
 class Pricing:
@@ -106,7 +108,7 @@ def _pricing(state) -> Pricing:
         dtype = next((m.dtype for m in n.outs if m is not None and m.dtype.is_floating_point), torch.float32)
         return roofline_time(flops / work, nbytes, device, dtype) + device.op_overhead
 
-    return Pricing(redistribute, tail_time, node_time, tail)
+    return Pricing(redistribute, tail_time, float8.priced(state, node_time), tail)
 
 
 @dataclass
