@@ -16,6 +16,7 @@ from .mesh import MeshSpec, as_mesh_spec
 from .model_io import ModelIO
 from .passes import PASSES, regions, stages
 from .passes.alternatives import runner_ups
+from .passes import float8 as f8
 from .passes.precision import MIXED_BF16, choose
 from .passmanager import PlanState, run_passes
 from .targets import plan_for_target
@@ -60,6 +61,7 @@ def plan(
     dump_after=(),
     return_state: bool = False,
     allow_bf16: bool = False,
+    float8=None,
     allow_checkpointing: bool = True,
     pipeline=None,
     pin=None,
@@ -84,6 +86,7 @@ def plan(
     replicate_ops / allow_replicate: accept Replicate-only for ops without a placement rule.
     allow_bf16: let the planner choose FSDP2-style mixed precision (bf16 params, fp32 gradient reduction) for an
         fp32 model; both precisions are planned and the faster one that fits wins (passes/precision.py).
+    float8: torchao-style float8 linears (passes/float8.py): None off, True / a dict of Float8Config fields forced, "auto".
     allow_checkpointing: let the planner checkpoint repeated blocks when memory-bound (passes/checkpointing.py).
     pin: callable(graph node) -> {mesh dim: placement} (every tensor output) or {(mesh dim, output index): placement}
         or None, fixing nodes' outputs (inputs, activations) to
@@ -110,14 +113,15 @@ def plan(
         return plan_for_target(target, lambda **kw: plan(model, mesh, example_inputs, **kw), mesh, **kwargs)
     io = ModelIO.from_example(model, example_inputs, example_kwargs)  # bad arguments: named, before capture
     setup = _setup(model, mesh, cluster, precision, memory_budget)
-    force = {k: tuple(v) for k, v in (force or {}).items()}
+    force, float8 = {k: tuple(v) for k, v in (force or {}).items()}, _float8(float8, setup.cluster)
     limits = dict(force=force, replicate_ops=replicate_ops, allow_replicate=allow_replicate, time_limit=time_limit)
     if output != "loss" and (pipeline or loss_fn is not None):
         raise ValueError(f"output={output!r} plans a part of a model: no pipeline, no loss_fn")
     if pipeline or "pp" in setup.mesh.names:
-        return _plan_pipeline(model, example_inputs, example_kwargs, return_state, pipeline, loss_fn, setup, limits)
+        req = (pipeline, loss_fn, float8)  # float8: _float8's request
+        return _plan_pipeline(model, example_inputs, example_kwargs, return_state, req, setup, limits)
     options = _options(model, setup.mesh, limits, mip_rel_gap, allow_checkpointing, pin, overlap)
-    p, state = _plan_variants(model, io, setup, options, (loss_fn, output, backward), allow_bf16, dump_after)
+    p, state = _plan_variants(model, io, setup, options, (loss_fn, output, backward), (allow_bf16, float8), dump_after)
     p.meta["loss_fn"] = loss_fn is not None  # the loss is computed outside the module (backends/torch/loss.py)
     return (p, state) if return_state else p
 
@@ -143,15 +147,35 @@ def _setup(model, mesh, cluster, precision, memory_budget) -> _Setup:
     return _Setup(mesh, cl, precision, budget)
 
 
-def _plan_pipeline(model, example_inputs, example_kwargs, return_state, pipeline, loss_fn, setup, limits) -> Plan:
-    """Pipeline stages planned jointly with each stage's per-op plan (passes/stages.py)."""
+def _float8(value, cluster):
+    """None (float8 off) or (mode "auto" | "force", the PlanState option, why the cluster cannot run it or None);
+    forcing float8 on a cluster that cannot run it raises, naming the device."""
+    if value is None or value is False:
+        return None
+    cfg = f8.Float8Config.of(value)
+    why = f8.unsupported(cfg, cluster)
+    if why and value != "auto":
+        raise ValueError(f"float8 was forced but {why}")
+    return ("auto" if value == "auto" else "force", cfg.option(), why)
+
+
+def _plan_pipeline(model, example_inputs, example_kwargs, return_state, req, setup, limits) -> Plan:
+    """Pipeline stages planned jointly with each stage's per-op plan (passes/stages.py). req: (pipeline options,
+    loss_fn, the float8 request: _float8's)."""
     if return_state:
         raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")
     if example_kwargs or isinstance(example_inputs, dict):
         raise ValueError("pipeline plans take positional example_inputs only (no keyword inputs)")
+    pipeline, loss_fn, float8 = req
+    if float8 is not None and float8[0] == "auto":
+        raise ValueError("float8='auto' is not available for pipeline plans: pass float8=True (or a dict) to force it")
+    float8 = float8[1] if float8 else None
     mesh, cl, precision, budget = setup
     kwargs = dict(cluster=cl, precision=precision, budget=budget, loss_fn=loss_fn, options=pipeline or "auto")
-    return stages.run(stages.StagesRequest(model, mesh, example_inputs, **kwargs, **limits))
+    p = stages.run(stages.StagesRequest(model, mesh, example_inputs, **kwargs, **limits, float8=float8))
+    if float8:
+        p.meta["float8"] = {**float8, "pipeline": "priced in every stage's intra-op plans (passes/float8.py)"}
+    return p
 
 
 def _options(model, mesh, limits, mip_rel_gap, allow_checkpointing, pin, overlap) -> dict:
@@ -169,6 +193,7 @@ def _options(model, mesh, limits, mip_rel_gap, allow_checkpointing, pin, overlap
         "allow_replicate": limits["allow_replicate"],
         "time_limit": limits["time_limit"],
         "mixed_precision": None,
+        "float8": None,
         "mip_rel_gap": float(mip_rel_gap),
         "allow_checkpointing": allow_checkpointing,
         "pin": pin,
@@ -176,25 +201,43 @@ def _options(model, mesh, limits, mip_rel_gap, allow_checkpointing, pin, overlap
     }
 
 
-def _plan_variants(model, io, setup, options, step, allow_bf16, dump_after):
-    """(plan, state): the model planned as it is and, with allow_bf16 on an fp32 model, with FSDP2's bf16 mixed
-    precision too; the faster plan that fits wins (passes/precision.py `choose`). step: (loss_fn, output, backward)."""
-    variants = [None]
+def _variants(model, allow_bf16, float8) -> tuple[list, list]:
+    """The precision variants to plan ({"mixed_precision", "float8"} options) and those the cluster cannot run
+    ([(variant, why)]): the model as it is, FSDP2's bf16 mixed precision with allow_bf16 on an fp32 model, float8
+    linears on each (forced) or on the last of them ("auto")."""
+    mps = [None]
     if allow_bf16 and any(p.dtype == torch.float32 for p in model.parameters()):
-        variants.append(MIXED_BF16)
-    results, infeasible = [], []
-    for mp in variants:
+        mps.append(MIXED_BF16)
+    if float8 is None:
+        return [{"mixed_precision": mp, "float8": None} for mp in mps], []
+    mode, opt, why = float8
+    if mode == "force":
+        return [{"mixed_precision": mp, "float8": opt} for mp in mps], []
+    plain = [{"mixed_precision": mp, "float8": None} for mp in mps]
+    fast = {"mixed_precision": mps[-1], "float8": opt}
+    return (plain, [(fast, why)]) if why else (plain + [fast], [])
+
+
+def _plan_variants(model, io, setup, options, step, precisions, dump_after):
+    """(plan, state): the model planned in each precision variant (`_variants`; precisions: (allow_bf16, the float8
+    request)); the faster plan that fits wins (passes/precision.py `choose`). step: (loss_fn, output, backward)."""
+    allow_bf16 = precisions[0]
+    variants, infeasible = _variants(model, *precisions)
+    results = []
+    for v in variants:
         try:
-            state = _plan_one(model, io, setup, {**options, "mixed_precision": mp}, step, allow_bf16, dump_after)
+            state = _plan_one(model, io, setup, {**options, **v}, step, allow_bf16, dump_after)
         except InfeasibleMemoryError as e:
             if len(variants) == 1:
                 raise
-            infeasible.append((mp, e))
+            infeasible.append((v, e))
             continue
-        results.append((mp, state, build_plan(state)))
+        results.append((v, state, build_plan(state)))
     if not results:
         raise infeasible[-1][1]
-    _, state, p = choose(results, infeasible) if len(variants) > 1 else results[0]
+    _, state, p = choose(results, infeasible) if len(variants) + len(infeasible) > 1 else results[0]
+    if state.extras.get("float8"):  # the converted GEMMs at the chosen placement: as float8, their casts, unconverted
+        p.meta["float8"] = {**p.meta["float8"], **f8.breakdown(state)}
     p.meta["dumps"] = state.dumps if dump_after else {}
     why = feasibility.replicated_why(state, p)  # a plan that replicates everything: the figures that made it cheapest
     if why:

@@ -123,6 +123,8 @@ class Plan:
         ]
         if self.meta.get("replicated_why"):
             lines += _replicated_why(self.meta["replicated_why"])
+        if self.meta.get("float8"):
+            lines.append(_float8_line(self.meta["float8"]))
         if timings:
             lines.append("pass times " + "  ".join(f"{k} {v:.2f}s" for k, v in self.timings))
         if self.coverage:
@@ -214,6 +216,7 @@ class Plan:
             "graph (one line per node: op, phase, module, output shapes, placement; "
             "then the redistributes its inputs need)",
         ]
+        f8 = {r[0]: "x".join(r[1:3]) for r in self.meta.get("float8", {}).get("nodes", [])}  # float8 GEMMs
         for n in self.nodes:
             outs = " ".join("x".join(map(str, s)) if s is not None else "-" for s in n["shape"])
             pl = " ".join("[" + ",".join(p) + "]" if p is not None else "-" for p in n["placement"]["out"])
@@ -222,6 +225,7 @@ class Plan:
             lines.append(
                 f"{n['name']:<44} {n['phase']} {where:<32} {outs:<18} out {pl} in {ins}"
                 + (f"  t={n['time_s'] * 1e6:.2f}us" if n.get("time_s") else "")
+                + (f"  float8 {f8[n['idx']]}" if n["idx"] in f8 else "")
             )
             for r in n.get("redistribute", []):
                 cs = ", ".join(f"{c[0]}(dim {self._dim_name(c[1])}, {c[2] / 1e6:.3f} MB)" for c in r["collectives"])
@@ -353,6 +357,18 @@ def execution_record(state) -> dict:
         "coalesced": pairs(state.coalesced),
         "fw_order": list(state.fw_order) if state.fw_order else None,
     }
+
+
+def _float8_line(f8: dict) -> str:
+    """The summary's float8 line (passes/float8.py): which linears' GEMMs run in float8, what they cost."""
+    if "gemms" not in f8:  # a pipeline plan: each stage's plans are priced with it
+        return f"float8 linears ({f8['recipe']}, filter_fqns {f8['filter_fqns']}): {f8.get('pipeline', '')}"
+    ms = lambda k: f"{f8[k] * 1e3:.3f} ms" if k in f8 else "-"
+    skipped = "; ".join(f"{k}: {v}" for k, v in f8["skipped"].items()) or "none"
+    return (
+        f"float8 ({f8['recipe']}) GEMMs of {len(f8['linears'])} linears ({f8['gemms']} GEMMs): {ms('gemm_s')} "
+        f"+ casts {ms('cast_s')} (unconverted {ms('unconverted_gemm_s')}); not converted: {skipped}"
+    )
 
 
 def _co(c) -> str:

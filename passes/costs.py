@@ -40,6 +40,8 @@ from autopar.collectives import (
 from autopar.loss_tail import HELD_NUMEL, can_be_partial, tail_values
 from autopar.strategies import num_shards
 
+from . import float8
+
 
 @dataclass
 class Pricing:
@@ -109,7 +111,7 @@ def _pricing(state) -> Pricing:
         t = kernel_node_time(n.target, n.args, n.kwargs, ins, s.ins, mesh_shape, flops / work, nbytes, device, dtype)
         return t + device.op_overhead
 
-    return Pricing(redistribute, tail_time, node_time, tail)
+    return Pricing(redistribute, tail_time, float8.priced(state, node_time), tail)
 
 
 @dataclass

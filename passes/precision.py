@@ -11,6 +11,9 @@ producer, a cast of the gradient to the reduce dtype, so the gradient's reductio
 `reduce_dtype` before its reduce-scatter). Model state is unchanged by the decision: the sharded parameters, their
 gradients and the optimizer state stay fp32 (the bf16 unsharded copies are transient).
 
+Float8 linears are a decision of the same kind (`autopar.plan(..., float8=True | "auto" | {...})`,
+passes/float8.py): this pass marks the converted linears' GEMMs (`float8.mark`), the costs pass prices them.
+
 Runs first (before `regions`), so the casts join their layer's repeated region like any other node.
 """
 
@@ -20,12 +23,19 @@ import torch
 
 from autopar.graph import Node, Ref, TensorMeta, map_refs
 
+from . import float8
+
 aten = torch.ops.aten
 
 MIXED_BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 
 
 def run(state) -> None:
+    _mixed(state)
+    float8.mark(state)  # after the casts: the GEMMs read their operands through them
+
+
+def _mixed(state) -> None:
     mp = state.options.get("mixed_precision")
     if not mp:
         return
@@ -73,24 +83,31 @@ def run(state) -> None:
     state.extras["mixed_precision"] = dict(mp, grad_casts=len(grad_node))
 
 
+def label(variant: dict) -> str:
+    """A precision variant's name: its mixed precision ("fp32": the model as it is), " + float8 linears" if any."""
+    base = "bf16 params / fp32 reduce" if variant.get("mixed_precision") else "fp32"
+    return base + (" + float8 linears" if variant.get("float8") else "")
+
+
 def choose(results: list, infeasible: list) -> tuple:
-    """Pick the precision: results = [(mixed_precision option or None, state, plan)], infeasible = [(option,
-    error)]. The lowest predicted step time wins (every result fits the budget). Records the comparison in the
-    chosen plan's meta["precision_decision"]."""
-    label = lambda mp: "bf16 params / fp32 reduce" if mp else "fp32"
+    """Pick the precision: results = [(variant, state, plan)], variant = {"mixed_precision": option or None,
+    "float8": option or None}; infeasible = [(variant, reason)]. The lowest predicted step time wins (every result
+    fits the budget; on a tie, the variant with fewer changes). Records the comparison in the chosen plan's
+    meta["precision_decision"]."""
     rows = {
-        label(mp): {
+        label(v): {
             "step_s": p.predicted["step_s"],
             "compute_s": p.predicted["compute_s"],
             "comm_s": p.predicted["comm_s"],
             "peak_mem_bytes": p.predicted["peak_mem_bytes"],
         }
-        for mp, _, p in results
+        for v, _, p in results
     }
-    for mp, err in infeasible:
-        rows[label(mp)] = {"infeasible": str(err).splitlines()[0]}
-    best = min(results, key=lambda t: (t[2].predicted["step_s"], t[0] is not None))
-    mp, state, p = best
+    for v, err in infeasible:
+        rows[label(v)] = {"infeasible": str(err).splitlines()[0]}
+    changes = lambda v: sum(x is not None for x in v.values())
+    best = min(results, key=lambda t: (t[2].predicted["step_s"], changes(t[0])))
+    v, state, p = best
     others = [r for r in results if r is not best]
     why = (
         "the only candidate that fits the memory budget"
@@ -98,5 +115,11 @@ def choose(results: list, infeasible: list) -> tuple:
         else f"predicted step {p.predicted['step_s'] * 1e3:.3f} ms vs "
         + ", ".join(f"{label(o[0])} {o[2].predicted['step_s'] * 1e3:.3f} ms" for o in others)
     )
-    p.meta["precision_decision"] = {"chosen": label(mp), "mixed_precision": mp, "candidates": rows, "why": why}
+    p.meta["precision_decision"] = {
+        "chosen": label(v),
+        "mixed_precision": v.get("mixed_precision"),
+        "float8": v.get("float8"),
+        "candidates": rows,
+        "why": why,
+    }
     return best

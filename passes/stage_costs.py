@@ -311,6 +311,7 @@ class StageOps:
                 "allow_replicate": ctx["allow_replicate"] or stage_mesh.size == 1,
                 "time_limit": ctx["time_limit"],
                 "mixed_precision": None,
+                "float8": ctx.get("float8"),
                 "allow_checkpointing": False,
             },
         )

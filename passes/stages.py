@@ -57,6 +57,7 @@ class StagesRequest:
     allow_replicate: bool = False
     time_limit: float = 60.0
     options: object = "auto"
+    float8: dict | None = None  # the float8 option every stage's plan is priced with (passes/float8.py)
 
 
 def _blocks(model):
@@ -178,6 +179,7 @@ def _context(request: "StagesRequest", opts: dict) -> dict:
         "n_variants": int(opts.get("n_variants", 2)),
         "dp_shards_batch": bool(opts.get("dp_shards_batch", True)),
         "recompute": opts.get("recompute", True),
+        "float8": request.float8,
     }
 
 

@@ -37,6 +37,7 @@ from .compiled import build, compile_option
 # ExecutionError, Sharded, placement_strs and _local are imported from here by the other backends and the tests
 from .interpreter import ExecutionError, Interpreter, Sharded, _Instr, _local, placement_strs
 from .local_ops import VIEWS, binder, binding, fast_args, view_of_copy
+from . import float8
 from .localize import localize
 
 aten = torch.ops.aten
@@ -62,6 +63,7 @@ class Program(Interpreter, Buckets):
         self.rep = tuple(to_placement("R") for _ in range(mesh.ndim))
         self.constants = [(n.idx, g.constants[n.target]) for n in g.nodes if n.kind == "constant"]
         self.local = localize(executable, tuple(mesh.shape), device, math)  # what each op runs on this rank
+        self.local = float8.lower(self.local, plan, device)  # a float8 plan's GEMMs as scaled float8 kernels
         self.fw = [_instr(op) for op in self.local.forward]
         self.bw = [_instr(op) for op in self.local.backward]
         self._plan_buckets()

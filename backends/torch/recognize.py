@@ -164,6 +164,10 @@ def _model_dims(low, plan, own, model_dims, in_part) -> None:
 
 
 def _mixed_precision(low, plan) -> None:
+    if plan.meta.get("float8", {}).get("gemms"):  # torchao's Float8Linear is not among the engines autopar applies
+        low.reasons.append(
+            ("float8", "the plan runs float8 linears (passes/float8.py), which only the graph backend executes")
+        )
     mp = plan.meta.get("mixed_precision")
     if not mp:
         return
