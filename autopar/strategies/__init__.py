@@ -18,6 +18,7 @@ import torch
 from ..graph import Node, Ref, TensorMeta
 from . import _torch_adapter as adapter
 from .grouped_mm import meta_kernel  # noqa: F401  (registers aten._grouped_mm's rule; capture imports it from here)
+from .merged_views import VIEW_OPS, merged_view_strategies
 from .registry import RULES, rule
 from .strided import restride_decomposition  # noqa: F401  (capture imports it from here)
 
@@ -40,14 +41,19 @@ class NoStrategyError(RuntimeError):
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def _attention_fw(args, kwargs, metas):
-    # q, k, v (B, H, S, D) -> out (B, H, S, D), logsumexp (B, H, S): shard batch or heads, never the sequence
-    return [("S0", "S0", "S0", "S0", "S0"), ("S1", "S1", "S1", "S1", "S1")]
+    # q, k, v (B, H, S, D) -> out (B, H, S, D), logsumexp (B, H, S): shard batch or heads; or shard the query's
+    # sequence (context parallelism, the all-gathered-KV form of torch's context_parallel and Llama 3): each rank
+    # attends its query rows to the whole K and V, so K/V are Replicate on that mesh dim (the planner prices their
+    # all-gather as a redistribute); a causal kernel on rows [r0, r0 + S/n) needs the mask offset by r0, which the
+    # executor gives it (backends/spmd/localize.py, causal_rows)
+    return [("S0",) * 5, ("S1",) * 5, ("S2", "S2", "S2", "R", "R")]
 
 
 @rule(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
 def _attention_bw(args, kwargs, metas):
-    # grad_out, q, k, v, out, logsumexp -> grad_q, grad_k, grad_v
-    return [("S0",) * 9, ("S1",) * 9]
+    # grad_out, q, k, v, out, logsumexp -> grad_q, grad_k, grad_v. Sequence-sharded queries: dQ is this rank's
+    # rows, dK/dV are partial sums over its rows (their reduce-scatter back to the sequence shard is priced)
+    return [("S0",) * 9, ("S1",) * 9, ("S2", "P", "P", "S2", "S2", "R", "R", "S2", "S2")]
 
 
 @rule(
@@ -356,6 +362,12 @@ def node_strategies(node: Node, meta_of, mesh_shape: tuple[int, ...], in_cands: 
         tuple(None if m is None else ("R",) * len(mesh_shape) for m in node.outs),
         tuple(("R",) * len(mesh_shape) for _ in ins),
     )
+    if res is not None and op in VIEW_OPS and len(ins) == 1:  # a sequence shard through a (batch, seq) flatten
+        m = in_metas[0]
+        res = res + [
+            Strategy((o,), (i,))
+            for o, i in merged_view_strategies(m.shape, node.outs[0].shape, m.dtype.is_floating_point, mesh_shape)
+        ]
     if res is None:
         res, source = [rep], "fallback" if source is None else "fallback (" + source + ")"
     elif rep not in res:

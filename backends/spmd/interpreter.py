@@ -12,6 +12,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_flatten
 
+from autopar.capture import SDPA_BW
 from autopar.graph import map_refs
 from autopar.strategies._torch_adapter import (
     collapse,
@@ -122,6 +123,7 @@ class _Instr:
         "contiguous",
         "out_replicated",
         "direct_call",
+        "causal_rows",
     )
 
 
@@ -295,6 +297,8 @@ class Interpreter:
         if it.contiguous:
             local = [t if t.stride(-1) == 1 else t.contiguous() for t in local]
         args, kwargs = it.bind(local)
+        if it.causal_rows is not None:
+            args, kwargs = self._offset_causal(it, args, kwargs)
         res = call_op(it.fn, args, kwargs)
         flat = [res] if isinstance(res, torch.Tensor) else _flat(res)
         if it.replaced:  # a replacement must hand on the captured kernel's memory layout
@@ -306,6 +310,29 @@ class Interpreter:
             None if not isinstance(t, torch.Tensor) else t if r else Sharded(t, s, m.shape)
             for t, r, s, m in zip(flat, it.out_replicated, it.expect, it.node.outs)
         ]
+
+    def _offset_causal(self, it, args, kwargs) -> tuple:
+        """Causal attention on this rank's sequence shard of the queries (localize.causal_rows): the kernel run
+        non-causal with this rank's rows of the global causal mask (additive, in q's dtype, as the CPU kernel
+        takes it; built once per node)."""
+        bw = it.node.target is SDPA_BW
+        q, k = args[1 if bw else 0], args[2 if bw else 1]
+        key = (it.node.idx, q.dtype)
+        mask = self.causal_masks.get(key)
+        if mask is None:  # the query's global length is the output's (fw) or its gradient's (bw); K/V are whole
+            sq, sk = it.node.outs[0].shape[-2], k.shape[-2]
+            keep = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril()
+            full = torch.zeros(sq, sk, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
+            mask = redistribute_local(full, ("R",) * self.mesh.ndim, it.causal_rows, self.mesh)
+            self.causal_masks[key] = mask
+        names = [a.name for a in it.node.target._schema.arguments]
+        c = names.index("is_causal")
+        args = list(args)
+        if len(args) > c:
+            args[c] = False
+        kwargs = {**kwargs, "is_causal": False} if "is_causal" in kwargs else dict(kwargs)
+        kwargs["attn_mask"] = mask
+        return tuple(args), kwargs
 
     def _run_dtensor(self, it, vals) -> list:
         """The op through DTensor's dispatch; each output must come out at the plan's placement."""

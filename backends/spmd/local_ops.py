@@ -23,9 +23,11 @@ class LocalOpError(RuntimeError):
 # ---- attention on devices without the captured CPU kernel ----------------------------------------------------------
 
 
-def _scores(q, k, is_causal, scale):
+def _scores(q, k, is_causal, scale, attn_mask=None):
     s = scale if scale is not None else q.shape[-1] ** -0.5
     scores = (q.float() @ k.float().transpose(-2, -1)) * s
+    if attn_mask is not None:  # additive (a causal mask's rows on a sequence shard of q: localize.causal_rows)
+        scores = scores + attn_mask.float()
     if is_causal:
         L, S = q.shape[-2], k.shape[-2]
         keep = torch.ones(L, S, dtype=torch.bool, device=q.device).tril()
@@ -35,16 +37,16 @@ def _scores(q, k, is_causal, scale):
 
 def attention_fw_math(q, k, v, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
     """(out, logsumexp) of softmax(q k^T * scale [causal]) v, the contract of the CPU flash kernel."""
-    if dropout_p or attn_mask is not None:
-        raise LocalOpError("attention with dropout or a mask is not supported by the math mapping")
-    scores, _ = _scores(q, k, is_causal, scale)
+    if dropout_p or (attn_mask is not None and attn_mask.dtype == torch.bool):
+        raise LocalOpError("attention with dropout or a boolean mask is not supported by the math mapping")
+    scores, _ = _scores(q, k, is_causal, scale, attn_mask)
     lse = torch.logsumexp(scores, dim=-1)
     p = torch.exp(scores - lse.unsqueeze(-1))
     return (p @ v.float()).to(q.dtype), lse
 
 
 def attention_bw_math(gout, q, k, v, out, lse, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-    scores, s = _scores(q, k, is_causal, scale)
+    scores, s = _scores(q, k, is_causal, scale, attn_mask)
     p = torch.exp(scores - lse.float().unsqueeze(-1))
     go = gout.float()
     dv = p.transpose(-2, -1) @ go

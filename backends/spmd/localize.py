@@ -56,6 +56,7 @@ class LocalOp:
     frees: tuple  # env keys dropped after it
     contiguous: bool  # its kernel wants unit inner stride (fused attention)
     replaced: bool  # fn replaces the captured kernel (math attention): outputs take the captured layout
+    causal_rows: tuple | None = None  # causal attention on sequence-shard query rows: the mask's rows' placement
 
     @property
     def name(self) -> str:
@@ -215,7 +216,23 @@ def _local_op(g, P, red, n, share, co, ext, frees, mesh_shape, device, math) -> 
         tuple(frees.get(n.idx, [])),
         contiguous,
         replaced,
+        causal_rows(n, ins, mesh_shape) if n.target in (SDPA, SDPA_BW) else None,
     )
+
+
+def causal_rows(n, ins, mesh_shape) -> tuple | None:
+    """Causal attention whose query rows are a sequence shard (context parallelism, autopar.strategies'
+    attention rule: q Shard(2), K/V whole on that mesh dim): rank r's rows start at r * S / n, so the kernel's own
+    causal mask (row i sees keys <= i, counted from the shard's first row) would be wrong. The placement of the
+    rows of the global (Sq, Sk) causal mask that this rank's queries need, per mesh dim ("S0" where q's sequence is
+    sharded); the executor cuts them from the global mask and runs the kernel non-causal with it. None when the
+    kernel's own mask is right (not causal, or the query sequence whole on every mesh dim of size > 1)."""
+    j = 1 if n.target is SDPA_BW else 0  # the query's input position
+    names = [a.name for a in n.target._schema.arguments]
+    k = names.index("is_causal")
+    causal = n.args[k] if len(n.args) > k else n.kwargs.get("is_causal", False)
+    rows = tuple("S0" if p == "S2" and m > 1 else "R" for p, m in zip(ins[j], mesh_shape))
+    return rows if causal and "S0" in rows else None
 
 
 def _how(g, n, ins, outs, out_replicated, mesh_shape, device, math) -> tuple:

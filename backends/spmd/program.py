@@ -64,6 +64,7 @@ class Program(Interpreter, Buckets):
         self.constants = [(n.idx, g.constants[n.target]) for n in g.nodes if n.kind == "constant"]
         self.local = localize(executable, tuple(mesh.shape), device, math)  # what each op runs on this rank
         self.local = float8.lower(self.local, plan, device)  # a float8 plan's GEMMs as scaled float8 kernels
+        self.causal_masks: dict = {}  # (node, dtype) -> this rank's rows of a causal mask (Interpreter._offset_causal)
         self.fw = [_instr(op) for op in self.local.forward]
         self.bw = [_instr(op) for op in self.local.backward]
         self._plan_buckets()
@@ -339,6 +340,7 @@ def _instr(op) -> _Instr:
     it.node, it.name, it.mode, it.fn = op.node, op.name, op.mode, op.fn
     it.redistributes, it.groups, it.expect, it.frees = list(op.redistributes), op.groups, op.expect, op.frees
     it.out_replicated, it.contiguous, it.replaced = op.out_replicated, op.contiguous, op.replaced
+    it.causal_rows = op.causal_rows
     it.strides = {}
     it.keys = [(r.node, r.out) for r in op.node.inputs()]
     it.bind = binder(op.args, op.kwargs)

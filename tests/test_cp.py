@@ -1,0 +1,137 @@
+"""Context parallelism: sequence-sharded attention (q Shard(seq), K/V all-gathered, dK/dV partial), the
+(batch, seq) flatten of a sequence-sharded activation (autopar/strategies/merged_views.py), the planner choosing it
+for long sequences, and the graph backend running it on 4 gloo ranks equal to one device (causal mask offset by
+each rank's first query row)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from autopar.strategies.merged_views import dim_groups, merged_view_strategies
+
+B, S = 2, 32  # the executed case: one sequence per dp rank, the sequence split over cp
+
+
+def test_dim_groups_pair_merges_and_splits():
+    assert dim_groups((2, 32, 64), (64, 64)) == [((0, 1), (0,)), ((2,), (1,))]
+    assert dim_groups((64, 64), (2, 32, 4, 16)) == [((0,), (0, 1)), ((1,), (2, 3))]
+    assert dim_groups((2, 3), (7,)) is None
+
+
+def test_merged_view_is_a_block_only_with_one_outer_element_per_rank():
+    # (batch, seq, d) -> (batch * seq, d) on dp x cp: batch 2 over dp leaves one sequence per rank, so the rows of
+    # the flattened dim are one block per rank, ordered dp-major like the mesh
+    assert merged_view_strategies((2, 32, 64), (64, 64), True, (2, 2)) == [(("S0", "S0"), ("S0", "S1"))]
+    # and the split back to (batch, seq, d)
+    assert merged_view_strategies((64, 64), (2, 32, 64), True, (2, 2)) == [(("S0", "S1"), ("S0", "S0"))]
+    # two sequences per dp rank: each rank's rows would be two blocks, not one: no strategy
+    assert merged_view_strategies((4, 32, 64), (128, 64), True, (2, 2)) == []
+    # the sequence sharded by the earlier mesh dim and the batch by the later one: not the mesh's block order
+    assert (("S0", "S0"), ("S1", "S0")) not in merged_view_strategies((2, 32, 64), (64, 64), True, (2, 2))
+    # one sequence in all on a 1-D cp mesh; an integer view (labels) has no partial option
+    assert merged_view_strategies((1, 32), (32,), False, (4,)) == [(("S0",), ("S1",))]
+
+
+def _attention_placements(plan) -> list:
+    return [n["placement"] for n in plan.nodes if n["target"] == "_scaled_dot_product_flash_attention_for_cpu.default"]
+
+
+@pytest.mark.timeout(300)
+def test_planner_shards_the_sequence_where_sequences_are_long():
+    """The same tokens per step (64K) on 2 x 4 H100 (dp x cp): 2 sequences of 32K cannot be split over 8 ranks by
+    batch, and head-parallel attention moves more than the all-gathered K/V of grouped-query attention (8 of 32
+    heads), so the attention shards the sequence on cp; 64 sequences of 1K split by batch on both dims, no seq."""
+    import autopar
+    from autopar.models import build_model, example_inputs
+
+    mesh = autopar.MeshSpec((2, 4), ("dp", "cp"))
+    seen = {}
+    for batch, seq in ((2, 32768), (64, 1024)):
+        model = build_model("llama3-8b", n_layers=2, max_seq_len=seq)
+        x = example_inputs("llama3-8b", batch=batch, seq=seq, device="meta")
+        seen[seq] = _attention_placements(autopar.plan(model, mesh, x, cluster="h100"))
+    assert seen[32768] and all(p["out"][0][1] == "S2" and p["ins"][1][1] == "R" for p in seen[32768]), seen[32768]
+    assert seen[1024] and not any("S2" in p["out"][0] for p in seen[1024]), seen[1024]
+
+
+# ---- execution on 4 gloo ranks -------------------------------------------------------------------------------------
+
+
+def _seq_pin(n):
+    """Context parallel on mesh dim 1: the step's inputs and every forward activation (batch, seq, ...) split on
+    the sequence, attention's queries too (K/V are then all-gathered by the attention rule); dp is the planner's."""
+    from autopar.capture import SDPA
+
+    if n.target is SDPA:
+        return {1: "S2"}
+    if n.kind == "input":
+        return {1: "S1"}
+    out = n.outs[0] if n.kind == "op" and n.outs else None
+    if (
+        n.kind == "op"
+        and n.phase == "fw"
+        and out is not None
+        and len(out.shape) >= 3
+        and tuple(out.shape[:2]) == (B, S)
+    ):
+        return {1: "S1"}
+    return None
+
+
+def job_cp(tmp, device):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    from autopar.models import build_model, example_inputs
+    from autopar.testing import train_and_compare
+
+    ov = dict(n_layers=2)  # llama-tiny: causal attention, RoPE, grouped-query heads (4 q, 2 kv)
+    model = build_model("llama-tiny", device=device, seed=7, **ov)
+    x = example_inputs("llama-tiny", batch=B, seq=S, seed=8, device=device, **ov)
+    mesh = init_device_mesh(device, (2, 2), mesh_dim_names=("dp", "cp"))
+    pm = autopar.parallelize(model, mesh, x, pin=_seq_pin)
+    rep = train_and_compare(pm, copy.deepcopy(model), x, steps=2, lr=0.5, rtol=1e-5, atol=1e-6)
+    kv = [
+        (n["phase"], n["module"], r["collectives"])
+        for n in pm.plan.nodes
+        if str(n["target"]).startswith("_scaled_dot_product_flash_attention_for_cpu")
+        for r in n["redistribute"]
+        if r["input"] in ((1, 2) if n["phase"] == "fw" else (2, 3))
+    ]
+    return {
+        "failures": rep.failures[:5],
+        "collective_diff": rep.collective_diff,
+        "measured": [list(c) for c in rep.measured],
+        "losses": rep.losses,
+        "max_abs": rep.max_abs,
+        "attention": _attention_placements(pm.plan),
+        "kv": kv,
+        "hash": pm.plan.hash(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(240)
+def test_cp_world4_gloo_equals_one_device(tmp_path):
+    from _dist import launch
+
+    results = launch(job_cp, 4, [str(tmp_path), "cpu"], tmp_path, timeout=200)
+    assert len({r["hash"] for r in results}) == 1, "ranks planned differently"
+    for r in results:
+        assert not r["failures"], r["failures"]
+        assert not r["collective_diff"], r["collective_diff"]
+        assert all(abs(a - b) <= 1e-6 + 1e-5 * abs(b) for a, b in r["losses"]), r["losses"]
+    res = results[0]
+    # both layers' attention (fw) shard the queries' sequence on cp with K/V whole there
+    fw = [p for p in res["attention"]]
+    assert len(fw) == 2 and all(p["out"][0] == ["S0", "S2"] and p["ins"][1] == ["S0", "R"] for p in fw), fw
+    # K and V all-gathered on cp before each forward attention (and again for its backward), each as planned
+    fw_kv = [c for ph, _, cs in res["kv"] if ph == "fw" for c in cs]
+    assert len(fw_kv) == 4 and all(c[0] == "all_gather" and c[1] == 1 for c in fw_kv), res["kv"]
+    gathers = [c for c in res["measured"] if c[0] == "all_gather" and c[1] == 1]
+    assert len(gathers) >= 4, res["measured"]
+    assert any(c[0] == "reduce_scatter" and c[1] == 1 for c in res["measured"]), res["measured"]
