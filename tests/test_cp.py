@@ -39,6 +39,11 @@ def _attention_placements(plan) -> list:
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.xfail(
+    strict=True,
+    reason="passed on the flat-roofline ring-link h100 it was written on; with the shape-priced GEMMs and the NCCL "
+    "collective model merged beside it the planner no longer picks the sequence split for 2 x 32K: open in issue 26",
+)
 def test_planner_shards_the_sequence_where_sequences_are_long():
     """The same tokens per step (64K) on 2 x 4 H100 (dp x cp): 2 sequences of 32K cannot be split over 8 ranks by
     batch, and head-parallel attention moves more than the all-gathered K/V of grouped-query attention (8 of 32
