@@ -476,7 +476,7 @@ def _run_candidate(n, g, val, cand, mesh, mode):
     try:
         prog = Program(
             state,
-            SimpleNamespace(buckets=[]),
+            SimpleNamespace(buckets=[], meta={}),
             mesh,
             torch.device("cpu"),
             [torch.empty(m.out.shape, dtype=m.out.dtype, device="meta") for m in leaves],
