@@ -16,13 +16,10 @@ import torch
 
 import autopar
 from autopar import models as M
-from autopar.capture import capture
 from autopar.cost import CLUSTERS, roofline_time
 from autopar.cost import kernels as K
-from autopar.passes import buckets, candidates, costs, redistribute, regions
-from autopar.passmanager import PlanState, run_passes
-from autopar.predict import build_plan
 from autopar.symbolic import b, batch_formula
+from _replan import same_placements_at
 
 BF16 = torch.bfloat16
 H100, H200, A100 = (CLUSTERS[n].device for n in ("h100", "h200", "a100"))
@@ -180,19 +177,9 @@ def test_the_planner_prices_gemms_by_local_shape():
     assert node_time(mm, P[mm.idx]) >= K.gemm_time(mm_, nn, kk, H100, torch.float32) * (1 - 1e-9)
     f = batch_formula(st, m, x4)
     assert float(f["compute_s"].subs(b, 4)) == pytest.approx(p4.predicted["compute_s"], rel=1e-9)
-    st8 = PlanState(
-        capture(m, M.example_inputs("llama-tiny", batch=8, device="meta")),
-        st.mesh,
-        st.cluster,
-        st.precision,
-        st.budget,
-        dict(st.options),
-    )
-    run_passes(st8, (regions, candidates, costs))
-    st8.placement, st8.solution = st.placement, st.solution
-    run_passes(st8, (redistribute, buckets))
-    assert float(f["compute_s"].subs(b, 8)) == pytest.approx(build_plan(st8).predicted["compute_s"], rel=1e-9)
-    flat = dataclasses.replace(st.cluster, device=dataclasses.replace(H100, kernels="roofline"))
+    p8 = same_placements_at(st, m, M.example_inputs("llama-tiny", batch=8, device="meta"))
+    assert float(f["compute_s"].subs(b, 8)) == pytest.approx(p8.predicted["compute_s"], rel=1e-9)
+    flat = st.cluster.with_device(kernels="roofline")
     pf = autopar.plan(m, (2,), x4, cluster=flat)
     assert pf.predicted["compute_s"] != pytest.approx(p4.predicted["compute_s"], rel=1e-3)
     assert math.isfinite(pf.predicted["step_s"])

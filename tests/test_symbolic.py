@@ -4,12 +4,9 @@ import pytest
 import sympy
 
 import autopar
-from autopar.capture import capture
-from autopar.passes import buckets, candidates, costs, redistribute, regions
-from autopar.passmanager import PlanState, run_passes
-from autopar.predict import build_plan
 from autopar import models as M
 from autopar.symbolic import b, batch_formula
+from _replan import same_placements_at
 
 
 def test_batch_formula_matches_replanning_with_same_placements():
@@ -22,18 +19,7 @@ def test_batch_formula_matches_replanning_with_same_placements():
     assert float(f["compute_s"].subs(b, 4)) == pytest.approx(p4.predicted["compute_s"], rel=1e-9)
     assert float(f["comm_s"].subs(b, 4)) == pytest.approx(p4.predicted["comm_s"], rel=1e-9)
     # the same placements costed from scratch at batch 8 (no re-solve): the formula must give them exactly
-    st8 = PlanState(
-        capture(m, M.example_inputs("llama-tiny", batch=8, device="meta")),
-        st.mesh,
-        st.cluster,
-        st.precision,
-        st.budget,
-        dict(st.options),
-    )
-    run_passes(st8, (regions, candidates, costs))
-    st8.placement, st8.solution = st.placement, st.solution
-    run_passes(st8, (redistribute, buckets))
-    p8 = build_plan(st8)
+    p8 = same_placements_at(st, m, M.example_inputs("llama-tiny", batch=8, device="meta"))
     assert float(f["compute_s"].subs(b, 8)) == pytest.approx(p8.predicted["compute_s"], rel=1e-9)
     assert float(f["comm_s"].subs(b, 8)) == pytest.approx(p8.predicted["comm_s"], rel=1e-9)
     assert float(f["step_s"].subs(b, 8)) > float(f["step_s"].subs(b, 4))
