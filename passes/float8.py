@@ -19,7 +19,8 @@ DTensor instead; autopar does not (every per-shard scale is a valid tensorwise s
 float8 precision either way, but not bitwise that of one device when an operand is sharded).
 
 Pricing (`priced`): a converted GEMM at the device's fp8 peak (`DeviceSpec.peak_flops["fp8"]`) with 1-byte operands,
-plus its casts, each a memory-bound pass over the operand's local shard: the amax reads it, the scaled cast reads it
+by the device's GEMM model (autopar/cost/kernels.py: by local shape on the GPU presets, its float8 K-block
+assumption there; the flat roofline elsewhere), plus its casts, each a memory-bound pass over the operand's local shard: the amax reads it, the scaled cast reads it
 again and writes 1 byte per element (2 kernels; a shared grad_out cast adds only its second layout's write). A
 device without an fp8 peak (A100, CPUs) cannot run float8 GEMMs: the config's `emulate=True` allows the numerics
 (torch runs `_scaled_mm` on CPU), priced at the bf16 rate (`DeviceSpec.flops_for` falls back).
@@ -36,6 +37,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from autopar.cost import global_flops, roofline_time
+from autopar.cost import kernels
 from autopar.strategies import num_shards
 
 aten = torch.ops.aten
@@ -179,7 +181,7 @@ def _parts(state, n, s, roles, flop_cache) -> tuple[float, float]:
     extra = sum(local[j][0] * local[j][1] for j in local if j not in pos_of)  # addmm's bias
     gemm_bytes = sum(local[j][0] for j in pos_of) + out + extra
     flops = global_flops(g, n, flop_cache) / max(1, work)
-    gemm = roofline_time(flops, gemm_bytes, dev, torch.float8_e4m3fn) + dev.op_overhead
+    gemm = _gemm_time(g, n, s, mesh_shape, dev, flops, gemm_bytes) + dev.op_overhead
     bw = dev.mem_bw * dev.mem_eff
     cast = 0.0
     for j, c in zip(pos_of, casts):
@@ -189,6 +191,17 @@ def _parts(state, n, s, roles, flop_cache) -> tuple[float, float]:
         elif c == SHARED:
             cast += elems / bw
     return gemm, cast
+
+
+def _gemm_time(g, n, s, mesh_shape, dev, flops, nbytes) -> float:
+    """Seconds of converted GEMM n's float8 math on its local shapes: the device's kernel model (the GEMM's shape on
+    the GPU presets), else the flat roofline at the fp8 peak."""
+    if dev.kernels != "roofline":
+        shapes = [kernels.local_shape(g.meta(r).shape, p, mesh_shape) for r, p in zip(n.inputs(), s.ins)]
+        t = kernels.kernel_time(n.target, n.args, n.kwargs, shapes, flops, nbytes, dev, torch.float8_e4m3fn)
+        if t is not None:
+            return t
+    return roofline_time(flops, nbytes, dev, torch.float8_e4m3fn)
 
 
 def priced(state, node_time):

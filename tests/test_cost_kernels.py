@@ -6,6 +6,8 @@ Measured figures are copied here (tests must not read benchmarks/ or ../shared a
   * H200_SDPA: the same run, causal bf16 SDPA forward+backward on [8, 16, 2048, 128]: TFLOP/s counted by torch's
     formula (the full square).
   * A100_BMM: pytorch/pytorch#83272, A100 bf16 bmm of 512 x (1024x128 @ 128x1024), CUDA 11.7: 132.32 TFLOP/s.
+  * H100_FP8_MM: meta-pytorch/float8_experimental#38 (torchao's float8 matmul benchmark, H100, Llama 70B's TP-8
+    linears at 16384 tokens): (M, K, N) -> seconds of the float8 `_scaled_mm` forward.
 """
 
 import dataclasses
@@ -32,6 +34,13 @@ H200_BF16_MM = {
 }
 H200_SDPA = 846.8
 A100_BMM = 132.32
+H100_FP8_MM = {
+    (16384, 8192, 1280): 2.43e-4,  # attn.wqkv
+    (16384, 1024, 8192): 2.51e-4,  # attn.wo
+    (16384, 8192, 7168): 1.39e-3,  # ffn.w13
+    (16384, 3584, 8192): 7.45e-4,  # ffn.w2
+}
+FP8 = torch.float8_e4m3fn
 
 
 def _tflops(flops, seconds):
@@ -50,6 +59,28 @@ def test_h200_measured_shapes_within_10_percent(mkn):
     m, k, n = mkn
     predicted = _tflops(2 * m * n * k, K.gemm_time(m, n, k, H200, BF16))
     assert predicted == pytest.approx(H200_BF16_MM[mkn], rel=0.10), predicted
+
+
+@pytest.mark.parametrize("mkn", sorted(H100_FP8_MM))
+def test_h100_float8_gemms_of_llama_70b_within_10_percent(mkn):
+    m, k, n = mkn
+    t = K.gemm_time(m, n, k, H100, FP8)
+    assert t == pytest.approx(H100_FP8_MM[mkn], rel=0.10), _tflops(2 * m * n * k, t)
+    # at the fp8 peak (twice bf16's) but with a K block twice as long: less than twice as fast, most at short K
+    speedup = K.gemm_time(m, n, k, H100, BF16) / t
+    assert 1.6 < speedup < 2.0
+    assert K.gemm_efficiency(m, n, k, H100, dtype=FP8) == pytest.approx(
+        H100.gemm_eff_max * K._gemm_fraction(m, n, k, 1, 132, 2 * H100.gemm_k_overhead)
+    )
+
+
+def test_scaled_mm_is_priced_at_the_fp8_rate_whatever_its_output_dtype():
+    op = getattr(torch.ops.aten, "_scaled_mm", None)
+    if op is None:
+        pytest.skip("this torch has no _scaled_mm")
+    shapes, flops = [(8192, 8192), (8192, 8192)], 2 * 8192**3
+    t = K.kernel_time(op.default, (), {}, shapes, flops, 0, H100, BF16)
+    assert t == pytest.approx(K.gemm_time(8192, 8192, 8192, H100, FP8, flops=flops, nbytes=0))
 
 
 def test_a100_bmm_of_a_short_k_is_priced_by_tiles_and_k_overhead():

@@ -11,7 +11,6 @@ import torch
 import torch.nn as nn
 
 import autopar
-from autopar.cost import get_cluster
 from autopar.models import build_model, example_inputs
 from _dist import launch
 
@@ -41,10 +40,7 @@ def llama_layer():
     """One Llama-3 8B layer at 16 x 8192 tokens on 8 H100s, planned without and with float8 ("auto")."""
     m = build_model("llama3-8b", dtype=torch.bfloat16, n_layers=1)
     x = example_inputs("llama3-8b", batch=16, seq=8192, device="meta")
-    # the flat roofline: float8's GEMM pricing does not go through autopar/cost/kernels.py's shape model yet, so on
-    # the shape-priced preset the bf16 and the float8 GEMMs would be priced by different models
-    flat = get_cluster("h100").with_device(kernels="roofline")
-    return m, x, autopar.plan(m, (8,), x, cluster=flat, float8="auto")
+    return m, x, autopar.plan(m, (8,), x, cluster="h100", float8="auto")
 
 
 def test_float8_halves_the_matmuls_of_a_big_llama_layer_and_prices_the_casts(llama_layer):

@@ -19,6 +19,12 @@ and the time is the larger of the FLOPs at that rate and the bytes at mem_bw * m
     512 x 1024x1024x128 at 132 TFLOP/s, pytorch/pytorch#83272, within 2%: tests/test_cost_kernels.py).
   * gemm_eff_max: the ceiling of the curve, set per preset so that the best shape of the Maximum Achievable Matmul
     FLOPS table (stas00/ml-engineering, compute/accelerator/README.md) comes out at its measured TFLOP/s.
+  * float8 (1-byte operands, `torch._scaled_mm`, passes/float8.py): the same curve at the fp8 peak, with k0 doubled.
+    Assumption: Hopper's fp8 GEMMs (cuBLASLt, CUTLASS sm90) use the same output tiles as bf16 with a K block twice
+    as long (128 vs 64 elements: the same bytes per K step), so a tile's fixed prologue / epilogue is worth twice as
+    many K elements of a main loop that runs twice as fast. It reproduces torchao's float8 matmul benchmark of
+    Llama 70B's TP-8 shapes on H100 (meta-pytorch/float8_experimental#38: 1095-1414 TFLOP/s) within 10%
+    (tests/test_cost_kernels.py); the ceiling gemm_eff_max is the bf16 one (no fp8 ceiling measured here).
 
 Attention (torch's SDPA ops; FLOPs from torch's formulas: forward 4*B*H*Sq*Sk*D, backward 2.5x that):
   * attention="flash": FlashAttention-2, which torch's flash SDPA backend runs: a causal kernel skips the KV
@@ -53,8 +59,8 @@ ATTN_BLOCK = 128  # FlashAttention-2's query / key block (its causal kernel skip
 HEAD_DIM_HALF = 32.0  # head dim at which the attention kernel runs at half its per-FLOP rate
 
 _GEMMS = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default}
-if hasattr(aten, "_scaled_mm"):
-    _GEMMS.add(aten._scaled_mm.default)
+_SCALED = {aten._scaled_mm.default} if hasattr(aten, "_scaled_mm") else set()  # float8 operands, any output dtype
+_GEMMS |= _SCALED
 _ATTENTION = {
     getattr(aten, name).default
     for name in (
@@ -103,12 +109,18 @@ def _gemm_fraction(m: int, n: int, k: int, batch: int, sms: int, k0: float) -> f
     return best
 
 
-def gemm_efficiency(m: int, n: int, k: int, device: DeviceSpec, batch: int = 1) -> float:
+def k_overhead(device: DeviceSpec, dtype=None) -> float:
+    """A tile's prologue + epilogue in elements of K: the device's figure, doubled for 1-byte (float8) operands,
+    whose K block is twice as long (module docstring)."""
+    return device.gemm_k_overhead * (2.0 if dtype is not None and dtype.itemsize == 1 else 1.0)
+
+
+def gemm_efficiency(m: int, n: int, k: int, device: DeviceSpec, batch: int = 1, dtype=None) -> float:
     """Achievable fraction of the dtype's dense peak for a (batch x) M x K @ K x N GEMM, compute side only."""
     if min(m, n, k, batch) <= 0:
         return device.gemm_eff_max
     return device.gemm_eff_max * _gemm_fraction(
-        int(m), int(n), int(k), int(batch), _sms(device), device.gemm_k_overhead
+        int(m), int(n), int(k), int(batch), _sms(device), k_overhead(device, dtype)
     )
 
 
@@ -120,7 +132,7 @@ def gemm_time(m, n, k, device: DeviceSpec, dtype, batch: int = 1, nbytes: float 
         nbytes = batch * (m * k + k * n + m * n) * size
     if flops is None:
         flops = 2.0 * batch * m * n * k
-    rate = device.flops_for(dtype) * gemm_efficiency(m, n, k, device, batch)
+    rate = device.flops_for(dtype) * gemm_efficiency(m, n, k, device, batch, dtype)
     return max(flops / rate if flops else 0.0, nbytes / (device.mem_bw * device.mem_eff))
 
 
@@ -200,6 +212,8 @@ def kernel_time(target, args, kwargs, shapes, flops, nbytes, device: DeviceSpec,
         if dims is None:
             return None
         batch, m, n, k = dims
+        if target in _SCALED:  # the output dtype is bf16 or fp32; the math runs at the fp8 rate
+            dtype = torch.float8_e4m3fn
         return gemm_time(m, n, k, device, dtype, batch=batch, nbytes=nbytes, flops=flops)
     if target not in _ATTENTION:
         return None
