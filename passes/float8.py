@@ -25,6 +25,20 @@ again and writes 1 byte per element (2 kernels; a shared grad_out cast adds only
 device without an fp8 peak (A100, CPUs) cannot run float8 GEMMs: the config's `emulate=True` allows the numerics
 (torch runs `_scaled_mm` on CPU), priced at the bf16 rate (`DeviceSpec.flops_for` falls back).
 
+FSDP float8 all-gather (`fsdp_float8_all_gather=True`, torchao's `enable_fsdp_float8_all_gather`; off by default, as
+in torchtitan's float8 config): each rank casts its shard of a converted weight to e4m3 before FSDP gathers it, so
+the gathers move 1 byte per element instead of the parameter dtype's 2 (or 4). `mark` writes the float8 dtype on the
+transposes / views between the weight and its GEMMs (the graph's value of the gathered weight), so every pass prices
+those gathers, and holds their gathered copies, at 1 byte; the weight's operand casts at its GEMMs go away and one
+cast of the shard the transpose reads (amax read, cast read, 1-byte write) replaces them. Its scale must be the
+whole weight's: the shard amaxes are all-reduced over the dims the weight is sharded on, one scalar all-reduce per
+weight at each of its two gathers (forward and backward), or with `precompute_scale=True`
+(torchao's precompute_float8_dynamic_scale_for_fsdp) one all-reduce of every weight's amax per step, each weight
+paying its share; those all-reduces are priced inside the cast they block. Assumed: the backward's gather reuses
+the forward's float8 shard (torchao casts it again: one more shard-sized pass, 1/dp of the weight). Executed on the
+graph backend as gathers of the high-precision weight with the same numerics (the gathered weight's amax is the
+all-reduced one): priced, not executed, bytes.
+
 `mark` (run by the precision pass, first in PASSES) finds the GEMMs and writes `state.extras["float8"]` (copied
 into Plan.meta): the converted and skipped linears and, per GEMM node, its operand dtypes and casts.
 """
@@ -36,8 +50,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from autopar.collectives import redistribute_time
 from autopar.cost import global_flops, roofline_time
 from autopar.cost import kernels
+from autopar.graph import TensorMeta
 from autopar.strategies import num_shards
 
 aten = torch.ops.aten
@@ -52,11 +68,15 @@ _THROUGH = (aten.t.default, aten.view.default, aten._unsafe_view.default, aten._
 @dataclass(frozen=True)
 class Float8Config:
     """recipe: "tensorwise" (the only one priced and executed); filter_fqns: linears whose FQN contains one of these
-    stay in high precision; emulate: allow a device without float8 matmuls (numerics only, no speed-up)."""
+    stay in high precision; emulate: allow a device without float8 matmuls (numerics only, no speed-up);
+    fsdp_float8_all_gather: sharded weights gathered in float8 (module docstring); precompute_scale: their amaxes
+    all-reduced once per step for all weights (torchao's precompute_float8_dynamic_scale_for_fsdp)."""
 
     recipe: str = "tensorwise"
     filter_fqns: tuple = ("output",)
     emulate: bool = False
+    fsdp_float8_all_gather: bool = False
+    precompute_scale: bool = False
 
     @classmethod
     def of(cls, value) -> Float8Config:
@@ -151,6 +171,7 @@ def mark(state) -> None:
         if row[1:] == ["e5m2", "e5m2"]:  # _scaled_mm takes no e5m2 x e5m2
             continue
         nodes.append(row + casts)
+    casts, kept = _gathered_in_float8(g, converted, nodes) if cfg.fsdp_float8_all_gather else ({}, {})
     state.extras["float8"] = {
         **cfg.option(),
         "scaling": "tensorwise per rank (each rank's amax of the shard its GEMM reads)",
@@ -158,7 +179,52 @@ def mark(state) -> None:
         "skipped": dict(sorted(skipped.items())),
         "gemms": len(nodes),
         "nodes": nodes,
+        "weight_casts": sorted(casts.items()),
+        "gathered_high_precision": dict(sorted(kept.items())),
     }
+
+
+def _weight_views(g, param_idx, gemms) -> list | None:
+    """The transposes / views from a parameter to its GEMMs (every consumer path ends at one of `gemms`), in graph
+    order; None if some consumer is anything else."""
+    views, todo = [], [param_idx]
+    while todo:
+        for u in g.nodes[todo.pop()].users:
+            n = g.nodes[u]
+            if u in gemms:
+                continue
+            if n.kind != "op" or n.target not in _THROUGH or n.target is aten._to_copy.default:
+                return None
+            views.append(u)
+            todo.append(u)
+    return sorted(set(views))
+
+
+def _gathered_in_float8(g, converted, nodes) -> tuple[dict, dict]:
+    """FSDP float8 all-gather (module docstring): writes e4m3 on the views between each converted weight and its
+    GEMMs and drops the weight operand's casts at them. ({cast view idx: weight FQN}, {weight FQN: why kept})."""
+    gemms = {row[0] for row in nodes}
+    casts, kept, weight_of = {}, {}, {}
+    for fqn in converted.values():
+        p = g.params[fqn]
+        views = _weight_views(g, p, gemms)
+        if not views:
+            kept[fqn] = (
+                "read by ops other than its float8 GEMMs (or through a dtype cast)"
+                if views is None
+                else "read by its GEMMs without a transpose or view to carry the float8 dtype"
+            )
+            continue
+        for v in views:
+            n = g.nodes[v]
+            n.outs = (TensorMeta(n.outs[0].shape, DTYPES["e4m3"]),)
+            weight_of[v] = fqn
+        casts.update({v: fqn for v in views if g.nodes[v].inputs()[0].node == p})
+    for row in nodes:
+        for k, pos in enumerate(GEMMS[g.nodes[row[0]].target]):
+            if g.nodes[row[0]].args[pos].node in weight_of:
+                row[3 + k] = NONE  # cast on the shard, before the gather
+    return casts, kept
 
 
 def gemm_roles(extras: dict) -> dict:
@@ -204,14 +270,36 @@ def _gemm_time(g, n, s, mesh_shape, dev, flops, nbytes) -> float:
     return roofline_time(flops, nbytes, dev, torch.float8_e4m3fn)
 
 
+def _weight_cast(state, n, s, extras) -> float:
+    """Seconds of casting a gathered-in-float8 weight's shard (module docstring): amax read, cast read, 1-byte write
+    of the elements the view reads, plus the amax all-reduce it waits for over the dims the weight is sharded on."""
+    g, mesh_shape, dev = state.graph, state.mesh.shape, state.cluster.device
+    src = g.meta(n.inputs()[0])
+    elems = src.numel / num_shards(s.ins[0], mesh_shape)
+    t = elems * (2 * src.dtype.itemsize + 1) / (dev.mem_bw * dev.mem_eff) + 2 * dev.op_overhead
+    sharded = tuple("P" if p[0] == "S" else "R" for p in s.ins[0])
+    if "P" not in sharded:
+        return t
+    weights = len(extras["weight_casts"])
+    if extras.get("precompute_scale"):  # one all-reduce of every weight's amax per step, its share of it
+        amax = TensorMeta((weights,), torch.float32)
+        return t + redistribute_time(sharded, ("R",) * len(sharded), amax, mesh_shape, state.cluster) / weights
+    one = TensorMeta((1,), torch.float32)
+    return t + 2 * redistribute_time(sharded, ("R",) * len(sharded), one, mesh_shape, state.cluster)
+
+
 def priced(state, node_time):
     """node_time with the converted GEMMs priced as float8 (module docstring); node_time itself without float8."""
-    roles = gemm_roles(state.extras.get("float8"))
+    extras = state.extras.get("float8")
+    roles = gemm_roles(extras)
     if not roles:
         return node_time
     cache: dict = {}
+    weight_casts = {v for v, _ in extras.get("weight_casts", [])}
 
     def timed(n, s):
+        if n.idx in weight_casts:
+            return node_time(n, s) + _weight_cast(state, n, s, extras)
         if n.idx not in roles:
             return node_time(n, s)
         gemm, cast = _parts(state, n, s, roles, cache)
@@ -224,7 +312,8 @@ def priced(state, node_time):
 def breakdown(state) -> dict:
     """At the chosen placement: the converted GEMMs' seconds as float8 and their casts' seconds, and what the same
     GEMMs cost unconverted (the pricing without float8), each summed over the step."""
-    roles = gemm_roles(state.extras.get("float8"))
+    extras = state.extras.get("float8")
+    roles = gemm_roles(extras)
     base_node_time = state.cost["node_time"].base
     gemm = cast = hp = 0.0
     cache: dict = {}
@@ -232,4 +321,6 @@ def breakdown(state) -> dict:
         n, s = state.graph.nodes[idx], state.placement[idx]
         a, b = _parts(state, n, s, roles, cache)
         gemm, cast, hp = gemm + a, cast + b, hp + base_node_time(n, s)
+    for idx, _ in extras.get("weight_casts", []):  # the shard casts of the weights gathered in float8
+        cast += _weight_cast(state, state.graph.nodes[idx], state.placement[idx], extras)
     return {"gemm_s": gemm, "cast_s": cast, "unconverted_gemm_s": hp}

@@ -65,6 +65,45 @@ def test_float8_halves_the_matmuls_of_a_big_llama_layer_and_prices_the_casts(lla
     assert len(marked) == 21 and sum("float8 e5m2xe4m3" in ln for ln in marked) == 14  # backward: grad_out in e5m2
 
 
+def test_fsdp_float8_all_gather_halves_the_weight_gathers_and_casts_the_shards():
+    """torchao's enable_fsdp_float8_all_gather on an FSDP-sharded Llama layer (every parameter forced Shard(0) on 8
+    ranks): the 7 converted weights are gathered in e4m3, once in the forward and once in the backward, so the
+    gathered bytes drop by exactly 2 x their elements (2 bytes each -> 1); their casts run on the shards."""
+    from autopar.collectives import redistribute_time
+    from autopar.graph import TensorMeta
+    from autopar.passes.float8 import Float8Config
+
+    assert not Float8Config().fsdp_float8_all_gather and not Float8Config().precompute_scale  # torchtitan's defaults
+    m = build_model("llama3-8b", dtype=torch.bfloat16, n_layers=1)
+    x = example_inputs("llama3-8b", batch=8, seq=8192, device="meta")
+    force = {k: ("S0",) for k, _ in m.named_parameters()}
+    plans = {
+        name: autopar.plan(m, (8,), x, cluster="h100", force=force, float8=f8)
+        for name, f8 in (
+            ("plain", True),
+            ("fp8 gather", {"fsdp_float8_all_gather": True}),
+            ("precomputed", {"fsdp_float8_all_gather": True, "precompute_scale": True}),
+        )
+    }
+    gathers = {k: p.predicted["collectives"]["all_gather"] for k, p in plans.items()}
+    converted = [f"{n}.weight" for n in plans["plain"].meta["float8"]["linears"]]
+    elems = sum(dict(m.named_parameters())[f].numel() for f in converted)
+    assert len(converted) == 7 and gathers["fp8 gather"]["count"] == gathers["plain"]["count"]
+    assert gathers["plain"]["bytes"] - gathers["fp8 gather"]["bytes"] == 2 * elems
+    f8 = plans["fp8 gather"].meta["float8"]
+    assert sorted(w for _, w in f8["weight_casts"]) == sorted(converted) and f8["gathered_high_precision"] == {}
+    assert f8["gemm_s"] == pytest.approx(plans["plain"].meta["float8"]["gemm_s"], rel=1e-12)
+    assert f8["cast_s"] < plans["plain"].meta["float8"]["cast_s"]  # a shard cast replaces two full-weight casts
+    assert plans["fp8 gather"].predicted["step_s"] < plans["plain"].predicted["step_s"]
+    # the amax all-reduces: two of one scalar per weight, or precomputed: one of all 7 amaxes per step
+    ar = lambda n: redistribute_time(("P",), ("R",), TensorMeta((n,), torch.float32), (8,), autopar.get_cluster("h100"))
+    saved = f8["cast_s"] - plans["precomputed"].meta["float8"]["cast_s"]
+    assert saved == pytest.approx(14 * ar(1) - ar(7), rel=1e-9) and saved > 0
+    # the gathered weights are e4m3 in the plan's graph
+    views = [n for n in plans["fp8 gather"].nodes if n["target"] == "t.default" and n["dtype"] == ["float8_e4m3fn"]]
+    assert len(views) == 14  # each weight's forward transpose and the backward's transpose of it
+
+
 def test_few_tokens_per_rank_casts_outweigh_the_gain():
     """At 4096 tokens over 8 ranks the weights' casts cost more than float8 saves: the planner keeps bf16."""
     m = build_model("llama3-8b", dtype=torch.bfloat16, n_layers=1)
@@ -174,8 +213,10 @@ def _reference(model, x, y):
     return loss.detach(), {k: p.grad for k, p in ref.named_parameters()}
 
 
-def job_float8_dp():
-    """Rank job: the float8 plan data-parallel on 2 ranks (parameters replicated, batch sharded), one step."""
+def job_float8_dp(fsdp=False):
+    """Rank job: the float8 plan data-parallel on 2 ranks (batch sharded), one step: parameters replicated, or with
+    fsdp the converted weights sharded and gathered as float8 is priced (fsdp_float8_all_gather; executed as
+    high-precision gathers, the same numerics: the gathered weight's scale is the whole weight's)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -183,13 +224,14 @@ def job_float8_dp():
     model = Net()
     x, y = _net_inputs()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    force = {k: ("S0",) if fsdp and k in ("up.weight", "down.weight") else ("R",) for k, _ in model.named_parameters()}
     pm = autopar.parallelize(
         copy.deepcopy(model),
         mesh,
         (x, y),
         cluster="h100",
-        float8=True,
-        force={k: ("R",) for k, _ in model.named_parameters()},
+        float8={"fsdp_float8_all_gather": True} if fsdp else True,
+        force=force,
         pin=lambda n: {0: "S0"} if n.kind == "input" else None,
     )
     loss = pm(x, y)
@@ -205,6 +247,7 @@ def job_float8_dp():
     out = {
         "rank": dist.get_rank(),
         "gemms": plan.meta["float8"]["gemms"],
+        "weight_casts": len(plan.meta["float8"]["weight_casts"]),
         "sharded_gemms": sum(
             any(p != ["R"] for p in n["placement"]["ins"])
             for n in plan.nodes
@@ -224,9 +267,11 @@ def job_float8_dp():
 
 
 @pytest.mark.dist
-def test_float8_plan_runs_on_two_gloo_ranks_as_the_per_rank_float8_reference(tmp_path):
-    for r in launch(job_float8_dp, 2, [], tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True])
+def test_float8_plan_runs_on_two_gloo_ranks_as_the_per_rank_float8_reference(tmp_path, fsdp):
+    for r in launch(job_float8_dp, 2, [fsdp], tmp_path):
         assert r["gemms"] == 5 and r["sharded_gemms"] == 5  # every float8 GEMM reads this rank's batch shard
+        assert r["weight_casts"] == (2 if fsdp else 0)
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5, abs=1e-6)
         # the graph's fp32 ops round differently from eager autograd in the last bit, which can move an element
         # across a float8 rounding boundary (one e5m2 step is 25%): a few 1e-4 of the largest gradient at most
