@@ -48,12 +48,21 @@ def _kernel_times(g1, g2, n1, n2, s, mesh, f1, f2, dev):
     return out
 
 
+def _example_batch(state, example_inputs, batch_dim: int) -> int:
+    """The example inputs' batch size; a ValueError where the device fuses ops (torch.compile): the formula prices
+    each op's own bytes, as eager PyTorch moves them (autopar/cost/fusion.py is not symbolic)."""
+    dev = state.cluster.device
+    if dev.fusion != "eager":
+        raise ValueError(f"batch_formula: device {dev.name!r} has fusion={dev.fusion!r}; only 'eager' is modelled")
+    return example_inputs[0].shape[batch_dim]
+
+
 def batch_formula(state, model, example_inputs, batch_dim: int = 0, loss_fn=None) -> dict[str, sympy.Expr]:
     """{'compute_s', 'comm_s', 'exposed_comm_s', 'step_s'} in `b` for the plan held by `state`, term by term as
     autopar/predict.py prices it: recomputed blocks' forward counted again, a shared redistribute once, and with
     overlap=True parameter gathers and gradient reductions hidden under compute (step = compute + activation comm
     + Max(0, gathers + reductions - compute))."""
-    b0 = example_inputs[0].shape[batch_dim]
+    b0 = _example_batch(state, example_inputs, batch_dim)
     grow = lambda t: t.new_empty(t.shape[:batch_dim] + (2 * b0,) + t.shape[batch_dim + 1 :], device="meta")
     g1 = state.graph
     g2 = capture(model, tuple(grow(t) if hasattr(t, "shape") else t for t in example_inputs), loss_fn)

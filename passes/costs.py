@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from autopar.cost import global_flops, is_view
+from autopar.cost import fusion, global_flops, is_view
 from autopar.cost.kernels import node_time as kernel_node_time
 from autopar.graph import TensorMeta, param_root
 from autopar.collectives import (
@@ -67,6 +67,8 @@ def _pricing(state) -> Pricing:
         n_devices *= size
     flop_cache: dict = {}
     time_cache: dict = {}
+    # torch.compile: the reads and writes its fused kernels skip (autopar/cost/fusion.py); none when eager
+    fused = fusion.fused_io(graph) if fusion.check(device) else fusion.FusedIO(frozenset(), frozenset())
 
     def redistribute(src, dst, meta):
         if src == dst:
@@ -93,7 +95,8 @@ def _pricing(state) -> Pricing:
 
     def node_time(n, s):
         """Seconds of node n under strategy s (work split by the mesh dims its first output shards; the device's
-        kernel model or roofline, autopar/cost/kernels.py), plus the device's fixed time per op."""
+        kernel model or roofline, autopar/cost/kernels.py; the bytes a fused program moves under torch.compile),
+        plus the device's fixed time per op."""
         flops = global_flops(graph, n, flop_cache)
         if flops == 0.0 and n.kind != "op":
             return 0.0
@@ -103,8 +106,14 @@ def _pricing(state) -> Pricing:
         out = next((p for p in s.out if p is not None), None)
         if out is not None:
             work = n_devices // max(1, _replicated(out, mesh_shape))
-        nbytes = sum(m.nbytes / num_shards(p, mesh_shape) for m, p in zip(n.outs, s.out) if m is not None and p) + sum(
-            graph.meta(r).nbytes / num_shards(p, mesh_shape) for r, p in zip(n.inputs(), s.ins)
+        nbytes = sum(
+            m.nbytes / num_shards(p, mesh_shape)
+            for o, (m, p) in enumerate(zip(n.outs, s.out))
+            if m is not None and p and (n.idx, o) not in fused.skip_writes
+        ) + sum(
+            graph.meta(r).nbytes / num_shards(p, mesh_shape)
+            for j, (r, p) in enumerate(zip(n.inputs(), s.ins))
+            if (n.idx, j) not in fused.skip_reads
         )
         dtype = next((m.dtype for m in n.outs if m is not None and m.dtype.is_floating_point), torch.float32)
         ins = [graph.meta(r) for r in n.inputs()]  # GEMMs and attention priced by their local shapes

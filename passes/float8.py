@@ -21,7 +21,10 @@ float8 precision either way, but not bitwise that of one device when an operand 
 Pricing (`priced`): a converted GEMM at the device's fp8 peak (`DeviceSpec.peak_flops["fp8"]`) with 1-byte operands,
 by the device's GEMM model (autopar/cost/kernels.py: by local shape on the GPU presets, its float8 K-block
 assumption there; the flat roofline elsewhere), plus its casts, each a memory-bound pass over the operand's local shard: the amax reads it, the scaled cast reads it
-again and writes 1 byte per element (2 kernels; a shared grad_out cast adds only its second layout's write). A
+again and writes 1 byte per element (2 kernels; a shared grad_out cast adds only its second layout's write). Under
+torch.compile (DeviceSpec fusion="inductor", autopar/cost/fusion.py) the amax of an operand that a fusible op of the
+same phase produces (a norm's output, the SwiGLU product, a pointwise gradient) runs in that op's kernel: its cast
+is one pass, the read and the 1-byte write (torchtitan: compile "fuses the float8 scaling/casting kernels"). A
 device without an fp8 peak (A100, CPUs) cannot run float8 GEMMs: the config's `emulate=True` allows the numerics
 (torch runs `_scaled_mm` on CPU), priced at the bf16 rate (`DeviceSpec.flops_for` falls back).
 
@@ -51,8 +54,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from autopar.collectives import redistribute_time
-from autopar.cost import global_flops, roofline_time
-from autopar.cost import kernels
+from autopar.cost import fusion, global_flops, kernels, roofline_time
 from autopar.graph import TensorMeta
 from autopar.strategies import num_shards
 
@@ -249,10 +251,13 @@ def _parts(state, n, s, roles, flop_cache) -> tuple[float, float]:
     flops = global_flops(g, n, flop_cache) / max(1, work)
     gemm = _gemm_time(g, n, s, mesh_shape, dev, flops, gemm_bytes) + dev.op_overhead
     bw = dev.mem_bw * dev.mem_eff
+    compiled = fusion.check(dev)
     cast = 0.0
     for j, c in zip(pos_of, casts):
         elems, b = local[j]
-        if c == CAST:
+        if c == CAST and compiled and fusion.fused_producer(g, ins[j], n.phase):  # amax in the producer's kernel
+            cast += elems * (b + 1) / bw + dev.op_overhead
+        elif c == CAST:
             cast += elems * (2 * b + 1) / bw + 2 * dev.op_overhead
         elif c == SHARED:
             cast += elems / bw
