@@ -352,6 +352,7 @@ def execution_record(state) -> dict:
             "output": "activation" if g.activation else "loss",
             "backward": any(n.phase == "bw" for n in g.nodes),
             "param_dtype": mp["param_dtype"] if mp else None,
+            "reduce_dtype": mp["reduce_dtype"] if mp else None,
         },
         "shares": pairs(state.shares),
         "coalesced": pairs(state.coalesced),
