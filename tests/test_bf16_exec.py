@@ -94,6 +94,27 @@ def test_bf16_plan_runs_on_2_ranks_fresh_and_loaded(tmp_path):
     assert ranks[0]["fresh_losses"] == ranks[1]["fresh_losses"]
 
 
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_bf16_tensor_parallel_plans_match_the_reference_simulated(mesh_shape):
+    """Megatron TP on (2,) and FSDP x TP on (2, 2), bf16 chosen, every rank simulated in one process
+    (LocalTensorMode) and run from the plan alone (`planned=(plan, None)`: captured again, the gradient casts
+    rewritten in again): within bf16 rounding of the one-device reference, each collective in its value's dtype."""
+    from _simulated import simulated
+    from autopar.testing import fsdp_tp_force, tp_force
+
+    model = build_model(NAME, device="cpu", seed=3, **OVERRIDES)
+    x = example_inputs(NAME, batch=4, seq=SEQ, seed=4, **OVERRIDES)
+    force = (tp_force if len(mesh_shape) == 1 else fsdp_tp_force)(model, mesh_shape)
+    plan = autopar.plan(model, mesh_shape, x, cluster=SHAPES, overlap=False, force=force, allow_bf16=True, time_limit=5)
+    assert plan.meta["precision_decision"]["chosen"] == "bf16 params / fp32 reduce"
+    with simulated(mesh_shape) as mesh:
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, x, planned=(plan, None))
+        run = _train(pm, x, count=True)
+    assert not _compare(run, _reference(model, x)), _compare(run, _reference(model, x))
+    measured = sorted((r.kind, r.mesh_dim, r.nbytes, r.dtype) for r in run["records"])
+    assert measured == sorted(_planned_collectives(plan))
+
+
 def job_bf16(path):
     """On each rank: the plan planned fresh and trained, then loaded with the planner forbidden and trained; both
     against the one-device bf16 reference."""
