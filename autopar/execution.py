@@ -24,7 +24,6 @@ from .graph import Graph
 from .mixed_precision import cast_gradients
 from .model_io import ModelIO
 from .plan import Plan, graph_signature
-from .collectives import Collective
 from .strategies import Strategy
 from .strategies._torch_adapter import outside_local_tensor_mode
 
@@ -61,18 +60,10 @@ def from_plan(plan: Plan, graph: Graph) -> Executable:
         )
         for r in plan.nodes
     )
-    red = {}
-    for r in plan.nodes:
-        for x in r.get("redistribute", []):
-            cs = tuple(Collective(c[0], _dim(c[1]), c[2], c[3]) for c in x["collectives"])
-            red[(r["idx"], x["input"])] = (tuple(x["src"]), tuple(x["dst"]), cs)
+    red = {(x.consumer, x.input): (x.src, x.dst, x.collectives) for x in plan.redistribute_records()}
     pairs = lambda rows: {(a, b): (c, d) for a, b, c, d in rows}
     order = ex.get("fw_order")
     return Executable(plan, graph, placement, red, pairs(ex["shares"]), pairs(ex["coalesced"]), _opt_tuple(order))
-
-
-def _dim(m):
-    return tuple(m) if isinstance(m, (list, tuple)) else m
 
 
 def _opt_tuple(x):
