@@ -115,6 +115,32 @@ def test_bf16_tensor_parallel_plans_match_the_reference_simulated(mesh_shape):
     assert measured == sorted(_planned_collectives(plan))
 
 
+def test_bf16_gradient_accumulation_reduces_fp32_once_simulated():
+    """no_sync micro-steps of a bf16 plan accumulate the fp32-cast local gradients with no gradient collective; the
+    synced micro-step reduces the sum once, in fp32: twice the one-device bf16 gradient of the batch."""
+    from _simulated import simulated
+    from autopar.backends.counter import CollectiveCounter
+    from autopar.testing import global_value
+
+    model = build_model(NAME, device="cpu", seed=3, **OVERRIDES)
+    x = example_inputs(NAME, batch=BATCH, seq=SEQ, seed=4, **OVERRIDES)
+    plan = _plan()
+    with simulated((2,)) as mesh:
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, x, planned=(plan, None))
+        with CollectiveCounter(mesh) as quiet, pm.no_sync():
+            pm(*x).backward()
+        with CollectiveCounter(mesh) as synced:
+            pm(*x).backward()
+        grads = {k: global_value(p.grad) for k, p in pm.named_parameters()}
+    measured = lambda cc: sorted((r.kind, r.mesh_dim, r.nbytes, r.dtype) for r in cc.records)
+    assert measured(quiet) == sorted(_planned_collectives(plan, gradients=False))
+    assert measured(synced) == sorted(_planned_collectives(plan))
+    assert pm.accumulated_bytes() == 0
+    ref = _reference(model, x)["grads"]
+    doubled = {"losses": [], "grads": grads, "params": {}}
+    assert not _compare(doubled, {"losses": [], "grads": {k: 2 * g for k, g in ref.items()}, "params": {}})
+
+
 def job_bf16(path):
     """On each rank: the plan planned fresh and trained, then loaded with the planner forbidden and trained; both
     against the one-device bf16 reference."""
@@ -151,14 +177,16 @@ def job_bf16(path):
     }
 
 
-def _planned_collectives(plan) -> list[tuple]:
+def _planned_collectives(plan, gradients: bool = True) -> list[tuple]:
     """The plan's collectives of one step as (kind, mesh dim, bytes, dtype): the dtype of the value each one moves
-    (an op input: its producer's output; "opt": a gradient, cast to the reduce dtype; "loss": the loss)."""
+    (an op input: its producer's output; "opt": a gradient, cast to the reduce dtype; "loss": the loss).
+    gradients=False: without the gradient reductions (buckets and "opt" redistributes), as under no_sync."""
     reduce_dtype = plan.execution["capture"]["reduce_dtype"]
     out = [(b["kind"], b["mesh_dim"], b["bytes"], b["dtype"].replace("torch.", "")) for b in plan.buckets]
+    out = out if gradients else []
     for n in plan.nodes:
         for r in n.get("redistribute", []):
-            if "bucket" in r:
+            if "bucket" in r or (r["input"] == "opt" and not gradients):
                 continue
             if isinstance(r["input"], int):
                 src, o = n["inputs"][r["input"]]
