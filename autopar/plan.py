@@ -227,6 +227,9 @@ class Plan:
             f"{self.solver['gap']:.2e}  {self.solver['n_vars']} vars"
             + (f"  {self.solver['seconds']:.2f} s" if timings else ""),
         ]
+        if self.meta.get("precision_decision"):  # passes/precision.py choose: what was compared, why this one
+            d = self.meta["precision_decision"]
+            lines.append(f"precision {d['chosen']}: {d['why']}")
         if self.meta.get("replicated_why"):
             lines += _replicated_why(self.meta["replicated_why"])
         if self.meta.get("float8"):

@@ -71,6 +71,9 @@ def test_the_planner_records_mixed_precision_for_the_executor(tmp_path):
     plan.save(tmp_path / "plan.json")
     loaded = autopar.Plan.load(tmp_path / "plan.json")
     assert loaded.hash() == plan.hash() and loaded.execution == plan.execution
+    line = next(x for x in plan.summary().splitlines() if x.startswith("precision "))
+    assert line.startswith("precision bf16 params / fp32 reduce: predicted step") and "vs fp32" in line, line
+    assert line in loaded.summary()
 
 
 @pytest.mark.dist
