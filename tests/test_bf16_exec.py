@@ -76,6 +76,36 @@ def test_the_planner_records_mixed_precision_for_the_executor(tmp_path):
     assert line in loaded.summary()
 
 
+def test_a_saved_bf16_plan_with_a_bad_precision_record_is_refused(tmp_path):
+    """Plan.load of a mixed-precision plan re-captures with the recorded dtypes: an unknown dtype, or a plan with no
+    reduce dtype anywhere, is a PlanLoadError naming it; a plan whose capture record lacks the reduce dtype but whose
+    meta has it still gives the plan's graph."""
+    import json
+
+    from autopar.execution import PlanLoadError, capture_for, check_graph
+
+    plan = _plan()
+    model = build_model(NAME, device="meta", **OVERRIDES)
+    x = example_inputs(NAME, batch=BATCH, seq=SEQ, device="meta", **OVERRIDES)
+    plan.save(tmp_path / "plan.json")
+    d = json.loads((tmp_path / "plan.json").read_text())
+
+    def edited(change) -> autopar.Plan:
+        e = json.loads(json.dumps(d))
+        change(e)
+        (tmp_path / "edited.json").write_text(json.dumps(e))
+        return autopar.Plan.load(tmp_path / "edited.json")
+
+    bad = edited(lambda e: e["execution"]["capture"].update(param_dtype="bfloat17"))
+    with pytest.raises(PlanLoadError, match="unknown dtype 'bfloat17'"):
+        capture_for(bad, model, x)
+    older = edited(lambda e: e["execution"]["capture"].pop("reduce_dtype"))
+    check_graph(older, capture_for(older, model, x))
+    none = edited(lambda e: (e["execution"]["capture"].pop("reduce_dtype"), e["meta"].pop("mixed_precision")))
+    with pytest.raises(PlanLoadError, match="records no gradient reduce dtype"):
+        capture_for(none, model, x)
+
+
 @pytest.mark.dist
 def test_bf16_plan_runs_on_2_ranks_fresh_and_loaded(tmp_path):
     plan = _plan()
