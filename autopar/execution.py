@@ -16,11 +16,14 @@ kept where the first plan put them; a loaded plan comes without one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
 from .capture import capture
 from .graph import Graph
+from .mixed_precision import cast_gradients
 from .model_io import ModelIO
 from .plan import Plan, graph_signature
-from .collectives import Collective
 from .strategies import Strategy
 from .strategies._torch_adapter import outside_local_tensor_mode
 
@@ -57,18 +60,10 @@ def from_plan(plan: Plan, graph: Graph) -> Executable:
         )
         for r in plan.nodes
     )
-    red = {}
-    for r in plan.nodes:
-        for x in r.get("redistribute", []):
-            cs = tuple(Collective(c[0], _dim(c[1]), c[2], c[3]) for c in x["collectives"])
-            red[(r["idx"], x["input"])] = (tuple(x["src"]), tuple(x["dst"]), cs)
+    red = {(x.consumer, x.input): (x.src, x.dst, x.collectives) for x in plan.redistribute_records()}
     pairs = lambda rows: {(a, b): (c, d) for a, b, c, d in rows}
     order = ex.get("fw_order")
     return Executable(plan, graph, placement, red, pairs(ex["shares"]), pairs(ex["coalesced"]), _opt_tuple(order))
-
-
-def _dim(m):
-    return tuple(m) if isinstance(m, (list, tuple)) else m
 
 
 def _opt_tuple(x):
@@ -104,16 +99,36 @@ def capture_for(plan: Plan, model, example_inputs, example_kwargs=None, loss_fn=
         raise PlanLoadError("the plan has no execution record (saved by an older autopar): plan again and save it")
     if plan.stages:
         raise PlanLoadError("a pipeline plan runs on the pipelining backend, not on the graph backend")
-    if cap["param_dtype"] is not None:
-        raise PlanLoadError(
-            f"the plan computes with {cap['param_dtype']} parameters (mixed precision); running a saved "
-            f"mixed-precision plan is not supported yet: plan again with autopar.parallelize"
-        )
     if plan.meta.get("loss_fn") and loss_fn is None:
         raise PlanLoadError("the plan was made with a loss_fn: pass the same loss_fn= to run it")
+    param_dtype, reduce_dtype = _precision(plan, cap)
     io = ModelIO.from_example(model, example_inputs, example_kwargs)
     with outside_local_tensor_mode():  # capture runs on meta tensors, never on simulated ranks' values
-        return capture(model, io, loss_fn, output=cap["output"], backward=cap["backward"])
+        g = capture(model, io, loss_fn, param_dtype=param_dtype, output=cap["output"], backward=cap["backward"])
+    if reduce_dtype is not None:
+        cast_gradients(g, reduce_dtype)  # the planner's precision pass rewrote its graph so too
+    return g
+
+
+def _precision(plan: Plan, cap: dict) -> tuple:
+    """(param dtype, gradient reduce dtype) of a mixed-precision plan's capture, (None, None) for a plan that
+    computes in the model's own dtypes."""
+    if cap["param_dtype"] is None:
+        return None, None
+    reduce = cap.get("reduce_dtype") or (plan.meta.get("mixed_precision") or {}).get("reduce_dtype")
+    if reduce is None:
+        raise PlanLoadError(
+            f"the plan computes with {cap['param_dtype']} parameters but records no gradient reduce dtype "
+            f"(saved by an older autopar): plan again and save it to run it"
+        )
+    return _torch_dtype(cap["param_dtype"]), _torch_dtype(reduce)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise PlanLoadError(f"the plan names an unknown dtype {name!r}")
+    return dt
 
 
 def finished(model, example_inputs, example_kwargs=None, *, plan=None, planned=None, **plan_kwargs) -> Executable:

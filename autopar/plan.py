@@ -10,7 +10,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from .graph import op_name
-from .collectives import dims_of
+from .collectives import Collective, dims_of
 
 _KIND_ORDER = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send_recv")
 
@@ -18,6 +18,104 @@ _KIND_ORDER = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send
 def _dim(m):
     """A collective's mesh dim: an int, or a tuple of the mesh dims of a flattened group (a list once in JSON)."""
     return tuple(m) if isinstance(m, (list, tuple)) else m
+
+
+@dataclass(frozen=True)
+class RedistributeRecord:
+    """One redistribute into an input of a node (a record of `Plan.nodes[i]["redistribute"]`, written by
+    autopar/predict.py), typed: what a backend reads instead of the JSON dict."""
+
+    consumer: int  # the node whose input it feeds
+    input: int | str  # that node's tensor input position, "opt" (the gradient into the step), "loss" or "state"
+    src: tuple[str, ...]
+    dst: tuple[str, ...]
+    value_class: str  # "act", "param" (a parameter gather) or "grad" (a gradient reduction)
+    collectives: tuple[Collective, ...]
+    time_s: float
+    param: str | None = None  # the parameter a gather or gradient reduction is for
+    bucket: int | None = None  # a bucketed gradient: its bucket's one collective carries it
+    shares: tuple | None = None  # (node name, input) whose redistribute of the same value it reuses
+    coalesced: int | str | None = None  # the input (or "node:input") whose all_reduce also carries it
+
+    @classmethod
+    def from_json(cls, consumer: int, d: dict) -> "RedistributeRecord":
+        return cls(
+            consumer,
+            d["input"],
+            tuple(d["src"]),
+            tuple(d["dst"]),
+            d["class"],
+            tuple(Collective(c[0], _dim(c[1]), c[2], c[3]) for c in d["collectives"]),
+            d["time_s"],
+            d.get("param"),
+            d.get("bucket"),
+            tuple(d["shares"]) if "shares" in d else None,
+            d.get("coalesced"),
+        )
+
+    def to_json(self) -> dict:
+        d = {
+            "input": self.input,
+            "src": list(self.src),
+            "dst": list(self.dst),
+            "class": self.value_class,
+            "collectives": [[c.kind, _json_dim(c.mesh_dim), c.nbytes, c.group] for c in self.collectives],
+            "time_s": self.time_s,
+        }
+        optional = {"param": self.param, "bucket": self.bucket, "coalesced": self.coalesced}
+        d.update({k: v for k, v in optional.items() if v is not None})
+        if self.shares is not None:
+            d["shares"] = list(self.shares)
+        return d
+
+
+@dataclass(frozen=True)
+class BucketRecord:
+    """One gradient bucket (a record of `Plan.buckets`, passes/buckets.py): one collective over its gradients."""
+
+    kind: str
+    mesh_dim: int | tuple  # a tuple of mesh dims: one collective over their flattened group
+    group: int  # ranks in the group
+    src: str  # the gradients' placement on that dim before ("P") and after ("R", "S0")
+    dst: str
+    dtype: str
+    params: tuple[str, ...]
+    nbytes: int
+    chain: int  # the index of the first bucket of its chain over several mesh dims
+    step: int  # its position in that chain
+
+    @classmethod
+    def from_json(cls, d: dict) -> "BucketRecord":
+        return cls(
+            d["kind"],
+            _dim(d["mesh_dim"]),
+            d["group"],
+            d["from"],
+            d["to"],
+            d["dtype"],
+            tuple(d["params"]),
+            d["bytes"],
+            d["chain"],
+            d["step"],
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "kind": self.kind,
+            "mesh_dim": _json_dim(self.mesh_dim),
+            "group": self.group,
+            "from": self.src,
+            "to": self.dst,
+            "dtype": self.dtype,
+            "params": list(self.params),
+            "bytes": self.nbytes,
+            "chain": self.chain,
+            "step": self.step,
+        }
+
+
+def _json_dim(m):
+    return list(m) if isinstance(m, tuple) else m
 
 
 @dataclass
@@ -57,6 +155,14 @@ class Plan:
                 if "bucket" not in r:  # bucketed gradient reductions: their bucket's collective
                     out += [(c[0], _dim(c[1]), c[2]) for c in r["collectives"]]
         return out + [(b["kind"], _dim(b["mesh_dim"]), b["bytes"]) for b in self.buckets]
+
+    def redistribute_records(self) -> tuple[RedistributeRecord, ...]:
+        """Every redistribute of the plan, typed, in node order (each node's in its recorded order)."""
+        return tuple(RedistributeRecord.from_json(n["idx"], r) for n in self.nodes for r in n.get("redistribute", []))
+
+    def bucket_records(self) -> tuple[BucketRecord, ...]:
+        """The gradient buckets, typed, in the order they are issued."""
+        return tuple(BucketRecord.from_json(b) for b in self.buckets)
 
     def graph_signature(self) -> list[tuple]:
         """Per node (kind, target, phase, output shapes, dtypes, producers): what a captured graph must repeat for
@@ -121,6 +227,9 @@ class Plan:
             f"{self.solver['gap']:.2e}  {self.solver['n_vars']} vars"
             + (f"  {self.solver['seconds']:.2f} s" if timings else ""),
         ]
+        if self.meta.get("precision_decision"):  # passes/precision.py choose: what was compared, why this one
+            d = self.meta["precision_decision"]
+            lines.append(f"precision {d['chosen']}: {d['why']}")
         if self.meta.get("replicated_why"):
             lines += _replicated_why(self.meta["replicated_why"])
         if self.meta.get("float8"):
@@ -352,6 +461,7 @@ def execution_record(state) -> dict:
             "output": "activation" if g.activation else "loss",
             "backward": any(n.phase == "bw" for n in g.nodes),
             "param_dtype": mp["param_dtype"] if mp else None,
+            "reduce_dtype": mp["reduce_dtype"] if mp else None,
         },
         "shares": pairs(state.shares),
         "coalesced": pairs(state.coalesced),

@@ -5,7 +5,7 @@ it is (fp32) and once as FSDP2's mixed precision computes it, and the plan with 
 that fits the memory budget wins (`choose`). For the mixed-precision candidate `autopar.plan` captures the graph
 with bf16 parameters, which is what every FSDP unit computes with after its bf16 all-gather: matmuls, saved
 activations and parameter gathers are bf16 (half the bytes, the device's bf16 peak), while explicit upcasts in
-the model (`.float()` before a norm or the loss) stay fp32. This pass then inserts, right after each gradient's
+the model (`.float()` before a norm or the loss) stay fp32. This pass then inserts (autopar/mixed_precision.py), right after each gradient's
 producer, a cast of the gradient to the reduce dtype, so the gradient's reduction into its fp32 sharded parameter
 (the optimizer-step edge) is priced and executed in fp32, as FSDP2 does (it casts the unsharded bf16 gradient to
 `reduce_dtype` before its reduce-scatter). Model state is unchanged by the decision: the sharded parameters, their
@@ -21,11 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from autopar.graph import Node, Ref, TensorMeta, map_refs
+from autopar.mixed_precision import cast_gradients
 
 from . import float8
-
-aten = torch.ops.aten
 
 MIXED_BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 
@@ -39,48 +37,9 @@ def _mixed(state) -> None:
     mp = state.options.get("mixed_precision")
     if not mp:
         return
-    g = state.graph
-    reduce_dtype = getattr(torch, mp["reduce_dtype"])
-    casts: dict[int, list[tuple[str, int]]] = {}  # producer node -> [(param FQN, output index)]
-    for fqn, r in g.grads.items():
-        m = g.meta(r)
-        if m.dtype.is_floating_point and m.dtype != reduce_dtype:
-            casts.setdefault(r.node, []).append((fqn, r.out))
-    if not casts:
-        return
-    new_idx: dict[int, int] = {}
-    out: list[Node] = []
-    grad_node: dict[str, int] = {}
-    for n in g.nodes:  # first pass: numbering
-        new_idx[n.idx] = len(out)
-        out.append(n)
-        for fqn, o in casts.get(n.idx, []):
-            cast = Node(
-                -1,
-                "op",
-                aten._to_copy.default,
-                (Ref(n.idx, o),),
-                {"dtype": reduce_dtype},
-                (TensorMeta(n.outs[o].shape, reduce_dtype),),
-                "bw",
-                n.module,
-            )
-            grad_node[fqn] = len(out)
-            out.append(cast)
-    fix = lambda r: Ref(new_idx[r.node], r.out)
-    for i, n in enumerate(out):  # second pass: renumber refs (casts point at old idx too)
-        n.args, n.kwargs, n._ins = map_refs(n.args, fix), map_refs(n.kwargs, fix), None
-        n.idx = i
-    g.nodes = out
-    g.params = {k: new_idx[v] for k, v in g.params.items()}
-    g.buffers = {k: new_idx[v] for k, v in g.buffers.items()}
-    g.inputs = [new_idx[v] for v in g.inputs]
-    g.loss = fix(g.loss)
-    g.input_grads = {k: fix(r) for k, r in g.input_grads.items()}
-    g.state_updates = {k: fix(r) for k, r in g.state_updates.items()}
-    g.grads = {k: Ref(grad_node[k]) if k in grad_node else fix(r) for k, r in g.grads.items()}
-    g.__post_init__()  # users lists
-    state.extras["mixed_precision"] = dict(mp, grad_casts=len(grad_node))
+    n = cast_gradients(state.graph, getattr(torch, mp["reduce_dtype"]))
+    if n:
+        state.extras["mixed_precision"] = dict(mp, grad_casts=n)
 
 
 def label(variant: dict) -> str:

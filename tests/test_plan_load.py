@@ -69,6 +69,30 @@ def test_saved_plan_rebuilds_what_the_planner_decided(case, tmp_path):
         assert ex.coalesced and ex.shares and ex.fw_order
 
 
+@pytest.mark.parametrize("case", ["llama-tp", "moe-dp"])
+def test_typed_records_round_trip_through_json(case, tmp_path):
+    """Plan.redistribute_records() / bucket_records(): frozen dataclasses that give back the JSON records they were
+    read from, the same from a fresh plan and from its saved and loaded copy."""
+    import dataclasses
+    import json
+
+    plan = _tp_plan(*LLAMA) if case == "llama-tp" else _dp_plan("moe-tiny", {"n_layers": 1}, 4, 16)[0]
+    plan.save(tmp_path / "plan.json")
+    loaded = autopar.Plan.load(tmp_path / "plan.json")
+    reds, buckets = plan.redistribute_records(), plan.bucket_records()
+    assert reds and (buckets or case == "llama-tp")
+    assert reds == loaded.redistribute_records() and buckets == loaded.bucket_records()
+    text = lambda x: json.dumps(x, sort_keys=True)
+    assert text([r.to_json() for r in reds]) == text([r for n in plan.nodes for r in n.get("redistribute", [])])
+    assert text([b.to_json() for b in buckets]) == text(plan.buckets)
+    assert {r.value_class for r in reds} >= {"act", "grad"}
+    if case == "moe-dp":  # the optional fields are read too
+        assert any(r.shares for r in reds) and any(r.coalesced is not None for r in reds)
+        assert any(r.bucket is not None for r in reds)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        reds[0].src = ("R",)
+
+
 def test_loaded_plan_for_another_model_names_the_first_differing_node(tmp_path):
     from _simulated import simulated
 

@@ -178,7 +178,7 @@ def job(tmp):
     out["acc_worst"] = _worst(pm, ref)
     out["full_count"] = full
     prog = pm.program  # the plan's gradient reductions: its buckets and any unbucketed redistribute
-    bucketed = {f for bs in prog.chains.values() for f in bs[0]["params"]}
+    bucketed = {f for bs in prog.chains.values() for f in bs[0].params}
     out["grad_comm"] = len(prog.plan.buckets) + sum(
         len(prog.red[(prog.g.params[f], "opt")][2])
         for f in prog.grad_fqns

@@ -79,7 +79,7 @@ class Accumulator:
             prog.run_bw(env, fill, prog._run1, lambda i, off, n, shape: prog._slice(bufs, i, off, n, shape))
             bucketed = set()
             for i, bs in prog.chains.items():
-                bucketed.update(bs[0]["params"])
+                bucketed.update(bs[0].params)
                 if i in bufs:  # the flat buffer the backward filled
                     buf = bufs.pop(i)
                     if i in self.flat:
@@ -89,7 +89,7 @@ class Accumulator:
                         if prog.flat_bufs.get(i) is buf:
                             del prog.flat_bufs[i]
                     continue
-                vals = [per_rank(_local(env[(g.grads[f].node, g.grads[f].out)])) for f in bs[0]["params"]]
+                vals = [per_rank(_local(env[(g.grads[f].node, g.grads[f].out)])) for f in bs[0].params]
                 if i in self.lists:
                     for a, v in zip(self.lists[i], vals):
                         a.add_(v)
@@ -117,7 +117,7 @@ class Accumulator:
         handles = {}
         with torch.no_grad():
             for i, bs in prog.chains.items():
-                chain = [(b["mesh_dim"], b["from"], b["to"]) for b in bs]
+                chain = [(b.mesh_dim, b.src, b.dst) for b in bs]
                 if i in self.flat:
                     handles[i] = launch_filled(self.flat.pop(i), prog.mesh, chain, prog.flat_sizes[i][2])
                 elif i in self.lists:

@@ -8,6 +8,7 @@ from collections import Counter
 from math import prod
 
 import torch
+from autopar.plan import BucketRecord
 from autopar.strategies._torch_adapter import collapse, make_dtensor, per_rank, sole_owner
 
 from .comm import executed_placements, finish_bucket, group_name, launch_bucket, launch_filled
@@ -57,13 +58,13 @@ class Buckets:
         g = self.g
         pos = {it.node.idx: i for i, it in enumerate(self.bw)}
         self.chains: dict[int, list] = {}  # first bucket of a chain -> its buckets (one per step)
-        for i, b in enumerate(self.plan.buckets):
-            self.chains.setdefault(b.get("chain", i), []).append(b)
+        for b in map(BucketRecord.from_json, self.plan.buckets):  # as Plan.bucket_records(), for any plan record
+            self.chains.setdefault(b.chain, []).append(b)
         self.bucket_ready: dict[int, list[int]] = {}
         for i, bs in self.chains.items():
-            if isinstance(bs[0]["mesh_dim"], list):  # a flattened group: made now, on every rank in plan order
-                group_name(self.mesh, bs[0]["mesh_dim"])
-            at = max(pos.get(g.grads[f].node, len(self.bw) - 1) for f in bs[0]["params"])
+            if isinstance(bs[0].mesh_dim, tuple):  # a flattened group: made now, on every rank in plan order
+                group_name(self.mesh, bs[0].mesh_dim)
+            at = max(pos.get(g.grads[f].node, len(self.bw) - 1) for f in bs[0].params)
             self.bucket_ready.setdefault(at, []).append(i)
 
     def _plan_bucket_copies(self):
@@ -87,10 +88,10 @@ class Buckets:
         read |= {k for k, c in Counter((r.node, r.out) for r in g.grads.values()).items() if c > 1}
         readers.update((r.node, r.out) for r in g.outputs())  # + results
         for i, bs in self.chains.items():
-            if not all(b["to"] == "R" for b in bs):
+            if not all(b.dst == "R" for b in bs):
                 continue
             plan, off = [], 0
-            for f in bs[0]["params"]:
+            for f in bs[0].params:
                 r = g.grads[f]
                 shape = local_shape(tuple(g.meta(r).shape), self.red[(g.params[f], "opt")][0], tuple(self.mesh.shape))
                 if r.node not in pos or shape is None:
@@ -102,7 +103,7 @@ class Buckets:
                 off += n
             if plan is None:
                 continue
-            dtype = getattr(torch, bs[0]["dtype"].split(".")[-1])
+            dtype = getattr(torch, bs[0].dtype.split(".")[-1])
             self.flat_sizes[i] = (off, dtype, [sl[2] for _, sl, _, _ in plan])
             for at, sl, key, drop in plan:
                 # a compiled segment makes its gradients, which are then copied into the bucket (compiled.py)
@@ -182,11 +183,11 @@ class Buckets:
         """Issue gradient bucket i (with the rest of its chain, backends/spmd/comm.py launch_bucket) as soon as the
         backward has produced its last gradient, like DDP's reducer; the backward goes on while it is in flight."""
         g, bs = self.g, self.chains[i]
-        chain = [(b["mesh_dim"], b["from"], b["to"]) for b in bs]
+        chain = [(b.mesh_dim, b.src, b.dst) for b in bs]
         if i in bufs:
             handles[i] = launch_filled(bufs.pop(i), self.mesh, chain, self.flat_sizes[i][2])
             return
-        vals = [_local(env[(g.grads[f].node, g.grads[f].out)]) for f in bs[0]["params"]]
+        vals = [_local(env[(g.grads[f].node, g.grads[f].out)]) for f in bs[0].params]
         handles[i] = launch_bucket(vals, self.mesh, chain)
 
     def _bucket_outputs(self) -> dict:
@@ -195,7 +196,7 @@ class Buckets:
         g, outs = self.g, {}
         for i, bs in self.chains.items():
             outs[i] = []
-            for f in bs[0]["params"]:
+            for f in bs[0].params:
                 src, dst, _ = self.red[(g.params[f], "opt")]
                 now = executed_placements(src, dst)
                 if now != self.P[g.params[f]].out[0]:

@@ -181,7 +181,7 @@ class Program(Interpreter, Buckets):
         env = {}
         with torch.no_grad():
             for fqn, i in g.params.items():
-                env[(i, 0)] = self._store(params[fqn])
+                env[(i, 0)] = self._compute_param(self._store(params[fqn]), g.nodes[i].out.dtype)
             for fqn, i in g.buffers.items():
                 env[(i, 0)] = self._store(buffers[fqn])
             for k, idx in enumerate(g.inputs):
@@ -208,6 +208,18 @@ class Program(Interpreter, Buckets):
                 )
             out = loss.clone()
         return out, (env if keep else None)
+
+    @staticmethod
+    def _compute_param(v, dtype):
+        """A parameter as the graph computes with it. A mixed-precision plan's graph was captured with bf16
+        parameters (passes/precision.py) while the module keeps fp32 master parameters, so this rank's shard is
+        cast before anything gathers it, as FSDP2's MixedPrecisionPolicy(param_dtype) casts before its all_gather;
+        the gradient comes back through the graph's own cast to the reduce dtype."""
+        local = v.t if type(v) is Sharded else v
+        if local.dtype == dtype:
+            return v
+        cast = local.to(dtype)
+        return Sharded(cast, v.strs, v.shape) if type(v) is Sharded else cast
 
     def _write_state(self, env: dict, buffers: dict):
         """Each buffer the forward updates (BatchNorm's running statistics) takes its new value in place, at the
