@@ -102,6 +102,10 @@ def test_pipeline_stage_mesh_with_cp_plans_and_prices_its_collectives():
     pred = p.predicted["collectives"]
     assert pred["all_gather"]["bytes"] >= block(fw) * per_step, (pred, fw)
     assert pred["reduce_scatter"]["bytes"] >= block(bw) * per_step, (pred, bw)
+    from backends.pipelining.runtime import PipelineRunner
+
+    with pytest.raises(NotImplementedError, match=r"context-parallel stage mesh dims \['cp'\]"):
+        PipelineRunner(model, p)  # the runtime runs whole sequences: refused before it builds anything
 
 
 @pytest.mark.timeout(300)
@@ -129,6 +133,22 @@ def test_torchtitan_cp_layout_plans_with_fsdp_over_dp_and_cp():
     att = _attention_placements(p)
     assert att and all(a["out"][0] == ["S0", "S2"] and a["ins"][1] == ["S0", "R"] for a in att), att
     assert _cp_collectives(p, 1, "fw", "all_gather") and _cp_collectives(p, 1, "bw", "reduce_scatter")
+
+
+@pytest.mark.timeout(120)
+def test_torch_engines_refuse_a_sequence_split_naming_cp():
+    """fully_shard / parallelize_module have no context parallelism: recognition lists the cp dim as the reason
+    (the graph backend runs the plan: test_cp_world4_gloo_equals_one_device)."""
+    import autopar
+    from autopar.models import build_model, example_inputs
+    from backends.torch.lowering import EngineLoweringError
+    from backends.torch.entry import lower
+
+    model = build_model("llama-tiny", n_layers=2)
+    x = example_inputs("llama-tiny", batch=B, seq=S, n_layers=2)
+    p = autopar.plan(model, autopar.MeshSpec((2, 2), ("dp", "cp")), x, cluster="cpu-gloo", pin=_seq_pin)
+    with pytest.raises(EngineLoweringError, match=r"mesh dim cp: inputs are placed \['S1'\].*context parallelism"):
+        lower(model, p, None)
 
 
 # ---- execution on 4 gloo ranks -------------------------------------------------------------------------------------
