@@ -69,14 +69,17 @@ def _sequence_second(n, seq: int) -> bool:
     return bool(outs) and all(len(o.shape) >= 2 and o.shape[1] == seq for o in outs)
 
 
-def _data_split(strategy, outs, dims, batch_dims, tokens: int, seq: int) -> bool:
+def _data_split(strategy, outs, dims, batch_dims, tokens: int, seq: int, ones) -> bool:
     """Whether every tensor output of `strategy` is, on each cp dim, a shard of a sequence-long dim (seq, or a
     (batch, seq) flatten of it) and, on each batch dim, a shard of dim 0 (the batch, or a flatten that starts
     with it) or of a dim of `tokens` (batch x seq) rows (the transposed activation of a weight gradient), else
-    replicated or partial: not a split of heads or hidden units over a data dim."""
+    replicated or partial: not a split of heads or hidden units over a data dim; and replicated on the dims of
+    size 1 (`ones`), where every placement holds the same data."""
     for pls, meta in zip(strategy.out, outs):
         if pls is None or meta is None:
             continue
+        if any(pls[d] != "R" for d in ones):
+            return False
         for d in dims:
             p = pls[d]
             if p[0] == "S" and meta.shape[int(p[1:])] % seq:
@@ -89,21 +92,26 @@ def _data_split(strategy, outs, dims, batch_dims, tokens: int, seq: int) -> bool
 
 
 def keep_data_splits(state, batch_dims, batch: int) -> None:
-    """On a stage mesh with cp dims: drop the strategies that split an output along anything but the sequence on
-    a cp dim, or anything but the batch (dim 0, or the batch x seq rows) on the batch dims `batch_dims` (heads,
-    hidden units: tensor parallelism on a data dim), where a node keeps at least one. A rank then holds its batch
-    and sequence shard of every activation (or a replicated / partial copy: the K/V it gathers, dK/dV before
-    their reduce-scatter), as torchtitan's and Llama 3's CP do, and a 3-D (dp, cp, tp) stage plan keeps a handful
-    of candidates per node on the data dims instead of every split: small enough for the solver. batch: the
-    micro-batch's sequences."""
-    dims = cp_dims(state.mesh.names, state.mesh.shape)
-    if not dims:
+    """On a stage mesh with a cp* dim: drop the strategies that split an output along anything but the sequence
+    on a cp dim, or anything but the batch (dim 0, or the batch x seq rows) on the batch dims `batch_dims` (heads,
+    hidden units: tensor parallelism on a data dim), or that are not replicated on a dim of size 1 (CP 1 of a
+    published layout), where a node keeps at least one. A rank then holds its batch and sequence shard of every
+    activation (or a replicated / partial copy: the K/V it gathers, dK/dV before their reduce-scatter), as
+    torchtitan's and Llama 3's CP do, and a 3-D (dp, cp, tp) stage plan keeps a handful of candidates per node
+    on the data dims instead of every split: small enough for the solver. batch: the micro-batch's sequences."""
+    names, shape = state.mesh.names, state.mesh.shape
+    if not any(nm.startswith(CP_PREFIX) for nm in names):
         return
-    seq = sequence_length(state.graph)
+    dims = cp_dims(names, shape)
+    ones = [d for d, n in enumerate(shape) if n == 1]
+    seq = sequence_length(state.graph) if dims else 1
     for n in state.graph.nodes:
         strats = state.strategies[n.idx]
-        if n.kind != "op" or not strats:
+        if n.kind not in ("op", "param", "input", "buffer") or not strats:
             continue
-        kept = [s for s in strats if _data_split(s, n.outs, dims, batch_dims, batch * seq, seq)]
+        if n.kind == "op":
+            kept = [s for s in strats if _data_split(s, n.outs, dims, batch_dims, batch * seq, seq, ones)]
+        else:  # parameters keep every split (FSDP shards them over dp x cp), inputs their pins
+            kept = [s for s in strats if _data_split(s, n.outs, (), (), 1, 1, ones)]
         if kept and len(kept) < len(strats):
             state.strategies[n.idx] = kept
