@@ -12,6 +12,11 @@ forward F, input-backward B, weight-backward W (seconds per micro-batch, compute
 data-parallel comm per step, model-state bytes, saved-activation bytes per micro-batch, what checkpointing a block
 saves and costs, and per cluster boundary the activations that cross it.
 
+Stage mesh dims: dp* split the batch, cp* the sequence (context parallelism: the token inputs and the embedding
+Shard(1), attention's queries Shard(2) with K/V all-gathered, parameters FSDP-sharded over dp x cp; on such a mesh
+the data dims keep only batch / sequence splits, autopar/strategies/context_parallel.py), any other dim of size > 1
+is tensor parallel.
+
 A boundary is a legal cut when the forward tensors crossing it (produced before, consumed after; tensors that
 depend on no input or parameter, like RoPE tables, are recomputed by each stage, inputs go straight to the stage
 that reads them) are at least one, all with static shapes (one sweep over the captured graph in topological order
