@@ -12,6 +12,11 @@ forward F, input-backward B, weight-backward W (seconds per micro-batch, compute
 data-parallel comm per step, model-state bytes, saved-activation bytes per micro-batch, what checkpointing a block
 saves and costs, and per cluster boundary the activations that cross it.
 
+Stage mesh dims: dp* split the batch, cp* the sequence (context parallelism: the token inputs and the embedding
+Shard(1), attention's queries Shard(2) with K/V all-gathered, parameters FSDP-sharded over dp x cp; on such a mesh
+the data dims keep only batch / sequence splits, autopar/strategies/context_parallel.py), any other dim of size > 1
+is tensor parallel.
+
 A boundary is a legal cut when the forward tensors crossing it (produced before, consumed after; tensors that
 depend on no input or parameter, like RoPE tables, are recomputed by each stage, inputs go straight to the stage
 that reads them) are at least one, all with static shapes (one sweep over the captured graph in topological order
@@ -38,6 +43,7 @@ from autopar.passmanager import PlanState, run_passes
 from autopar.predict import build_plan
 from autopar.solver import InfeasibleMemoryError, min_memory
 from autopar.strategies import num_shards
+from autopar.strategies.context_parallel import CP_PREFIX, cp_pin, keep_data_splits
 
 INF = float("inf")
 
@@ -283,13 +289,13 @@ class StageOps:
                 for n, _ in mod.named_parameters(recurse=False)
             }
         # the pipeline runtime shards only nn.Linear / nn.Embedding weights on a tensor-parallel stage dim (any dim
-        # of size > 1 not named dp*, as backends/pipelining/runtime.py reads it): every other parameter is Replicate there
-        tp = {
-            d: "R"
-            for d, (nm, n) in enumerate(zip(stage_mesh.names, stage_mesh.shape))
-            if n > 1 and not nm.startswith("dp")
-        }
+        # of size > 1 not named dp* or cp*, as backends/pipelining/runtime.py reads it): every other parameter is
+        # Replicate there. A cp* dim splits the sequence (autopar/strategies/context_parallel.py).
+        tp = {d: "R" for d in model_dims(stage_mesh)}
         pin = (lambda n: tp if n.kind == "param" and n.target not in styled else None) if tp else None
+        where = _cluster_of_nodes(g, prefix, len(reps))
+        pre = {n.idx for n in g.ops() if where[n.idx] == 0 and n.phase == "fw"}
+        pin = cp_pin(g, stage_mesh.names, stage_mesh.shape, pin, pre)
         sub_force = {}
         for fqn, pl in ctx["force"].items():
             m = re.match(rf"^{re.escape(prefix)}\.(\d+)\.(.*)$", fqn)
@@ -320,6 +326,7 @@ class StageOps:
         run_passes(self.state, PASSES[:kc])
         if ctx["dp_shards_batch"]:
             shard_batch_on_dp(self.state, mb_inputs)
+        keep_data_splits(self.state, batch_dims(stage_mesh) if ctx["dp_shards_batch"] else [], mb_inputs[0].shape[0])
         run_passes(self.state, PASSES[kc : self._k])
         amortize_dp_comm(self.state, int(ctx.get("n_microbatches", 1)))
         c = self.state.cost
@@ -396,10 +403,11 @@ class StageOps:
         return False
 
     def _fsdp_penalty(self) -> dict:
-        """Per decision group, +1 s on strategies that leave a parameter unsharded on some dp dim (when a sharded
-        one exists): the next solve then shards every parameter over dp, FSDP-style."""
+        """Per decision group, +1 s on strategies that leave a parameter unsharded on some dp or cp dim (when a
+        sharded one exists): the next solve then shards every parameter over them, FSDP-style (torchtitan shards
+        over dp x cp: a cp rank holds its sequence shard of the same batch, so cp is data parallel for weights)."""
         st = self.state
-        dims = [d for d, nm in enumerate(st.mesh.names) if nm.startswith("dp") and st.mesh.shape[d] > 1]
+        dims = sharding_dims(st.mesh)
         pen = {}
         if not dims:
             return pen
@@ -413,6 +421,29 @@ class StageOps:
                 g = st.group_of[r]
                 pen[g] = pen.get(g, 0.0) + np.where(ok, 0.0, 1.0)
         return pen
+
+
+def model_dims(mesh: MeshSpec) -> list[int]:
+    """The stage submesh's tensor-parallel dims: size > 1, named neither dp* (batch) nor cp* (sequence)."""
+    return [
+        d
+        for d, (nm, n) in enumerate(zip(mesh.names, mesh.shape))
+        if n > 1 and not nm.startswith("dp") and not nm.startswith(CP_PREFIX)
+    ]
+
+
+def batch_dims(mesh: MeshSpec) -> list[int]:
+    """The dims named dp*, of size > 1 (the batch is split over them)."""
+    return [d for d, (nm, n) in enumerate(zip(mesh.names, mesh.shape)) if n > 1 and nm.startswith("dp")]
+
+
+def sharding_dims(mesh: MeshSpec) -> list[int]:
+    """The dims FSDP shards parameters over: dp* and cp*, of size > 1."""
+    return [
+        d
+        for d, (nm, n) in enumerate(zip(mesh.names, mesh.shape))
+        if n > 1 and (nm.startswith("dp") or nm.startswith(CP_PREFIX))
+    ]
 
 
 def amortize_dp_comm(state, m: int) -> None:

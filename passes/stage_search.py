@@ -35,7 +35,7 @@ def evaluate_fitted(costs, bounds, r, cluster, budget, recompute=True) -> dict:
     for k in range(S):
         a, b = bounds[k], bounds[k + 1]
         if recompute == "all":  # a hand layout that checkpoints every block (Megatron / torchtitan "full")
-            j = int(np.argmin([(cv.F[a:b] + cv.B[a:b] + cv.W[a:b] + cv.rtime[a:b]).sum() for cv in costs]))
+            j = _fastest_fitting_all_checkpointed(costs, a, b, fl[k], cap)
             variants.append(j)
             rec.append(int(costs[j].blk[a:b].sum()))
             continue
@@ -51,6 +51,20 @@ def evaluate_fitted(costs, bounds, r, cluster, budget, recompute=True) -> dict:
     return evaluate(
         costs, bounds, variants, rec, r["spec"], r["p"], v, r["m"], r["order"], cluster, r["mesh"].size, budget
     ) | {"bounds": bounds, "variants": variants}
+
+
+def _fastest_fitting_all_checkpointed(costs, a: int, b: int, inflight: int, cap: float) -> int:
+    """The variant for clusters a:b with every block checkpointed: the fastest whose memory (state, each in-flight
+    micro-batch's block inputs, one block's recompute) fits `cap`, else the leanest."""
+    t = [(cv.F[a:b] + cv.B[a:b] + cv.W[a:b] + cv.rtime[a:b]).sum() for cv in costs]
+    mem = [
+        cv.state[a:b].sum()
+        + inflight * (cv.act[a:b] - cv.save[a:b]).sum()
+        + float(np.max(np.where(cv.blk[a:b], cv.act[a:b], 0.0)))
+        for cv in costs
+    ]
+    fit = [j for j in range(len(costs)) if mem[j] <= cap]
+    return min(fit, key=lambda j: t[j]) if fit else int(np.argmin(mem))
 
 
 def _dp_inflight(order, S, spec, v):

@@ -39,15 +39,14 @@ def _attention_placements(plan) -> list:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(
-    strict=True,
-    reason="passed on the flat-roofline ring-link h100 it was written on; with the shape-priced GEMMs and the NCCL "
-    "collective model merged beside it the planner no longer picks the sequence split for 2 x 32K: open in issue 26",
-)
 def test_planner_shards_the_sequence_where_sequences_are_long():
     """The same tokens per step (64K) on 2 x 4 H100 (dp x cp): 2 sequences of 32K cannot be split over 8 ranks by
     batch, and head-parallel attention moves more than the all-gathered K/V of grouped-query attention (8 of 32
-    heads), so the attention shards the sequence on cp; 64 sequences of 1K split by batch on both dims, no seq."""
+    heads), so the attention shards the sequence on cp; 64 sequences of 1K split by batch on both dims, no seq.
+    (The planner's free choice: this plan is not a pipeline plan, so the dim's name "cp" forces nothing. It
+    chose head-parallel attention while a causal kernel on sequence-sharded queries was priced as the full
+    Sq x Sk rectangle, twice the causal share head-parallel attention got: autopar/cost/kernels.py
+    causal_fraction.)"""
     import autopar
     from autopar.models import build_model, example_inputs
 
@@ -59,6 +58,97 @@ def test_planner_shards_the_sequence_where_sequences_are_long():
         seen[seq] = _attention_placements(autopar.plan(model, mesh, x, cluster="h100"))
     assert seen[32768] and all(p["out"][0][1] == "S2" and p["ins"][1][1] == "R" for p in seen[32768]), seen[32768]
     assert seen[1024] and not any("S2" in p["out"][0] for p in seen[1024]), seen[1024]
+
+
+# ---- cp inside pipeline / stage plans (passes/stage_costs.py, autopar/strategies/context_parallel.py) -----------
+
+
+def _cp_collectives(plan, cp: int, phase: str, kind: str) -> list:
+    """(node target, bytes) of the activation collectives of `kind` on stage-mesh dim `cp` in `phase`."""
+    return [
+        (str(n["target"]), c[2])
+        for n in plan.nodes
+        if n["phase"] == phase
+        for r in n["redistribute"]
+        if r["class"] == "act"
+        for c in r["collectives"]
+        if c[0] == kind and c[1] == cp
+    ]
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_stage_mesh_with_cp_plans_and_prices_its_collectives():
+    """(pp, cp, tp) = (2, 2, 2), 4 micro-batches of one 8K sequence: each stage's per-op plan splits the sequence
+    on cp (attention's queries Shard(2) there, K/V whole), and the step's predicted collectives include, per
+    micro-batch and rank, the representative block's cp all-gathers (forward) and reduce-scatters (backward) once
+    per layer."""
+    import autopar
+    from autopar.models import build_model, example_inputs
+
+    ov = dict(n_layers=4, dim=1024, n_heads=16, n_kv_heads=2, ffn_dim=3072, max_seq_len=8192)
+    model = build_model("llama-tiny", device="meta", **ov)
+    x = example_inputs("llama-tiny", batch=4, seq=8192, device="meta")
+    mesh = autopar.MeshSpec((2, 2, 2), ("pp", "cp", "tp"))
+    p = autopar.plan(model, mesh, x, cluster="h100", pipeline=dict(schedules=["1F1B"], n_microbatches=[4]))
+    sc = p.schedule
+    assert (sc["pp"], sc["stage_mesh_names"], sc["n_microbatches"]) == (2, ["cp", "tp"], 4)
+    att = _attention_placements(p)
+    assert att and all(a["out"][0][0] == "S2" and a["ins"][1][0] == "R" and a["ins"][2][0] == "R" for a in att), att
+    fw = _cp_collectives(p, 0, "fw", "all_gather")
+    bw = _cp_collectives(p, 0, "bw", "reduce_scatter")
+    assert fw and bw, (fw, bw)
+    block = lambda cs: sum(nb for t, nb in cs)  # noqa: E731  (the sub-model holds one block: every layer's copy)
+    per_step = 4 * sc["n_microbatches"] * 4  # layers x micro-batches x stage ranks
+    pred = p.predicted["collectives"]
+    assert pred["all_gather"]["bytes"] >= block(fw) * per_step, (pred, fw)
+    assert pred["reduce_scatter"]["bytes"] >= block(bw) * per_step, (pred, bw)
+    from backends.pipelining.runtime import PipelineRunner
+
+    with pytest.raises(NotImplementedError, match=r"context-parallel stage mesh dims \['cp'\]"):
+        PipelineRunner(model, p)  # the runtime runs whole sequences: refused before it builds anything
+
+
+@pytest.mark.timeout(300)
+def test_torchtitan_cp_layout_plans_with_fsdp_over_dp_and_cp():
+    """TorchTitan's 8B CP row shape (FSDP 4 x CP 2, one 64K sequence per FSDP rank, full recomputation) on the
+    95 GiB H100 preset, 4 of its 32 layers, as the published layout is forced: a pp = 1 pipeline plan of the
+    (dp, cp) stage mesh. Under a budget that replicated parameters do not fit, they are sharded over dp x cp (8
+    ranks, torchtitan's dp_shard_cp), and the attention keeps the sequence split on cp."""
+    import torch
+
+    import autopar
+    from autopar.models import build_model, example_inputs
+
+    seq = 65536
+    model = build_model("llama3-8b", device="meta", dtype=torch.bfloat16, n_layers=4, max_seq_len=seq)
+    x = example_inputs("llama3-8b", batch=4, seq=seq, device="meta")
+    opts = dict(layers_per_stage=[4], schedules=["GPipe"], n_microbatches=[1], recompute="all")
+    mesh = autopar.MeshSpec((1, 4, 2), ("pp", "dp", "cp"))
+    p = autopar.plan(model, mesh, x, cluster="h100-95g", memory_budget=40 * 2**30, pipeline=opts)
+    n_params = sum(t.numel() for t in model.parameters())
+    state = p.stages[0]["memory"]["state_bytes"]
+    per_param = autopar.TrainingPrecision.mixed_bf16_adam().bytes_per_param
+    assert state == pytest.approx(n_params * per_param / 8, rel=0.02), (state, n_params)
+    assert p.predicted["peak_mem_bytes"] <= 40 * 2**30
+    att = _attention_placements(p)
+    assert att and all(a["out"][0] == ["S0", "S2"] and a["ins"][1] == ["S0", "R"] for a in att), att
+    assert _cp_collectives(p, 1, "fw", "all_gather") and _cp_collectives(p, 1, "bw", "reduce_scatter")
+
+
+@pytest.mark.timeout(120)
+def test_torch_engines_refuse_a_sequence_split_naming_cp():
+    """fully_shard / parallelize_module have no context parallelism: recognition lists the cp dim as the reason
+    (the graph backend runs the plan: test_cp_world4_gloo_equals_one_device)."""
+    import autopar
+    from autopar.models import build_model, example_inputs
+    from backends.torch.lowering import EngineLoweringError
+    from backends.torch.entry import lower
+
+    model = build_model("llama-tiny", n_layers=2)
+    x = example_inputs("llama-tiny", batch=B, seq=S, n_layers=2)
+    p = autopar.plan(model, autopar.MeshSpec((2, 2), ("dp", "cp")), x, cluster="cpu-gloo", pin=_seq_pin)
+    with pytest.raises(EngineLoweringError, match=r"mesh dim cp: inputs are placed \['S1'\].*context parallelism"):
+        lower(model, p, None)
 
 
 # ---- execution on 4 gloo ranks -------------------------------------------------------------------------------------

@@ -151,12 +151,14 @@ def flash_efficiency(bh: int, sq: int, sk: int, d: int, device: DeviceSpec, back
 
 
 def causal_fraction(sq: int, sk: int) -> float:
-    """Share of the full Sq x Sk score matrix a causal flash kernel computes: the blocks on and below the diagonal.
-    Only for Sq == Sk; other causal shapes are priced as the full square."""
-    if sq != sk:
+    """Share of the full Sq x Sk score matrix a causal flash kernel computes: the blocks on and below the diagonal,
+    1/2 + 1/(2 nb) of nb x nb blocks. Queries that are a 1/n share of the keys' sequence (context parallelism) are
+    priced as the load-balanced split torch's context_parallel and Llama 3 run (each rank holds sequence chunks r
+    and 2n-1-r: the same half of its Sq x Sk rectangle plus its diagonal blocks on every rank); other causal
+    shapes as the full square."""
+    if sk % sq:
         return 1.0
-    nb = math.ceil(sq / ATTN_BLOCK)
-    return (nb + 1) / (2 * nb)
+    return 0.5 + 0.5 / math.ceil(sk / ATTN_BLOCK)
 
 
 def flash_time(bh, sq, sk, d, device, dtype, causal, backward, flops, nbytes) -> float:

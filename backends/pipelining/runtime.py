@@ -53,6 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.strategies.context_parallel import CP_PREFIX
+
 from ..spmd.module import parent_of
 from ..torch.tp import _kind, param_style
 
@@ -365,6 +367,13 @@ class PipelineRunner:
         if plan.meta.get("float8"):  # priced with float8 linears (passes/float8.py); the stages would run bf16
             raise NotImplementedError(
                 "the plan prices float8 linears, which the pipelining runtime does not execute: plan without float8"
+            )
+        cp = [nm for nm, n in zip(plan.schedule["stage_mesh_names"], plan.schedule["stage_mesh_shape"]) if n > 1]
+        cp = [nm for nm in cp if nm.startswith(CP_PREFIX)]
+        if cp:  # planned and priced (passes/stage_costs.py); the stages here run whole sequences
+            raise NotImplementedError(
+                f"the plan splits the sequence over context-parallel stage mesh dims {cp}, which the pipelining "
+                f"runtime does not execute: plan the stage mesh without a cp* dim to run it"
             )
         self.plan = plan
         sc = plan.schedule
