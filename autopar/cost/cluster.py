@@ -274,6 +274,25 @@ CLUSTERS: dict[str, ClusterSpec] = {
     "h100-95g": ClusterSpec("h100-95g", _H100_95G, 8, _NV4_NCCL, _NDR_NCCL),
     "cpu-gloo": ClusterSpec("cpu-gloo", _CPU, 1 << 20, _LOOP, _LOOP),
 }
+# ---- presets fitted to published runs (benchmarks/published.py; rows, method and the fit's figures in
+# benchmarks/results/published.md). Each is a base preset with its free figures multiplied by the fitted factors.
+# a100-selene: Megatron-LM SC21 Table 1 (Selene, A100 80 GB, attention unfused as Megatron-LM ran it in 2021),
+# fitted on rows 1, 3, 5, 7, 9 by `python benchmarks/published.py --fit`: gemm_eff_max x 0.8922, mem_eff x 0.7278,
+# IB bus_eff x 0.999.
+FITTED: dict[str, ClusterSpec] = {
+    "a100-selene": ClusterSpec(
+        "a100-selene",
+        replace(
+            _A100, name="A100-SXM-80GB-selene", attention="unfused", gemm_eff_max=0.86 * 0.8922, mem_eff=0.8 * 0.7278
+        ),
+        8,
+        _NV3_NCCL,
+        replace(_HDR_NCCL, bus_eff=0.95 * 0.999),
+    ),
+}
+CLUSTERS.update(FITTED)
+# ---- end of the fitted presets
+
 # The same GPUs on the seed documents' ring alpha-beta links (the analytic model of tests/test_seed_figures.py).
 RING_CLUSTERS: dict[str, ClusterSpec] = {
     "h100-ring": ClusterSpec("h100-ring", _H100, 8, _NVLINK4, _IB_NDR),
