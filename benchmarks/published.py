@@ -553,10 +553,17 @@ def evaluate(rows: list[Row], fitted: dict) -> list[dict]:
 
 
 def _stats(recs, key: str, which: str) -> str:
-    errs = [abs(r[key]["ratio"] - 1) for r in recs if r["set"] == which and r.get(key) and "ratio" in r[key]]
-    if not errs:
-        return f"{which}: no rows"
-    return f"{which}: {len(errs)} rows, median {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%"
+    """Median and worst |ratio - 1| of one set, overall and per GPU kind (the base preset)."""
+    out = []
+    for pre in [None] + list(dict.fromkeys(r["preset"] for r in recs)):
+        sel = [r for r in recs if r["set"] == which and (pre is None or r["preset"] == pre)]
+        errs = [abs(r[key]["ratio"] - 1) for r in sel if r.get(key) and "ratio" in r[key]]
+        if errs:
+            m, w = 100 * statistics.median(errs), 100 * max(errs)
+            out.append(f"{pre + ' ' if pre else ''}{len(errs)} rows, median {m:.1f}%, worst {w:.1f}%")
+    return f"{which}: " + (
+        "; ".join(out[:1]) + (" (" + "; ".join(out[1:]) + ")" if out[1:] else "") if out else "no rows"
+    )
 
 
 def _mem_stats(recs, key: str) -> str:
