@@ -1,0 +1,532 @@
+"""Published large training runs against autopar's cost model (issue 26 parts 1 and 5).
+
+Each row of ../shared/reference/published_runs.md that autopar can express is planned with its published layout
+forced through the public API (autopar.plan with a MeshSpec (pp, dp, tp[, cp]) and a `pipeline=dict(...)` hand
+layout: blocks per stage, schedule, stages per rank, micro-batches, recomputation), and its predicted step time is
+turned into the row's own metric:
+  * Megatron-LM (SC21 Table 1): TFLOP/s per GPU by the paper's equation 3, 96 B s l h^2 (1 + s/(6h) + V/(16 l h))
+    FLOPs per iteration (recomputation included), / step time / GPUs.
+  * TorchTitan (arXiv 2410.06511 Tables 1-6): tokens per second per GPU = global batch x seq / step / GPUs.
+  * Llama 3 (arXiv 2407.21783 Table 4): TFLOPs per GPU counted as 6 N + 6 l h s FLOPs per token (N: parameters
+    without the input embedding, which does no matmul; 6 l h s: causal attention's QK^T and PV, forward and
+    backward, half the square; no recomputation), x tokens / step / GPUs. The paper does not print its formula;
+    this is the usual model-FLOPs count (PaLM's appendix B with the causal half).
+Peak memory predicted vs published (TorchTitan's GiB) where published.
+
+Assumptions (each also in the results file):
+  * Megatron's GPT shapes are autopar's GPT-2 family (learned positions, 4h MLP, vocab 51,200), untied embeddings
+    (a tied model plans without pipeline stages); attention unfused (DeviceSpec attention="unfused", as Megatron-LM
+    ran it in 2021); full activation recomputation (recompute="all"); micro-batch size 1 on the pipelined rows
+    (Megatron's GPT-3 175B and MT-NLG 530B recipes), and for pp = 1 autopar picks the micro-batch count among
+    1, 2, 4, .., 32 per step (not published); interleaved schedule with v = the smallest divisor >= 2 of the blocks per
+    rank (v is not published).
+  * TorchTitan's H100s are the 95 GiB power-limited part (preset h100-95g); sequence 8192 for Tables 1-4; its
+    "batch" is per data-parallel rank (Table 6: 8 sequences per rank, one micro-batch each); selective AC is
+    recompute=True (autopar checkpoints whole blocks as memory needs: the nearest it can express), full AC is
+    recompute="all"; without pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the
+    local batch into micro-batches (1, 2, 4, .. of it) where one does not fit its memory model (the chosen count is
+    in the row's record); Table 5 plans on a plain (dp, cp) mesh (see _mesh_and_pipeline: recomputation is then
+    autopar's choice, not full AC); Float8 rows plan with float8=True; torch.compile and async TP are not modelled yet: those
+    rows are predicted as eager and kept out of the fit and hold-out statistics ("not strict").
+  * Llama 3's H100s are the 80 GB 700 W SXM part (preset h100); interleaved 1F1B (section 3.3.2) with 4 stages
+    per rank (not published: the deepest interleaving that keeps one fewer block on the first and the last
+    stage, as the paper does, with a block in every virtual stage: [1, 2 x 62, 1]), one sequence per
+    micro-batch, recompute=True (blocks checkpointed as memory needs).
+
+Fit and hold-out, chosen before any fit: the FITTED rows are Megatron rows 1, 3, 5, 7, 9 (1.7B, 7.5B, 39.1B,
+145.6B, 529.6B), TorchTitan Table 1-2's selective-AC rows and Llama 3's 8,192-GPU row; every other strict row is
+held back. Per GPU kind a few free figures (FREE below) are fitted by least squares of log(predicted/published)
+with a weak prior pulling each figure to its preset value (few rows, several figures). A trial does not plan
+again: each fitted row is planned once at the preset and once per free figure at a changed value, and the step
+time is re-priced as step0 + sum_f (step_f - step0) (1/theta_f - 1/theta0_f) / (1/theta'_f - 1/theta0_f)
+(every modeled op or collective time is work / efficiency, so this is exact while the placements and the
+roofline's memory-vs-compute side stay the same; the final figures are then checked by planning every row
+again with the fitted preset, and those are the numbers reported).
+
+    python benchmarks/published.py [--only ROW ...] [--fit] [--auto [ROW ...]] [--auto-cached] [--cp-pipeline]
+        [--out benchmarks/results/published]
+Plans are cached per (row, cluster figures, torch version) in benchmarks/results/.published_cache/ (ignored by
+git): a re-run re-plans only what changed. ROW: an id prefix ("A", "B5", "C1") or a word of the row's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import hashlib
+import json
+import math
+import os
+import re
+import statistics
+import time
+
+import torch
+from scipy.optimize import minimize
+
+import autopar
+from autopar import models
+from autopar.cost import get_cluster
+
+from published_rows import ROWS, Row, metric_of
+
+CACHE = os.path.join(os.path.dirname(__file__), "results", ".published_cache")
+
+# ---- clusters and their free figures
+# Each free figure is a scale factor on preset fields (1.0: the preset); the fit works in these factors.
+FIGURES = {
+    "gemm": (("device", "gemm_eff_max"),),
+    "attn": (("device", "attn_fwd_eff"), ("device", "attn_bwd_eff")),
+    "mem": (("device", "mem_eff"),),
+    "net": (("inter", "bus_eff"),),
+    "nvlink": (("intra", "bus_eff"),),
+}
+FREE = {"a100": ("gemm", "mem", "net"), "h100-95g": ("gemm", "attn", "net"), "h100": ("gemm", "mem")}
+# The most each fitted field may reach: the best measured shapes (MAMF table, stas00/ml-engineering: A100 bf16
+# 85.9%, H100 SXM 80.1% of peak), FlashAttention-3's 75% on H100 (Shah et al., arXiv 2407.08608), 95% of HBM
+# bandwidth, a link's line rate. A fit that ends at a cap says the model misses the run elsewhere.
+CAPS = {"gemm_eff_max": 0.86, "attn_fwd_eff": 0.75, "attn_bwd_eff": 0.75, "mem_eff": 0.95, "bus_eff": 1.0}
+PROBE = 0.8  # the factor each figure is re-planned at to measure the step's sensitivity to it
+PRIOR = 0.05  # weight of log(factor)^2 against a row's log(predicted / published)^2: keeps unfitted figures at 1
+
+
+def scaled(cluster, factors: dict):
+    """`cluster` with each free figure's fields multiplied by its factor (clipped to CAPS)."""
+    dev, intra, inter = cluster.device, cluster.intra, cluster.inter
+    parts = {"device": {}, "intra": {}, "inter": {}}
+    for fig, k in sorted(factors.items()):
+        for part, field in FIGURES[fig]:
+            base = getattr({"device": dev, "intra": intra, "inter": inter}[part], field)
+            parts[part][field] = min(CAPS[field], base * k)
+    if not any(parts.values()):
+        return cluster
+    tag = ",".join(f"{f}x{k:.4g}" for f, k in sorted(factors.items()))
+    return dataclasses.replace(
+        cluster,
+        name=f"{cluster.name}[{tag}]",
+        device=dataclasses.replace(dev, **parts["device"]),
+        intra=dataclasses.replace(intra, **parts["intra"]),
+        inter=dataclasses.replace(inter, **parts["inter"]),
+    )
+
+
+def row_cluster(row: Row, preset: str | None = None, factors: dict | None = None):
+    cl = get_cluster(preset or row.cluster)
+    if row.unfused and cl.device.attention != "unfused":
+        cl = cl.with_device(attention="unfused")
+    return scaled(cl, factors or {})
+
+
+# ---- planning one row (cached)
+
+
+# Context parallelism inside pipeline stages (TorchTitan Table 6 at cp > 1, Llama 3's 128K row): helper cp3d's work.
+# Until it plans, those rows are listed as not expressible with the error of the last try; --cp-pipeline tries.
+PIPELINE_CP = False
+PIPELINE_CP_TRIED = "B6.16 on 8x4x2x8 (pp,dp,cp,tp), this branch, 2026-12-02"
+PIPELINE_CP_ERROR = (
+    "SolverTimeLimitError: the solver found no plan within time_limit=60 s (HiGHS: Time limit reached), 189 s wall"
+)
+
+
+def _mesh_and_pipeline(row: Row):
+    """The MeshSpec and pipeline options forcing the row's layout. TorchTitan's Table 5 (FSDP x CP on 8 GPUs, no
+    pipeline) plans on a plain (dp, cp) mesh: the pipeline path's stage plans do not take a cp dim, and on it the
+    cp 1 row finds no plan under the budget (164.5 GB smallest peak) where the plain mesh fits in 80.6 GiB; there
+    recomputation is autopar's choice, as memory needs."""
+    pp, dp, tp, cp = row.layout
+    if cp > 1 and pp > 1 and not PIPELINE_CP:
+        raise NotImplementedError(
+            f"a cp dim inside pipeline stages ({'x'.join(map(str, row.layout))} pp,dp,tp,cp) is not plannable yet: "
+            f"the last try ({PIPELINE_CP_TRIED}) ended in {PIPELINE_CP_ERROR}; --cp-pipeline tries again"
+        )
+    if not row.stages:
+        dims = [(n, s) for n, s in (("dp", dp), ("cp", cp), ("tp", tp)) if s > 1]
+        return autopar.MeshSpec(tuple(s for _, s in dims), tuple(n for n, _ in dims)), None
+    shape, names = ((pp, dp, cp, tp), ("pp", "dp", "cp", "tp")) if cp > 1 else ((pp, dp, tp), ("pp", "dp", "tp"))
+    opts = dict(
+        layers_per_stage=list(row.layers_per_stage),
+        schedules=[row.schedule],
+        stages_per_rank=[row.v],
+        n_microbatches=list(row.microbatches),
+        recompute=row.recompute,
+    )
+    return autopar.MeshSpec(shape, names), opts
+
+
+def _build(row: Row):
+    m = models.build_model(row.model, device="meta", dtype=torch.bfloat16, **row.over)
+    x = models.example_inputs(row.model, batch=row.batch, seq=row.seq, device="meta", **row.over)
+    return m, x
+
+
+def _summary(plan, wall: float) -> dict:
+    pr, sc = plan.predicted, plan.schedule or {}
+    out = {
+        "step_s": pr["step_s"],
+        "compute_s": pr.get("compute_s"),
+        "exposed_comm_s": pr.get("exposed_comm_s"),
+        "bubble_s": pr.get("bubble_s", 0.0),
+        "peak_mem_GiB": pr["peak_mem_bytes"] / 2**30,
+        "fits": pr["peak_mem_bytes"] <= pr["budget_bytes"],
+        "plan_wall_s": wall,
+    }
+    if plan.stages:
+        out["recompute_blocks"] = sum(st["recompute_blocks"] for st in plan.stages)
+        out["n_microbatches"] = sc.get("n_microbatches")
+        out["schedule"] = sc.get("name")
+        out["stage_mesh"] = dict(zip(sc.get("stage_mesh_names", []), sc.get("stage_mesh_shape", [])))
+        out["pp"] = sc.get("pp")
+    return out
+
+
+def _key(*parts) -> str:
+    return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+
+
+def plan_row(row: Row, cluster, auto: bool = False, use_cache: bool = True, cached_only: bool = False) -> dict:
+    """The row planned on `cluster` (its forced layout, or pipeline="auto" on its GPU count when `auto`): the
+    prediction's summary, or {"error": ...} naming why it could not be planned (or, with cached_only, that it
+    was not planned in any run so far)."""
+    path = os.path.join(CACHE, _key(row, repr(cluster), auto, torch.__version__) + ".json")
+    if use_cache and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    if cached_only:
+        return {"error": "not run: pipeline='auto' was not planned in the time this session had"}
+    m, x = _build(row)
+    t = time.perf_counter()
+    try:
+        if auto:
+            plan = autopar.plan(m, (row.gpus,), x, cluster=cluster, pipeline="auto", float8=row.float8 or None)
+        else:
+            mesh, opts = _mesh_and_pipeline(row)
+            plan = autopar.plan(m, mesh, x, cluster=cluster, pipeline=opts, float8=row.float8 or None)
+        out = _summary(plan, time.perf_counter() - t)
+        out["metric"] = metric_of(row, out["step_s"], m)
+    except Exception as e:  # a row that cannot be planned records why; the run goes on
+        out = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", "plan_wall_s": time.perf_counter() - t}
+    if use_cache:
+        os.makedirs(CACHE, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(out, f)
+    return out
+
+
+# ---- the fit: step times re-priced under changed free figures without planning again
+
+
+def probes(row: Row, preset: str | None = None) -> dict:
+    """{figure: step seconds with that figure at PROBE x its value} and "": the preset's step, for `row`'s GPU kind."""
+    out = {"": plan_row(row, row_cluster(row, preset))}
+    for fig in FREE.get(row.cluster, ()):
+        out[fig] = plan_row(row, row_cluster(row, preset, {fig: PROBE}))
+    return out
+
+
+def repriced_step(pr: dict, factors: dict) -> float:
+    """The step at `factors`: each figure's share of the step moves as 1 / factor (module docstring)."""
+    s0 = pr[""]["step_s"]
+    step = s0
+    for fig, k in factors.items():
+        if fig in pr and "step_s" in pr[fig]:
+            step += (pr[fig]["step_s"] - s0) * (1 / k - 1) / (1 / PROBE - 1)
+    return step
+
+
+def _bounds(cluster_name: str, figs) -> list:
+    """Factors keep every field at or below its CAPS value and above 0.3 x the preset's."""
+    cl = get_cluster(cluster_name)
+    out = []
+    for fig in figs:
+        top = min(CAPS[f] / getattr(getattr(cl, p), f) for p, f in FIGURES[fig])
+        out.append((0.3, top))
+    return out
+
+
+def fitted_fields(cluster_name: str, factors: dict) -> str:
+    """The fitted fields' values, those at their CAPS marked."""
+    cl = scaled(get_cluster(cluster_name), factors)
+    out = []
+    for fig in factors:
+        for part, field in FIGURES[fig]:
+            v = getattr(getattr(cl, part), field)
+            out.append(f"{part}.{field} = {v:.4g}" + (" (at its cap)" if v >= CAPS[field] - 1e-9 else ""))
+    return ", ".join(out)
+
+
+def fit(rows: list[Row], cluster_name: str) -> dict:
+    """Factors of `cluster_name`'s free figures that minimise sum log(pred / pub)^2 over `rows` plus the prior."""
+    figs = FREE[cluster_name]
+    data = []
+    for r in rows:
+        pr = probes(r)
+        if all("step_s" in v for v in pr.values()):
+            data.append((r, pr))
+    if not data:
+        return {}
+
+    def loss(logk):
+        k = dict(zip(figs, map(math.exp, logk)))
+        err = sum(
+            math.log(r.published * repriced_step(pr, k) / (pr[""]["metric"] * pr[""]["step_s"])) ** 2 for r, pr in data
+        )
+        return err + PRIOR * sum(x * x for x in logk)
+
+    b = [(math.log(lo), math.log(hi)) for lo, hi in _bounds(cluster_name, figs)]
+    res = minimize(loss, [0.0] * len(figs), bounds=b, method="L-BFGS-B")
+    return {f: round(math.exp(x), 4) for f, x in zip(figs, res.x)}
+
+
+# ---- the report
+
+FITTED_PRESETS = {"a100": "a100-selene", "h100-95g": "h100-95g-titan", "h100": "h100-llama3"}
+
+
+def _layout(row: Row) -> str:
+    pp, dp, tp, cp = row.layout
+    s = f"pp{pp} dp{dp} tp{tp}" + (f" cp{cp}" if cp > 1 else "")
+    if pp > 1:
+        s += f", {row.schedule}" + (f" v={row.v}" if row.v > 1 else "") + f", m={row.microbatches[0]}"
+    return s + f", recompute={row.recompute}" + (", float8" if row.float8 else "")
+
+
+def _set(row: Row) -> str:
+    if not row.strict:
+        return "not strict"
+    return "fitted" if row.fitted else "held back"
+
+
+def _fmt(x, nd=3):
+    return "-" if x is None else f"{x:.{nd}g}" if isinstance(x, float) else str(x)
+
+
+def evaluate(rows: list[Row], fitted: dict) -> list[dict]:
+    """Each row planned at its preset and at the fitted figures (the fitted preset where it is defined)."""
+    out = []
+    for row in rows:
+        base = plan_row(row, row_cluster(row))
+        rec = {"name": row.name, "source": row.source, "set": _set(row), "layout": _layout(row), "gpus": row.gpus}
+        rec.update(published=row.published, metric=row.metric, published_mem_GiB=row.mem_gib, preset=row.cluster)
+        rec["unmodelled"] = list(row.unmodelled)
+        rec["at_preset"] = base
+        name = FITTED_PRESETS.get(row.cluster)
+        try:
+            cl = row_cluster(row, name)
+        except ValueError:  # the fitted preset is not in cluster.py yet: the fit's factors on the preset
+            cl = row_cluster(row, None, fitted.get(row.cluster, {})) if fitted.get(row.cluster) else None
+            name = row.cluster + " x fit" if cl is not None else None
+        rec["fitted_cluster"] = name
+        rec["at_fit"] = plan_row(row, cl) if cl is not None else None
+        for k in ("at_preset", "at_fit"):
+            r = rec[k]
+            if r and "metric" in r:
+                r["ratio"] = r["metric"] / row.published
+                if row.mem_gib:
+                    r["mem_ratio"] = r["peak_mem_GiB"] / row.mem_gib
+        out.append(rec)
+        print(json.dumps({"name": row.name, **{k: rec[k] for k in ("at_preset", "at_fit")}}), flush=True)
+    return out
+
+
+def _stats(recs, key: str, which: str) -> str:
+    """Median and worst |ratio - 1| of one set, overall and per GPU kind (the base preset)."""
+    out = []
+    for pre in [None] + list(dict.fromkeys(r["preset"] for r in recs)):
+        sel = [r for r in recs if r["set"] == which and (pre is None or r["preset"] == pre)]
+        errs = [abs(r[key]["ratio"] - 1) for r in sel if r.get(key) and "ratio" in r[key]]
+        if errs:
+            m, w = 100 * statistics.median(errs), 100 * max(errs)
+            out.append(f"{pre + ' ' if pre else ''}{len(errs)} rows, median {m:.1f}%, worst {w:.1f}%")
+    return f"{which}: " + (
+        "; ".join(out[:1]) + (" (" + "; ".join(out[1:]) + ")" if out[1:] else "") if out else "no rows"
+    )
+
+
+def _mem_stats(recs, key: str) -> str:
+    errs = [abs(r[key]["mem_ratio"] - 1) for r in recs if r.get(key) and "mem_ratio" in r[key]]
+    if not errs:
+        return "no rows"
+    within = sum(e <= 0.15 for e in errs)
+    return f"{len(errs)} rows, median {100 * statistics.median(errs):.1f}%, worst {100 * max(errs):.1f}%, {within} within 15%"
+
+
+def _row_line(r) -> str:
+    a, f = r["at_preset"], r["at_fit"] or {}
+    if "error" in a:
+        return f"| {r['name']} | {r['set']} | {r['layout']} | {r['published']} | not expressible: {a['error']} |||||||"
+    cells = [
+        r["name"],
+        r["set"] + (" (" + "; ".join(r["unmodelled"]) + ")" if r["unmodelled"] else ""),
+        r["layout"],
+        _fmt(r["published"], 4),
+        _fmt(a["metric"], 4),
+        f"{a['ratio']:.3f}",
+        _fmt(f.get("metric"), 4),
+        f"{f['ratio']:.3f}" if "ratio" in f else "-",
+        f"{a['step_s']:.3f} / {f['step_s']:.3f}" if "step_s" in f else f"{a['step_s']:.3f}",
+        _fmt(r["published_mem_GiB"]),
+        f"{a['peak_mem_GiB']:.1f} / {f['peak_mem_GiB']:.1f}" if "peak_mem_GiB" in f else f"{a['peak_mem_GiB']:.1f}",
+        f"{a['plan_wall_s']:.1f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+# What the 2026-12-02 run on this branch showed beyond the ratios (hand-written: re-check after cost-model changes).
+NOTES = [
+    "A8 (dp 15): no plan under 72 GB (smallest peak 331.7 GB) where the same layout at dp 16 plans at 4.2 GiB: "
+    "a planner limitation (cause not investigated; 15 divides none of the weight dims).",
+    "B3 (70B, FSDP 32 x TP 8, local batch 16 without gradient accumulation as TorchTitan ran it): no plan under "
+    "the budget (smallest peak 1171.7 GB); with 4 micro-batches it plans at 37.3 GiB (TorchTitan measured 70.3).",
+    "B5.11 (FSDP 8, seq 32K, full AC) on the pipeline path (1x8x1 pp,dp,tp, recompute='all'): smallest peak "
+    "164.5 GB, no plan; the plain dp mesh plans at 80.6 GiB. Table 5 therefore plans on plain meshes.",
+    "B1.1 vs B2.4: the model puts FSDP over 128 GPUs (16 nodes) at no exposed communication and faster per GPU "
+    "than 8 GPUs (fewer recomputed blocks), where TorchTitan measured 10% slower: the fitted h100-95g-titan "
+    "lowers gemm_eff_max to 0.59 to split that difference.",
+    "C1 at h100-llama3 (higher efficiencies than h100) predicts a slower step than at h100 (15.33 s vs 14.62 s): "
+    "its plan recomputes 124 of 126 blocks at a 17.2 GiB peak where the preset's recomputes 67 at 62.0 GiB, so "
+    "the re-pricing's fixed-placement assumption does not hold there and the stage search's recompute choice "
+    "looks wrong (recompute=True should checkpoint only as memory needs).",
+    "Context parallelism (Table 5): cp 2 1.12x, cp 4 1.70x, cp 8 1.94x optimistic at the fitted figures: the "
+    "sharded attention at 128K-256K is priced far cheaper than TorchTitan's 2024 ring attention ran.",
+]
+
+METRIC_NAMES = {
+    "megatron_tflops": "TFLOP/s per GPU (Megatron eq. 3)",
+    "titan_tps": "tokens/s per GPU",
+    "llama3_tflops": "TFLOPs per GPU (6N + 6lhs per token)",
+}
+
+
+def report(recs, fitted: dict, argv: list[str], auto_rows) -> list[str]:
+    head = (
+        "| row | set | layout (forced) | published | predicted (preset) | ratio | predicted (fitted) | ratio | "
+        "step s (preset / fitted) | published GiB | predicted GiB (preset / fitted) | plan s |"
+    )
+    lines = [
+        "# Published large runs against autopar's cost model",
+        "",
+        f"`python benchmarks/published.py {' '.join(argv)}` (torch {torch.__version__}, "
+        f"{datetime.date.today().isoformat()}). Rows: ../shared/reference/published_runs.md; each row's published "
+        "layout forced through autopar.plan (MeshSpec + pipeline=dict(...)); ratio = predicted / published in the "
+        "row's own metric (> 1: the model is optimistic).",
+        "",
+        "## Assumptions and method",
+        "",
+        __doc__.split("\n\n", 1)[1].split("\n    python")[0],
+        "",
+        "## Accuracy (|predicted / published - 1| on throughput)",
+        "",
+        "At the presets as they are (`" + "`, `".join(sorted({r["preset"] for r in recs})) + "`):",
+        "",
+        f"- {_stats(recs, 'at_preset', 'fitted')}",
+        f"- {_stats(recs, 'at_preset', 'held back')}",
+        f"- {_stats(recs, 'at_preset', 'not strict')}",
+        f"- memory: {_mem_stats(recs, 'at_preset')}",
+        "",
+        "With the fitted figures (factors on the preset: "
+        + "; ".join(f"{c}: {k} -> {fitted_fields(c, k)}" for c, k in sorted(fitted.items()) if k)
+        + "):",
+        "",
+        f"- {_stats(recs, 'at_fit', 'fitted')}",
+        f"- {_stats(recs, 'at_fit', 'held back')}",
+        f"- {_stats(recs, 'at_fit', 'not strict')}",
+        f"- memory: {_mem_stats(recs, 'at_fit')}",
+        "",
+    ]
+    for src in dict.fromkeys(r["source"].split(" Table")[0] for r in recs):
+        group = [r for r in recs if r["source"].startswith(src)]
+        lines += [f"## {src}: {METRIC_NAMES[group[0]['metric']]}", "", head, "|" + "---|" * 12]
+        lines += [_row_line(r) for r in group] + [""]
+    bad = [r for r in recs if "error" in r["at_preset"]]
+    lines += ["## Not expressible (the exact error)", ""]
+    lines += [f"- {r['name']} ({r['layout']}): `{r['at_preset']['error']}`" for r in bad] or ["- none"]
+    lines += ["", "## Findings of this run (hand-written, 2026-12-02)", ""] + [f"- {n}" for n in NOTES]
+    lines += [""] + (auto_rows or [])
+    return lines
+
+
+def _terms(s: dict) -> str:
+    parts = [f"{k.replace('_s', '')} {s[k]:.3f}" for k in ("compute_s", "exposed_comm_s", "bubble_s") if s.get(k)]
+    if "recompute_blocks" in s:
+        parts.append(f"recomputed blocks {s['recompute_blocks']}")
+    if "pp" in s:
+        mesh = " x ".join(f"{k} {v}" for k, v in s["stage_mesh"].items())
+        parts.append(f"pp {s['pp']} x {mesh}, {s['schedule']} m={s['n_microbatches']}")
+    return ", ".join(parts)
+
+
+def plan_quality(recs, rows: list[Row], cached_only: bool = False) -> list[str]:
+    """autopar's own layout (pipeline="auto") beside each published layout, on the same GPUs, batch and cluster."""
+    lines = [
+        "## Plan quality: autopar's own layout (pipeline='auto') vs the published one, same GPUs and batch",
+        "",
+        "| row | published layout step s | autopar step s | autopar / published | published terms | autopar terms "
+        "| plan s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    by_name = {r["name"]: r for r in recs}
+    for row in rows:
+        rec = by_name[row.name]
+        pub = rec["at_fit"] or rec["at_preset"]
+        name = rec["fitted_cluster"] if rec["at_fit"] else row.cluster
+        cl = row_cluster(row, name if name in FITTED_PRESETS.values() else None)
+        auto = plan_row(row, cl, auto=True, cached_only=cached_only)
+        if "error" in auto or "error" in pub:
+            lines.append(f"| {row.name} | - | - | - | {pub.get('error', '')} | {auto.get('error', '')} | - |")
+            continue
+        lines.append(
+            f"| {row.name} | {pub['step_s']:.3f} | {auto['step_s']:.3f} | {auto['step_s'] / pub['step_s']:.3f} | "
+            f"{_terms(pub)} | {_terms(auto)} | {auto['plan_wall_s']:.1f} |"
+        )
+    return lines + [""]
+
+
+def _matches(row: Row, s: str) -> bool:
+    """--only: a row id prefix ("A", "B5", "C1") or a word of the name ("405b", "interleaved")."""
+    if re.fullmatch(r"[ABC][0-9.]*", s):
+        return row.name.split()[0].startswith(s)
+    return s.lower() in row.name.lower()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--only", nargs="*", help="rows whose name contains one of these")
+    ap.add_argument("--fit", action="store_true", help="fit the free figures on the fitted rows (FREE, per GPU kind)")
+    ap.add_argument("--auto", nargs="*", help="also plan pipeline='auto' for the rows containing these (all: '')")
+    ap.add_argument("--auto-cached", action="store_true", help="--auto reports only what earlier runs planned")
+    ap.add_argument("--cp-pipeline", action="store_true", help="try the rows with cp inside pipeline stages")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "published"))
+    args = ap.parse_args(argv)
+    argv = list(argv) if argv is not None else __import__("sys").argv[1:]
+    global PIPELINE_CP
+    PIPELINE_CP = PIPELINE_CP or args.cp_pipeline
+    rows = [r for r in ROWS if not args.only or any(_matches(r, s) for s in args.only)]
+    fitted = {}
+    fit_path = args.out + "_fit.json"
+    if args.fit:
+        for cl in sorted({r.cluster for r in rows}):
+            fitted[cl] = fit([r for r in rows if r.cluster == cl and r.fitted and r.strict], cl)
+            print(f"fit {cl}: {fitted[cl]}", flush=True)
+        with open(fit_path, "w") as f:
+            json.dump(fitted, f, indent=1)
+    elif os.path.exists(fit_path):
+        with open(fit_path) as f:
+            fitted = json.load(f)
+    recs = evaluate(rows, fitted)
+    auto = []
+    if args.auto is not None:
+        chosen = [r for r in rows if r.strict and any(_matches(r, s) for s in args.auto or [""])]
+        auto = plan_quality(recs, chosen, args.auto_cached)
+    with open(args.out + ".jsonl", "w") as f:
+        for r in recs:
+            f.write(json.dumps(r) + "\n")
+    with open(args.out + ".md", "w") as f:
+        f.write("\n".join(report(recs, fitted, argv, auto)) + "\n")
+    print(f"wrote {args.out}.md, {args.out}.jsonl")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

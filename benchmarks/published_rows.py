@@ -1,0 +1,232 @@
+"""The published runs of ../shared/reference/published_runs.md as rows for benchmarks/published.py (figures copied:
+the project does not read ../shared at run or test time), each with the layout that produced it, and the rows'
+own throughput metrics. Assumptions behind each choice: benchmarks/published.py's docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+_GPT = dict(vocab_size=51200, max_seq_len=2048, tie_embeddings=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One published measurement and the layout that produced it. layout: (pp, dp, tp, cp); metric: "megatron_tflops",
+    "titan_tps" or "llama3_tflops"; unmodelled: what the run used that autopar does not price (empty: strict)."""
+
+    name: str
+    source: str
+    model: str
+    over: dict
+    gpus: int
+    layout: tuple
+    batch: int  # global batch, sequences
+    seq: int
+    published: float
+    metric: str
+    cluster: str
+    schedule: str = "1F1B"
+    v: int = 1
+    microbatches: tuple = (1,)
+    layers_per_stage: tuple = ()
+    recompute: object = "all"
+    float8: bool = False
+    mem_gib: float | None = None
+    unmodelled: tuple = ()
+    fitted: bool = False
+    unfused: bool = False
+    stages: bool = True  # planned on the pipeline path (a hand layout); False: a plain mesh, autopar's recompute
+
+    @property
+    def strict(self) -> bool:
+        return not self.unmodelled
+
+
+# ---- Table A: Megatron-LM SC21 Table 1 (params B, heads, hidden, layers, t, p, GPUs, d, global batch, TFLOP/s/GPU)
+MEGATRON = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 32, 512, 137),
+    (3.6, 32, 3072, 30, 2, 1, 64, 32, 512, 138),
+    (7.5, 32, 4096, 36, 4, 1, 128, 32, 512, 142),
+    (18.4, 48, 6144, 40, 8, 1, 256, 32, 1024, 135),
+    (39.1, 64, 8192, 48, 8, 2, 512, 32, 1536, 138),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 32, 1792, 140),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 24, 2304, 148),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 15, 2160, 155),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 9, 2520, 163),
+    (1008, 160, 25600, 128, 8, 64, 3072, 6, 3072, 163),
+]
+
+
+def _interleave(per_rank: int) -> int:
+    """Stages per rank of a Megatron interleaved row: the smallest divisor >= 2 of its blocks per rank."""
+    return next((v for v in range(2, per_rank + 1) if per_rank % v == 0), 1)
+
+
+def _megatron(i, r) -> Row:
+    b, h, d, n, t, p, g, dp, gb, tf = r
+    assert t * p * dp == g, r
+    per_dp = gb // dp
+    v = _interleave(n // p) if p > 1 else 1
+    return Row(
+        name=f"A{i + 1} gpt-{b}B t{t} p{p} d{dp}",
+        source="Megatron-LM SC21 Table 1",
+        model="gpt2-small",
+        over=dict(_GPT, n_heads=h, dim=d, n_layers=n),
+        gpus=g,
+        layout=(p, dp, t, 1),
+        batch=gb,
+        seq=2048,
+        published=tf,
+        metric="megatron_tflops",
+        cluster="a100",
+        schedule="Interleaved1F1B" if p > 1 else "GPipe",
+        v=v,
+        microbatches=(per_dp,) if p > 1 else tuple(m for m in (1, 2, 4, 8, 16, 32) if per_dp % m == 0),
+        layers_per_stage=tuple([n // (p * v)] * (p * v)),
+        fitted=i % 2 == 0,
+        unfused=True,
+    )
+
+
+# ---- Table B: TorchTitan (table, model, GPUs, (pp, dp, tp, cp), local batch, seq, techniques, TPS/GPU, GiB)
+_SAC, _COMPILE, _ASYNC = "selective AC", "torch.compile not modelled", "async TP not modelled"
+TITAN = [
+    (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute=True), (), 6258, 81.9),
+    (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute=True), (_COMPILE,), 6674, 77.0),
+    (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute=True, float8=True), (_COMPILE,), 9409, 76.8),
+    (2, "8b", 128, (1, 128, 1, 1), 2, 8192, dict(recompute=True), (), 5645, 67.0),
+    (2, "8b", 128, (1, 128, 1, 1), 2, 8192, dict(recompute=True), (_COMPILE,), 6482, 62.1),
+    (2, "8b", 128, (1, 128, 1, 1), 2, 8192, dict(recompute=True, float8=True), (_COMPILE,), 9319, 61.8),
+    (3, "70b", 256, (1, 32, 8, 1), 16, 8192, dict(float8=True), (_COMPILE,), 897, 70.3),
+    (3, "70b", 256, (1, 32, 8, 1), 16, 8192, dict(float8=True), (_COMPILE, _ASYNC), 1010, 67.7),
+    (4, "405b", 512, (16, 4, 8, 1), 32, 8192, dict(float8=True), (_COMPILE,), 100, 78.0),
+    (4, "405b", 512, (16, 4, 8, 1), 32, 8192, dict(float8=True, v=2), (_COMPILE,), 130, 80.3),
+    (5, "8b", 8, (1, 8, 1, 1), 1, 32768, {}, (), 3890, 83.9),
+    (5, "8b", 8, (1, 4, 1, 2), 1, 65536, {}, (), 2540, 84.2),
+    (5, "8b", 8, (1, 2, 1, 4), 1, 131072, {}, (), 1071, 84.0),
+    (5, "8b", 8, (1, 1, 1, 8), 1, 262144, {}, (), 548, 84.5),
+    (6, "405b", 512, (8, 8, 8, 1), 8, 32768, dict(recompute=True), (), 76, 75.3),
+    (6, "405b", 512, (8, 4, 8, 2), 8, 65536, dict(recompute=True), (), 47, 75.9),
+    (6, "405b", 512, (8, 2, 8, 4), 8, 131072, dict(recompute=True), (), 31, 77.1),
+    (6, "405b", 512, (8, 1, 8, 8), 8, 262144, dict(recompute=True), (), 16, 84.9),
+]
+_BLOCKS = {"8b": 32, "70b": 80, "405b": 126}
+
+
+def _split(n_blocks: int, stages: int) -> tuple:
+    """Blocks per stage, one fewer on the first and last stage where the count does not divide (Llama 3's 405B)."""
+    if n_blocks % stages == 0:
+        return tuple([n_blocks // stages] * stages)
+    inner = -(-(n_blocks - 2 * (n_blocks // stages)) // (stages - 2))
+    ends = (n_blocks - inner * (stages - 2)) // 2
+    out = (ends,) + (inner,) * (stages - 2) + (n_blocks - inner * (stages - 2) - ends,)
+    assert sum(out) == n_blocks, (n_blocks, stages, out)
+    return out
+
+
+def _titan(i, r) -> Row:
+    table, size, g, layout, local, seq, opts, unmod, tps, gib = r
+    pp, dp, tp, cp = layout
+    opts = dict(opts)
+    v = opts.pop("v", 1)
+    sched = ("Interleaved1F1B" if v > 1 else "1F1B") if pp > 1 else "GPipe"
+    techniques = "+".join(["float8"] * opts.get("float8", False) + [u.split()[0] for u in unmod])
+    return Row(
+        name=f"B{table}.{i + 1} llama3-{size} {g}xH100 pp{pp} dp{dp} tp{tp} cp{cp} seq{seq}"
+        + (f" {techniques}" if techniques else "")
+        + (" interleaved" if v > 1 else ""),
+        source=f"TorchTitan Table {table}",
+        model=f"llama3-{size}",
+        over=dict(max_seq_len=seq) if seq != 8192 else {},
+        gpus=g,
+        layout=layout,
+        batch=local * dp,
+        seq=seq,
+        published=tps,
+        metric="titan_tps",
+        cluster="h100-95g",
+        schedule=sched,
+        v=v,
+        microbatches=(local,) if pp > 1 else tuple(m for m in (1, 2, 4, 8, 16) if local % m == 0),
+        layers_per_stage=_split(_BLOCKS[size], pp * v),
+        recompute=opts.get("recompute", "all"),
+        float8=opts.get("float8", False),
+        mem_gib=gib,
+        unmodelled=unmod,
+        fitted=table in (1, 2) and not unmod,
+        stages=table != 5,
+    )
+
+
+# ---- Table C: Llama 3 Table 4 (GPUs, TP, CP, PP, DP, seq, batch per DP, TFLOPs/GPU)
+LLAMA3 = [
+    (8192, 8, 1, 16, 64, 8192, 32, 430),
+    (16384, 8, 1, 16, 128, 8192, 16, 400),
+    (16384, 8, 16, 16, 8, 131072, 16, 380),
+]
+
+
+# Llama 3 ran an interleaved schedule (section 3.3.2) with one block fewer on the first and the last stage; its
+# stages per rank are not published: 4 is the deepest interleaving that keeps a block in every virtual stage
+# (64 virtual stages of 2 blocks, 1 on the first and the last: 126 blocks).
+LLAMA3_V = 4
+
+
+def _llama3(i, r) -> Row:
+    g, tp, cp, pp, dp, seq, per_dp, tf = r
+    assert tp * cp * pp * dp == g, r
+    return Row(
+        name=f"C{i + 1} llama3-405b {g}xH100 pp{pp} dp{dp} tp{tp} cp{cp} seq{seq}",
+        source="Llama 3 Table 4",
+        model="llama3-405b",
+        over=dict(max_seq_len=seq) if seq != 8192 else {},
+        gpus=g,
+        layout=(pp, dp, tp, cp),
+        batch=per_dp * dp,
+        seq=seq,
+        published=tf,
+        metric="llama3_tflops",
+        cluster="h100",
+        schedule="Interleaved1F1B",
+        v=LLAMA3_V,
+        microbatches=(per_dp,),
+        layers_per_stage=_split(126, pp * LLAMA3_V),
+        recompute=True,
+        fitted=i == 0,
+    )
+
+
+ROWS = (
+    [_megatron(i, r) for i, r in enumerate(MEGATRON)]
+    + [_titan(i, r) for i, r in enumerate(TITAN)]
+    + [_llama3(i, r) for i, r in enumerate(LLAMA3)]
+)
+
+# ---- the metrics
+
+
+def megatron_flops(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
+    """FLOPs per iteration by Megatron-LM's equation 3 (SC21), with activation recomputation."""
+    return 96 * batch * seq * layers * hidden**2 * (1 + seq / (6 * hidden) + vocab / (16 * layers * hidden))
+
+
+def llama3_flops_per_token(model, layers: int, dim: int, seq: int) -> float:
+    """6 N + 6 l h s: N the parameters less the input embedding (a lookup, no matmul), plus causal attention."""
+    n = sum(p.numel() for name, p in model.named_parameters() if "tok_embeddings" not in name)
+    return 6 * n + 6 * layers * dim * seq
+
+
+def metric_of(row: Row, step_s: float, model) -> float:
+    """The row's own throughput metric for a step of `step_s` seconds."""
+    tokens = row.batch * row.seq
+    if row.metric == "titan_tps":
+        return tokens / step_s / row.gpus
+    if row.metric == "megatron_tflops":
+        o = row.over
+        f = megatron_flops(row.batch, row.seq, o["n_layers"], o["dim"], o["vocab_size"])
+        return f / step_s / row.gpus / 1e12
+    if row.metric == "llama3_tflops":
+        layers, dim = len(model.layers), model.tok_embeddings.embedding_dim
+        return tokens * llama3_flops_per_token(model, layers, dim, row.seq) / step_s / row.gpus / 1e12
+    raise ValueError(f"row {row.name!r}: unknown metric {row.metric!r}")
