@@ -8,7 +8,10 @@ on every backward but the last: torchtitan also passes reshard_after_forward=Fal
 gradients accumulate across micro-batches (in the reduce dtype, fp32 under bf16 mixed precision) and are
 reduce-scattered after the last backward, the tail past the rank's last backward showing; then the optimizer step,
 memory bound over the rank's shard. The unsharded parameters and accumulated gradients are memory every stage
-holds through the step. With one pipeline rank there is no schedule: FSDP2 reshards after the forward and gathers
+holds through the step. Multi-stage schedule classes (interleaved, zero-bubble, V: torch's
+_PipelineScheduleRuntime) instead issue an UNSHARD of each of the rank's stages (up to 3 active) at the step's start,
+so a stage's first forward waits only for its gathers to be done, and a REDUCE_GRAD of the whole stage after its
+last backward. With one pipeline rank there is no schedule: FSDP2 reshards after the forward and gathers
 again for the backward (the plain FSDP2 timeline of autopar/cost/overlap.py).
 """
 
@@ -70,10 +73,11 @@ def stage_units(cv, a: int, b: int, recompute: int, regather: bool) -> list[Unit
     ]
 
 
-def engine_step(order, rank_of, F, B, W, p2p, units: list, opt_s: list) -> dict:
+def engine_step(order, rank_of, F, B, W, p2p, units: list, opt_s: list, multi: bool = False) -> dict:
     """The step of a partition as the engines run it (module docstring): units[k] stage k's FSDP2 units,
-    opt_s[k] its optimizer step. Returns the simulation (first forwards with their exposed gathers), the step,
-    per stage the gathers' and reductions' exposed seconds, and the slowest rank's optimizer step."""
+    opt_s[k] its optimizer step, multi: a multi-stage schedule class (torch's _PipelineScheduleRuntime). Returns
+    the simulation, the step, per stage the gathers' and reductions' exposed seconds, and the slowest rank's
+    optimizer step."""
     p = len(order)
     if p == 1:  # no schedule: FSDP2 as in a plain step, resharded after the forward
         sim = simulate(order, rank_of, F, B, W, p2p)
@@ -86,9 +90,18 @@ def engine_step(order, rank_of, F, B, W, p2p, units: list, opt_s: list) -> dict:
             "tail_s": [0.0] * len(F),
             "optimizer_s": opt,
         }
-    first = [fsdp_timeline([Unit(u.fw, 0.0, u.ag, 0.0, regather=False) for u in us])["exposed_s"] for us in units]
-    tail = [fsdp_timeline([Unit(0.0, u.bw, 0.0, u.rs, regather=False) for u in us])["exposed_s"] for us in units]
-    sim = simulate(order, rank_of, F, B, W, p2p, first_f=first)
+    if multi:  # UNSHARD of the rank's stages at its step's start, REDUCE_GRAD of a stage after its last backward
+        first, tail, ready = [0.0] * len(F), [sum(u.rs for u in us) for us in units], [0.0] * len(F)
+        for r in range(p):
+            t = 0.0
+            for s in dict.fromkeys(a[0] for a in order[r]):  # the rank's stages in the order they first compute
+                t += sum(u.ag for u in units[s])
+                ready[s] = t
+        sim = simulate(order, rank_of, F, B, W, p2p, ready_f=ready)
+    else:  # single-stage schedules: FSDP2's own hooks gather unit by unit in the first forward
+        first = [fsdp_timeline([Unit(u.fw, 0.0, u.ag, 0.0, regather=False) for u in us])["exposed_s"] for us in units]
+        tail = [fsdp_timeline([Unit(0.0, u.bw, 0.0, u.rs, regather=False) for u in us])["exposed_s"] for us in units]
+        sim = simulate(order, rank_of, F, B, W, p2p, first_f=first)
     ends, opts = [], []
     for r, ev in enumerate(sim.events):
         mine = [k for k in range(len(F)) if rank_of[k] == r]

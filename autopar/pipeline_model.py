@@ -207,10 +207,13 @@ class Simulation:
         return 0.0 if self.step_s <= 0 else 1.0 - sum(self.busy_s) / (p * self.step_s)
 
 
-def simulate(order: tuple, rank_of: tuple, F: list, B: list, W: list, p2p: list, first_f=None) -> Simulation:
+def simulate(
+    order: tuple, rank_of: tuple, F: list, B: list, W: list, p2p: list, first_f=None, ready_f=None
+) -> Simulation:
     """List-schedule torch's action order. F/B/W: seconds per stage per micro-batch (a full backward "B" costs
     B+W); p2p[k]: seconds to move one micro-batch's activation (or its gradient) from stage k to k+1 when they sit
-    on different ranks; first_f[k]: seconds stage k's first micro-batch forward adds (its exposed FSDP gathers)."""
+    on different ranks; first_f[k]: seconds stage k's first micro-batch forward adds (its exposed FSDP gathers);
+    ready_f[k]: the earliest start of that forward (its stage's gathers, issued at the step's start, are done)."""
     S, p = len(F), len(order)
     M = 1 + max((a[2] for r in order for a in r), default=0)
     full = [b + w for b, w in zip(B, W)]
@@ -230,7 +233,7 @@ def simulate(order: tuple, rank_of: tuple, F: list, B: list, W: list, p2p: list,
             key = s * M + i
             wait = None
             if kind == "F":
-                start = t_free
+                start = t_free if ready_f is None or i else max(t_free, ready_f[s])
                 if s:
                     t = end_f.get(key - M)
                     if t is None:

@@ -499,7 +499,7 @@ def evaluate(
                 )
             )
     eng = (
-        _engine(costs, bounds, variants, recompute, order, rank_of, (F, B, W, x), detail)
+        _engine(costs, bounds, variants, recompute, order, rank_of, (F, B, W, x), detail, spec.multi)
         if engine_priced(cluster)
         else None
     )
@@ -544,7 +544,7 @@ def evaluate(
     }
 
 
-def _engine(costs, bounds, variants, recompute, order, rank_of, times, detail) -> dict:
+def _engine(costs, bounds, variants, recompute, order, rank_of, times, detail, multi) -> dict:
     """evaluate's step on an NCCL cluster: FSDP2 under torch's schedule (autopar/pipeline_engine.py engine_step),
     with the stages' kept bytes; exposed_dp_s is what the gathers and reductions add to the schedule simulated
     without them (the optimizer step apart), exposed_p2p_s what the transfers add to that one."""
@@ -553,7 +553,7 @@ def _engine(costs, bounds, variants, recompute, order, rank_of, times, detail) -
     parts = [(costs[variants[k]], bounds[k], bounds[k + 1]) for k in range(S)]
     units = [pe.stage_units(cv, a, b, recompute[k], p == 1) for k, (cv, a, b) in enumerate(parts)]
     opt = [float(cv.opt_s[a:b].sum()) for cv, a, b in parts]
-    eng = pe.engine_step(order, rank_of, F, B, W, [t for *_, t in x], units, opt)
+    eng = pe.engine_step(order, rank_of, F, B, W, [t for *_, t in x], units, opt, multi)
     plain, no_p2p = eng["sim"].step_s, eng["sim"].step_s  # the split below only for the plan's record (detail)
     if detail:
         plain = pm.simulate(order, rank_of, F, B, W, [t for *_, t in x]).step_s  # gathers, reductions took 0

@@ -185,3 +185,22 @@ def test_fsdp_unsharded_bytes_kept_when_pipelined_two_units_otherwise():
 
     assert fsdp_unsharded_bytes([[1, 2, 3], [4, 5, 6]], p=2) == 21
     assert fsdp_unsharded_bytes([[1, 5, 3]], p=1) == 8
+
+
+def test_multi_stage_schedule_unshards_its_stages_at_the_start():
+    """Interleaved 1F1B (torch's _PipelineScheduleRuntime: UNSHARD of the rank's stages at the step's start,
+    REDUCE_GRAD after a stage's last backward), 2 ranks x 2 stages, 0.5 s of gathers per stage: rank 0's first
+    forward waits 0.5 s and the others' gathers are done before their inputs arrive, so the whole schedule shifts by
+    0.5 s; then the last stage's reduce-scatter (0.25 s) shows."""
+    from autopar import pipeline_engine as pe
+    from autopar import pipeline_model as pm
+
+    spec = pm.get_schedule("Interleaved1F1B")
+    order, rank_of = pm.actions(spec, 2, 4, 2), pm.stage_ranks(spec, 2, 2)
+    F, B, W = [1.0] * 4, [2.0] * 4, [0.0] * 4
+    plain = pm.simulate(order, rank_of, F, B, W, [0.0] * 4)
+    units = [[Unit(fw=1, bw=2, ag=0.5, rs=0.25, regather=False)]] * 4
+    eng = pe.engine_step(order, rank_of, F, B, W, [0.0] * 4, units, [0.0] * 4, multi=True)
+    assert eng["sim"].events[0][0][:2] == (0.5, 1.5)
+    assert eng["sim"].step_s == pytest.approx(plain.step_s + 0.5)
+    assert eng["step_s"] == pytest.approx(plain.step_s + 0.5 + 0.25)
