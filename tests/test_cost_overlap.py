@@ -204,3 +204,16 @@ def test_multi_stage_schedule_unshards_its_stages_at_the_start():
     assert eng["sim"].events[0][0][:2] == (0.5, 1.5)
     assert eng["sim"].step_s == pytest.approx(plain.step_s + 0.5)
     assert eng["step_s"] == pytest.approx(plain.step_s + 0.5 + 0.25)
+
+
+def test_one_pipeline_rank_is_the_plain_fsdp2_timeline():
+    """pp = 1 (a forced FSDP x TP layout through the pipeline path): one micro-batch, the four-unit hand timeline of
+    test_fsdp2_four_units_against_a_hand_timeline (34 s for 24 s of compute) plus a 2 s optimizer step."""
+    from autopar import pipeline_engine as pe
+    from autopar import pipeline_model as pm
+
+    spec = pm.get_schedule("GPipe")
+    order, rank_of = pm.actions(spec, 1, 1, 1), pm.stage_ranks(spec, 1, 1)
+    units = [[Unit(fw=2, bw=4, ag=3, rs=1)] * 4]
+    eng = pe.engine_step(order, rank_of, [8.0], [16.0], [0.0], [0.0], units, [2.0])
+    assert eng["sim"].step_s == 24 and eng["step_s"] == 34 + 2 and eng["optimizer_s"] == 2
