@@ -33,6 +33,8 @@ checkpointed blocks that fit its memory (`stage_options`). Like Alpa (Zheng et a
 enumerates the bottleneck t = max c_k in increasing order, solves min sum f subject to c_k <= t exactly for each
 (dynamic program over the stage index), and stops once (m v - 1) t alone exceeds the best total; `brute_force` is
 the reference the tests hold it to.
+
+On clusters with NCCL links a partition is priced as torch's engines run it: autopar/pipeline_engine.py.
 """
 
 from __future__ import annotations
@@ -205,10 +207,13 @@ class Simulation:
         return 0.0 if self.step_s <= 0 else 1.0 - sum(self.busy_s) / (p * self.step_s)
 
 
-def simulate(order: tuple, rank_of: tuple, F: list, B: list, W: list, p2p: list) -> Simulation:
+def simulate(
+    order: tuple, rank_of: tuple, F: list, B: list, W: list, p2p: list, first_f=None, ready_f=None
+) -> Simulation:
     """List-schedule torch's action order. F/B/W: seconds per stage per micro-batch (a full backward "B" costs
     B+W); p2p[k]: seconds to move one micro-batch's activation (or its gradient) from stage k to k+1 when they sit
-    on different ranks."""
+    on different ranks; first_f[k]: seconds stage k's first micro-batch forward adds (its exposed FSDP gathers);
+    ready_f[k]: the earliest start of that forward (its stage's gathers, issued at the step's start, are done)."""
     S, p = len(F), len(order)
     M = 1 + max((a[2] for r in order for a in r), default=0)
     full = [b + w for b, w in zip(B, W)]
@@ -228,14 +233,14 @@ def simulate(order: tuple, rank_of: tuple, F: list, B: list, W: list, p2p: list)
             key = s * M + i
             wait = None
             if kind == "F":
-                start = t_free
+                start = t_free if ready_f is None or i else max(t_free, ready_f[s])
                 if s:
                     t = end_f.get(key - M)
                     if t is None:
                         wait = (0, key - M)
                     else:
                         start = max(start, t + lat[s - 1])
-                dur = F[s]
+                dur = F[s] + (first_f[s] if first_f is not None and i == 0 else 0.0)
             elif kind == "W":
                 t = end_g.get(key)
                 if t is None:
@@ -337,7 +342,9 @@ def stage_options(costs: list, xfer, spec, p: int, v: int, m: int, q: int, cap: 
     pre = lambda a: np.concatenate([[0.0], np.cumsum(a)])
     Cs, Fs, Rs = [], [], []
     for vi, cv in enumerate(costs):
-        PF, PB, PW, Pd, Ps, Pa = (pre(a) for a in (cv.F, cv.B, cv.W, cv.dp, cv.state, cv.act))
+        kept = getattr(cv, "kept", None) if p > 1 else None  # engine pricing: FSDP2 keeps the stage gathered
+        state = cv.state if kept is None else cv.state + kept
+        PF, PB, PW, Pd, Ps, Pa = (pre(a) for a in (cv.F, cv.B, cv.W, cv.dp, state, cv.act))
         Pn, Psv, Prt = pre(cv.blk.astype(float)), pre(cv.save), pre(cv.rtime)
         x = np.pad(np.asarray(xfer[vi], dtype=float), (1, 1))  # x[b]: transfer over boundary b (0, n: none)
         comp = (PF[i] - PF[j]) + (PB[i] - PB[j]) + (PW[i] - PW[j]) + x[j] + x[i]

@@ -2,7 +2,14 @@
 
 Step time = compute + exposed communication. Parameter gathers (FSDP-style) and gradient reductions can overlap
 with compute (prefetch, bucketing): exposed = activation comm + max(0, param/grad comm - compute); with
-`plan(..., overlap=False)` (autopar's graph executor: collectives block) exposed = all comm. Memory per
+`plan(..., overlap=False)` (autopar's graph executor: collectives block) exposed = all comm.
+
+On a cluster whose links NCCL runs (LinkSpec.nccl: the GPU presets) the step is priced as torch's engines schedule
+it (autopar/cost/overlap.py): with overlap=True the FSDP2 timeline over the plan's units (one per block of the
+layer list, the rest in the root unit) replaces the global max(0, comm - compute): each unit's gathers run one unit
+ahead under the unit before, its gradient reductions on their own stream after its backward, activation (TP)
+collectives on the compute stream; and on every NCCL cluster the optimizer step (memory bound, over each rank's
+shard) is added. Other clusters (cpu-gloo, the analytic ring presets) keep the formula above exactly. Memory per
 rank = model state at the storage placements (params, grads, optimizer state) + the activation liveness peak of
 the fw+bw order, with each redistributed input held while its consumer runs.
 """
@@ -16,10 +23,11 @@ import torch
 from .cost import collective_time
 from .cost.cluster import ClusterSpec
 from .cost.memory import TrainingPrecision
+from .cost.overlap import Unit, fsdp_timeline, optimizer_step_time
 from .graph import Graph, Node, Ref, TensorMeta, param_root
 from .liveness import liveness_peak, recomputed_seconds, state_bytes
 from .plan import Plan, _dim, execution_record, node_record
-from .strategies import Strategy
+from .strategies import Strategy, num_shards
 from .collectives import grad_reduce_time, link_of, redistribute_time
 
 
@@ -165,10 +173,17 @@ def predict_records(graph, placement, records, buckets, pricing, cluster, mesh_s
         compute += recompute_s
     overlappable = comm["param"] + comm["grad"]
     exposed = comm["act"] + (max(0.0, overlappable - compute) if pricing["overlap"] else overlappable)
-    state_mem = state_bytes(graph, placement, mesh_shape, TrainingPrecision(**pricing["precision"]))
+    precision = TrainingPrecision(**pricing["precision"])
+    optimizer_s = 0.0
+    if engine_priced(cluster):
+        if pricing["overlap"]:
+            units = engine_units(graph, records, buckets, cluster, mesh_shape, times, recompute)
+            exposed = comm["act"] + fsdp_timeline(units)["exposed_s"]
+        optimizer_s = optimizer_seconds(graph, placement, mesh_shape, precision, cluster)
+    state_mem = state_bytes(graph, placement, mesh_shape, precision)
     act_peak = liveness_peak(graph, placement, mesh_shape, recompute)
-    return {
-        "step_s": compute + exposed,
+    out = {
+        "step_s": compute + exposed + optimizer_s,
         "compute_s": compute,
         "comm_s": sum(comm.values()),
         "exposed_comm_s": exposed,
@@ -180,6 +195,63 @@ def predict_records(graph, placement, records, buckets, pricing, cluster, mesh_s
         "budget_bytes": pricing["budget_bytes"],
         "recompute_s": recompute_s,
     }
+    if engine_priced(cluster):
+        out["optimizer_s"] = optimizer_s
+    return out
+
+
+def engine_priced(cluster) -> bool:
+    """The step is priced as torch's engines schedule it (NCCL links: the GPU presets), not by the plain formula."""
+    return bool(cluster.intra.nccl or cluster.inter.nccl)
+
+
+def optimizer_seconds(graph, placement, mesh_shape, precision, cluster) -> float:
+    """The optimizer step of one rank: memory bound over the parameter elements the rank stores."""
+    local = sum(graph.nodes[i].out.numel / num_shards(placement[i].out[0], mesh_shape) for i in graph.params.values())
+    return optimizer_step_time(local, precision, cluster.device)
+
+
+def unit_of(name: str) -> str:
+    """The FSDP unit of a module or parameter FQN: its block of a layer list (the path through the first numbered
+    component, e.g. "layers.3" of "layers.3.attention.wq.weight"), as torchtitan wraps each block; "" (the root
+    unit: embeddings, final norm, head) for everything outside the blocks."""
+    parts = (name or "").split(".")
+    for k, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[: k + 1])
+    return ""
+
+
+def engine_units(graph, records, buckets, cluster, mesh_shape, times, recompute) -> list[Unit]:
+    """The plan as FSDP2 units in forward order (the root first: its parameters are gathered before any block):
+    per unit its forward / backward seconds (op compute + its activation collectives, which block the compute
+    stream; checkpointed blocks' recompute in the backward), its parameter gathers into forward and into backward
+    consumers, and its gradient reductions (buckets by their first parameter)."""
+    per: dict[str, dict] = {"": {"fw": 0.0, "bw": 0.0, "ag": 0.0, "ag_bw": 0.0, "rs": 0.0}}
+    unit = lambda key: per.setdefault(key, {"fw": 0.0, "bw": 0.0, "ag": 0.0, "ag_bw": 0.0, "rs": 0.0})
+    for i, rec in enumerate(records):
+        node = graph.nodes[i]
+        phase = "fw" if node.phase == "fw" else "bw"
+        unit(unit_of(node.module))[phase] += times[i]
+        for r in rec["redistribute"]:
+            if "bucket" in r or "shares" in r or "coalesced" in r:
+                continue
+            t = sum(
+                collective_time(c[0], c[2], c[3], link_of(cluster, mesh_shape, _dim(c[1]))) for c in r["collectives"]
+            )
+            if r["class"] == "act":
+                unit(unit_of(node.module))[phase] += t
+            else:
+                key = "rs" if r["class"] == "grad" else "ag" if phase == "fw" else "ag_bw"
+                unit(unit_of(r.get("param") or ""))[key] += t
+    for b in buckets:
+        link = link_of(cluster, mesh_shape, _dim(b["mesh_dim"]))
+        unit(unit_of(b["params"][0] if b.get("params") else ""))["rs"] += collective_time(
+            b["kind"], b["bytes"], b["group"], link
+        )
+    for blk in recompute or ():
+        unit(unit_of(blk["block"]))["bw"] += recomputed_seconds(graph, [blk], times)
+    return [Unit(d["fw"], d["bw"], d["ag"], d["rs"], regather=True, ag_bw=d["ag_bw"]) for d in per.values()]
 
 
 def _count(kinds: dict, kind: str, nbytes) -> None:

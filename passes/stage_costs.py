@@ -34,13 +34,14 @@ from dataclasses import dataclass
 import numpy as np
 from torch import nn
 
+from autopar import pipeline_engine as pe
 from autopar import pipeline_model as pm
 from autopar.capture import capture
 from autopar.cost import collective_time
 from autopar.mesh import MeshSpec
 from autopar.passes import PASSES, candidates, solve
 from autopar.passmanager import PlanState, run_passes
-from autopar.predict import build_plan
+from autopar.predict import build_plan, engine_priced
 from autopar.solver import InfeasibleMemoryError, min_memory
 from autopar.strategies import num_shards
 from autopar.strategies.context_parallel import CP_PREFIX, cp_pin, keep_data_splits
@@ -245,8 +246,12 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
         if where[n.idx] is not None:
             ops[where[n.idx]] += 1
     param_pos = {fqn: where[i] for fqn, i in g.params.items()}
+    eng = {}
+    if engine_priced(state.cluster):
+        eng = pe.engine_terms(g, state.placement, where, K, state.mesh, state.precision, state.cluster)
     return {
         **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act")},
+        **eng,
         "xbytes": cross_bytes,
         "xn": cross_n,
         "coll": metrics["coll"],
@@ -266,6 +271,8 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
     c.save = np.where(c.blk, np.maximum(0.0, c.act - np.concatenate([[0.0], xb])), 0.0)
     c.rtime = np.where(c.blk, c.F, 0.0)
     c.coll = [metrics["coll"][j] for j in idx]
+    for k in ("ag", "ag_bw", "rs", "kept", "opt_s"):  # the engines' terms (autopar/pipeline_engine.py engine_step)
+        setattr(c, k, arr(k) if k in metrics else None)
     c.ops = [int(metrics["ops"][j]) for j in idx]
     c.param_pos = metrics["param_pos"]
     return c
@@ -522,19 +529,33 @@ def evaluate(
                     else 0.0,
                 )
             )
-    sim = pm.simulate(order, rank_of, F, B, W, [t for *_, t in x])
-    no_p2p = pm.simulate(order, rank_of, F, B, W, [0.0] * len(x)).step_s if detail else sim.step_s
-    exposed = [max(0.0, dp[k] - m * (F[k] + B[k] + W[k])) for k in range(S)]
+    eng = (
+        _engine(costs, bounds, variants, recompute, order, rank_of, (F, B, W, x), detail, spec.multi)
+        if engine_priced(cluster)
+        else None
+    )
+    if eng is None:
+        sim = pm.simulate(order, rank_of, F, B, W, [t for *_, t in x])
+        no_p2p = pm.simulate(order, rank_of, F, B, W, [0.0] * len(x)).step_s if detail else sim.step_s
+        exposed = [max(0.0, dp[k] - m * (F[k] + B[k] + W[k])) for k in range(S)]
+        step, exposed_dp, exposed_p2p = sim.step_s + max(exposed), max(exposed), sim.step_s - no_p2p
+    else:
+        sim, step, exposed_dp, exposed_p2p = eng["sim"], eng["step_s"], eng["exposed_dp_s"], eng["exposed_p2p_s"]
     act_peak = pm.rank_act_peak(order, act, spec.split_backward)
     rank_state = [sum(st[k] for k in range(S) if rank_of[k] == r) for r in range(p)]
     tr = [max((trans[k] for k in range(S) if rank_of[k] == r), default=0.0) for r in range(p)]
     mem = [rank_state[r] + act_peak[r] + tr[r] for r in range(p)]
+    if eng is not None:  # FSDP2's unsharded parameters and gradients (autopar/pipeline_engine.py fsdp_unsharded_bytes)
+        mem = [
+            mem[r] + pe.fsdp_unsharded_bytes([eng["kept"][k] for k in range(S) if rank_of[k] == r], p) for r in range(p)
+        ]
     fl = pm.inflight(order, S, spec.split_backward)
     return {
-        "step_s": sim.step_s + max(exposed),
+        **({"optimizer_s": eng["optimizer_s"], "kept": eng["kept"]} if eng is not None else {}),
+        "step_s": step,
         "pipeline_s": sim.step_s,
-        "exposed_dp_s": max(exposed),
-        "exposed_p2p_s": sim.step_s - no_p2p,
+        "exposed_dp_s": exposed_dp,
+        "exposed_p2p_s": exposed_p2p,
         "bubble": sim.bubble_fraction,
         "sim": sim,
         "F": F,
@@ -551,6 +572,28 @@ def evaluate(
         "recompute": list(recompute),
         "transient": trans,
         "peak_mem": max(mem),
+    }
+
+
+def _engine(costs, bounds, variants, recompute, order, rank_of, times, detail, multi) -> dict:
+    """evaluate's step on an NCCL cluster: FSDP2 under torch's schedule (autopar/pipeline_engine.py engine_step),
+    with the stages' kept bytes; exposed_dp_s is what the gathers and reductions add to the schedule simulated
+    without them (the optimizer step apart), exposed_p2p_s what the transfers add to that one."""
+    F, B, W, x = times
+    S, p = len(F), len(order)
+    parts = [(costs[variants[k]], bounds[k], bounds[k + 1]) for k in range(S)]
+    units = [pe.stage_units(cv, a, b, recompute[k], p == 1) for k, (cv, a, b) in enumerate(parts)]
+    opt = [float(cv.opt_s[a:b].sum()) for cv, a, b in parts]
+    eng = pe.engine_step(order, rank_of, F, B, W, [t for *_, t in x], units, opt, multi)
+    plain, no_p2p = eng["sim"].step_s, eng["sim"].step_s  # the split below only for the plan's record (detail)
+    if detail:
+        plain = pm.simulate(order, rank_of, F, B, W, [t for *_, t in x]).step_s  # gathers, reductions took 0
+        no_p2p = pm.simulate(order, rank_of, F, B, W, [0.0] * len(x)).step_s
+    return {
+        **eng,
+        "exposed_p2p_s": plain - no_p2p,
+        "exposed_dp_s": eng["step_s"] - eng["optimizer_s"] - plain,
+        "kept": [cv.kept[a:b] for cv, a, b in parts],
     }
 
 

@@ -256,9 +256,11 @@ def _predicted(best, coll, budget) -> dict:
     p2p_s = sum(x[2] for x in best["xfer"]) * 2 * m
     rank_state = [sum(best["state"][k] for k in range(S) if best["rank_of"][k] == r) for r in range(p)]
     exposed = best["exposed_dp_s"] + best["exposed_p2p_s"]
+    opt = {"optimizer_s": best["optimizer_s"]} if "optimizer_s" in best else {}  # NCCL clusters (engine pricing)
     return {
+        **opt,
         "step_s": best["step_s"],
-        "compute_s": best["step_s"] - exposed,
+        "compute_s": best["step_s"] - exposed - opt.get("optimizer_s", 0.0),
         "comm_s": p2p_s + max(best["dp"]),
         "exposed_comm_s": exposed,
         "busy_s": busy,

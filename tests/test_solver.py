@@ -182,12 +182,14 @@ def _equals_enumeration(lin, edges, mem, budget, value, **charges):
 
 def test_real_graph_optimum_equals_brute_force():
     """mlp-tiny on a 2-rank mesh, all but a few groups pinned to their optimum: enumerate the rest exhaustively
-    under the planner's own objective (compute + activation comm + exposed overlappable comm)."""
+    under the planner's own objective (compute + activation comm + exposed overlappable comm). On the h100's ring
+    alpha-beta links: on its NCCL links the prediction is the engines' timeline plus the optimizer step, which the
+    MILP's aggregate objective does not bracket (autopar/predict.py)."""
     from autopar.passes.solve import objective
 
     m = M.build_model("mlp-tiny", n_layers=1)
     x = M.example_inputs("mlp-tiny", batch=8, device="meta", n_layers=1)
-    plan, st_ = autopar.plan(m, (2,), x, cluster="h100", return_state=True, overlap=True)
+    plan, st_ = autopar.plan(m, (2,), x, cluster="h100-ring", return_state=True, overlap=True)
     lin, edges, (olin, oedges, cap), _, _ = objective(st_.cost, overlap=True)
     free = [i for i in np.argsort([-len(v) for v in lin])[:4]]  # the 4 groups with most strategies
     chosen = st_.solution.choice

@@ -49,19 +49,24 @@ def test_batch_formula_counts_a_flattened_gradient_bucket_once(flatten, monkeypa
 def test_batch_formula_prices_shares_recompute_and_overlap_as_the_prediction(overlap):
     """A plan with shared redistributes (one gather feeds several consumers), checkpointed blocks (a memory
     budget below the free plan's peak) and, with overlap=True, gathers and reductions hidden under compute: the
-    formula at the example batch gives the prediction's compute, comm, exposed comm and step exactly."""
+    formula at the example batch gives the prediction's compute, comm, exposed comm and step exactly. On the h100's
+    ring alpha-beta links with overlap=True: on its NCCL links the prediction's exposed comm is the engines' FSDP2
+    timeline, which the formula does not price; without overlap the NCCL prediction's step adds the optimizer step,
+    which the formula leaves out."""
     m = M.build_model("llama-tiny")
     x4 = M.example_inputs("llama-tiny", batch=4, device="meta")
     from _bench import torchtitan_placements
 
     force, pin = torchtitan_placements(m, ("tp",), None, "tp", tuple(x4[0].shape))  # TP + sequence parallel
-    kw = dict(cluster="h100", force=force, pin=pin, overlap=overlap)
+    kw = dict(cluster="h100-ring" if overlap else "h100", force=force, pin=pin, overlap=overlap)
     free = autopar.plan(m, (2,), x4, **kw)
     p4, st = autopar.plan(m, (2,), x4, return_state=True, memory_budget=0.8 * free.predicted["peak_mem_bytes"], **kw)
     assert st.recompute and st.shares, (st.recompute, st.shares)
     f = batch_formula(st, m, x4)
+    want = dict(p4.predicted, step_s=p4.predicted["step_s"] - p4.predicted.get("optimizer_s", 0.0))
+    assert overlap or p4.predicted["optimizer_s"] > 0
     for k in ("compute_s", "comm_s", "exposed_comm_s", "step_s"):
-        assert float(f[k].subs(b, 4)) == pytest.approx(p4.predicted[k], rel=1e-9), k
+        assert float(f[k].subs(b, 4)) == pytest.approx(want[k], rel=1e-9), k
     assert p4.predicted["recompute_s"] > 0
     if overlap:
         assert f["step_s"].has(sympy.Max) or p4.predicted["exposed_comm_s"] < p4.predicted["comm_s"]

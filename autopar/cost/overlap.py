@@ -27,13 +27,21 @@ from dataclasses import dataclass
 class Unit:
     """One FSDP unit (a `fully_shard` module): its forward and backward compute, the all-gather of its parameters,
     the reduce-scatter of its gradients (seconds). `regather`: it is all-gathered again for the backward
-    (reshard_after_forward=True, FSDP2's default for every unit but the root)."""
+    (reshard_after_forward=True, FSDP2's default for every unit but the root); `ag_bw`: that gather's seconds when
+    they differ from the forward's (a plan's records price the two gathers apart), else None (the same)."""
 
     fw: float
     bw: float
     ag: float
     rs: float
     regather: bool = True
+    ag_bw: float | None = None
+
+    @property
+    def backward_gather(self) -> float:
+        if not self.regather:
+            return 0.0
+        return self.ag if self.ag_bw is None else self.ag_bw
 
 
 def _gathered_run(order, times, gathers, ag_free: float, c_end: float) -> tuple[float, float]:
@@ -59,7 +67,7 @@ def fsdp_timeline(units: list[Unit]) -> dict:
     bw = [[u.bw, 0.0] for u in units]
     c_end, ag_end = _gathered_run(list(range(n)), fw, [u.ag for u in units], 0.0, 0.0)
     back = list(range(n - 1, -1, -1))
-    c_end, _ = _gathered_run(back, bw, [u.ag if u.regather else 0.0 for u in units], ag_end, c_end)
+    c_end, _ = _gathered_run(back, bw, [u.backward_gather for u in units], ag_end, c_end)
     rs_end = 0.0
     for u in back:  # each reduce-scatter once its unit's backward is done, one at a time on its stream
         rs_end = max(rs_end, bw[u][1]) + units[u].rs
