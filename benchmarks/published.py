@@ -25,9 +25,14 @@ Assumptions (each also in the results file):
     recompute=True (autopar checkpoints whole blocks as memory needs: the nearest it can express), full AC is
     recompute="all"; without pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the
     local batch into micro-batches (1, 2, 4, .. of it) where one does not fit its memory model (the chosen count is
-    in the row's record); Table 5 plans on a plain (dp, cp) mesh (see _mesh_and_pipeline: recomputation is then
-    autopar's choice, not full AC); Float8 rows plan with float8=True; torch.compile and async TP are not modelled yet: those
-    rows are predicted as eager and kept out of the fit and hold-out statistics ("not strict").
+    in the row's record); Float8 rows plan with float8=True (per-tensor scaled GEMMs, FSDP float8 all-gather);
+    torch.compile rows price the fused regions of DeviceSpec fusion="inductor"; async TP is not modelled: B3.8 is
+    predicted without it and kept out of the statistics ("not strict").
+  * Context parallelism (Tables 5-6, Llama 3's 128K row): a (pp, dp, cp[, tp]) mesh, the sequence sharded over
+    cp inside the pipeline stages, parameters FSDP-sharded over dp x cp (torchtitan's dp_shard_cp), attention on
+    sequence-sharded queries priced by autopar's cp kernel model; bf16, no Float8. Table 5: one stage of the 32
+    blocks, GPipe, one micro-batch of one sequence per rank, full AC. Table 6: 8 stages of [15, 16 x 6, 15]
+    blocks, 1F1B, 8 micro-batches of one sequence, recompute=True (the AC policy is not published).
   * Llama 3's H100s are the 80 GB 700 W SXM part (preset h100); interleaved 1F1B (section 3.3.2) with 4 stages
     per rank (not published: the deepest interleaving that keeps one fewer block on the first and the last
     stage, as the paper does, with a block in every virtual stage: [1, 2 x 62, 1]), one sequence per
@@ -41,12 +46,15 @@ again: each fitted row is planned once at the preset and once per free figure at
 time is re-priced as step0 + sum_f (step_f - step0) (1/theta_f - 1/theta0_f) / (1/theta'_f - 1/theta0_f)
 (every modeled op or collective time is work / efficiency, so this is exact while the placements and the
 roofline's memory-vs-compute side stay the same; the final figures are then checked by planning every row
-again with the fitted preset, and those are the numbers reported).
+again with the fitted preset, and those are the numbers reported). The CP rows and the torch.compile rows became
+strict rows after that set was fixed (round two): they are held back, and the fitted set was not re-chosen
+after seeing any result.
 
-    python benchmarks/published.py [--only ROW ...] [--fit] [--auto [ROW ...]] [--auto-cached] [--cp-pipeline]
-        [--out benchmarks/results/published]
-Plans are cached per (row, cluster figures, torch version) in benchmarks/results/.published_cache/ (ignored by
-git): a re-run re-plans only what changed. ROW: an id prefix ("A", "B5", "C1") or a word of the row's name.
+    python benchmarks/published.py [--only ROW ...] [--fit] [--auto [ROW ...]] [--jobs N] [--cached-only]
+        [--timeout S] [--auto-timeout S] [--out benchmarks/results/published]
+Plans are cached per (row, cluster figures, torch version, autopar's source) in benchmarks/results/.published_cache/
+(ignored by git): a re-run re-plans only what changed; --jobs N plans N at a time (processes); --cached-only
+reports what is cached and marks the rest not run. ROW: an id prefix ("A", "B5", "C1") or a word of the row's name.
 """
 
 from __future__ import annotations
@@ -57,9 +65,11 @@ import datetime
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import re
 import statistics
+import sys
 import time
 
 import torch
@@ -69,7 +79,7 @@ import autopar
 from autopar import models
 from autopar.cost import get_cluster
 
-from published_rows import ROWS, Row, metric_of
+from published_rows import NOTES, ROWS, Row, metric_of
 
 CACHE = os.path.join(os.path.dirname(__file__), "results", ".published_cache")
 
@@ -112,39 +122,28 @@ def scaled(cluster, factors: dict):
 
 
 def row_cluster(row: Row, preset: str | None = None, factors: dict | None = None):
+    """The row's GPUs as it ran them: unfused attention (Megatron 2021), torch.compile's fusion; `factors` scale the
+    free figures."""
     cl = get_cluster(preset or row.cluster)
     if row.unfused and cl.device.attention != "unfused":
         cl = cl.with_device(attention="unfused")
+    if row.compile:
+        cl = cl.with_device(fusion="inductor")
     return scaled(cl, factors or {})
 
 
 # ---- planning one row (cached)
 
 
-# Context parallelism inside pipeline stages (TorchTitan Table 6 at cp > 1, Llama 3's 128K row): helper cp3d's work.
-# Until it plans, those rows are listed as not expressible with the error of the last try; --cp-pipeline tries.
-PIPELINE_CP = False
-PIPELINE_CP_TRIED = "B6.16 on 8x4x2x8 (pp,dp,cp,tp), this branch, 2026-12-02"
-PIPELINE_CP_ERROR = (
-    "SolverTimeLimitError: the solver found no plan within time_limit=60 s (HiGHS: Time limit reached), 189 s wall"
-)
-
-
 def _mesh_and_pipeline(row: Row):
-    """The MeshSpec and pipeline options forcing the row's layout. TorchTitan's Table 5 (FSDP x CP on 8 GPUs, no
-    pipeline) plans on a plain (dp, cp) mesh: the pipeline path's stage plans do not take a cp dim, and on it the
-    cp 1 row finds no plan under the budget (164.5 GB smallest peak) where the plain mesh fits in 80.6 GiB; there
-    recomputation is autopar's choice, as memory needs."""
+    """The MeshSpec (pp, dp, tp), or (pp, dp, cp[, tp]) where the row shards the sequence, and the pipeline options
+    forcing the row's layout: blocks per stage, schedule, stages per rank, micro-batches, recomputation."""
     pp, dp, tp, cp = row.layout
-    if cp > 1 and pp > 1 and not PIPELINE_CP:
-        raise NotImplementedError(
-            f"a cp dim inside pipeline stages ({'x'.join(map(str, row.layout))} pp,dp,tp,cp) is not plannable yet: "
-            f"the last try ({PIPELINE_CP_TRIED}) ended in {PIPELINE_CP_ERROR}; --cp-pipeline tries again"
-        )
-    if not row.stages:
-        dims = [(n, s) for n, s in (("dp", dp), ("cp", cp), ("tp", tp)) if s > 1]
-        return autopar.MeshSpec(tuple(s for _, s in dims), tuple(n for n, _ in dims)), None
-    shape, names = ((pp, dp, cp, tp), ("pp", "dp", "cp", "tp")) if cp > 1 else ((pp, dp, tp), ("pp", "dp", "tp"))
+    if cp > 1:
+        dims = [(n, s) for n, s in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)) if s > 1 or n != "tp"]
+        shape, names = tuple(s for _, s in dims), tuple(n for n, _ in dims)
+    else:
+        shape, names = (pp, dp, tp), ("pp", "dp", "tp")
     opts = dict(
         layers_per_stage=list(row.layers_per_stage),
         schedules=[row.schedule],
@@ -181,20 +180,49 @@ def _summary(plan, wall: float) -> dict:
     return out
 
 
-def _key(*parts) -> str:
-    return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+def _code_key() -> str:
+    """A hash of autopar's source less cluster.py's fitted block (a fitted figure is in the cluster's repr, which
+    is in the key): plans cached before a cost-model change are planned again."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "autopar")
+    h = hashlib.sha1()
+    for d, _, files in sorted(os.walk(root)):
+        for f in sorted(x for x in files if x.endswith(".py")):
+            with open(os.path.join(d, f)) as fh:
+                text = fh.read()
+            if f == "cluster.py":
+                text = re.sub(r"# ---- presets fitted.*# ---- end of the fitted presets", "", text, flags=re.S)
+            h.update(f.encode() + text.encode())
+    return h.hexdigest()[:12]
+
+
+CODE_KEY = _code_key()
+NOT_RUN = "not run: not planned in the time this session had"
+
+
+def _cache_path(row: Row, cluster, auto: bool) -> str:
+    key = hashlib.sha1(repr((row, repr(cluster), auto, torch.__version__, CODE_KEY)).encode()).hexdigest()[:16]
+    return os.path.join(CACHE, key + ".json")
+
+
+def _store(path: str, out: dict) -> None:
+    """Written whole or not at all: parallel jobs and a killed run leave no partial file."""
+    os.makedirs(CACHE, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f)
+    os.replace(tmp, path)
 
 
 def plan_row(row: Row, cluster, auto: bool = False, use_cache: bool = True, cached_only: bool = False) -> dict:
     """The row planned on `cluster` (its forced layout, or pipeline="auto" on its GPU count when `auto`): the
-    prediction's summary, or {"error": ...} naming why it could not be planned (or, with cached_only, that it
-    was not planned in any run so far)."""
-    path = os.path.join(CACHE, _key(row, repr(cluster), auto, torch.__version__) + ".json")
+    prediction's summary, or {"error": ...} naming why it could not be planned (or, with cached_only, that no run
+    so far planned it)."""
+    path = _cache_path(row, cluster, auto)
     if use_cache and os.path.exists(path):
         with open(path) as f:
             return json.load(f)
     if cached_only:
-        return {"error": "not run: pipeline='auto' was not planned in the time this session had"}
+        return {"error": NOT_RUN}
     m, x = _build(row)
     t = time.perf_counter()
     try:
@@ -208,10 +236,40 @@ def plan_row(row: Row, cluster, auto: bool = False, use_cache: bool = True, cach
     except Exception as e:  # a row that cannot be planned records why; the run goes on
         out = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", "plan_wall_s": time.perf_counter() - t}
     if use_cache:
-        os.makedirs(CACHE, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(out, f)
+        _store(path, out)
     return out
+
+
+def run_jobs(jobs: list, n: int, timeout: float, auto_timeout: float | None = None) -> None:
+    """Plan the uncached (row, cluster, auto) jobs in order, `n` processes at a time, into the cache; a job still
+    running after `timeout` seconds (`auto_timeout` for pipeline='auto') is killed and cached as an error saying
+    so."""
+    unique = {_cache_path(*j): j for j in jobs}
+    todo = [j for path, j in unique.items() if not os.path.exists(path)]
+    ctx, running = multiprocessing.get_context("fork"), {}
+    print(f"{len(todo)} plans to run ({len(jobs) - len(todo)} cached), {n} at a time", flush=True)
+    while todo or running:
+        while todo and len(running) < n:
+            job = todo.pop(0)
+            p = ctx.Process(target=plan_row, args=job)
+            p.start()
+            running[p] = (job, time.perf_counter())
+        time.sleep(0.5)
+        for p, (job, t0) in list(running.items()):
+            limit = auto_timeout if job[2] and auto_timeout else timeout
+            if p.is_alive() and time.perf_counter() - t0 > limit:
+                p.kill()
+                p.join()
+                msg = f"TimeoutError: not planned within {limit:.0f} s on this machine (killed)"
+                _store(_cache_path(*job), {"error": msg, "plan_wall_s": limit})
+            if not p.is_alive():
+                p.join()
+                del running[p]
+                print(
+                    f"  done {job[0].name} on {job[1].name}{' (auto)' if job[2] else ''}: "
+                    f"{time.perf_counter() - t0:.1f} s",
+                    flush=True,
+                )
 
 
 # ---- the fit: step times re-priced under changed free figures without planning again
@@ -302,23 +360,30 @@ def _fmt(x, nd=3):
     return "-" if x is None else f"{x:.{nd}g}" if isinstance(x, float) else str(x)
 
 
-def evaluate(rows: list[Row], fitted: dict) -> list[dict]:
-    """Each row planned at its preset and at the fitted figures (the fitted preset where it is defined)."""
+def fit_cluster(row: Row, fitted: dict):
+    """The row's GPUs at the fit's factors (the fitted preset of cluster.py: tests/test_published.py checks they
+    agree), or None where its GPU kind has no fit."""
+    return row_cluster(row, None, fitted[row.cluster]) if fitted.get(row.cluster) else None
+
+
+def plan_jobs(rows: list[Row], fitted: dict, auto_rows: list[Row]) -> list:
+    """Every plan the report reads, the fitted figures first, then pipeline='auto', then the presets as they are."""
+    at_fit = [(r, fit_cluster(r, fitted), False) for r in rows if fit_cluster(r, fitted) is not None]
+    auto = [(r, fit_cluster(r, fitted) or row_cluster(r), True) for r in auto_rows]
+    return at_fit + auto + [(r, row_cluster(r), False) for r in rows]
+
+
+def evaluate(rows: list[Row], fitted: dict, cached_only: bool = False) -> list[dict]:
+    """Each row planned at its preset and at the fitted figures."""
     out = []
     for row in rows:
-        base = plan_row(row, row_cluster(row))
         rec = {"name": row.name, "source": row.source, "set": _set(row), "layout": _layout(row), "gpus": row.gpus}
         rec.update(published=row.published, metric=row.metric, published_mem_GiB=row.mem_gib, preset=row.cluster)
         rec["unmodelled"] = list(row.unmodelled)
-        rec["at_preset"] = base
-        name = FITTED_PRESETS.get(row.cluster)
-        try:
-            cl = row_cluster(row, name)
-        except ValueError:  # the fitted preset is not in cluster.py yet: the fit's factors on the preset
-            cl = row_cluster(row, None, fitted.get(row.cluster, {})) if fitted.get(row.cluster) else None
-            name = row.cluster + " x fit" if cl is not None else None
-        rec["fitted_cluster"] = name
-        rec["at_fit"] = plan_row(row, cl) if cl is not None else None
+        rec["at_preset"] = plan_row(row, row_cluster(row), cached_only=cached_only)
+        cl = fit_cluster(row, fitted)
+        rec["fitted_cluster"] = FITTED_PRESETS.get(row.cluster) if cl is not None else None
+        rec["at_fit"] = plan_row(row, cl, cached_only=cached_only) if cl is not None else None
         for k in ("at_preset", "at_fit"):
             r = rec[k]
             if r and "metric" in r:
@@ -372,25 +437,6 @@ def _row_line(r) -> str:
     ]
     return "| " + " | ".join(cells) + " |"
 
-
-# What the 2026-12-02 run on this branch showed beyond the ratios (hand-written: re-check after cost-model changes).
-NOTES = [
-    "A8 (dp 15): no plan under 72 GB (smallest peak 331.7 GB) where the same layout at dp 16 plans at 4.2 GiB: "
-    "a planner limitation (cause not investigated; 15 divides none of the weight dims).",
-    "B3 (70B, FSDP 32 x TP 8, local batch 16 without gradient accumulation as TorchTitan ran it): no plan under "
-    "the budget (smallest peak 1171.7 GB); with 4 micro-batches it plans at 37.3 GiB (TorchTitan measured 70.3).",
-    "B5.11 (FSDP 8, seq 32K, full AC) on the pipeline path (1x8x1 pp,dp,tp, recompute='all'): smallest peak "
-    "164.5 GB, no plan; the plain dp mesh plans at 80.6 GiB. Table 5 therefore plans on plain meshes.",
-    "B1.1 vs B2.4: the model puts FSDP over 128 GPUs (16 nodes) at no exposed communication and faster per GPU "
-    "than 8 GPUs (fewer recomputed blocks), where TorchTitan measured 10% slower: the fitted h100-95g-titan "
-    "lowers gemm_eff_max to 0.59 to split that difference.",
-    "C1 at h100-llama3 (higher efficiencies than h100) predicts a slower step than at h100 (15.33 s vs 14.62 s): "
-    "its plan recomputes 124 of 126 blocks at a 17.2 GiB peak where the preset's recomputes 67 at 62.0 GiB, so "
-    "the re-pricing's fixed-placement assumption does not hold there and the stage search's recompute choice "
-    "looks wrong (recompute=True should checkpoint only as memory needs).",
-    "Context parallelism (Table 5): cp 2 1.12x, cp 4 1.70x, cp 8 1.94x optimistic at the fitted figures: the "
-    "sharded attention at 128K-256K is priced far cheaper than TorchTitan's 2024 ring attention ran.",
-]
 
 METRIC_NAMES = {
     "megatron_tflops": "TFLOP/s per GPU (Megatron eq. 3)",
@@ -457,7 +503,7 @@ def _terms(s: dict) -> str:
     return ", ".join(parts)
 
 
-def plan_quality(recs, rows: list[Row], cached_only: bool = False) -> list[str]:
+def plan_quality(recs, rows: list[Row], fitted: dict, cached_only: bool = False) -> list[str]:
     """autopar's own layout (pipeline="auto") beside each published layout, on the same GPUs, batch and cluster."""
     lines = [
         "## Plan quality: autopar's own layout (pipeline='auto') vs the published one, same GPUs and batch",
@@ -470,11 +516,10 @@ def plan_quality(recs, rows: list[Row], cached_only: bool = False) -> list[str]:
     for row in rows:
         rec = by_name[row.name]
         pub = rec["at_fit"] or rec["at_preset"]
-        name = rec["fitted_cluster"] if rec["at_fit"] else row.cluster
-        cl = row_cluster(row, name if name in FITTED_PRESETS.values() else None)
-        auto = plan_row(row, cl, auto=True, cached_only=cached_only)
+        auto = plan_row(row, fit_cluster(row, fitted) or row_cluster(row), auto=True, cached_only=cached_only)
         if "error" in auto or "error" in pub:
-            lines.append(f"| {row.name} | - | - | - | {pub.get('error', '')} | {auto.get('error', '')} | - |")
+            wall = f"{auto['plan_wall_s']:.1f}" if "plan_wall_s" in auto else "-"
+            lines.append(f"| {row.name} | - | - | - | {pub.get('error', '')} | {auto.get('error', '')} | {wall} |")
             continue
         lines.append(
             f"| {row.name} | {pub['step_s']:.3f} | {auto['step_s']:.3f} | {auto['step_s'] / pub['step_s']:.3f} | "
@@ -495,30 +540,39 @@ def main(argv=None) -> int:
     ap.add_argument("--only", nargs="*", help="rows whose name contains one of these")
     ap.add_argument("--fit", action="store_true", help="fit the free figures on the fitted rows (FREE, per GPU kind)")
     ap.add_argument("--auto", nargs="*", help="also plan pipeline='auto' for the rows containing these (all: '')")
-    ap.add_argument("--auto-cached", action="store_true", help="--auto reports only what earlier runs planned")
-    ap.add_argument("--cp-pipeline", action="store_true", help="try the rows with cp inside pipeline stages")
+    ap.add_argument("--cached-only", action="store_true", help="plan nothing: report what earlier runs cached")
+    ap.add_argument("--jobs", type=int, default=1, help="plans run at a time (processes)")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds before a forced layout's plan is killed")
+    ap.add_argument("--auto-timeout", type=float, default=300, help="the same for pipeline='auto'")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "published"))
     args = ap.parse_args(argv)
-    argv = list(argv) if argv is not None else __import__("sys").argv[1:]
-    global PIPELINE_CP
-    PIPELINE_CP = PIPELINE_CP or args.cp_pipeline
+    argv = list(argv) if argv is not None else sys.argv[1:]
     rows = [r for r in ROWS if not args.only or any(_matches(r, s) for s in args.only)]
+    auto_rows = []
+    if args.auto is not None:
+        auto_rows = [r for r in rows if r.strict and any(_matches(r, s) for s in args.auto or [""])]
     fitted = {}
     fit_path = args.out + "_fit.json"
     if args.fit:
-        for cl in sorted({r.cluster for r in rows}):
-            fitted[cl] = fit([r for r in rows if r.cluster == cl and r.fitted and r.strict], cl)
-            print(f"fit {cl}: {fitted[cl]}", flush=True)
+        sets = {
+            c: [r for r in rows if r.cluster == c and r.fitted and r.strict] for c in sorted({r.cluster for r in rows})
+        }
+        if not args.cached_only:
+            probe = [(r, row_cluster(r, None, {f: PROBE} if f else None), False) for c in sets for r in sets[c]
+                     for f in ("",) + FREE.get(c, ())]  # fmt: skip
+            run_jobs(probe, args.jobs, args.timeout)
+        for c, fit_rows in sets.items():
+            fitted[c] = fit(fit_rows, c)
+            print(f"fit {c}: {fitted[c]}", flush=True)
         with open(fit_path, "w") as f:
             json.dump(fitted, f, indent=1)
     elif os.path.exists(fit_path):
         with open(fit_path) as f:
             fitted = json.load(f)
-    recs = evaluate(rows, fitted)
-    auto = []
-    if args.auto is not None:
-        chosen = [r for r in rows if r.strict and any(_matches(r, s) for s in args.auto or [""])]
-        auto = plan_quality(recs, chosen, args.auto_cached)
+    if not args.cached_only:
+        run_jobs(plan_jobs(rows, fitted, auto_rows), args.jobs, args.timeout, args.auto_timeout)
+    recs = evaluate(rows, fitted, cached_only=True)
+    auto = plan_quality(recs, auto_rows, fitted, cached_only=True) if auto_rows else []
     with open(args.out + ".jsonl", "w") as f:
         for r in recs:
             f.write(json.dumps(r) + "\n")

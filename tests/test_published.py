@@ -4,6 +4,7 @@ table against published_runs.md's layouts, and the fit's re-pricing against plan
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 
@@ -65,3 +66,34 @@ def test_repricing_matches_planning_again():
     assert probe["step_s"] > base["step_s"] * 1.05  # GEMMs are a real share of this step
     repriced = P.repriced_step({"": base, "gemm": probe}, {"gemm": 0.9})
     assert repriced == pytest.approx(check["step_s"], rel=0.02)
+
+
+def test_fitted_presets_are_the_fit_files_factors():
+    """cluster.py's fitted presets carry the figures of benchmarks/results/published_fit.json (the report plans at
+    the fit's factors on the base preset: the two must not drift apart)."""
+    path = os.path.join(os.path.dirname(P.__file__), "results", "published_fit.json")
+    with open(path) as f:
+        fitted = json.load(f)
+    for base, factors in fitted.items():
+        want = P.scaled(P.get_cluster(base), factors)
+        got = P.get_cluster(P.FITTED_PRESETS[base])
+        for fig in factors:
+            for part, field in P.FIGURES[fig]:
+                assert getattr(getattr(got, part), field) == pytest.approx(
+                    getattr(getattr(want, part), field), rel=1e-6
+                )
+
+
+def test_cp_rows_force_a_cp_mesh_dim_inside_the_stages():
+    b6 = next(r for r in R.ROWS if r.name.startswith("B6.17 "))
+    mesh, opts = P._mesh_and_pipeline(b6)
+    assert (tuple(mesh.shape), tuple(mesh.names)) == ((8, 2, 4, 8), ("pp", "dp", "cp", "tp"))
+    assert opts["layers_per_stage"] == [15] + [16] * 6 + [15] and opts["n_microbatches"] == [8]
+    b5 = next(r for r in R.ROWS if r.name.startswith("B5.14 "))
+    mesh, opts = P._mesh_and_pipeline(b5)
+    assert (tuple(mesh.shape), tuple(mesh.names)) == ((1, 1, 8), ("pp", "dp", "cp"))
+    assert opts["recompute"] == "all" and opts["schedules"] == ["GPipe"]
+    # compile rows are strict and priced with inductor's fusion; async TP stays out of the statistics
+    b17 = next(r for r in R.ROWS if r.name.startswith("B1.2 "))
+    assert b17.strict and not b17.fitted and P.row_cluster(b17).device.fusion == "inductor"
+    assert not next(r for r in R.ROWS if r.name.startswith("B3.8 ")).strict
