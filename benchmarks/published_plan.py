@@ -1,0 +1,160 @@
+"""Planning one published row with its layout forced, cached (benchmarks/published.py's plans): the MeshSpec and
+pipeline options of a row, the prediction's summary, a cache keyed on the row, the cluster's figures, torch and
+autopar's source, and a runner that plans many rows in parallel processes with a timeout each."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import time
+
+import torch
+
+import autopar
+from autopar import models
+
+from published_rows import Row, metric_of
+
+CACHE = os.path.join(os.path.dirname(__file__), "results", ".published_cache")
+
+# ---- planning one row (cached)
+
+
+def _mesh_and_pipeline(row: Row):
+    """The MeshSpec (pp, dp, tp), or (pp, dp, cp[, tp]) where the row shards the sequence, and the pipeline options
+    forcing the row's layout: blocks per stage, schedule, stages per rank, micro-batches, recomputation."""
+    pp, dp, tp, cp = row.layout
+    if cp > 1:
+        dims = [(n, s) for n, s in (("pp", pp), ("dp", dp), ("cp", cp), ("tp", tp)) if s > 1 or n != "tp"]
+        shape, names = tuple(s for _, s in dims), tuple(n for n, _ in dims)
+    else:
+        shape, names = (pp, dp, tp), ("pp", "dp", "tp")
+    opts = dict(
+        layers_per_stage=list(row.layers_per_stage),
+        schedules=[row.schedule],
+        stages_per_rank=[row.v],
+        n_microbatches=list(row.microbatches),
+        recompute=row.recompute,
+    )
+    return autopar.MeshSpec(shape, names), opts
+
+
+def _build(row: Row):
+    m = models.build_model(row.model, device="meta", dtype=torch.bfloat16, **row.over)
+    x = models.example_inputs(row.model, batch=row.batch, seq=row.seq, device="meta", **row.over)
+    return m, x
+
+
+def _summary(plan, wall: float) -> dict:
+    pr, sc = plan.predicted, plan.schedule or {}
+    out = {
+        "step_s": pr["step_s"],
+        "compute_s": pr.get("compute_s"),
+        "exposed_comm_s": pr.get("exposed_comm_s"),
+        "bubble_s": pr.get("bubble_s", 0.0),
+        "peak_mem_GiB": pr["peak_mem_bytes"] / 2**30,
+        "fits": pr["peak_mem_bytes"] <= pr["budget_bytes"],
+        "plan_wall_s": wall,
+    }
+    if plan.stages:
+        out["recompute_blocks"] = sum(st["recompute_blocks"] for st in plan.stages)
+        out["n_microbatches"] = sc.get("n_microbatches")
+        out["schedule"] = sc.get("name")
+        out["stage_mesh"] = dict(zip(sc.get("stage_mesh_names", []), sc.get("stage_mesh_shape", [])))
+        out["pp"] = sc.get("pp")
+    return out
+
+
+def _code_key() -> str:
+    """A hash of autopar's source less cluster.py's fitted block (a fitted figure is in the cluster's repr, which
+    is in the key): plans cached before a cost-model change are planned again."""
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "autopar")
+    h = hashlib.sha1()
+    for d, _, files in sorted(os.walk(root)):
+        for f in sorted(x for x in files if x.endswith(".py")):
+            with open(os.path.join(d, f)) as fh:
+                text = fh.read()
+            if f == "cluster.py":
+                text = re.sub(r"# ---- presets fitted.*# ---- end of the fitted presets", "", text, flags=re.S)
+            h.update(f.encode() + text.encode())
+    return h.hexdigest()[:12]
+
+
+CODE_KEY = _code_key()
+NOT_RUN = "not run: not planned in the time this session had"
+
+
+def _cache_path(row: Row, cluster, auto: bool) -> str:
+    key = hashlib.sha1(repr((row, repr(cluster), auto, torch.__version__, CODE_KEY)).encode()).hexdigest()[:16]
+    return os.path.join(CACHE, key + ".json")
+
+
+def _store(path: str, out: dict) -> None:
+    """Written whole or not at all: parallel jobs and a killed run leave no partial file."""
+    os.makedirs(CACHE, exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f)
+    os.replace(tmp, path)
+
+
+def plan_row(row: Row, cluster, auto: bool = False, use_cache: bool = True, cached_only: bool = False) -> dict:
+    """The row planned on `cluster` (its forced layout, or pipeline="auto" on its GPU count when `auto`): the
+    prediction's summary, or {"error": ...} naming why it could not be planned (or, with cached_only, that no run
+    so far planned it)."""
+    path = _cache_path(row, cluster, auto)
+    if use_cache and os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    if cached_only:
+        return {"error": NOT_RUN}
+    m, x = _build(row)
+    t = time.perf_counter()
+    try:
+        if auto:
+            plan = autopar.plan(m, (row.gpus,), x, cluster=cluster, pipeline="auto", float8=row.float8 or None)
+        else:
+            mesh, opts = _mesh_and_pipeline(row)
+            plan = autopar.plan(m, mesh, x, cluster=cluster, pipeline=opts, float8=row.float8 or None)
+        out = _summary(plan, time.perf_counter() - t)
+        out["metric"] = metric_of(row, out["step_s"], m)
+    except Exception as e:  # a row that cannot be planned records why; the run goes on
+        out = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", "plan_wall_s": time.perf_counter() - t}
+    if use_cache:
+        _store(path, out)
+    return out
+
+
+def run_jobs(jobs: list, n: int, timeout: float, auto_timeout: float | None = None) -> None:
+    """Plan the uncached (row, cluster, auto) jobs in order, `n` processes at a time, into the cache; a job still
+    running after `timeout` seconds (`auto_timeout` for pipeline='auto') is killed and cached as an error saying
+    so."""
+    unique = {_cache_path(*j): j for j in jobs}
+    todo = [j for path, j in unique.items() if not os.path.exists(path)]
+    ctx, running = multiprocessing.get_context("fork"), {}
+    print(f"{len(todo)} plans to run ({len(jobs) - len(todo)} cached), {n} at a time", flush=True)
+    while todo or running:
+        while todo and len(running) < n:
+            job = todo.pop(0)
+            p = ctx.Process(target=plan_row, args=job)
+            p.start()
+            running[p] = (job, time.perf_counter())
+        time.sleep(0.5)
+        for p, (job, t0) in list(running.items()):
+            limit = auto_timeout if job[2] and auto_timeout else timeout
+            if p.is_alive() and time.perf_counter() - t0 > limit:
+                p.kill()
+                p.join()
+                msg = f"TimeoutError: not planned within {limit:.0f} s on this machine (killed)"
+                _store(_cache_path(*job), {"error": msg, "plan_wall_s": limit})
+            if not p.is_alive():
+                p.join()
+                del running[p]
+                print(
+                    f"  done {job[0].name} on {job[1].name}{' (auto)' if job[2] else ''}: "
+                    f"{time.perf_counter() - t0:.1f} s",
+                    flush=True,
+                )
