@@ -221,10 +221,10 @@ def fit_cluster(row: Row, fitted: dict):
 
 
 def plan_jobs(rows: list[Row], fitted: dict, auto_rows: list[Row]) -> list:
-    """Every plan the report reads, the fitted figures first, then pipeline='auto', then the presets as they are."""
+    """Every plan the report reads, in the order they run: the fitted figures, pipeline='auto', the presets."""
     at_fit = [(r, fit_cluster(r, fitted), False) for r in rows if fit_cluster(r, fitted) is not None]
     auto = [(r, fit_cluster(r, fitted) or row_cluster(r), True) for r in auto_rows]
-    return at_fit + auto + [(r, row_cluster(r), False) for r in rows]
+    return at_fit, auto, [(r, row_cluster(r), False) for r in rows]
 
 
 def evaluate(rows: list[Row], fitted: dict, cached_only: bool = False) -> list[dict]:
@@ -449,7 +449,9 @@ def main(argv=None) -> int:
         with open(fit_path) as f:
             fitted = json.load(f)
     if not args.cached_only:
-        run_jobs(plan_jobs(rows, fitted, auto_rows), args.jobs, args.timeout, args.auto_timeout)
+        at_fit, auto, at_preset = plan_jobs(rows, fitted, auto_rows)
+        for jobs, limit in ((at_fit, args.timeout), (auto, args.auto_timeout), (at_preset, args.timeout)):
+            run_jobs(jobs, args.jobs, limit)
     recs = evaluate(rows, fitted, cached_only=True)
     auto = plan_quality(recs, auto_rows, fitted, cached_only=True) if auto_rows else []
     with open(args.out + ".jsonl", "w") as f:

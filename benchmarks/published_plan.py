@@ -94,7 +94,7 @@ def _cache_path(row: Row, cluster, auto: bool) -> str:
 
 def _store(path: str, out: dict) -> None:
     """Written whole or not at all: parallel jobs and a killed run leave no partial file."""
-    os.makedirs(CACHE, exist_ok=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
         json.dump(out, f)
@@ -128,14 +128,33 @@ def plan_row(row: Row, cluster, auto: bool = False, use_cache: bool = True, cach
     return out
 
 
-def run_jobs(jobs: list, n: int, timeout: float, auto_timeout: float | None = None) -> None:
-    """Plan the uncached (row, cluster, auto) jobs in order, `n` processes at a time, into the cache; a job still
-    running after `timeout` seconds (`auto_timeout` for pipeline='auto') is killed and cached as an error saying
-    so."""
+def _walls_path() -> str:
+    """Each plan's last wall time, whatever the code: the order of the next run."""
+    return os.path.join(CACHE, "walls.json")
+
+
+def _walls() -> dict:
+    if not os.path.exists(_walls_path()):
+        return {}
+    with open(_walls_path()) as f:
+        return json.load(f)
+
+
+def _wall_key(job) -> str:
+    row, cluster, auto = job
+    return f"{row.name}|{re.sub(r'x[0-9.]+', '', cluster.name)}|{auto}"  # the same plan after a re-fit
+
+
+def run_jobs(jobs: list, n: int, timeout: float) -> None:
+    """Plan the uncached (row, cluster, auto) jobs, `n` processes at a time, the longest last time first (a short
+    tail), into the cache; a job still running after `timeout` seconds is killed and cached as an error saying so."""
     unique = {_cache_path(*j): j for j in jobs}
-    todo = [j for path, j in unique.items() if not os.path.exists(path)]
+    walls = _walls()
+    todo = sorted(
+        (j for path, j in unique.items() if not os.path.exists(path)), key=lambda j: -walls.get(_wall_key(j), 0)
+    )
     ctx, running = multiprocessing.get_context("fork"), {}
-    print(f"{len(todo)} plans to run ({len(jobs) - len(todo)} cached), {n} at a time", flush=True)
+    print(f"{len(todo)} plans to run ({len(unique) - len(todo)} cached), {n} at a time", flush=True)
     while todo or running:
         while todo and len(running) < n:
             job = todo.pop(0)
@@ -144,17 +163,14 @@ def run_jobs(jobs: list, n: int, timeout: float, auto_timeout: float | None = No
             running[p] = (job, time.perf_counter())
         time.sleep(0.5)
         for p, (job, t0) in list(running.items()):
-            limit = auto_timeout if job[2] and auto_timeout else timeout
-            if p.is_alive() and time.perf_counter() - t0 > limit:
+            if p.is_alive() and time.perf_counter() - t0 > timeout:
                 p.kill()
                 p.join()
-                msg = f"TimeoutError: not planned within {limit:.0f} s on this machine (killed)"
-                _store(_cache_path(*job), {"error": msg, "plan_wall_s": limit})
+                msg = f"TimeoutError: not planned within {timeout:.0f} s on this machine (killed)"
+                _store(_cache_path(*job), {"error": msg, "plan_wall_s": timeout})
             if not p.is_alive():
                 p.join()
                 del running[p]
-                print(
-                    f"  done {job[0].name} on {job[1].name}{' (auto)' if job[2] else ''}: "
-                    f"{time.perf_counter() - t0:.1f} s",
-                    flush=True,
-                )
+                walls[_wall_key(job)] = time.perf_counter() - t0
+                _store(_walls_path(), walls)
+                print(f"  done {_wall_key(job)}: {walls[_wall_key(job)]:.1f} s", flush=True)
