@@ -9,6 +9,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import time
 
 import torch
@@ -69,11 +70,12 @@ def _summary(plan, wall: float) -> dict:
 
 
 def _code_key() -> str:
-    """A hash of autopar's source less cluster.py's fitted block (a fitted figure is in the cluster's repr, which
-    is in the key): plans cached before a cost-model change are planned again."""
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "autopar")
+    """A hash of the planner's source (autopar/, passes/) less cluster.py's fitted block (a fitted figure is in the
+    cluster's repr, which is in the key): plans cached before a cost-model change are planned again."""
+    top = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     h = hashlib.sha1()
-    for d, _, files in sorted(os.walk(root)):
+    walk = [w for pkg in ("autopar", "passes") for w in sorted(os.walk(os.path.join(top, pkg)))]
+    for d, _, files in walk:
         for f in sorted(x for x in files if x.endswith(".py")):
             with open(os.path.join(d, f)) as fh:
                 text = fh.read()
@@ -101,6 +103,23 @@ def _store(path: str, out: dict) -> None:
     os.replace(tmp, path)
 
 
+def _plan_forced(row: Row, m, x, cluster):
+    """The row's published layout planned at autopar's default budget, or where no plan fits it but one fits the
+    whole device, at the whole device's memory (the published run ran in it): (plan, the budget used or None)."""
+    mesh, opts = _mesh_and_pipeline(row)
+    kw = dict(cluster=cluster, pipeline=opts, float8=row.float8 or None)
+    try:
+        return autopar.plan(m, mesh, x, **kw), None
+    except autopar.InfeasibleMemoryError as e:
+        whole = cluster.device.mem_bytes
+        if e.smallest_bytes and e.smallest_bytes > whole:
+            raise
+        try:
+            return autopar.plan(m, mesh, x, memory_budget=whole, **kw), whole
+        except autopar.InfeasibleMemoryError:
+            raise e from None
+
+
 def plan_row(row: Row, cluster, auto: bool = False, use_cache: bool = True, cached_only: bool = False) -> dict:
     """The row planned on `cluster` (its forced layout, or pipeline="auto" on its GPU count when `auto`): the
     prediction's summary, or {"error": ...} naming why it could not be planned (or, with cached_only, that no run
@@ -117,10 +136,11 @@ def plan_row(row: Row, cluster, auto: bool = False, use_cache: bool = True, cach
         if auto:
             plan = autopar.plan(m, (row.gpus,), x, cluster=cluster, pipeline="auto", float8=row.float8 or None)
         else:
-            mesh, opts = _mesh_and_pipeline(row)
-            plan = autopar.plan(m, mesh, x, cluster=cluster, pipeline=opts, float8=row.float8 or None)
+            plan, budget = _plan_forced(row, m, x, cluster)
         out = _summary(plan, time.perf_counter() - t)
         out["metric"] = metric_of(row, out["step_s"], m)
+        if not auto and budget is not None:
+            out["budget"] = f"whole device ({budget / 2**30:.0f} GiB): no plan at autopar's default 90%"
     except Exception as e:  # a row that cannot be planned records why; the run goes on
         out = {"error": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}", "plan_wall_s": time.perf_counter() - t}
     if use_cache:
@@ -145,6 +165,11 @@ def _wall_key(job) -> str:
     return f"{row.name}|{re.sub(r'x[0-9.]+', '', cluster.name)}|{auto}"  # the same plan after a re-fit
 
 
+def _job(*job) -> None:
+    os.setpgrp()  # its own process group: a timeout kills the planner's worker processes with it
+    plan_row(*job)
+
+
 def run_jobs(jobs: list, n: int, timeout: float) -> None:
     """Plan the uncached (row, cluster, auto) jobs, `n` processes at a time, the longest last time first (a short
     tail), into the cache; a job still running after `timeout` seconds is killed and cached as an error saying so."""
@@ -158,13 +183,16 @@ def run_jobs(jobs: list, n: int, timeout: float) -> None:
     while todo or running:
         while todo and len(running) < n:
             job = todo.pop(0)
-            p = ctx.Process(target=plan_row, args=job)
+            p = ctx.Process(target=_job, args=job)
             p.start()
             running[p] = (job, time.perf_counter())
-        time.sleep(0.5)
+        time.sleep(0.2)
         for p, (job, t0) in list(running.items()):
             if p.is_alive() and time.perf_counter() - t0 > timeout:
-                p.kill()
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)  # the plan and the solver workers it forked
+                except ProcessLookupError:  # killed before it made its group
+                    p.kill()
                 p.join()
                 msg = f"TimeoutError: not planned within {timeout:.0f} s on this machine (killed)"
                 _store(_cache_path(*job), {"error": msg, "plan_wall_s": timeout})

@@ -67,6 +67,20 @@ def _fastest_fitting_all_checkpointed(costs, a: int, b: int, inflight: int, cap:
     return min(fit, key=lambda j: t[j]) if fit else int(np.argmin(mem))
 
 
+def _hand_fitting(costs, bounds, base, cluster, budget, recompute) -> dict:
+    """evaluate_fitted, its per-stage choices made again under a smaller cap while the exact rank peak overflows
+    `budget` (the per-stage options leave out FSDP's unsharded units and the recompute transient, which the
+    simulation counts): recompute=True checkpoints as memory needs. The DP scales its cap the same way for v > 1."""
+    r, cap = evaluate_fitted(costs, bounds, base, cluster, budget, recompute), budget
+    for _ in range(3):
+        if r["fits"] or recompute is not True:
+            break
+        cap *= 0.98 * budget / r["peak_mem"]
+        r = evaluate_fitted(costs, bounds, base, cluster, cap, recompute)
+        r["fits"] = r["peak_mem"] <= budget
+    return r
+
+
 def _dp_inflight(order, S, spec, v):
     if v == 1:
         return pm.inflight(order, S, spec.split_backward)
@@ -93,7 +107,7 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
     base = {**c, "order": order}
     if hand:
         cvs = ops.costs()
-        r = evaluate_fitted(cvs, layout_bounds(hand), base, cluster, budget, recompute)
+        r = _hand_fitting(cvs, layout_bounds(hand), base, cluster, budget, recompute)
         return {**base, **r, "part": pm.Partition(r["bounds"], r["variants"], float("nan"), r["recompute"])}
     cap, best, tried = budget / v, None, 0
     while tried < (1 if v == 1 else 3):

@@ -108,11 +108,11 @@ def test_run_jobs_caches_plans_and_kills_overlong_ones(tmp_path, monkeypatch):
         R.ROWS[0], name="tiny", over=dict(R._GPT, n_heads=4, dim=128, n_layers=2, vocab_size=1024, max_seq_len=128),
         gpus=2, layout=(1, 2, 1, 1), batch=4, seq=128, microbatches=(1,), layers_per_stage=(2,),
     )  # fmt: skip
-    fast, slow = (row, P.row_cluster(row), False), (row, P.row_cluster(row, None, {"gemm": 0.9}), False)
+    fast, slow = (row, P.row_cluster(row), False), (R.ROWS[0], P.row_cluster(R.ROWS[0]), False)  # slow: seconds
     PP.run_jobs([fast], 2, timeout=300)
     assert PP.plan_row(*fast, cached_only=True)["step_s"] == pytest.approx(
         PP.plan_row(*fast, use_cache=False)["step_s"]
     )
-    PP.run_jobs([slow, fast], 2, timeout=0.01)  # fast is cached: only slow runs, and is killed
+    PP.run_jobs([slow, fast], 2, timeout=0.01)  # fast is cached: only slow runs, and is killed at the first poll
     assert PP.plan_row(*slow, cached_only=True)["error"].startswith("TimeoutError")
     assert "tiny|" in " ".join(PP._walls())
