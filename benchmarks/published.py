@@ -38,6 +38,11 @@ Assumptions (each also in the results file):
     stage, as the paper does, with a block in every virtual stage: [1, 2 x 62, 1]), one sequence per
     micro-batch, recompute=True (blocks checkpointed as memory needs).
 
+  * Tensor parallelism is forced where a row has tp > 1 (published_plan.tp_force, force= on the stage submesh):
+    Megatron column-wise / row-wise projections on tp, FSDP Shard(0) over the data dims (dp x cp) nested outside
+    it, embedding and head vocab-sharded on tp; without it the planner may leave a tp dim unused (it ran the 70B as
+    256-way FSDP). Activation placements stay the planner's choice.
+
 Fit and hold-out, chosen before any fit: the FITTED rows are Megatron rows 1, 3, 5, 7, 9 (1.7B, 7.5B, 39.1B,
 145.6B, 529.6B), TorchTitan Table 1-2's selective-AC rows and Llama 3's 8,192-GPU row; every other strict row is
 held back. Per GPU kind a few free figures (FREE below) are fitted by least squares of log(predicted/published)
@@ -450,8 +455,13 @@ def main(argv=None) -> int:
             fitted = json.load(f)
     if not args.cached_only:
         at_fit, auto, at_preset = plan_jobs(rows, fitted, auto_rows)
-        for jobs, limit in ((at_fit, args.timeout), (auto, args.auto_timeout), (at_preset, args.timeout)):
-            run_jobs(jobs, args.jobs, limit)
+        # pipeline='auto' one at a time: its planning time is a measured figure (the search forks its own workers)
+        for jobs, n, limit in (
+            (at_fit, args.jobs, args.timeout),
+            (auto, 1, args.auto_timeout),
+            (at_preset, args.jobs, args.timeout),
+        ):
+            run_jobs(jobs, n, limit)
     recs = evaluate(rows, fitted, cached_only=True)
     auto = plan_quality(recs, auto_rows, fitted, cached_only=True) if auto_rows else []
     with open(args.out + ".jsonl", "w") as f:

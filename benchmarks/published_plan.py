@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import multiprocessing
 import os
 import re
@@ -16,6 +17,7 @@ import torch
 
 import autopar
 from autopar import models
+from autopar.testing import fsdp_tp_force
 
 from published_rows import Row, metric_of
 
@@ -103,11 +105,29 @@ def _store(path: str, out: dict) -> None:
     os.replace(tmp, path)
 
 
+def tp_force(row: Row, m, mesh) -> dict | None:
+    """The published tensor parallelism on the stage submesh (without it the planner may leave a tp dim unused):
+    Megatron column-wise input and row-wise output projections on tp, parameters FSDP-sharded (Shard(0)) over the
+    data dims (dp, and cp: torchtitan's dp_shard_cp) where that divides, nested outside tp; the embedding and the
+    head Shard(0) (vocab) on tp, as torchtitan shards them. None for a row without tp."""
+    shape, names = tuple(mesh.shape[1:]), tuple(mesh.names[1:])
+    if row.layout[2] == 1:
+        return None
+    data = math.prod(s for s, n in zip(shape, names) if n != "tp")
+    two = fsdp_tp_force(m, (data, shape[-1]))
+    force = {k: (pl[0],) * (len(shape) - 1) + (pl[1],) for k, pl in two.items()}
+    if row.model.startswith("llama3"):  # FSDP moves to the hidden dim where the vocab does not divide (FSDP2 pads)
+        vocab = dict(m.named_parameters())["output.weight"].shape[0]
+        fsdp = "S0" if vocab % (data * shape[-1]) == 0 else "S1"
+        force.update({k: (fsdp,) * (len(shape) - 1) + ("S0",) for k in ("tok_embeddings.weight", "output.weight")})
+    return force
+
+
 def _plan_forced(row: Row, m, x, cluster):
     """The row's published layout planned at autopar's default budget, or where no plan fits it but one fits the
     whole device, at the whole device's memory (the published run ran in it): (plan, the budget used or None)."""
     mesh, opts = _mesh_and_pipeline(row)
-    kw = dict(cluster=cluster, pipeline=opts, float8=row.float8 or None)
+    kw = dict(cluster=cluster, pipeline=opts, float8=row.float8 or None, force=tp_force(row, m, mesh))
     try:
         return autopar.plan(m, mesh, x, **kw), None
     except autopar.InfeasibleMemoryError as e:
