@@ -68,7 +68,9 @@ def _pricing(state) -> Pricing:
     flop_cache: dict = {}
     time_cache: dict = {}
     # torch.compile: the reads and writes its fused kernels skip (autopar/cost/fusion.py); none when eager
-    fused = fusion.fused_io(graph) if fusion.check(device) else fusion.FusedIO(frozenset(), frozenset())
+    fused = fusion.FusedIO(frozenset(), frozenset())
+    if fusion.check(device):
+        fused = fusion.fused_io(graph, fusion.compile_units(device, graph, state.region_of))
 
     def redistribute(src, dst, meta):
         if src == dst:

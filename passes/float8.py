@@ -251,11 +251,15 @@ def _parts(state, n, s, roles, flop_cache) -> tuple[float, float]:
     flops = global_flops(g, n, flop_cache) / max(1, work)
     gemm = _gemm_time(g, n, s, mesh_shape, dev, flops, gemm_bytes) + dev.op_overhead
     bw = dev.mem_bw * dev.mem_eff
-    compiled = fusion.check(dev)
+    if "units" not in flop_cache:  # the compiled programs, once per pricing
+        flop_cache["units"] = fusion.compile_units(dev, g, state.region_of) if fusion.check(dev) else None
+    units = flop_cache["units"]
     cast = 0.0
     for j, c in zip(pos_of, casts):
         elems, b = local[j]
-        if c == CAST and compiled and fusion.fused_producer(g, ins[j], n.phase):  # amax in the producer's kernel
+        if (
+            c == CAST and units is not None and fusion.fused_producer(g, ins[j], n, units)
+        ):  # amax in the producer's kernel
             cast += elems * (b + 1) / bw + dev.op_overhead
         elif c == CAST:
             cast += elems * (2 * b + 1) / bw + 2 * dev.op_overhead

@@ -38,7 +38,8 @@ class DeviceSpec:
     attn_fwd_eff: float = 0.35  # flash forward: fraction of peak at long sequences, head dim 128
     attn_bwd_eff: float = 0.30  # flash backward, likewise
     attn_seq_overhead: float = 128.0  # a query block's fixed cost in keys: efficiency Sk / (Sk + this)
-    # "eager" (one kernel per op) or "inductor" (torch.compile: memory-bound chains fused, autopar/cost/fusion.py)
+    # "eager" (one kernel per op), "inductor" (torch.compile per ModuleList layer: memory-bound chains fused) or
+    # "inductor-graph" (the whole model compiled); autopar/cost/fusion.py
     fusion: str = "eager"
 
     def flops_for(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
