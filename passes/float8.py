@@ -14,9 +14,15 @@ whose weight dims are both multiples of 16 (the float8 tensor cores' requirement
 linears and why are recorded in `Plan.meta["float8"]["skipped"]`.
 
 Scaling is per rank: each rank scales the tensor its GEMM reads (its local shard), as torchao does under data
-parallelism (FSDP/DDP ranks hold plain local tensors). torchao's tensor-parallel path all-reduces the amax of a
-DTensor instead; autopar does not (every per-shard scale is a valid tensorwise scale, so the result is correct to
-float8 precision either way, but not bitwise that of one device when an operand is sharded).
+parallelism (FSDP/DDP ranks hold plain local tensors). Tensor parallelism: torchao's Float8ColwiseParallel /
+Float8RowwiseParallel (torchtitan's TP plan under float8) cast DTensors, so each operand's amax is all-reduced over
+the TP group; priced so (`tp_dims`: the mesh dims on which a GEMM holds its weight, or its weight gradient,
+sharded; one fp32 scalar all-reduce per operand cast there, inside the cast it blocks). Executed per shard on the
+graph backend (every per-shard scale is a valid tensorwise scale, so the result is correct to float8 precision
+either way, but not bitwise that of one device when an operand is sharded). Not priced: torchao's float8
+all-gather of the sequence-parallel activations (it casts the Shard(1) input before gathering it, so the gather
+moves 1 byte per element and the cast runs on 1/tp of the elements): those gathers are priced at the activation
+dtype, the cast on the gathered operand (the edge pricing does not know the consumer's float8 operand).
 
 Pricing (`priced`): a converted GEMM at the device's fp8 peak (`DeviceSpec.peak_flops["fp8"]`) with 1-byte operands,
 by the device's GEMM model (autopar/cost/kernels.py: by local shape on the GPU presets, its float8 K-block
@@ -176,7 +182,7 @@ def mark(state) -> None:
     casts, kept = _gathered_in_float8(g, converted, nodes) if cfg.fsdp_float8_all_gather else ({}, {})
     state.extras["float8"] = {
         **cfg.option(),
-        "scaling": "tensorwise per rank (each rank's amax of the shard its GEMM reads)",
+        "scaling": "tensorwise per rank (each rank's amax of the shard its GEMM reads; priced with the TP amax all-reduce)",
         "linears": sorted(converted),
         "skipped": dict(sorted(skipped.items())),
         "gemms": len(nodes),
@@ -255,8 +261,11 @@ def _parts(state, n, s, roles, flop_cache) -> tuple[float, float]:
         flop_cache["units"] = fusion.compile_units(dev, g, state.region_of) if fusion.check(dev) else None
     units = flop_cache["units"]
     cast = 0.0
+    amax = _tp_amax_time(state, n, s, pos_of)
     for j, c in zip(pos_of, casts):
         elems, b = local[j]
+        if c == CAST:
+            cast += amax
         if (
             c == CAST and units is not None and fusion.fused_producer(g, ins[j], n, units)
         ):  # amax in the producer's kernel
@@ -266,6 +275,27 @@ def _parts(state, n, s, roles, flop_cache) -> tuple[float, float]:
         elif c == SHARED:
             cast += elems / bw
     return gemm, cast
+
+
+def tp_dims(g, n, s, pos_of) -> tuple:
+    """The mesh dims on which converted GEMM n (strategy s) holds its weight sharded: the weight operand's sharded
+    dims, or, for the weight-gradient GEMM (no weight operand), its output's. There torchao's Float8ColwiseParallel
+    / Float8RowwiseParallel operands are DTensors (module docstring: tensor parallelism); data-parallel dims hold
+    the weight whole at the GEMM (FSDP gathers it) and plain local tensors."""
+    weight = next((j for j in pos_of if g.nodes[_root(g, n.inputs()[j]).node].kind == "param"), None)
+    placement = s.ins[weight] if weight is not None else s.out[0]
+    return tuple(k for k, p in enumerate(placement) if p[0] == "S")
+
+
+def _tp_amax_time(state, n, s, pos_of) -> float:
+    """Seconds of one operand scale's amax all-reduce (one fp32 scalar, max) over the GEMM's tensor-parallel dims;
+    0 without any."""
+    dims = tp_dims(state.graph, n, s, pos_of)
+    if not dims:
+        return 0.0
+    src = tuple("P" if k in dims else "R" for k in range(len(state.mesh.shape)))
+    one = TensorMeta((1,), torch.float32)
+    return redistribute_time(src, ("R",) * len(src), one, state.mesh.shape, state.cluster)
 
 
 def _gemm_time(g, n, s, mesh_shape, dev, flops, nbytes) -> float:
