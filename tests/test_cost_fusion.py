@@ -102,3 +102,17 @@ def test_the_batch_formula_refuses_a_fused_device():
     _, st = autopar.plan(m, (1,), x, cluster=get_cluster("h100").with_device(fusion="inductor"), return_state=True)
     with pytest.raises(ValueError, match="H100-SXM.*fusion='inductor'"):
         batch_formula(st, m, x)
+
+
+def test_fusion_eff_scales_the_skipped_bytes_between_eager_and_fully_fused():
+    """DeviceSpec.fusion_eff: 0 saves nothing (eager's compute), 1 the full fused count, 0.5 halfway (linear)."""
+    x = torch.randn(8, 2048, D, device="meta")
+    cl = get_cluster("h100").with_device(fusion="inductor")
+    step = {
+        e: autopar.plan(Block(), (1,), (x,), cluster=cl.with_device(fusion_eff=e), backward=False).predicted[
+            "compute_s"
+        ]
+        for e in (0.0, 0.5, 1.0)
+    }
+    assert step[0.0] == pytest.approx(_forward("eager").predicted["compute_s"], rel=1e-12)
+    assert step[0.5] == pytest.approx((step[0.0] + step[1.0]) / 2, rel=1e-9) and step[1.0] < step[0.0]
