@@ -30,7 +30,9 @@ assumption there; the flat roofline elsewhere), plus its casts, each a memory-bo
 again and writes 1 byte per element (2 kernels; a shared grad_out cast adds only its second layout's write). Under
 torch.compile (DeviceSpec fusion="inductor", autopar/cost/fusion.py) the amax of an operand that a fusible op of the
 same phase produces (a norm's output, the SwiGLU product, a pointwise gradient) runs in that op's kernel: its cast
-is one pass, the read and the 1-byte write (torchtitan: compile "fuses the float8 scaling/casting kernels"). A
+is one pass, the read and the 1-byte write (torchtitan: compile "fuses the float8 scaling/casting kernels"), and an
+activation several converted GEMMs of the phase read (wq, wk, wv; w1, w3) is cast once (CSE of the identical
+amax and cast; eager torchao casts it per linear). A
 device without an fp8 peak (A100, CPUs) cannot run float8 GEMMs: the config's `emulate=True` allows the numerics
 (torch runs `_scaled_mm` on CPU), priced at the bf16 rate (`DeviceSpec.flops_for` falls back).
 
@@ -70,6 +72,7 @@ aten = torch.ops.aten
 GEMMS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 CAST, SHARED, NONE = 1, 2, 0  # an operand's cast at a GEMM: its own, a shared one's second layout, none
+REPEAT = 3  # an activation another converted GEMM of the phase casts too (wq, wk, wv reading one norm output)
 _THROUGH = (aten.t.default, aten.view.default, aten._unsafe_view.default, aten._to_copy.default)
 
 
@@ -163,6 +166,7 @@ def mark(state) -> None:
     g = state.graph
     converted, skipped = _linears(g, cfg)
     nodes, grad_cast = [], set()  # grad_cast: (module, root value) of output gradients already cast
+    act_cast = set()  # (phase, root value) of activations already cast
     for n in g.ops():
         if n.target not in GEMMS or n.module not in converted:
             continue
@@ -173,9 +177,13 @@ def mark(state) -> None:
             grad = g.nodes[root.node].phase == "bw" and g.nodes[root.node].kind == "op"
             row.append("e5m2" if grad else "e4m3")
             key = (n.module, root)
-            casts.append(SHARED if grad and key in grad_cast else CAST)
+            act = not grad and g.nodes[root.node].kind == "op"
             if grad:
+                casts.append(SHARED if key in grad_cast else CAST)
                 grad_cast.add(key)
+            else:
+                casts.append(REPEAT if act and (n.phase, root) in act_cast else CAST)
+                act_cast.update([(n.phase, root)] if act else [])
         if row[1:] == ["e5m2", "e5m2"]:  # _scaled_mm takes no e5m2 x e5m2
             continue
         nodes.append(row + casts)
@@ -264,6 +272,8 @@ def _parts(state, n, s, roles, flop_cache) -> tuple[float, float]:
     amax = _tp_amax_time(state, n, s, pos_of)
     for j, c in zip(pos_of, casts):
         elems, b = local[j]
+        if c == REPEAT:  # torch.compile's CSE: one amax and one cast of the tensor serve every GEMM reading it
+            c = NONE if units is not None else CAST
         if c == CAST:
             cast += amax
         if (
