@@ -31,10 +31,6 @@ from .solver import InfeasibleMemoryError
 TARGETS = ("torch",)
 
 
-def _op(rec) -> str:
-    return rec["target"].split(".")[0] if rec["kind"] == "op" else rec["kind"]
-
-
 _ROW_VIEWS = {"view", "_unsafe_view", "reshape"}
 _SAME_SHAPE = {"_to_copy", "clone", "detach", "alias", "contiguous"}
 
@@ -49,22 +45,22 @@ def _batch_uses(G, i, o, d, seen) -> bool:
     uses = [(u, j) for u, j, uo in G.users[i] if uo == o]
     if not uses:
         return False
-    src_shape = G.rec(i)["shape"][o]
+    src_shape = G.rec(i).shapes[o]
     for u, j in uses:
         ur = G.rec(u)
-        if ur["placement"]["ins"][j][d] == "S0":
-            seen["batch" if ur["phase"] == "fw" else "bw_batch"].append(u)
+        if ur.ins[j][d] == "S0":
+            seen["batch" if ur.phase == "fw" else "bw_batch"].append(u)
             continue
-        if ur["kind"] != "op":
+        if ur.kind != "op":
             return False
-        op = _op(ur)
+        op = ur.op
         if op in _LOSS_OPS:
             seen["loss"].append(u)
             continue
-        if ur["phase"] == "bw":
+        if ur.phase == "bw":
             seen["bw"].append(u)
             continue
-        out = ur["shape"][0] if ur["shape"] else None
+        out = ur.shapes[0] if ur.shapes else None
         rows = (op in _SAME_SHAPE and out == src_shape) or (
             op in _ROW_VIEWS
             and out
@@ -74,9 +70,7 @@ def _batch_uses(G, i, o, d, seen) -> bool:
                 for k in range(1, len(src_shape) + 1)
             )
         )
-        if not (
-            rows and len(ur["inputs"]) == 1 and ur["placement"]["out"][0][d] == "R" and _batch_uses(G, u, 0, d, seen)
-        ):
+        if not (rows and len(ur.inputs) == 1 and ur.out[0][d] == "R" and _batch_uses(G, u, 0, d, seen)):
             return False
     return True
 
@@ -89,15 +83,15 @@ def _fed(G, inp, loss_fed=None) -> list:
     computes the mean over the whole batch): the engines compute each rank's mean over its equal batch shard and
     average the gradients (the same values; _check_batch_shards says when not); (input name, mesh dim, loss node)
     of those are appended to it."""
-    pl = list(inp["placement"]["out"][0])
+    pl = list(inp.out[0])
     for d, p in enumerate(pl):
         seen = {"batch": [], "bw_batch": [], "loss": [], "bw": []}
-        if p != "R" or not _batch_uses(G, inp["idx"], 0, d, seen):
+        if p != "R" or not _batch_uses(G, inp.idx, 0, d, seen):
             continue
         if seen["batch"] and not seen["loss"] or loss_fed is not None and (seen["batch"] or seen["loss"]):
             pl[d] = "S0"
             if loss_fed is not None:
-                loss_fed += [(inp["name"], d, u) for u in seen["loss"]]
+                loss_fed += [(inp.name, d, u) for u in seen["loss"]]
     return pl
 
 
@@ -105,14 +99,15 @@ _LOSS_OPS = {"nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll
 
 
 class _Records:
-    """A plan's node records with their users (what _fed reads; backends/torch/lowering._Graph is a superset)."""
+    """A plan's node records, typed, with their users (what _fed reads; backends/torch/lowering._Graph is a
+    superset)."""
 
     def __init__(self, plan):
-        self.nodes = plan.nodes
+        self.nodes = plan.node_records()
         self.users = defaultdict(list)  # node -> [(user, input position, producer output)]
         for n in self.nodes:
-            for j, (p, o) in enumerate(n.get("inputs", [])):
-                self.users[p].append((n["idx"], j, o))
+            for j, (p, o) in enumerate(n.inputs):
+                self.users[p].append((n.idx, j, o))
 
     def rec(self, i):
         return self.nodes[i]
@@ -120,16 +115,18 @@ class _Records:
 
 def data_dims(plan) -> list[int]:
     """The mesh dims on which the engines feed every input batch-sharded (their data-parallel dims)."""
+    if not plan.nodes or "inputs" not in plan.nodes[-1]:
+        return []
     G = _Records(plan)
-    inputs = [n for n in plan.nodes if n["kind"] == "input"]
-    if not inputs or "inputs" not in plan.nodes[-1]:
+    inputs = [n for n in G.nodes if n.kind == "input"]
+    if not inputs:
         return []
     strict, loose = [_fed(G, n) for n in inputs], [_fed(G, n, []) for n in inputs]
     # a mesh dim is batch-fed when every input is (a loss input counts only where the batch really is sharded)
     batch = [
         all(f[d] == "S0" for f in loose) and any(f[d] == "S0" for f in strict) for d in range(len(plan.mesh_shape))
     ]
-    fed = lambda n, d: "S0" if batch[d] else n["placement"]["out"][0][d]
+    fed = lambda n, d: "S0" if batch[d] else n.out[0][d]
     return [d for d in range(len(plan.mesh_shape)) if all(fed(n, d) == "S0" for n in inputs)]
 
 
