@@ -159,8 +159,9 @@ def _node_metrics(state, plan, where, K: int) -> dict:
     """Per cluster F/B/W seconds (compute + activation redistributes), dp comm seconds, model-state bytes,
     saved-activation bytes, and the collectives (kind -> [count, bytes]) of its activation and dp redistributes."""
     g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
-    F, B, W, dp, st, act = (np.zeros(K) for _ in range(6))
+    F, B, W, dp, st, act, st_dp = (np.zeros(K) for _ in range(7))
     bpp = state.precision.bytes_per_param
+    dp_dims = [d for d, nm in enumerate(state.mesh.names) if nm.startswith("dp") and mesh_shape[d] > 1]
     feeds = _feeds_earlier(g, where)
     coll = [{"act": {}, "dp": {}} for _ in range(K)]
     for rec in plan.nodes:
@@ -180,6 +181,8 @@ def _node_metrics(state, plan, where, K: int) -> dict:
         t = (rec.get("time_s") or 0.0) + t_act
         if n.kind == "param":
             st[c] += n.out.numel * bpp / num_shards(P[i].out[0], mesh_shape)
+            if any(P[i].out[0][d][0] == "S" for d in dp_dims):  # FSDP-sharded: scales with the dp size
+                st_dp[c] += n.out.numel * bpp / num_shards(P[i].out[0], mesh_shape)
         elif n.phase == "fw":
             F[c] += t
             if any(g.nodes[u].phase == "bw" for u in n.users):
@@ -192,7 +195,7 @@ def _node_metrics(state, plan, where, K: int) -> dict:
             B[c] += t
         else:
             W[c] += t
-    return {"F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act, "coll": coll}
+    return {"F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act, "coll": coll, "state_dp": st_dp}
 
 
 def _crossings(state, where, K: int):
@@ -240,7 +243,7 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
             ops[where[n.idx]] += 1
     param_pos = {fqn: where[i] for fqn, i in g.params.items()}
     return {
-        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act")},
+        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act", "state_dp")},
         "xbytes": cross_bytes,
         "xn": cross_n,
         "coll": metrics["coll"],
@@ -260,6 +263,7 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
     c.save = np.where(c.blk, np.maximum(0.0, c.act - np.concatenate([[0.0], xb])), 0.0)
     c.rtime = np.where(c.blk, c.F, 0.0)
     c.coll = [metrics["coll"][j] for j in idx]
+    c.state_dp = arr("state_dp")  # the part of `state` sharded over the dp dims (passes/stage_estimate.py)
     c.ops = [int(metrics["ops"][j]) for j in idx]
     c.param_pos = metrics["param_pos"]
     return c

@@ -149,15 +149,20 @@ def stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=Non
 def _search_share(share):
     """Configurations share[0]::share[1] in lower-bound order: DP + simulation each, skipping those whose lower
     bound exceeds margin x the best step found so far (here)."""
-    configs, cache, cluster, budget, hand, tol, recompute, margin = _FORKED
-    results, best, pruned = [], INF, 0
+    configs, cache, cluster, budget, hand, tol, recompute, margin, best = _FORKED
+    results, pruned, orders = [], 0, {}
     for c in configs[share[0] :: share[1]]:
         if c["lb"] > margin * best:
             pruned += 1
             continue
-        try:
-            order = pm.actions(c["spec"], c["p"], c["m"], c["v"])
-        except ValueError:
+        sched = (c["spec"].name, c["p"], c["m"], c["v"])  # configurations on other submeshes share the order
+        if sched not in orders:
+            try:
+                orders[sched] = pm.actions(c["spec"], c["p"], c["m"], c["v"])
+            except ValueError:
+                orders[sched] = None
+        order = orders[sched]
+        if order is None:
             continue
         r = search_config(c, order, cache[c["key"]], cluster, budget, hand, tol, recompute)
         if r["fits"]:
@@ -170,7 +175,8 @@ def _search_share(share):
 
 def search(job, workers=None):
     """All configurations, split over forked workers (a worker prunes against its own best, so it evaluates at
-    least what one process would)."""
+    least what one process would). job: (configs, key -> StageOps, cluster, budget, hand layout, dp_tol, recompute,
+    prune margin, the best step already found elsewhere (pruning starts from it))."""
     import multiprocessing as mp
     import os
 
