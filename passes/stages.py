@@ -44,7 +44,9 @@ class StagesRequest:
     n_variants (intra-op plans per stage submesh: 1 time-optimal, 2 (default) + FSDP-sharded params, 3-4 +
     memory-budgeted), recompute (checkpointed blocks: True (default) as memory needs, False never, "all": every
     block, for hand layouts), dp_shards_batch (default True), prune_margin (1.25), dp_tol (1e-3: relative tolerance
-    of the bottleneck scan; 0 = exact), top (candidates kept in the report), workers."""
+    of the bottleneck scan; 0 = exact), top (candidates kept in the report), workers, exact_keys (12: with more
+    (submesh, micro-batch) keys than this, most are estimated, passes/stage_estimate.py), estimate_margin (0.05:
+    an estimated key is solved exactly when its estimate is within this of the best exact step)."""
 
     model: nn.Module
     mesh: object
@@ -210,26 +212,27 @@ def _priced(keys, cache, cluster) -> dict:
     return {k: v for k, v in out.items() if v is not None}
 
 
-def _to_solve(results, cache, batch: int) -> list:
-    """Keys still estimated whose best estimated configuration beats every exact one, best first (at most
-    `batch`); with no exact configuration that fits, the best estimated ones."""
+def _to_solve(results, cache, batch: int, margin: float) -> list:
+    """Keys still estimated whose best estimated configuration is within `margin` of beating every exact one
+    (estimated step < best exact step x (1 + margin)), best first (at most `batch`); with no exact configuration
+    that fits, the best estimated ones."""
     exact = min((r["step_s"] for r in results if r["fits"] and r["key"] in cache), default=INF)
     todo = []
     for r in sorted((r for r in results if r["fits"] and r["key"] not in cache), key=lambda r: r["step_s"]):
-        if r["step_s"] >= exact or len(todo) == batch:
+        if r["step_s"] >= exact * (1 + margin) or len(todo) == batch:
             break
         if r["key"] not in todo:
             todo.append(r["key"])
     return todo
 
 
-def _refine(results, configs, cache, solve_keys, job_rest, workers):
-    """Solve exactly, a batch at a time, the estimated keys that look better than the best exact configuration,
-    and search their configurations again on exact costs, until none does. Returns (results on exact costs only,
-    pruned count, rounds)."""
+def _refine(results, configs, cache, solve_keys, job_rest, workers, margin):
+    """Solve exactly, a batch at a time, the estimated keys that look better than the best exact configuration
+    (within `margin`, the estimate_margin option), and search their configurations again on exact costs, until none
+    does. Returns (results on exact costs only, pruned count, rounds)."""
     pruned, rounds, batch = 0, 0, 2
     while True:
-        todo = _to_solve(results, cache, batch)
+        todo = _to_solve(results, cache, batch, margin)
         if not todo:
             break
         rounds += 1
@@ -281,7 +284,8 @@ def run(request: StagesRequest) -> Plan:
     rest += (float(opts.get("prune_margin", 1.25)),)
     t_search = time.perf_counter()
     results, pruned = search((configs, priced, *rest, INF), workers)
-    results, more, rounds = _refine(results, configs, cache, solve_keys, rest, workers)
+    margin = float(opts.get("estimate_margin", 0.05))
+    results, more, rounds = _refine(results, configs, cache, solve_keys, rest, workers, margin)
     t_search = time.perf_counter() - t_search
     top = _ranked(results, cache, len(blocks), mesh, cluster, budget, opts, ctx["recompute"])
     best = top[0]
