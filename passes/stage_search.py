@@ -69,9 +69,10 @@ def lower_bound(costs, spec, p, v, m) -> float:
     return pm.proxy_coef(m, v) * max(tot / S, float(c.max())) + f
 
 
-def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute=True) -> dict:
+def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute=True, tries=3) -> dict:
     """Stage DP (or a hand layout) for one configuration, evaluated by simulation. With several stages per rank
-    the DP charges each stage budget/v (scaled while the exact rank peak leaves room or overflows)."""
+    the DP charges each stage budget/v (scaled, up to `tries` DPs, while the exact rank peak leaves room or
+    overflows)."""
     p, v, m, spec, smesh = c["p"], c["v"], c["m"], c["spec"], c["mesh"]
     S = p * v
     fl = _dp_inflight(order, S, spec, v)
@@ -82,7 +83,7 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
         r = evaluate_fitted(cvs, layout_bounds(hand), base, cluster, budget, recompute)
         return {**base, **r, "part": pm.Partition(r["bounds"], r["variants"], float("nan"), r["recompute"])}
     cap, best, tried = budget / v, None, 0
-    while tried < (1 if v == 1 else 3):
+    while tried < (1 if v == 1 else tries):
         tried += 1
         cvs = ops.costs()
         xfer = np.array([[collective_time("send_recv", float(b), 2, link) for b in cv.xbytes] for cv in cvs])
@@ -164,7 +165,11 @@ def _search_share(share):
         order = orders[sched]
         if order is None:
             continue
-        r = search_config(c, order, cache[c["key"]], cluster, budget, hand, tol, recompute)
+        ops = cache[c["key"]]
+        if getattr(ops, "exact", True):
+            r = search_config(c, order, ops, cluster, budget, hand, tol, recompute)
+        else:  # estimated costs only rank keys for an exact solve: a coarser DP (2% bottleneck scan, one cap)
+            r = search_config(c, order, ops, cluster, budget, hand, max(tol, 0.02), recompute, tries=1)
         if r["fits"]:
             best = min(best, r["step_s"])
         if share[1] > 1:  # travels back to the parent: drop what is cheap to rebuild for the few kept

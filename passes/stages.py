@@ -233,6 +233,9 @@ def _refine(results, configs, cache, solve_keys, job_rest, workers, margin):
     pruned, rounds, batch = 0, 0, 2
     while True:
         todo = _to_solve(results, cache, batch, margin)
+        if not todo and not any(r["fits"] for r in results if r["key"] in cache):
+            # nothing exact fits: the estimates may be wrong on memory, so every key left is solved before failing
+            todo = list(dict.fromkeys(c["key"] for c in configs if c["key"] not in cache))
         if not todo:
             break
         rounds += 1
