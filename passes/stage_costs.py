@@ -197,7 +197,7 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
     if engine_priced(state.cluster):
         eng = pe.engine_terms(g, state.placement, where, K, state.mesh, state.precision, state.cluster)
     return {
-        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act")},
+        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act", "state_dp")},
         **eng,
         "xbytes": cross_bytes,
         "xn": cross_n,
@@ -220,6 +220,7 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
     c.coll = [metrics["coll"][j] for j in idx]
     for k in ("ag", "ag_bw", "rs", "kept", "opt_s"):  # the engines' terms (autopar/pipeline_engine.py engine_step)
         setattr(c, k, arr(k) if k in metrics else None)
+    c.state_dp = arr("state_dp")  # the part of `state` sharded over the dp dims (passes/stage_estimate.py)
     c.ops = [int(metrics["ops"][j]) for j in idx]
     c.param_pos = metrics["param_pos"]
     return c

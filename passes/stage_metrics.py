@@ -29,8 +29,9 @@ def node_metrics(state, plan, where, K: int) -> dict:
     """Per cluster F/B/W seconds (compute + activation redistributes), dp comm seconds, model-state bytes,
     saved-activation bytes, and the collectives (kind -> [count, bytes]) of its activation and dp redistributes."""
     g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
-    F, B, W, dp, st, act = (np.zeros(K) for _ in range(6))
+    F, B, W, dp, st, act, st_dp = (np.zeros(K) for _ in range(7))
     bpp = state.precision.bytes_per_param
+    dp_dims = [d for d, nm in enumerate(state.mesh.names) if nm.startswith("dp") and mesh_shape[d] > 1]
     feeds = _feeds_earlier(g, where)
     coll = [{"act": {}, "dp": {}} for _ in range(K)]
     saved, saved_in = {}, {}  # alias root -> per-rank bytes kept for backward, and the cluster that holds them
@@ -51,6 +52,8 @@ def node_metrics(state, plan, where, K: int) -> dict:
         t = (rec.get("time_s") or 0.0) + t_act
         if n.kind == "param":
             st[c] += n.out.numel * bpp / num_shards(P[i].out[0], mesh_shape)
+            if any(P[i].out[0][d][0] == "S" for d in dp_dims):  # FSDP-sharded: scales with the dp size
+                st_dp[c] += n.out.numel * bpp / num_shards(P[i].out[0], mesh_shape)
         elif n.phase == "fw":
             F[c] += t
             if any(g.nodes[u].phase == "bw" for u in n.users):
@@ -63,7 +66,7 @@ def node_metrics(state, plan, where, K: int) -> dict:
             W[c] += t
     for root, nbytes in saved.items():
         act[saved_in[root]] += nbytes
-    return {"F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act, "coll": coll}
+    return {"F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act, "coll": coll, "state_dp": st_dp}
 
 
 def _saved_buffers(g, P, i: int, mesh_shape) -> list:
