@@ -52,16 +52,19 @@ def test_planner_shards_the_sequence_where_sequences_are_long():
     (The planner's free choice: this plan is not a pipeline plan, so the dim's name "cp" forces nothing. It
     chose head-parallel attention while a causal kernel on sequence-sharded queries was priced as the full
     Sq x Sk rectangle, twice the causal share head-parallel attention got: autopar/cost/kernels.py
-    causal_fraction.)"""
+    causal_fraction.) Priced as the all-gathered form the graph backend executes (cp_attention="allgather"): under
+    the default ring pricing (torch's context_parallel: per-step kernels on 4K chunks plus merges) this 8K-row
+    case goes head-parallel instead."""
     import autopar
     from autopar.models import build_model, example_inputs
 
     mesh = autopar.MeshSpec((2, 4), ("dp", "cp"))
+    cluster = CLUSTERS["h100"].with_device(cp_attention="allgather")
     seen = {}
     for batch, seq in ((2, 32768), (64, 1024)):
         model = build_model("llama3-8b", n_layers=2, max_seq_len=seq)
         x = example_inputs("llama3-8b", batch=batch, seq=seq, device="meta")
-        seen[seq] = _attention_placements(autopar.plan(model, mesh, x, cluster="h100"))
+        seen[seq] = _attention_placements(autopar.plan(model, mesh, x, cluster=cluster))
     assert seen[32768] and all(p["out"][0][1] == "S2" and p["ins"][1][1] == "R" for p in seen[32768]), seen[32768]
     assert seen[1024] and not any("S2" in p["out"][0] for p in seen[1024]), seen[1024]
 
