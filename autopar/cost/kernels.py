@@ -241,7 +241,8 @@ def kernel_time(target, args, kwargs, shapes, flops, nbytes, device: DeviceSpec,
     bh, sq, d, sk = q[0] * q[1], q[2], q[3], kv[2]
     causal = bool(_arg(target, args, kwargs, "is_causal"))
     if device.attention == "flash":
-        if causal and sk > sq and sk % sq == 0 and ring_attention.check(device) == "ring":
+        # the ring's chunk pairs need an even count of local rows (torch: the sequence divides by 2 * cp)
+        if causal and sk > sq and sk % sq == 0 and sq % 2 == 0 and ring_attention.check(device) == "ring":
             return ring_time(bh, sq, sk, d, device, dtype, backward, flops, nbytes)
         return flash_time(bh, sq, sk, d, device, dtype, causal, backward, flops, nbytes)
     if device.attention == "unfused":
