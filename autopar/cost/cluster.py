@@ -38,6 +38,9 @@ class DeviceSpec:
     attn_fwd_eff: float = 0.35  # flash forward: fraction of peak at long sequences, head dim 128
     attn_bwd_eff: float = 0.30  # flash backward, likewise
     attn_seq_overhead: float = 128.0  # a query block's fixed cost in keys: efficiency Sk / (Sk + this)
+    # Sequence-sharded (cp) attention: "ring" (torch's context_parallel: per-step kernels on chunk pairs plus
+    # merges, autopar/cost/ring_attention.py) or "allgather" (one kernel on the all-gathered K/V, Llama 3's form)
+    cp_attention: str = "ring"
     # "eager" (one kernel per op), "inductor" (torch.compile per ModuleList layer: memory-bound chains fused) or
     # "inductor-graph" (the whole model compiled); autopar/cost/fusion.py
     fusion: str = "eager"
