@@ -6,8 +6,10 @@ from __future__ import annotations
 import torch
 
 from autopar import models
-from autopar.cost import TrainingPrecision, get_cluster
+from autopar.cost import get_cluster
 from autopar.mesh import MeshSpec
+
+from _stage import stage_context
 from autopar.models.llama import rope_cos_sin
 from autopar.passes.stage_costs import StageOps, find_layers
 
@@ -36,17 +38,7 @@ def test_block_activation_bytes_match_eager_saved_tensors():
     over = dict(n_layers=2)
     meta = models.build_model("llama-tiny", device="meta", **over)
     x = models.example_inputs("llama-tiny", batch=BATCH, seq=SEQ, device="meta", **over)
-    ctx = {
-        "cluster": get_cluster("h100"),
-        "precision": TrainingPrecision.fp32_adam(),
-        "loss_fn": None,
-        "force": {},
-        "replicate_ops": [],
-        "allow_replicate": False,
-        "time_limit": 60,
-        "n_variants": 1,
-        "dp_shards_batch": True,
-    }
+    ctx = stage_context(get_cluster("h100"), n_variants=1)
     ops = StageOps(meta, find_layers(meta), [0], [0, 0], x, MeshSpec((1,), ("dp",)), ctx)
     predicted = float(ops.costs()[0].act[1])  # cluster 1: the first block
 

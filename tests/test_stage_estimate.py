@@ -9,8 +9,10 @@ import pytest
 
 import autopar
 from autopar import models
-from autopar.cost import TrainingPrecision, get_cluster
+from autopar.cost import get_cluster
 from autopar.mesh import MeshSpec
+
+from _stage import stage_context
 from autopar.passes.stage_costs import find_layers, layer_signature
 from autopar.passes.stage_estimate import estimate, family, per_rank, representatives
 from autopar.passes.stage_search import stage_plans
@@ -47,19 +49,8 @@ def llama_keys():
     blocks = list(m.get_submodule(prefix))
     sigs = [layer_signature(b) for b in blocks]
     reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
-    ctx = {
-        "cluster": get_cluster("h100"),
-        "precision": TrainingPrecision.fp32_adam(),
-        "loss_fn": None,
-        "force": {},
-        "replicate_ops": [],
-        "allow_replicate": False,
-        "time_limit": 600,  # a loaded machine must not cut a solve short
-        "n_variants": 2,
-        "dp_shards_batch": True,
-        "recompute": True,
-        "float8": None,
-    }
+    # a loaded machine must not cut a solve short
+    ctx = stage_context(get_cluster("h100"), n_variants=2, time_limit=600, recompute=True, float8=None)
     keys = _keys_of(((2,), ("dp",), 2), ((4,), ("dp",), 4), ((2,), ("dp",), 4))
     pos_of = [reps.index(sigs.index(s)) for s in sigs]
     return stage_plans(m, prefix, reps, pos_of, x, 16, keys, ctx, workers=1), keys, ctx["cluster"]
