@@ -89,7 +89,7 @@ def plan(
     float8: torchao-style float8 linears (passes/float8.py): None off, True / a dict of Float8Config fields forced, "auto".
     allow_checkpointing: let the planner checkpoint repeated blocks when memory-bound (passes/checkpointing.py).
     pin: callable(graph node) -> {mesh dim: placement} (every tensor output) or {(mesh dim, output index): placement}
-        or None, fixing nodes' outputs (inputs, activations) to
+        or None (or an object whose for_graph(captured graph) returns that callable), fixing nodes' outputs to
         evaluate a given hand plan in the cost model (e.g. benchmarks/torchtitan_plan.py's torchtitan plan).
     overlap: False (default): every collective is paid in full, step = compute + all comm (autopar's graph
         executor runs them in program order), and the MILP is exact. True: parameter gathers and gradient
@@ -102,8 +102,8 @@ def plan(
         returning one tensor whose gradient comes from outside; its input gradients are outputs of the step
         (how backend="auto" runs the modules the engines cannot express, backends/torch/mixed.py).
     backward: False plans the forward alone (evaluation: no backward nodes, no gradients, no buckets).
-    target: the backend that will run the plan, when it cannot run every plan as solved: "torch" (PyTorch's engines)
-        pins the nodes the engines compute otherwise and solves again (autopar/targets.py); None: any backend.
+    target: "torch" (PyTorch's engines) pins the nodes they compute otherwise and solves again; TorchTarget(data_dims)
+        declares the dims they feed batch-sharded: pinned up front, one solve (autopar/targets.py). None: any backend.
     pipeline: "auto" (or a dict narrowing the search, see passes/stages.py) plans pipeline stages, submeshes,
         schedule and micro-batch count jointly with each stage's per-op plan; a mesh with a dim named "pp" does
         so too. The plan's `stages` and `schedule` are filled; `force` then names placements on the stage submesh.
@@ -261,6 +261,8 @@ def _plan_one(model, io, setup, options, step, allow_bf16, dump_after) -> PlanSt
         graph = capture(
             model, io, loss_fn, param_dtype=torch.bfloat16 if mp else None, output=output, backward=backward
         )
+    if hasattr(options["pin"], "for_graph"):  # a pin that needs the captured graph (autopar/targets.EnginePins)
+        options = {**options, "pin": options["pin"].for_graph(graph)}
     state = PlanState(graph, *setup, options)
     run_passes(state, _BEFORE_BOUND, dump_after=dump_after)
     bound = feasibility.memory_bound(state, allow_bf16)

@@ -118,6 +118,56 @@ def _json_dim(m):
     return list(m) if isinstance(m, tuple) else m
 
 
+def _placement(pl):
+    return tuple(pl) if pl is not None else None
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One node of the plan (a record of `Plan.nodes`, written by node_record), typed: what a backend reads
+    instead of the JSON dict. A None output (shape, dtype, placement) is a non-tensor output."""
+
+    idx: int
+    name: str
+    kind: str  # "input", "param", "op", "output", ...
+    target: str  # an op's name ("mm.default"), a parameter's FQN, an input's name
+    phase: str  # "fw" or "bw"
+    module: str  # the FQN of the module it runs in ("" is the root)
+    shapes: tuple  # per output: a shape tuple, or None
+    dtypes: tuple  # per output: a dtype name ("float32"), or None
+    out: tuple  # per output: its placement per mesh dim ("R", "S0", "P", ...), or None
+    ins: tuple  # per tensor input: the placement the node takes it in, per mesh dim
+    inputs: tuple  # per tensor input: (producer node idx, producer output)
+    consts: tuple | None = None  # an op's scalar positional arguments as (position, value); None: not recorded
+
+    @property
+    def op(self) -> str:
+        """An op's name without its overload ("mm"); the kind for any other node."""
+        return self.target.split(".")[0] if self.kind == "op" else self.kind
+
+    def const(self, position: int, default=None):
+        """The op's scalar positional argument at `position` (e.g. nll_loss's ignore_index at 4), or default."""
+        return dict(self.consts or ()).get(position, default)
+
+    @classmethod
+    def from_json(cls, d: dict) -> "NodeRecord":
+        consts = d.get("consts")
+        return cls(
+            d["idx"],
+            d["name"],
+            d["kind"],
+            d["target"],
+            d["phase"],
+            d["module"],
+            tuple(_placement(s) for s in d["shape"]),
+            tuple(d["dtype"]),
+            tuple(_placement(p) for p in d["placement"]["out"]),
+            tuple(tuple(p) for p in d["placement"]["ins"]),
+            tuple(tuple(e) for e in d.get("inputs", ())),
+            tuple(sorted((int(k), v) for k, v in consts.items())) if consts is not None else None,
+        )
+
+
 @dataclass
 class Plan:
     mesh_shape: tuple
@@ -159,6 +209,10 @@ class Plan:
     def redistribute_records(self) -> tuple[RedistributeRecord, ...]:
         """Every redistribute of the plan, typed, in node order (each node's in its recorded order)."""
         return tuple(RedistributeRecord.from_json(n["idx"], r) for n in self.nodes for r in n.get("redistribute", []))
+
+    def node_records(self) -> tuple[NodeRecord, ...]:
+        """The nodes, typed, in graph order (node_records()[i].idx == i)."""
+        return tuple(NodeRecord.from_json(n) for n in self.nodes)
 
     def bucket_records(self) -> tuple[BucketRecord, ...]:
         """The gradient buckets, typed, in the order they are issued."""

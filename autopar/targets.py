@@ -9,12 +9,18 @@ shard and reduce it afterwards. Two such values matter in practice:
     (weighted loss, count) in the loss hook (backends/torch/loss.py);
   * a parameter gradient: the plan may gather a backward input (the embedding's output gradient) and compute
     the gradient replicated instead of reducing it; the engines reduce every replicated gradient in buckets.
-Where the solved plan has them, it is solved again with those nodes pinned to partial sums on the data dims (the
-nll_loss forward, the node making each parameter gradient): the best plan among the ones the engines run as
-planned, whose prediction is what they issue. The data dims are the mesh dims the engines feed batch-sharded,
-read from the plan's node records as backends/torch/recognize.py reads them (`data_dims`, `_fed`). A plan solved
-with the caller's own `pin` is kept as it is (the caller decided those placements), and so is a pipeline plan.
-The note in plan.meta["engine_replan"] says which nodes were pinned and what it cost.
+So those nodes are pinned to partial sums on the data dims (the nll_loss forward, the node making each parameter
+gradient): the best plan among the ones the engines run as planned, whose prediction is what they issue. The data
+dims are the mesh dims the engines feed batch-sharded. Where the caller declares them (target=TorchTarget(
+data_dims=("dp",))) the pins are known before solving and the model is solved once with them (`EnginePins`, bound
+to the captured graph by the planner); the plan's data dims, read from its node records as
+backends/torch/recognize.py reads them (`data_dims`, `_fed`), must then be the declared ones. Otherwise (nothing
+declared, no plan with those pins, or other data dims) the free plan is solved, and where it has such values it is
+solved again with the pins on its own data dims. The mesh's names alone do not declare them: the free optimum may
+leave a dim named "dp" idle (a small batch computed again on every rank is cheaper than its gradient reductions)
+or split the batch over "tp" as well, and pinning the loss partial on "dp" up front would change that plan. A plan solved with the caller's own `pin` is kept as it is (the
+caller decided those placements), and so is a pipeline plan. plan.meta["engine_replan"] says which path ran and
+which nodes were pinned.
 
 This module reads plan records and the planner's state only: the planner imports it, never a backend.
 """
@@ -23,16 +29,13 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 from .capture import NLL_LOSSES
 from .mesh import as_mesh_spec
 from .solver import InfeasibleMemoryError
 
 TARGETS = ("torch",)
-
-
-def _op(rec) -> str:
-    return rec["target"].split(".")[0] if rec["kind"] == "op" else rec["kind"]
 
 
 _ROW_VIEWS = {"view", "_unsafe_view", "reshape"}
@@ -49,22 +52,22 @@ def _batch_uses(G, i, o, d, seen) -> bool:
     uses = [(u, j) for u, j, uo in G.users[i] if uo == o]
     if not uses:
         return False
-    src_shape = G.rec(i)["shape"][o]
+    src_shape = G.rec(i).shapes[o]
     for u, j in uses:
         ur = G.rec(u)
-        if ur["placement"]["ins"][j][d] == "S0":
-            seen["batch" if ur["phase"] == "fw" else "bw_batch"].append(u)
+        if ur.ins[j][d] == "S0":
+            seen["batch" if ur.phase == "fw" else "bw_batch"].append(u)
             continue
-        if ur["kind"] != "op":
+        if ur.kind != "op":
             return False
-        op = _op(ur)
+        op = ur.op
         if op in _LOSS_OPS:
             seen["loss"].append(u)
             continue
-        if ur["phase"] == "bw":
+        if ur.phase == "bw":
             seen["bw"].append(u)
             continue
-        out = ur["shape"][0] if ur["shape"] else None
+        out = ur.shapes[0] if ur.shapes else None
         rows = (op in _SAME_SHAPE and out == src_shape) or (
             op in _ROW_VIEWS
             and out
@@ -74,9 +77,7 @@ def _batch_uses(G, i, o, d, seen) -> bool:
                 for k in range(1, len(src_shape) + 1)
             )
         )
-        if not (
-            rows and len(ur["inputs"]) == 1 and ur["placement"]["out"][0][d] == "R" and _batch_uses(G, u, 0, d, seen)
-        ):
+        if not (rows and len(ur.inputs) == 1 and ur.out[0][d] == "R" and _batch_uses(G, u, 0, d, seen)):
             return False
     return True
 
@@ -89,15 +90,15 @@ def _fed(G, inp, loss_fed=None) -> list:
     computes the mean over the whole batch): the engines compute each rank's mean over its equal batch shard and
     average the gradients (the same values; _check_batch_shards says when not); (input name, mesh dim, loss node)
     of those are appended to it."""
-    pl = list(inp["placement"]["out"][0])
+    pl = list(inp.out[0])
     for d, p in enumerate(pl):
         seen = {"batch": [], "bw_batch": [], "loss": [], "bw": []}
-        if p != "R" or not _batch_uses(G, inp["idx"], 0, d, seen):
+        if p != "R" or not _batch_uses(G, inp.idx, 0, d, seen):
             continue
         if seen["batch"] and not seen["loss"] or loss_fed is not None and (seen["batch"] or seen["loss"]):
             pl[d] = "S0"
             if loss_fed is not None:
-                loss_fed += [(inp["name"], d, u) for u in seen["loss"]]
+                loss_fed += [(inp.name, d, u) for u in seen["loss"]]
     return pl
 
 
@@ -105,14 +106,15 @@ _LOSS_OPS = {"nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll
 
 
 class _Records:
-    """A plan's node records with their users (what _fed reads; backends/torch/lowering._Graph is a superset)."""
+    """A plan's node records, typed, with their users (what _fed reads; backends/torch/lowering._Graph is a
+    superset)."""
 
     def __init__(self, plan):
-        self.nodes = plan.nodes
+        self.nodes = plan.node_records()
         self.users = defaultdict(list)  # node -> [(user, input position, producer output)]
         for n in self.nodes:
-            for j, (p, o) in enumerate(n.get("inputs", [])):
-                self.users[p].append((n["idx"], j, o))
+            for j, (p, o) in enumerate(n.inputs):
+                self.users[p].append((n.idx, j, o))
 
     def rec(self, i):
         return self.nodes[i]
@@ -120,34 +122,97 @@ class _Records:
 
 def data_dims(plan) -> list[int]:
     """The mesh dims on which the engines feed every input batch-sharded (their data-parallel dims)."""
+    if not plan.nodes or "inputs" not in plan.nodes[-1]:
+        return []
     G = _Records(plan)
-    inputs = [n for n in plan.nodes if n["kind"] == "input"]
-    if not inputs or "inputs" not in plan.nodes[-1]:
+    inputs = [n for n in G.nodes if n.kind == "input"]
+    if not inputs:
         return []
     strict, loose = [_fed(G, n) for n in inputs], [_fed(G, n, []) for n in inputs]
     # a mesh dim is batch-fed when every input is (a loss input counts only where the batch really is sharded)
     batch = [
         all(f[d] == "S0" for f in loose) and any(f[d] == "S0" for f in strict) for d in range(len(plan.mesh_shape))
     ]
-    fed = lambda n, d: "S0" if batch[d] else n["placement"]["out"][0][d]
+    fed = lambda n, d: "S0" if batch[d] else n.out[0][d]
     return [d for d in range(len(plan.mesh_shape)) if all(fed(n, d) == "S0" for n in inputs)]
+
+
+@dataclass(frozen=True)
+class TorchTarget:
+    """target="torch" with the mesh dims the engines will feed batch-sharded declared (names or indices): the
+    engines' pins on them are then known before solving, and the model is solved once (module docstring).
+    data_dims=None is target="torch": the free plan's own data dims decide."""
+
+    data_dims: tuple | None = None
+
+    def resolve(self, mesh) -> list[int] | None:
+        """The declared data dims as sorted mesh dim indices; a clear error for a dim the mesh does not have."""
+        if self.data_dims is None:
+            return None
+        names, out = as_mesh_spec(mesh).names, set()
+        for d in self.data_dims:
+            if isinstance(d, int) and 0 <= d < len(names):
+                out.add(d)
+            elif isinstance(d, str) and d in names:
+                out.add(names.index(d))
+            else:
+                raise ValueError(f"TorchTarget data_dims: {d!r} is not a dim of the mesh {names}")
+        return sorted(out)
+
+
+def _pins(g, data) -> dict:
+    """{node name: pin}: each node making a parameter gradient and each loss nll_loss (capture records a mean one as
+    nll_loss(sum)) partial on the data dims, as the engines compute them on each rank's batch shard."""
+    want = {}
+    for r in g.grads.values():
+        want.setdefault(g.nodes[r.node].name, {}).update({(d, r.out): "P" for d in data})
+    for n in g.ops():
+        if n.target in NLL_LOSSES:
+            want[n.name] = {d: "P" for d in data}
+    return want
+
+
+class EnginePins:
+    """The engines' pins on declared data dims, as a `pin` for autopar.plan: the planner binds it to the captured
+    graph (`for_graph`), whose gradient nodes it needs, before any pass reads it."""
+
+    def __init__(self, data):
+        self.data = tuple(data)
+        self.count = 0  # nodes pinned, once bound
+
+    def for_graph(self, g):
+        want = _pins(g, self.data)
+        self.count, self.losses = len(want), [n.name for n in g.ops() if n.target in NLL_LOSSES]
+        return lambda n: want.get(n.name)
 
 
 def engine_pins(state, data: list[int]) -> dict:
     """{node name: pin} for the nodes the plan computes replicated over a data dim where the engines compute a
     partial sum: a mean loss's nll_loss, the nodes whose output is a parameter gradient. Empty when none."""
     g, P = state.graph, state.placement
-    want, differ = {}, False
-    for r in g.grads.values():
-        pin = want.setdefault(g.nodes[r.node].name, {})
-        for d in data:
-            pin[(d, r.out)] = "P"
-            differ |= P[r.node].out[r.out][d] != "P"
-    for n in g.ops():
-        if n.target in NLL_LOSSES:  # a loss nll_loss (capture records a mean one as nll_loss(sum))
-            want[n.name] = {d: "P" for d in data}
-            differ |= any(o is not None and o[d] != "P" for o in P[n.idx].out for d in data)
-    return want if differ else {}
+    differ = any(P[r.node].out[r.out][d] != "P" for r in g.grads.values() for d in data) or any(
+        o is not None and o[d] != "P" for n in g.ops() if n.target in NLL_LOSSES for o in P[n.idx].out for d in data
+    )
+    return _pins(g, data) if differ else {}
+
+
+def _one_solve(solve, mesh, data):
+    """((plan, state), note) solved once with the engines' pins on the declared data dims, or None where the pins
+    admit no plan or the plan feeds the batch over other dims than declared (then the two-solve path runs)."""
+    pins = EnginePins(data)
+    try:
+        made = solve(pins)
+    except (ValueError, InfeasibleMemoryError):
+        return None
+    if data_dims(made[0]) != data:
+        return None
+    names = "+".join(as_mesh_spec(mesh).names[d] for d in data)
+    note = (
+        f"planned for the engines in one solve (they compute the loss and every parameter gradient on each rank's "
+        f"batch shard over the declared data dims {names}): {pins.count} nodes pinned partial up front"
+        f"{' (loss ' + ', '.join(pins.losses) + ')' if pins.losses else ''}"
+    )
+    return made, note
 
 
 def _replan_for_torch(solve, first):
@@ -175,20 +240,33 @@ def _replan_for_torch(solve, first):
     return again, note
 
 
+def _two_solves(pinned, mesh, declared):
+    """((plan, state), note): the free plan, solved again with the engines' pins on the data dims it feeds the batch
+    on where it computes a loss or gradient otherwise (_replan_for_torch)."""
+    result, note = _replan_for_torch(pinned, pinned(None))
+    if declared is None:
+        return result, f"{note} [two solves: no data dims declared]" if note else None
+    names = "+".join(as_mesh_spec(mesh).names[d] for d in declared)
+    why = f"the pins on the declared data dims {names} did not hold (no plan, or the batch split over other dims)"
+    return result, f"{note or 'the free plan runs on the engines as planned'} [two solves: {why}]"
+
+
 def plan_for_target(target: str, solve, mesh, **plan_kwargs):
     """The plan for a backend `target` (module docstring); solve(**kwargs) is autopar.plan on the caller's model,
     mesh and example inputs with those planner options."""
-    if target not in TARGETS:
-        raise ValueError(f"target must be one of {TARGETS} or None, got {target!r}")
+    if not isinstance(target, TorchTarget) and target not in TARGETS:
+        raise ValueError(f"target must be one of {TARGETS}, a TorchTarget or None, got {target!r}")
+    declared = target.resolve(mesh) if isinstance(target, TorchTarget) else None
     return_state = plan_kwargs.pop("return_state", False)
     if plan_kwargs.get("pipeline") or "pp" in as_mesh_spec(mesh).names:
         return solve(return_state=return_state, **plan_kwargs)
-    first = solve(return_state=True, **plan_kwargs)
-    result, note = first, None
-    if plan_kwargs.get("pin") is None:
+    if plan_kwargs.get("pin") is not None:  # the caller decided the placements
+        result, note = solve(return_state=True, **plan_kwargs), None
+    else:
         kw = {k: v for k, v in plan_kwargs.items() if k != "pin"}
-        result, note = _replan_for_torch(lambda pin: solve(return_state=True, pin=pin, **kw), first)
-    result[0].meta["target"] = target
+        pinned = lambda pin: solve(return_state=True, pin=pin, **kw)
+        result, note = (declared and _one_solve(pinned, mesh, declared)) or _two_solves(pinned, mesh, declared)
+    result[0].meta["target"] = "torch"
     if note:
         result[0].meta["engine_replan"] = note
     return result if return_state else result[0]

@@ -105,6 +105,10 @@ def run_one(cfg) -> dict:
             configs=s["configs"],
             pruned=s["pruned"],
             intra_op_keys=s["intra_op_keys"],
+            estimated_keys=s.get("estimated_keys", 0),
+            refine_rounds=s.get("refine_rounds", 0),
+            stage_plans_wall_s=round(s["stage_plans_wall_s"], 2),
+            search_wall_s=round(s["search_wall_s"], 2),
         )
     return row
 

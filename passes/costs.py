@@ -68,7 +68,10 @@ def _pricing(state) -> Pricing:
     flop_cache: dict = {}
     time_cache: dict = {}
     # torch.compile: the reads and writes its fused kernels skip (autopar/cost/fusion.py); none when eager
-    fused = fusion.fused_io(graph) if fusion.check(device) else fusion.FusedIO(frozenset(), frozenset())
+    fused = fusion.FusedIO(frozenset(), frozenset())
+    kept = 1.0 - device.fusion_eff  # the share of a skipped read or write a compiled program still moves
+    if fusion.check(device):
+        fused = fusion.fused_io(graph, fusion.compile_units(device, graph, state.region_of))
 
     def redistribute(src, dst, meta):
         if src == dst:
@@ -107,13 +110,12 @@ def _pricing(state) -> Pricing:
         if out is not None:
             work = n_devices // max(1, _replicated(out, mesh_shape))
         nbytes = sum(
-            m.nbytes / num_shards(p, mesh_shape)
+            m.nbytes / num_shards(p, mesh_shape) * (kept if (n.idx, o) in fused.skip_writes else 1.0)
             for o, (m, p) in enumerate(zip(n.outs, s.out))
-            if m is not None and p and (n.idx, o) not in fused.skip_writes
+            if m is not None and p
         ) + sum(
-            graph.meta(r).nbytes / num_shards(p, mesh_shape)
+            graph.meta(r).nbytes / num_shards(p, mesh_shape) * (kept if (n.idx, j) in fused.skip_reads else 1.0)
             for j, (r, p) in enumerate(zip(n.inputs(), s.ins))
-            if (n.idx, j) not in fused.skip_reads
         )
         dtype = next((m.dtype for m in n.outs if m is not None and m.dtype.is_floating_point), torch.float32)
         ins = [graph.meta(r) for r in n.inputs()]  # GEMMs and attention priced by their local shapes

@@ -14,9 +14,15 @@ whose weight dims are both multiples of 16 (the float8 tensor cores' requirement
 linears and why are recorded in `Plan.meta["float8"]["skipped"]`.
 
 Scaling is per rank: each rank scales the tensor its GEMM reads (its local shard), as torchao does under data
-parallelism (FSDP/DDP ranks hold plain local tensors). torchao's tensor-parallel path all-reduces the amax of a
-DTensor instead; autopar does not (every per-shard scale is a valid tensorwise scale, so the result is correct to
-float8 precision either way, but not bitwise that of one device when an operand is sharded).
+parallelism (FSDP/DDP ranks hold plain local tensors). Tensor parallelism: torchao's Float8ColwiseParallel /
+Float8RowwiseParallel (torchtitan's TP plan under float8) cast DTensors, so each operand's amax is all-reduced over
+the TP group; priced so (`tp_dims`: the mesh dims on which a GEMM holds its weight, or its weight gradient,
+sharded; one fp32 scalar all-reduce per operand cast there, inside the cast it blocks). Executed per shard on the
+graph backend (every per-shard scale is a valid tensorwise scale, so the result is correct to float8 precision
+either way, but not bitwise that of one device when an operand is sharded). Not priced: torchao's float8
+all-gather of the sequence-parallel activations (it casts the Shard(1) input before gathering it, so the gather
+moves 1 byte per element and the cast runs on 1/tp of the elements): those gathers are priced at the activation
+dtype, the cast on the gathered operand (the edge pricing does not know the consumer's float8 operand).
 
 Pricing (`priced`): a converted GEMM at the device's fp8 peak (`DeviceSpec.peak_flops["fp8"]`) with 1-byte operands,
 by the device's GEMM model (autopar/cost/kernels.py: by local shape on the GPU presets, its float8 K-block
@@ -24,7 +30,9 @@ assumption there; the flat roofline elsewhere), plus its casts, each a memory-bo
 again and writes 1 byte per element (2 kernels; a shared grad_out cast adds only its second layout's write). Under
 torch.compile (DeviceSpec fusion="inductor", autopar/cost/fusion.py) the amax of an operand that a fusible op of the
 same phase produces (a norm's output, the SwiGLU product, a pointwise gradient) runs in that op's kernel: its cast
-is one pass, the read and the 1-byte write (torchtitan: compile "fuses the float8 scaling/casting kernels"). A
+is one pass, the read and the 1-byte write (torchtitan: compile "fuses the float8 scaling/casting kernels"), and an
+activation several converted GEMMs of the phase read (wq, wk, wv; w1, w3) is cast once (CSE of the identical
+amax and cast; eager torchao casts it per linear). A
 device without an fp8 peak (A100, CPUs) cannot run float8 GEMMs: the config's `emulate=True` allows the numerics
 (torch runs `_scaled_mm` on CPU), priced at the bf16 rate (`DeviceSpec.flops_for` falls back).
 
@@ -64,6 +72,7 @@ aten = torch.ops.aten
 GEMMS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2)}
 DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 CAST, SHARED, NONE = 1, 2, 0  # an operand's cast at a GEMM: its own, a shared one's second layout, none
+REPEAT = 3  # an activation another converted GEMM of the phase casts too (wq, wk, wv reading one norm output)
 _THROUGH = (aten.t.default, aten.view.default, aten._unsafe_view.default, aten._to_copy.default)
 
 
@@ -157,6 +166,7 @@ def mark(state) -> None:
     g = state.graph
     converted, skipped = _linears(g, cfg)
     nodes, grad_cast = [], set()  # grad_cast: (module, root value) of output gradients already cast
+    act_cast = set()  # (phase, root value) of activations already cast
     for n in g.ops():
         if n.target not in GEMMS or n.module not in converted:
             continue
@@ -167,16 +177,20 @@ def mark(state) -> None:
             grad = g.nodes[root.node].phase == "bw" and g.nodes[root.node].kind == "op"
             row.append("e5m2" if grad else "e4m3")
             key = (n.module, root)
-            casts.append(SHARED if grad and key in grad_cast else CAST)
+            act = not grad and g.nodes[root.node].kind == "op"
             if grad:
+                casts.append(SHARED if key in grad_cast else CAST)
                 grad_cast.add(key)
+            else:
+                casts.append(REPEAT if act and (n.phase, root) in act_cast else CAST)
+                act_cast.update([(n.phase, root)] if act else [])
         if row[1:] == ["e5m2", "e5m2"]:  # _scaled_mm takes no e5m2 x e5m2
             continue
         nodes.append(row + casts)
     casts, kept = _gathered_in_float8(g, converted, nodes) if cfg.fsdp_float8_all_gather else ({}, {})
     state.extras["float8"] = {
         **cfg.option(),
-        "scaling": "tensorwise per rank (each rank's amax of the shard its GEMM reads)",
+        "scaling": "tensorwise per rank (each rank's amax of the shard its GEMM reads; priced with the TP amax all-reduce)",
         "linears": sorted(converted),
         "skipped": dict(sorted(skipped.items())),
         "gemms": len(nodes),
@@ -251,17 +265,47 @@ def _parts(state, n, s, roles, flop_cache) -> tuple[float, float]:
     flops = global_flops(g, n, flop_cache) / max(1, work)
     gemm = _gemm_time(g, n, s, mesh_shape, dev, flops, gemm_bytes) + dev.op_overhead
     bw = dev.mem_bw * dev.mem_eff
-    compiled = fusion.check(dev)
+    if "units" not in flop_cache:  # the compiled programs, once per pricing
+        flop_cache["units"] = fusion.compile_units(dev, g, state.region_of) if fusion.check(dev) else None
+    units = flop_cache["units"]
     cast = 0.0
+    amax = _tp_amax_time(state, n, s, pos_of)
     for j, c in zip(pos_of, casts):
         elems, b = local[j]
-        if c == CAST and compiled and fusion.fused_producer(g, ins[j], n.phase):  # amax in the producer's kernel
+        if c == REPEAT:  # torch.compile's CSE: one amax and one cast of the tensor serve every GEMM reading it
+            c = NONE if units is not None else CAST
+        if c == CAST:
+            cast += amax
+        if (
+            c == CAST and units is not None and fusion.fused_producer(g, ins[j], n, units)
+        ):  # amax in the producer's kernel
             cast += elems * (b + 1) / bw + dev.op_overhead
         elif c == CAST:
             cast += elems * (2 * b + 1) / bw + 2 * dev.op_overhead
         elif c == SHARED:
             cast += elems / bw
     return gemm, cast
+
+
+def tp_dims(g, n, s, pos_of) -> tuple:
+    """The mesh dims on which converted GEMM n (strategy s) holds its weight sharded: the weight operand's sharded
+    dims, or, for the weight-gradient GEMM (no weight operand), its output's. There torchao's Float8ColwiseParallel
+    / Float8RowwiseParallel operands are DTensors (module docstring: tensor parallelism); data-parallel dims hold
+    the weight whole at the GEMM (FSDP gathers it) and plain local tensors."""
+    weight = next((j for j in pos_of if g.nodes[_root(g, n.inputs()[j]).node].kind == "param"), None)
+    placement = s.ins[weight] if weight is not None else s.out[0]
+    return tuple(k for k, p in enumerate(placement) if p[0] == "S")
+
+
+def _tp_amax_time(state, n, s, pos_of) -> float:
+    """Seconds of one operand scale's amax all-reduce (one fp32 scalar, max) over the GEMM's tensor-parallel dims;
+    0 without any."""
+    dims = tp_dims(state.graph, n, s, pos_of)
+    if not dims:
+        return 0.0
+    src = tuple("P" if k in dims else "R" for k in range(len(state.mesh.shape)))
+    one = TensorMeta((1,), torch.float32)
+    return redistribute_time(src, ("R",) * len(src), one, state.mesh.shape, state.cluster)
 
 
 def _gemm_time(g, n, s, mesh_shape, dev, flops, nbytes) -> float:

@@ -46,6 +46,8 @@ from autopar.solver import InfeasibleMemoryError, min_memory
 from autopar.strategies import num_shards
 from autopar.strategies.context_parallel import CP_PREFIX, cp_pin, keep_data_splits
 
+from .stage_metrics import node_metrics
+
 INF = float("inf")
 
 
@@ -147,61 +149,6 @@ def _cluster_of_nodes(g, prefix: str, n_layers: int) -> list:
     return where
 
 
-def _feeds_earlier(g, where) -> list:
-    """Per node: a backward node whose results reach an earlier cluster's backward (input-gradient work, B);
-    the others are weight-gradient work (W)."""
-    feeds = [False] * len(g.nodes)
-    for n in reversed(g.nodes):
-        if n.kind != "op" or n.phase != "bw":
-            continue
-        c = where[n.idx]
-        feeds[n.idx] = any(
-            g.nodes[u].phase == "bw" and where[u] is not None and (where[u] < c or (where[u] == c and feeds[u]))
-            for u in n.users
-        )
-    return feeds
-
-
-def _node_metrics(state, plan, where, K: int) -> dict:
-    """Per cluster F/B/W seconds (compute + activation redistributes), dp comm seconds, model-state bytes,
-    saved-activation bytes, and the collectives (kind -> [count, bytes]) of its activation and dp redistributes."""
-    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
-    F, B, W, dp, st, act = (np.zeros(K) for _ in range(6))
-    bpp = state.precision.bytes_per_param
-    feeds = _feeds_earlier(g, where)
-    coll = [{"act": {}, "dp": {}} for _ in range(K)]
-    for rec in plan.nodes:
-        i = rec["idx"]
-        c = where[i]
-        if c is None:
-            continue
-        n = g.nodes[i]
-        t_act = sum(r["time_s"] for r in rec.get("redistribute", []) if r["class"] == "act")
-        dp[c] += sum(r["time_s"] for r in rec.get("redistribute", []) if r["class"] != "act")
-        for r in rec.get("redistribute", []):
-            d = coll[c]["act" if r["class"] == "act" else "dp"]
-            for kind, _, nbytes, _ in r["collectives"]:
-                cnt = d.setdefault(kind, [0, 0])
-                cnt[0] += 1
-                cnt[1] += nbytes
-        t = (rec.get("time_s") or 0.0) + t_act
-        if n.kind == "param":
-            st[c] += n.out.numel * bpp / num_shards(P[i].out[0], mesh_shape)
-        elif n.phase == "fw":
-            F[c] += t
-            if any(g.nodes[u].phase == "bw" for u in n.users):
-                act[c] += sum(
-                    m.nbytes / num_shards(p, mesh_shape)
-                    for m, p in zip(n.outs, P[i].out)
-                    if m is not None and p is not None
-                )
-        elif feeds[i]:
-            B[c] += t
-        else:
-            W[c] += t
-    return {"F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act, "coll": coll}
-
-
 def _crossings(state, where, K: int):
     """Per boundary after position q (0..K-2): local bytes and count of the forward tensors crossing it."""
     g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
@@ -239,7 +186,7 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
     g = state.graph
     where = _cluster_of_nodes(g, prefix, n_sub)
     K = n_sub + 2
-    metrics = _node_metrics(state, plan, where, K)
+    metrics = node_metrics(state, plan, where, K)
     cross_bytes, cross_n = _crossings(state, where, K)
     ops = np.zeros(K, dtype=int)
     for n in g.ops():
@@ -250,7 +197,7 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
     if engine_priced(state.cluster):
         eng = pe.engine_terms(g, state.placement, where, K, state.mesh, state.precision, state.cluster)
     return {
-        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act")},
+        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act", "state_dp")},
         **eng,
         "xbytes": cross_bytes,
         "xn": cross_n,
@@ -273,6 +220,7 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
     c.coll = [metrics["coll"][j] for j in idx]
     for k in ("ag", "ag_bw", "rs", "kept", "opt_s"):  # the engines' terms (autopar/pipeline_engine.py engine_step)
         setattr(c, k, arr(k) if k in metrics else None)
+    c.state_dp = arr("state_dp")  # the part of `state` sharded over the dp dims (passes/stage_estimate.py)
     c.ops = [int(metrics["ops"][j]) for j in idx]
     c.param_pos = metrics["param_pos"]
     return c

@@ -185,6 +185,8 @@ _SEARCH_STATS = (
     "configs",
     "pruned",
     "intra_op_keys",
+    "estimated_keys",
+    "refine_rounds",
     "pp_degrees",
     "stage_meshes",
     "total_s",

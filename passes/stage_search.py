@@ -97,9 +97,10 @@ def lower_bound(costs, spec, p, v, m) -> float:
     return pm.proxy_coef(m, v) * max(tot / S, float(c.max())) + f
 
 
-def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute=True) -> dict:
+def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute=True, tries=3) -> dict:
     """Stage DP (or a hand layout) for one configuration, evaluated by simulation. With several stages per rank
-    the DP charges each stage budget/v (scaled while the exact rank peak leaves room or overflows)."""
+    the DP charges each stage budget/v (scaled, up to `tries` DPs, while the exact rank peak leaves room or
+    overflows)."""
     p, v, m, spec, smesh = c["p"], c["v"], c["m"], c["spec"], c["mesh"]
     S = p * v
     fl = _dp_inflight(order, S, spec, v)
@@ -110,7 +111,7 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
         r = _hand_fitting(cvs, layout_bounds(hand), base, cluster, budget, recompute)
         return {**base, **r, "part": pm.Partition(r["bounds"], r["variants"], float("nan"), r["recompute"])}
     cap, best, tried = budget / v, None, 0
-    while tried < (1 if v == 1 else 3):
+    while tried < (1 if v == 1 else tries):
         tried += 1
         cvs = ops.costs()
         xfer = np.array([[collective_time("send_recv", float(b), 2, link) for b in cv.xbytes] for cv in cvs])
@@ -177,17 +178,26 @@ def stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=Non
 def _search_share(share):
     """Configurations share[0]::share[1] in lower-bound order: DP + simulation each, skipping those whose lower
     bound exceeds margin x the best step found so far (here)."""
-    configs, cache, cluster, budget, hand, tol, recompute, margin = _FORKED
-    results, best, pruned = [], INF, 0
+    configs, cache, cluster, budget, hand, tol, recompute, margin, best = _FORKED
+    results, pruned, orders = [], 0, {}
     for c in configs[share[0] :: share[1]]:
         if c["lb"] > margin * best:
             pruned += 1
             continue
-        try:
-            order = pm.actions(c["spec"], c["p"], c["m"], c["v"])
-        except ValueError:
+        sched = (c["spec"].name, c["p"], c["m"], c["v"])  # configurations on other submeshes share the order
+        if sched not in orders:
+            try:
+                orders[sched] = pm.actions(c["spec"], c["p"], c["m"], c["v"])
+            except ValueError:
+                orders[sched] = None
+        order = orders[sched]
+        if order is None:
             continue
-        r = search_config(c, order, cache[c["key"]], cluster, budget, hand, tol, recompute)
+        ops = cache[c["key"]]
+        if getattr(ops, "exact", True):
+            r = search_config(c, order, ops, cluster, budget, hand, tol, recompute)
+        else:  # estimated costs only rank keys for an exact solve: a coarser DP (2% bottleneck scan, one cap)
+            r = search_config(c, order, ops, cluster, budget, hand, max(tol, 0.02), recompute, tries=1)
         if r["fits"]:
             best = min(best, r["step_s"])
         if share[1] > 1:  # travels back to the parent: drop what is cheap to rebuild for the few kept
@@ -198,7 +208,8 @@ def _search_share(share):
 
 def search(job, workers=None):
     """All configurations, split over forked workers (a worker prunes against its own best, so it evaluates at
-    least what one process would)."""
+    least what one process would). job: (configs, key -> StageOps, cluster, budget, hand layout, dp_tol, recompute,
+    prune margin, the best step already found elsewhere (pruning starts from it))."""
     import multiprocessing as mp
     import os
 

@@ -32,6 +32,7 @@ from autopar.plan import Plan
 from autopar.solver import InfeasibleMemoryError
 
 from .stage_costs import evaluate, even_bounds, find_layers, layer_signature
+from .stage_estimate import estimate, representatives
 from .stage_plan import build_pipeline_plan
 
 
@@ -43,7 +44,9 @@ class StagesRequest:
     n_variants (intra-op plans per stage submesh: 1 time-optimal, 2 (default) + FSDP-sharded params, 3-4 +
     memory-budgeted), recompute (checkpointed blocks: True (default) as memory needs, False never, "all": every
     block, for hand layouts), dp_shards_batch (default True), prune_margin (1.25), dp_tol (1e-3: relative tolerance
-    of the bottleneck scan; 0 = exact), top (candidates kept in the report), workers."""
+    of the bottleneck scan; 0 = exact), top (candidates kept in the report), workers, exact_keys (12: with more
+    (submesh, micro-batch) keys than this, most are estimated, passes/stage_estimate.py), estimate_margin (0.05:
+    an estimated key is solved exactly when its estimate is within this of the best exact step)."""
 
     model: nn.Module
     mesh: object
@@ -183,7 +186,7 @@ def _context(request: "StagesRequest", opts: dict) -> dict:
     }
 
 
-def _search_stats(configs, cache, pruned, t_start, t_keys, t_search) -> dict:
+def _search_stats(configs, cache, pruned, t_start, t_keys, t_search, n_keys, rounds) -> dict:
     return {
         "intra_op_s": sum(o.seconds for o in cache.values()),
         "total_s": time.perf_counter() - t_start,
@@ -192,11 +195,60 @@ def _search_stats(configs, cache, pruned, t_start, t_keys, t_search) -> dict:
         "search_wall_s": t_search,
         "pruned": pruned,
         "intra_op_keys": len(cache),
+        "estimated_keys": n_keys - len(cache),
+        "refine_rounds": rounds,
         "pp_degrees": sorted({c["p"] for c in configs}),
         "stage_meshes": sorted(
             {"x".join(map(str, c["mesh"].shape)) + "(" + ",".join(c["mesh"].names) + ")" for c in configs}
         ),
     }
+
+
+def _priced(keys, cache, cluster) -> dict:
+    """Every key's intra-op costs: the solved ones, the others estimated from their family (stage_estimate.py)."""
+    out = {}
+    for k in keys:
+        out[k] = cache[k] if k in cache else estimate(k, cache, cluster)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _to_solve(results, cache, batch: int, margin: float) -> list:
+    """Keys still estimated whose best estimated configuration is within `margin` of beating every exact one
+    (estimated step < best exact step x (1 + margin)), best first (at most `batch`); with no exact configuration
+    that fits, the best estimated ones."""
+    exact = min((r["step_s"] for r in results if r["fits"] and r["key"] in cache), default=INF)
+    todo = []
+    for r in sorted((r for r in results if r["fits"] and r["key"] not in cache), key=lambda r: r["step_s"]):
+        if r["step_s"] >= exact * (1 + margin) or len(todo) == batch:
+            break
+        if r["key"] not in todo:
+            todo.append(r["key"])
+    return todo
+
+
+def _refine(results, configs, cache, solve_keys, job_rest, workers, margin):
+    """Solve exactly, a batch at a time, the estimated keys that look better than the best exact configuration
+    (within `margin`, the estimate_margin option), and search their configurations again on exact costs, until none
+    does. Returns (results on exact costs only, pruned count, rounds)."""
+    pruned, rounds, batch = 0, 0, 2
+    while True:
+        todo = _to_solve(results, cache, batch, margin)
+        if not todo and not any(r["fits"] for r in results if r["key"] in cache):
+            # nothing exact fits: the estimates may be wrong on memory, so every key left is solved before failing
+            todo = list(dict.fromkeys(c["key"] for c in configs if c["key"] not in cache))
+        if not todo:
+            break
+        rounds += 1
+        cache.update(solve_keys(todo))
+        fresh = [c for c in configs if c["key"] in todo and cache[c["key"]].variants]
+        for c in fresh:
+            c["lb"] = lower_bound(cache[c["key"]].costs(), c["spec"], c["p"], c["v"], c["m"])
+        fresh.sort(key=lambda c: c["lb"])
+        exact = min((r["step_s"] for r in results if r["fits"] and r["key"] in cache), default=INF)
+        res, pr = search((fresh, cache, *job_rest, exact), workers)
+        results = [r for r in results if r["key"] not in todo] + res
+        pruned += pr
+    return [r for r in results if r["key"] in cache], pruned, rounds
 
 
 def run(request: StagesRequest) -> Plan:
@@ -220,25 +272,27 @@ def run(request: StagesRequest) -> Plan:
         grid += [(p, smesh, m) for m in microbatch_counts(Bsz, p, dp_size(smesh), opts)]
     keys = list(dict.fromkeys((smesh, Bsz // m) for _, smesh, m in grid))
     t_keys = time.perf_counter()
-    cache = stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, opts.get("workers"))
-    t_keys = time.perf_counter() - t_keys
-    configs = _configs(grid, cache, Bsz, specs, opts, hand, n)
-    job = (
-        configs,
-        cache,
-        cluster,
-        budget,
-        hand,
-        float(opts.get("dp_tol", 1e-3)),
-        ctx["recompute"],
-        float(opts.get("prune_margin", 1.25)),
+    workers = opts.get("workers")
+    # two keys already split over the two cores (stage_plans alone forks from four)
+    solve_keys = lambda ks: stage_plans(
+        model, prefix, reps, pos_of, inputs, Bsz, ks, ctx, workers if workers is not None or len(ks) < 2 else 2
     )
+    # up to `exact_keys` keys every one is solved; beyond, a few per family and the rest estimated (refined below)
+    first = keys if len(keys) <= int(opts.get("exact_keys", 12)) else representatives(keys)
+    cache = solve_keys(first)
+    priced = _priced(keys, cache, cluster)
+    t_keys = time.perf_counter() - t_keys
+    configs = _configs(grid, priced, Bsz, specs, opts, hand, n)
+    rest = (cluster, budget, hand, float(opts.get("dp_tol", 1e-3)), ctx["recompute"])
+    rest += (float(opts.get("prune_margin", 1.25)),)
     t_search = time.perf_counter()
-    results, pruned = search(job, opts.get("workers"))
+    results, pruned = search((configs, priced, *rest, INF), workers)
+    margin = float(opts.get("estimate_margin", 0.05))
+    results, more, rounds = _refine(results, configs, cache, solve_keys, rest, workers, margin)
     t_search = time.perf_counter() - t_search
     top = _ranked(results, cache, len(blocks), mesh, cluster, budget, opts, ctx["recompute"])
     best = top[0]
-    stats = _search_stats(configs, cache, pruned, t_start, t_keys, t_search)
+    stats = _search_stats(configs, cache, pruned + more, t_start, t_keys, t_search, len(keys), rounds)
     return build_pipeline_plan(
         best, top, len(results), cache[best["key"]], model, prefix, reps, pos_of, mesh, inputs, cluster, budget, stats
     )

@@ -102,3 +102,56 @@ def test_the_batch_formula_refuses_a_fused_device():
     _, st = autopar.plan(m, (1,), x, cluster=get_cluster("h100").with_device(fusion="inductor"), return_state=True)
     with pytest.raises(ValueError, match="H100-SXM.*fusion='inductor'"):
         batch_formula(st, m, x)
+
+
+def test_fusion_eff_scales_the_skipped_bytes_between_eager_and_fully_fused():
+    """DeviceSpec.fusion_eff: 0 saves nothing (eager's compute), 1 the full fused count, 0.5 halfway (linear)."""
+    x = torch.randn(8, 2048, D, device="meta")
+    cl = get_cluster("h100").with_device(fusion="inductor")
+    step = {
+        e: autopar.plan(Block(), (1,), (x,), cluster=cl.with_device(fusion_eff=e), backward=False).predicted[
+            "compute_s"
+        ]
+        for e in (0.0, 0.5, 1.0)
+    }
+    assert step[0.0] == pytest.approx(_forward("eager").predicted["compute_s"], rel=1e-12)
+    assert step[0.5] == pytest.approx((step[0.0] + step[1.0]) / 2, rel=1e-9) and step[1.0] < step[0.0]
+
+
+class Scale(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(D))
+
+    def forward(self, x):
+        return torch.relu(x * self.w)
+
+
+class TwoLayers(nn.Module):
+    """Two ModuleList layers of pointwise ops, then a sum outside them."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([Scale(), Scale()])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum()
+
+
+def test_inductor_compiles_each_layer_on_its_own_and_inductor_graph_the_whole_model():
+    """By hand, 4-byte elements, N = T * D: eager moves 9N + 2D + 1 (per layer mul N + D + N, relu 2N; sum N + 1);
+    "inductor" (torchtitan's per-block compile) 5N + 2D + 1 (each layer reads its input and weight and writes its
+    output once: layer 0's result crosses into layer 1, layer 1's into the eager sum); "inductor-graph" N + 2D + 1."""
+    x = torch.randn(8, 2048, D, device="meta")
+    dev = get_cluster("h100").device
+    compute = {
+        f: autopar.plan(
+            TwoLayers(), (1,), (x,), cluster=get_cluster("h100").with_device(fusion=f), backward=False
+        ).predicted["compute_s"]
+        for f in ("eager", "inductor", "inductor-graph")
+    }
+    bw = dev.mem_bw * dev.mem_eff
+    assert compute["eager"] - compute["inductor"] == pytest.approx(4 * 4 * T * D / bw, rel=1e-9)
+    assert compute["inductor"] - compute["inductor-graph"] == pytest.approx(4 * 4 * T * D / bw, rel=1e-9)

@@ -6,8 +6,14 @@ each rank's first query row)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
+import torch
+
+from autopar.cost import CLUSTERS
+from autopar.cost import kernels as K
+from autopar.cost import ring_attention as RA
 
 from autopar.strategies.merged_views import dim_groups, merged_view_strategies
 
@@ -46,16 +52,19 @@ def test_planner_shards_the_sequence_where_sequences_are_long():
     (The planner's free choice: this plan is not a pipeline plan, so the dim's name "cp" forces nothing. It
     chose head-parallel attention while a causal kernel on sequence-sharded queries was priced as the full
     Sq x Sk rectangle, twice the causal share head-parallel attention got: autopar/cost/kernels.py
-    causal_fraction.)"""
+    causal_fraction.) Priced as the all-gathered form the graph backend executes (cp_attention="allgather"): under
+    the default ring pricing (torch's context_parallel: per-step kernels on 4K chunks plus merges) this 8K-row
+    case goes head-parallel instead."""
     import autopar
     from autopar.models import build_model, example_inputs
 
     mesh = autopar.MeshSpec((2, 4), ("dp", "cp"))
+    cluster = CLUSTERS["h100"].with_device(cp_attention="allgather")
     seen = {}
     for batch, seq in ((2, 32768), (64, 1024)):
         model = build_model("llama3-8b", n_layers=2, max_seq_len=seq)
         x = example_inputs("llama3-8b", batch=batch, seq=seq, device="meta")
-        seen[seq] = _attention_placements(autopar.plan(model, mesh, x, cluster="h100"))
+        seen[seq] = _attention_placements(autopar.plan(model, mesh, x, cluster=cluster))
     assert seen[32768] and all(p["out"][0][1] == "S2" and p["ins"][1][1] == "R" for p in seen[32768]), seen[32768]
     assert seen[1024] and not any("S2" in p["out"][0] for p in seen[1024]), seen[1024]
 
@@ -230,3 +239,55 @@ def test_cp_world4_gloo_equals_one_device(tmp_path):
     gathers = [c for c in res["measured"] if c[0] == "all_gather" and c[1] == 1]
     assert len(gathers) >= 4, res["measured"]
     assert any(c[0] == "reduce_scatter" and c[1] == 1 for c in res["measured"]), res["measured"]
+
+
+# ---- ring attention pricing (autopar/cost/ring_attention.py) -------------------------------------------------------
+
+
+def _unit_kernel(sq, sk, causal, work):
+    return work * 1e-12  # one second per 1e12 counted FLOPs: the hand timeline below in round numbers
+
+
+def test_ring_attention_matches_a_hand_timeline():
+    # cp = 4, 8192 local rows (two chunks of 4096), torch's all-gathered count of 8e12 FLOPs: step 0 is the causal
+    # local square (1/4 of the count: 2 s), steps 1-3 half rectangles (1/8: 1 s each); each merge 0.25 s
+    n, s, flops = 4, 8192, 8e12
+    dev = dataclasses.replace(CLUSTERS["h100"].device, mem_bw=1e12, mem_eff=1.0)
+    q = 0.25 * 1e12 / RA.MERGE_BYTES
+    assert RA.ring_kernels(s, n, _unit_kernel, flops) == pytest.approx([2.0, 1.0, 1.0, 1.0])
+    fwd = lambda comm: RA.ring_attention_time(s, n, q, q, dev, _unit_kernel, flops, False, comm)
+    assert fwd(0.0) == pytest.approx(2.0 + 3 * 1.25)  # no transfer: kernels plus merges
+    # a 1.5 s transfer per step: hidden under step 0 (2 s), exposed behind steps 1 and 2 (1.25 s), none after step 3
+    assert fwd(1.5) == pytest.approx(2.0 + 1.5 + 1.5 + 1.25)
+    # backward: the same kernels (the callable is told backward through flops), fp32 dQ/dK/dV accumulation and the
+    # dK/dV send copy every step
+    acc = (RA.ACCUM_BYTES * 3 * q + RA.SEND_BYTES * 2 * q) / 1e12
+    bwd = RA.ring_attention_time(s, n, q, q, dev, _unit_kernel, 2.5 * flops, True, 0.0)
+    assert bwd == pytest.approx(5.0 + acc + 3 * (2.5 + acc))
+
+
+def test_sequence_sharded_attention_is_priced_as_the_ring_by_default():
+    dev, bf16 = CLUSTERS["h100"].device, torch.bfloat16
+    assert dev.cp_attention == "ring"
+    bh, s, d, n = 32, 8192, 128, 4  # local queries s of n * s keys: the shapes of a cp = 4 rank
+    flops, nbytes = 4 * bh * s * (n * s) * d, 0.0
+    ring = K.ring_time(bh, s, n * s, d, dev, bf16, False, flops, nbytes)
+    diag = K.flash_time(bh, s, s, d, dev, bf16, True, False, flops / n, 0.0)
+    half = flops / (2 * n)
+    off = max(
+        K.flash_time(bh, s, s // 2, d, dev, bf16, False, False, half, 0.0),
+        K.flash_time(bh, s // 2, s, d, dev, bf16, False, False, half, 0.0),
+    )
+    merge = RA.MERGE_BYTES * bh * s * d / (dev.mem_bw * dev.mem_eff)
+    assert ring == pytest.approx(diag + (n - 1) * (off + merge))
+    # the same work as one load-balanced kernel on the all-gathered K/V, but on shorter chunks plus the merges
+    gathered = K.flash_time(bh, s, n * s, d, dev, bf16, True, False, flops, nbytes)
+    assert ring > gathered
+    args = (None, None, None, 0.0, True)  # q, k, v, dropout_p, is_causal
+    target = torch.ops.aten._scaled_dot_product_flash_attention.default
+    shapes = [(1, bh, s, d), (1, bh, n * s, d), (1, bh, n * s, d)]
+    assert K.kernel_time(target, args, {}, shapes, flops, nbytes, dev, bf16) == pytest.approx(ring)
+    allgather = dataclasses.replace(dev, cp_attention="allgather")
+    assert K.kernel_time(target, args, {}, shapes, flops, nbytes, allgather, bf16) == pytest.approx(gathered)
+    with pytest.raises(ValueError, match="cp_attention"):
+        K.kernel_time(target, args, {}, shapes, flops, nbytes, dataclasses.replace(dev, cp_attention="x"), bf16)

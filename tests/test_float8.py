@@ -280,3 +280,61 @@ def test_float8_plan_runs_on_two_gloo_ranks_as_the_per_rank_float8_reference(tmp
         assert 1e-5 < abs(r["loss"] / r["fp32_loss"] - 1) < 0.05
         assert min(r["fp32_grad_err"][k] for k in ("up.weight", "down.weight")) > 1e-2, r["fp32_grad_err"]
         assert max(r["fp32_grad_err"].values()) < 0.3
+
+
+class TPMlp(nn.Module):
+    """w1 (colwise) -> relu -> w2 (rowwise) -> sum: the input needs no gradient, so 5 GEMMs (w1 has no grad_input)."""
+
+    def __init__(self, d=1024, h=4096):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(d, h, bias=False), nn.Linear(h, d, bias=False)
+
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(x))).sum()
+
+
+def test_tensor_parallel_float8_all_reduces_each_operand_amax_over_the_tp_group(monkeypatch):
+    """torchao's Float8ColwiseParallel / Float8RowwiseParallel: every operand cast of a GEMM whose weight is
+    sharded on a mesh dim takes the amax of a DTensor, one fp32 scalar all-reduce over that dim. By hand: forward
+    w1 (x, W1) and w2 (h, W2): 4 casts; w2's grad_input (grad_out, W2): 2; w2's grad_weight (h; grad_out's cast is
+    shared): 1; w1's grad_weight (grad_h, x): 2; so 9 all-reduces."""
+    from autopar.collectives import redistribute_time
+    from autopar.graph import TensorMeta
+    from autopar.passes import float8 as f8
+
+    x = torch.randn(4096, 1024, device="meta")
+    tp = {"w1.weight": ("S0",), "w2.weight": ("S1",)}
+
+    def cast_s(force):
+        p = autopar.plan(TPMlp(), (2,), (x,), cluster="h100", force=force, float8=True)
+        assert p.meta["float8"]["gemms"] == 5
+        return p.meta["float8"]["cast_s"]
+
+    with_amax = cast_s(tp)
+    monkeypatch.setattr(f8, "_tp_amax_time", lambda *a: 0.0)
+    without = cast_s(tp)
+    ar = redistribute_time(("P",), ("R",), TensorMeta((1,), torch.float32), (2,), autopar.get_cluster("h100"))
+    assert ar > 0
+    assert with_amax - without == pytest.approx(9 * ar, rel=1e-9)
+
+
+def test_compile_casts_an_activation_read_by_several_float8_linears_once():
+    """wq, wk, wv read one norm output and w1, w3 another: in the forward and again in the backward's weight-gradient
+    GEMMs, so 6 of a layer's activation casts repeat one (REPEAT). Compiled, Inductor's CSE computes each once,
+    so the compiled cast seconds are below eager's by at least those 6 full casts (amax read, cast read, 1-byte
+    write of a (tokens / 8) x 4096 bf16 activation each; compile's fused amaxes save more on top)."""
+    from autopar.passes import float8 as f8
+
+    m = build_model("llama3-8b", dtype=torch.bfloat16, n_layers=1)
+    x = example_inputs("llama3-8b", batch=8, seq=2048, device="meta")
+    force = {k: ("S0",) for k, _ in m.named_parameters()}
+    cl = autopar.get_cluster("h100").with_device(fusion="inductor")
+    p = autopar.plan(m, (8,), x, cluster=cl, force=force, float8=True)
+    rows = p.meta["float8"]["nodes"]
+    assert sum(r[3:5].count(f8.REPEAT) for r in rows) == 6
+    eager = autopar.plan(m, (8,), x, cluster="h100", force=force, float8=True).meta["float8"]["cast_s"]
+    compiled = p.meta["float8"]["cast_s"]
+    # every repeated cast is of a (tokens / 8) x 4096 bf16 activation, priced in full eager and not at all compiled
+    dev = cl.device
+    one = 8 * 2048 // 8 * 4096 * (2 * 2 + 1) / (dev.mem_bw * dev.mem_eff) + 2 * dev.op_overhead
+    assert compiled < eager - 6 * one * 0.99

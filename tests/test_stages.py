@@ -10,8 +10,10 @@ import torch
 import autopar
 from autopar import models
 from autopar import pipeline_model as pm
-from autopar.cost import TrainingPrecision, get_cluster
+from autopar.cost import get_cluster
 from autopar.mesh import MeshSpec
+
+from _stage import stage_context
 from autopar.passes.stage_costs import Costs, StageOps, find_layers, layer_signature
 
 
@@ -123,18 +125,8 @@ def moe_ops():
     blocks = list(m.get_submodule(find_layers(m)))
     sigs = [layer_signature(b) for b in blocks]
     reps = [i for i, s in enumerate(sigs) if s not in sigs[:i]]
-    ctx = {
-        # the flat roofline: the tight caps below are met by recomputing blocks at its compute / memory ratio
-        "cluster": get_cluster("h100").with_device(kernels="roofline"),
-        "precision": TrainingPrecision.fp32_adam(),
-        "loss_fn": None,
-        "force": {},
-        "replicate_ops": [],
-        "allow_replicate": False,
-        "time_limit": 60,
-        "n_variants": 2,
-        "dp_shards_batch": True,
-    }
+    # the flat roofline: the tight caps below are met by recomputing blocks at its compute / memory ratio
+    ctx = stage_context(get_cluster("h100").with_device(kernels="roofline"), n_variants=2)
     ops = StageOps(m, "layers", reps, [reps.index(sigs.index(s)) for s in sigs], x, MeshSpec((2,), ("dp",)), ctx)
     return ops, reps
 

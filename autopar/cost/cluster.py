@@ -38,8 +38,16 @@ class DeviceSpec:
     attn_fwd_eff: float = 0.35  # flash forward: fraction of peak at long sequences, head dim 128
     attn_bwd_eff: float = 0.30  # flash backward, likewise
     attn_seq_overhead: float = 128.0  # a query block's fixed cost in keys: efficiency Sk / (Sk + this)
-    # "eager" (one kernel per op) or "inductor" (torch.compile: memory-bound chains fused, autopar/cost/fusion.py)
+    # Sequence-sharded (cp) attention: "ring" (torch's context_parallel: per-step kernels on chunk pairs plus
+    # merges, autopar/cost/ring_attention.py) or "allgather" (one kernel on the all-gathered K/V, Llama 3's form)
+    cp_attention: str = "ring"
+    # "eager" (one kernel per op), "inductor" (torch.compile per ModuleList layer: memory-bound chains fused) or
+    # "inductor-graph" (the whole model compiled); autopar/cost/fusion.py
     fusion: str = "eager"
+    # under fusion="inductor*": the share of the reads/writes fusion.py says a fused program skips that it does
+    # save; unused when eager. 1.0 (the model as built): fitted on TorchTitan Table 1's compile gain it is 0.37,
+    # which moves the held-back Table 2 compile row from 1.04x to 0.93x of published, so it is left at 1.0
+    fusion_eff: float = 1.0
 
     def flops_for(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
         """Peak dense FLOP/s for matmuls in `dtype`. Missing keys fall back (fp8 -> bf16 -> fp32)."""

@@ -1,11 +1,18 @@
 """torch.compile (Inductor) fusion of memory-bound ops, for pricing: which tensor reads and writes a fused program
 skips.
 
-Where a DeviceSpec says `fusion="inductor"` (e.g. `get_cluster("h100").with_device(fusion="inductor")`: the run
+Where a DeviceSpec says `fusion="inductor"` or `"inductor-graph"` (e.g. `get_cluster("h100").with_device(fusion="inductor")`: the run
 compiled its model with torch.compile), the costs pass prices the memory-bound ops between GEMMs as Inductor runs
 them: chains of pointwise ops, reductions and views fuse into kernels that read each input from memory once and
 write only the values something outside the chain needs. `fusion="eager"` (the default, every preset) prices each
 op's own reads and writes, as eager PyTorch runs one kernel per op.
+
+Scope (which ops one torch.compile call covers): "inductor" compiles each layer of a model's ModuleList on its own,
+as torchtitan's apply_compile does (`torch.compile(block, fullgraph=True)` per TransformerBlock, the placement
+FSDP2's per-block wrapping asks for): a region never crosses a layer's boundary (the residual stream is written at
+the end of one layer and read by the next), and the ops outside the layers (embedding, final norm, loss, the RoPE
+tables) run eagerly. A model without ModuleList layers is compiled whole. "inductor-graph" compiles the whole
+model as one program (`torch.compile(model)`).
 
 The model of a fused region:
   * fusible ops: torch's pointwise ops (torch.Tag.pointwise), the reductions and other ops Inductor generates code
@@ -13,7 +20,7 @@ The model of a fused region:
     ops), and views; never an op with a FLOP formula (GEMMs, attention, convolutions: library kernels) nor an op
     not listed (priced as eager, the safe side).
   * a region: the fusible ops connected by values one of them produces and another reads, within one phase
-    (AOTAutograd compiles the forward and the backward as separate graphs); views are transparent (an op reading a
+    (AOTAutograd compiles the forward and the backward as separate graphs) and one compiled program; views are transparent (an op reading a
     view of a fused value reads the fused value).
   * reads: an op reads from memory only the inputs produced outside its region (a GEMM's output, a parameter, a
     forward value saved for the backward), each distinct input value once per region (the first op reading it).
@@ -35,7 +42,7 @@ from .compute import has_flop_formula, is_view
 
 aten = torch.ops.aten
 
-FUSIONS = ("eager", "inductor")
+FUSIONS = ("eager", "inductor", "inductor-graph")
 # non-pointwise ops Inductor generates code for (reductions, loss, indexing, concatenation, casts, factories)
 _FUSIBLE_NAMES = (
     "sum.dim_IntList",
@@ -77,12 +84,20 @@ def check(device) -> bool:
     """Is the device's fusion Inductor's? A ValueError naming the device for an unknown setting."""
     if device.fusion not in FUSIONS:
         raise ValueError(f"device {device.name!r}: fusion must be one of {FUSIONS}, got {device.fusion!r}")
-    return device.fusion == "inductor"
+    return device.fusion != "eager"
 
 
-def fusible(n) -> bool:
-    """An op Inductor fuses (module docstring); views included."""
-    if n.kind != "op" or has_flop_formula(n.target):
+def compile_units(device, g, layer_of) -> list:
+    """Each node's compiled program (module docstring: scope): a key shared by the nodes one torch.compile call
+    covers, None for a node run eagerly. layer_of: the regions pass's node -> (ModuleList prefix, layer index)."""
+    if device.fusion == "inductor-graph" or not any(k is not None for k in layer_of):
+        return [0] * len(g.nodes)
+    return list(layer_of)
+
+
+def fusible(n, units=None) -> bool:
+    """An op Inductor fuses (module docstring); views included. units: compile_units (None: all one program)."""
+    if n.kind != "op" or has_flop_formula(n.target) or (units is not None and units[n.idx] is None):
         return False
     return is_view(n.target) or n.target in FUSIBLE or torch.Tag.pointwise in getattr(n.target, "tags", ())
 
@@ -94,16 +109,19 @@ def _root(g, node: int) -> int:
     return node
 
 
-def fused_producer(g, ref, phase: str) -> bool:
-    """Is the value `ref` computed by a fusible (non-view) op of `phase`, so a reduction over it there can run in
-    the kernel that produces it?"""
+def fused_producer(g, ref, consumer, units=None) -> bool:
+    """Is the value `ref` computed by a fusible (non-view) op of the consumer's phase and compiled program, so a
+    reduction over it there can run in the kernel that produces it?"""
     p = g.nodes[_root(g, ref.node)]
-    return fusible(p) and not is_view(p.target) and p.phase == phase
+    same = units is None or units[p.idx] == units[consumer.idx]
+    return fusible(p, units) and not is_view(p.target) and p.phase == consumer.phase and same
 
 
-def fused_io(g) -> FusedIO:
-    """The skipped reads and writes of every op of graph g under Inductor's fusion (module docstring)."""
+def fused_io(g, units=None) -> FusedIO:
+    """The skipped reads and writes of every op of graph g under Inductor's fusion (module docstring); units:
+    compile_units, None for one program over the whole graph."""
     nodes = g.nodes
+    units = units if units is not None else [0] * len(nodes)
     parent = list(range(len(nodes)))
 
     def find(i):
@@ -114,17 +132,18 @@ def fused_io(g) -> FusedIO:
 
     def internal(producer: int, consumer) -> bool:
         p = nodes[_root(g, producer)]
-        return fusible(p) and not is_view(p.target) and fusible(consumer) and p.phase == consumer.phase
+        same = p.phase == consumer.phase and units[p.idx] == units[consumer.idx]
+        return fusible(p, units) and not is_view(p.target) and fusible(consumer, units) and same
 
     for n in g.ops():
-        if not fusible(n) or is_view(n.target):
+        if not fusible(n, units) or is_view(n.target):
             continue
         for r in n.inputs():
             if internal(r.node, n):
                 parent[find(_root(g, r.node))] = find(n.idx)
     skip_reads, seen = set(), set()
     for n in g.ops():
-        if not fusible(n) or is_view(n.target):
+        if not fusible(n, units) or is_view(n.target):
             continue
         for j, r in enumerate(n.inputs()):
             key = (find(n.idx), r.node, r.out)
@@ -134,20 +153,21 @@ def fused_io(g) -> FusedIO:
     outputs = {_root(g, r.node) for r in g.outputs()}
     skip_writes = set()
     for n in g.ops():
-        if fusible(n) and not is_view(n.target) and n.idx not in outputs:
-            skip_writes.update((n.idx, o) for o in range(len(n.outs)) if _read_inside(g, n, n.idx, o))
+        if fusible(n, units) and not is_view(n.target) and n.idx not in outputs:
+            skip_writes.update((n.idx, o) for o in range(len(n.outs)) if _read_inside(g, n, n.idx, o, units))
     return FusedIO(frozenset(skip_reads), frozenset(skip_writes))
 
 
-def _read_inside(g, producer, node: int, out: int) -> bool:
-    """Is output `out` of `node` (a fusible op, or a view of one) read only by fusible ops of producer's phase?"""
+def _read_inside(g, producer, node: int, out: int, units) -> bool:
+    """Is output `out` of `node` (a fusible op, or a view of one) read only by fusible ops of producer's phase and
+    compiled program?"""
     for u in g.nodes[node].users:
         c = g.nodes[u]
         if not any(r.node == node and r.out == out for r in c.inputs()):
             continue
         if c.kind == "op" and is_view(c.target):
-            if not all(_read_inside(g, producer, u, o) for o in range(len(c.outs))):
+            if not all(_read_inside(g, producer, u, o, units) for o in range(len(c.outs))):
                 return False
-        elif not (fusible(c) and c.phase == producer.phase):
+        elif not (fusible(c, units) and c.phase == producer.phase and units[u] == units[producer.idx]):
             return False
     return True

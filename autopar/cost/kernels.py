@@ -47,6 +47,7 @@ from functools import lru_cache
 import torch
 
 from .cluster import DeviceSpec
+from . import ring_attention
 from .compute import roofline_time
 
 aten = torch.ops.aten
@@ -168,6 +169,20 @@ def flash_time(bh, sq, sk, d, device, dtype, causal, backward, flops, nbytes) ->
     return max(work / rate, nbytes / (device.mem_bw * device.mem_eff))
 
 
+def ring_time(bh, sq, sk, d, device, dtype, backward, flops, nbytes) -> float:
+    """Seconds of a sequence-sharded causal attention op (sq local queries of sk = n * sq keys: context
+    parallelism) as torch's ring attention runs it (autopar/cost/ring_attention.py): n flash kernels at the chunk
+    shapes plus the merge / accumulation passes; its K/V movement is priced by the plan's redistribute edges."""
+    n = sk // sq
+
+    def kernel(q_rows, k_rows, causal, work):
+        share = q_rows * k_rows / (sq * sk)
+        return flash_time(bh, q_rows, k_rows, d, device, dtype, causal, backward, work, nbytes * share)
+
+    elems = float(bh) * sq * d
+    return ring_attention.ring_attention_time(sq, n, elems, elems, device, kernel, flops, backward)
+
+
 def unfused_time(bh, sq, sk, d, device, dtype, backward: bool, dropout: bool) -> float:
     """Seconds of attention as separate kernels (Megatron-LM 2021): batched GEMMs plus the memory-bound softmax
     (and dropout) passes over the bh*Sq*Sk scores; see the module docstring for the list."""
@@ -226,6 +241,9 @@ def kernel_time(target, args, kwargs, shapes, flops, nbytes, device: DeviceSpec,
     bh, sq, d, sk = q[0] * q[1], q[2], q[3], kv[2]
     causal = bool(_arg(target, args, kwargs, "is_causal"))
     if device.attention == "flash":
+        # the ring's chunk pairs need an even count of local rows (torch: the sequence divides by 2 * cp)
+        if causal and sk > sq and sk % sq == 0 and sq % 2 == 0 and ring_attention.check(device) == "ring":
+            return ring_time(bh, sq, sk, d, device, dtype, backward, flops, nbytes)
         return flash_time(bh, sq, sk, d, device, dtype, causal, backward, flops, nbytes)
     if device.attention == "unfused":
         dropout = float(_arg(target, args, kwargs, "dropout_p") or 0.0) > 0.0

@@ -5,6 +5,7 @@ that step's predicted time (backends/counter.py counts what a real step issues, 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 
 import torch
 from autopar.cost import get_cluster
@@ -42,29 +43,30 @@ def engine_collectives(plan, low) -> tuple[list, list]:
         on the tp dim and is all-reduced once (DTensor), at the size autograd produced it (before FSDP sharding).
     """
     notes = []
-    pnode = {n["target"]: n for n in plan.nodes if n["kind"] == "param"}
+    nodes = plan.node_records()
+    pnode = {n.target: n for n in nodes if n.kind == "param"}
     t = low.tp_dim
     tp_n = plan.mesh_shape[t] if t is not None else 1
 
     def local_param(f, dtype):
-        shape = list(pnode[f]["shape"][0])
+        shape = list(pnode[f].shapes[0])
         if t is not None and plan.params[f][t][0] == "S":
             shape[int(plan.params[f][t][1:])] //= tp_n
         return _nb(shape, dtype)
 
     out = _data_parallel_collectives(plan, low, pnode, local_param, notes)
-    out += _redistribute_collectives(plan, low, notes)
+    out += _redistribute_collectives(plan, nodes, low, notes)
     parts = getattr(low, "parts", {})
     for part in {id(p): p for p in parts.values()}.values():  # each part's own plan, per instance
         out += part.plan.collectives() * len(part.instances)
-    out += _tp_backward_collectives(plan, low, pnode, local_param)
+    out += _tp_backward_collectives(plan, nodes, low, pnode, local_param)
     return out, notes
 
 
 def _data_parallel_collectives(plan, low, pnode, local_param, notes) -> list:
     """FSDP2 units' gathers and reduce-scatters, the gradient buckets' all_reduces, the loss hook's."""
     out = []
-    grad_dtype = lambda f: (low.mixed_precision or {}).get("reduce_dtype") or pnode[f]["dtype"][0]
+    grad_dtype = lambda f: (low.mixed_precision or {}).get("reduce_dtype") or pnode[f].dtypes[0]
     shard_key = low.shard_dims[0] if len(low.shard_dims) == 1 else tuple(low.shard_dims)
     n_shard = 1
     for d in low.shard_dims:
@@ -72,7 +74,7 @@ def _data_parallel_collectives(plan, low, pnode, local_param, notes) -> list:
     for u in low.units:
         if not u.params:
             continue
-        ag = sum(local_param(f, pnode[f]["dtype"][0]) for f in u.params)
+        ag = sum(local_param(f, pnode[f].dtypes[0]) for f in u.params)
         rs = sum(local_param(f, grad_dtype(f)) for f in u.params)
         out += [("all_gather", shard_key, ag)] * (2 if u.reshard_after_forward else 1)
         out.append(("reduce_scatter", shard_key, rs))
@@ -92,27 +94,27 @@ def _data_parallel_collectives(plan, low, pnode, local_param, notes) -> list:
     return out
 
 
-def _data_dim_note(plan, low, n, r) -> str | None:
-    """How the engines replace a redistribute the plan runs over the data dims (None: nothing to say)."""
-    cs = r["collectives"]
-    if not isinstance(r["input"], int):  # e.g. "loss": the plan reduces the loss value itself
+def _data_dim_note(nodes, low, n, r, coalesced) -> str | None:
+    """How the engines replace a redistribute `r` into node `n` the plan runs over the data dims (None: nothing to
+    say); coalesced: the inputs of n whose all_reduce another of its redistributes carries."""
+    cs, move = r.collectives, f"{list(r.src)} -> {list(r.dst)}"
+    if not isinstance(r.input, int):  # e.g. "loss": the plan reduces the loss value itself
         if not cs:
             return None
-        return f"{n['name']} {r['input']}: the plan reduces it ({r['src']} -> {r['dst']}); the engines " + (
+        return f"{n.name} {r.input}: the plan reduces it ({move}); the engines " + (
             "reduce (weighted loss, count) in the loss hook" if low.mean_loss else "leave each rank its local loss"
         )
-    src = n["inputs"][r["input"]]
-    shape = plan.nodes[src[0]]["shape"][src[1]]
-    pair = any(q.get("coalesced") == r["input"] for q in n.get("redistribute", []))
-    if r["class"] == "act" and pair and low.mean_loss and len(cs) == 1:
+    src = n.inputs[r.input]
+    shape = nodes[src[0]].shapes[src[1]]
+    if r.value_class == "act" and r.input in coalesced and low.mean_loss and len(cs) == 1:
         return (
-            f"{n['name']}: the plan's all_reduce of (loss sum, count) over the data dims is the "
+            f"{n.name}: the plan's all_reduce of (loss sum, count) over the data dims is the "
             f"loss hook's all_reduce of (weighted loss, count)"
         )
-    if r["class"] == "act":
+    if r.value_class == "act":
         return (
-            f"{n['name']}: the plan redistributes {'a scalar' if not shape else 'a loss input'} "
-            f"({r['src']} -> {r['dst']}) over the data dims; "
+            f"{n.name}: the plan redistributes {'a scalar' if not shape else 'a loss input'} "
+            f"({move}) over the data dims; "
             + (
                 "the engines reduce (weighted loss, count) in the loss hook instead"
                 if low.mean_loss
@@ -122,47 +124,49 @@ def _data_dim_note(plan, low, n, r) -> str | None:
     return None
 
 
-def _redistribute_collectives(plan, low, notes) -> list:
+def _redistribute_collectives(plan, nodes, low, notes) -> list:
     """The plan's forward redistributes on the tensor-parallel dim, once per produced tensor, and their
     backward mirrors; notes for the redistributes over the data dims the engines do otherwise."""
     out, seen, t = [], set(), low.tp_dim
     data = set(low.replicate_dims + low.shard_dims)
     parts = getattr(low, "parts", {})
-    for n in plan.nodes:
-        if parts and within(n["module"], parts):
-            continue  # run by the graph backend (mixed.py)
-        for r in n.get("redistribute", []):
-            cs = r["collectives"]
-            if r["input"] == "opt":
+    records = plan.redistribute_records()
+    coalesced = defaultdict(set)  # node -> its inputs whose all_reduce another of its redistributes carries
+    for r in records:
+        if r.coalesced is not None:
+            coalesced[r.consumer].add(r.coalesced)
+    for r in records:
+        n = nodes[r.consumer]
+        if parts and within(n.module, parts) or r.input == "opt":
+            continue  # run by the graph backend (mixed.py); the optimizer's input
+        cs = r.collectives
+        if not isinstance(r.input, int) or any(set(dims_of(c.mesh_dim)) & data for c in cs):
+            note = _data_dim_note(nodes, low, n, r, coalesced[n.idx])  # (over a flattened group of dims too)
+            if note:
+                notes.append(note)
+            continue
+        if t is None or n.phase != "fw" or not any(c.mesh_dim == t for c in cs):
+            continue
+        role = low.tp_roles.get((n.idx, r.input))
+        key = (n.inputs[r.input], r.src, r.dst)
+        if key in seen:
+            notes.append(
+                f"{n.name}: the plan redistributes {nodes[key[0][0]].name} again for this consumer; the style does it once"
+            )
+            continue
+        seen.add(key)
+        for c in cs:
+            if c.mesh_dim != t:
                 continue
-            if not isinstance(r["input"], int) or any(set(dims_of(c[1])) & data for c in cs):
-                note = _data_dim_note(plan, low, n, r)  # (over a flattened group of dims too)
-                if note:
-                    notes.append(note)
-                continue
-            if t is None or n["phase"] != "fw" or not any(c[1] == t for c in cs):
-                continue
-            role = low.tp_roles.get((n["idx"], r["input"]))
-            key = (tuple(n["inputs"][r["input"]]), tuple(r["src"]), tuple(r["dst"]))
-            if key in seen:
-                notes.append(
-                    f"{n['name']}: the plan redistributes {plan.nodes[key[0][0]]['name']} again for this "
-                    f"consumer; the style does it once"
-                )
-                continue
-            seen.add(key)
-            for kind, d, nb, _ in cs:
-                if d != t:
-                    continue
-                out.append((kind, t, nb))
-                if kind == "all_gather" and role == "in_gather":
-                    out.append(("reduce_scatter", t, nb))
-                elif kind == "reduce_scatter":
-                    out.append(("all_gather", t, nb))
+            out.append((c.kind, t, c.nbytes))
+            if c.kind == "all_gather" and role == "in_gather":
+                out.append(("reduce_scatter", t, c.nbytes))
+            elif c.kind == "reduce_scatter":
+                out.append(("all_gather", t, c.nbytes))
     return out
 
 
-def _tp_backward_collectives(plan, low, pnode, local_param) -> list:
+def _tp_backward_collectives(plan, nodes, low, pnode, local_param) -> list:
     """SequenceParallel parameters' partial gradients all-reduced; the backward of a rowwise Linear fed a
     replicated input (gather) and of a colwise Linear fed one (all_reduce of the input gradient)."""
     out, t = [], low.tp_dim
@@ -170,13 +174,13 @@ def _tp_backward_collectives(plan, low, pnode, local_param) -> list:
     sp = [m for m, st in low.styles.items() if st.cls == "SequenceParallel"]
     for f in pnode:  # SequenceParallel params: partial gradients, all-reduced
         if t is not None and any(f.startswith(m + ".") for m in sp):
-            out.append(("all_reduce", t, local_param(f, pnode[f]["dtype"][0])))
+            out.append(("all_reduce", t, local_param(f, pnode[f].dtypes[0])))
     for (i, j), role in low.tp_roles.items():
-        if parts and within(plan.nodes[i]["module"], parts):
+        if parts and within(nodes[i].module, parts):
             continue
-        p, o = plan.nodes[i]["inputs"][j]
-        pl = plan.nodes[p]["placement"]["out"][o]
-        local = _nb(plan.nodes[p]["shape"][o], plan.nodes[p]["dtype"][o])
+        p, o = nodes[i].inputs[j]
+        pl = nodes[p].out[o]
+        local = _nb(nodes[p].shapes[o], nodes[p].dtypes[o])
         for d, x in enumerate(pl):
             if x[0] == "S" and d != t:
                 local //= plan.mesh_shape[d]

@@ -52,14 +52,15 @@ def _use_reason(low, G, fqn, unit, edges) -> str | None:
     bad = [
         (c, j)
         for c, j, src in edges
-        if G.rec(c)["kind"] == "op" and any(G.rec(c)["placement"]["ins"][j][d][0] != "R" for d in low.shard_dims)
+        if G.rec(c).kind == "op" and any(G.rec(c).ins[j][d][0] != "R" for d in low.shard_dims)
     ]
     if bad:
         c, j = bad[0]
+        user = G.rec(c)
         return (
             f"is used sharded on {dn} by "
-            f"{G.rec(c)['name']} in module '{G.rec(c)['module']}' (input {j} "
-            f"{G.rec(c)['placement']['ins'][j]}): FSDP2 gathers a parameter before every use, and a "
+            f"{user.name} in module '{user.module}' (input {j} "
+            f"{list(user.ins[j])}): FSDP2 gathers a parameter before every use, and a "
             f"ParallelStyle cannot shard it on a mesh dim that also splits the batch (tensor or "
             f"expert parallelism on a data-parallel dim)"
         )
@@ -67,8 +68,8 @@ def _use_reason(low, G, fqn, unit, edges) -> str | None:
     if outside:
         c = outside[0]
         return (
-            f"is used outside its FSDP unit '{unit.fqn}' by {G.rec(c)['name']} in "
-            f"module '{G.rec(c)['module'] or '<root>'}'; FSDP2 unshards it only while the unit runs"
+            f"is used outside its FSDP unit '{unit.fqn}' by {G.rec(c).name} in "
+            f"module '{G.rec(c).module or '<root>'}'; FSDP2 unshards it only while the unit runs"
         )
     return None
 
@@ -77,10 +78,10 @@ def _gathered_in_backward(low, G, nodes, edges) -> bool:
     """Whether the plan gathers the parameter (S -> R on a shard dim) for a backward consumer."""
     consumers = edges + [(c, 0, None) for c in nodes[1:]]
     return any(
-        G.rec(c)["phase"] == "bw"
+        G.rec(c).phase == "bw"
         for c, j, _ in consumers
         if (c, j) in G.red
-        and any(G.red[(c, j)]["src"][d][0] == "S" and G.red[(c, j)]["dst"][d] == "R" for d in low.shard_dims)
+        and any(G.red[(c, j)].src[d][0] == "S" and G.red[(c, j)].dst[d] == "R" for d in low.shard_dims)
     )
 
 

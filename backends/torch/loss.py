@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 
-from .batch import _op
 from .collectives import _nb
 
 # ops between the labels input and the loss that keep every label (in some order): the count is the same
@@ -47,36 +46,36 @@ def recognize_mean_loss(low, G, plan, data) -> None:
             "shards would change a mean)"
         )
         return
-    for n in plan.nodes:
-        if n["kind"] != "op" or _op(n) != "div" or n["phase"] != "fw" or len(n["inputs"]) != 2:
+    for n in G.nodes:
+        if n.kind != "op" or n.op != "div" or n.phase != "fw" or len(n.inputs) != 2:
             continue
-        (a, i), (b, j) = n["inputs"]
+        (a, i), (b, j) = n.inputs
         nll = G.rec(a)
-        if a != b or (i, j) != (0, 1) or _op(nll) not in _NLL:
+        if a != b or (i, j) != (0, 1) or nll.op not in _NLL:
             continue
-        if not any(_op(G.rec(u)) == "ones_like" and G.rec(u)["phase"] == "bw" for u, _, _ in G.users[n["idx"]]):
+        if not any(G.rec(u).op == "ones_like" and G.rec(u).phase == "bw" for u, _, _ in G.users[n.idx]):
             low.notes.append(
-                f"the mean loss {n['name']} is not the value the step returns; the engines average "
+                f"the mean loss {n.name} is not the value the step returns; the engines average "
                 f"each rank's loss over its own batch shard"
             )
             return
-        if len(nll["inputs"]) != 2 or "consts" not in nll:
+        if len(nll.inputs) != 2 or nll.consts is None:
             return  # class weights: _check_batch_shards refuses; a plan from an older autopar: no ignore_index
-        k = nll["inputs"][1][0]
-        while G.rec(k)["kind"] == "op" and _op(G.rec(k)) in _KEEP_LABELS and len(G.rec(k)["inputs"]) == 1:
-            k = G.rec(k)["inputs"][0][0]
-        inputs = [x["idx"] for x in plan.nodes if x["kind"] == "input"]
-        if G.rec(k)["kind"] != "input" or any(low.input_placements[inputs.index(k)][d] != "S0" for d in data):
+        k = nll.inputs[1][0]
+        while G.rec(k).kind == "op" and G.rec(k).op in _KEEP_LABELS and len(G.rec(k).inputs) == 1:
+            k = G.rec(k).inputs[0][0]
+        inputs = [x.idx for x in G.nodes if x.kind == "input"]
+        if G.rec(k).kind != "input" or any(low.input_placements[inputs.index(k)][d] != "S0" for d in data):
             low.notes.append(
-                f"the labels of {nll['name']} are not an input fed batch-sharded; the engines average "
+                f"the labels of {nll.name} are not an input fed batch-sharded; the engines average "
                 f"each rank's mean loss over its shard (labels that ignore_index skips unevenly over "
                 f"the shards would change it)"
             )
             return
         low.mean_loss = {
-            "labels": G.rec(k)["target"],
-            "ignore_index": nll["consts"].get("4", -100),
+            "labels": G.rec(k).target,
+            "ignore_index": nll.const(4, -100),
             "shards": math.prod(plan.mesh_shape[d] for d in data),
-            "nbytes": _nb([2], n["dtype"][0]),
+            "nbytes": _nb([2], n.dtypes[0]),
         }
         return

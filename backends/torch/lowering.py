@@ -131,20 +131,22 @@ _PASS_THROUGH = {
 
 
 class _Graph:
-    """Plan records with users, module membership and the parameter chains (views/casts of a parameter)."""
+    """Plan records, typed (NodeRecord, RedistributeRecord), with users, module membership and the parameter chains
+    (views/casts of a parameter)."""
 
     def __init__(self, plan):
-        self.plan, self.nodes = plan, plan.nodes
-        self.users = defaultdict(list)  # node -> [(user, input position, producer output)]
-        for n in self.nodes:
-            for j, (p, o) in enumerate(n.get("inputs", [])):
-                self.users[p].append((n["idx"], j, o))
-        if self.nodes and "inputs" not in self.nodes[-1]:
+        self.plan = plan
+        if plan.nodes and "inputs" not in plan.nodes[-1]:
             raise EngineLoweringError(
                 "this plan has no input edges in its node records (saved by an older autopar); plan it again"
             )
-        self.param_node = {n["target"]: n["idx"] for n in self.nodes if n["kind"] == "param"}
-        self.red = {(n["idx"], r["input"]): r for n in self.nodes for r in n.get("redistribute", [])}
+        self.nodes = plan.node_records()
+        self.users = defaultdict(list)  # node -> [(user, input position, producer output)]
+        for n in self.nodes:
+            for j, (p, o) in enumerate(n.inputs):
+                self.users[p].append((n.idx, j, o))
+        self.param_node = {n.target: n.idx for n in self.nodes if n.kind == "param"}
+        self.red = {(r.consumer, r.input): r for r in plan.redistribute_records()}
 
     def rec(self, i):
         return self.nodes[i]
@@ -158,7 +160,7 @@ class _Graph:
             i = stack.pop()
             for u, j, o in self.users[i]:
                 ur = self.nodes[u]
-                if ur["kind"] == "op" and len(ur["inputs"]) == 1:
+                if ur.kind == "op" and len(ur.inputs) == 1:
                     nodes.append(u)
                     stack.append(u)
                 else:
@@ -166,5 +168,5 @@ class _Graph:
         return nodes, edges
 
     def in_module(self, i, mod) -> bool:
-        m = self.nodes[i]["module"]
+        m = self.nodes[i].module
         return mod == "" or m == mod or m.startswith(mod + ".")

@@ -128,14 +128,14 @@ def _runs_alone(plan, fqn, calls, local_calls, shards) -> str | None:
                 )
         elif not isinstance(a, (int, float, bool, type(None))):
             return f"{what} is a {type(a).__name__}"
-    idx = {n["idx"]: n for n in plan.nodes}
-    for n in plan.nodes:
-        if n["kind"] != "op" or within(n["module"], (fqn,)):
+    nodes = plan.node_records()
+    for n in nodes:
+        if n.kind != "op" or within(n.module, (fqn,)):
             continue
-        for p, _ in n["inputs"]:
-            src = idx[p]
-            if src["kind"] == "param" and src["target"].startswith(fqn + "."):
-                return f"its parameter {src['target']} is read by {n['name']} in module '{n['module'] or '<root>'}'"
+        for p, _ in n.inputs:
+            src = nodes[p]
+            if src.kind == "param" and src.target.startswith(fqn + "."):
+                return f"its parameter {src.target} is read by {n.name} in module '{n.module or '<root>'}'"
     return None
 
 
@@ -246,16 +246,16 @@ def _plan_pins(whole, fqn, g) -> dict:
     """{node name: pin} keeping the whole model's plan inside the part: its op records in module `fqn` matched to
     the part's own graph by (phase, op, output shapes) in order (difflib's longest matching blocks), each matched
     node pinned to the plan's output placements."""
-    recs = [r for r in whole.nodes if r["kind"] == "op" and within(r["module"], (fqn,))]
+    recs = [r for r in whole.node_records() if r.kind == "op" and within(r.module, (fqn,))]
     ops = list(g.ops())
-    key_r = [(r["phase"], r["target"], tuple(map(tuple, r["shape"]))) for r in recs]
+    key_r = [(r.phase, r.target, tuple(s if s is not None else () for s in r.shapes)) for r in recs]
     key_n = [
         (n.phase, n.name.split(":", 1)[1], tuple(tuple(o.shape) if o is not None else () for o in n.outs)) for n in ops
     ]
     pins = {}
     for a, b, size in difflib.SequenceMatcher(None, key_r, key_n, autojunk=False).get_matching_blocks():
         for k in range(size):
-            out = recs[a + k]["placement"]["out"]
+            out = recs[a + k].out
             pins[ops[b + k].name] = {(d, o): p for o, pl in enumerate(out) if pl is not None for d, p in enumerate(pl)}
     return pins
 

@@ -87,7 +87,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
     own = {f: pl for f, pl in plan.params.items() if f not in low.part_params}
     low.block_fqns = blocks(plan)
     inputs, data, model_dims, loss_fed = _feed_inputs(low, G, plan)
-    _model_dims(low, plan, own, model_dims, in_part)
+    _model_dims(low, G, own, model_dims, in_part)
     for d in data:
         (low.shard_dims if any(p[d][0] == "S" for p in own.values()) else low.replicate_dims).append(d)
     recognize_mean_loss(low, G, plan, data)
@@ -114,14 +114,12 @@ def _feed_inputs(low, G, plan):
     """low.input_placements (how each rank is fed each input) and the mesh dims they make data-parallel (every
     input batch-sharded) or model dims (every input replicated); a reason for any other dim."""
     names = low.mesh_names
-    inputs = [n for n in plan.nodes if n["kind"] == "input"]
+    inputs = [n for n in G.nodes if n.kind == "input"]
     strict, loss_fed = [_fed(G, n) for n in inputs], []
     loose = [_fed(G, n, loss_fed) for n in inputs]
     # a mesh dim is batch-fed when every input is (a loss input counts only where the batch really is sharded)
     batch = [all(f[d] == "S0" for f in loose) and any(f[d] == "S0" for f in strict) for d in range(len(names))]
-    low.input_placements = [
-        ["S0" if batch[d] else n["placement"]["out"][0][d] for d in range(len(names))] for n in inputs
-    ]
+    low.input_placements = [["S0" if batch[d] else n.out[0][d] for d in range(len(names))] for n in inputs]
     data, model_dims = [], []
     for d, name in enumerate(names):
         pls = {pl[d] for pl in low.input_placements}
@@ -140,15 +138,12 @@ def _feed_inputs(low, G, plan):
     return inputs, data, model_dims, loss_fed
 
 
-def _model_dims(low, plan, own, model_dims, in_part) -> None:
+def _model_dims(low, G, own, model_dims, in_part) -> None:
     """Each model dim is idle (nothing sharded on it) or the one tensor-parallel dim; a reason for a second."""
     names = low.mesh_names
     for d in model_dims:
         busy = any(p[d] != "R" for p in own.values()) or any(
-            o is not None and o[d] != "R"
-            for n in plan.nodes
-            if n["kind"] == "op" and not in_part(n["module"])
-            for o in n["placement"]["out"]
+            o is not None and o[d] != "R" for n in G.nodes if n.kind == "op" and not in_part(n.module) for o in n.out
         )
         if not busy:
             low.idle_dims.append(d)
@@ -209,11 +204,11 @@ def _leave_parts(low, parts, in_part) -> None:
 
 def _local_nbytes(low, plan, pnode, fqn) -> int:
     """Bytes of the parameter's gradient on one rank: its shape, split on the tensor-parallel dim."""
-    shape = list(pnode["shape"][0])
+    shape = list(pnode.shapes[0])
     t = low.tp_dim
     if t is not None and plan.params[fqn][t][0] == "S":
         shape[int(plan.params[fqn][t][1:])] //= plan.mesh_shape[t]
-    return math.prod(shape) * torch.empty(0, dtype=getattr(torch, pnode["dtype"][0])).element_size()
+    return math.prod(shape) * torch.empty(0, dtype=getattr(torch, pnode.dtypes[0])).element_size()
 
 
 def _grad_buckets(low, G, plan) -> None:
@@ -228,34 +223,34 @@ def _grad_buckets(low, G, plan) -> None:
     if not rep or not data:
         return
     low.batch_shards = math.prod(plan.mesh_shape[d] for d in data)
-    pnode = {n["target"]: n for n in plan.nodes if n["kind"] == "param"}
+    pnode = {n.target: n for n in G.nodes if n.kind == "param"}
     size = {f: _local_nbytes(low, plan, pnode[f], f) for f in rep}
     dn = lambda ds: "+".join(low.mesh_names[d] for d in ds)
     chains: dict = {}
-    for k, b in enumerate(plan.buckets):
-        chains.setdefault(b.get("chain", k), []).append((k, b))
+    for k, b in enumerate(plan.bucket_records()):
+        chains.setdefault(b.chain, []).append((k, b))
     covered, out = set(), []
     for first, bs in sorted(chains.items()):
-        params = bs[0][1]["params"]
+        params = bs[0][1].params
         if not rep & set(params):
             continue
-        steps = [dims_of(b["mesh_dim"]) for _, b in sorted(bs, key=lambda kb: kb[1].get("step", 0))]
+        steps = [dims_of(b.mesh_dim) for _, b in sorted(bs, key=lambda kb: kb[1].step)]
         dims = [d for s in steps for d in s]
         ok = (
             set(params) <= rep
-            and all(b["kind"] == "all_reduce" for _, b in bs)
+            and all(b.kind == "all_reduce" for _, b in bs)
             and sorted(dims) == sorted(data)
             and len(set(dims)) == len(dims)
         )
         if not ok:
             low.notes.append(
-                f"the plan's gradient bucket {first} ({[b['kind'] for _, b in bs]} over "
+                f"the plan's gradient bucket {first} ({[b.kind for _, b in bs]} over "
                 f"{[dn(s) for s in steps]}) is not the engines' averaging over {dn(data)}; its replicated"
                 f" gradients are reduced in extra buckets instead"
             )
             continue
         nb = sum(size[f] for f in params)
-        out.append(GradBucket(steps, list(params), nb, bs[0][1]["dtype"].replace("torch.", ""), first))
+        out.append(GradBucket(steps, list(params), nb, bs[0][1].dtype.replace("torch.", ""), first))
         covered |= set(params)
     extra = [f for f in reversed(list(plan.params)) if f in rep and f not in covered]
     if extra:
@@ -266,7 +261,7 @@ def _grad_buckets(low, G, plan) -> None:
         )
     open_: dict = {}
     for f in extra:
-        dt = pnode[f]["dtype"][0]
+        dt = pnode[f].dtypes[0]
         b = open_.get(dt)
         if b is None or b.nbytes + size[f] > BUCKET_BYTES:
             b = open_[dt] = GradBucket([tuple(data)], [], 0, dt)

@@ -25,14 +25,13 @@ from collections import defaultdict
 import torch.nn as nn
 
 from .lowering import _PASS_THROUGH, EngineLoweringError, Style
-from .batch import _op
 
 
 def _kind(M, modules, G, members) -> str:
     if modules is not None and M in modules:
         mod = modules[M]
         return "linear" if isinstance(mod, nn.Linear) else "embedding" if isinstance(mod, nn.Embedding) else "other"
-    ops = {_op(G.rec(i)) for i in members}
+    ops = {G.rec(i).op for i in members}
     return "embedding" if "embedding" in ops else "linear" if ops & {"mm", "addmm", "bmm"} else "other"
 
 
@@ -88,33 +87,31 @@ class _TensorParallel:
                 m, pn = fqn.rsplit(".", 1) if "." in fqn else ("", fqn)
                 self.mods[m][pn] = pl[self.t]
         self.members = defaultdict(set)
-        for n in plan.nodes:
-            if n["kind"] == "op" and n["phase"] == "fw":
+        for n in G.nodes:
+            if n.kind == "op" and n.phase == "fw":
                 for M in self.mods:
-                    if M == "" or n["module"] == M or n["module"].startswith(M + "."):
-                        self.members[M].add(n["idx"])
+                    if M == "" or n.module == M or n.module.startswith(M + "."):
+                        self.members[M].add(n.idx)
         self.explained, self.styles, self.gathers, self.sp_outputs = {}, {}, defaultdict(list), {}
 
     def out_of(self, p, o):
-        return self.G.rec(p)["placement"]["out"][o][self.t]
+        return self.G.rec(p).out[o][self.t]
 
     def in_of(self, i, j):
-        return self.G.rec(i)["placement"]["ins"][j][self.t]
+        return self.G.rec(i).ins[j][self.t]
 
     def ext_in(self, M):
         G, inside = self.G, self.members[M]
         return [
             (i, j, p, o)
             for i in sorted(inside)
-            for j, (p, o) in enumerate(G.rec(i)["inputs"])
-            if p not in inside and G.rec(p)["kind"] in ("op", "input")
+            for j, (p, o) in enumerate(G.rec(i).inputs)
+            if p not in inside and G.rec(p).kind in ("op", "input")
         ]
 
     def ext_out(self, M):
         G, inside = self.G, self.members[M]
-        return sorted(
-            {(i, o) for i in inside for u, j, o in G.users[i] if G.rec(u)["phase"] == "fw" and u not in inside}
-        )
+        return sorted({(i, o) for i in inside for u, j, o in G.users[i] if G.rec(u).phase == "fw" and u not in inside})
 
     def downstream(self, i, o, inside):
         """Consumers outside `inside` where the tensor's placement changes or it is used as is by a real op:
@@ -124,12 +121,12 @@ class _TensorParallel:
             a, ao = stack.pop()
             for u, j, uo in self.G.users[a]:
                 ur = self.G.rec(u)
-                if uo != ao or ur["phase"] != "fw" or u in inside or (u, j) in seen:
+                if uo != ao or ur.phase != "fw" or u in inside or (u, j) in seen:
                     continue
                 seen.add((u, j))
                 have, want = self.out_of(a, ao), self.in_of(u, j)
-                if want == have and _op(ur) in _PASS_THROUGH and len(ur["inputs"]) == 1:
-                    stack += [(u, k) for k, pl in enumerate(ur["placement"]["out"]) if pl is not None]
+                if want == have and ur.op in _PASS_THROUGH and len(ur.inputs) == 1:
+                    stack += [(u, k) for k, pl in enumerate(ur.out) if pl is not None]
                 else:
                     ends.append((u, j, have, want))
         return ends
@@ -143,7 +140,7 @@ class _TensorParallel:
         moved = [e for e in ends if e[2] != e[3]]  # consumers that need another placement
         wants = {w for _, _, _, w in moved}
         if not moved:
-            if any(_op(self.G.rec(u)) == "_log_softmax" for u, _, _, _ in ends):
+            if any(self.G.rec(u).op == "_log_softmax" for u, _, _, _ in ends):
                 self.low.loss_parallel = True
                 return "loss", ends
             return None, ends
@@ -154,7 +151,7 @@ class _TensorParallel:
         self.reason(
             M,
             f"its output ({shard_have} on {self.tn}) is wanted as {sorted(wants)} by "
-            f"{[self.G.rec(u)['name'] for u, _, _, _ in moved][:4]}: one ParallelStyle output layout cannot serve them",
+            f"{[self.G.rec(u).name for u, _, _, _ in moved][:4]}: one ParallelStyle output layout cannot serve them",
         )
         return "bad", moved
 
@@ -173,7 +170,7 @@ class _TensorParallel:
         self.low.tp_roles = self.explained
 
     def module(self, M, kind, pls) -> None:
-        xs = [(i, j, p, o) for i, j, p, o in self.ext_in(M) if self.G.rec(p)["kind"] != "param"]
+        xs = [(i, j, p, o) for i, j, p, o in self.ext_in(M) if self.G.rec(p).kind != "param"]
         what = type(self.modules[M]).__name__ if self.modules and M in self.modules else kind
         cls, why = param_style(kind, pls, self.tn, what)
         if cls is None and why:
@@ -225,7 +222,7 @@ class _TensorParallel:
     def rowwise(self, M, i, j, p, o):
         """A rowwise Linear's keywords (Shard(-1) input, partial output), or None with a reason."""
         tn, (have, want), kw = self.tn, (self.out_of(p, o), self.in_of(i, j)), {}
-        last = f"S{len(self.G.rec(p)['shape'][o]) - 1}"
+        last = f"S{len(self.G.rec(p).shapes[o]) - 1}"
         if have == "R" and want == last:
             kw["input_layouts"] = "Replicate()"
             self.explained[(i, j)] = "chunk"
@@ -298,7 +295,7 @@ class _TensorParallel:
         G, styles = self.G, self.styles
         for (p, o), linears in self.gathers.items():
             parent = _common_parent(linears) if len(linears) > 1 else ""
-            producer = G.rec(p)["module"]
+            producer = G.rec(p).module
             if (
                 not parent
                 or parent in styles
@@ -314,7 +311,7 @@ class _TensorParallel:
                 f"{len(linears)} colwise Linears gather the same sequence-sharded input: once here",
             )
             self.low.notes.append(
-                f"the plan gathers {G.rec(p)['name']} once per consumer ({len(linears)} all_gathers on "
+                f"the plan gathers {G.rec(p).name} once per consumer ({len(linears)} all_gathers on "
                 f"{self.tn}); PrepareModuleInput on '{parent}' gathers it once"
             )
 
@@ -332,29 +329,28 @@ class _TensorParallel:
     def unexplained_redistributes(self) -> None:
         """Every forward redistribute on t that no style performs is a reason."""
         t, tn = self.t, self.tn
-        for n in self.plan.nodes:
-            if n["phase"] != "fw":
+        for r in self.plan.redistribute_records():
+            n = self.G.rec(r.consumer)
+            if (
+                n.phase != "fw"
+                or not isinstance(r.input, int)
+                or r.src[t] == r.dst[t]
+                or (n.idx, r.input) in self.explained
+            ):
                 continue
-            for r in n.get("redistribute", []):
-                if (
-                    not isinstance(r["input"], int)
-                    or r["src"][t] == r["dst"][t]
-                    or (n["idx"], r["input"]) in self.explained
-                ):
-                    continue
-                move = f"[{','.join(r['src'])}] -> [{','.join(r['dst'])}]"
-                if r["class"] == "param":
-                    why = (
-                        f"gathered on {tn} ({move}) before {n['name']}: a parameter sharded on the tensor-"
-                        f"parallel dim must be used sharded"
-                    )
-                    self.low.reasons.append((f"parameter {r.get('param')}", why))
-                else:
-                    why = (
-                        f"in module '{n['module'] or '<root>'}' redistributes input {r['input']} {move} on {tn}, "
-                        f"which no ParallelStyle does"
-                    )
-                    self.low.reasons.append((f"op {n['name']}", why))
+            move = f"[{','.join(r.src)}] -> [{','.join(r.dst)}]"
+            if r.value_class == "param":
+                why = (
+                    f"gathered on {tn} ({move}) before {n.name}: a parameter sharded on the tensor-"
+                    f"parallel dim must be used sharded"
+                )
+                self.low.reasons.append((f"parameter {r.param}", why))
+            else:
+                why = (
+                    f"in module '{n.module or '<root>'}' redistributes input {r.input} {move} on {tn}, "
+                    f"which no ParallelStyle does"
+                )
+                self.low.reasons.append((f"op {n.name}", why))
 
 
 def _gather_first(n_in) -> dict:

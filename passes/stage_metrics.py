@@ -1,0 +1,93 @@
+"""Per-cluster metrics of one intra-op plan for the pipeline stage search: forward / backward-input /
+backward-weight seconds, data-parallel communication, model state and the activation bytes each micro-batch
+keeps for backward (each saved buffer once, however many views of it backward reads)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from autopar.cost import is_view
+from autopar.strategies import num_shards
+
+
+def _feeds_earlier(g, where) -> list:
+    """Per node: a backward node whose results reach an earlier cluster's backward (input-gradient work, B);
+    the others are weight-gradient work (W)."""
+    feeds = [False] * len(g.nodes)
+    for n in reversed(g.nodes):
+        if n.kind != "op" or n.phase != "bw":
+            continue
+        c = where[n.idx]
+        feeds[n.idx] = any(
+            g.nodes[u].phase == "bw" and where[u] is not None and (where[u] < c or (where[u] == c and feeds[u]))
+            for u in n.users
+        )
+    return feeds
+
+
+def node_metrics(state, plan, where, K: int) -> dict:
+    """Per cluster F/B/W seconds (compute + activation redistributes), dp comm seconds, model-state bytes,
+    saved-activation bytes, and the collectives (kind -> [count, bytes]) of its activation and dp redistributes."""
+    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
+    F, B, W, dp, st, act, st_dp = (np.zeros(K) for _ in range(7))
+    bpp = state.precision.bytes_per_param
+    dp_dims = [d for d, nm in enumerate(state.mesh.names) if nm.startswith("dp") and mesh_shape[d] > 1]
+    feeds = _feeds_earlier(g, where)
+    coll = [{"act": {}, "dp": {}} for _ in range(K)]
+    saved, saved_in = {}, {}  # alias root -> per-rank bytes kept for backward, and the cluster that holds them
+    for rec in plan.nodes:
+        i = rec["idx"]
+        c = where[i]
+        if c is None:
+            continue
+        n = g.nodes[i]
+        t_act = sum(r["time_s"] for r in rec.get("redistribute", []) if r["class"] == "act")
+        dp[c] += sum(r["time_s"] for r in rec.get("redistribute", []) if r["class"] != "act")
+        for r in rec.get("redistribute", []):
+            d = coll[c]["act" if r["class"] == "act" else "dp"]
+            for kind, _, nbytes, _ in r["collectives"]:
+                cnt = d.setdefault(kind, [0, 0])
+                cnt[0] += 1
+                cnt[1] += nbytes
+        t = (rec.get("time_s") or 0.0) + t_act
+        if n.kind == "param":
+            st[c] += n.out.numel * bpp / num_shards(P[i].out[0], mesh_shape)
+            if any(P[i].out[0][d][0] == "S" for d in dp_dims):  # FSDP-sharded: scales with the dp size
+                st_dp[c] += n.out.numel * bpp / num_shards(P[i].out[0], mesh_shape)
+        elif n.phase == "fw":
+            F[c] += t
+            if any(g.nodes[u].phase == "bw" for u in n.users):
+                for key, nbytes in _saved_buffers(g, P, i, mesh_shape):
+                    saved[key] = nbytes
+                    saved_in.setdefault(key, c)  # the first (earliest) cluster that keeps it
+        elif feeds[i]:
+            B[c] += t
+        else:
+            W[c] += t
+    for root, nbytes in saved.items():
+        act[saved_in[root]] += nbytes
+    return {"F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act, "coll": coll, "state_dp": st_dp}
+
+
+def _saved_buffers(g, P, i: int, mesh_shape) -> list:
+    """[((node, out), per-rank bytes)] of the buffers that saving node i's outputs for backward keeps alive. A view
+    (view, t, transpose, split, ...) keeps its base's storage, not a copy: its views share one key, so a buffer saved
+    through several views (a norm output feeding wq, wk and wv) counts once and a split's pieces count their base;
+    a view of a parameter is model state (counted there), not an activation."""
+    n = g.nodes[i]
+    if not (n.kind == "op" and is_view(n.target) and n.inputs()):
+        return [
+            ((i, k), m.nbytes / num_shards(p, mesh_shape))
+            for k, (m, p) in enumerate(zip(n.outs, P[i].out))
+            if m is not None and p is not None
+        ]
+    r = n.inputs()[0]
+    while g.nodes[r.node].kind == "op" and is_view(g.nodes[r.node].target) and g.nodes[r.node].inputs():
+        r = g.nodes[r.node].inputs()[0]
+    base = g.nodes[r.node]
+    if base.kind != "op":
+        return []
+    m, p = base.outs[r.out], P[r.node].out[r.out] if P[r.node] is not None else None
+    if m is None or p is None:
+        return []
+    return [((r.node, r.out), m.nbytes / num_shards(p, mesh_shape))]
