@@ -32,7 +32,11 @@ Assumptions (each also in the results file):
     cp inside the pipeline stages, parameters FSDP-sharded over dp x cp (torchtitan's dp_shard_cp), attention on
     sequence-sharded queries priced by autopar's cp kernel model; bf16, no Float8. Table 5: one stage of the 32
     blocks, GPipe, one micro-batch of one sequence per rank, full AC. Table 6: 8 stages of [15, 16 x 6, 15]
-    blocks, 1F1B, 8 micro-batches of one sequence, recompute=True (the AC policy is not published).
+    blocks, 1F1B, 8 micro-batches of one sequence, recompute=True (the AC policy is not published; helper cp3d's
+    recipe used full AC and [16 x 6, 15 x 2]: this harness keeps its round-one choices for Table 6's cp 1 row).
+    Llama 3's 128K row: the same interleaved v = 4 layout as its 8K rows, cp 16 inside the stages, attention on
+    all-gathered K/V as the paper describes (DeviceSpec cp_attention="allgather"); TorchTitan's cp rows: ring
+    attention as torch's context_parallel runs it (cp_attention="ring").
   * Llama 3's H100s are the 80 GB 700 W SXM part (preset h100); interleaved 1F1B (section 3.3.2) with 4 stages
     per rank (not published: the deepest interleaving that keeps one fewer block on the first and the last
     stage, as the paper does, with a block in every virtual stage: [1, 2 x 62, 1]), one sequence per
@@ -80,7 +84,7 @@ from scipy.optimize import minimize
 from autopar.cost import get_cluster
 
 from published_plan import NOT_RUN, _mesh_and_pipeline, plan_row, run_jobs  # noqa: F401 (tests use these)
-from published_rows import NOTES, ROWS, Row
+from published_rows import CP_ATTENTION, NOTES, ROWS, Row
 
 # ---- clusters and their free figures
 # Each free figure is a scale factor on preset fields (1.0: the preset); the fit works in these factors.
@@ -128,6 +132,9 @@ def row_cluster(row: Row, preset: str | None = None, factors: dict | None = None
         cl = cl.with_device(attention="unfused")
     if row.compile:
         cl = cl.with_device(fusion="inductor")
+    cp_attention = CP_ATTENTION[row.source.split(" Table")[0]] if row.layout[3] > 1 else cl.device.cp_attention
+    if cl.device.cp_attention != cp_attention:
+        cl = cl.with_device(cp_attention=cp_attention)
     return scaled(cl, factors or {})
 
 

@@ -174,6 +174,11 @@ LLAMA3 = [
 LLAMA3_V = 4
 
 
+# Sequence-sharded attention as each source ran it (DeviceSpec.cp_attention): Llama 3 all-gathers K/V (section
+# 3.3.2); TorchTitan runs torch's context_parallel ring.
+CP_ATTENTION = {"Llama 3": "allgather", "TorchTitan": "ring"}
+
+
 def _llama3(i, r) -> Row:
     g, tp, cp, pp, dp, seq, per_dp, tf = r
     assert tp * cp * pp * dp == g, r

@@ -309,24 +309,29 @@ FITTED: dict[str, ClusterSpec] = {
         "a100-selene",
         CLUSTERS["a100"],
         "selene",
-        dict(bus_eff=_HDR_NCCL.bus_eff * 0.999),
+        dict(bus_eff=_HDR_NCCL.bus_eff * 1.0526),
         attention="unfused",
-        gemm_eff_max=_A100.gemm_eff_max * 0.8922,
-        mem_eff=_A100.mem_eff * 0.7278,
+        gemm_eff_max=_A100.gemm_eff_max * 0.8817,
+        mem_eff=_A100.mem_eff * 0.6246,
+    ),
+    # Llama 3's H100 SXM 80 GB 700 W (arXiv 2407.21783 Table 4), fitted on the 8,192-GPU row
+    "h100-llama3": _fitted(
+        "h100-llama3",
+        CLUSTERS["h100"],
+        "llama3",
+        gemm_eff_max=0.86,  # at its cap
+        mem_eff=0.95,  # at its cap
     ),
     # TorchTitan's 95 GiB power-limited H100 (arXiv 2410.06511), fitted on Tables 1-2's selective-AC rows
     "h100-95g-titan": _fitted(
         "h100-95g-titan",
         CLUSTERS["h100-95g"],
         "titan",
-        dict(bus_eff=_NDR_NCCL.bus_eff * 1.0),
-        gemm_eff_max=_H100_95G.gemm_eff_max * 0.753,
-        attn_fwd_eff=_H100_95G.attn_fwd_eff * 0.9435,
-        attn_bwd_eff=_H100_95G.attn_bwd_eff * 0.9435,
+        dict(bus_eff=_NDR_NCCL.bus_eff * 0.9877),
+        gemm_eff_max=_H100_95G.gemm_eff_max * 0.752,
+        attn_fwd_eff=_H100_95G.attn_fwd_eff * 0.9432,
+        attn_bwd_eff=_H100_95G.attn_bwd_eff * 0.9432,
     ),
-    # Llama 3's H100 SXM 80 GB 700 W (arXiv 2407.21783 Table 4), fitted on the 8,192-GPU row: both figures end at
-    # their caps (factors 1.1026 and 1.1875 of 0.78 and 0.8) and the rows stay pessimistic
-    "h100-llama3": _fitted("h100-llama3", CLUSTERS["h100"], "llama3", gemm_eff_max=0.86, mem_eff=0.95),
 }
 CLUSTERS.update(FITTED)
 # ---- end of the fitted presets
