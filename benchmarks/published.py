@@ -397,12 +397,13 @@ def plan_quality(recs, rows: list[Row], fitted: dict, cached_only: bool = False)
         "| plan s |",
         "|---|---|---|---|---|---|---|",
     ]
-    by_name, walls = {r["name"]: r for r in recs}, []
+    by_name, walls, failed = {r["name"]: r for r in recs}, [], 0
     for row in rows:
         rec = by_name[row.name]
         pub = rec["at_fit"] or rec["at_preset"]
         auto = plan_row(row, fit_cluster(row, fitted) or row_cluster(row), auto=True, cached_only=cached_only)
-        walls.append(auto.get("plan_wall_s") if auto.get("error") != NOT_RUN else None)
+        walls.append(auto.get("plan_wall_s") if "error" not in auto or auto["error"].startswith("Timeout") else None)
+        failed += "error" in auto and not auto["error"].startswith(("Timeout", NOT_RUN))
         if "error" in auto or "error" in pub:
             wall = f"{auto['plan_wall_s']:.1f}" if "plan_wall_s" in auto else "-"
             lines.append(f"| {row.name} | - | - | - | {pub.get('error', '')} | {auto.get('error', '')} | {wall} |")
@@ -415,7 +416,8 @@ def plan_quality(recs, rows: list[Row], fitted: dict, cached_only: bool = False)
     if walls:
         over = sum(w > 30 for w in walls)
         lines[1:1] = [f"pipeline='auto' planning time: {len(walls)} configurations, median {statistics.median(walls):.1f} s, "
-                      f"longest {max(walls):.1f} s, {over} over the issue's 30 s (killed ones count at their limit).", ""]  # fmt: skip
+                      f"longest {max(walls):.1f} s, {over} over the issue's 30 s (killed ones count at their limit); "
+                      f"{failed} more found no plan (the error in the table).", ""]  # fmt: skip
     return lines + [""]
 
 

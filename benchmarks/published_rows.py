@@ -211,21 +211,30 @@ ROWS = (
 
 # What the 2026-12-02 run on this branch showed beyond the ratios (hand-written: re-check after cost-model changes).
 NOTES = [
-    "A8 (dp 15): no plan under 72 GB (smallest peak 331.7 GB) where the same layout at dp 16 plans at 4.2 GiB: "
-    "a planner limitation (cause not investigated; 15 divides none of the weight dims).",
-    "B3 (70B, FSDP 32 x TP 8, local batch 16 without gradient accumulation as TorchTitan ran it): no plan under "
-    "the budget (smallest peak 1171.7 GB); with 4 micro-batches it plans at 37.3 GiB (TorchTitan measured 70.3).",
-    "B5.11 (FSDP 8, seq 32K, full AC) on the pipeline path (1x8x1 pp,dp,tp, recompute='all'): smallest peak "
-    "164.5 GB, no plan; the plain dp mesh plans at 80.6 GiB. Table 5 therefore plans on plain meshes.",
-    "B1.1 vs B2.4: the model puts FSDP over 128 GPUs (16 nodes) at no exposed communication and faster per GPU "
-    "than 8 GPUs (fewer recomputed blocks), where TorchTitan measured 10% slower: the fitted h100-95g-titan "
-    "lowers gemm_eff_max to 0.59 to split that difference.",
-    "C1 at h100-llama3 (higher efficiencies than h100) predicts a slower step than at h100 (15.33 s vs 14.62 s): "
-    "its plan recomputes 124 of 126 blocks at a 17.2 GiB peak where the preset's recomputes 67 at 62.0 GiB, so "
-    "the re-pricing's fixed-placement assumption does not hold there and the stage search's recompute choice "
-    "looks wrong (recompute=True should checkpoint only as memory needs).",
-    "Context parallelism (Table 5): cp 2 1.12x, cp 4 1.70x, cp 8 1.94x optimistic at the fitted figures: the "
-    "sharded attention at 128K-256K is priced far cheaper than TorchTitan's 2024 ring attention ran.",
+    "Tensor parallelism is now forced on every tp > 1 row (helper kernels found the planner left the tp dim of a "
+    "(32, 8) stage mesh unused). With it A8 (dp 15) plans, where round one found no plan under 72 GB.",
+    "Megatron: the pp = 1 TP rows are optimistic (A3 t4 1.23x, A4 t8 1.39x) and the pipelined ones pessimistic "
+    "(A5 0.85x, A7 0.89x) at one fitted gemm_eff_max: the step is almost all compute in both (exposed "
+    "communication 0.04-0.4 s), so what separates them is how the TP-sharded GEMMs and the recomputation are "
+    "priced, not a free figure the fit has.",
+    "TorchTitan Tables 1-2 (the fitted h100-95g rows) plan only with the planner fix of this branch "
+    "(passes/stage_search.py _hand_fitting): before it, recompute=True on the FSDP 8 layout found no plan (the "
+    "per-stage choice left out FSDP's unsharded units: 94.2 GB over a 91.8 GB budget).",
+    "Context parallelism with ring attention priced (main's cp3d round 2): the cp 2 rows within 8% (B5.12 1.08x, "
+    "B6.16 1.07x), cp 4 and cp 8 still 1.2-1.8x optimistic (B5.13, B5.14, B6.17, B6.18): the step is all compute "
+    "in the prediction (exposed communication under 0.1 s), so the ring's per-step kernels at 128K-256K are priced "
+    "far faster than TorchTitan's 2024 runs went. Llama 3's 128K row (all-gathered K/V) is 0.58x, pessimistic.",
+    "pipeline='auto' plans no context parallelism: on the 256K 8-GPU row and the cp rows of 405B it finds no plan "
+    "under the budget (the failures in the plan-quality table); on C1 / C2 it lands 1.3% / 7.6% slower than the "
+    "published layout it does not find. On Megatron's rows it predicts 0.49-0.83x of the published step by "
+    "dropping the full recomputation, which the model's memory (0.45-0.6x of measured peaks) allows.",
+    "Llama 3's 8K rows stay pessimistic (0.87x, 0.85x) with both fitted figures at their caps: with recompute=True and 4 stages "
+    "per rank, the hand layout recomputes 115-116 of 126 blocks at a 33 GiB rank peak of a 72 GB budget (the "
+    "per-stage cap budget / v is conservative for interleaved hand layouts); the bubble is 1.0 s of a 7.6-13.9 s "
+    "step.",
+    "Memory against TorchTitan's peaks: Table 1 and Table 6 within 13% (1.02-1.09x, 0.99-1.13x), Table 2 over "
+    "(1.25-1.34x: FSDP 128), Tables 3-5 under (0.46-0.62x: the 70B / 405B float8 rows and the 8B long-sequence "
+    "rows; the allocator's reserve and the largest transients there are not all in the prediction).",
 ]
 
 
