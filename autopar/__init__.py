@@ -24,6 +24,7 @@ _EXPORTS = {
     "InfeasibleMemoryError": ".solver",
     "SolverTimeLimitError": ".solver",
     "NoStrategyError": ".strategies",
+    "TorchTarget": ".targets",
     "parallelize": ".parallel",
     "graph_planner": ".parallel",
 }
@@ -74,6 +75,7 @@ __all__ = [
     "InfeasibleMemoryError",
     "NoStrategyError",
     "SolverTimeLimitError",
+    "TorchTarget",
     "parallelize",
 ]
 

@@ -9,7 +9,7 @@ import pytest
 import autopar
 import autopar.passes.solve as solve_pass
 from autopar import models as M
-from autopar.targets import TorchTarget
+from autopar import TorchTarget
 from _clusters import GLOO_PER_STEP, SHAPES
 
 SEQ = 64
