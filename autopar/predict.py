@@ -227,8 +227,9 @@ def engine_units(graph, records, buckets, cluster, mesh_shape, times, recompute)
     per unit its forward / backward seconds (op compute + its activation collectives, which block the compute
     stream; checkpointed blocks' recompute in the backward), its parameter gathers into forward and into backward
     consumers, and its gradient reductions (buckets by their first parameter)."""
-    per: dict[str, dict] = {"": {"fw": 0.0, "bw": 0.0, "ag": 0.0, "ag_bw": 0.0, "rs": 0.0}}
-    unit = lambda key: per.setdefault(key, {"fw": 0.0, "bw": 0.0, "ag": 0.0, "ag_bw": 0.0, "rs": 0.0})
+    per: dict[str, dict] = {}
+    unit = lambda key: per.setdefault(key, dict.fromkeys(("fw", "bw", "ag", "ag_bw", "rs"), 0.0))
+    unit("")  # the root unit first
     for i, rec in enumerate(records):
         node = graph.nodes[i]
         phase = "fw" if node.phase == "fw" else "bw"

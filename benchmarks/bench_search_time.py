@@ -28,25 +28,14 @@ import torch
 
 import autopar
 from autopar import models
+from published_rows import MEGATRON
 
 # (name, model, overrides, GPUs, global batch, seq, cluster); Megatron's global batch as published, TorchTitan's
 # local batch x dp (table 5: local batch 1 per FSDP rank; table 6: batch 8), Llama 3's tokens per batch / seq.
 _GPT = dict(vocab_size=51200, max_seq_len=2048, tie_embeddings=False)
-MEGATRON = [  # params (B), heads, hidden, layers, GPUs, global batch
-    (1.7, 24, 2304, 24, 32, 512),
-    (3.6, 32, 3072, 30, 64, 512),
-    (7.5, 32, 4096, 36, 128, 512),
-    (18.4, 48, 6144, 40, 256, 1024),
-    (39.1, 64, 8192, 48, 512, 1536),
-    (76.1, 80, 10240, 60, 1024, 1792),
-    (145.6, 96, 12288, 80, 1536, 2304),
-    (310.1, 128, 16384, 96, 1920, 2160),
-    (529.6, 128, 20480, 105, 2520, 2520),
-    (1008, 160, 25600, 128, 3072, 3072),
-]
 CONFIGS = [
     (f"A gpt-{b}B {g}xA100", "gpt2-small", dict(_GPT, n_heads=h, dim=d, n_layers=n), g, gb, 2048, "a100")
-    for b, h, d, n, g, gb in MEGATRON
+    for b, h, d, n, _t, _p, g, _d, gb, _tflops in MEGATRON  # Megatron-LM SC21 Table 1 (benchmarks/published_rows.py)
 ] + [
     ("B llama3-8b 8xH100", "llama3-8b", {}, 8, 16, 8192, "h100"),
     ("B llama3-8b 128xH100", "llama3-8b", {}, 128, 256, 8192, "h100"),
