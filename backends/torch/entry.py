@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
+from autopar.targets import TorchTarget
+
 from .apply import apply
 from .collectives import engine_collectives, engine_step_time
 from .graph_backend import _device, _rng_devices, parallelize_graph, prepare_engine_model
@@ -106,6 +108,15 @@ def _split_inputs(example_inputs, plan_kwargs):
     return ex, kw
 
 
+def _engine_target(target):
+    """The planner's target for the engines: "torch" (the free plan's data dims decide, one or two solves) or an
+    autopar.TorchTarget declaring them (one solve with the engines' pins decided up front, autopar/targets.py).
+    Anything else would plan for what the engines do not run, so it is refused here, before planning."""
+    if target == "torch" or isinstance(target, TorchTarget):
+        return target
+    raise ValueError(f"the torch backend plans for target='torch' or an autopar.TorchTarget, got {target!r}")
+
+
 def _parallelize(model, mesh, example_inputs, backend, planned, options, plan_kwargs):
     ex, kw = _split_inputs(example_inputs, plan_kwargs)
     plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")  # also the parts'
@@ -113,7 +124,8 @@ def _parallelize(model, mesh, example_inputs, backend, planned, options, plan_kw
         if options["planner"] is None:
             raise ValueError("the torch backend runs a finished plan: pass planned=, or call autopar.parallelize")
         extra = {"example_kwargs": kw} if kw else {}
-        planned = options["planner"](model, mesh, ex, target="torch", return_state=True, **extra, **plan_kwargs)
+        target = _engine_target(plan_kwargs.pop("target", "torch"))
+        planned = options["planner"](model, mesh, ex, target=target, return_state=True, **extra, **plan_kwargs)
     plan, state = planned if isinstance(planned, tuple) else (planned, None)
     low = recognize(plan, model, units=options["units"], styles=options["styles"])
     if plan.meta.get("engine_replan"):
