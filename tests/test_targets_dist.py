@@ -14,6 +14,7 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 MODEL, BATCH, SEQ, LR = "llama-tiny", 8, 64, 0.1
 FP32_TOL = 1e-5  # fp32 on both sides; only the order of the reductions differs
+GRAD_ATOL = 1e-7  # absolute floor: a mathematically zero gradient is float noise on both sides
 
 
 def _rank():
@@ -49,12 +50,14 @@ def _rank():
     torch.distributed.all_reduce(lv)
     loss_ref = ref(x, y)
     loss_ref.backward()
-    ref_params, worst = dict(ref.named_parameters()), 0.0
+    ref_params, off = dict(ref.named_parameters()), []
     for n, p in model.named_parameters():
         g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
         gr = ref_params[n].grad
-        worst = max(worst, ((g - gr).abs().max() / gr.abs().max().clamp_min(1e-12)).item())
-    out.update(grad_rel=worst, loss_rel=abs(lv.item() / 2 - loss_ref.item()) / abs(loss_ref.item()))
+        diff, top = (g - gr).abs().max().item(), gr.abs().max().item()
+        if diff > FP32_TOL * top + GRAD_ATOL:
+            off.append(f"{n}: max abs diff {diff:.3e} (largest entry {top:.3e})")
+    out.update(grads_off=off, loss_rel=abs(lv.item() / 2 - loss_ref.item()) / abs(loss_ref.item()))
     return out
 
 
@@ -64,7 +67,7 @@ def test_parallelize_with_declared_data_dims_solves_once_and_trains_like_one_dev
         assert (r["free"]["solves"], r["declared"]["solves"]) == (2, 1), r
         assert r["declared"]["hash"] == r["free"]["hash"], r
         assert r["declared"]["note"].startswith("planned for the engines in one solve"), r["declared"]["note"]
-        assert r["grad_rel"] < FP32_TOL and r["loss_rel"] < FP32_TOL, r
+        assert not r["grads_off"] and r["loss_rel"] < FP32_TOL, r
 
 
 def test_the_torch_backend_refuses_another_target_before_planning(monkeypatch):
