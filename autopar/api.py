@@ -90,7 +90,9 @@ def plan(
     allow_checkpointing: let the planner checkpoint repeated blocks when memory-bound (passes/checkpointing.py).
     pin: callable(graph node) -> {mesh dim: placement} (every tensor output) or {(mesh dim, output index): placement}
         or None (or an object whose for_graph(captured graph) returns that callable), fixing nodes' outputs to
-        evaluate a given hand plan in the cost model (e.g. benchmarks/torchtitan_plan.py's torchtitan plan).
+        evaluate a given hand plan in the cost model (e.g. benchmarks/torchtitan_plan.py's torchtitan plan). With
+        pipeline stages it is called on each stage's nodes (its representative blocks renumbered from 0, as in
+        `force`) with mesh dims of the stage submesh.
     overlap: False (default): every collective is paid in full, step = compute + all comm (autopar's graph
         executor runs them in program order), and the MILP is exact. True: parameter gathers and gradient
         reductions overlap compute (FSDP2's prefetch, DDP's bucketed all-reduce under the backward): step =
@@ -119,7 +121,7 @@ def plan(
         raise ValueError(f"output={output!r} plans a part of a model: no pipeline, no loss_fn")
     if pipeline or "pp" in setup.mesh.names:
         req = (pipeline, loss_fn, float8)  # float8: _float8's request
-        return _plan_pipeline(model, example_inputs, example_kwargs, return_state, req, setup, limits)
+        return _plan_pipeline(model, example_inputs, example_kwargs, return_state, req, setup, {**limits, "pin": pin})
     options = _options(model, setup.mesh, limits, mip_rel_gap, allow_checkpointing, pin, overlap)
     p, state = _plan_variants(model, io, setup, options, (loss_fn, output, backward), (allow_bf16, float8), dump_after)
     p.meta["loss_fn"] = loss_fn is not None  # the loss is computed outside the module (backends/torch/loss.py)

@@ -17,6 +17,7 @@ import torch
 
 import autopar
 from autopar import models
+import autopar.testing
 from autopar.testing import fsdp_tp_force
 
 from published_rows import Row, metric_of
@@ -105,6 +106,17 @@ def _store(path: str, out: dict) -> None:
     os.replace(tmp, path)
 
 
+def megatron_tp_force(m, shape) -> dict:
+    """Megatron-LM's parameter layout on a (dp.., tp) stage submesh: column- and row-parallel Linears on tp, the
+    token embedding and the output layer vocab-sharded (Shard(0)) on tp, everything Replicate on the data dims."""
+    force = autopar.testing.tp_force(m, shape)
+    vocab = ("wte.weight", "lm_head.weight")
+    for k, p in m.named_parameters():
+        if k in vocab and p.shape[0] % shape[-1] == 0:
+            force[k] = ("R",) * (len(shape) - 1) + ("S0",)
+    return force
+
+
 def tp_force(row: Row, m, mesh) -> dict | None:
     """The published tensor parallelism on the stage submesh (without it the planner may leave a tp dim unused):
     Megatron column-wise input and row-wise output projections on tp, parameters FSDP-sharded (Shard(0)) over the
@@ -113,6 +125,9 @@ def tp_force(row: Row, m, mesh) -> dict | None:
     shape, names = tuple(mesh.shape[1:]), tuple(mesh.names[1:])
     if row.layout[2] == 1:
         return None
+    if row.metric == "megatron_tflops":  # Megatron-LM 2021: DDP over dp (replicated parameters, no ZeRO), and
+        force = megatron_tp_force(m, shape)  # its vocab-parallel embedding and output layer on tp
+        return force
     data = math.prod(s for s, n in zip(shape, names) if n != "tp")
     two = fsdp_tp_force(m, (data, shape[-1]))
     force = {k: (pl[0],) * (len(shape) - 1) + (pl[1],) for k, pl in two.items()}
@@ -123,11 +138,50 @@ def tp_force(row: Row, m, mesh) -> dict | None:
     return force
 
 
+_COLUMN = ("c_attn", "c_fc", "wq", "wk", "wv", "w1", "w3")  # column-parallel Linears: output features on tp
+_ROW = ("c_proj", "wo", "w2")  # row-parallel Linears: partial sums on tp, reduced into the residual stream
+_NORMS = ("ln_1", "ln_2", "ln_f", "attention_norm", "ffn_norm", "norm")
+_LINEAR = ("aten.mm.default", "aten.addmm.default")
+
+
+def tp_pin(row: Row, mesh):
+    """The published tensor parallelism's activations (a `pin` on the stage submesh; tp_force fixes only the
+    parameters, and with those alone the planner runs the blocks data-parallel over tp, gathering the weights):
+    column-parallel outputs feature-sharded (Shard(1) of the 2-D GEMM) on tp, row-parallel outputs Partial (the
+    all-reduce, or SP's reduce-scatter, into the stream), the residual stream and the norms Replicate on tp
+    (Megatron-LM 2021, no sequence parallelism) or sequence-sharded (Shard(1): TorchTitan's SequenceParallel), the
+    step's inputs Replicate on tp; attention and the backward are the planner's. None for a row without tp."""
+    if row.layout[2] == 1:
+        return None
+    tp = list(mesh.names[1:]).index("tp")
+    stream = "S1" if row.metric == "titan_tps" else "R"
+
+    def pin(n):
+        if n.kind == "input":
+            return {tp: "R"}
+        if n.kind != "op" or n.phase != "fw":
+            return None
+        leaf, op = n.module.rsplit(".", 1)[-1], str(n.target)
+        if op in _LINEAR and leaf in _COLUMN:
+            return {tp: "S1"}
+        if op == "aten.view.default" and leaf in _COLUMN:  # the column GEMMs' shared input, gathered once
+            return {tp: "R"}
+        if op in _LINEAR and leaf in _ROW:
+            return {tp: "P"}
+        if leaf in _NORMS or (re.fullmatch(r"(h|layers)\.\d+", n.module) and op == "aten.add.Tensor"):
+            return {tp: stream}
+        return None
+
+    return pin
+
+
 def _plan_forced(row: Row, m, x, cluster):
     """The row's published layout planned at autopar's default budget, or where no plan fits it but one fits the
     whole device, at the whole device's memory (the published run ran in it): (plan, the budget used or None)."""
     mesh, opts = _mesh_and_pipeline(row)
-    kw = dict(cluster=cluster, pipeline=opts, float8=row.float8 or None, force=tp_force(row, m, mesh))
+    kw = dict(
+        cluster=cluster, pipeline=opts, float8=row.float8 or None, force=tp_force(row, m, mesh), pin=tp_pin(row, mesh)
+    )
     try:
         return autopar.plan(m, mesh, x, **kw), None
     except autopar.InfeasibleMemoryError as e:

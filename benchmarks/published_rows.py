@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 
-_GPT = dict(vocab_size=51200, max_seq_len=2048, tie_embeddings=False)
+_GPT = dict(vocab_size=51200, max_seq_len=2048, tie_embeddings=False, qkv_per_head=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -226,6 +226,23 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
     return c
 
 
+def _with_user_pin(stage_pin, user_pin, graph):
+    """The stage's own pins (what the pipeline runtime and cp require) over the caller's plan(pin=) (an object with
+    for_graph is bound to this stage's captured graph first): the stage's placement wins on a mesh dim both name."""
+    if user_pin is None:
+        return stage_pin
+    if hasattr(user_pin, "for_graph"):
+        user_pin = user_pin.for_graph(graph)
+    if stage_pin is None:
+        return user_pin
+
+    def pin(n):
+        mine, theirs = stage_pin(n), user_pin(n)
+        return {**theirs, **mine} if mine and theirs else (mine or theirs)
+
+    return pin
+
+
 # ---- intra-op plans of one stage ------------------------------------------------------------------------------
 class StageOps:
     """The intra-op plans of the representative sub-model on one stage submesh at one micro-batch shape (see
@@ -250,7 +267,7 @@ class StageOps:
         pin = (lambda n: tp if n.kind == "param" and n.target not in styled else None) if tp else None
         where = _cluster_of_nodes(g, prefix, len(reps))
         pre = {n.idx for n in g.ops() if where[n.idx] == 0 and n.phase == "fw"}
-        pin = cp_pin(g, stage_mesh.names, stage_mesh.shape, pin, pre)
+        pin = _with_user_pin(cp_pin(g, stage_mesh.names, stage_mesh.shape, pin, pre), ctx.get("pin"), g)
         sub_force = {}
         for fqn, pl in ctx["force"].items():
             m = re.match(rf"^{re.escape(prefix)}\.(\d+)\.(.*)$", fqn)

@@ -61,6 +61,7 @@ class StagesRequest:
     time_limit: float = 60.0
     options: object = "auto"
     float8: dict | None = None  # the float8 option every stage's plan is priced with (passes/float8.py)
+    pin: object = None  # plan(pin=) on the stage submesh's dims, called on each stage's representative nodes
 
 
 def _blocks(model):
@@ -183,6 +184,7 @@ def _context(request: "StagesRequest", opts: dict) -> dict:
         "dp_shards_batch": bool(opts.get("dp_shards_batch", True)),
         "recompute": opts.get("recompute", True),
         "float8": request.float8,
+        "pin": request.pin,
     }
 
 

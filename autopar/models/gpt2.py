@@ -18,6 +18,10 @@ class GPT2Config:
     max_seq_len: int = 1024
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
+    # c_attn's output features as Megatron-LM lays them out, [heads, (q, k, v), head_dim], instead of GPT-2's
+    # [(q, k, v), heads, head_dim]: the same model up to a permutation of c_attn's rows, on which a
+    # column-parallel c_attn hands each tp rank whole heads (no regrouping before attention)
+    qkv_per_head: bool = False
 
     def __post_init__(self):
         if self.dim % self.n_heads:
@@ -25,16 +29,20 @@ class GPT2Config:
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, dim: int, n_heads: int):
+    def __init__(self, dim: int, n_heads: int, qkv_per_head: bool = False):
         super().__init__()
-        self.n_heads, self.head_dim = n_heads, dim // n_heads
+        self.n_heads, self.head_dim, self.qkv_per_head = n_heads, dim // n_heads, qkv_per_head
         self.c_attn = nn.Linear(dim, 3 * dim)
         self.c_proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seqlen, dim = x.shape
-        q, k, v = self.c_attn(x).split(dim, dim=-1)
-        q, k, v = (t.view(bs, seqlen, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if self.qkv_per_head:
+            qkv = self.c_attn(x).view(bs, seqlen, self.n_heads, 3 * self.head_dim)
+            q, k, v = (t.transpose(1, 2) for t in qkv.split(self.head_dim, dim=-1))
+        else:
+            q, k, v = self.c_attn(x).split(dim, dim=-1)
+            q, k, v = (t.view(bs, seqlen, self.n_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.c_proj(out.transpose(1, 2).reshape(bs, seqlen, dim))
 
@@ -53,7 +61,7 @@ class Block(nn.Module):
     def __init__(self, cfg: GPT2Config):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
-        self.attn = CausalSelfAttention(cfg.dim, cfg.n_heads)
+        self.attn = CausalSelfAttention(cfg.dim, cfg.n_heads, cfg.qkv_per_head)
         self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = GPT2MLP(cfg.dim)
 
