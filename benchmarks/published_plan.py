@@ -149,12 +149,13 @@ def tp_pin(row: Row, mesh):
     parameters, and with those alone the planner runs the blocks data-parallel over tp, gathering the weights):
     column-parallel outputs feature-sharded (Shard(1) of the 2-D GEMM) on tp, row-parallel outputs Partial (the
     all-reduce, or SP's reduce-scatter, into the stream), the residual stream and the norms Replicate on tp
-    (Megatron-LM 2021, no sequence parallelism) or sequence-sharded (Shard(1): TorchTitan's SequenceParallel), the
+    (Megatron-LM 2021, no sequence parallelism) or sequence-sharded (Shard(1): TorchTitan's SequenceParallel, and
+    Llama 3's TP, which cites Korthikanti et al. 2023's sequence parallelism), the
     step's inputs Replicate on tp; attention and the backward are the planner's. None for a row without tp."""
     if row.layout[2] == 1:
         return None
     tp = list(mesh.names[1:]).index("tp")
-    stream = "S1" if row.metric == "titan_tps" else "R"
+    stream = "R" if row.metric == "megatron_tflops" else "S1"
 
     def pin(n):
         if n.kind == "input":

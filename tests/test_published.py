@@ -116,3 +116,49 @@ def test_run_jobs_caches_plans_and_kills_overlong_ones(tmp_path, monkeypatch):
     PP.run_jobs([slow, fast], 2, timeout=0.01)  # fast is cached: only slow runs, and is killed at the first poll
     assert PP.plan_row(*slow, cached_only=True)["error"].startswith("TimeoutError")
     assert "tiny|" in " ".join(PP._walls())
+
+
+def _tiny_tp_row(metric="megatron_tflops"):
+    over = dict(R._GPT, n_heads=4, dim=256, n_layers=2, vocab_size=4096, max_seq_len=256)
+    return dataclasses.replace(
+        R.ROWS[0], name="tiny-tp", over=over, gpus=4, layout=(1, 2, 2, 1), batch=8, seq=256, microbatches=(1,),
+        layers_per_stage=(2,), metric=metric,
+    )  # fmt: skip
+
+
+def test_tp_rows_plan_megatrons_activations_not_fsdp_over_tp():
+    """A forced tp row runs Megatron's tensor parallelism: column GEMMs feature-sharded and row GEMMs Partial on tp,
+    reduced by activation all-reduces on tp, parameters replicated over dp (DDP); not the blocks data-parallel over
+    tp with gathered weights (what tp_force alone gave). The pin reaches the pipeline path's stage plans."""
+    import published_plan as PP
+
+    row = _tiny_tp_row()
+    m, x = PP._build(row)
+    plan, _ = PP._plan_forced(row, m, x, P.row_cluster(row))
+    fw = [n for n in plan.nodes if n["kind"] == "op" and n["phase"] == "fw" and n["target"].startswith("addmm")]
+    tp_of = {n["module"].rsplit(".", 1)[-1]: n["placement"]["out"][0][1] for n in fw if n["module"].startswith("h.0")}
+    assert tp_of == {"c_attn": "S1", "c_proj": "P", "c_fc": "S1"}
+    params = {n["target"]: n["placement"]["out"][0] for n in plan.nodes if n["kind"] == "param"}
+    assert params["h.0.attn.c_attn.weight"] == ["R", "S0"] and params["h.0.mlp.c_proj.weight"] == ["R", "S1"]
+    reduces = [k for k, d, _ in plan.collectives() if k == "all_reduce" and d == 1]
+    assert len(reduces) >= 2  # the (representative) block's two forward all-reduces into the stream
+
+
+def test_qkv_per_head_is_the_same_model_up_to_a_row_permutation():
+    import torch
+
+    from autopar.models.gpt2 import GPT2, GPT2Config
+
+    torch.manual_seed(0)
+    cfg = dict(dim=64, n_layers=1, n_heads=4, vocab_size=128, max_seq_len=32)
+    a, b = GPT2(GPT2Config(**cfg)), GPT2(GPT2Config(**cfg, qkv_per_head=True))
+    b.load_state_dict(a.state_dict())
+    heads, hd = 4, 16  # [(q, k, v), heads, hd] rows to [heads, (q, k, v), hd]
+    perm = torch.arange(3 * 64).view(3, heads, hd).transpose(0, 1).reshape(-1)
+    with torch.no_grad():
+        b.h[0].attn.c_attn.weight.copy_(a.h[0].attn.c_attn.weight[perm])
+        b.h[0].attn.c_attn.bias.copy_(a.h[0].attn.c_attn.bias[perm])
+    x = torch.randint(0, 128, (2, 32))
+    assert torch.allclose(a.logits(x), b.logits(x), atol=1e-5)
+    b.load_state_dict(a.state_dict())  # unpermuted: a different function
+    assert not torch.allclose(a.logits(x), b.logits(x), atol=1e-3)

@@ -219,16 +219,23 @@ _H100 = DeviceSpec(
     **_HOPPER_KERNELS,
 )
 _H200 = DeviceSpec("H200-SXM", dict(_H100.peak_flops), mem_bw=4.8e12, mem_bytes=141 * GB, **_HOPPER_KERNELS)
+# FlashAttention-2 on Hopper: what torch's SDPA ran there before it preferred cuDNN attention on sm90 (torch 2.11's
+# bundled cuDNN >= 9.15; cuDNN had been made opt-in by pytorch/pytorch#138522 after the 2.5 bugs), and what torch's
+# ring attention (context_parallel) calls per chunk: 35% of the bf16 peak ("FlashAttention-2 achieving only 35%
+# utilization on the H100", FlashAttention-3, Shah et al., arXiv 2407.08608; tritonbench on a torch 2.6 nightly,
+# pytorch/pytorch#142132: SDPA 329 TFLOP/s at (1, 24, 4608, 128) = 33% of 989).
+FA2_HOPPER = dict(attn_fwd_eff=0.35, attn_bwd_eff=0.35)
 # TorchTitan's H100s (arXiv 2410.06511: 95 GiB): "non-standard ... HBM2e and limited to a lower TDP. The actual peak
 # TFLOPs should be between SXM and NVL" (PyTorch's async-TP post, same team and cluster). Assumed: peaks midway
 # between the SXM part (989 TF bf16) and H100 NVL (835 TF); HBM2e as the H100 PCIe's (2.0 TB/s for 80 GB, five
-# stacks) with a sixth stack for 96 GB: 2.4 TB/s. Both are free figures for a fit (benchmarks/published.py).
+# stacks) with a sixth stack for 96 GB: 2.4 TB/s. Both are free figures for a fit (benchmarks/published.py). Its
+# attention is FlashAttention-2's: TorchTitan's 2024 runs predate torch's cuDNN default.
 _H100_95G = DeviceSpec(
     "H100-95GiB-HBM2e",
     {"bf16": 912e12, "fp16": 912e12, "fp8": 1824e12, "tf32": 456e12, "fp32": 63.4e12},
     mem_bw=2.4e12,
     mem_bytes=95 * GIB,
-    **_HOPPER_KERNELS,
+    **{**_HOPPER_KERNELS, **FA2_HOPPER},
 )
 _A100 = DeviceSpec(
     "A100-SXM-80GB",
