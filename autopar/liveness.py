@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from .cost import is_view
 from .strategies import num_shards
 
 
@@ -124,4 +125,73 @@ def liveness_peak_checkpointed(g, P, mesh_shape, recompute) -> float:
         peak = max(peak, live)
         for key in frees.pop(n.idx, []):
             live -= size[key]
+    return peak
+
+
+def storage_roots(g) -> dict:
+    """(node, output) -> (node, output) of the buffer that holds it: a view's outputs (view, t, split, ...) share
+    their input's storage, so a chain of views names its first non-view producer."""
+    root = {}
+    for n in g.nodes:
+        outs = range(len(n.outs))
+        if n.kind == "op" and is_view(n.target) and n.inputs():
+            r = n.inputs()[0]
+            base = root.get((r.node, r.out), (r.node, r.out))
+            root.update({(n.idx, o): base for o in outs})
+        else:
+            root.update({(n.idx, o): (n.idx, o) for o in outs})
+    return root
+
+
+def cluster_peaks(g, P, mesh_shape, where, K: int) -> list[float]:
+    """Per cluster (where[node] in 0..K-1; None: in no cluster) the most bytes per rank live at once while one of
+    its nodes runs, over the buffers a stage's memory model does not already hold as another cluster's saved
+    activations: the cluster's own (forward, saved or not, and backward), every backward buffer (the incoming
+    gradient) and forward buffers nobody saves that are still in use (a block's output the next block reads). This
+    is where the loss's logits copies (bf16 logits, their fp32 upcast, log_softmax's output and, in the backward,
+    its gradient beside the saved output) and a block's gradient temporaries show. Each buffer counts once however
+    many views read it; parameters, inputs and their views are model state; a parameter's gradient is freed as it
+    is produced (FSDP's terms hold it)."""
+    last, grad_refs = last_uses(g)
+    root = storage_roots(g)
+    end, size, shared, owner = {}, {}, set(), {}
+    saved = set()
+    for n in g.nodes:
+        if n.kind != "op":
+            continue
+        for o, m in enumerate(n.outs):
+            key = (n.idx, o)
+            s = root[key]
+            if g.nodes[s[0]].kind != "op":
+                continue
+            end[s] = max(end.get(s, -1), n.idx if key in grad_refs else last.get(key, n.idx))
+            if n.phase == "fw" and any(g.nodes[u].phase == "bw" for u in n.users):
+                saved.add(s)
+            if s == key and m is not None and P[n.idx].out[o] is not None:
+                size[s] = m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
+                owner[s] = where[n.idx]
+                if n.phase == "bw":
+                    shared.add(s)
+    shared |= {s for s in size if s not in saved}
+    frees = defaultdict(list)
+    for s in size:
+        frees[end[s]].append(s)
+    peak = [0.0] * K
+    live_shared, live_own = 0.0, defaultdict(float)
+    for n in g.nodes:
+        for o in range(len(n.outs)):
+            s = (n.idx, o)
+            if s in size:
+                if s in shared:
+                    live_shared += size[s]
+                else:
+                    live_own[owner[s]] += size[s]
+        c = where[n.idx]
+        if c is not None and n.kind == "op":
+            peak[c] = max(peak[c], live_shared + live_own[c])
+        for s in frees.pop(n.idx, []):
+            if s in shared:
+                live_shared -= size[s]
+            else:
+                live_own[owner[s]] -= size[s]
     return peak

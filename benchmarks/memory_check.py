@@ -115,7 +115,7 @@ def breakdown(plan) -> dict:
     r, sts = max(ranks.items(), key=lambda kv: kv[1][0]["memory"]["rank_peak_bytes"])
     peak = sts[0]["memory"]["rank_peak_bytes"]
     state = sum(st["memory"]["state_bytes"] for st in sts)
-    transient = max(st["memory"]["recompute_transient_bytes"] for st in sts)
+    transient = max(st["memory"]["transient_bytes"] for st in sts)
     fsdp = fsdp_bytes(plan, sts)
     return {
         "rank": r,

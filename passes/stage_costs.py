@@ -70,6 +70,9 @@ class Costs:
     blk: np.ndarray = None  # bool per cluster: a block (may be checkpointed)
     save: np.ndarray = None  # bytes per micro-batch a checkpointed block frees (its activations minus its input)
     rtime: np.ndarray = None  # seconds a checkpointed block adds (its forward, run again before its backward)
+    peak: np.ndarray = (
+        None  # most bytes per micro-batch live while the cluster runs (autopar/liveness.py cluster_peaks)
+    )
 
 
 def find_layers(model: nn.Module) -> str:
@@ -197,7 +200,7 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
     if engine_priced(state.cluster):
         eng = pe.engine_terms(g, state.placement, where, K, state.mesh, state.precision, state.cluster)
     return {
-        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act", "state_dp")},
+        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act", "state_dp", "peak")},
         **eng,
         "xbytes": cross_bytes,
         "xn": cross_n,
@@ -217,6 +220,7 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
     c.blk = np.array([False] + [True] * len(pos_of) + [False])
     c.save = np.where(c.blk, np.maximum(0.0, c.act - np.concatenate([[0.0], xb])), 0.0)
     c.rtime = np.where(c.blk, c.F, 0.0)
+    c.peak = arr("peak") if "peak" in metrics else None
     c.coll = [metrics["coll"][j] for j in idx]
     for k in ("ag", "ag_bw", "rs", "kept", "opt_s"):  # the engines' terms (autopar/pipeline_engine.py engine_step)
         setattr(c, k, arr(k) if k in metrics else None)
@@ -448,6 +452,13 @@ def p2p_link(cluster, stage_size: int, a: int, b: int):
 
 
 # ---- evaluation of one partition ------------------------------------------------------------------------------
+def stage_transient(cv, a: int, b: int, recompute: int) -> float:
+    """The largest transient (autopar/pipeline_model.py transients) of clusters a..b-1, one of which runs at a time,
+    with `recompute` blocks checkpointed: what a rank holds beyond its in-flight saved activations."""
+    plain, ckpt = pm.transients(cv)
+    return float(np.max((ckpt if recompute else plain)[a:b]))
+
+
 def evaluate(
     costs, bounds, variants, recompute, spec, p, v, m, order, cluster, stage_size, budget, detail=False
 ) -> dict:
@@ -465,7 +476,7 @@ def evaluate(
         dp.append(float(cv.dp[a:b].sum()))
         st.append(float(cv.state[a:b].sum()))
         act.append(float(cv.act[a:b].sum() - r * cv.save[a:b].sum() / nb))
-        trans.append(float(np.max(np.where(cv.blk[a:b], cv.act[a:b], 0.0))) if r else 0.0)
+        trans.append(stage_transient(cv, a, b, r))
         if k < S - 1:
             link = p2p_link(cluster, stage_size, rank_of[k], rank_of[k + 1])
             x.append(

@@ -112,7 +112,7 @@ def _stage_record(best, k: int, cv, names, held: list, numel: dict, smesh, modul
             "state_bytes": best["state"][k],
             "act_bytes_per_microbatch": best["act"][k],
             "inflight_microbatches": best["inflight"][k],
-            "recompute_transient_bytes": best["transient"][k],
+            "transient_bytes": best["transient"][k],
             "rank_peak_bytes": best["rank_mem"][r],
         },
     }

@@ -1,0 +1,82 @@
+"""The stage memory model's transients (autopar/liveness.py cluster_peaks, autopar/pipeline_model.py transients):
+what a cluster's run holds beyond the saved activations the stage model already counts, checked on cases computed
+by hand. The loss tail is the large one: for N tokens and a vocabulary of V, the backward of cross_entropy holds
+log_softmax's saved fp32 output, nll_loss's fp32 gradient of it and log_softmax's fp32 input gradient at once
+(12 N V bytes), 8 N V beyond the saved output."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import autopar
+from autopar import models
+from autopar.capture import capture
+from autopar.liveness import cluster_peaks
+from autopar.pipeline_model import transients
+
+
+class _Head(nn.Module):
+    def __init__(self, h: int, v: int):
+        super().__init__()
+        self.out = nn.Linear(h, v, bias=False)
+
+    def forward(self, x, labels):
+        return F.cross_entropy(self.out(x).float(), labels)
+
+
+def test_loss_tail_peak_is_three_fp32_logits_copies():
+    """A bf16 head and its loss, N = 64 tokens, V = 1000: forward peak 2 + 4 + 4 B per logit (bf16 logits, fp32
+    upcast, log_softmax output), backward 4 + 4 + 4 (saved output, its gradient, the input gradient): 12 N V, and
+    the scalar loss beside it."""
+    n, h, v = 64, 32, 1000
+    m = _Head(h, v).to(device="meta", dtype=torch.bfloat16)
+    x = torch.empty(n, h, device="meta", dtype=torch.bfloat16)
+    labels = torch.empty(n, dtype=torch.long, device="meta")
+    g = capture(m, (x, labels))
+    P = [SimpleNamespace(out=(("R",),) * len(nd.outs)) for nd in g.nodes]
+    (peak,) = cluster_peaks(g, P, (1,), [0] * len(g.nodes), 1)
+    assert peak == pytest.approx(12 * n * v, abs=16)
+    # sharded two ways (vocab-parallel logits), every buffer halves
+    P2 = [SimpleNamespace(out=(("S1",),) * len(nd.outs)) for nd in g.nodes]
+    (half,) = cluster_peaks(g, P2, (2,), [0] * len(g.nodes), 1)
+    assert half == pytest.approx(6 * n * v, abs=16)
+
+
+def test_transients_plain_and_checkpointed_by_hand():
+    """Three clusters (pre, one block, post): plain = peak - saved; a checkpointed block's = peak - the input it
+    keeps (saved - save); costs without a measured peak keep the block's activations as its only transient."""
+    cv = SimpleNamespace(
+        act=np.array([1.0, 10.0, 20.0]),
+        save=np.array([0.0, 8.0, 0.0]),
+        blk=np.array([False, True, False]),
+        peak=np.array([1.0, 14.0, 52.0]),
+    )
+    plain, ckpt = transients(cv)
+    assert list(plain) == [0.0, 4.0, 32.0] and list(ckpt) == [0.0, 12.0, 32.0]
+    cv.peak = None
+    plain, ckpt = transients(cv)
+    assert list(plain) == [0.0, 0.0, 0.0] and list(ckpt) == [0.0, 10.0, 0.0]
+
+
+def test_one_device_llama_peak_counts_the_loss_backward():
+    """llama-tiny (V = 256) on one device, 4 x 128 tokens, no recomputation: the rank peak is its model state +
+    the saved activations + the largest transient, the loss's two fp32 logits-sized gradients (8 N V bytes; a
+    block's backward temporaries are smaller at dim 64), which the model without the term left out."""
+    over = dict(max_seq_len=128)
+    m = models.build_model("llama-tiny", device="meta", **over)
+    x = models.example_inputs("llama-tiny", batch=4, seq=128, device="meta", **over)
+    opts = dict(layers_per_stage=[2], schedules=["GPipe"], n_microbatches=[1], recompute=None)
+    plan = autopar.plan(m, autopar.MeshSpec((1, 1), ("pp", "dp")), x, cluster="h100", pipeline=opts)
+    (st,) = plan.stages
+    mem = st["memory"]
+    n_tokens, vocab = 4 * 128, 256
+    assert mem["transient_bytes"] == pytest.approx(8 * n_tokens * vocab, rel=1e-3)
+    hand = mem["state_bytes"] + mem["act_bytes_per_microbatch"] + 8 * n_tokens * vocab
+    assert mem["rank_peak_bytes"] == pytest.approx(hand, rel=1e-3)
+    assert plan.predicted["peak_mem_bytes"] == pytest.approx(hand, rel=1e-3)
