@@ -80,3 +80,18 @@ def test_one_device_llama_peak_counts_the_loss_backward():
     hand = mem["state_bytes"] + mem["act_bytes_per_microbatch"] + 8 * n_tokens * vocab
     assert mem["rank_peak_bytes"] == pytest.approx(hand, rel=1e-3)
     assert plan.predicted["peak_mem_bytes"] == pytest.approx(hand, rel=1e-3)
+
+
+def test_fsdp_kept_bytes_count_the_cp_dims():
+    """FSDP over dp x cp (torchtitan's dp_shard_cp): a unit computes on its parameters gathered over both, so the
+    kept bytes are the whole unit's, bf16 parameters + fp32 gradients (6 B per element): 1000 elements sharded on
+    (dp 2, cp 4) keep 6000 B, not the 1500 of a gather over dp alone; sharded on cp alone, 6000 B, not 0."""
+    from autopar.cost import TrainingPrecision, get_cluster
+    from autopar.pipeline_engine import engine_terms
+
+    g = SimpleNamespace(params={"w": 0}, nodes=[SimpleNamespace(out=SimpleNamespace(numel=1000))])
+    mesh = autopar.MeshSpec((2, 4), ("dp", "cp"))
+    prec, cl = TrainingPrecision.mixed_bf16_adam(), get_cluster("h100-95g")
+    for pl in (("S0", "S0"), ("R", "S0")):
+        P = [SimpleNamespace(out=(pl,))]
+        assert engine_terms(g, P, [0], 1, mesh, prec, cl)["kept"][0] == pytest.approx(6000)
