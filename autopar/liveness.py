@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from .cost import is_view
+from .cost.memory import idle_cached_bytes
 from .strategies import num_shards
 
 
@@ -143,15 +144,10 @@ def storage_roots(g) -> dict:
     return root
 
 
-def cluster_peaks(g, P, mesh_shape, where, K: int) -> list[float]:
-    """Per cluster (where[node] in 0..K-1; None: in no cluster) the most bytes per rank live at once while one of
-    its nodes runs, over the buffers a stage's memory model does not already hold as another cluster's saved
-    activations: the cluster's own (forward, saved or not, and backward), every backward buffer (the incoming
-    gradient) and forward buffers nobody saves that are still in use (a block's output the next block reads). This
-    is where the loss's logits copies (bf16 logits, their fp32 upcast, log_softmax's output and, in the backward,
-    its gradient beside the saved output) and a block's gradient temporaries show. Each buffer counts once however
-    many views read it; parameters, inputs and their views are model state; a parameter's gradient is freed as it
-    is produced (FSDP's terms hold it)."""
+def _buffers(g, P, mesh_shape, where):
+    """The op-produced buffers of a placed graph (one per storage): per-rank bytes, the node after which each is
+    freed, its producer's cluster, and which are shared (backward buffers, forward ones nobody saves) rather than
+    their cluster's saved activations (cluster_peaks)."""
     last, grad_refs = last_uses(g)
     root = storage_roots(g)
     end, size, shared, owner = {}, {}, set(), {}
@@ -173,6 +169,19 @@ def cluster_peaks(g, P, mesh_shape, where, K: int) -> list[float]:
                 if n.phase == "bw":
                     shared.add(s)
     shared |= {s for s in size if s not in saved}
+    return size, end, owner, shared
+
+
+def cluster_peaks(g, P, mesh_shape, where, K: int) -> list[float]:
+    """Per cluster (where[node] in 0..K-1; None: in no cluster) the most bytes per rank live at once while one of
+    its nodes runs, over the buffers a stage's memory model does not already hold as another cluster's saved
+    activations: the cluster's own (forward, saved or not, and backward), every backward buffer (the incoming
+    gradient) and forward buffers nobody saves that are still in use (a block's output the next block reads). This
+    is where the loss's logits copies (bf16 logits, their fp32 upcast, log_softmax's output and, in the backward,
+    its gradient beside the saved output) and a block's gradient temporaries show. Each buffer counts once however
+    many views read it; parameters, inputs and their views are model state; a parameter's gradient is freed as it
+    is produced (FSDP's terms hold it)."""
+    size, end, owner, shared = _buffers(g, P, mesh_shape, where)
     frees = defaultdict(list)
     for s in size:
         frees[end[s]].append(s)
@@ -195,3 +204,21 @@ def cluster_peaks(g, P, mesh_shape, where, K: int) -> list[float]:
             else:
                 live_own[owner[s]] -= size[s]
     return peak
+
+
+def cluster_idle(g, P, mesh_shape, where, K: int) -> list[float]:
+    """Per cluster the bytes the caching allocator keeps reserved beyond its allocated peak over the cluster's own
+    buffers, in its nodes' order from a cold cache (autopar/cost/memory.py idle_cached_bytes; a buffer freed after
+    the cluster's last node stays allocated): the loss's bf16 logits segment its backward cannot reuse."""
+    size, end, owner, _ = _buffers(g, P, mesh_shape, where)
+    events = [[] for _ in range(K)]
+    frees = defaultdict(list)
+    for s in size:
+        frees[end[s]].append(s)
+    for n in g.nodes:
+        c = where[n.idx]
+        if c is None or n.kind != "op":
+            continue
+        events[c] += [(s, size[s]) for o in range(len(n.outs)) if (s := (n.idx, o)) in size and owner[s] == c]
+        events[c] += [(s, None) for s in frees.pop(n.idx, []) if owner[s] == c]
+    return [idle_cached_bytes(ev) for ev in events]

@@ -200,7 +200,7 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
     if engine_priced(state.cluster):
         eng = pe.engine_terms(g, state.placement, where, K, state.mesh, state.precision, state.cluster)
     return {
-        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act", "state_dp", "peak")},
+        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act", "state_dp", "peak", "idle")},
         **eng,
         "xbytes": cross_bytes,
         "xn": cross_n,
@@ -221,6 +221,7 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
     c.save = np.where(c.blk, np.maximum(0.0, c.act - np.concatenate([[0.0], xb])), 0.0)
     c.rtime = np.where(c.blk, c.F, 0.0)
     c.peak = arr("peak") if "peak" in metrics else None
+    c.idle = arr("idle") if "idle" in metrics else None
     c.coll = [metrics["coll"][j] for j in idx]
     for k in ("ag", "ag_bw", "rs", "kept", "opt_s"):  # the engines' terms (autopar/pipeline_engine.py engine_step)
         setattr(c, k, arr(k) if k in metrics else None)
@@ -459,6 +460,15 @@ def stage_transient(cv, a: int, b: int, recompute: int) -> float:
     return float(np.max((ckpt if recompute else plain)[a:b]))
 
 
+def stage_idle(cv, a: int, b: int, recompute: int) -> float:
+    """The caching allocator's idle reserved bytes (Costs.idle) of the cluster that sets `stage_transient`, where the
+    stage peaks: what memory_reserved (TorchTitan's published figure) adds over the allocated peak there."""
+    if getattr(cv, "idle", None) is None:
+        return 0.0
+    plain, ckpt = pm.transients(cv)
+    return float(cv.idle[a + int(np.argmax((ckpt if recompute else plain)[a:b]))])
+
+
 def evaluate(
     costs, bounds, variants, recompute, spec, p, v, m, order, cluster, stage_size, budget, detail=False
 ) -> dict:
@@ -466,7 +476,7 @@ def evaluate(
     clusters bounds[k]:bounds[k+1] with intra-op plan costs[variants[k]] and recompute[k] checkpointed blocks."""
     S = p * v
     rank_of = pm.stage_ranks(spec, p, v)
-    F, B, W, dp, st, act, x, trans = [], [], [], [], [], [], [], []
+    F, B, W, dp, st, act, x, trans, idle = [], [], [], [], [], [], [], [], []
     for k in range(S):
         cv, a, b, r = costs[variants[k]], bounds[k], bounds[k + 1], recompute[k]
         nb = max(1, int(cv.blk[a:b].sum()))
@@ -477,6 +487,7 @@ def evaluate(
         st.append(float(cv.state[a:b].sum()))
         act.append(float(cv.act[a:b].sum() - r * cv.save[a:b].sum() / nb))
         trans.append(stage_transient(cv, a, b, r))
+        idle.append(stage_idle(cv, a, b, r))
         if k < S - 1:
             link = p2p_link(cluster, stage_size, rank_of[k], rank_of[k + 1])
             x.append(
@@ -509,6 +520,8 @@ def evaluate(
             mem[r] + pe.fsdp_unsharded_bytes([eng["kept"][k] for k in range(S) if rank_of[k] == r], p) for r in range(p)
         ]
     fl = pm.inflight(order, S, spec.split_backward)
+    # memory_reserved at the peak: the allocated peak + the idle cached segments of the rank's peaking cluster
+    reserved = [mem[r] + max((idle[k] for k in range(S) if rank_of[k] == r), default=0.0) for r in range(p)]
     return {
         **({"optimizer_s": eng["optimizer_s"], "kept": eng["kept"]} if eng is not None else {}),
         "step_s": step,
@@ -530,7 +543,9 @@ def evaluate(
         "fits": max(mem) <= budget,
         "recompute": list(recompute),
         "transient": trans,
+        "idle": idle,
         "peak_mem": max(mem),
+        "reserved_mem": max(reserved),
     }
 
 

@@ -28,7 +28,7 @@ from autopar.cost import collective_time
 from .stage_search import dp_size
 
 # Arrays that scale with the per-rank micro-batch (seconds or bytes per micro-batch); state and dp comm do not.
-_PER_SAMPLE = ("F", "B", "W", "act", "xbytes", "save", "rtime", "peak")
+_PER_SAMPLE = ("F", "B", "W", "act", "xbytes", "save", "rtime", "peak", "idle")
 
 
 def family(key) -> tuple:

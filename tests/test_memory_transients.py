@@ -80,6 +80,11 @@ def test_one_device_llama_peak_counts_the_loss_backward():
     hand = mem["state_bytes"] + mem["act_bytes_per_microbatch"] + 8 * n_tokens * vocab
     assert mem["rank_peak_bytes"] == pytest.approx(hand, rel=1e-3)
     assert plan.predicted["peak_mem_bytes"] == pytest.approx(hand, rel=1e-3)
+    # memory_reserved: that peak + the caching allocator's idle segments of the peaking cluster (the loss)
+    assert plan.predicted["reserved_mem_bytes"] == pytest.approx(
+        mem["rank_peak_bytes"] + mem["allocator_idle_bytes"], rel=1e-9
+    )
+    assert mem["allocator_idle_bytes"] > 0
 
 
 def test_fsdp_kept_bytes_count_the_cp_dims():
@@ -95,3 +100,35 @@ def test_fsdp_kept_bytes_count_the_cp_dims():
     for pl in (("S0", "S0"), ("R", "S0")):
         P = [SimpleNamespace(out=(pl,))]
         assert engine_terms(g, P, [0], 1, mesh, prec, cl)["kept"][0] == pytest.approx(6000)
+
+
+def test_idle_cached_bytes_of_the_loss_tail_by_hand():
+    """The loss tail's trace in units of NV = 10 MiB (large, 2 MiB-aligned: one segment per request): bf16 logits
+    A (2), fp32 upcast B (4), log_softmax C (4); B and A freed; the backward's D (4) takes B's segment, E (4) finds
+    no free block that holds it and opens a segment; F (2, the bf16 gradient) reuses A's. Reserved 2+4+4+4 = 14,
+    allocated peak 12 (C, D, E): 2 idle, A's segment."""
+    from autopar.cost.memory import idle_cached_bytes
+
+    nv = 10 * 2**20
+    ev = [("A", 2), ("B", 4), ("C", 4), ("B", None), ("A", None), ("D", 4), ("E", 4)]
+    ev += [("D", None), ("C", None), ("F", 2), ("E", None), ("F", None)]
+    assert idle_cached_bytes([(k, None if n is None else n * nv) for k, n in ev]) == 2 * nv
+    # a freed block is split for a smaller request and merges back: no new segment, nothing idle beyond it
+    ev = [("A", 8 * nv), ("A", None), ("B", 3 * nv), ("C", 5 * nv), ("B", None), ("C", None), ("D", 8 * nv)]
+    assert idle_cached_bytes(ev) == 0
+
+
+def test_cluster_idle_of_a_head_is_its_bf16_logits_segment():
+    """The head + loss of test_loss_tail_peak_is_three_fp32_logits_copies at N = 2048, V = 4096: bf16 logits
+    16 MiB, each fp32 copy 32 MiB. Idle at the peak: the logits' 16 MiB segment, plus what of the small pool's
+    one 2 MiB segment the scalars and the weight's 256 KiB gradient leave free."""
+    from autopar.liveness import cluster_idle
+
+    n, h, v = 2048, 32, 4096
+    m = _Head(h, v).to(device="meta", dtype=torch.bfloat16)
+    x = torch.empty(n, h, device="meta", dtype=torch.bfloat16)
+    labels = torch.empty(n, dtype=torch.long, device="meta")
+    g = capture(m, (x, labels))
+    P = [SimpleNamespace(out=(("R",),) * len(nd.outs)) for nd in g.nodes]
+    (idle,) = cluster_idle(g, P, (1,), [0] * len(g.nodes), 1)
+    assert 2 * n * v <= idle <= 2 * n * v + 2 * 2**20
