@@ -109,7 +109,7 @@ def plan_row(name, batch, mesh, layout):
 def breakdown(plan) -> dict:
     """GiB of the peak rank's terms (summed over its stages): model state, in-flight activations (the rank's
     stages at their in-flight counts: an upper bound for interleaved schedules, whose peak the schedule decides),
-    recompute transient, and FSDP2's unsharded buffers (the rest of the rank's peak)."""
+    the largest transient (a recompute, the loss tail), and FSDP2's unsharded buffers (the rest of the rank's peak)."""
     ranks: dict = {}
     for st in plan.stages:
         ranks.setdefault(st["pp_rank"], []).append(st)
