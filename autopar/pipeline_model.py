@@ -346,9 +346,10 @@ def transients(cv) -> tuple:
 def stage_options(costs: list, xfer, spec, p: int, v: int, m: int, q: int, cap: float, recompute: bool = True):
     """Every stage range [j, i) (as (n+1) x (n+1) matrices, one per intra-op variant) for a stage holding q
     micro-batches in flight: r = the fewest blocks to checkpoint so that state + q * act + the range's largest
-    transient (`transients`: checkpointed, if r > 0) <= cap (blocks of a stage treated as alike: r times the average saving and
-    recompute time), c = seconds per micro-batch (compute + transfers on both sides + r recomputes; at least its
-    dp comm / m), f = the additive term of the closed form. Returns arrays C, Fm (inf where infeasible) and R."""
+    transient (`transients`: the checkpointed one if r > 0) <= cap (blocks of a stage treated as alike: r times
+    the average saving and recompute time), c = seconds per micro-batch (compute + transfers on both sides + r
+    recomputes; at least its dp comm / m), f = the additive term of the closed form. Returns arrays C, Fm (inf
+    where infeasible) and R."""
     n = len(costs[0].F)
     j = np.arange(n + 1)[:, None]
     i = np.arange(n + 1)[None, :]

@@ -67,8 +67,8 @@ def _fastest_fitting_all_checkpointed(costs, a: int, b: int, inflight: int, cap:
 
 def _hand_fitting(costs, bounds, base, cluster, budget, recompute) -> dict:
     """evaluate_fitted, its per-stage choices made again under a smaller cap while the exact rank peak overflows
-    `budget` (the per-stage options leave out FSDP's unsharded units and a recompute's transient when no block of
-    the range was checkpointed, which the simulation counts): recompute=True checkpoints as memory needs. The DP scales its cap the same way for v > 1."""
+    `budget` (the per-stage options leave out FSDP's unsharded units with one pipeline rank, which the simulation
+    counts): recompute=True checkpoints as memory needs. The DP scales its cap the same way for v > 1."""
     r, cap = evaluate_fitted(costs, bounds, base, cluster, budget, recompute), budget
     for _ in range(3):
         if r["fits"] or recompute is not True:
