@@ -70,9 +70,10 @@ class Costs:
     blk: np.ndarray = None  # bool per cluster: a block (may be checkpointed)
     save: np.ndarray = None  # bytes per micro-batch a checkpointed block frees (its activations minus its input)
     rtime: np.ndarray = None  # seconds a checkpointed block adds (its forward, run again before its backward)
-    peak: np.ndarray = (
-        None  # most bytes per micro-batch live while the cluster runs (autopar/liveness.py cluster_peaks)
-    )
+    # most bytes per micro-batch live while the cluster runs (autopar/liveness.py cluster_peaks), and what the
+    # caching allocator holds reserved beyond that over its own buffers (cluster_idle)
+    peak: np.ndarray = None
+    idle: np.ndarray = None
 
 
 def find_layers(model: nn.Module) -> str:
