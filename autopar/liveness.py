@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from .cost import is_view
+from .cost.memory import idle_cached_bytes
 from .strategies import num_shards
 
 
@@ -125,3 +127,98 @@ def liveness_peak_checkpointed(g, P, mesh_shape, recompute) -> float:
         for key in frees.pop(n.idx, []):
             live -= size[key]
     return peak
+
+
+def storage_roots(g) -> dict:
+    """(node, output) -> (node, output) of the buffer that holds it: a view's outputs (view, t, split, ...) share
+    their input's storage, so a chain of views names its first non-view producer."""
+    root = {}
+    for n in g.nodes:
+        outs = range(len(n.outs))
+        if n.kind == "op" and is_view(n.target) and n.inputs():
+            r = n.inputs()[0]
+            base = root.get((r.node, r.out), (r.node, r.out))
+            root.update({(n.idx, o): base for o in outs})
+        else:
+            root.update({(n.idx, o): (n.idx, o) for o in outs})
+    return root
+
+
+def _buffers(g, P, mesh_shape, where):
+    """The op-produced buffers of a placed graph (one per storage): per-rank bytes, the node after which each is
+    freed, its producer's cluster, and which are shared (backward buffers, forward ones nobody saves) rather than
+    their cluster's saved activations (cluster_peaks)."""
+    last, grad_refs = last_uses(g)
+    root = storage_roots(g)
+    end, size, shared, owner = {}, {}, set(), {}
+    saved = set()
+    for n in g.nodes:
+        if n.kind != "op":
+            continue
+        for o, m in enumerate(n.outs):
+            key = (n.idx, o)
+            s = root[key]
+            if g.nodes[s[0]].kind != "op":
+                continue
+            end[s] = max(end.get(s, -1), n.idx if key in grad_refs else last.get(key, n.idx))
+            if n.phase == "fw" and any(g.nodes[u].phase == "bw" for u in n.users):
+                saved.add(s)
+            if s == key and m is not None and P[n.idx].out[o] is not None:
+                size[s] = m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
+                owner[s] = where[n.idx]
+                if n.phase == "bw":
+                    shared.add(s)
+    shared |= {s for s in size if s not in saved}
+    return size, end, owner, shared
+
+
+def cluster_peaks(g, P, mesh_shape, where, K: int) -> list[float]:
+    """Per cluster (where[node] in 0..K-1; None: in no cluster) the most bytes per rank live at once while one of
+    its nodes runs, over the buffers a stage's memory model does not already hold as another cluster's saved
+    activations: the cluster's own (forward, saved or not, and backward), every backward buffer (the incoming
+    gradient) and forward buffers nobody saves that are still in use (a block's output the next block reads). This
+    is where the loss's logits copies (bf16 logits, their fp32 upcast, log_softmax's output and, in the backward,
+    its gradient beside the saved output) and a block's gradient temporaries show. Each buffer counts once however
+    many views read it; parameters, inputs and their views are model state; a parameter's gradient is freed as it
+    is produced (FSDP's terms hold it)."""
+    size, end, owner, shared = _buffers(g, P, mesh_shape, where)
+    frees = defaultdict(list)
+    for s in size:
+        frees[end[s]].append(s)
+    peak = [0.0] * K
+    live_shared, live_own = 0.0, defaultdict(float)
+    for n in g.nodes:
+        for o in range(len(n.outs)):
+            s = (n.idx, o)
+            if s in size:
+                if s in shared:
+                    live_shared += size[s]
+                else:
+                    live_own[owner[s]] += size[s]
+        c = where[n.idx]
+        if c is not None and n.kind == "op":
+            peak[c] = max(peak[c], live_shared + live_own[c])
+        for s in frees.pop(n.idx, []):
+            if s in shared:
+                live_shared -= size[s]
+            else:
+                live_own[owner[s]] -= size[s]
+    return peak
+
+
+def cluster_idle(g, P, mesh_shape, where, K: int) -> list[float]:
+    """Per cluster the bytes the caching allocator keeps reserved beyond its allocated peak over the cluster's own
+    buffers, in its nodes' order from a cold cache (autopar/cost/memory.py idle_cached_bytes; a buffer freed after
+    the cluster's last node stays allocated): the loss's bf16 logits segment its backward cannot reuse."""
+    size, end, owner, _ = _buffers(g, P, mesh_shape, where)
+    events = [[] for _ in range(K)]
+    frees = defaultdict(list)
+    for s in size:
+        frees[end[s]].append(s)
+    for n in g.nodes:
+        c = where[n.idx]
+        if c is None or n.kind != "op":
+            continue
+        events[c] += [(s, size[s]) for o in range(len(n.outs)) if (s := (n.idx, o)) in size and owner[s] == c]
+        events[c] += [(s, None) for s in frees.pop(n.idx, []) if owner[s] == c]
+    return [idle_cached_bytes(ev) for ev in events]

@@ -25,6 +25,7 @@ from autopar.cost.comm import collective_time
 from autopar.cost.overlap import Unit, fsdp_timeline, optimizer_step_time
 from autopar.pipeline_model import simulate
 from autopar.strategies import num_shards
+from autopar.strategies.context_parallel import CP_PREFIX
 
 
 def engine_terms(g, P, where, K: int, mesh, precision, cluster) -> dict:
@@ -33,9 +34,13 @@ def engine_terms(g, P, where, K: int, mesh, precision, cluster) -> dict:
     the other dims): one all-gather per cluster (a unit) of its parameters unsharded on dp in the parameter dtype
     (ag; ag_bw the same again for a backward that re-gathers), one reduce-scatter of their gradients in the reduce
     dtype (the fp32 master's where there is one: rs), the bytes a pipelined step keeps (`kept`: those unsharded
-    parameters and accumulated gradients), and the optimizer step's seconds over the rank's shard (opt_s)."""
+    parameters and accumulated gradients, unsharded on the cp* dims too), and the optimizer step's seconds over the
+    rank's shard (opt_s)."""
     ag, rs, kept, opt_s = (np.zeros(K) for _ in range(4))
     dp = tuple(d for d, nm in enumerate(mesh.names) if nm.startswith("dp") and mesh.shape[d] > 1)
+    # a cp* dim shards parameters too (torchtitan's dp_shard_cp): their gathers there are the per-op plan's
+    # redistributes (priced with it), but the unit computes on them unsharded, so the kept bytes count them
+    held = dp + tuple(d for d, nm in enumerate(mesh.names) if nm.startswith(CP_PREFIX) and mesh.shape[d] > 1)
     acc = precision.master or precision.grad
     unsharded: dict = {}  # (cluster, dp dims it is sharded on) -> parameter elements unsharded there
     for i in g.params.values():
@@ -47,11 +52,13 @@ def engine_terms(g, P, where, K: int, mesh, precision, cluster) -> dict:
         if dims:
             rest = tuple("R" if d in dims else q for d, q in enumerate(pl))
             unsharded[(c, dims)] = unsharded.get((c, dims), 0.0) + numel / num_shards(rest, mesh.shape)
+        if any(pl[d][0] == "S" for d in held):
+            full = tuple("R" if d in held else q for d, q in enumerate(pl))
+            kept[c] += numel / num_shards(full, mesh.shape) * (precision.param + acc)
     for (c, dims), n in unsharded.items():
         link, group = cluster.group_link(tuple(mesh.shape), dims), math.prod(mesh.shape[d] for d in dims)
         ag[c] += collective_time("all_gather", n * precision.param, group, link)
         rs[c] += collective_time("reduce_scatter", n * acc, group, link)
-        kept[c] += n * (precision.param + acc)
     return {"ag": ag, "ag_bw": ag.copy(), "rs": rs, "kept": kept, "opt_s": opt_s}
 
 

@@ -329,12 +329,27 @@ class Partition:
     recompute: list = None  # checkpointed blocks per stage
 
 
+def transients(cv) -> tuple:
+    """Per cluster of a stage variant's costs (passes/stage_costs.py Costs) the bytes its run holds above what the
+    stage model already counts for it (its saved activations per micro-batch in flight): (plain, checkpointed).
+    Plain: its peak beyond its saved activations (the loss's bf16 logits, fp32 upcast and log_softmax output, then
+    its gradient beside the saved output; a block's backward gradient temporaries). Checkpointed (blocks; the plain
+    figure elsewhere): its peak beyond the input it keeps (the recomputed activations and the gradients beside
+    them). Costs without a measured peak keep the earlier model: no plain transient, a checkpointed block's
+    activations."""
+    if getattr(cv, "peak", None) is None:
+        return np.zeros(len(cv.act)), np.where(cv.blk, cv.act, 0.0)
+    plain = np.maximum(0.0, cv.peak - cv.act)
+    return plain, np.where(cv.blk, np.maximum(0.0, cv.peak - (cv.act - cv.save)), plain)
+
+
 def stage_options(costs: list, xfer, spec, p: int, v: int, m: int, q: int, cap: float, recompute: bool = True):
     """Every stage range [j, i) (as (n+1) x (n+1) matrices, one per intra-op variant) for a stage holding q
-    micro-batches in flight: r = the fewest blocks to checkpoint so that state + q * act (+ one block's activations
-    while it is recomputed, if r > 0) <= cap (blocks of a stage treated as alike: r times the average saving and
-    recompute time), c = seconds per micro-batch (compute + transfers on both sides + r recomputes; at least its
-    dp comm / m), f = the additive term of the closed form. Returns arrays C, Fm (inf where infeasible) and R."""
+    micro-batches in flight: r = the fewest blocks to checkpoint so that state + q * act + the range's largest
+    transient (`transients`: the checkpointed one if r > 0) <= cap (blocks of a stage treated as alike: r times
+    the average saving and recompute time), c = seconds per micro-batch (compute + transfers on both sides + r
+    recomputes; at least its dp comm / m), f = the additive term of the closed form. Returns arrays C, Fm (inf
+    where infeasible) and R."""
     n = len(costs[0].F)
     j = np.arange(n + 1)[:, None]
     i = np.arange(n + 1)[None, :]
@@ -350,12 +365,13 @@ def stage_options(costs: list, xfer, spec, p: int, v: int, m: int, q: int, cap: 
         comp = (PF[i] - PF[j]) + (PB[i] - PB[j]) + (PW[i] - PW[j]) + x[j] + x[i]
         mem0 = (Ps[i] - Ps[j]) + q * (Pa[i] - Pa[j])
         nb = np.maximum(Pn[i] - Pn[j], 1.0)
-        blk_act = np.concatenate([[0.0], np.where(cv.blk, cv.act, 0.0)])  # blk_act[i]: cluster i - 1
-        amax = np.maximum.accumulate(np.where(ok, blk_act[i], 0.0), axis=1)  # largest block activation in [j, i)
+        # the largest transient in [j, i) (passes/stage_costs.py transients): plain, and with blocks checkpointed
+        plain, ckpt = transients(cv)
+        tmax = [np.maximum.accumulate(np.where(ok, np.concatenate([[0.0], t])[i], 0.0), axis=1) for t in (plain, ckpt)]
         save = (Psv[i] - Psv[j]) / nb
         with np.errstate(divide="ignore", invalid="ignore"):
-            need = np.ceil(np.where(save > 0, (mem0 + amax - cap) / (q * save), INF) - 1e-9)
-        r = np.where(mem0 <= cap, 0.0, need if recompute else INF)
+            need = np.ceil(np.where(save > 0, (mem0 + tmax[1] - cap) / (q * save), INF) - 1e-9)
+        r = np.where(mem0 + tmax[0] <= cap, 0.0, np.maximum(need, 1.0) if recompute else INF)
         feas = ok & (r <= (Pn[i] - Pn[j]))
         r = np.where(feas, np.maximum(r, 0.0), 0.0)
         comp = comp + r * (Prt[i] - Prt[j]) / nb

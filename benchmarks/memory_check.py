@@ -38,13 +38,14 @@ NUMEL: dict = {}  # parameter FQN -> elements, of the model planned last
 
 NOTES = """What the prediction counts: model state at the storage placements (bf16 parameters, fp32 master,
 gradients, AdamW states, sharded FSDP x TP), the saved activations of the micro-batches in flight (torch's action
-order), one recomputed block's activations (full AC), and FSDP2's unsharded buffers (autopar/pipeline_engine.py:
+order), the largest transient of a cluster's run beyond its saved activations (autopar/liveness.py cluster_peaks:
+a recomputed block's activations and its backward's gradients, the loss's bf16 logits, fp32 upcast and
+log_softmax output, then its two fp32 gradients), and FSDP2's unsharded buffers (autopar/pipeline_engine.py:
 pipelined, every unit's bf16 parameters and fp32 accumulated gradients kept through the step; with one pipeline
-rank the two largest units). Not counted (so a published peak above the prediction is expected to sit in these):
-the caching allocator's cached-but-free blocks and fragmentation (the published figure is memory_reserved, not
-memory_allocated), the backward's gradient temporaries inside a recomputed block beside its activations, the loss's
-fp32 logits copies beside the saved activations on the last stage, NCCL's and the pipeline's communication buffers,
-and Float8's casts (T3/T4)."""
+rank the two largest units). The published figure is memory_reserved: plan.predicted["reserved_mem_bytes"] adds the
+caching allocator's idle segments at the peak (autopar/cost/memory.py idle_cached_bytes over the peaking cluster's
+buffers); the table's predicted column is the allocated peak. Not counted: fragmentation across clusters, NCCL's
+and the pipeline's communication buffers, and Float8's casts (T3/T4)."""
 
 
 def _layout(layers, schedule, m, recompute, v=1):
@@ -108,14 +109,14 @@ def plan_row(name, batch, mesh, layout):
 def breakdown(plan) -> dict:
     """GiB of the peak rank's terms (summed over its stages): model state, in-flight activations (the rank's
     stages at their in-flight counts: an upper bound for interleaved schedules, whose peak the schedule decides),
-    recompute transient, and FSDP2's unsharded buffers (the rest of the rank's peak)."""
+    the largest transient (a recompute, the loss tail), and FSDP2's unsharded buffers (the rest of the rank's peak)."""
     ranks: dict = {}
     for st in plan.stages:
         ranks.setdefault(st["pp_rank"], []).append(st)
     r, sts = max(ranks.items(), key=lambda kv: kv[1][0]["memory"]["rank_peak_bytes"])
     peak = sts[0]["memory"]["rank_peak_bytes"]
     state = sum(st["memory"]["state_bytes"] for st in sts)
-    transient = max(st["memory"]["recompute_transient_bytes"] for st in sts)
+    transient = max(st["memory"]["transient_bytes"] for st in sts)
     fsdp = fsdp_bytes(plan, sts)
     return {
         "rank": r,

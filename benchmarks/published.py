@@ -11,7 +11,8 @@ turned into the row's own metric:
     without the input embedding, which does no matmul; 6 l h s: causal attention's QK^T and PV, forward and
     backward, half the square; no recomputation), x tokens / step / GPUs. The paper does not print its formula;
     this is the usual model-FLOPs count (PaLM's appendix B with the causal half).
-Peak memory predicted vs published (TorchTitan's GiB) where published.
+Peak memory predicted vs published (TorchTitan's GiB) where published: the predicted memory_reserved (the
+allocated peak + the caching allocator's segments idle there), as TorchTitan's monitor logs max reserved.
 
 Assumptions (each also in the results file):
   * Megatron's GPT shapes are autopar's GPT-2 family (learned positions, 4h MLP, vocab 51,200), untied embeddings
@@ -255,7 +256,7 @@ def evaluate(rows: list[Row], fitted: dict, cached_only: bool = False) -> list[d
             if r and "metric" in r:
                 r["ratio"] = r["metric"] / row.published
                 if row.mem_gib:
-                    r["mem_ratio"] = r["peak_mem_GiB"] / row.mem_gib
+                    r["mem_ratio"] = r.get("reserved_mem_GiB", r["peak_mem_GiB"]) / row.mem_gib
         out.append(rec)
         print(json.dumps({"name": row.name, **{k: rec[k] for k in ("at_preset", "at_fit")}}), flush=True)
     return out
@@ -288,6 +289,12 @@ def _pair(a: dict, f: dict, key: str, fmt: str) -> str:
     return " / ".join(format(x[key], fmt) if key in x else "-" for x in (a, f)) if f else format(a.get(key, "-"), fmt)
 
 
+def _mem(x: dict) -> dict:
+    """A plan's summary with "mem": its predicted memory_reserved (older summaries: the allocated peak)."""
+    v = x.get("reserved_mem_GiB", x.get("peak_mem_GiB"))
+    return x if v is None else {**x, "mem": v}
+
+
 def _row_line(r) -> str:
     a, f = r["at_preset"], r["at_fit"] or {}
     if "error" in a and "error" in (f or a):
@@ -305,7 +312,7 @@ def _row_line(r) -> str:
         f"{f['ratio']:.3f}" if "ratio" in f else "-",
         _pair(a, f, "step_s", ".3f"),
         _fmt(r["published_mem_GiB"]),
-        _pair(a, f, "peak_mem_GiB", ".1f"),
+        _pair(_mem(a), _mem(f), "mem", ".1f"),
         _pair(a, f, "plan_wall_s", ".1f"),
     ]
     return "| " + " | ".join(cells).replace("| - / - |", "| - |") + " |"
@@ -332,7 +339,7 @@ METRIC_NAMES = {
 def report(recs, fitted: dict, argv: list[str], auto_rows) -> list[str]:
     head = (
         "| row | set | layout (forced) | published | predicted (preset) | ratio | predicted (fitted) | ratio | "
-        "step s (preset / fitted) | published GiB | predicted GiB (preset / fitted) | plan s |"
+        "step s (preset / fitted) | published GiB | predicted reserved GiB (preset / fitted) | plan s |"
     )
     lines = [
         "# Published large runs against autopar's cost model",

@@ -60,6 +60,8 @@ def _summary(plan, wall: float) -> dict:
         "exposed_comm_s": pr.get("exposed_comm_s"),
         "bubble_s": pr.get("bubble_s", 0.0),
         "peak_mem_GiB": pr["peak_mem_bytes"] / 2**30,
+        # memory_reserved, what TorchTitan's memory monitor logs (components/metrics.py: reserved_bytes.all.peak)
+        "reserved_mem_GiB": pr.get("reserved_mem_bytes", pr["peak_mem_bytes"]) / 2**30,
         "fits": pr["peak_mem_bytes"] <= pr["budget_bytes"],
         "plan_wall_s": wall,
     }

@@ -70,6 +70,10 @@ class Costs:
     blk: np.ndarray = None  # bool per cluster: a block (may be checkpointed)
     save: np.ndarray = None  # bytes per micro-batch a checkpointed block frees (its activations minus its input)
     rtime: np.ndarray = None  # seconds a checkpointed block adds (its forward, run again before its backward)
+    # most bytes per micro-batch live while the cluster runs (autopar/liveness.py cluster_peaks), and what the
+    # caching allocator holds reserved beyond that over its own buffers (cluster_idle)
+    peak: np.ndarray = None
+    idle: np.ndarray = None
 
 
 def find_layers(model: nn.Module) -> str:
@@ -197,7 +201,7 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
     if engine_priced(state.cluster):
         eng = pe.engine_terms(g, state.placement, where, K, state.mesh, state.precision, state.cluster)
     return {
-        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act", "state_dp")},
+        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act", "state_dp", "peak", "idle")},
         **eng,
         "xbytes": cross_bytes,
         "xn": cross_n,
@@ -217,6 +221,8 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
     c.blk = np.array([False] + [True] * len(pos_of) + [False])
     c.save = np.where(c.blk, np.maximum(0.0, c.act - np.concatenate([[0.0], xb])), 0.0)
     c.rtime = np.where(c.blk, c.F, 0.0)
+    c.peak = arr("peak") if "peak" in metrics else None
+    c.idle = arr("idle") if "idle" in metrics else None
     c.coll = [metrics["coll"][j] for j in idx]
     for k in ("ag", "ag_bw", "rs", "kept", "opt_s"):  # the engines' terms (autopar/pipeline_engine.py engine_step)
         setattr(c, k, arr(k) if k in metrics else None)
@@ -465,6 +471,22 @@ def p2p_link(cluster, stage_size: int, a: int, b: int):
 
 
 # ---- evaluation of one partition ------------------------------------------------------------------------------
+def stage_transient(cv, a: int, b: int, recompute: int) -> float:
+    """The largest transient (autopar/pipeline_model.py transients) of clusters a..b-1, one of which runs at a time,
+    with `recompute` blocks checkpointed: what a rank holds beyond its in-flight saved activations."""
+    plain, ckpt = pm.transients(cv)
+    return float(np.max((ckpt if recompute else plain)[a:b]))
+
+
+def stage_idle(cv, a: int, b: int, recompute: int) -> float:
+    """The caching allocator's idle reserved bytes (Costs.idle) of the cluster that sets `stage_transient`, where the
+    stage peaks: what memory_reserved (TorchTitan's published figure) adds over the allocated peak there."""
+    if getattr(cv, "idle", None) is None:
+        return 0.0
+    plain, ckpt = pm.transients(cv)
+    return float(cv.idle[a + int(np.argmax((ckpt if recompute else plain)[a:b]))])
+
+
 def evaluate(
     costs, bounds, variants, recompute, spec, p, v, m, order, cluster, stage_size, budget, detail=False
 ) -> dict:
@@ -472,7 +494,7 @@ def evaluate(
     clusters bounds[k]:bounds[k+1] with intra-op plan costs[variants[k]] and recompute[k] checkpointed blocks."""
     S = p * v
     rank_of = pm.stage_ranks(spec, p, v)
-    F, B, W, dp, st, act, x, trans = [], [], [], [], [], [], [], []
+    F, B, W, dp, st, act, x, trans, idle = [], [], [], [], [], [], [], [], []
     for k in range(S):
         cv, a, b, r = costs[variants[k]], bounds[k], bounds[k + 1], recompute[k]
         nb = max(1, int(cv.blk[a:b].sum()))
@@ -482,7 +504,8 @@ def evaluate(
         dp.append(float(cv.dp[a:b].sum()))
         st.append(float(cv.state[a:b].sum()))
         act.append(float(cv.act[a:b].sum() - r * cv.save[a:b].sum() / nb))
-        trans.append(float(np.max(np.where(cv.blk[a:b], cv.act[a:b], 0.0))) if r else 0.0)
+        trans.append(stage_transient(cv, a, b, r))
+        idle.append(stage_idle(cv, a, b, r))
         if k < S - 1:
             link = p2p_link(cluster, stage_size, rank_of[k], rank_of[k + 1])
             x.append(
@@ -515,6 +538,8 @@ def evaluate(
             mem[r] + pe.fsdp_unsharded_bytes([eng["kept"][k] for k in range(S) if rank_of[k] == r], p) for r in range(p)
         ]
     fl = pm.inflight(order, S, spec.split_backward)
+    # memory_reserved at the peak: the allocated peak + the idle cached segments of the rank's peaking cluster
+    reserved = [mem[r] + max((idle[k] for k in range(S) if rank_of[k] == r), default=0.0) for r in range(p)]
     return {
         **({"optimizer_s": eng["optimizer_s"], "kept": eng["kept"]} if eng is not None else {}),
         "step_s": step,
@@ -536,7 +561,9 @@ def evaluate(
         "fits": max(mem) <= budget,
         "recompute": list(recompute),
         "transient": trans,
+        "idle": idle,
         "peak_mem": max(mem),
+        "reserved_mem": max(reserved),
     }
 
 

@@ -28,7 +28,7 @@ from autopar.cost import collective_time
 from .stage_search import dp_size
 
 # Arrays that scale with the per-rank micro-batch (seconds or bytes per micro-batch); state and dp comm do not.
-_PER_SAMPLE = ("F", "B", "W", "act", "xbytes", "save", "rtime")
+_PER_SAMPLE = ("F", "B", "W", "act", "xbytes", "save", "rtime", "peak", "idle")
 
 
 def family(key) -> tuple:
@@ -96,7 +96,8 @@ def _scaled(cv, s: float, d_src: int, d_dst: int, links) -> object:
     """One variant's Costs moved to another per-rank micro-batch (factor s) and dp size (d_src -> d_dst)."""
     out = copy.copy(cv)
     for name in _PER_SAMPLE:
-        setattr(out, name, np.asarray(getattr(cv, name), dtype=float) * s)
+        if getattr(cv, name) is not None:
+            setattr(out, name, np.asarray(getattr(cv, name), dtype=float) * s)
     sharded = getattr(cv, "state_dp", None)
     if sharded is not None:  # FSDP-sharded state divides by the dp size, the rest is per rank as it is
         out.state = cv.state - sharded + sharded * (d_src / d_dst)

@@ -1,12 +1,15 @@
 """Per-cluster metrics of one intra-op plan for the pipeline stage search: forward / backward-input /
 backward-weight seconds, data-parallel communication, model state and the activation bytes each micro-batch
-keeps for backward (each saved buffer once, however many views of it backward reads)."""
+keeps for backward (each saved buffer once, however many views of it backward reads), and the most bytes each
+cluster's run holds at once (autopar/liveness.py cluster_peaks: its transients above those saved activations) and
+what the caching allocator keeps reserved beyond that over the cluster's own buffers (cluster_idle)."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from autopar.cost import is_view
+from autopar.liveness import cluster_idle, cluster_peaks
 from autopar.strategies import num_shards
 
 
@@ -27,7 +30,8 @@ def _feeds_earlier(g, where) -> list:
 
 def node_metrics(state, plan, where, K: int) -> dict:
     """Per cluster F/B/W seconds (compute + activation redistributes), dp comm seconds, model-state bytes,
-    saved-activation bytes, and the collectives (kind -> [count, bytes]) of its activation and dp redistributes."""
+    saved-activation bytes, its peak live bytes while it runs (cluster_peaks), and the collectives (kind -> [count,
+    bytes]) of its activation and dp redistributes."""
     g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
     F, B, W, dp, st, act, st_dp = (np.zeros(K) for _ in range(7))
     bpp = state.precision.bytes_per_param
@@ -66,7 +70,10 @@ def node_metrics(state, plan, where, K: int) -> dict:
             W[c] += t
     for root, nbytes in saved.items():
         act[saved_in[root]] += nbytes
-    return {"F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act, "coll": coll, "state_dp": st_dp}
+    peak = np.array(cluster_peaks(g, P, mesh_shape, where, K))
+    idle = np.array(cluster_idle(g, P, mesh_shape, where, K))
+    out = {"F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act, "coll": coll, "state_dp": st_dp}
+    return out | {"peak": peak, "idle": idle}
 
 
 def _saved_buffers(g, P, i: int, mesh_shape) -> list:

@@ -112,7 +112,8 @@ def _stage_record(best, k: int, cv, names, held: list, numel: dict, smesh, modul
             "state_bytes": best["state"][k],
             "act_bytes_per_microbatch": best["act"][k],
             "inflight_microbatches": best["inflight"][k],
-            "recompute_transient_bytes": best["transient"][k],
+            "transient_bytes": best["transient"][k],
+            "allocator_idle_bytes": best["idle"][k] if "idle" in best else 0.0,
             "rank_peak_bytes": best["rank_mem"][r],
         },
     }
@@ -270,6 +271,7 @@ def _predicted(best, coll, budget) -> dict:
         "state_mem_bytes": max(rank_state),
         "act_peak_bytes": max(best["rank_mem"][r] - rank_state[r] for r in range(p)),
         "peak_mem_bytes": best["peak_mem"],
+        "reserved_mem_bytes": best.get("reserved_mem", best["peak_mem"]),
         "collectives": coll,
         "budget_bytes": budget,
         "bubble_fraction": best["bubble"],

@@ -18,7 +18,7 @@ from autopar import pipeline_model as pm
 from autopar.cost import collective_time
 from autopar.mesh import MeshSpec
 
-from .stage_costs import StageOps, evaluate, layout_bounds
+from .stage_costs import StageOps, evaluate, layout_bounds, stage_transient
 
 INF = float("inf")
 
@@ -55,12 +55,10 @@ def evaluate_fitted(costs, bounds, r, cluster, budget, recompute=True) -> dict:
 
 def _fastest_fitting_all_checkpointed(costs, a: int, b: int, inflight: int, cap: float) -> int:
     """The variant for clusters a:b with every block checkpointed: the fastest whose memory (state, each in-flight
-    micro-batch's block inputs, one block's recompute) fits `cap`, else the leanest."""
+    micro-batch's block inputs, the largest transient: a block's recompute, the loss) fits `cap`, else the leanest."""
     t = [(cv.F[a:b] + cv.B[a:b] + cv.W[a:b] + cv.rtime[a:b]).sum() for cv in costs]
     mem = [
-        cv.state[a:b].sum()
-        + inflight * (cv.act[a:b] - cv.save[a:b]).sum()
-        + float(np.max(np.where(cv.blk[a:b], cv.act[a:b], 0.0)))
+        cv.state[a:b].sum() + inflight * (cv.act[a:b] - cv.save[a:b]).sum() + stage_transient(cv, a, b, 1)
         for cv in costs
     ]
     fit = [j for j in range(len(costs)) if mem[j] <= cap]
@@ -69,8 +67,8 @@ def _fastest_fitting_all_checkpointed(costs, a: int, b: int, inflight: int, cap:
 
 def _hand_fitting(costs, bounds, base, cluster, budget, recompute) -> dict:
     """evaluate_fitted, its per-stage choices made again under a smaller cap while the exact rank peak overflows
-    `budget` (the per-stage options leave out FSDP's unsharded units and the recompute transient, which the
-    simulation counts): recompute=True checkpoints as memory needs. The DP scales its cap the same way for v > 1."""
+    `budget` (the per-stage options leave out FSDP's unsharded units with one pipeline rank, which the simulation
+    counts): recompute=True checkpoints as memory needs. The DP scales its cap the same way for v > 1."""
     r, cap = evaluate_fitted(costs, bounds, base, cluster, budget, recompute), budget
     for _ in range(3):
         if r["fits"] or recompute is not True:

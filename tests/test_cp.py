@@ -133,12 +133,13 @@ def test_torchtitan_cp_layout_plans_with_fsdp_over_dp_and_cp():
     x = example_inputs("llama3-8b", batch=4, seq=seq, device="meta")
     opts = dict(layers_per_stage=[4], schedules=["GPipe"], n_microbatches=[1], recompute="all")
     mesh = autopar.MeshSpec((1, 4, 2), ("pp", "dp", "cp"))
-    p = autopar.plan(model, mesh, x, cluster="h100-95g", memory_budget=40 * 2**30, pipeline=opts)
+    # 70 GiB: the loss tail's fp32 logits gradients (2 x 16.8 GB) and the sharded state fit, replicated state not
+    p = autopar.plan(model, mesh, x, cluster="h100-95g", memory_budget=70 * 2**30, pipeline=opts)
     n_params = sum(t.numel() for t in model.parameters())
     state = p.stages[0]["memory"]["state_bytes"]
     per_param = autopar.TrainingPrecision.mixed_bf16_adam().bytes_per_param
     assert state == pytest.approx(n_params * per_param / 8, rel=0.02), (state, n_params)
-    assert p.predicted["peak_mem_bytes"] <= 40 * 2**30
+    assert p.predicted["peak_mem_bytes"] <= 70 * 2**30
     att = _attention_placements(p)
     assert att and all(a["out"][0] == ["S0", "S2"] and a["ins"][1] == ["S0", "R"] for a in att), att
     assert _cp_collectives(p, 1, "fw", "all_gather") and _cp_collectives(p, 1, "bw", "reduce_scatter")

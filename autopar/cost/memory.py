@@ -112,3 +112,57 @@ def reserved_peak(tensors: list[float], frag: float = 0.0) -> float:
     large = sum(segment_bytes(t) for t in tensors if t >= MIN_LARGE_ALLOC)
     packed = -(-small // (2 * SMALL_SIZE)) * 2 * SMALL_SIZE + -(-mid // LARGE_BUFFER) * LARGE_BUFFER
     return (packed + large) * (1 + frag)
+
+
+def _fit(segs: list, pool: str, size: int):
+    """The smallest free block of `pool` that holds `size` (the allocator's best fit): (segment, block index)."""
+    best = None
+    for seg in segs:
+        if seg["pool"] != pool:
+            continue
+        for k, (n, key) in enumerate(seg["blocks"]):
+            if key is None and n >= size and (best is None or n < best[0]):
+                best = (n, seg, k)
+    return best[1:] if best else None
+
+
+def idle_cached_bytes(events: list) -> float:
+    """Bytes the caching allocator holds reserved beyond the allocated peak of an allocation trace from a cold
+    cache (what memory_reserved adds over memory_allocated there): events [(key, nbytes)] allocate, [(key, None)]
+    free. CUDACachingAllocator's rules: requests rounded to 512 B; up to 1 MiB from the small pool, larger from the
+    large one; the smallest free cached block of the pool that holds the request, split when the rest exceeds
+    1 MiB (large pool) or 512 B (small); else a new segment of `segment_bytes`; a freed block merges with its free
+    neighbours; segments are never returned (no empty_cache, no OOM retry). E.g. a loss's bf16 logits (2 N V B),
+    freed before its backward asks for two fp32 buffers (4 N V B each) while log_softmax's output is held, leave
+    their segment idle at the peak: N V x 2 B more reserved than allocated."""
+    segs, where = [], {}
+    live = peak = 0
+    for key, nbytes in events:
+        if nbytes is None:
+            seg, blk = where.pop(key)
+            k = next(i for i, b in enumerate(seg["blocks"]) if b is blk)
+            live -= blk[0]
+            blk[1] = None
+            for j in (k + 1, k):  # merge with the free neighbour after, then before
+                if 0 < j < len(seg["blocks"]) and seg["blocks"][j][1] is None and seg["blocks"][j - 1][1] is None:
+                    seg["blocks"][j - 1][0] += seg["blocks"].pop(j)[0]
+            continue
+        size = int(allocated_bytes(nbytes))
+        if size <= 0:
+            continue
+        pool = "small" if size <= SMALL_SIZE else "large"
+        hit = _fit(segs, pool, size)
+        if hit is None:
+            segs.append({"pool": pool, "size": segment_bytes(size), "blocks": [[segment_bytes(size), None]]})
+            hit = (segs[-1], 0)
+        seg, k = hit
+        rest = seg["blocks"][k][0] - size
+        if rest > (SMALL_SIZE if pool == "large" else MIN_BLOCK - 1):
+            seg["blocks"][k][0] = size
+            seg["blocks"].insert(k + 1, [rest, None])
+        blk = seg["blocks"][k]
+        blk[1] = key
+        where[key] = (seg, blk)
+        live += blk[0]
+        peak = max(peak, live)
+    return sum(s["size"] for s in segs) - peak
