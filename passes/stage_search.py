@@ -66,17 +66,37 @@ def _fastest_fitting_all_checkpointed(costs, a: int, b: int, inflight: int, cap:
 
 
 def _hand_fitting(costs, bounds, base, cluster, budget, recompute) -> dict:
-    """evaluate_fitted, its per-stage choices made again under a smaller cap while the exact rank peak overflows
+    """evaluate_fitted, its per-stage choices made again under a scaled cap while the exact rank peak overflows
     `budget` (the per-stage options leave out FSDP's unsharded units with one pipeline rank, which the simulation
-    counts): recompute=True checkpoints as memory needs. The DP scales its cap the same way for v > 1."""
-    r, cap = evaluate_fitted(costs, bounds, base, cluster, budget, recompute), budget
-    for _ in range(3):
-        if r["fits"] or recompute is not True:
+    counts) or leaves room that fewer checkpointed blocks could use (with v stages per rank each stage is first
+    charged budget / v, though their peaks do not coincide): the cap is scaled by the room, then bisected between
+    the largest that fits and the smallest that overflows; recompute=True checkpoints as memory needs, and the
+    fastest layout that fits wins. The DP scales its cap the same way for v > 1."""
+    r = evaluate_fitted(costs, bounds, base, cluster, budget, recompute)
+    if recompute is not True:
+        return r
+    best, lo, hi, cap = (
+        (r if r["fits"] else None),
+        (budget if r["fits"] else 0.0),
+        (None if r["fits"] else budget),
+        budget,
+    )
+    for _ in range(6):
+        if r["fits"] and not any(r["recompute"]):
             break
-        cap *= 0.98 * budget / r["peak_mem"]
+        room = 0.98 * budget / r["peak_mem"] if r["peak_mem"] > 0 else 1.0
+        nxt = min(cap * room, base["v"] * budget) if hi is None else (lo + hi) / 2
+        if hi is not None and hi - lo < 0.02 * budget or abs(nxt - cap) < 0.01 * budget:
+            break
+        cap = nxt
         r = evaluate_fitted(costs, bounds, base, cluster, cap, recompute)
         r["fits"] = r["peak_mem"] <= budget
-    return r
+        if r["fits"]:
+            lo = max(lo, cap)
+            best = r if best is None or r["step_s"] < best["step_s"] else best
+        else:
+            hi = cap if hi is None else min(hi, cap)
+    return best or r
 
 
 def _dp_inflight(order, S, spec, v):

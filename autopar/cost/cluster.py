@@ -316,10 +316,10 @@ FITTED: dict[str, ClusterSpec] = {
         "a100-selene",
         CLUSTERS["a100"],
         "selene",
-        dict(bus_eff=_HDR_NCCL.bus_eff * 1.0526),
+        dict(bus_eff=_HDR_NCCL.bus_eff * 0.9889),
         attention="unfused",
-        gemm_eff_max=_A100.gemm_eff_max * 0.8817,
-        mem_eff=_A100.mem_eff * 0.6246,
+        gemm_eff_max=_A100.gemm_eff_max * 0.9932,
+        mem_eff=_A100.mem_eff * 0.6749,
     ),
     # Llama 3's H100 SXM 80 GB 700 W (arXiv 2407.21783 Table 4), fitted on the 8,192-GPU row
     "h100-llama3": _fitted(
@@ -334,10 +334,10 @@ FITTED: dict[str, ClusterSpec] = {
         "h100-95g-titan",
         CLUSTERS["h100-95g"],
         "titan",
-        dict(bus_eff=_NDR_NCCL.bus_eff * 0.9877),
-        gemm_eff_max=_H100_95G.gemm_eff_max * 0.752,
-        attn_fwd_eff=_H100_95G.attn_fwd_eff * 0.9432,
-        attn_bwd_eff=_H100_95G.attn_bwd_eff * 0.9432,
+        dict(bus_eff=_NDR_NCCL.bus_eff * 0.9881),
+        gemm_eff_max=_H100_95G.gemm_eff_max * 0.8226,
+        attn_fwd_eff=_H100_95G.attn_fwd_eff * 0.9393,
+        attn_bwd_eff=_H100_95G.attn_bwd_eff * 0.9393,
     ),
 }
 CLUSTERS.update(FITTED)
