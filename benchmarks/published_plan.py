@@ -20,7 +20,7 @@ from autopar import models
 import autopar.testing
 from autopar.testing import fsdp_tp_force
 
-from published_rows import Row, metric_of
+from published_rows import CP_ATTENTION, Row, metric_of
 
 CACHE = os.path.join(os.path.dirname(__file__), "results", ".published_cache")
 
@@ -178,12 +178,45 @@ def tp_pin(row: Row, mesh):
     return pin
 
 
+def kv_pin(row: Row, mesh):
+    """Where a cp row moves K/V over the cp ranks, as its run did (a `pin` on the stage submesh; None without cp):
+    Llama 3 all-gathers K and V before GQA repeats them ("much smaller than Q due to GQA", arXiv 2407.21783
+    section 3.3.2): repeat_kv's unsqueeze reads them Replicate on cp; TorchTitan's Llama calls SDPA on the repeated
+    K/V, so torch's context_parallel moves those: the repeat's copy stays sequence-sharded on cp."""
+    names = list(mesh.names[1:])
+    cp = [d for d, n in enumerate(names) if n.startswith("cp")]
+    if row.layout[3] == 1 or not cp:
+        return None
+    before = CP_ATTENTION[row.source.split(" Table")[0]] == "allgather"
+    op, want = ("aten.unsqueeze.default", "R") if before else ("aten.clone.default", "S1")
+
+    def pin(n):
+        out = n.outs[0] if n.kind == "op" and n.outs else None
+        if out is None or str(n.target) != op or not n.module.endswith("attention") or len(out.shape) != 5:
+            return None
+        return {d: want for d in cp} if not before or out.shape[3] == 1 else None
+
+    return pin
+
+
+def layout_pin(row: Row, mesh):
+    """tp_pin and kv_pin together (they name different nodes)."""
+    pins = [p for p in (tp_pin(row, mesh), kv_pin(row, mesh)) if p is not None]
+    if len(pins) < 2:
+        return pins[0] if pins else None
+    return lambda n: pins[0](n) or pins[1](n)
+
+
 def _plan_forced(row: Row, m, x, cluster):
     """The row's published layout planned at autopar's default budget, or where no plan fits it but one fits the
     whole device, at the whole device's memory (the published run ran in it): (plan, the budget used or None)."""
     mesh, opts = _mesh_and_pipeline(row)
     kw = dict(
-        cluster=cluster, pipeline=opts, float8=row.float8 or None, force=tp_force(row, m, mesh), pin=tp_pin(row, mesh)
+        cluster=cluster,
+        pipeline=opts,
+        float8=row.float8 or None,
+        force=tp_force(row, m, mesh),
+        pin=layout_pin(row, mesh),
     )
     try:
         return autopar.plan(m, mesh, x, **kw), None
