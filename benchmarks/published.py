@@ -23,8 +23,9 @@ Assumptions (each also in the results file):
     rank (v is not published).
   * TorchTitan's H100s are the 95 GiB power-limited part (preset h100-95g); sequence 8192 for Tables 1-4; its
     "batch" is per data-parallel rank (Table 6: 8 sequences per rank, one micro-batch each); selective AC is
-    recompute=True (autopar checkpoints whole blocks as memory needs: the nearest it can express), full AC is
-    recompute="all"; without pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the
+    torchtitan's op SAC on every block (recompute="all", ac="op": each block keeps its matmul outputs but every
+    second one and its attention outputs, and reruns the rest), full AC is recompute="all" (whole blocks); Table 6
+    does not publish its AC: recompute=True (whole blocks checkpointed as memory needs); without pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the
     local batch into micro-batches (1, 2, 4, .. of it) where one does not fit its memory model (the chosen count is
     in the row's record); Float8 rows plan with float8=True (per-tensor scaled GEMMs, FSDP float8 all-gather);
     torch.compile rows price the fused regions of DeviceSpec fusion="inductor"; async TP is not modelled: B3.8 is

@@ -42,6 +42,7 @@ def _mesh_and_pipeline(row: Row):
         stages_per_rank=[row.v],
         n_microbatches=list(row.microbatches),
         recompute=row.recompute,
+        ac=row.ac,
     )
     return autopar.MeshSpec(shape, names), opts
 

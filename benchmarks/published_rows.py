@@ -31,6 +31,7 @@ class Row:
     microbatches: tuple = (1,)
     layers_per_stage: tuple = ()
     recompute: object = "all"
+    ac: str = "block"  # what checkpointing a block means (pipeline option ac): "op" is torchtitan's selective op SAC
     float8: bool = False
     mem_gib: float | None = None
     unmodelled: tuple = ()
@@ -92,12 +93,12 @@ def _megatron(i, r) -> Row:
 # ---- Table B: TorchTitan (table, model, GPUs, (pp, dp, tp, cp), local batch, seq, techniques, TPS/GPU, GiB)
 _ASYNC = "async TP not modelled"
 TITAN = [
-    (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute=True), (), 6258, 81.9),
-    (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute=True, compile=True), (), 6674, 77.0),
-    (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute=True, float8=True, compile=True), (), 9409, 76.8),
-    (2, "8b", 128, (1, 128, 1, 1), 2, 8192, dict(recompute=True), (), 5645, 67.0),
-    (2, "8b", 128, (1, 128, 1, 1), 2, 8192, dict(recompute=True, compile=True), (), 6482, 62.1),
-    (2, "8b", 128, (1, 128, 1, 1), 2, 8192, dict(recompute=True, float8=True, compile=True), (), 9319, 61.8),
+    (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute="all", ac="op"), (), 6258, 81.9),
+    (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute="all", ac="op", compile=True), (), 6674, 77.0),
+    (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute="all", ac="op", float8=True, compile=True), (), 9409, 76.8),
+    (2, "8b", 128, (1, 128, 1, 1), 2, 8192, dict(recompute="all", ac="op"), (), 5645, 67.0),
+    (2, "8b", 128, (1, 128, 1, 1), 2, 8192, dict(recompute="all", ac="op", compile=True), (), 6482, 62.1),
+    (2, "8b", 128, (1, 128, 1, 1), 2, 8192, dict(recompute="all", ac="op", float8=True, compile=True), (), 9319, 61.8),
     (3, "70b", 256, (1, 32, 8, 1), 16, 8192, dict(float8=True, compile=True), (), 897, 70.3),
     (3, "70b", 256, (1, 32, 8, 1), 16, 8192, dict(float8=True, compile=True), (_ASYNC,), 1010, 67.7),
     (4, "405b", 512, (16, 4, 8, 1), 32, 8192, dict(float8=True, compile=True), (), 100, 78.0),
@@ -152,6 +153,7 @@ def _titan(i, r) -> Row:
         microbatches=(local,) if pp > 1 else tuple(m for m in (1, 2, 4, 8, 16) if local % m == 0),
         layers_per_stage=_split(_BLOCKS[size], pp * v),
         recompute=opts.get("recompute", "all"),
+        ac=opts.get("ac", "block"),
         float8=opts.get("float8", False),
         compile=opts.get("compile", False),
         mem_gib=gib,

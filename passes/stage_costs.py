@@ -201,7 +201,10 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
     if engine_priced(state.cluster):
         eng = pe.engine_terms(g, state.placement, where, K, state.mesh, state.precision, state.cluster)
     return {
-        **{k: metrics[k] for k in ("F", "B", "W", "dp", "state", "act", "state_dp", "peak", "idle")},
+        **{
+            k: metrics[k]
+            for k in ("F", "B", "W", "dp", "state", "act", "state_dp", "peak", "idle", "sac_time", "sac_bytes")
+        },
         **eng,
         "xbytes": cross_bytes,
         "xn": cross_n,
@@ -211,16 +214,22 @@ def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
     }
 
 
-def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str) -> Costs:
-    """Sub-model metrics -> full-model clusters: pre, block i (costed as its representative pos_of[i]), post."""
+def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str, ac: str = "block") -> Costs:
+    """Sub-model metrics -> full-model clusters: pre, block i (costed as its representative pos_of[i]), post.
+    ac: what checkpointing a block means: "block" reruns its forward, "op" is torchtitan's selective op SAC."""
     idx = [0] + [1 + p for p in pos_of] + [n_sub + 1]
     arr = lambda k: np.array([metrics[k][j] for j in idx], dtype=float)
     xb = np.array([metrics["xbytes"][j] for j in idx[:-1]])
     xn = np.array([metrics["xn"][j] for j in idx[:-1]])
     c = Costs(name, arr("F"), arr("B"), arr("W"), arr("dp"), arr("state"), arr("act"), xb, xn > 0, xn)
     c.blk = np.array([False] + [True] * len(pos_of) + [False])
-    c.save = np.where(c.blk, np.maximum(0.0, c.act - np.concatenate([[0.0], xb])), 0.0)
-    c.rtime = np.where(c.blk, c.F, 0.0)
+    kept_in = np.concatenate([[0.0], xb])  # a checkpointed block keeps its input
+    if ac == "op":  # torchtitan's op SAC (stage_metrics.SAC_SAVED): the saved ops' outputs stay, the rest reruns
+        c.save = np.where(c.blk, np.maximum(0.0, c.act - kept_in - arr("sac_bytes")), 0.0)
+        c.rtime = np.where(c.blk, np.maximum(0.0, c.F - arr("sac_time")), 0.0)
+    else:  # the whole block reruns
+        c.save = np.where(c.blk, np.maximum(0.0, c.act - kept_in), 0.0)
+        c.rtime = np.where(c.blk, c.F, 0.0)
     c.peak = arr("peak") if "peak" in metrics else None
     c.idle = arr("idle") if "idle" in metrics else None
     c.coll = [metrics["coll"][j] for j in idx]
@@ -370,7 +379,7 @@ class StageOps:
             label = (
                 "time-optimal" if step == 0 else "params sharded on dp" if step == 1 else f"mem<={budget / 1e9:.4g}GB"
             )
-            cv = expand(met, self.pos_of, len(self.reps), f"v{len(self.variants)} {label}")
+            cv = expand(met, self.pos_of, len(self.reps), f"v{len(self.variants)} {label}", self.ctx.get("ac", "block"))
             cv.base = len(self.plans)
             self.variants.append(cv)
             self.plans.append(plan)

@@ -28,6 +28,18 @@ def _feeds_earlier(g, where) -> list:
     return feeds
 
 
+# torchtitan's selective op activation checkpointing ("op" SAC, torchtitan/distributed/activation_checkpoint.py):
+# a block saves the outputs of its matmuls, except every second one (counted per block in forward order), and of
+# the attention kernels; everything else it runs again before its backward
+SAC_SAVED = ("aten.mm.default", "aten._scaled_dot_product_flash_attention", "aten._scaled_dot_product_efficient")
+
+
+def _sac_saved(target: str, mm_seen: int) -> bool:
+    if target == "aten.mm.default":
+        return mm_seen % 2 == 1
+    return target.startswith(SAC_SAVED[1:])
+
+
 def node_metrics(state, plan, where, K: int) -> dict:
     """Per cluster F/B/W seconds (compute + activation redistributes), dp comm seconds, model-state bytes,
     saved-activation bytes, its peak live bytes while it runs (cluster_peaks), and the collectives (kind -> [count,
@@ -39,6 +51,7 @@ def node_metrics(state, plan, where, K: int) -> dict:
     feeds = _feeds_earlier(g, where)
     coll = [{"act": {}, "dp": {}} for _ in range(K)]
     saved, saved_in = {}, {}  # alias root -> per-rank bytes kept for backward, and the cluster that holds them
+    sac_t, sac_b, mm_seen = np.zeros(K), np.zeros(K), np.zeros(K, dtype=int)  # op SAC: saved ops' time and bytes
     for rec in plan.nodes:
         i = rec["idx"]
         c = where[i]
@@ -60,6 +73,11 @@ def node_metrics(state, plan, where, K: int) -> dict:
                 st_dp[c] += n.out.numel * bpp / num_shards(P[i].out[0], mesh_shape)
         elif n.phase == "fw":
             F[c] += t
+            target = str(n.target)
+            mm_seen[c] += target == "aten.mm.default"
+            if _sac_saved(target, mm_seen[c]):
+                sac_t[c] += t
+                sac_b[c] += sum(nb for _, nb in _saved_buffers(g, P, i, mesh_shape))
             if any(g.nodes[u].phase == "bw" for u in n.users):
                 for key, nbytes in _saved_buffers(g, P, i, mesh_shape):
                     saved[key] = nbytes
@@ -73,6 +91,7 @@ def node_metrics(state, plan, where, K: int) -> dict:
     peak = np.array(cluster_peaks(g, P, mesh_shape, where, K))
     idle = np.array(cluster_idle(g, P, mesh_shape, where, K))
     out = {"F": F, "B": B, "W": W, "dp": dp, "state": st, "act": act, "coll": coll, "state_dp": st_dp}
+    out |= {"sac_time": sac_t, "sac_bytes": sac_b}
     return out | {"peak": peak, "idle": idle}
 
 

@@ -43,7 +43,9 @@ class StagesRequest:
     stages_per_rank (lists), layers_per_stage (a hand layout: blocks per stage, no DP), max_microbatch_options,
     n_variants (intra-op plans per stage submesh: 1 time-optimal, 2 (default) + FSDP-sharded params, 3-4 +
     memory-budgeted), recompute (checkpointed blocks: True (default) as memory needs, False never, "all": every
-    block, for hand layouts), dp_shards_batch (default True), prune_margin (1.25), dp_tol (1e-3: relative tolerance
+    block, for hand layouts), ac (what checkpointing a block means: "block" (default) reruns its forward, "op"
+    torchtitan's selective op SAC: its matmul outputs but every second one and its attention outputs stay saved),
+    dp_shards_batch (default True), prune_margin (1.25), dp_tol (1e-3: relative tolerance
     of the bottleneck scan; 0 = exact), top (candidates kept in the report), workers, exact_keys (12: with more
     (submesh, micro-batch) keys than this, most are estimated, passes/stage_estimate.py), estimate_margin (0.05:
     an estimated key is solved exactly when its estimate is within this of the best exact step)."""
@@ -183,6 +185,7 @@ def _context(request: "StagesRequest", opts: dict) -> dict:
         "n_variants": int(opts.get("n_variants", 2)),
         "dp_shards_batch": bool(opts.get("dp_shards_batch", True)),
         "recompute": opts.get("recompute", True),
+        "ac": opts.get("ac", "block"),
         "float8": request.float8,
         "pin": request.pin,
     }
