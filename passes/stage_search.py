@@ -284,9 +284,7 @@ def cp_degrees(seq: int | None, per_stage: int, asked=None) -> list:
     return [c for c in asked or ok if c in ok]
 
 
-def candidate_meshes(
-    mesh: MeshSpec, n_clusters: int, cluster, opts, heads=frozenset(), max_pp=None, seq=None
-) -> list:
+def candidate_meshes(mesh: MeshSpec, n_clusters: int, cluster, opts, heads=frozenset(), max_pp=None, seq=None) -> list:
     """(pp, stage submesh) pairs: the mesh's own pp dim, or every factorization of a flat rank set into
     pp x dp x cp x tp with tp a valid degree (tp_degrees), cp a valid degree for a `seq`-token sequence
     (cp_degrees: only long sequences get cp > 1) and pp <= max_pp (1 for a model with tied parameters). Stage
