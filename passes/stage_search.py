@@ -97,6 +97,13 @@ def lower_bound(costs, spec, p, v, m) -> float:
     return pm.proxy_coef(m, v) * max(tot / S, float(c.max())) + f
 
 
+def state_bound(costs, p: int) -> float:
+    """A lower bound on any partition's per-rank peak: every cluster's state at its leanest variant, averaged over
+    the p ranks (the fullest rank holds at least the mean; activations only add). A configuration whose bound
+    exceeds the budget cannot fit, so the search skips it without a DP (a 1T model on few stages: most of them)."""
+    return float(np.min([cv.state for cv in costs], axis=0).sum()) / p
+
+
 def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute=True, tries=3) -> dict:
     """Stage DP (or a hand layout) for one configuration, evaluated by simulation. With several stages per rank
     the DP charges each stage budget/v (scaled, up to `tries` DPs, while the exact rank peak leaves room or
@@ -119,7 +126,19 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
         if part is None:
             break
         ev = evaluate(
-            cvs, part.bounds, part.variants, part.recompute, spec, p, v, m, order, cluster, smesh.size, budget
+            cvs,
+            part.bounds,
+            part.variants,
+            part.recompute,
+            spec,
+            p,
+            v,
+            m,
+            order,
+            cluster,
+            smesh.size,
+            budget,
+            quick=True,
         )
         if ev["fits"] and (best is None or ev["step_s"] < best["step_s"]):
             best = {**base, **ev, "part": part}
@@ -181,7 +200,7 @@ def _search_share(share):
     configs, cache, cluster, budget, hand, tol, recompute, margin, best = _FORKED
     results, pruned, orders = [], 0, {}
     for c in configs[share[0] :: share[1]]:
-        if c["lb"] > margin * best:
+        if c["lb"] > margin * best or c.get("mem_lb", 0.0) > budget:
             pruned += 1
             continue
         sched = (c["spec"].name, c["p"], c["m"], c["v"])  # configurations on other submeshes share the order

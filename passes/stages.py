@@ -27,6 +27,7 @@ from .stage_search import (
     microbatch_counts,
     search,
     stage_plans,
+    state_bound,
 )
 from autopar.plan import Plan
 from autopar.solver import InfeasibleMemoryError
@@ -124,6 +125,7 @@ def _configs(grid, cache, Bsz: int, specs, opts, hand, n: int) -> list:
                         "v": v,
                         "key": key,
                         "lb": lower_bound(cache[key].costs(), spec, p, v, m),
+                        "mem_lb": state_bound(cache[key].costs(), p),
                     }
                 )
     configs.sort(key=lambda c: c["lb"])
@@ -248,6 +250,7 @@ def _refine(results, configs, cache, solve_keys, job_rest, workers, margin):
         fresh = [c for c in configs if c["key"] in todo and cache[c["key"]].variants]
         for c in fresh:
             c["lb"] = lower_bound(cache[c["key"]].costs(), c["spec"], c["p"], c["v"], c["m"])
+            c["mem_lb"] = state_bound(cache[c["key"]].costs(), c["p"])
         fresh.sort(key=lambda c: c["lb"])
         exact = min((r["step_s"] for r in results if r["fits"] and r["key"] in cache), default=INF)
         res, pr = search((fresh, cache, *job_rest, exact), workers)
