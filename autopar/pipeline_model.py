@@ -143,8 +143,28 @@ def proxy_step(spec: ScheduleSpec, p: int, v: int, m: int, c: list, b: list) -> 
 
 
 # ---- in-flight activations ------------------------------------------------------------------------------------
+# The stage search asks the same order (one per (schedule, p, m, v), up to millions of actions) for its in-flight
+# counts once per configuration and DP try; keyed by the order's identity (the entry keeps the order alive, so the
+# id is not reused), a few most recent orders, since hashing the order would cost as much as a pass over it.
+_MEMO: dict = {}
+
+
+def _memo(fn, order: tuple, S: int, split_backward: bool) -> list[int]:
+    key = (fn.__name__, id(order), S, split_backward)
+    hit = _MEMO.get(key)
+    if hit is None or hit[0] is not order:
+        if len(_MEMO) > 64:
+            _MEMO.clear()
+        hit = _MEMO[key] = (order, fn(order, S, split_backward))
+    return list(hit[1])
+
+
 def inflight(order: tuple, S: int, split_backward: bool) -> list[int]:
     """Per stage, the most micro-batches whose activations are held at once (from torch's action order)."""
+    return _memo(_inflight, order, S, split_backward)
+
+
+def _inflight(order: tuple, S: int, split_backward: bool) -> list[int]:
     live, peak = [0] * S, [0] * S
     done = "W" if split_backward else "B"
     for rank in order:
@@ -161,6 +181,10 @@ def inflight_at_peak(order: tuple, S: int, split_backward: bool) -> list[int]:
     """Per stage, its micro-batches in flight at the moment its rank holds the most in flight over all its stages
     (= the per-stage peak with one stage per rank). With equal activations per stage, sum over a rank's stages of
     act * this is the rank's peak: what the stage DP charges each stage of an interleaved/V schedule."""
+    return _memo(_inflight_at_peak, order, S, split_backward)
+
+
+def _inflight_at_peak(order: tuple, S: int, split_backward: bool) -> list[int]:
     out = [0] * S
     done = "W" if split_backward else "B"
     for rank in order:

@@ -497,10 +497,12 @@ def stage_idle(cv, a: int, b: int, recompute: int) -> float:
 
 
 def evaluate(
-    costs, bounds, variants, recompute, spec, p, v, m, order, cluster, stage_size, budget, detail=False
+    costs, bounds, variants, recompute, spec, p, v, m, order, cluster, stage_size, budget, detail=False, quick=False
 ) -> dict:
     """Step time (simulated on torch's action order), bubble and per-rank memory of one partition: stage k holds
-    clusters bounds[k]:bounds[k+1] with intra-op plan costs[variants[k]] and recompute[k] checkpointed blocks."""
+    clusters bounds[k]:bounds[k+1] with intra-op plan costs[variants[k]] and recompute[k] checkpointed blocks.
+    quick (the search's DP results): a partition whose memory before FSDP's unsharded units is over budget
+    returns {step_s: inf, fits: False, peak_mem (that lower bound)} without the simulation."""
     S = p * v
     rank_of = pm.stage_ranks(spec, p, v)
     F, B, W, dp, st, act, x, trans, idle = [], [], [], [], [], [], [], [], []
@@ -526,6 +528,12 @@ def evaluate(
                     else 0.0,
                 )
             )
+    act_peak = pm.rank_act_peak(order, act, spec.split_backward)
+    rank_state = [sum(st[k] for k in range(S) if rank_of[k] == r) for r in range(p)]
+    tr = [max((trans[k] for k in range(S) if rank_of[k] == r), default=0.0) for r in range(p)]
+    mem = [rank_state[r] + act_peak[r] + tr[r] for r in range(p)]
+    if quick and max(mem) > budget:  # FSDP's unsharded units only add: it cannot fit, skip the simulation
+        return {"step_s": INF, "fits": False, "peak_mem": max(mem), "rank_mem": mem, "recompute": list(recompute)}
     eng = (
         _engine(costs, bounds, variants, recompute, order, rank_of, (F, B, W, x), detail, spec.multi)
         if engine_priced(cluster)
@@ -538,10 +546,6 @@ def evaluate(
         step, exposed_dp, exposed_p2p = sim.step_s + max(exposed), max(exposed), sim.step_s - no_p2p
     else:
         sim, step, exposed_dp, exposed_p2p = eng["sim"], eng["step_s"], eng["exposed_dp_s"], eng["exposed_p2p_s"]
-    act_peak = pm.rank_act_peak(order, act, spec.split_backward)
-    rank_state = [sum(st[k] for k in range(S) if rank_of[k] == r) for r in range(p)]
-    tr = [max((trans[k] for k in range(S) if rank_of[k] == r), default=0.0) for r in range(p)]
-    mem = [rank_state[r] + act_peak[r] + tr[r] for r in range(p)]
     if eng is not None:  # FSDP2's unsharded parameters and gradients (autopar/pipeline_engine.py fsdp_unsharded_bytes)
         mem = [
             mem[r] + pe.fsdp_unsharded_bytes([eng["kept"][k] for k in range(S) if rank_of[k] == r], p) for r in range(p)

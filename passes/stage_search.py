@@ -115,6 +115,13 @@ def lower_bound(costs, spec, p, v, m) -> float:
     return pm.proxy_coef(m, v) * max(tot / S, float(c.max())) + f
 
 
+def state_bound(costs, p: int) -> float:
+    """A lower bound on any partition's per-rank peak: every cluster's state at its leanest variant, averaged over
+    the p ranks (the fullest rank holds at least the mean; activations only add). A configuration whose bound
+    exceeds the budget cannot fit, so the search skips it without a DP (a 1T model on few stages: most of them)."""
+    return float(np.min([cv.state for cv in costs], axis=0).sum()) / p
+
+
 def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute=True, tries=3) -> dict:
     """Stage DP (or a hand layout) for one configuration, evaluated by simulation. With several stages per rank
     the DP charges each stage budget/v (scaled, up to `tries` DPs, while the exact rank peak leaves room or
@@ -137,7 +144,19 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
         if part is None:
             break
         ev = evaluate(
-            cvs, part.bounds, part.variants, part.recompute, spec, p, v, m, order, cluster, smesh.size, budget
+            cvs,
+            part.bounds,
+            part.variants,
+            part.recompute,
+            spec,
+            p,
+            v,
+            m,
+            order,
+            cluster,
+            smesh.size,
+            budget,
+            quick=True,
         )
         if ev["fits"] and (best is None or ev["step_s"] < best["step_s"]):
             best = {**base, **ev, "part": part}
@@ -199,7 +218,7 @@ def _search_share(share):
     configs, cache, cluster, budget, hand, tol, recompute, margin, best = _FORKED
     results, pruned, orders = [], 0, {}
     for c in configs[share[0] :: share[1]]:
-        if c["lb"] > margin * best:
+        if c["lb"] > margin * best or c.get("mem_lb", 0.0) > budget:
             pruned += 1
             continue
         sched = (c["spec"].name, c["p"], c["m"], c["v"])  # configurations on other submeshes share the order
@@ -281,9 +300,32 @@ def tp_degrees(world: int, per_stage: int, cluster, heads: set, asked=None) -> l
     return [t for t in asked or ok if t in ok and per_stage % t == 0 and (g % t == 0 or world <= g)]
 
 
-def candidate_meshes(mesh: MeshSpec, n_clusters: int, cluster, opts, heads=frozenset(), max_pp=None) -> list:
+# Context parallelism pays where one sequence is long: a cp rank all-gathers K and V (2 x seq x kv_dim per
+# attention) while its attention work grows with (seq / cp) x seq, so the compute that hides the gather per
+# gathered byte scales with the per-rank sequence. Llama 3 (cp 16 at 131072) and torchtitan (cp 2-8 at 65536-262144)
+# keep >= 8192 tokens per cp rank; below that the GEMMs go skinny and the gather is exposed. Degrees are powers of
+# 2 up to 16 (Llama 3's largest), so a long sequence adds at most 4 cp degrees per (pp, tp).
+CP_MIN_TOKENS = 8192
+CP_MAX = 16
+
+
+def cp_degrees(seq: int | None, per_stage: int, asked=None) -> list:
+    """Context-parallel degrees of a stage submesh of `per_stage` ranks for sequences of `seq` tokens: 1, and the
+    powers of 2 up to CP_MAX dividing both the sequence and the ranks that keep >= CP_MIN_TOKENS per rank; `asked`
+    (the cp option) narrows them. None (no sequence, or a model without attention): [1]."""
+    ok = [1]
+    c = 2
+    while seq and c <= min(CP_MAX, per_stage) and seq % c == 0 and seq // c >= CP_MIN_TOKENS:
+        ok += [c] if per_stage % c == 0 else []
+        c *= 2
+    return [c for c in asked or ok if c in ok]
+
+
+def candidate_meshes(mesh: MeshSpec, n_clusters: int, cluster, opts, heads=frozenset(), max_pp=None, seq=None) -> list:
     """(pp, stage submesh) pairs: the mesh's own pp dim, or every factorization of a flat rank set into
-    pp x dp x tp with tp a valid degree (tp_degrees) and pp <= max_pp (1 for a model with tied parameters)."""
+    pp x dp x cp x tp with tp a valid degree (tp_degrees), cp a valid degree for a `seq`-token sequence
+    (cp_degrees: only long sequences get cp > 1) and pp <= max_pp (1 for a model with tied parameters). Stage
+    submesh dims are named ("dp", "cp", "tp") as forced layouts name them, size-1 dims left out."""
     if "pp" in mesh.names:
         k = mesh.names.index("pp")
         rest = [(s, nm) for j, (s, nm) in enumerate(zip(mesh.shape, mesh.names)) if j != k]
@@ -295,10 +337,10 @@ def candidate_meshes(mesh: MeshSpec, n_clusters: int, cluster, opts, heads=froze
         if world % p or p > n_clusters or (max_pp is not None and p > max_pp):
             continue
         for tp in tp_degrees(world, world // p, cluster, heads, opts.get("tp")):
-            dp = world // p // tp
-            shape = [(dp, "dp"), (tp, "tp")]
-            shape = [x for x in shape if x[0] > 1] or [(1, "dp")]
-            out.append((p, MeshSpec(tuple(s for s, _ in shape), tuple(nm for _, nm in shape))))
+            for cp in cp_degrees(seq, world // p // tp, opts.get("cp")):
+                dp = world // p // tp // cp
+                shape = [x for x in [(dp, "dp"), (cp, "cp"), (tp, "tp")] if x[0] > 1] or [(1, "dp")]
+                out.append((p, MeshSpec(tuple(s for s, _ in shape), tuple(nm for _, nm in shape))))
     return out
 
 

@@ -27,6 +27,7 @@ from .stage_search import (
     microbatch_counts,
     search,
     stage_plans,
+    state_bound,
 )
 from autopar.plan import Plan
 from autopar.solver import InfeasibleMemoryError
@@ -78,15 +79,18 @@ def _blocks(model):
     return prefix, blocks, reps, pos_of
 
 
-def _meshes(model, mesh, n: int, cluster, opts, tied) -> list:
+def _meshes(model, mesh, n: int, cluster, opts, tied, seq=None) -> list:
     """The (pp, stage submesh) candidates. A model with tied parameters (one tensor used by two layers, e.g. tied
-    embeddings) plans without pipeline stages: the pipeline runtime keeps each parameter on one stage."""
+    embeddings) plans without pipeline stages: the pipeline runtime keeps each parameter on one stage. seq: the
+    step's sequence length (cp candidates where it is long); a model that declares no attention heads gets none
+    (a cp dim splits attention's sequence)."""
     if tied and "pp" in mesh.names and mesh.shape[mesh.names.index("pp")] > 1:
         raise ValueError(
             f"tied parameters {sorted(tied)} cannot be split across pipeline stages: plan {type(model).__name__} "
             f"without a pp mesh dim (pipeline='auto' on a flat rank set then keeps pp = 1), or untie them"
         )
-    out = candidate_meshes(mesh, n, cluster, opts, head_counts(model), max_pp=1 if tied else None)
+    heads = head_counts(model)
+    out = candidate_meshes(mesh, n, cluster, opts, heads, 1 if tied else None, seq if heads else None)
     if not out:
         why = f"; tied parameters {sorted(tied)} keep pp = 1" if tied else ""
         raise ValueError(
@@ -123,6 +127,7 @@ def _configs(grid, cache, Bsz: int, specs, opts, hand, n: int) -> list:
                         "v": v,
                         "key": key,
                         "lb": lower_bound(cache[key].costs(), spec, p, v, m),
+                        "mem_lb": state_bound(cache[key].costs(), p),
                     }
                 )
     configs.sort(key=lambda c: c["lb"])
@@ -248,6 +253,7 @@ def _refine(results, configs, cache, solve_keys, job_rest, workers, margin):
         fresh = [c for c in configs if c["key"] in todo and cache[c["key"]].variants]
         for c in fresh:
             c["lb"] = lower_bound(cache[c["key"]].costs(), c["spec"], c["p"], c["v"], c["m"])
+            c["mem_lb"] = state_bound(cache[c["key"]].costs(), c["p"])
         fresh.sort(key=lambda c: c["lb"])
         exact = min((r["step_s"] for r in results if r["fits"] and r["key"] in cache), default=INF)
         res, pr = search((fresh, cache, *job_rest, exact), workers)
@@ -273,7 +279,8 @@ def run(request: StagesRequest) -> Plan:
     specs = [pm.get_schedule(k) for k in opts.get("schedules") or pm.SCHEDULES]
     hand = opts.get("layers_per_stage")
     grid = []
-    for p, smesh in _meshes(model, mesh, n, cluster, opts, tied):
+    seq = tensors[0].shape[1] if tensors[0].dim() >= 2 else None
+    for p, smesh in _meshes(model, mesh, n, cluster, opts, tied, seq):
         grid += [(p, smesh, m) for m in microbatch_counts(Bsz, p, dp_size(smesh), opts)]
     keys = list(dict.fromkeys((smesh, Bsz // m) for _, smesh, m in grid))
     t_keys = time.perf_counter()

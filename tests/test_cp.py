@@ -292,3 +292,45 @@ def test_sequence_sharded_attention_is_priced_as_the_ring_by_default():
     assert K.kernel_time(target, args, {}, shapes, flops, nbytes, allgather, bf16) == pytest.approx(gathered)
     with pytest.raises(ValueError, match="cp_attention"):
         K.kernel_time(target, args, {}, shapes, flops, nbytes, dataclasses.replace(dev, cp_attention="x"), bf16)
+
+
+# ---- cp in the automatic search (passes/stage_search.py cp_degrees, candidate_meshes) ---------------------------
+
+
+def test_cp_candidates_only_for_long_sequences():
+    """A short sequence (8K: 4K per rank at cp 2, under CP_MIN_TOKENS) leaves the candidate list as it is without a
+    sequence; a 64K one adds cp 2-8 (>= 8K tokens per rank, powers of 2 dividing the stage's ranks), dims named
+    (dp, cp, tp)."""
+    from autopar.cost import get_cluster
+    from autopar.mesh import MeshSpec
+    from autopar.passes.stage_search import CP_MIN_TOKENS, candidate_meshes
+
+    h100, flat = get_cluster("h100"), MeshSpec((16,), ("dp",))
+    base = candidate_meshes(flat, 40, h100, {}, {8})
+    assert candidate_meshes(flat, 40, h100, {}, {8}, seq=CP_MIN_TOKENS) == base
+    assert all("cp" not in sm.names for _, sm in base)
+    long = candidate_meshes(flat, 40, h100, {}, {8}, seq=8 * CP_MIN_TOKENS)
+    cps = {sm.shape[sm.names.index("cp")] for _, sm in long if "cp" in sm.names}
+    assert cps == {2, 4, 8}, cps
+    assert set(base) < set(long)
+    assert all(list(sm.names) == [nm for nm in ("dp", "cp", "tp") if nm in sm.names] for _, sm in long)
+    assert all(p * sm.size == 16 for p, sm in long)
+
+
+@pytest.mark.timeout(300)
+def test_auto_search_shards_a_long_sequence_over_cp():
+    """One 32K sequence on 4 flat ranks, tp off: without cp no layout exists (one sequence feeds neither dp nor
+    micro-batches for pp), so pipeline='auto' must find the cp stage mesh (cp 4, 8K tokens per rank)."""
+    import autopar
+    from autopar.models import build_model, example_inputs
+
+    ov = dict(n_layers=2, dim=256, n_heads=8, n_kv_heads=2, ffn_dim=512, max_seq_len=32768)
+    model = build_model("llama-tiny", device="meta", **ov)
+    x = example_inputs("llama-tiny", batch=1, seq=32768, device="meta")
+    with pytest.raises(Exception, match="no pipeline plan fits|no \\(pp, dp, tp\\) layout"):
+        autopar.plan(model, (4,), x, cluster="h100", pipeline=dict(tp=[1], cp=[1]))
+    p = autopar.plan(model, (4,), x, cluster="h100", pipeline=dict(tp=[1]))
+    sc = p.schedule
+    shape = dict(zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]))
+    assert (sc["pp"], shape) == (1, {"cp": 4}), sc  # cp 2 would leave dp 2 for one sequence
+    assert p.predicted["peak_mem_bytes"] <= p.predicted["budget_bytes"]

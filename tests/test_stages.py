@@ -289,3 +289,32 @@ def test_tp_degrees_divide_heads_and_stay_in_a_node():
         for _, sm in candidate_meshes(MeshSpec((12,), ("dp",)), 40, h100, {}, head_counts(llama))
     }
     assert tps == {1, 2}
+
+
+def test_search_shortcuts_agree_with_the_full_evaluation(moe_ops):
+    """The stage search's speed-ups (issue 26 part 4) drop only what cannot fit: state_bound never exceeds the
+    simulated rank peak of a partition, and evaluate(quick=True) reports the same fits as the full evaluation
+    (the same step where it fits); the memoized in-flight counts are the same fresh lists on every call."""
+    from autopar.passes.stage_costs import evaluate
+    from autopar.passes.stage_search import state_bound
+
+    ops, _ = moe_ops
+    costs, h100 = ops.costs(), get_cluster("h100")
+    xfer = np.array([[collective_time_p2p(b) for b in cv.xbytes] for cv in costs])
+    seen = set()
+    for name, p, v in (("1F1B", 2, 1), ("1F1B", 3, 1), ("Interleaved1F1B", 2, 2)):
+        spec, m = pm.get_schedule(name), 2 * p
+        order = pm.actions(spec, p, m, v)
+        fl = pm.inflight(order, p * v, spec.split_backward)
+        fl[0] += 1
+        assert pm.inflight(order, p * v, spec.split_backward)[0] == fl[0] - 1  # a copy, not the memo's list
+        part = pm.partition(costs, xfer, spec, p, v, m, fl, 1e12)
+        args = (part.bounds, part.variants, part.recompute, spec, p, v, m, order, h100, 2)
+        full = evaluate(costs, *args, 1e12)
+        assert state_bound(costs, p) <= full["peak_mem"]
+        for budget in (1e12, 0.999 * full["peak_mem"], 0.5 * state_bound(costs, p)):
+            a, b = evaluate(costs, *args, budget), evaluate(costs, *args, budget, quick=True)
+            assert a["fits"] == b["fits"], (name, budget)
+            assert b["step_s"] == (a["step_s"] if a["fits"] else float("inf"))
+            seen.add(a["fits"])
+    assert seen == {True, False}
