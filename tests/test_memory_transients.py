@@ -30,16 +30,21 @@ class _Head(nn.Module):
         return F.cross_entropy(self.out(x).float(), labels)
 
 
+def _head_graph(n: int, h: int, v: int):
+    """The captured bf16 head + loss on n tokens, every node Replicate on a one-device mesh."""
+    m = _Head(h, v).to(device="meta", dtype=torch.bfloat16)
+    x = torch.empty(n, h, device="meta", dtype=torch.bfloat16)
+    labels = torch.empty(n, dtype=torch.long, device="meta")
+    g = capture(m, (x, labels))
+    return g, [SimpleNamespace(out=(("R",),) * len(nd.outs)) for nd in g.nodes]
+
+
 def test_loss_tail_peak_is_three_fp32_logits_copies():
     """A bf16 head and its loss, N = 64 tokens, V = 1000: forward peak 2 + 4 + 4 B per logit (bf16 logits, fp32
     upcast, log_softmax output), backward 4 + 4 + 4 (saved output, its gradient, the input gradient): 12 N V, and
     the scalar loss beside it."""
     n, h, v = 64, 32, 1000
-    m = _Head(h, v).to(device="meta", dtype=torch.bfloat16)
-    x = torch.empty(n, h, device="meta", dtype=torch.bfloat16)
-    labels = torch.empty(n, dtype=torch.long, device="meta")
-    g = capture(m, (x, labels))
-    P = [SimpleNamespace(out=(("R",),) * len(nd.outs)) for nd in g.nodes]
+    g, P = _head_graph(n, h, v)
     (peak,) = cluster_peaks(g, P, (1,), [0] * len(g.nodes), 1)
     assert peak == pytest.approx(12 * n * v, abs=16)
     # sharded two ways (vocab-parallel logits), every buffer halves
@@ -125,10 +130,6 @@ def test_cluster_idle_of_a_head_is_its_bf16_logits_segment():
     from autopar.liveness import cluster_idle
 
     n, h, v = 2048, 32, 4096
-    m = _Head(h, v).to(device="meta", dtype=torch.bfloat16)
-    x = torch.empty(n, h, device="meta", dtype=torch.bfloat16)
-    labels = torch.empty(n, dtype=torch.long, device="meta")
-    g = capture(m, (x, labels))
-    P = [SimpleNamespace(out=(("R",),) * len(nd.outs)) for nd in g.nodes]
+    g, P = _head_graph(n, h, v)
     (idle,) = cluster_idle(g, P, (1,), [0] * len(g.nodes), 1)
     assert 2 * n * v <= idle <= 2 * n * v + 2 * 2**20
