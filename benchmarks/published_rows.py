@@ -213,30 +213,26 @@ ROWS = (
 
 # What the 2026-12-02 run on this branch showed beyond the ratios (hand-written: re-check after cost-model changes).
 NOTES = [
-    "Tensor parallelism is now forced on every tp > 1 row (helper kernels found the planner left the tp dim of a "
-    "(32, 8) stage mesh unused). With it A8 (dp 15) plans, where round one found no plan under 72 GB.",
-    "Megatron: the pp = 1 TP rows are optimistic (A3 t4 1.23x, A4 t8 1.39x) and the pipelined ones pessimistic "
-    "(A5 0.85x, A7 0.89x) at one fitted gemm_eff_max: the step is almost all compute in both (exposed "
-    "communication 0.04-0.4 s), so what separates them is how the TP-sharded GEMMs and the recomputation are "
-    "priced, not a free figure the fit has.",
-    "TorchTitan Tables 1-2 (the fitted h100-95g rows) plan only with the planner fix of this branch "
-    "(passes/stage_search.py _hand_fitting): before it, recompute=True on the FSDP 8 layout found no plan (the "
-    "per-stage choice left out FSDP's unsharded units: 94.2 GB over a 91.8 GB budget).",
-    "Context parallelism with ring attention priced (main's cp3d round 2): the cp 2 rows within 8% (B5.12 1.08x, "
-    "B6.16 1.07x), cp 4 and cp 8 still 1.2-1.8x optimistic (B5.13, B5.14, B6.17, B6.18): the step is all compute "
-    "in the prediction (exposed communication under 0.1 s), so the ring's per-step kernels at 128K-256K are priced "
-    "far faster than TorchTitan's 2024 runs went. Llama 3's 128K row (all-gathered K/V) is 0.58x, pessimistic.",
-    "pipeline='auto' plans no context parallelism: on the 256K 8-GPU row and the cp rows of 405B it finds no plan "
-    "under the budget (the failures in the plan-quality table); on C1 / C2 it lands 1.3% / 7.6% slower than the "
-    "published layout it does not find. On Megatron's rows it predicts 0.49-0.83x of the published step by "
-    "dropping the full recomputation, which the model's memory (0.45-0.6x of measured peaks) allows.",
-    "Llama 3's 8K rows stay pessimistic (0.87x, 0.85x) with both fitted figures at their caps: with recompute=True and 4 stages "
-    "per rank, the hand layout recomputes 115-116 of 126 blocks at a 33 GiB rank peak of a 72 GB budget (the "
-    "per-stage cap budget / v is conservative for interleaved hand layouts); the bubble is 1.0 s of a 7.6-13.9 s "
-    "step.",
-    "Memory against TorchTitan's peaks: Table 1 and Table 6 within 13% (1.02-1.09x, 0.99-1.13x), Table 2 over "
-    "(1.25-1.34x: FSDP 128), Tables 3-5 under (0.46-0.62x: the 70B / 405B float8 rows and the 8B long-sequence "
-    "rows; the allocator's reserve and the largest transients there are not all in the prediction).",
+    "Tensor parallelism is forced as the runs did it (published_plan.tp_force + tp_pin): column-parallel GEMM "
+    "outputs feature-sharded, row-parallel ones Partial, the stream Replicate (Megatron 2021) or sequence-sharded "
+    "(TorchTitan, Llama 3) on tp; Megatron rows DDP with c_attn laid out per head. Before that the planner ran the "
+    "forced tp rows as FSDP over tp x dp (no activation all-reduce): A4 was 1.39x, B3.7 1.54x; now 0.91x, 0.86x.",
+    "TorchTitan's H100s price FlashAttention-2 (35% of peak: torch's SDPA before its cuDNN default on Hopper), its "
+    "selective-AC rows torchtitan's op SAC on every block (pipeline ac='op'); memory is the caching allocator's "
+    "reserved peak (TorchTitan logs max reserved) with the loss tail's logits copies counted: 13 of 18 rows within "
+    "15% (B1.1 79.9 vs 81.9 GiB, B2.4 65.9 vs 67.0, B5.11-B5.14 within 1.3%).",
+    "Still off: the cp 4 / cp 8 rows of Table 5 (B5.13 1.28x, B5.14 1.39x, B6.18 1.18x) are optimistic while cp 1-2 "
+    "are within 9% and the step is all compute: torch's ring attention at 128K-256K ran slower than FA2's rate on "
+    "the chunk shapes says (the K/V exchange and the fp32 merge price under 2% of the step); not explained here.",
+    "Llama 3's rows stay pessimistic (C1 0.89x, C2 0.79x, C3 0.72x) with both fitted h100 figures at their caps: "
+    "the interleaved hand layout recomputes 114-116 of 126 blocks because the per-stage choice is coarse (the "
+    "rank peak jumps from ~37 to ~78 GB as its stages stop checkpointing together; a 72 GB budget).",
+    "Memory still under on the float8 + compile rows with tp (B3.7 54 vs 70 GiB; B4.9-10 35-37 vs 78-80 GiB): "
+    "~15 GiB on B3.7 not identified (TP loss temporaries, float8 / compile buffers, NCCL buffers are candidates); "
+    "Table 4's published peaks fit selective rather than full AC.",
+    "pipeline='auto' searches cp where one sequence is long (>= 8192 tokens per cp rank) and plans every row now; "
+    "on TorchTitan's Table 6 it finds layouts predicted 0.63-0.64x of the published step (fewer pipeline stages, "
+    "no bubble of 8 micro-batches over 8 stages), on Megatron's 0.47-0.80x by dropping the full recomputation.",
 ]
 
 

@@ -334,10 +334,10 @@ FITTED: dict[str, ClusterSpec] = {
         "h100-95g-titan",
         CLUSTERS["h100-95g"],
         "titan",
-        dict(bus_eff=_NDR_NCCL.bus_eff * 0.9881),
-        gemm_eff_max=_H100_95G.gemm_eff_max * 0.8226,
-        attn_fwd_eff=_H100_95G.attn_fwd_eff * 0.9393,
-        attn_bwd_eff=_H100_95G.attn_bwd_eff * 0.9393,
+        dict(bus_eff=_NDR_NCCL.bus_eff * 0.9895),
+        gemm_eff_max=_H100_95G.gemm_eff_max * 0.8292,
+        attn_fwd_eff=_H100_95G.attn_fwd_eff * 0.9456,
+        attn_bwd_eff=_H100_95G.attn_bwd_eff * 0.9456,
     ),
 }
 CLUSTERS.update(FITTED)
