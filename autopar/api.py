@@ -88,11 +88,9 @@ def plan(
         fp32 model; both precisions are planned and the faster one that fits wins (passes/precision.py).
     float8: torchao-style float8 linears (passes/float8.py): None off, True / a dict of Float8Config fields forced, "auto".
     allow_checkpointing: let the planner checkpoint repeated blocks when memory-bound (passes/checkpointing.py).
-    pin: callable(graph node) -> {mesh dim: placement} (every tensor output) or {(mesh dim, output index): placement}
-        or None (or an object whose for_graph(captured graph) returns that callable), fixing nodes' outputs to
-        evaluate a given hand plan in the cost model (e.g. benchmarks/torchtitan_plan.py's torchtitan plan). With
-        pipeline stages it is called on each stage's nodes (its representative blocks renumbered from 0, as in
-        `force`) with mesh dims of the stage submesh.
+    pin: callable(graph node) -> {mesh dim: placement} or {(mesh dim, output index): placement} or None (or an
+        object with for_graph(graph) returning one): fixes nodes' outputs to price a hand plan (benchmarks/
+        torchtitan_plan.py); with pipeline stages, on each stage's nodes (blocks numbered as in `force`).
     overlap: False (default): every collective is paid in full, step = compute + all comm (autopar's graph
         executor runs them in program order), and the MILP is exact. True: parameter gathers and gradient
         reductions overlap compute (FSDP2's prefetch, DDP's bucketed all-reduce under the backward): step =

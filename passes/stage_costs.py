@@ -43,10 +43,9 @@ from autopar.passes import PASSES, candidates, solve
 from autopar.passmanager import PlanState, run_passes
 from autopar.predict import build_plan, engine_priced
 from autopar.solver import InfeasibleMemoryError, min_memory
-from autopar.strategies import num_shards
 from autopar.strategies.context_parallel import CP_PREFIX, cp_pin, keep_data_splits
 
-from .stage_metrics import node_metrics
+from .stage_metrics import cluster_of_nodes, crossings, node_metrics
 
 INF = float("inf")
 
@@ -117,81 +116,14 @@ def swap_layers(model: nn.Module, prefix: str, blocks: list):
         setattr(owner, attr, old)
 
 
-def _cluster_of_nodes(g, prefix: str, n_layers: int) -> list:
-    """Sub-model cluster position per node: 0 = pre, 1..n_layers = blocks, n_layers + 1 = post, None = free."""
-    pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(?:\.|$)")
-    post = n_layers + 1
-    where = [None] * len(g.nodes)
-    lay = [None] * len(g.nodes)
-    for n in g.nodes:
-        key = n.target if n.kind == "param" else n.module
-        m = pat.match(key) if isinstance(key, str) else None
-        lay[n.idx] = int(m.group(1)) + 1 if m else None
-    fw_layer = [i for i, n in enumerate(g.nodes) if n.kind == "op" and n.phase == "fw" and lay[i]]
-    bw_layer = [i for i, n in enumerate(g.nodes) if n.kind == "op" and n.phase == "bw" and lay[i]]
-    fw_first, fw_last = (fw_layer[0], fw_layer[-1]) if fw_layer else (INF, -1)
-    bw_first, bw_last = (bw_layer[0], bw_layer[-1]) if bw_layer else (INF, -1)
-    cur = 0
-    for n in g.nodes:
-        if n.kind != "op":
-            continue
-        if lay[n.idx]:
-            where[n.idx] = cur = lay[n.idx]
-            continue
-        root = n.module == ""
-        if n.phase == "fw":
-            where[n.idx] = 0 if n.idx < fw_first else post if n.idx > fw_last or not root else cur
-        else:
-            where[n.idx] = post if n.idx < bw_first else 0 if n.idx > bw_last or not root else cur
-    for fqn, i in g.params.items():  # a parameter lives with its first forward consumer
-        m = pat.match(fqn)
-        if m:
-            where[i] = int(m.group(1)) + 1
-            continue
-        users = sorted(u for u in g.nodes[i].users if g.nodes[u].phase == "fw")
-        where[i] = where[users[0]] if users else 0
-    return where
-
-
-def _crossings(state, where, K: int):
-    """Per boundary after position q (0..K-2): local bytes and count of the forward tensors crossing it."""
-    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
-    # data dependence: recomputable tensors (no input/param upstream) never cross a boundary
-    dep = [False] * len(g.nodes)
-    for n in g.nodes:
-        dep[n.idx] = n.kind in ("param", "input", "buffer") or any(dep[r.node] for r in n.inputs())
-    cross_bytes, cross_n = np.zeros(K - 1), np.zeros(K - 1, dtype=int)
-    for n in g.nodes:
-        if n.kind != "op" or n.phase != "fw" or not dep[n.idx]:
-            continue
-        c = where[n.idx]
-        for o, m in enumerate(n.outs):
-            if m is None:
-                continue
-            last = max(
-                (
-                    where[u]
-                    for u in n.users
-                    if g.nodes[u].phase == "fw"
-                    and where[u] is not None
-                    and any(r.node == n.idx and r.out == o for r in g.nodes[u].inputs())
-                ),
-                default=c,
-            )
-            for q in range(c, last):  # crosses boundaries after positions c .. last-1
-                cross_bytes[q] += m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
-                cross_n[q] += 1
-    return cross_bytes, cross_n
-
-
 def cluster_metrics(state, plan, prefix: str, n_sub: int) -> dict:
     """Per sub-model cluster (0 = pre, 1..n_sub blocks, n_sub + 1 = post) F/B/W/dp/state/act, and per boundary after
     position q (0..n_sub) the crossing tensors' local bytes and count."""
     g = state.graph
-    where = _cluster_of_nodes(g, prefix, n_sub)
+    where = cluster_of_nodes(g, prefix, n_sub)
     K = n_sub + 2
     metrics = node_metrics(state, plan, where, K)
-    cross_bytes, cross_n = _crossings(state, where, K)
+    cross_bytes, cross_n = crossings(state, where, K)
     ops = np.zeros(K, dtype=int)
     for n in g.ops():
         if where[n.idx] is not None:
@@ -280,7 +212,7 @@ class StageOps:
         # Replicate there. A cp* dim splits the sequence (autopar/strategies/context_parallel.py).
         tp = {d: "R" for d in model_dims(stage_mesh)}
         pin = (lambda n: tp if n.kind == "param" and n.target not in styled else None) if tp else None
-        where = _cluster_of_nodes(g, prefix, len(reps))
+        where = cluster_of_nodes(g, prefix, len(reps))
         pre = {n.idx for n in g.ops() if where[n.idx] == 0 and n.phase == "fw"}
         pin = _with_user_pin(cp_pin(g, stage_mesh.names, stage_mesh.shape, pin, pre), ctx.get("pin"), g)
         sub_force = {}
@@ -496,15 +428,10 @@ def stage_idle(cv, a: int, b: int, recompute: int) -> float:
     return float(cv.idle[a + int(np.argmax((ckpt if recompute else plain)[a:b]))])
 
 
-def evaluate(
-    costs, bounds, variants, recompute, spec, p, v, m, order, cluster, stage_size, budget, detail=False, quick=False
-) -> dict:
-    """Step time (simulated on torch's action order), bubble and per-rank memory of one partition: stage k holds
-    clusters bounds[k]:bounds[k+1] with intra-op plan costs[variants[k]] and recompute[k] checkpointed blocks.
-    quick (the search's DP results): a partition whose memory before FSDP's unsharded units is over budget
-    returns {step_s: inf, fits: False, peak_mem (that lower bound)} without the simulation."""
-    S = p * v
-    rank_of = pm.stage_ranks(spec, p, v)
+def _stage_terms(costs, bounds, variants, recompute, rank_of, cluster, stage_size) -> tuple:
+    """Per stage k: F, B, W seconds, dp comm, state and saved-activation bytes, its transient and idle bytes, and
+    the (bytes, link, seconds) of its send to stage k + 1 (0 s on the same rank)."""
+    S = len(bounds) - 1
     F, B, W, dp, st, act, x, trans, idle = [], [], [], [], [], [], [], [], []
     for k in range(S):
         cv, a, b, r = costs[variants[k]], bounds[k], bounds[k + 1], recompute[k]
@@ -519,15 +446,24 @@ def evaluate(
         idle.append(stage_idle(cv, a, b, r))
         if k < S - 1:
             link = p2p_link(cluster, stage_size, rank_of[k], rank_of[k + 1])
-            x.append(
-                (
-                    float(cv.xbytes[b - 1]),
-                    link.name,
-                    collective_time("send_recv", float(cv.xbytes[b - 1]), 2, link)
-                    if rank_of[k] != rank_of[k + 1]
-                    else 0.0,
-                )
-            )
+            nbytes = float(cv.xbytes[b - 1])
+            same = rank_of[k] == rank_of[k + 1]
+            x.append((nbytes, link.name, 0.0 if same else collective_time("send_recv", nbytes, 2, link)))
+    return F, B, W, dp, st, act, x, trans, idle
+
+
+def evaluate(
+    costs, bounds, variants, recompute, spec, p, v, m, order, cluster, stage_size, budget, detail=False, quick=False
+) -> dict:
+    """Step time (simulated on torch's action order), bubble and per-rank memory of one partition: stage k holds
+    clusters bounds[k]:bounds[k+1] with intra-op plan costs[variants[k]] and recompute[k] checkpointed blocks.
+    quick (the search's DP results): a partition whose memory before FSDP's unsharded units is over budget
+    returns {step_s: inf, fits: False, peak_mem (that lower bound)} without the simulation."""
+    S = p * v
+    rank_of = pm.stage_ranks(spec, p, v)
+    F, B, W, dp, st, act, x, trans, idle = _stage_terms(
+        costs, bounds, variants, recompute, rank_of, cluster, stage_size
+    )
     act_peak = pm.rank_act_peak(order, act, spec.split_backward)
     rank_state = [sum(st[k] for k in range(S) if rank_of[k] == r) for r in range(p)]
     tr = [max((trans[k] for k in range(S) if rank_of[k] == r), default=0.0) for r in range(p)]

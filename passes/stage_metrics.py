@@ -6,11 +6,15 @@ what the caching allocator keeps reserved beyond that over the cluster's own buf
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from autopar.cost import is_view
 from autopar.liveness import cluster_idle, cluster_peaks
 from autopar.strategies import num_shards
+
+INF = float("inf")
 
 
 def _feeds_earlier(g, where) -> list:
@@ -117,3 +121,70 @@ def _saved_buffers(g, P, i: int, mesh_shape) -> list:
     if m is None or p is None:
         return []
     return [((r.node, r.out), m.nbytes / num_shards(p, mesh_shape))]
+
+
+def cluster_of_nodes(g, prefix: str, n_layers: int) -> list:
+    """Sub-model cluster position per node: 0 = pre, 1..n_layers = blocks, n_layers + 1 = post, None = free."""
+    pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(?:\.|$)")
+    post = n_layers + 1
+    where = [None] * len(g.nodes)
+    lay = [None] * len(g.nodes)
+    for n in g.nodes:
+        key = n.target if n.kind == "param" else n.module
+        m = pat.match(key) if isinstance(key, str) else None
+        lay[n.idx] = int(m.group(1)) + 1 if m else None
+    fw_layer = [i for i, n in enumerate(g.nodes) if n.kind == "op" and n.phase == "fw" and lay[i]]
+    bw_layer = [i for i, n in enumerate(g.nodes) if n.kind == "op" and n.phase == "bw" and lay[i]]
+    fw_first, fw_last = (fw_layer[0], fw_layer[-1]) if fw_layer else (INF, -1)
+    bw_first, bw_last = (bw_layer[0], bw_layer[-1]) if bw_layer else (INF, -1)
+    cur = 0
+    for n in g.nodes:
+        if n.kind != "op":
+            continue
+        if lay[n.idx]:
+            where[n.idx] = cur = lay[n.idx]
+            continue
+        root = n.module == ""
+        if n.phase == "fw":
+            where[n.idx] = 0 if n.idx < fw_first else post if n.idx > fw_last or not root else cur
+        else:
+            where[n.idx] = post if n.idx < bw_first else 0 if n.idx > bw_last or not root else cur
+    for fqn, i in g.params.items():  # a parameter lives with its first forward consumer
+        m = pat.match(fqn)
+        if m:
+            where[i] = int(m.group(1)) + 1
+            continue
+        users = sorted(u for u in g.nodes[i].users if g.nodes[u].phase == "fw")
+        where[i] = where[users[0]] if users else 0
+    return where
+
+
+def crossings(state, where, K: int):
+    """Per boundary after position q (0..K-2): local bytes and count of the forward tensors crossing it."""
+    g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
+    # data dependence: recomputable tensors (no input/param upstream) never cross a boundary
+    dep = [False] * len(g.nodes)
+    for n in g.nodes:
+        dep[n.idx] = n.kind in ("param", "input", "buffer") or any(dep[r.node] for r in n.inputs())
+    cross_bytes, cross_n = np.zeros(K - 1), np.zeros(K - 1, dtype=int)
+    for n in g.nodes:
+        if n.kind != "op" or n.phase != "fw" or not dep[n.idx]:
+            continue
+        c = where[n.idx]
+        for o, m in enumerate(n.outs):
+            if m is None:
+                continue
+            last = max(
+                (
+                    where[u]
+                    for u in n.users
+                    if g.nodes[u].phase == "fw"
+                    and where[u] is not None
+                    and any(r.node == n.idx and r.out == o for r in g.nodes[u].inputs())
+                ),
+                default=c,
+            )
+            for q in range(c, last):  # crosses boundaries after positions c .. last-1
+                cross_bytes[q] += m.nbytes / num_shards(P[n.idx].out[o], mesh_shape)
+                cross_n[q] += 1
+    return cross_bytes, cross_n
