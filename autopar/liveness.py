@@ -145,8 +145,8 @@ def storage_roots(g) -> dict:
 
 
 def _buffers(g, P, mesh_shape, where):
-    """The op-produced buffers of a placed graph (one per storage): per-rank bytes, the node after which each is
-    freed, its producer's cluster, and which are shared (backward buffers, forward ones nobody saves) rather than
+    """The op-produced buffers of a placed graph (one per storage): per-rank bytes, the buffers freed after each
+    node, their producer's cluster, and which are shared (backward buffers, forward ones nobody saves) rather than
     their cluster's saved activations (cluster_peaks)."""
     last, grad_refs = last_uses(g)
     root = storage_roots(g)
@@ -169,7 +169,10 @@ def _buffers(g, P, mesh_shape, where):
                 if n.phase == "bw":
                     shared.add(s)
     shared |= {s for s in size if s not in saved}
-    return size, end, owner, shared
+    frees = defaultdict(list)
+    for s in size:
+        frees[end[s]].append(s)
+    return size, frees, owner, shared
 
 
 def cluster_peaks(g, P, mesh_shape, where, K: int) -> list[float]:
@@ -181,10 +184,7 @@ def cluster_peaks(g, P, mesh_shape, where, K: int) -> list[float]:
     its gradient beside the saved output) and a block's gradient temporaries show. Each buffer counts once however
     many views read it; parameters, inputs and their views are model state; a parameter's gradient is freed as it
     is produced (FSDP's terms hold it)."""
-    size, end, owner, shared = _buffers(g, P, mesh_shape, where)
-    frees = defaultdict(list)
-    for s in size:
-        frees[end[s]].append(s)
+    size, frees, owner, shared = _buffers(g, P, mesh_shape, where)
     peak = [0.0] * K
     live_shared, live_own = 0.0, defaultdict(float)
     for n in g.nodes:
@@ -210,11 +210,8 @@ def cluster_idle(g, P, mesh_shape, where, K: int) -> list[float]:
     """Per cluster the bytes the caching allocator keeps reserved beyond its allocated peak over the cluster's own
     buffers, in its nodes' order from a cold cache (autopar/cost/memory.py idle_cached_bytes; a buffer freed after
     the cluster's last node stays allocated): the loss's bf16 logits segment its backward cannot reuse."""
-    size, end, owner, _ = _buffers(g, P, mesh_shape, where)
+    size, frees, owner, _ = _buffers(g, P, mesh_shape, where)
     events = [[] for _ in range(K)]
-    frees = defaultdict(list)
-    for s in size:
-        frees[end[s]].append(s)
     for n in g.nodes:
         c = where[n.idx]
         if c is None or n.kind != "op":

@@ -415,17 +415,17 @@ def p2p_link(cluster, stage_size: int, a: int, b: int):
 def stage_transient(cv, a: int, b: int, recompute: int) -> float:
     """The largest transient (autopar/pipeline_model.py transients) of clusters a..b-1, one of which runs at a time,
     with `recompute` blocks checkpointed: what a rank holds beyond its in-flight saved activations."""
-    plain, ckpt = pm.transients(cv)
-    return float(np.max((ckpt if recompute else plain)[a:b]))
+    return _stage_peak(cv, a, b, recompute)[0]
 
 
-def stage_idle(cv, a: int, b: int, recompute: int) -> float:
-    """The caching allocator's idle reserved bytes (Costs.idle) of the cluster that sets `stage_transient`, where the
-    stage peaks: what memory_reserved (TorchTitan's published figure) adds over the allocated peak there."""
-    if getattr(cv, "idle", None) is None:
-        return 0.0
+def _stage_peak(cv, a: int, b: int, recompute: int) -> tuple[float, float]:
+    """(stage_transient, the caching allocator's idle reserved bytes (Costs.idle) of the cluster that sets it): where
+    the stage peaks, what memory_reserved (TorchTitan's published figure) adds over the allocated peak."""
     plain, ckpt = pm.transients(cv)
-    return float(cv.idle[a + int(np.argmax((ckpt if recompute else plain)[a:b]))])
+    t = (ckpt if recompute else plain)[a:b]
+    k = int(np.argmax(t))
+    idle = float(cv.idle[a + k]) if getattr(cv, "idle", None) is not None else 0.0
+    return float(t[k]), idle
 
 
 def _stage_terms(costs, bounds, variants, recompute, rank_of, cluster, stage_size) -> tuple:
@@ -442,8 +442,9 @@ def _stage_terms(costs, bounds, variants, recompute, rank_of, cluster, stage_siz
         dp.append(float(cv.dp[a:b].sum()))
         st.append(float(cv.state[a:b].sum()))
         act.append(float(cv.act[a:b].sum() - r * cv.save[a:b].sum() / nb))
-        trans.append(stage_transient(cv, a, b, r))
-        idle.append(stage_idle(cv, a, b, r))
+        t, i = _stage_peak(cv, a, b, r)
+        trans.append(t)
+        idle.append(i)
         if k < S - 1:
             link = p2p_link(cluster, stage_size, rank_of[k], rank_of[k + 1])
             nbytes = float(cv.xbytes[b - 1])
