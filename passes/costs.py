@@ -2,10 +2,13 @@
 
 Decision groups: a node with one tensor input inside the same layer instance *follows* its producer (views,
 transposes, casts, unary pointwise ops), and a pointwise op follows its one largest input when the others are
-smaller broadcast operands (norm weights, RoPE tables, scalars; Alpa's "follow" merging): it takes the strategy that best matches that producer's output, so it needs no variable of its own;
-its other inputs stay priced edges. This restricts the search to plans where elementwise ops compute in their
-main input's layout; the MILP is exact over that space. Every other node roots a group. Groups of repeated layers are shared (regions
-pass), so the model has one set of variables per distinct node of the representative layer.
+smaller broadcast operands (norm weights, RoPE tables, scalars; Alpa's "follow" merging): it takes a strategy that
+reads that producer's output where it is, with no move, so it needs no variable of its own; its other inputs stay
+priced edges. A node that would need a move for some strategy of its producer's group, or whose output outgrows its
+input (an expand, GQA's repeat: a move after it carries the copies), roots a group instead, so the move's place is
+the solver's choice. Every other node roots a group too; the MILP is exact over plans where followers compute in
+their lead input's layout. Groups of repeated layers are shared (regions pass), so the model has one set of
+variables per distinct node of the representative layer.
 
 Per group strategy: compute time of its members (roofline on local shapes), the redistributes the followers
 need, model-state bytes (parameters, grads, optimizer state at the storage placement) and saved-activation
@@ -129,8 +132,7 @@ def _pricing(state) -> Pricing:
 class Groups:
     """Decision groups in representative space. follow: follower -> (producer, producer output, input position);
     root: rep node -> its group's root; roots: the group roots in order; group_id: root -> group index;
-    choice[i][k]: strategy index of rep node i when its group root takes strategy k; extra[i]: a follower's
-    redistribute time per root strategy."""
+    choice[i][k]: strategy index of rep node i when its group root takes strategy k."""
 
     reps: list
     follow: dict
@@ -138,60 +140,69 @@ class Groups:
     roots: list
     group_id: dict
     choice: dict
-    extra: dict
 
 
 def _groups(state, redistribute) -> Groups:
-    nodes, strategies, rep, region_of = state.graph.nodes, state.strategies, state.rep, state.region_of
+    nodes, strategies, rep = state.graph.nodes, state.strategies, state.rep
     reps = [i for i in range(len(nodes)) if rep[i] == i]
     follow: dict[int, tuple[int, int, int]] = {}
-    for i in reps:
-        n = nodes[i]
-        if n.kind != "op":
-            continue
-        ins = n.inputs()
-        lead = _lead_input(state.graph, n, ins)
-        if lead is None:
-            continue
-        ref = ins[lead]
-        if region_of[ref.node] == region_of[i] and nodes[ref.node].kind in ("op", "param"):
-            follow[i] = (ref.node, ref.out, lead)
-    root = {}
+    root: dict = {}
+    choice: dict[int, np.ndarray] = {}
+    best_memo: dict = {}  # (producer placement, follower's input options) -> best
     for i in reps:  # topological order: producers first
-        root[i] = root[follow[i][0]] if i in follow else i
+        lead = _follows(state, i)
+        chosen = None if lead is None else _follow(state, i, lead, choice, redistribute, best_memo)
+        if chosen is None:
+            root[i], choice[i] = i, np.arange(len(strategies[i]))
+        else:
+            follow[i], root[i], choice[i] = lead, root[lead[0]], chosen
     roots = [i for i in reps if root[i] == i]
     group_id = {r: k for k, r in enumerate(roots)}
-    best_memo: dict = {}  # (producer placement, follower's input options) -> best
-    choice: dict[int, np.ndarray] = {}
-    extra: dict[int, np.ndarray] = {}
-    for i in reps:
-        if i not in follow:
-            choice[i] = np.arange(len(strategies[i])) if root[i] == i else None
-            continue
-        producer, out, lead = follow[i]
-        first: dict = {}  # distinct placement of the lead input -> first strategy
-        for j, s in enumerate(strategies[i]):
-            first.setdefault(s.ins[lead], j)
-        meta = nodes[producer].outs[out]
-        best: dict = {}
-        first_key = (tuple(first.items()), meta.nbytes)
-        for s_p in strategies[producer]:
-            placement = s_p.out[out]
-            if placement not in best:
-                hit = best_memo.get((placement, first_key))
-                if hit is None:
-                    hit = best_memo[(placement, first_key)] = min(
-                        (redistribute(placement, d, meta), j) for d, j in first.items()
-                    )
-                best[placement] = hit
-        producer_choice = choice[producer]
-        chosen = np.empty(len(producer_choice), dtype=np.int64)
-        seconds = np.empty(len(producer_choice))
-        for k, pk in enumerate(producer_choice):
-            t, j = best[strategies[producer][pk].out[out]]
-            chosen[k], seconds[k] = j, t
-        choice[i], extra[i] = chosen, seconds
-    return Groups(reps, follow, root, roots, group_id, choice, extra)
+    return Groups(reps, follow, root, roots, group_id, choice)
+
+
+def _follows(state, i):
+    """(producer, output, input position) node i would follow, or None: it roots a group."""
+    n = state.graph.nodes[i]
+    if n.kind != "op":
+        return None
+    ins = n.inputs()
+    lead = _lead_input(state.graph, n, ins)
+    if lead is None:
+        return None
+    ref = ins[lead]
+    if state.region_of[ref.node] != state.region_of[i] or state.graph.nodes[ref.node].kind not in ("op", "param"):
+        return None
+    return ref.node, ref.out, lead
+
+
+def _follow(state, i, lead, choice, redistribute, best_memo):
+    """Node i's strategy per strategy of its lead's group (one reading the lead's output at no cost), or None where
+    following would lose plans: where i's output outgrows its lead input (an expand or GQA's repeat: a move after it
+    carries the repeated copies, one before it does not), or where some strategy of the lead's group has no free
+    match in i (a follower would take the cheapest move into itself greedily, when the exact solve may prefer
+    another placement of i, e.g. one its consumers read without a move)."""
+    nodes, strategies = state.graph.nodes, state.strategies
+    producer, out, position = lead
+    meta = nodes[producer].outs[out]
+    if any(o is not None and o.numel > meta.numel for o in nodes[i].outs):
+        return None
+    first: dict = {}  # distinct placement of the lead input -> first strategy
+    for j, s in enumerate(strategies[i]):
+        first.setdefault(s.ins[position], j)
+    first_key = (tuple(first.items()), meta.nbytes)
+    chosen = np.empty(len(choice[producer]), dtype=np.int64)
+    for k, pk in enumerate(choice[producer]):
+        placement = strategies[producer][pk].out[out]
+        hit = best_memo.get((placement, first_key))
+        if hit is None:
+            hit = best_memo[(placement, first_key)] = min(
+                (redistribute(placement, d, meta), j) for d, j in first.items()
+            )
+        if hit[0] > 0:
+            return None
+        chosen[k] = hit[1]
+    return chosen
 
 
 @dataclass
@@ -233,10 +244,6 @@ def _group_terms(state, groups: Groups, node_time, gathers_param) -> Terms:
             if j not in time_of:
                 time_of[j] = node_time(n, strategies[i][j])
             terms.compute[gi][k] += c * time_of[j]
-        if i in groups.extra:
-            terms.comm[gi] += c * groups.extra[i]
-            if gathers_param(groups.follow[i][0]):
-                terms.comm_overlappable[gi] += c * groups.extra[i]
         if n.kind == "param":
             for k, j in enumerate(chosen):
                 terms.state_mem[gi][k] += (
