@@ -9,6 +9,7 @@ import torch
 from . import api as _api
 from .execution import finished, from_plan
 from .plan import Plan
+from .strategies.pins import overlay_pins
 
 
 def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", plan: Plan | None = None, **kwargs):
@@ -76,10 +77,8 @@ def graph_planner(model, mesh, plan_kwargs: dict):
     opts = {k: v for k, v in plan_kwargs.items() if k not in ("force", "pin")}
 
     def replan(args, kwargs, *, backward: bool, params: dict, buffers: dict):
-        def pin(n):
-            if n.kind == "buffer" and n.target in buffers:
-                return dict(enumerate(buffers[n.target]))
-            return user_pin(n) if user_pin is not None else None
+        def buffer_pin(n):
+            return dict(enumerate(buffers[n.target])) if n.kind == "buffer" and n.target in buffers else None
 
         made, state = _api.plan(
             model,
@@ -88,7 +87,7 @@ def graph_planner(model, mesh, plan_kwargs: dict):
             example_kwargs=kwargs,
             return_state=True,
             force=params,
-            pin=pin,
+            pin=overlay_pins(user_pin, buffer_pin),
             backward=backward,
             **opts,
         )

@@ -18,6 +18,7 @@ import torch
 import autopar
 from autopar import models
 import autopar.testing
+from autopar.strategies.pins import overlay_pins
 from autopar.testing import fsdp_tp_force
 
 from published_rows import CP_ATTENTION, Row, metric_of
@@ -202,10 +203,7 @@ def kv_pin(row: Row, mesh):
 
 def layout_pin(row: Row, mesh):
     """tp_pin and kv_pin together (they name different nodes)."""
-    pins = [p for p in (tp_pin(row, mesh), kv_pin(row, mesh)) if p is not None]
-    if len(pins) < 2:
-        return pins[0] if pins else None
-    return lambda n: pins[0](n) or pins[1](n)
+    return overlay_pins(tp_pin(row, mesh), kv_pin(row, mesh))
 
 
 def _plan_forced(row: Row, m, x, cluster):

@@ -44,6 +44,7 @@ from autopar.passmanager import PlanState, run_passes
 from autopar.predict import build_plan, engine_priced
 from autopar.solver import InfeasibleMemoryError, min_memory
 from autopar.strategies.context_parallel import CP_PREFIX, cp_pin, keep_data_splits
+from autopar.strategies.pins import overlay_pins
 
 from .stage_metrics import cluster_of_nodes, crossings, node_metrics
 
@@ -176,18 +177,9 @@ def expand(metrics: dict, pos_of: list[int], n_sub: int, name: str, ac: str = "b
 def _with_user_pin(stage_pin, user_pin, graph):
     """The stage's own pins (what the pipeline runtime and cp require) over the caller's plan(pin=) (an object with
     for_graph is bound to this stage's captured graph first): the stage's placement wins on a mesh dim both name."""
-    if user_pin is None:
-        return stage_pin
     if hasattr(user_pin, "for_graph"):
         user_pin = user_pin.for_graph(graph)
-    if stage_pin is None:
-        return user_pin
-
-    def pin(n):
-        mine, theirs = stage_pin(n), user_pin(n)
-        return {**theirs, **mine} if mine and theirs else (mine or theirs)
-
-    return pin
+    return overlay_pins(user_pin, stage_pin)
 
 
 # ---- intra-op plans of one stage ------------------------------------------------------------------------------

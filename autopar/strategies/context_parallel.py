@@ -10,6 +10,7 @@ Everything between is the solver's choice on that dim (in practice the sequence 
 from __future__ import annotations
 
 from ..capture_modes import SDPA, SDPA_BW
+from .pins import overlay_pins
 
 CP_PREFIX = "cp"
 
@@ -50,17 +51,13 @@ def cp_pin(graph, names, shape, base=None, carried=frozenset()):
         )
 
     def pin(n):
-        own = None
         if (n.kind == "input" or n.idx in carried) and _sequence_second(n, seq):
-            own = {d: "S1" for d in dims}
-        elif n.kind == "op" and n.target in (SDPA, SDPA_BW):
-            own = {(d, 0): "S2" for d in dims}
-        user = base(n) if base is not None else None
-        if own is None or user is None:
-            return own if user is None else user
-        return {**own, **user}
+            return {d: "S1" for d in dims}
+        if n.kind == "op" and n.target in (SDPA, SDPA_BW):
+            return {(d, 0): "S2" for d in dims}
+        return None
 
-    return pin
+    return overlay_pins(pin, base)
 
 
 def _sequence_second(n, seq: int) -> bool:
