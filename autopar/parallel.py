@@ -24,7 +24,10 @@ def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", pla
     parallelize_module; EngineLoweringError when the plan does not fit them), "mixed" (the torch engines for what
     they express, the graph backend for the modules they cannot) or "auto" (the torch engines when they express the
     plan; else "mixed" where the cost model predicts it no slower than the graph backend, else the graph backend).
-    The result's `.autopar_dump` says which part went where and why. See autopar.backends.torch."""
+    The torch backends plan with target="torch" (autopar/targets.py: the nodes the engines compute otherwise are
+    pinned, a second solve where the free plan needs it); target=autopar.TorchTarget(data_dims=("dp",)) declares
+    the dims they feed batch-sharded, so the pins are known up front and the model is solved once. The result's
+    `.autopar_dump` says which part went where and why. See autopar.backends.torch."""
     if backend == "graph":
         return _parallelize_graph(model, mesh, example_inputs, plan, kwargs)
     if backend in ("torch", "mixed", "auto"):
