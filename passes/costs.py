@@ -2,13 +2,13 @@
 
 Decision groups: a node with one tensor input inside the same layer instance *follows* its producer (views,
 transposes, casts, unary pointwise ops), and a pointwise op follows its one largest input when the others are
-smaller broadcast operands (norm weights, RoPE tables, scalars; Alpa's "follow" merging): it takes a strategy that
-reads that producer's output where it is, with no move, so it needs no variable of its own; its other inputs stay
-priced edges. A node that would need a move for some strategy of its producer's group, or whose output outgrows its
-input (an expand, GQA's repeat: a move after it carries the copies), roots a group instead, so the move's place is
-the solver's choice. Every other node roots a group too; the MILP is exact over plans where followers compute in
-their lead input's layout. Groups of repeated layers are shared (regions pass), so the model has one set of
-variables per distinct node of the representative layer.
+smaller broadcast operands (norm weights, RoPE tables, scalars; Alpa's "follow" merging): it takes the strategy that
+best matches that producer's output, so it needs no variable of its own; its other inputs stay priced edges. A node
+whose output outgrows its input (an expand, GQA's repeat: a move after it carries the copies) roots a group instead,
+so whether the move happens before it or after is the solver's choice. This restricts the search to plans where
+the other followers compute in their main input's layout; the MILP is exact over that space. Every other node roots
+a group. Groups of repeated layers are shared (regions pass), so the model has one set of variables per distinct
+node of the representative layer.
 
 Per group strategy: compute time of its members (roofline on local shapes), the redistributes the followers
 need, model-state bytes (parameters, grads, optimizer state at the storage placement) and saved-activation
@@ -132,7 +132,8 @@ def _pricing(state) -> Pricing:
 class Groups:
     """Decision groups in representative space. follow: follower -> (producer, producer output, input position);
     root: rep node -> its group's root; roots: the group roots in order; group_id: root -> group index;
-    choice[i][k]: strategy index of rep node i when its group root takes strategy k."""
+    choice[i][k]: strategy index of rep node i when its group root takes strategy k; extra[i]: a follower's
+    redistribute time per root strategy."""
 
     reps: list
     follow: dict
@@ -140,6 +141,7 @@ class Groups:
     roots: list
     group_id: dict
     choice: dict
+    extra: dict
 
 
 def _groups(state, redistribute) -> Groups:
@@ -148,17 +150,19 @@ def _groups(state, redistribute) -> Groups:
     follow: dict[int, tuple[int, int, int]] = {}
     root: dict = {}
     choice: dict[int, np.ndarray] = {}
+    extra: dict[int, np.ndarray] = {}
     best_memo: dict = {}  # (producer placement, follower's input options) -> best
     for i in reps:  # topological order: producers first
         lead = _follows(state, i)
-        chosen = None if lead is None else _follow(state, i, lead, choice, redistribute, best_memo)
-        if chosen is None:
+        followed = None if lead is None else _follow(state, i, lead, choice, redistribute, best_memo)
+        if followed is None:
             root[i], choice[i] = i, np.arange(len(strategies[i]))
         else:
-            follow[i], root[i], choice[i] = lead, root[lead[0]], chosen
+            follow[i], root[i] = lead, root[lead[0]]
+            choice[i], extra[i] = followed
     roots = [i for i in reps if root[i] == i]
     group_id = {r: k for k, r in enumerate(roots)}
-    return Groups(reps, follow, root, roots, group_id, choice)
+    return Groups(reps, follow, root, roots, group_id, choice, extra)
 
 
 def _follows(state, i):
@@ -177,11 +181,12 @@ def _follows(state, i):
 
 
 def _follow(state, i, lead, choice, redistribute, best_memo):
-    """Node i's strategy per strategy of its lead's group (one reading the lead's output at no cost), or None where
-    following would lose plans: where i's output outgrows its lead input (an expand or GQA's repeat: a move after it
-    carries the repeated copies, one before it does not), or where some strategy of the lead's group has no free
-    match in i (a follower would take the cheapest move into itself greedily, when the exact solve may prefer
-    another placement of i, e.g. one its consumers read without a move)."""
+    """(node i's strategy, the seconds of its input's move) per strategy of its lead's group: the strategy whose
+    lead input is cheapest to reach from the lead's output. None where following would lose plans: where i's output
+    outgrows its lead input (an expand, GQA's K/V repeat), a move after it carries the repeated copies where one
+    before it would not, so i roots a group and the solver places the move. (Rooting as well every follower that
+    needs a move for some lead strategy widens the space further: 2-8% lower objectives on llama-tiny, the 8B shape
+    and C3, but 1.5x the MILP's variables and twice t5's solve time, past the zoo suite's time limit.)"""
     nodes, strategies = state.graph.nodes, state.strategies
     producer, out, position = lead
     meta = nodes[producer].outs[out]
@@ -192,6 +197,7 @@ def _follow(state, i, lead, choice, redistribute, best_memo):
         first.setdefault(s.ins[position], j)
     first_key = (tuple(first.items()), meta.nbytes)
     chosen = np.empty(len(choice[producer]), dtype=np.int64)
+    seconds = np.empty(len(choice[producer]))
     for k, pk in enumerate(choice[producer]):
         placement = strategies[producer][pk].out[out]
         hit = best_memo.get((placement, first_key))
@@ -199,10 +205,8 @@ def _follow(state, i, lead, choice, redistribute, best_memo):
             hit = best_memo[(placement, first_key)] = min(
                 (redistribute(placement, d, meta), j) for d, j in first.items()
             )
-        if hit[0] > 0:
-            return None
-        chosen[k] = hit[1]
-    return chosen
+        seconds[k], chosen[k] = hit
+    return chosen, seconds
 
 
 @dataclass
@@ -244,6 +248,10 @@ def _group_terms(state, groups: Groups, node_time, gathers_param) -> Terms:
             if j not in time_of:
                 time_of[j] = node_time(n, strategies[i][j])
             terms.compute[gi][k] += c * time_of[j]
+        if i in groups.extra:
+            terms.comm[gi] += c * groups.extra[i]
+            if gathers_param(groups.follow[i][0]):
+                terms.comm_overlappable[gi] += c * groups.extra[i]
         if n.kind == "param":
             for k, j in enumerate(chosen):
                 terms.state_mem[gi][k] += (

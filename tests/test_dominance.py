@@ -78,9 +78,8 @@ def test_equal_strategies_keep_the_first():
 
 def test_llama_tiny_train_config_lp_is_integral():
     """examples/train.py's llama-tiny 2x2 plan (cpu-gloo, fsdp+tp pinned): without the reduction its LP relaxation
-    is fractional and branch and bound runs (seconds of presolve and root cuts); dominance leaves an integral LP
-    and drops more than 40% of the candidate strategies (47% of 3,933 kept while every view and transpose followed
-    its producer; 53% of 4,718 now that those with no free match in their producer root groups of their own)."""
+    is fractional and branch and bound runs (seconds of presolve and root cuts); dominance leaves fewer than half
+    of the candidate strategies and an integral LP."""
     from autopar.testing import fsdp_tp_force
     from autopar.models import build_model, example_inputs
 
@@ -99,4 +98,4 @@ def test_llama_tiny_train_config_lp_is_integral():
     lin, edges, _, fixed, shared = objective(state.cost, False)
     mem = [([state.cost["state_mem"][i] + state.cost["act_mem"][i] for i in range(len(lin))], state.budget)]
     keep = dominance.reduce(lin, edges, mem, None, fixed, shared)
-    assert sum(map(len, keep)) < 0.6 * sum(map(len, lin))
+    assert sum(map(len, keep)) < 0.5 * sum(map(len, lin))

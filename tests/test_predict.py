@@ -30,7 +30,7 @@ def _tp_recompute_overlap():
     force, pin = torchtitan_placements(m, ("tp",), None, "tp", tuple(x[0].shape))
     kw = dict(cluster="h100", force=force, pin=pin, overlap=True, time_limit=30)
     free = autopar.plan(m, (2,), x, **kw)
-    return autopar.plan(m, (2,), x, memory_budget=0.7 * free.predicted["peak_mem_bytes"], **kw)
+    return autopar.plan(m, (2,), x, memory_budget=0.8 * free.predicted["peak_mem_bytes"], **kw)
 
 
 def _moe_dp():

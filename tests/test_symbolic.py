@@ -60,7 +60,7 @@ def test_batch_formula_prices_shares_recompute_and_overlap_as_the_prediction(ove
     force, pin = torchtitan_placements(m, ("tp",), None, "tp", tuple(x4[0].shape))  # TP + sequence parallel
     kw = dict(cluster="h100-ring" if overlap else "h100", force=force, pin=pin, overlap=overlap)
     free = autopar.plan(m, (2,), x4, **kw)
-    p4, st = autopar.plan(m, (2,), x4, return_state=True, memory_budget=0.7 * free.predicted["peak_mem_bytes"], **kw)
+    p4, st = autopar.plan(m, (2,), x4, return_state=True, memory_budget=0.8 * free.predicted["peak_mem_bytes"], **kw)
     assert st.recompute and st.shares, (st.recompute, st.shares)
     f = batch_formula(st, m, x4)
     want = dict(p4.predicted, step_s=p4.predicted["step_s"] - p4.predicted.get("optimizer_s", 0.0))
