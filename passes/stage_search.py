@@ -18,7 +18,7 @@ from autopar import pipeline_model as pm
 from autopar.cost import collective_time
 from autopar.mesh import MeshSpec
 
-from .stage_costs import StageOps, evaluate, layout_bounds, stage_transient
+from .stage_costs import StageOps, _stage_peak, evaluate, layout_bounds, stage_transient
 
 INF = float("inf")
 
@@ -96,7 +96,69 @@ def _hand_fitting(costs, bounds, base, cluster, budget, recompute) -> dict:
             best = r if best is None or r["step_s"] < best["step_s"] else best
         else:
             hi = cap if hi is None else min(hi, cap)
-    return best or r
+    return _spend_room(costs, best, base, cluster, budget) if best else r
+
+
+def _rank_mem_fn(costs, bounds, variants, order, rank_of, split: bool, rec):
+    """mem(q): rank q's peak as evaluate counts it before FSDP's unsharded units (its stages' state, the peak of
+    their saved activations over its action order, their largest transient) for the checkpointed-block counts in
+    `rec` (read at each call, so the caller may change it)."""
+    S = len(bounds) - 1
+    parts = [(costs[variants[k]], bounds[k], bounds[k + 1]) for k in range(S)]
+    nb = [max(1, int(cv.blk[a:b].sum())) for cv, a, b in parts]
+    full = [float(cv.act[a:b].sum()) for cv, a, b in parts]
+    save = [float(cv.save[a:b].sum()) / nb[k] for k, (cv, a, b) in enumerate(parts)]
+    state = [float(cv.state[a:b].sum()) for cv, a, b in parts]
+    trans = [(_stage_peak(cv, a, b, 0)[0], _stage_peak(cv, a, b, 1)[0]) for cv, a, b in parts]
+    mine = [[k for k in range(S) if rank_of[k] == q] for q in range(len(order))]
+
+    def mem(q: int) -> float:
+        act = [full[k] - rec[k] * save[k] for k in range(S)]
+        peak = pm.rank_act_peak((order[q],), act, split)[0] if order[q] else 0.0
+        return sum(state[k] for k in mine[q]) + peak + max((trans[k][rec[k] > 0] for k in mine[q]), default=0.0)
+
+    return mem
+
+
+def _spend_room(costs, r: dict, base: dict, cluster, budget: float, quick: bool = False) -> dict:
+    """A fitting plan `r` (bounds, variants, recompute per stage) with each rank's memory left under `budget` spent
+    on fewer checkpointed blocks, stage by stage: a uniform per-stage cap leaves most of it unused where one block
+    more or less per stage moves the rank's peak by many GB. Each rank's peak is its own (its stages' activations
+    over its action order): per rank, one block fewer at a time, the stage whose recompute saves the most seconds
+    per byte of peak added (on an interleaved schedule a later stage of the rank holds fewer micro-batches at its
+    peak), while the peak fits. The result is evaluated again and kept only where it fits and is faster."""
+    rec = list(r.get("recompute") or [])
+    if not r.get("fits") or not any(rec):
+        return r
+    bounds, variants, order, spec = r["bounds"], r["variants"], base["order"], base["spec"]
+    p, v, m, rank_of = base["p"], base["v"], base["m"], pm.stage_ranks(spec, base["p"], base["v"])
+    mem = _rank_mem_fn(costs, bounds, variants, order, rank_of, spec.split_backward, rec)
+    gain = []
+    for k in range(len(rec)):
+        cv, a, b = costs[variants[k]], bounds[k], bounds[k + 1]
+        gain.append(m * float(cv.rtime[a:b].sum()) / max(1, int(cv.blk[a:b].sum())))
+    for q in range(p):
+        cur = mem(q)
+        extra = r["rank_mem"][q] - cur  # FSDP's unsharded units: they do not depend on what is checkpointed
+        while True:
+            best, best_score, best_mem = None, -1.0, cur
+            for k in (k for k in range(len(rec)) if rank_of[k] == q and rec[k] > 0):
+                rec[k] -= 1
+                new = mem(q)
+                rec[k] += 1
+                score = gain[k] / max(new - cur, 1.0)
+                if new + extra <= budget and score > best_score:
+                    best, best_score, best_mem = k, score, new
+            if best is None:
+                break
+            rec[best] -= 1
+            cur = best_mem
+    if rec == list(r["recompute"]):
+        return r
+    ev = evaluate(costs, bounds, variants, rec, spec, p, v, m, order, cluster, base["mesh"].size, budget, quick=quick)
+    if not ev["fits"] or ev["step_s"] >= r["step_s"]:
+        return r
+    return {**r, **ev, "bounds": bounds, "variants": variants}
 
 
 def _dp_inflight(order, S, spec, v):
