@@ -9,6 +9,7 @@ simulation within a few percent; the margin covers that). Each visited configura
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -138,27 +139,55 @@ def _spend_room(costs, r: dict, base: dict, cluster, budget: float, quick: bool 
         cv, a, b = costs[variants[k]], bounds[k], bounds[k + 1]
         gain.append(m * float(cv.rtime[a:b].sum()) / max(1, int(cv.blk[a:b].sum())))
     for q in range(p):
-        cur = mem(q)
-        extra = r["rank_mem"][q] - cur  # FSDP's unsharded units: they do not depend on what is checkpointed
-        while True:
-            best, best_score, best_mem = None, -1.0, cur
-            for k in (k for k in range(len(rec)) if rank_of[k] == q and rec[k] > 0):
-                rec[k] -= 1
-                new = mem(q)
-                rec[k] += 1
-                score = gain[k] / max(new - cur, 1.0)
-                if new + extra <= budget and score > best_score:
-                    best, best_score, best_mem = k, score, new
-            if best is None:
-                break
-            rec[best] -= 1
-            cur = best_mem
+        mine = [k for k in range(len(rec)) if rank_of[k] == q and rec[k] > 0]
+        room = budget - (r["rank_mem"][q] - mem(q))  # less FSDP's unsharded units: they do not depend on rec
+        if math.prod(rec[k] + 1 for k in mine) <= 729:
+            _rank_exhaustive(rec, mine, gain, mem, q, room)
+        else:
+            _rank_greedy(rec, mine, gain, mem, q, room)
     if rec == list(r["recompute"]):
         return r
     ev = evaluate(costs, bounds, variants, rec, spec, p, v, m, order, cluster, base["mesh"].size, budget, quick=quick)
     if not ev["fits"] or ev["step_s"] >= r["step_s"]:
         return r
     return {**r, **ev, "bounds": bounds, "variants": variants}
+
+
+def _rank_greedy(rec, mine, gain, mem, q, room) -> None:
+    """One block fewer at a time on rank q's stages `mine`: the one saving the most seconds per byte of peak added,
+    while mem(q) <= room."""
+    cur = mem(q)
+    while True:
+        best, best_score, best_mem = None, -1.0, cur
+        for k in (k for k in mine if rec[k] > 0):
+            rec[k] -= 1
+            new = mem(q)
+            rec[k] += 1
+            score = gain[k] / max(new - cur, 1.0)
+            if new <= room and score > best_score:
+                best, best_score, best_mem = k, score, new
+        if best is None:
+            return
+        rec[best] -= 1
+        cur = best_mem
+
+
+def _rank_exhaustive(rec, mine, gain, mem, q, room) -> None:
+    """Every count from 0 to the current one on rank q's stages `mine` (few): the most seconds saved with
+    mem(q) <= room, the lower peak on a tie."""
+    top = [rec[k] for k in mine]
+    best, key = top, (0.0, -mem(q))
+    for c in itertools.product(*(range(t + 1) for t in top)):
+        for k, x in zip(mine, c):
+            rec[k] = x
+        saved = sum(gain[k] * (t - x) for k, t, x in zip(mine, top, c))
+        if saved < key[0]:
+            continue
+        used = mem(q)
+        if used <= room and (saved, -used) > key:
+            best, key = list(c), (saved, -used)
+    for k, x in zip(mine, best):
+        rec[k] = x
 
 
 def _dp_inflight(order, S, spec, v):
@@ -225,7 +254,14 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
         if ev["fits"] and ev["peak_mem"] > 0.95 * budget or cap >= budget:
             break
         cap = min(budget, cap * (budget / ev["peak_mem"]) * (1.0 if ev["fits"] else 0.9))
-    return best or {**base, "fits": False, "step_s": INF, "peak_mem": INF}
+    if best is None:
+        return {**base, "fits": False, "step_s": INF, "peak_mem": INF}
+    if v > 1 and recompute is True:  # the DP charged each stage budget / v: the ranks' room is spent per stage
+        part = best["part"]
+        r = _spend_room(cvs, {**best, "bounds": part.bounds, "variants": part.variants}, base, cluster, budget, True)
+        best = {**r, "part": pm.Partition(part.bounds, part.variants, part.proxy_s, r["recompute"])}
+        best.pop("bounds"), best.pop("variants")
+    return best
 
 
 # ---- the search ------------------------------------------------------------------------------------------------
