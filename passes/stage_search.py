@@ -125,24 +125,28 @@ def _spend_room(costs, r: dict, base: dict, cluster, budget: float, quick: bool 
     """A fitting plan `r` (bounds, variants, recompute per stage) with each rank's memory left under `budget` spent
     on fewer checkpointed blocks, stage by stage: a uniform per-stage cap leaves most of it unused where one block
     more or less per stage moves the rank's peak by many GB. Each rank's peak is its own (its stages' activations
-    over its action order): per rank, one block fewer at a time, the stage whose recompute saves the most seconds
-    per byte of peak added (on an interleaved schedule a later stage of the rank holds fewer micro-batches at its
-    peak), while the peak fits. The result is evaluated again and kept only where it fits and is faster."""
+    over its action order, FSDP's unsharded units), so each rank picks its stages' counts alone: where they allow
+    few combinations, every one (from none to all of each stage's blocks: a block checkpointed more on one stage
+    may free two on another), the most recompute seconds saved whose peak fits; else one block fewer at a time,
+    the stage saving the most seconds per byte of peak added (on an interleaved schedule a later stage of the rank
+    holds fewer micro-batches at its peak), while the peak fits. The result is evaluated again and kept only where
+    it fits and is faster."""
     rec = list(r.get("recompute") or [])
     if not r.get("fits") or not any(rec):
         return r
     bounds, variants, order, spec = r["bounds"], r["variants"], base["order"], base["spec"]
     p, v, m, rank_of = base["p"], base["v"], base["m"], pm.stage_ranks(spec, base["p"], base["v"])
     mem = _rank_mem_fn(costs, bounds, variants, order, rank_of, spec.split_backward, rec)
-    gain = []
+    gain, nblk = [], []
     for k in range(len(rec)):
         cv, a, b = costs[variants[k]], bounds[k], bounds[k + 1]
-        gain.append(m * float(cv.rtime[a:b].sum()) / max(1, int(cv.blk[a:b].sum())))
+        nblk.append(int(cv.blk[a:b].sum()))
+        gain.append(m * float(cv.rtime[a:b].sum()) / max(1, nblk[-1]))
     for q in range(p):
-        mine = [k for k in range(len(rec)) if rank_of[k] == q and rec[k] > 0]
+        mine = [k for k in range(len(rec)) if rank_of[k] == q and nblk[k] > 0]
         room = budget - (r["rank_mem"][q] - mem(q))  # less FSDP's unsharded units: they do not depend on rec
-        if math.prod(rec[k] + 1 for k in mine) <= 729:
-            _rank_exhaustive(rec, mine, gain, mem, q, room)
+        if math.prod(nblk[k] + 1 for k in mine) <= 729:
+            _rank_exhaustive(rec, mine, [nblk[k] for k in mine], gain, lambda: mem(q), room)
         else:
             _rank_greedy(rec, mine, gain, mem, q, room)
     if rec == list(r["recompute"]):
@@ -172,18 +176,18 @@ def _rank_greedy(rec, mine, gain, mem, q, room) -> None:
         cur = best_mem
 
 
-def _rank_exhaustive(rec, mine, gain, mem, q, room) -> None:
-    """Every count from 0 to the current one on rank q's stages `mine` (few): the most seconds saved with
-    mem(q) <= room, the lower peak on a tie."""
-    top = [rec[k] for k in mine]
-    best, key = top, (0.0, -mem(q))
-    for c in itertools.product(*(range(t + 1) for t in top)):
-        for k, x in zip(mine, c):
-            rec[k] = x
-        saved = sum(gain[k] * (t - x) for k, t, x in zip(mine, top, c))
+def _rank_exhaustive(rec, mine, tops, gain, mem, room) -> None:
+    """Every count from 0 to tops[i] on one rank's stages `mine` (few): the most seconds saved over the counts in
+    `rec` with the rank's mem() <= room, the lower peak on a tie (the counts in `rec` fit: saving 0)."""
+    q = [rec[k] for k in mine]
+    best, key = q, (0.0, -mem())
+    for c in itertools.product(*(range(t + 1) for t in tops)):
+        saved = sum(gain[k] * (was - x) for k, was, x in zip(mine, q, c))
         if saved < key[0]:
             continue
-        used = mem(q)
+        for k, x in zip(mine, c):
+            rec[k] = x
+        used = mem()
         if used <= room and (saved, -used) > key:
             best, key = list(c), (saved, -used)
     for k, x in zip(mine, best):

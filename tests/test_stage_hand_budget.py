@@ -68,3 +68,22 @@ def test_interleaved_hand_layout_spends_each_ranks_room_per_stage(monkeypatch):
     assert set(mid) == {0, 1}
     assert mid[1]["time"]["B_s"] > mid[0]["time"]["B_s"]
     assert mid[1]["memory"]["act_bytes_per_microbatch"] < mid[0]["memory"]["act_bytes_per_microbatch"]
+
+
+def test_rank_choice_fits_the_room_and_saves_what_it_can():
+    """One rank's stages, bytes added per block un-checkpointed differing by stage (later stages hold fewer
+    micro-batches at the peak): the exhaustive choice checkpoints stage 0's block again where that frees three
+    cheaper ones; the greedy one (for many combinations) takes the cheap blocks first and stays within the room."""
+    from autopar.passes.stage_search import _rank_exhaustive, _rank_greedy
+
+    per_block, gain, mine, tops = [4.0, 1.5, 1.5, 1.5], [1.0] * 4, [0, 1, 2, 3], [2, 1, 1, 1]
+
+    def mem(rec):
+        return sum((t - r) * w for t, r, w in zip(tops, rec, per_block))
+
+    rec = [1, 1, 1, 1]  # 4 bytes used of 4.5
+    _rank_exhaustive(rec, mine, tops, gain, lambda: mem(rec), 4.5)
+    assert rec == [2, 0, 0, 0]
+    rec = [2, 1, 1, 1]
+    _rank_greedy(rec, mine, gain, lambda q: mem(rec), 0, 5.0)
+    assert rec == [2, 0, 0, 0]
