@@ -97,7 +97,7 @@ def _hand_fitting(costs, bounds, base, cluster, budget, recompute) -> dict:
             best = r if best is None or r["step_s"] < best["step_s"] else best
         else:
             hi = cap if hi is None else min(hi, cap)
-    return _spend_room(costs, best, base, cluster, budget) if best else r
+    return spend_room(costs, best, base, cluster, budget) if best else r
 
 
 def _rank_mem_fn(costs, bounds, variants, order, rank_of, split: bool, rec):
@@ -121,7 +121,7 @@ def _rank_mem_fn(costs, bounds, variants, order, rank_of, split: bool, rec):
     return mem
 
 
-def _spend_room(costs, r: dict, base: dict, cluster, budget: float, quick: bool = False) -> dict:
+def spend_room(costs, r: dict, base: dict, cluster, budget: float, quick: bool = False) -> dict:
     """A fitting plan `r` (bounds, variants, recompute per stage) with each rank's memory left under `budget` spent
     on fewer checkpointed blocks, stage by stage: a uniform per-stage cap leaves most of it unused where one block
     more or less per stage moves the rank's peak by many GB. Each rank's peak is its own (its stages' activations
@@ -262,7 +262,7 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
         return {**base, "fits": False, "step_s": INF, "peak_mem": INF}
     if v > 1 and recompute is True:  # the DP charged each stage budget / v: the ranks' room is spent per stage
         part = best["part"]
-        r = _spend_room(cvs, {**best, "bounds": part.bounds, "variants": part.variants}, base, cluster, budget, True)
+        r = spend_room(cvs, {**best, "bounds": part.bounds, "variants": part.variants}, base, cluster, budget, True)
         best = {**r, "part": pm.Partition(part.bounds, part.variants, part.proxy_s, r["recompute"])}
         best.pop("bounds"), best.pop("variants")
     return best

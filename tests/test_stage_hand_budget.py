@@ -41,7 +41,7 @@ def test_hand_layout_under_any_peak_is_refused():
 def test_interleaved_hand_layout_spends_each_ranks_room_per_stage(monkeypatch):
     """Interleaved1F1B, 4 ranks x 4 stages of 1 block, budget 0.65x the plan's peak without checkpointing: the
     uniform cap search checkpoints nearly every block (one block fewer on every stage overflows); spending each rank's
-    room stage by stage (passes/stage_search.py _spend_room) checkpoints fewer, still under the budget, faster."""
+    room stage by stage (passes/stage_search.py spend_room) checkpoints fewer, still under the budget, faster."""
     tiny = {**TINY, "n_layers": 16}
     m = models.build_model("llama3-8b", device="meta", dtype=torch.bfloat16, **tiny)
     x = models.example_inputs("llama3-8b", batch=8, seq=1024, device="meta", **tiny)
@@ -55,7 +55,7 @@ def test_interleaved_hand_layout_spends_each_ranks_room_per_stage(monkeypatch):
     budget = 0.65 * plan(False).predicted["peak_mem_bytes"]
     after = plan(True, budget)
     with monkeypatch.context() as mp:
-        mp.setattr("autopar.passes.stage_search._spend_room", lambda costs, r, *a, **k: r)
+        mp.setattr("autopar.passes.stage_search.spend_room", lambda costs, r, *a, **k: r)
         before = plan(True, budget)
     blocks = lambda p: sum(st["recompute_blocks"] for st in p.stages)
     assert 0 < blocks(after) < blocks(before)
