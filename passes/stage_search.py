@@ -72,7 +72,8 @@ def _hand_fitting(costs, bounds, base, cluster, budget, recompute) -> dict:
     counts) or leaves room that fewer checkpointed blocks could use (with v stages per rank each stage is first
     charged budget / v, though their peaks do not coincide): the cap is scaled by the room, then bisected between
     the largest that fits and the smallest that overflows; recompute=True checkpoints as memory needs, and the
-    fastest layout that fits wins. The DP scales its cap the same way for v > 1."""
+    fastest layout that fits wins, its ranks' remaining room then spent stage by stage (spend_room). The DP scales
+    its cap the same way for v > 1."""
     r = evaluate_fitted(costs, bounds, base, cluster, budget, recompute)
     if recompute is not True:
         return r
@@ -179,10 +180,10 @@ def _rank_greedy(rec, mine, gain, mem, q, room) -> None:
 def _rank_exhaustive(rec, mine, tops, gain, mem, room) -> None:
     """Every count from 0 to tops[i] on one rank's stages `mine` (few): the most seconds saved over the counts in
     `rec` with the rank's mem() <= room, the lower peak on a tie (the counts in `rec` fit: saving 0)."""
-    q = [rec[k] for k in mine]
-    best, key = q, (0.0, -mem())
+    now = [rec[k] for k in mine]
+    best, key = now, (0.0, -mem())
     for c in itertools.product(*(range(t + 1) for t in tops)):
-        saved = sum(gain[k] * (was - x) for k, was, x in zip(mine, q, c))
+        saved = sum(gain[k] * (was - x) for k, was, x in zip(mine, now, c))
         if saved < key[0]:
             continue
         for k, x in zip(mine, c):
@@ -220,7 +221,7 @@ def state_bound(costs, p: int) -> float:
 def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute=True, tries=3) -> dict:
     """Stage DP (or a hand layout) for one configuration, evaluated by simulation. With several stages per rank
     the DP charges each stage budget/v (scaled, up to `tries` DPs, while the exact rank peak leaves room or
-    overflows)."""
+    overflows), and what the ranks' peaks leave is then spent per stage (spend_room)."""
     p, v, m, spec, smesh = c["p"], c["v"], c["m"], c["spec"], c["mesh"]
     S = p * v
     fl = _dp_inflight(order, S, spec, v)
