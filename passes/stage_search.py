@@ -9,6 +9,7 @@ simulation within a few percent; the margin covers that). Each visited configura
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -18,7 +19,7 @@ from autopar import pipeline_model as pm
 from autopar.cost import collective_time
 from autopar.mesh import MeshSpec
 
-from .stage_costs import StageOps, evaluate, layout_bounds, stage_transient
+from .stage_costs import StageOps, _stage_peak, evaluate, layout_bounds, stage_transient
 
 INF = float("inf")
 
@@ -71,7 +72,8 @@ def _hand_fitting(costs, bounds, base, cluster, budget, recompute) -> dict:
     counts) or leaves room that fewer checkpointed blocks could use (with v stages per rank each stage is first
     charged budget / v, though their peaks do not coincide): the cap is scaled by the room, then bisected between
     the largest that fits and the smallest that overflows; recompute=True checkpoints as memory needs, and the
-    fastest layout that fits wins. The DP scales its cap the same way for v > 1."""
+    fastest layout that fits wins, its ranks' remaining room then spent stage by stage (spend_room). The DP scales
+    its cap the same way for v > 1."""
     r = evaluate_fitted(costs, bounds, base, cluster, budget, recompute)
     if recompute is not True:
         return r
@@ -96,7 +98,101 @@ def _hand_fitting(costs, bounds, base, cluster, budget, recompute) -> dict:
             best = r if best is None or r["step_s"] < best["step_s"] else best
         else:
             hi = cap if hi is None else min(hi, cap)
-    return best or r
+    return spend_room(costs, best, base, cluster, budget) if best else r
+
+
+def _rank_mem_fn(costs, bounds, variants, order, rank_of, split: bool, rec):
+    """mem(q): rank q's peak as evaluate counts it before FSDP's unsharded units (its stages' state, the peak of
+    their saved activations over its action order, their largest transient) for the checkpointed-block counts in
+    `rec` (read at each call, so the caller may change it)."""
+    S = len(bounds) - 1
+    parts = [(costs[variants[k]], bounds[k], bounds[k + 1]) for k in range(S)]
+    nb = [max(1, int(cv.blk[a:b].sum())) for cv, a, b in parts]
+    full = [float(cv.act[a:b].sum()) for cv, a, b in parts]
+    save = [float(cv.save[a:b].sum()) / nb[k] for k, (cv, a, b) in enumerate(parts)]
+    state = [float(cv.state[a:b].sum()) for cv, a, b in parts]
+    trans = [(_stage_peak(cv, a, b, 0)[0], _stage_peak(cv, a, b, 1)[0]) for cv, a, b in parts]
+    mine = [[k for k in range(S) if rank_of[k] == q] for q in range(len(order))]
+
+    def mem(q: int) -> float:
+        act = [full[k] - rec[k] * save[k] for k in range(S)]
+        peak = pm.rank_act_peak((order[q],), act, split)[0] if order[q] else 0.0
+        return sum(state[k] for k in mine[q]) + peak + max((trans[k][rec[k] > 0] for k in mine[q]), default=0.0)
+
+    return mem
+
+
+def spend_room(costs, r: dict, base: dict, cluster, budget: float, quick: bool = False) -> dict:
+    """A fitting plan `r` (bounds, variants, recompute per stage) with each rank's memory left under `budget` spent
+    on fewer checkpointed blocks, stage by stage: a uniform per-stage cap leaves most of it unused where one block
+    more or less per stage moves the rank's peak by many GB. Each rank's peak is its own (its stages' activations
+    over its action order, FSDP's unsharded units), so each rank picks its stages' counts alone: where they allow
+    few combinations, every one (from none to all of each stage's blocks: a block checkpointed more on one stage
+    may free two on another), the most recompute seconds saved whose peak fits; else one block fewer at a time,
+    the stage saving the most seconds per byte of peak added (on an interleaved schedule a later stage of the rank
+    holds fewer micro-batches at its peak), while the peak fits. The result is evaluated again and kept only where
+    it fits and is faster."""
+    rec = list(r.get("recompute") or [])
+    if not r.get("fits") or not any(rec):
+        return r
+    bounds, variants, order, spec = r["bounds"], r["variants"], base["order"], base["spec"]
+    p, v, m, rank_of = base["p"], base["v"], base["m"], pm.stage_ranks(spec, base["p"], base["v"])
+    mem = _rank_mem_fn(costs, bounds, variants, order, rank_of, spec.split_backward, rec)
+    gain, nblk = [], []
+    for k in range(len(rec)):
+        cv, a, b = costs[variants[k]], bounds[k], bounds[k + 1]
+        nblk.append(int(cv.blk[a:b].sum()))
+        gain.append(m * float(cv.rtime[a:b].sum()) / max(1, nblk[-1]))
+    for q in range(p):
+        mine = [k for k in range(len(rec)) if rank_of[k] == q and nblk[k] > 0]
+        room = budget - (r["rank_mem"][q] - mem(q))  # less FSDP's unsharded units: they do not depend on rec
+        if math.prod(nblk[k] + 1 for k in mine) <= 729:
+            _rank_exhaustive(rec, mine, [nblk[k] for k in mine], gain, lambda: mem(q), room)
+        else:
+            _rank_greedy(rec, mine, gain, mem, q, room)
+    if rec == list(r["recompute"]):
+        return r
+    ev = evaluate(costs, bounds, variants, rec, spec, p, v, m, order, cluster, base["mesh"].size, budget, quick=quick)
+    if not ev["fits"] or ev["step_s"] >= r["step_s"]:
+        return r
+    return {**r, **ev, "bounds": bounds, "variants": variants}
+
+
+def _rank_greedy(rec, mine, gain, mem, q, room) -> None:
+    """One block fewer at a time on rank q's stages `mine`: the one saving the most seconds per byte of peak added,
+    while mem(q) <= room."""
+    cur = mem(q)
+    while True:
+        best, best_score, best_mem = None, -1.0, cur
+        for k in (k for k in mine if rec[k] > 0):
+            rec[k] -= 1
+            new = mem(q)
+            rec[k] += 1
+            score = gain[k] / max(new - cur, 1.0)
+            if new <= room and score > best_score:
+                best, best_score, best_mem = k, score, new
+        if best is None:
+            return
+        rec[best] -= 1
+        cur = best_mem
+
+
+def _rank_exhaustive(rec, mine, tops, gain, mem, room) -> None:
+    """Every count from 0 to tops[i] on one rank's stages `mine` (few): the most seconds saved over the counts in
+    `rec` with the rank's mem() <= room, the lower peak on a tie (the counts in `rec` fit: saving 0)."""
+    now = [rec[k] for k in mine]
+    best, key = now, (0.0, -mem())
+    for c in itertools.product(*(range(t + 1) for t in tops)):
+        saved = sum(gain[k] * (was - x) for k, was, x in zip(mine, now, c))
+        if saved < key[0]:
+            continue
+        for k, x in zip(mine, c):
+            rec[k] = x
+        used = mem()
+        if used <= room and (saved, -used) > key:
+            best, key = list(c), (saved, -used)
+    for k, x in zip(mine, best):
+        rec[k] = x
 
 
 def _dp_inflight(order, S, spec, v):
@@ -125,7 +221,7 @@ def state_bound(costs, p: int) -> float:
 def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute=True, tries=3) -> dict:
     """Stage DP (or a hand layout) for one configuration, evaluated by simulation. With several stages per rank
     the DP charges each stage budget/v (scaled, up to `tries` DPs, while the exact rank peak leaves room or
-    overflows)."""
+    overflows), and what the ranks' peaks leave is then spent per stage (spend_room)."""
     p, v, m, spec, smesh = c["p"], c["v"], c["m"], c["spec"], c["mesh"]
     S = p * v
     fl = _dp_inflight(order, S, spec, v)
@@ -163,7 +259,14 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
         if ev["fits"] and ev["peak_mem"] > 0.95 * budget or cap >= budget:
             break
         cap = min(budget, cap * (budget / ev["peak_mem"]) * (1.0 if ev["fits"] else 0.9))
-    return best or {**base, "fits": False, "step_s": INF, "peak_mem": INF}
+    if best is None:
+        return {**base, "fits": False, "step_s": INF, "peak_mem": INF}
+    if v > 1 and recompute is True:  # the DP charged each stage budget / v: the ranks' room is spent per stage
+        part = best["part"]
+        r = spend_room(cvs, {**best, "bounds": part.bounds, "variants": part.variants}, base, cluster, budget, True)
+        best = {**r, "part": pm.Partition(part.bounds, part.variants, part.proxy_s, r["recompute"])}
+        best.pop("bounds"), best.pop("variants")
+    return best
 
 
 # ---- the search ------------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from .stage_search import (
     lower_bound,
     microbatch_counts,
     search,
+    spend_room,
     stage_plans,
     state_bound,
 )
@@ -150,11 +151,13 @@ def _ranked(results, cache, n_blocks: int, mesh, cluster, budget, opts, recomput
         if r.get("order") is None:
             r["order"] = pm.actions(r["spec"], r["p"], r["m"], r["v"])
         S = r["p"] * r["v"]
-        r["even"] = (
-            evaluate_fitted(cache[r["key"]].costs(), even_bounds(n_blocks, S), r, cluster, budget, recompute)
-            if S <= n_blocks
-            else None
+        costs = cache[r["key"]].costs()
+        even = (
+            evaluate_fitted(costs, even_bounds(n_blocks, S), r, cluster, budget, recompute) if S <= n_blocks else None
         )
+        if even is not None and recompute is True and r["v"] > 1:  # as the DP's result has it (search_config)
+            even = spend_room(costs, even, r, cluster, budget)
+        r["even"] = even
     t0 = top[0]
     top[0] = {
         **t0,
