@@ -6,12 +6,13 @@ A key's intra-op plan is a capture plus a MILP (a few CPU seconds each); a large
 part, a "family") and whose per-rank micro-batch (micro-batch / dp) is equal run the same per-rank shapes: the same
 per-op plan fits them, only the data-parallel terms differ (the gradient reductions and parameter gathers run
 over another dp group, FSDP-sharded state is divided by another dp size). Within a family the per-rank compute
-and activations also scale with the per-rank micro-batch; scaled down from a larger one they are a lower bound
-(a kernel is at least as efficient on a larger batch), so estimates err on the optimistic side and a key that looks
-good gets solved exactly.
+and activations also scale with the per-rank micro-batch (a kernel is at least as efficient on a larger batch, so a
+scaled-down figure is optimistic on compute; the per-op plan itself is the source's, chosen for its own dp size, so
+neither direction bounds the step), and a key that looks good gets solved exactly.
 
-`representatives` picks the keys solved first (per family the smallest and largest per-rank micro-batch);
-`estimate` prices any other key from its family's nearest solved key at or above its per-rank micro-batch.
+`representatives` picks the keys solved first (per family the smallest per-rank micro-batch);
+`estimate` prices any other key from its family's nearest solved key at or above its per-rank micro-batch (else
+the largest below).
 The search then solves exactly, in order of estimated step time, every key whose best estimated configuration beats
 the best exact one (passes/stages.py), so the chosen plan is always priced by an exact intra-op plan.
 """
@@ -43,13 +44,14 @@ def per_rank(key) -> int:
 
 
 def representatives(keys: list) -> list:
-    """Per family the keys with the smallest and the largest per-rank micro-batch (the first such in `keys`)."""
+    """Per family the key with the smallest per-rank micro-batch (the first such in `keys`). Its larger siblings
+    were solved up front too, but they are the costliest solves of a family (a 405B cp stage at 2-4 samples per
+    rank: 40-100 CPU s against 20-50) and an estimate from above is no better a bound: the source's per-op plan
+    is optimal for its own dp size and micro-batch, not the target's (B6.15: 2x8(cp,tp) at one sample priced from
+    32x2x8 at two was 46% slow, from 16x2x8 at one 6%), so the refinement solves whichever looks good either way."""
     out = []
     for fam in dict.fromkeys(family(k) for k in keys):
-        ks = [k for k in keys if family(k) == fam]
-        for pick in (min(ks, key=per_rank), max(ks, key=per_rank)):
-            if pick not in out:
-                out.append(pick)
+        out.append(min((k for k in keys if family(k) == fam), key=per_rank))
     return out
 
 

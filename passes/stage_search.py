@@ -218,10 +218,15 @@ def state_bound(costs, p: int) -> float:
     return float(np.min([cv.state for cv in costs], axis=0).sum()) / p
 
 
-def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute=True, tries=3) -> dict:
+def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute=True, tries=3, above=INF) -> dict:
     """Stage DP (or a hand layout) for one configuration, evaluated by simulation. With several stages per rank
     the DP charges each stage budget/v (scaled, up to `tries` DPs, while the exact rank peak leaves room or
-    overflows), and what the ranks' peaks leave is then spent per stage (spend_room)."""
+    overflows), and what the ranks' peaks leave is then spent per stage (spend_room). A DP whose closed form
+    exceeds `above` (the prune margin x the best step so far) is not simulated: the lower bound that ordered the
+    configurations is a bound on this closed form, so the partition's own value prunes by the same rule, only
+    tighter; with cap < budget a later DP may still improve (a larger cap only widens the DP's choices), so only a
+    DP at the full budget ends the configuration. Returns {"pruned": True} when it was cut so before any
+    simulation."""
     p, v, m, spec, smesh = c["p"], c["v"], c["m"], c["spec"], c["mesh"]
     S = p * v
     fl = _dp_inflight(order, S, spec, v)
@@ -238,6 +243,10 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
         xfer = np.array([[collective_time("send_recv", float(b), 2, link) for b in cv.xbytes] for cv in cvs])
         part = pm.partition(cvs, xfer, spec, p, v, m, fl, cap, tol, bool(recompute))
         if part is None:
+            break
+        if part.proxy_s > above and (v == 1 or cap >= budget):
+            if best is None:
+                return {"pruned": True}
             break
         ev = evaluate(
             cvs,
@@ -333,11 +342,14 @@ def _search_share(share):
         order = orders[sched]
         if order is None:
             continue
-        ops = cache[c["key"]]
+        ops, above = cache[c["key"]], margin * best
         if getattr(ops, "exact", True):
-            r = search_config(c, order, ops, cluster, budget, hand, tol, recompute)
+            r = search_config(c, order, ops, cluster, budget, hand, tol, recompute, above=above)
         else:  # estimated costs only rank keys for an exact solve: a coarser DP (2% bottleneck scan, one cap)
-            r = search_config(c, order, ops, cluster, budget, hand, max(tol, 0.02), recompute, tries=1)
+            r = search_config(c, order, ops, cluster, budget, hand, max(tol, 0.02), recompute, 1, above)
+        if r.get("pruned"):
+            pruned += 1
+            continue
         if r["fits"]:
             best = min(best, r["step_s"])
         if share[1] > 1:  # travels back to the parent: drop what is cheap to rebuild for the few kept

@@ -48,9 +48,11 @@ class StagesRequest:
     block, for hand layouts), ac (what checkpointing a block means: "block" (default) reruns its forward, "op"
     torchtitan's selective op SAC: its matmul outputs but every second one and its attention outputs stay saved),
     dp_shards_batch (default True), prune_margin (1.25), dp_tol (1e-3: relative tolerance
-    of the bottleneck scan; 0 = exact), top (candidates kept in the report), workers, exact_keys (12: with more
-    (submesh, micro-batch) keys than this, most are estimated, passes/stage_estimate.py), estimate_margin (0.05:
-    an estimated key is solved exactly when its estimate is within this of the best exact step)."""
+    of the bottleneck scan; 0 = exact), top (candidates kept in the report), workers, exact_keys (0: with more
+    (submesh, micro-batch) keys than this, one per family is solved and the rest estimated, passes/stage_estimate.py;
+    a family's keys differ only in dp size and micro-batch, so even a few keys (C3: eight, one family of 405B cp
+    stages) are mostly estimated), estimate_margin (0.05: an estimated key is solved exactly when its estimate is
+    within this of the best exact step)."""
 
     model: nn.Module
     mesh: object
@@ -292,8 +294,8 @@ def run(request: StagesRequest) -> Plan:
     solve_keys = lambda ks: stage_plans(
         model, prefix, reps, pos_of, inputs, Bsz, ks, ctx, workers if workers is not None or len(ks) < 2 else 2
     )
-    # up to `exact_keys` keys every one is solved; beyond, a few per family and the rest estimated (refined below)
-    first = keys if len(keys) <= int(opts.get("exact_keys", 12)) else representatives(keys)
+    # up to `exact_keys` keys every one is solved; beyond, one per family and the rest estimated (refined below)
+    first = keys if len(keys) <= int(opts.get("exact_keys", 0)) else representatives(keys)
     cache = solve_keys(first)
     priced = _priced(keys, cache, cluster)
     t_keys = time.perf_counter() - t_keys

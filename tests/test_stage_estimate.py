@@ -9,13 +9,14 @@ import pytest
 
 import autopar
 from autopar import models
+from autopar import pipeline_model as pm
 from autopar.cost import get_cluster
 from autopar.mesh import MeshSpec
 
 from _stage import stage_context
 from autopar.passes.stage_costs import find_layers, layer_signature
 from autopar.passes.stage_estimate import estimate, family, per_rank, representatives
-from autopar.passes.stage_search import stage_plans
+from autopar.passes.stage_search import lower_bound, search_config, stage_plans
 
 DP_TP = ("dp", "tp")
 # llama-tiny widened to compute-bound blocks (8 heads of 128, a 4x MLP)
@@ -26,7 +27,7 @@ def _keys_of(*specs):
     return [(MeshSpec(shape, names), mb) for shape, names, mb in specs]
 
 
-def test_representatives_take_each_familys_smallest_and_largest_per_rank_batch():
+def test_representatives_take_each_familys_smallest_per_rank_batch():
     keys = _keys_of(
         ((4, 2), DP_TP, 4),  # tp 2, per rank 1
         ((2, 2), DP_TP, 8),  # tp 2, per rank 4
@@ -36,7 +37,7 @@ def test_representatives_take_each_familys_smallest_and_largest_per_rank_batch()
     )
     assert [per_rank(k) for k in keys] == [1, 4, 2, 1, 4]
     assert family(keys[0]) == family(keys[4]) == (("tp", 2),) and family(keys[3]) == ()
-    assert representatives(keys) == [keys[0], keys[1], keys[3]]  # the first of the tied largest
+    assert representatives(keys) == [keys[0], keys[3]]  # per family one key, the larger ones are estimated
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +88,7 @@ def test_estimate_from_a_larger_per_rank_batch_is_a_lower_bound(llama_keys):
 
 
 def test_search_with_estimates_finds_the_exhaustive_plan():
-    """A flat 4-rank set with every key but each family's two representatives estimated: the search solves
+    """A flat 4-rank set with every key but each family's representative estimated: the search solves
     exactly only the keys that look better (within estimate_margin) and comes within 1% of the exhaustive search's
     step time (here 0.6%: the exhaustive optimum, pp 2 with two stages per rank, was estimated more than 10% slow),
     never below it."""
@@ -100,3 +101,20 @@ def test_search_with_estimates_finds_the_exhaustive_plan():
     assert s_fast["intra_op_keys"] < s_full["intra_op_keys"]
     ratio = fast.predicted["step_s"] / full.predicted["step_s"]
     assert 1 - 1e-9 <= ratio <= 1.01
+
+
+def test_a_configuration_whose_dp_closed_form_exceeds_the_cutoff_is_not_simulated(llama_keys):
+    """The search prunes a configuration on its lower bound, and after the DP on the partition's own closed form
+    (the bound's target, so at least the bound): above the cutoff it is not simulated, at or below the result is
+    the unpruned one."""
+    solved, (k2, _, _), cluster = llama_keys
+    ops, spec = solved[k2], pm.get_schedule("1F1B")
+    c = {"p": 2, "mesh": k2[0], "m": 8, "spec": spec, "v": 1, "key": k2}
+    order = pm.actions(spec, 2, 8, 1)
+    full = search_config(c, order, ops, cluster, 60e9)
+    assert full["fits"]
+    closed = full["part"].proxy_s
+    assert lower_bound(ops.costs(), spec, 2, 1, 8) <= closed
+    assert search_config(c, order, ops, cluster, 60e9, above=closed * 0.999) == {"pruned": True}
+    kept = search_config(c, order, ops, cluster, 60e9, above=closed * 1.001)
+    assert kept["step_s"] == full["step_s"] and kept["part"].bounds == full["part"].bounds
