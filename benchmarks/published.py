@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     rows = [r for r in ROWS if not args.only or any(_matches(r, s) for s in args.only)]
     auto_rows = []
     if args.auto is not None:
-        auto_rows = [r for r in rows if r.strict and any(_matches(r, s) for s in args.auto or [""])]
+        auto_rows = [r for r in rows if any(_matches(r, s) for s in args.auto or [""])]
     fitted = {}
     fit_path = args.out + "_fit.json"
     if args.fit:

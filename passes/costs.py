@@ -2,13 +2,10 @@
 
 Decision groups: a node with one tensor input inside the same layer instance *follows* its producer (views,
 transposes, casts, unary pointwise ops), and a pointwise op follows its one largest input when the others are
-smaller broadcast operands (norm weights, RoPE tables, scalars; Alpa's "follow" merging): it takes the strategy that
-best matches that producer's output, so it needs no variable of its own; its other inputs stay priced edges. A node
-whose output outgrows its input (an expand, GQA's repeat: a move after it carries the copies) roots a group instead,
-so whether the move happens before it or after is the solver's choice. This restricts the search to plans where
-the other followers compute in their main input's layout; the MILP is exact over that space. Every other node roots
-a group. Groups of repeated layers are shared (regions pass), so the model has one set of variables per distinct
-node of the representative layer.
+smaller broadcast operands (norm weights, RoPE tables, scalars; Alpa's "follow" merging): it takes the strategy that best matches that producer's output, so it needs no variable of its own;
+its other inputs stay priced edges. This restricts the search to plans where elementwise ops compute in their
+main input's layout; the MILP is exact over that space. Every other node roots a group. Groups of repeated layers are shared (regions
+pass), so the model has one set of variables per distinct node of the representative layer.
 
 Per group strategy: compute time of its members (roofline on local shapes), the redistributes the followers
 need, model-state bytes (parameters, grads, optimizer state at the storage placement) and saved-activation
@@ -145,68 +142,56 @@ class Groups:
 
 
 def _groups(state, redistribute) -> Groups:
-    nodes, strategies, rep = state.graph.nodes, state.strategies, state.rep
+    nodes, strategies, rep, region_of = state.graph.nodes, state.strategies, state.rep, state.region_of
     reps = [i for i in range(len(nodes)) if rep[i] == i]
     follow: dict[int, tuple[int, int, int]] = {}
-    root: dict = {}
-    choice: dict[int, np.ndarray] = {}
-    extra: dict[int, np.ndarray] = {}
-    best_memo: dict = {}  # (producer placement, follower's input options) -> best
+    for i in reps:
+        n = nodes[i]
+        if n.kind != "op":
+            continue
+        ins = n.inputs()
+        lead = _lead_input(state.graph, n, ins)
+        if lead is None:
+            continue
+        ref = ins[lead]
+        if region_of[ref.node] == region_of[i] and nodes[ref.node].kind in ("op", "param"):
+            follow[i] = (ref.node, ref.out, lead)
+    root = {}
     for i in reps:  # topological order: producers first
-        lead = _follows(state, i)
-        followed = None if lead is None else _follow(state, i, lead, choice, redistribute, best_memo)
-        if followed is None:
-            root[i], choice[i] = i, np.arange(len(strategies[i]))
-        else:
-            follow[i], root[i] = lead, root[lead[0]]
-            choice[i], extra[i] = followed
+        root[i] = root[follow[i][0]] if i in follow else i
     roots = [i for i in reps if root[i] == i]
     group_id = {r: k for k, r in enumerate(roots)}
+    best_memo: dict = {}  # (producer placement, follower's input options) -> best
+    choice: dict[int, np.ndarray] = {}
+    extra: dict[int, np.ndarray] = {}
+    for i in reps:
+        if i not in follow:
+            choice[i] = np.arange(len(strategies[i])) if root[i] == i else None
+            continue
+        producer, out, lead = follow[i]
+        first: dict = {}  # distinct placement of the lead input -> first strategy
+        for j, s in enumerate(strategies[i]):
+            first.setdefault(s.ins[lead], j)
+        meta = nodes[producer].outs[out]
+        best: dict = {}
+        first_key = (tuple(first.items()), meta.nbytes)
+        for s_p in strategies[producer]:
+            placement = s_p.out[out]
+            if placement not in best:
+                hit = best_memo.get((placement, first_key))
+                if hit is None:
+                    hit = best_memo[(placement, first_key)] = min(
+                        (redistribute(placement, d, meta), j) for d, j in first.items()
+                    )
+                best[placement] = hit
+        producer_choice = choice[producer]
+        chosen = np.empty(len(producer_choice), dtype=np.int64)
+        seconds = np.empty(len(producer_choice))
+        for k, pk in enumerate(producer_choice):
+            t, j = best[strategies[producer][pk].out[out]]
+            chosen[k], seconds[k] = j, t
+        choice[i], extra[i] = chosen, seconds
     return Groups(reps, follow, root, roots, group_id, choice, extra)
-
-
-def _follows(state, i):
-    """(producer, output, input position) node i would follow, or None: it roots a group."""
-    n = state.graph.nodes[i]
-    if n.kind != "op":
-        return None
-    ins = n.inputs()
-    lead = _lead_input(state.graph, n, ins)
-    if lead is None:
-        return None
-    ref = ins[lead]
-    if state.region_of[ref.node] != state.region_of[i] or state.graph.nodes[ref.node].kind not in ("op", "param"):
-        return None
-    return ref.node, ref.out, lead
-
-
-def _follow(state, i, lead, choice, redistribute, best_memo):
-    """(node i's strategy, the seconds of its input's move) per strategy of its lead's group: the strategy whose
-    lead input is cheapest to reach from the lead's output. None where following would lose plans: where i's output
-    outgrows its lead input (an expand, GQA's K/V repeat), a move after it carries the repeated copies where one
-    before it would not, so i roots a group and the solver places the move. (Rooting as well every follower that
-    needs a move for some lead strategy widens the space further: 2-8% lower objectives on llama-tiny, the 8B shape
-    and C3, but 1.5x the MILP's variables and twice t5's solve time, past the zoo suite's time limit.)"""
-    nodes, strategies = state.graph.nodes, state.strategies
-    producer, out, position = lead
-    meta = nodes[producer].outs[out]
-    if any(o is not None and o.numel > meta.numel for o in nodes[i].outs):
-        return None
-    first: dict = {}  # distinct placement of the lead input -> first strategy
-    for j, s in enumerate(strategies[i]):
-        first.setdefault(s.ins[position], j)
-    first_key = (tuple(first.items()), meta.nbytes)
-    chosen = np.empty(len(choice[producer]), dtype=np.int64)
-    seconds = np.empty(len(choice[producer]))
-    for k, pk in enumerate(choice[producer]):
-        placement = strategies[producer][pk].out[out]
-        hit = best_memo.get((placement, first_key))
-        if hit is None:
-            hit = best_memo[(placement, first_key)] = min(
-                (redistribute(placement, d, meta), j) for d, j in first.items()
-            )
-        seconds[k], chosen[k] = hit
-    return chosen, seconds
 
 
 @dataclass
