@@ -268,6 +268,13 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
         if ev["fits"] and ev["peak_mem"] > 0.95 * budget or cap >= budget:
             break
         cap = min(budget, cap * (budget / ev["peak_mem"]) * (1.0 if ev["fits"] else 0.9))
+    # One stage has one partition: the DP's per-stage memory bound must not rule it out where the exact rank peak
+    # fits (a long sequence near the budget, as TorchTitan's 8B at 256K tokens on cp 8)
+    if best is None and p * v == 1:
+        cvs = ops.costs()
+        r = _hand_fitting(cvs, [0, len(cvs[0].F)], base, cluster, budget, recompute)
+        if r["fits"]:
+            return {**base, **r, "part": pm.Partition(r["bounds"], r["variants"], float("nan"), r["recompute"])}
     if best is None:
         return {**base, "fits": False, "step_s": INF, "peak_mem": INF}
     if v > 1 and recompute is True:  # the DP charged each stage budget / v: the ranks' room is spent per stage
