@@ -24,18 +24,18 @@ Assumptions (each also in the results file):
   * TorchTitan's H100s are the 95 GiB power-limited part (preset h100-95g); sequence 8192 for Tables 1-4; its
     "batch" is per data-parallel rank (Table 6: 8 sequences per rank, one micro-batch each); selective AC is
     torchtitan's op SAC on every block (recompute="all", ac="op": each block keeps its matmul outputs but every
-    second one and its attention outputs, and reruns the rest), full AC is recompute="all" (whole blocks); Table 6
-    does not publish its AC: recompute=True (whole blocks checkpointed as memory needs); without pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the
-    local batch into micro-batches (1, 2, 4, .. of it) where one does not fit its memory model (the chosen count is
+    second one and its attention outputs, and reruns the rest), full AC is recompute="all" (whole blocks); without
+    pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the local batch into micro-batches (1, 2, 4, .. of it) where one does not fit its memory model (the chosen count is
     in the row's record); Float8 rows plan with float8=True (per-tensor scaled GEMMs, FSDP float8 all-gather);
     torch.compile rows price the fused regions of DeviceSpec fusion="inductor"; async TP is not modelled: B3.8 is
-    predicted without it and kept out of the statistics ("not strict").
+    predicted without it and kept out of the statistics ("not strict"), as are Table 6's rows (run with AsyncTP).
   * Context parallelism (Tables 5-6, Llama 3's 128K row): a (pp, dp, cp[, tp]) mesh, the sequence sharded over
     cp inside the pipeline stages, parameters FSDP-sharded over dp x cp (torchtitan's dp_shard_cp), attention on
-    sequence-sharded queries priced by autopar's cp kernel model; bf16, no Float8. Table 5: one stage of the 32
-    blocks, GPipe, one micro-batch of one sequence per rank, full AC. Table 6: 8 stages of [15, 16 x 6, 15]
-    blocks, 1F1B, 8 micro-batches of one sequence, recompute=True (the AC policy is not published; helper cp3d's
-    recipe used full AC and [16 x 6, 15 x 2]: this harness keeps its round-one choices for Table 6's cp 1 row).
+    sequence-sharded queries priced by autopar's cp kernel model. Tables 5-6 ran with torch.compile + Float8 and
+    full AC (torchtitan's docs/performance.md, January 2025, whose Tables 2 and 6 carry the same figures; the paper
+    lists only the AC and the schedule), Table 6 with AsyncTP as well. Table 5: one stage of the 32 blocks, GPipe,
+    one micro-batch of one sequence per rank. Table 6: 8 stages of [15, 16 x 6, 15] blocks, 1F1B, 8 micro-batches
+    of one sequence.
     Llama 3's 128K row: the same interleaved v = 4 layout as its 8K rows, cp 16 inside the stages, attention on
     all-gathered K/V as the paper describes (DeviceSpec cp_attention="allgather"); TorchTitan's cp rows: ring
     attention as torch's context_parallel runs it (cp_attention="ring").

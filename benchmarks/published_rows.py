@@ -226,18 +226,20 @@ NOTES = [
     "selective-AC rows torchtitan's op SAC on every block (pipeline ac='op'); memory is the caching allocator's "
     "reserved peak (TorchTitan logs max reserved) with the loss tail's logits copies counted: 13 of 18 rows within "
     "15% (B1.1 79.9 vs 81.9 GiB, B2.4 65.9 vs 67.0, B5.11-B5.14 within 1.3%).",
-    "Still off: the cp 4 / cp 8 rows of Table 5 (B5.13 1.28x, B5.14 1.39x, B6.18 1.18x) are optimistic while cp 1-2 "
-    "are within 9% and the step is all compute: torch's ring attention at 128K-256K ran slower than FA2's rate on "
-    "the chunk shapes says (the K/V exchange and the fp32 merge price under 2% of the step); not explained here.",
-    "Llama 3's rows stay pessimistic (C1 0.89x, C2 0.79x, C3 0.72x) with both fitted h100 figures at their caps: "
-    "the interleaved hand layout recomputes 114-116 of 126 blocks because the per-stage choice is coarse (the "
-    "rank peak jumps from ~37 to ~78 GB as its stages stop checkpointing together; a 72 GB budget).",
+    "TorchTitan's cp rows (Tables 5-6) are planned as torchtitan's docs/performance.md says they ran (torch.compile "
+    "+ Float8, full AC; Table 6 also AsyncTP, so not strict). Every cp row is then optimistic: B5.11-14 1.19 / "
+    "1.07 / 1.41 / 1.46x, B6.15-18 1.09-1.32x, while the same model is within 8% on the 8K-token rows; the step is "
+    "all compute (the K/V exchange and the fp32 merge price under 2%): long-sequence attention ran slower than "
+    "FA2's fitted rate on the chunk shapes says; not explained here.",
+    "Llama 3's rows: each rank now spends its memory room per stage (passes/stage_search.py spend_room): C2 "
+    "recomputes 69 of 126 blocks, not 114 (0.79x -> 0.83x), C1 0.92x; C3 0.73x still recomputes 103 (one block "
+    "more saved on a rank adds ~30 GB at 128K tokens).",
     "Memory still under on the float8 + compile rows with tp (B3.7 54 vs 70 GiB; B4.9-10 35-37 vs 78-80 GiB): "
     "~15 GiB on B3.7 not identified (TP loss temporaries, float8 / compile buffers, NCCL buffers are candidates); "
     "Table 4's published peaks fit selective rather than full AC.",
-    "pipeline='auto' searches cp where one sequence is long (>= 8192 tokens per cp rank) and plans every row now; "
-    "on TorchTitan's Table 6 it finds layouts predicted 0.63-0.64x of the published step (fewer pipeline stages, "
-    "no bubble of 8 micro-batches over 8 stages), on Megatron's 0.47-0.80x by dropping the full recomputation.",
+    "pipeline='auto' plans all 31 rows (Table 6 and B3.8 included); on Table 6 it finds layouts predicted "
+    "0.48-0.50x of the published step, on Megatron's 0.45-0.79x by dropping the full recomputation. Its planning "
+    "times here (11 of 31 over 30 s, B6.15 133 s) were taken with the test suite running on the same 2 cores.",
 ]
 
 

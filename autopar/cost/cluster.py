@@ -316,10 +316,10 @@ FITTED: dict[str, ClusterSpec] = {
         "a100-selene",
         CLUSTERS["a100"],
         "selene",
-        dict(bus_eff=_HDR_NCCL.bus_eff * 0.9889),
+        dict(bus_eff=_HDR_NCCL.bus_eff * 0.9914),
         attention="unfused",
-        gemm_eff_max=_A100.gemm_eff_max * 0.9932,
-        mem_eff=_A100.mem_eff * 0.6749,
+        gemm_eff_max=_A100.gemm_eff_max * 0.9716,
+        mem_eff=_A100.mem_eff * 0.7494,
     ),
     # Llama 3's H100 SXM 80 GB 700 W (arXiv 2407.21783 Table 4), fitted on the 8,192-GPU row
     "h100-llama3": _fitted(
@@ -327,7 +327,7 @@ FITTED: dict[str, ClusterSpec] = {
         CLUSTERS["h100"],
         "llama3",
         gemm_eff_max=0.86,  # at its cap
-        mem_eff=0.95,  # at its cap
+        mem_eff=_H100.mem_eff * 1.1071,
     ),
     # TorchTitan's 95 GiB power-limited H100 (arXiv 2410.06511), fitted on Tables 1-2's selective-AC rows
     "h100-95g-titan": _fitted(
