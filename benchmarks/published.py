@@ -25,8 +25,9 @@ Assumptions (each also in the results file):
     "batch" is per data-parallel rank (Table 6: 8 sequences per rank, one micro-batch each); selective AC is
     torchtitan's op SAC on every block (recompute="all", ac="op": each block keeps its matmul outputs but every
     second one and its attention outputs, and reruns the rest), full AC is recompute="all" (whole blocks); without
-    pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the local batch into micro-batches (1, 2, 4, .. of it) where one does not fit its memory model (the chosen count is
-    in the row's record); Float8 rows plan with float8=True (per-tensor scaled GEMMs, FSDP float8 all-gather);
+    pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the local batch into
+    micro-batches (1, 2, 4, .. of it) where one does not fit its memory model (the chosen count is in the row's
+    record); Float8 rows plan with float8=True (per-tensor scaled GEMMs, FSDP float8 all-gather);
     torch.compile rows price the fused regions of DeviceSpec fusion="inductor"; async TP is not modelled: B3.8 is
     predicted without it and kept out of the statistics ("not strict"), as are Table 6's rows (run with AsyncTP).
   * Context parallelism (Tables 5-6, Llama 3's 128K row): a (pp, dp, cp[, tp]) mesh, the sequence sharded over

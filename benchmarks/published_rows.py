@@ -95,8 +95,7 @@ _ASYNC = "async TP not modelled"
 # Tables 5-6 (cp): the paper lists full AC and the schedule; torchtitan's docs/performance.md (January 2025, the
 # same figures as its Tables 2 and 6) states how they ran: torch.compile + Float8 with full activation
 # checkpointing, and the 405B rows with AsyncTP as well.
-_CP_8B = dict(float8=True, compile=True)
-_CP_405B = dict(float8=True, compile=True)
+_CP_RUN = dict(float8=True, compile=True)
 TITAN = [
     (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute="all", ac="op"), (), 6258, 81.9),
     (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute="all", ac="op", compile=True), (), 6674, 77.0),
@@ -108,14 +107,14 @@ TITAN = [
     (3, "70b", 256, (1, 32, 8, 1), 16, 8192, dict(float8=True, compile=True), (_ASYNC,), 1010, 67.7),
     (4, "405b", 512, (16, 4, 8, 1), 32, 8192, dict(float8=True, compile=True), (), 100, 78.0),
     (4, "405b", 512, (16, 4, 8, 1), 32, 8192, dict(float8=True, v=2, compile=True), (), 130, 80.3),
-    (5, "8b", 8, (1, 8, 1, 1), 1, 32768, _CP_8B, (), 3890, 83.9),
-    (5, "8b", 8, (1, 4, 1, 2), 1, 65536, _CP_8B, (), 2540, 84.2),
-    (5, "8b", 8, (1, 2, 1, 4), 1, 131072, _CP_8B, (), 1071, 84.0),
-    (5, "8b", 8, (1, 1, 1, 8), 1, 262144, _CP_8B, (), 548, 84.5),
-    (6, "405b", 512, (8, 8, 8, 1), 8, 32768, _CP_405B, (_ASYNC,), 76, 75.3),
-    (6, "405b", 512, (8, 4, 8, 2), 8, 65536, _CP_405B, (_ASYNC,), 47, 75.9),
-    (6, "405b", 512, (8, 2, 8, 4), 8, 131072, _CP_405B, (_ASYNC,), 31, 77.1),
-    (6, "405b", 512, (8, 1, 8, 8), 8, 262144, _CP_405B, (_ASYNC,), 16, 84.9),
+    (5, "8b", 8, (1, 8, 1, 1), 1, 32768, _CP_RUN, (), 3890, 83.9),
+    (5, "8b", 8, (1, 4, 1, 2), 1, 65536, _CP_RUN, (), 2540, 84.2),
+    (5, "8b", 8, (1, 2, 1, 4), 1, 131072, _CP_RUN, (), 1071, 84.0),
+    (5, "8b", 8, (1, 1, 1, 8), 1, 262144, _CP_RUN, (), 548, 84.5),
+    (6, "405b", 512, (8, 8, 8, 1), 8, 32768, _CP_RUN, (_ASYNC,), 76, 75.3),
+    (6, "405b", 512, (8, 4, 8, 2), 8, 65536, _CP_RUN, (_ASYNC,), 47, 75.9),
+    (6, "405b", 512, (8, 2, 8, 4), 8, 131072, _CP_RUN, (_ASYNC,), 31, 77.1),
+    (6, "405b", 512, (8, 1, 8, 8), 8, 262144, _CP_RUN, (_ASYNC,), 16, 84.9),
 ]
 _BLOCKS = {"8b": 32, "70b": 80, "405b": 126}
 

@@ -19,7 +19,7 @@ from autopar import pipeline_model as pm
 from autopar.cost import collective_time
 from autopar.mesh import MeshSpec
 
-from .stage_costs import StageOps, _stage_peak, evaluate, layout_bounds, stage_transient
+from .stage_costs import StageOps, evaluate, layout_bounds, stage_transient
 
 INF = float("inf")
 
@@ -111,7 +111,7 @@ def _rank_mem_fn(costs, bounds, variants, order, rank_of, split: bool, rec):
     full = [float(cv.act[a:b].sum()) for cv, a, b in parts]
     save = [float(cv.save[a:b].sum()) / nb[k] for k, (cv, a, b) in enumerate(parts)]
     state = [float(cv.state[a:b].sum()) for cv, a, b in parts]
-    trans = [(_stage_peak(cv, a, b, 0)[0], _stage_peak(cv, a, b, 1)[0]) for cv, a, b in parts]
+    trans = [(stage_transient(cv, a, b, 0), stage_transient(cv, a, b, 1)) for cv, a, b in parts]
     mine = [[k for k in range(S) if rank_of[k] == q] for q in range(len(order))]
 
     def mem(q: int) -> float:
