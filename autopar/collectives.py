@@ -107,8 +107,10 @@ def steps(src: tuple[str, ...], dst: tuple[str, ...]) -> tuple[tuple[int, str, s
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=1 << 18)
-def _collectives(src, dst, nbytes, mesh_shape):
+@functools.lru_cache(maxsize=1 << 16)
+def _route(src, dst, mesh_shape) -> tuple[tuple[str, int, int, int], ...]:
+    """(kind, mesh dim, ranks of the tensor's other shards, group) of each collective src -> dst takes: all but
+    the byte count, so the ~10^6 (placement pair, size) prices of one plan share ~10^3 routes."""
     cur = list(src)
     out = []
     for i, a, b in steps(src, dst):
@@ -116,7 +118,6 @@ def _collectives(src, dst, nbytes, mesh_shape):
         for j, p in enumerate(cur):
             if j != i and p[0] == "S":
                 others *= mesh_shape[j]
-        full = nbytes // others
         n = mesh_shape[i]
         kind = None
         if a[0] == "S":
@@ -127,9 +128,19 @@ def _collectives(src, dst, nbytes, mesh_shape):
             elif b[0] == "S":
                 kind = "reduce_scatter"
         if kind is not None and n > 1:
-            out.append(Collective(kind, i, full, n))
+            out.append((kind, i, others, n))
         cur[i] = b
     return tuple(out)
+
+
+def communicates(src, dst, mesh_shape) -> bool:
+    """Whether src -> dst takes any collective (rather than local chunking, zeroing or rescaling)."""
+    return bool(_route(tuple(src), tuple(dst), tuple(mesh_shape)))
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def _collectives(src, dst, nbytes, mesh_shape):
+    return tuple(Collective(kind, i, nbytes // others, n) for kind, i, others, n in _route(src, dst, mesh_shape))
 
 
 def redistribute_time(src, dst, meta: TensorMeta, mesh_shape, cluster) -> float:
@@ -138,14 +149,17 @@ def redistribute_time(src, dst, meta: TensorMeta, mesh_shape, cluster) -> float:
 
 @functools.lru_cache(maxsize=1 << 18)
 def _time(src, dst, nbytes, mesh_shape, cluster):
-    flat = flat_reduce(src, dst, nbytes, mesh_shape, cluster)
-    if flat:
-        return collective_time("all_reduce", flat.nbytes, flat.group, link_of(cluster, mesh_shape, flat.mesh_dim))
+    route = _route(src, dst, mesh_shape)
+    if len(route) > 1 and _may_flatten(route, dst):
+        flat = flat_reduce(src, dst, nbytes, mesh_shape, cluster)
+        if flat:
+            return collective_time("all_reduce", flat.nbytes, flat.group, link_of(cluster, mesh_shape, flat.mesh_dim))
     links = _links(cluster, mesh_shape)
-    return sum(
-        collective_time(c.kind, c.nbytes, c.group, links[c.mesh_dim])
-        for c in _collectives(src, dst, nbytes, mesh_shape)
-    )
+    return sum(collective_time(kind, nbytes // others, n, links[i]) for kind, i, others, n in route)
+
+
+def _may_flatten(route, dst) -> bool:
+    return all(r[0] == "all_reduce" for r in route) and all(p == "R" for p in dst)
 
 
 @functools.lru_cache(maxsize=1 << 16)
@@ -154,7 +168,7 @@ def flat_reduce(src, dst, nbytes, mesh_shape, cluster):
     same partial on each) on two or more mesh dims, when `flatten_chain` says it beats the chain: the Collective,
     else None. A loss's (sum, count) on a 2-D mesh: one collective's latency instead of two."""
     cs = _collectives(src, dst, nbytes, mesh_shape)
-    if len(cs) < 2 or any(c.kind != "all_reduce" for c in cs) or any(p != "R" for p in dst):
+    if len(cs) < 2 or not _may_flatten(_route(src, dst, mesh_shape), dst):
         return None
     todo = tuple(t for t in steps(src, dst) if mesh_shape[t[0]] > 1)
     if not flatten_chain(todo, cs[0].nbytes, mesh_shape, cluster):

@@ -24,16 +24,35 @@ _TOL = 1e-12  # relative to each block's largest magnitude: equal up to rounding
 
 def _undominated(M: np.ndarray) -> np.ndarray:
     """Mask of the rows of M (strategies x every term they enter) to keep: row j <= row i everywhere (up to a
-    tolerance relative to each column's magnitude) means j dominates i."""
+    tolerance relative to each column's magnitude) means j dominates i. Rows equal bit for bit to an earlier
+    one are dropped first (many strategies differ in no term), then the distinct rows are compared pairwise."""
     n = len(M)
+    if n <= _DEDUP_MIN:
+        return _pairwise(M)
+    rows = np.ascontiguousarray(M).view(np.dtype((np.void, M.dtype.itemsize * M.shape[1]))).ravel()
+    _, first = np.unique(rows, return_index=True)
+    first.sort()
+    keep = np.zeros(n, dtype=bool)
+    keep[first[_pairwise(M[first])]] = True
+    return keep
+
+
+def _pairwise(M: np.ndarray) -> np.ndarray:
+    """_undominated's mask over distinct rows."""
+    n, cols = M.shape
+    # the own terms first, then the others interleaved (a golden-ratio stride): the terms that tell two strategies
+    # apart cluster in a few neighbours' blocks, so sampling every block early rules pairs out soonest
+    head = min(_CHUNK, cols)
+    order = np.argsort((np.arange(cols - head) * _GOLDEN) % 1.0, kind="stable") + head
+    M = M[:, np.concatenate([np.arange(head), order])]
     tol = _TOL * np.maximum(1.0, np.abs(M).max(axis=0))
     J, I = np.nonzero(~np.eye(n, dtype=bool))  # candidate pairs: j may dominate i
-    for c in range(0, M.shape[1], _CHUNK):  # a few columns rule out most pairs: test them chunk by chunk
-        if not len(J):
-            return np.ones(n, dtype=bool)
-        S, t = M[:, c : c + _CHUNK], tol[c : c + _CHUNK]
+    c = 0
+    while c < cols and len(J):  # a few columns rule out most pairs; the survivors take wider chunks
+        w = max(_CHUNK, _PAIR_ELEMS // len(J))
+        S, t = M[:, c : c + w], tol[c : c + w]
         ok = np.all(S[J] <= S[I] + t, axis=1)
-        J, I = J[ok], I[ok]
+        J, I, c = J[ok], I[ok], c + w
     if not len(J):
         return np.ones(n, dtype=bool)
     le = np.zeros((n, n), dtype=bool)
@@ -45,6 +64,9 @@ def _undominated(M: np.ndarray) -> np.ndarray:
 
 
 _CHUNK = 16
+_GOLDEN = (5**0.5 - 1) / 2
+_DEDUP_MIN = 32  # below this the pairwise test is cheaper than sorting the rows
+_PAIR_ELEMS = 1 << 18  # elements of one pair-chunk test (pairs x columns): bounds the temporaries, not the result
 
 
 def _terms(lin, edges, mem, overlap, fixed, shared):
@@ -85,7 +107,7 @@ def reduce(lin, edges, mem, overlap=None, fixed=(), shared=(), rounds: int = 8):
             if len(k) < 2:
                 continue
             cols = [v[k, None] for v in own[g]]
-            cols += [(W[np.ix_(keep[o], k)].T if tr else W[np.ix_(k, keep[o])]) for W, o, tr in mats[g]]
+            cols += [(_sub(W, keep[o], k).T if tr else _sub(W, k, keep[o])) for W, o, tr in mats[g]]
             M = np.hstack(cols)
             M = M[:, np.any(M != M[:1], axis=0)]  # a term equal for all strategies decides nothing
             alive = _undominated(M) if M.shape[1] else np.arange(len(k)) == 0
@@ -98,6 +120,13 @@ def reduce(lin, edges, mem, overlap=None, fixed=(), shared=(), rounds: int = 8):
     if all(len(k) == len(c) for k, c in zip(keep, lin)):
         return None
     return keep
+
+
+def _sub(W: np.ndarray, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """W[rows][:, cols] (sorted index arrays), skipping an axis the indices cover whole."""
+    if len(rows) < W.shape[0]:
+        W = W[rows]
+    return W[:, cols] if len(cols) < W.shape[1] else W
 
 
 def restrict(keep, lin, edges, mem, overlap=None, fixed=(), shared=()):

@@ -32,7 +32,7 @@ from autopar.graph import TensorMeta, param_root
 from autopar.collectives import (
     BUCKET_BYTES,
     all_reduced,
-    collectives,
+    communicates,
     grad_bucket_latency,
     grad_reduce_time,
     redistribute_time,
@@ -475,7 +475,7 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
         for d in np.unique(np.concatenate([di for _, di, _ in cons])):
             price = np.array(
                 [
-                    rtime(pls[a], pls[d], meta) if a != d and collectives(pls[a], pls[d], meta, mesh_shape) else 0.0
+                    rtime(pls[a], pls[d], meta) if a != d and communicates(pls[a], pls[d], mesh_shape) else 0.0
                     for a in range(len(pls))
                 ]
             )[si]  # per producer choice: its move into d

@@ -26,6 +26,7 @@ terms the symbolic batch formula relies on), CollNet / SHARP in the network, PAT
 
 from __future__ import annotations
 
+import functools
 import math
 
 import sympy
@@ -88,7 +89,8 @@ def _ll_max(link, nodes: int) -> float:
     return LL_MAX_BW_NET[0 if nodes <= 2 else 1] * 1e9
 
 
-def options(kind: str, n: int, link) -> list[tuple[str, str, float, float]]:
+@functools.lru_cache(maxsize=4096)  # a plan prices ~10^6 collectives over a handful of (kind, group, link)
+def options(kind: str, n: int, link) -> tuple[tuple[str, str, float, float], ...]:
     """(algorithm, protocol, latency s, algorithm bandwidth bytes/s) of every pair NCCL's tuner considers for
     `kind` over n ranks on `link`: time = latency + M / bandwidth."""
     nodes = group_nodes(n, link)
@@ -97,9 +99,9 @@ def options(kind: str, n: int, link) -> list[tuple[str, str, float, float]]:
     if kind in ("all_to_all", "send_recv"):
         lat = (BASE_LAT["ring"][2] + HW_LAT["net" if nodes > 1 else "nvlink"]["ring"][2]) * scale
         if kind == "send_recv":  # one peer: this rank's own NVLink or NIC
-            return [("p2p", "Simple", lat, link.bw * link.bus_eff)]
+            return (("p2p", "Simple", lat, link.bw * link.bus_eff),)
         off = (n - max(1, link.local)) / n if nodes > 1 else (n - 1) / n  # the bytes that leave the node / the rank
-        return [("p2p", "Simple", lat, (link.bw * link.bus_eff if nodes > 1 else bus) / off)]
+        return (("p2p", "Simple", lat, (link.bw * link.bus_eff if nodes > 1 else bus) / off),)
     nsteps = 2 * (n - 1) if kind == "all_reduce" else n - 1 if kind in ("all_gather", "reduce_scatter") else n
     ring_ratio, llmax = n / nsteps, _ll_max(link, nodes)
     for p, proto in enumerate(PROTOCOLS):
@@ -112,7 +114,7 @@ def options(kind: str, n: int, link) -> list[tuple[str, str, float, float]]:
             out.append(("tree", proto, _tree_lat(p, n, nodes) * scale, bw * 0.5))
         if nodes == 1 and link.nvls_eff > 0:
             out.append(("nvls", "Simple", HW_LAT["nvlink"]["nvls"][2] * scale, link.bw * link.nvls_eff * ring_ratio))
-    return out
+    return tuple(out)
 
 
 def collective_time(kind: str, M, n: int, link, latency_share=1):
