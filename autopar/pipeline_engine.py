@@ -23,7 +23,7 @@ import numpy as np
 
 from autopar.cost.comm import collective_time
 from autopar.cost.overlap import Unit, fsdp_timeline, optimizer_step_time
-from autopar.pipeline_model import simulate
+from autopar.pipeline_model import rank_stages, simulate
 from autopar.strategies import num_shards
 from autopar.strategies.context_parallel import CP_PREFIX
 
@@ -99,9 +99,9 @@ def engine_step(order, rank_of, F, B, W, p2p, units: list, opt_s: list, multi: b
         }
     if multi:  # UNSHARD of the rank's stages at its step's start, REDUCE_GRAD of a stage after its last backward
         first, tail, ready = [0.0] * len(F), [sum(u.rs for u in us) for us in units], [0.0] * len(F)
-        for r in range(p):
+        for r, stages in enumerate(rank_stages(order)):
             t = 0.0
-            for s in dict.fromkeys(a[0] for a in order[r]):  # the rank's stages in the order they first compute
+            for s in stages:  # the rank's stages in the order they first compute
                 t += sum(u.ag for u in units[s])
                 ready[s] = t
         sim = simulate(order, rank_of, F, B, W, p2p, ready_f=ready)
@@ -113,7 +113,8 @@ def engine_step(order, rank_of, F, B, W, p2p, units: list, opt_s: list, multi: b
     for r, ev in enumerate(sim.events):
         mine = [k for k in range(len(F)) if rank_of[k] == r]
         opts.append(sum(opt_s[k] for k in mine))
-        ends.append(max((e for _, e, *_ in ev), default=0.0) + max((tail[k] for k in mine), default=0.0) + opts[-1])
+        last = ev[-1][1] if ev else 0.0  # a rank's actions run one after another: the last ends last
+        ends.append(last + max((tail[k] for k in mine), default=0.0) + opts[-1])
     return {"sim": sim, "step_s": max(ends), "first_s": first, "tail_s": tail, "optimizer_s": max(opts)}
 
 

@@ -159,6 +159,15 @@ def _memo(fn, order: tuple, S: int, split_backward: bool) -> list[int]:
     return list(hit[1])
 
 
+def rank_stages(order: tuple) -> list:
+    """Per rank, its stages in the order it first computes them."""
+    return _memo(_rank_stages, order, 0, False)
+
+
+def _rank_stages(order: tuple, S: int, split_backward: bool) -> list:
+    return [list(dict.fromkeys(a[0] for a in rank)) for rank in order]
+
+
 def inflight(order: tuple, S: int, split_backward: bool) -> list[int]:
     """Per stage, the most micro-batches whose activations are held at once (from torch's action order)."""
     return _memo(_inflight, order, S, split_backward)
@@ -216,6 +225,24 @@ def rank_act_peak(order: tuple, act: list[float], split_backward: bool) -> list[
                 cur -= act[s]
         out.append(best)
     return out
+
+
+def live_rows(actions: tuple, stages: list, split_backward: bool) -> np.ndarray:
+    """The distinct in-flight counts of `stages` (columns) right after each forward of one rank's action order:
+    rank_act_peak of any activation sizes is max(0, max(rows @ act)), a product per call instead of a pass over
+    the order (the stage search prices one rank's order under many checkpointing choices)."""
+    col = {k: j for j, k in enumerate(stages)}
+    live, rows = [0] * len(stages), []
+    done = "W" if split_backward else "B"
+    for s, kind, _ in actions:
+        if kind == "F":
+            live[col[s]] += 1
+            rows.append(tuple(live))
+        elif kind == done or (kind == "B" and split_backward):
+            live[col[s]] -= 1
+    if not rows:
+        return np.zeros((0, len(stages)))
+    return np.unique(np.array(rows, dtype=float), axis=0)
 
 
 # ---- simulation ----------------------------------------------------------------------------------------------
@@ -367,41 +394,62 @@ def transients(cv) -> tuple:
     return plain, np.where(cv.blk, np.maximum(0.0, cv.peak - (cv.act - cv.save)), plain)
 
 
-def stage_options(costs: list, xfer, spec, p: int, v: int, m: int, q: int, cap: float, recompute: bool = True):
-    """Every stage range [j, i) (as (n+1) x (n+1) matrices, one per intra-op variant) for a stage holding q
-    micro-batches in flight: r = the fewest blocks to checkpoint so that state + q * act + the range's largest
-    transient (`transients`: the checkpointed one if r > 0) <= cap (blocks of a stage treated as alike: r times
-    the average saving and recompute time), c = seconds per micro-batch (compute + transfers on both sides + r
-    recomputes; at least its dp comm / m), f = the additive term of the closed form. Returns arrays C, Fm (inf
-    where infeasible) and R."""
+def range_terms(costs: list, xfer, p: int) -> list:
+    """What stage_options reads that does not depend on the in-flight count or the cap, per intra-op variant:
+    (n+1) x (n+1) matrices over stage ranges [j, i). A partition asks for every in-flight count its stages hold
+    (up to p of them under 1F1B), so it builds these once."""
     n = len(costs[0].F)
     j = np.arange(n + 1)[:, None]
     i = np.arange(n + 1)[None, :]
     ok = i > j
     pre = lambda a: np.concatenate([[0.0], np.cumsum(a)])
-    Cs, Fs, Rs = [], [], []
+    out = []
     for vi, cv in enumerate(costs):
         kept = getattr(cv, "kept", None) if p > 1 else None  # engine pricing: FSDP2 keeps the stage gathered
         state = cv.state if kept is None else cv.state + kept
         PF, PB, PW, Pd, Ps, Pa = (pre(a) for a in (cv.F, cv.B, cv.W, cv.dp, state, cv.act))
         Pn, Psv, Prt = pre(cv.blk.astype(float)), pre(cv.save), pre(cv.rtime)
         x = np.pad(np.asarray(xfer[vi], dtype=float), (1, 1))  # x[b]: transfer over boundary b (0, n: none)
-        comp = (PF[i] - PF[j]) + (PB[i] - PB[j]) + (PW[i] - PW[j]) + x[j] + x[i]
-        mem0 = (Ps[i] - Ps[j]) + q * (Pa[i] - Pa[j])
         nb = np.maximum(Pn[i] - Pn[j], 1.0)
         # the largest transient in [j, i) (passes/stage_costs.py transients): plain, and with blocks checkpointed
         plain, ckpt = transients(cv)
         tmax = [np.maximum.accumulate(np.where(ok, np.concatenate([[0.0], t])[i], 0.0), axis=1) for t in (plain, ckpt)]
-        save = (Psv[i] - Psv[j]) / nb
+        out.append(
+            {
+                "ok": ok,
+                "comp": (PF[i] - PF[j]) + (PB[i] - PB[j]) + (PW[i] - PW[j]) + x[j] + x[i],
+                "state": Ps[i] - Ps[j],
+                "act": Pa[i] - Pa[j],
+                "nb": nb,
+                "blocks": Pn[i] - Pn[j],
+                "tmax": tmax,
+                "save": (Psv[i] - Psv[j]) / nb,
+                "rtime": Prt[i] - Prt[j],
+                "dp": Pd[i] - Pd[j],
+                "W": PW[i] - PW[j],
+            }
+        )
+    return out
+
+
+def stage_options(costs, xfer, spec, p: int, v: int, m: int, q: int, cap: float, recompute: bool = True, terms=None):
+    """Every stage range [j, i) (as (n+1) x (n+1) matrices, one per intra-op variant) for a stage holding q
+    micro-batches in flight: r = the fewest blocks to checkpoint so that state + q * act + the range's largest
+    transient (`transients`: the checkpointed one if r > 0) <= cap (blocks of a stage treated as alike: r times
+    the average saving and recompute time), c = seconds per micro-batch (compute + transfers on both sides + r
+    recomputes; at least its dp comm / m), f = the additive term of the closed form. Returns arrays C, Fm (inf
+    where infeasible) and R. terms: range_terms(costs, xfer, p), when the caller has them."""
+    Cs, Fs, Rs = [], [], []
+    for t in terms if terms is not None else range_terms(costs, xfer, p):
+        mem0 = t["state"] + q * t["act"]
         with np.errstate(divide="ignore", invalid="ignore"):
-            need = np.ceil(np.where(save > 0, (mem0 + tmax[1] - cap) / (q * save), INF) - 1e-9)
-        r = np.where(mem0 + tmax[0] <= cap, 0.0, np.maximum(need, 1.0) if recompute else INF)
-        feas = ok & (r <= (Pn[i] - Pn[j]))
+            need = np.ceil(np.where(t["save"] > 0, (mem0 + t["tmax"][1] - cap) / (q * t["save"]), INF) - 1e-9)
+        r = np.where(mem0 + t["tmax"][0] <= cap, 0.0, np.maximum(need, 1.0) if recompute else INF)
+        feas = t["ok"] & (r <= t["blocks"])
         r = np.where(feas, np.maximum(r, 0.0), 0.0)
-        comp = comp + r * (Prt[i] - Prt[j]) / nb
-        c = np.maximum(comp, (Pd[i] - Pd[j]) / m)
-        W = PW[i] - PW[j]
-        b = np.maximum(0.0, c - 3.0 * W) if spec.split_backward else c
+        comp = t["comp"] + r * t["rtime"] / t["nb"]
+        c = np.maximum(comp, t["dp"] / m)
+        b = np.maximum(0.0, c - 3.0 * t["W"]) if spec.split_backward else c
         f = (c + (p - 1) * b) / (p * v)
         Cs.append(np.where(feas, c, INF))
         Fs.append(np.where(feas, f, INF))
@@ -434,8 +482,9 @@ def partition(
     legal[1:n] = np.all([cv.legal for cv in costs], axis=0)
     cut_ok = legal[:, None] & legal[None, :]
     by_q = {}  # stages with the same in-flight count share their options
+    terms = range_terms(costs, xfer, p)
     for q in set(inflight[:S]):
-        C, Fm, R = stage_options(costs, xfer, spec, p, v, m, q, cap, recompute)
+        C, Fm, R = stage_options(costs, xfer, spec, p, v, m, q, cap, recompute, terms)
         C = np.where(cut_ok[None], C, INF)
         by_q[q] = (C, np.where(np.isfinite(C), Fm, INF), R)
     coef = proxy_coef(m, v)

@@ -113,10 +113,13 @@ def _rank_mem_fn(costs, bounds, variants, order, rank_of, split: bool, rec):
     state = [float(cv.state[a:b].sum()) for cv, a, b in parts]
     trans = [(stage_transient(cv, a, b, 0), stage_transient(cv, a, b, 1)) for cv, a, b in parts]
     mine = [[k for k in range(S) if rank_of[k] == q] for q in range(len(order))]
+    live: dict = {}  # rank -> its in-flight rows (pm.live_rows), built on first use
 
     def mem(q: int) -> float:
-        act = [full[k] - rec[k] * save[k] for k in range(S)]
-        peak = pm.rank_act_peak((order[q],), act, split)[0] if order[q] else 0.0
+        if q not in live:
+            live[q] = pm.live_rows(order[q], mine[q], split)
+        act = np.array([full[k] - rec[k] * save[k] for k in mine[q]])
+        peak = max(0.0, float((live[q] @ act).max())) if len(live[q]) else 0.0
         return sum(state[k] for k in mine[q]) + peak + max((trans[k][rec[k] > 0] for k in mine[q]), default=0.0)
 
     return mem
