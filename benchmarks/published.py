@@ -22,9 +22,12 @@ Assumptions (each also in the results file):
     1, 2, 4, .., 32 per step (not published); interleaved schedule with v = the smallest divisor >= 2 of the blocks per
     rank (v is not published).
   * TorchTitan's H100s are the 95 GiB power-limited part (preset h100-95g); sequence 8192 for Tables 1-4; its
-    "batch" is per data-parallel rank (Table 6: 8 sequences per rank, one micro-batch each); selective AC is
-    torchtitan's op SAC on every block (recompute="all", ac="op": each block keeps its matmul outputs but every
-    second one and its attention outputs, and reruns the rest), full AC is recompute="all" (whole blocks); without
+    "batch" is per data-parallel rank, split on the pipelined rows into torchtitan's default micro-batch count,
+    pp x stages per rank (build_pipeline_schedule: n_microbatches = num_total_stages when the config sets none;
+    the paper states none): Table 4's 1F1B row 16 micro-batches of 2 sequences, its interleaved row 32 of 1,
+    Table 6 8 of 1; selective AC is torchtitan's op SAC on every block (recompute="all", ac="op": each block keeps
+    its matmul outputs but every second one and its attention outputs, and reruns the rest), full AC is
+    recompute="all" (whole blocks); without
     pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the local batch into
     micro-batches (1, 2, 4, .. of it) where one does not fit its memory model (the chosen count is in the row's
     record); Float8 rows plan with float8=True (per-tensor scaled GEMMs, FSDP float8 all-gather);

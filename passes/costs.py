@@ -461,6 +461,7 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
     for (p, o, us), c in sorted(sigs.items(), key=lambda kv: str(kv[0])):
         meta, g1, rtime = nodes[p].outs[o], gid[root[p]], pricing(p, o)
         pls, si = _uniq([S[p][x].out[o] for x in choice[p]])
+        n_src = len(pls)  # the producer's placements come first in `ids`; only they are ever a move's source
         ids = {pl: k for k, pl in enumerate(pls)}
         mult: dict = defaultdict(int)
         for v, j in us:
@@ -476,11 +477,16 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
             price = np.array(
                 [
                     rtime(pls[a], pls[d], meta) if a != d and communicates(pls[a], pls[d], mesh_shape) else 0.0
-                    for a in range(len(pls))
+                    for a in range(n_src)
                 ]
             )[si]  # per producer choice: its move into d
-            joined = [(g2, np.outer(price, di == d), m) for g2, di, m in cons]
-            joined = [(g2, W, m) for g2, W, m in joined if (np.diag(W) if g2 == g1 else W).any()]
+            if not price.any():
+                continue
+            joined = []
+            for g2, di, m in cons:  # a consumer's charge matrix, where it is not all zero (in its group: its diagonal)
+                hit = di == d
+                if (price * hit).any() if g2 == g1 else hit.any():
+                    joined.append((g2, np.outer(price, hit), m))
             if sum(m for _, _, m in joined) < 2:
                 continue
             for g2, W, m in joined:

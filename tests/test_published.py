@@ -162,3 +162,12 @@ def test_qkv_per_head_is_the_same_model_up_to_a_row_permutation():
     assert torch.allclose(a.logits(x), b.logits(x), atol=1e-5)
     b.load_state_dict(a.state_dict())  # unpermuted: a different function
     assert not torch.allclose(a.logits(x), b.logits(x), atol=1e-3)
+
+
+def test_titan_pipelined_rows_take_torchtitans_default_microbatch_count():
+    """torchtitan splits the local batch into pp x stages-per-rank micro-batches when the config names none (its
+    build_pipeline_schedule): Table 4's 1F1B row 16 micro-batches of 2 sequences, the interleaved one 32 of 1."""
+    rows = {r.name.split()[0]: r for r in R.ROWS}
+    for name, m, per_micro in (("B4.9", 16, 2), ("B4.10", 32, 1), ("B6.15", 8, 1)):
+        _, opts = P._mesh_and_pipeline(rows[name])
+        assert opts["n_microbatches"] == [m] and rows[name].batch // rows[name].layout[1] // m == per_micro, name
