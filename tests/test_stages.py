@@ -318,3 +318,19 @@ def test_search_shortcuts_agree_with_the_full_evaluation(moe_ops):
             assert b["step_s"] == (a["step_s"] if a["fits"] else float("inf"))
             seen.add(a["fits"])
     assert seen == {True, False}
+
+
+@pytest.mark.parametrize("name,v", [("1F1B", 1), ("Interleaved1F1B", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)])
+def test_live_rows_give_the_action_orders_activation_peak(name, v):
+    """spend_room prices a rank's activation peak as max(rows @ act) over its distinct in-flight rows: the same
+    peak as the pass over the rank's action order, for any activation sizes."""
+    spec, p, m = pm.get_schedule(name), 4, 8
+    order, ranks = pm.actions(spec, p, m, v), pm.stage_ranks(spec, p, v)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        act = list(rng.uniform(0, 1e9, p * v))
+        want = pm.rank_act_peak(order, act, spec.split_backward)
+        for r in range(p):
+            mine = [k for k in range(p * v) if ranks[k] == r]
+            rows = pm.live_rows(order[r], mine, spec.split_backward)
+            assert max(0.0, float((rows @ np.array([act[k] for k in mine])).max())) == pytest.approx(want[r], rel=1e-12)
