@@ -216,7 +216,7 @@ ROWS = (
     + [_llama3(i, r) for i, r in enumerate(LLAMA3)]
 )
 
-# What the 2026-12-02 run on this branch showed beyond the ratios (hand-written: re-check after cost-model changes).
+# What the 2026-12-03 run on this branch showed beyond the ratios (hand-written: re-check after cost-model changes).
 NOTES = [
     "Tensor parallelism is forced as the runs did it (published_plan.tp_force + tp_pin): column-parallel GEMM "
     "outputs feature-sharded, row-parallel ones Partial, the stream Replicate (Megatron 2021) or sequence-sharded "
@@ -234,12 +234,17 @@ NOTES = [
     "Llama 3's rows: each rank now spends its memory room per stage (passes/stage_search.py spend_room): C2 "
     "recomputes 69 of 126 blocks, not 114 (0.79x -> 0.83x), C1 0.92x; C3 0.73x still recomputes 103 (one block "
     "more saved on a rank adds ~30 GB at 128K tokens).",
-    "Memory still under on the float8 + compile rows with tp (B3.7 54 vs 70 GiB; B4.9-10 35-37 vs 78-80 GiB): "
+    "Memory still under on the float8 + compile rows with tp (B3.7 54 vs 70 GiB; B4.9 41, B4.10 37 vs 78-80 GiB): "
     "~15 GiB on B3.7 not identified (TP loss temporaries, float8 / compile buffers, NCCL buffers are candidates); "
     "Table 4's published peaks fit selective rather than full AC.",
+    "Table 4's 1F1B row (B4.9) now splits the local batch into torchtitan's default micro-batch count, one per "
+    "stage (16 of 2 sequences; its build_pipeline_schedule, the paper states none): 1.126x -> 0.900x at the "
+    "fitted figures; the interleaved row's default (32) was the count used already.",
     "pipeline='auto' plans all 31 rows (Table 6 and B3.8 included); on Table 6 it finds layouts predicted "
-    "0.48-0.50x of the published step, on Megatron's 0.45-0.79x by dropping the full recomputation. Its planning "
-    "times here (11 of 31 over 30 s, B6.15 133 s) were taken with the test suite running on the same 2 cores.",
+    "0.48-0.50x of the published step, on Megatron's 0.45-0.79x by dropping the full recomputation. Planning "
+    "times (one row at a time, nothing else on the 2 cores): median 6.0 s, longest 28.5 s (A10), all 31 within "
+    "30 s, after the dominance test, the NCCL option cache and the stage DP's shared range terms (B6.15 133 s "
+    "when measured beside the test suite last session; 45.7 s alone before this change, 25.8 s after).",
 ]
 
 
