@@ -14,7 +14,7 @@ buffer's new value after the forward, which the executor writes back. Measured o
 Each node carries its phase (fw/bw) and the module path that produced it: forward ops from a module-hook stack,
 backward ops from the autograd node they run for (labelled with its module when the forward finished).
 `F.scaled_dot_product_attention` is captured as one fused attention op (the CPU flash kernel's schema; with
-enable_gqa, after an explicit kv head repeat) rather than the math decomposition meta tensors would fall back to;
+enable_gqa, on the K/V heads as they are) rather than the math decomposition meta tensors would fall back to;
 backends map it to the device's kernel.
 
 The parts: the recorder and capture() here; the torch-function modes that rewrite calls before dispatch in

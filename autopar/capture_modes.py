@@ -1,6 +1,6 @@
 """The TorchFunctionModes capture runs under: they rewrite torch-level calls before they reach dispatch, where the
 recorder (autopar/capture.py) sees only aten ops. FusedAttention turns F.scaled_dot_product_attention into one fused
-attention op (with enable_gqa, after an explicit kv head repeat) and batch norm with running statistics into the op
+attention op (with enable_gqa, on the K/V heads as they are) and batch norm with running statistics into the op
 whose schema declares the update; Constants keeps the data of tensors made from Python data on the meta device.
 """
 
@@ -45,25 +45,24 @@ class FusedAttention(TorchFunctionMode):
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
             dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
             causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
-            if mask is None and dropout == 0.0:
-                if kwargs.get("enable_gqa", False):
-                    k, v = _gqa_expand(q, k), _gqa_expand(q, v)
-                if k is not None and v is not None:
-                    return SDPA(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
+            gqa = kwargs.get("enable_gqa", False)
+            if mask is None and dropout == 0.0 and (_same_heads(q, k, v) or gqa and _groups(q, k, v)):
+                return SDPA(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
         return func(*args, **kwargs)
 
 
-def _gqa_expand(q, kv):
-    """SDPA's enable_gqa semantics (torch's math path: kv.repeat_interleave(Hq // Hkv, dim=-3)) made explicit, so
-    that grouped-query attention is the fused op too: its math decomposition flattens (batch, heads) into one bmm
-    dim, where DTensor's view rule cannot keep the heads sharded, and head-parallel (Megatron) attention would have
-    no candidate. None when the head counts do not divide (the call then runs as given, and errors as torch does)."""
-    hq, hkv = q.size(-3), kv.size(-3)
-    if hq == hkv:
-        return kv
-    if hkv == 0 or hq % hkv:
-        return None
-    return kv.repeat_interleave(hq // hkv, dim=-3)
+def _same_heads(q, k, v) -> bool:
+    return q.size(-3) == k.size(-3) == v.size(-3)
+
+
+def _groups(q, k, v) -> bool:
+    """Whether enable_gqa's K/V heads group the query heads (Hq a multiple of Hkv): the fused op then takes K and V
+    at their own head count, as GQA-aware kernels (FlashAttention, torch's CPU flash) run it, so attention saves
+    and context parallelism gathers K/V at Hkv heads, not Hq. Meta tensors would otherwise take SDPA's math
+    decomposition, whose bmm flattens (batch, heads) into one dim where DTensor's view rule cannot keep the heads
+    sharded (head-parallel attention would have no candidate)."""
+    hq, hkv = q.size(-3), k.size(-3)
+    return hkv == v.size(-3) and hkv > 0 and hq % hkv == 0
 
 
 class Constants(TorchFunctionMode):

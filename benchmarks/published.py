@@ -46,7 +46,9 @@ Assumptions (each also in the results file):
   * Llama 3's H100s are the 80 GB 700 W SXM part (preset h100); interleaved 1F1B (section 3.3.2) with 4 stages
     per rank (not published: the deepest interleaving that keeps one fewer block on the first and the last
     stage, as the paper does, with a block in every virtual stage: [1, 2 x 62, 1]), one sequence per
-    micro-batch, recompute=True (blocks checkpointed as memory needs).
+    micro-batch, recompute=True (blocks checkpointed as memory needs); attention on GQA's 8 K/V heads as they are
+    (SDPA enable_gqa, as a GQA-aware kernel runs it: the paper all-gathers K and V, "much smaller than Q due to
+    GQA", and its attention keeps them so), where TorchTitan's 2024 Llama repeats them to the 128 query heads first.
 
   * Tensor parallelism is forced where a row has tp > 1 (published_plan.tp_force, force= on the stage submesh):
     Megatron column-wise / row-wise projections on tp, FSDP Shard(0) over the data dims (dp x cp) nested outside

@@ -191,10 +191,17 @@ def kv_pin(row: Row, mesh):
         return None
     before = CP_ATTENTION[row.source.split(" Table")[0]] == "allgather"
     op, want = ("aten.unsqueeze.default", "R") if before else ("aten.clone.default", "S1")
+    native = row.over.get("gqa") == "native"  # no repeat: SDPA reads K/V at their heads, from their transposes
+    kv_heads = models.CONFIGS[row.model].kwargs.get("n_kv_heads")
 
     def pin(n):
         out = n.outs[0] if n.kind == "op" and n.outs else None
-        if out is None or str(n.target) != op or not n.module.endswith("attention") or len(out.shape) != 5:
+        if out is None or not n.module.endswith("attention"):
+            return None
+        if native:
+            kv = str(n.target) == "aten.transpose.int" and n.phase == "fw" and len(out.shape) == 4
+            return {d: want for d in cp} if kv and out.shape[1] == kv_heads else None
+        if str(n.target) != op or len(out.shape) != 5:
             return None
         return {d: want for d in cp} if not before or out.shape[3] == 1 else None
 

@@ -5,8 +5,8 @@ The cause of wk/wv coming out S1 (row-wise) on the 8B shape: capture sent SDPA w
 decomposition, whose bmm flattens (batch, heads) into one dim; with the batch on dp, DTensor's view rule cannot keep
 the heads sharded on tp through that flatten, so head-parallel attention had no candidate at all, and the plans
 compared (wk/wv S0 or S1) both gathered q/k/v on tp and ran attention on the query sequence, a 0.01% near-tie.
-Capture now makes enable_gqa's head repeat explicit (kv.repeat_interleave, torch's math semantics) and records
-the fused attention op, whose rule shards the heads.
+Capture now records the fused attention op with K/V at their own head count (GQA-aware kernels take them so),
+whose rule shards the heads of Q and of K/V together.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def _small_gqa():
 
 def test_titan_gqa_fused_attention_head_sharded_matches_single_device():
     """The capture change on values: a small GQA torchtitan Llama-3 (4 heads, 2 kv heads) with its attention
-    weights pinned Megatron-style on tp (so the kv heads are split 1 per tp rank and repeated locally), 2x2
+    weights pinned Megatron-style on tp (the kv heads split 1 per tp rank, grouped by the fused kernel), 2x2
     simulated mesh: loss and every gradient of two steps, and the parameters after them, equal one device's."""
     model, args = _small_gqa()
     g = torch.Generator().manual_seed(1)
@@ -129,3 +129,31 @@ def test_titan_gqa_fused_attention_head_sharded_matches_single_device():
     assert not rep.failures, "\n".join(rep.failures[:10])
     assert all(math.isfinite(a) for a, _ in rep.losses)
     assert len(rep.measured) > 0 and not rep.collective_diff, rep.collective_diff
+
+
+def test_enable_gqa_captures_one_fused_op_on_the_kv_heads():
+    """SDPA(enable_gqa=True) is the fused attention op taking K and V at their own head count (no repeat copy that
+    attention would save at the query heads), forward and backward, and autopar's Llama with gqa="native" computes
+    what its explicit repeat computes."""
+    from autopar import models
+    from autopar.capture import capture
+
+    with torch.device("meta"):
+        m = models.build_model("llama-tiny", n_layers=1, gqa="native")
+    g = capture(m, models.example_inputs("llama-tiny", batch=2, seq=16, device="meta"), None)
+    fw = [n for n in g.nodes if n.target is SDPA]
+    bw = [n for n in g.nodes if n.kind == "op" and str(n.target).endswith("flash_attention_for_cpu_backward.default")]
+    heads, kv = m.cfg.n_heads, m.cfg.n_kv_heads
+    assert kv < heads and len(fw) == 1 and len(bw) == 1
+    assert [g.meta(r).shape[1] for r in fw[0].inputs()] == [heads, kv, kv]
+    assert [o.shape[1] for o in bw[0].outs] == [heads, kv, kv]
+    assert not any(n.kind == "op" and str(n.target) == "aten.clone.default" for n in g.nodes if "attention" in n.module)
+    rep = models.build_model("llama-tiny", n_layers=1, device="cpu")
+    nat = models.build_model("llama-tiny", n_layers=1, gqa="native", device="cpu")
+    nat.load_state_dict(rep.state_dict())
+    x = models.example_inputs("llama-tiny", batch=2, seq=16, device="cpu")
+    a, b = rep(*x), nat(*x)
+    a.backward(), b.backward()
+    assert torch.allclose(a, b, atol=1e-6)
+    for (name, p), q in zip(rep.named_parameters(), nat.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-5), name

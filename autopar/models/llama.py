@@ -25,12 +25,18 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    # "repeat": K/V repeated to the query heads before SDPA (torchtitan's Llama of 2024); "native": SDPA on the KV
+    # heads (enable_gqa), as GQA-aware kernels run it: attention keeps, and context parallelism gathers, K/V at
+    # n_kv_heads
+    gqa: str = "repeat"
 
     def __post_init__(self):
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.dim % self.n_heads or self.n_heads % self.n_kv_heads:
             raise ValueError(f"bad head config: dim={self.dim} n_heads={self.n_heads} n_kv_heads={self.n_kv_heads}")
+        if self.gqa not in ("repeat", "native"):
+            raise ValueError(f"gqa must be 'repeat' or 'native', got {self.gqa!r}")
 
     @property
     def head_dim(self) -> int:
@@ -85,9 +91,9 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, gqa: str = "repeat"):
         super().__init__()
-        self.n_heads, self.n_kv_heads = n_heads, n_kv_heads
+        self.n_heads, self.n_kv_heads, self.gqa = n_heads, n_kv_heads, gqa
         self.head_dim = dim // n_heads
         self.wq = nn.Linear(dim, n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
@@ -100,10 +106,11 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
-        n_rep = self.n_heads // self.n_kv_heads
-        xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
+        native = self.gqa == "native" and self.n_heads != self.n_kv_heads
+        if not native:
+            xk, xv = repeat_kv(xk, self.n_heads // self.n_kv_heads), repeat_kv(xv, self.n_heads // self.n_kv_heads)
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=native)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
 
 
@@ -122,7 +129,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, layer_id: int, cfg: LlamaConfig):
         super().__init__()
         self.layer_id = layer_id
-        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads)
+        self.attention = Attention(cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.gqa)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_dim)
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
