@@ -149,16 +149,11 @@ def _ranked(results, cache, n_blocks: int, mesh, cluster, budget, opts, recomput
         )
     fitting.sort(key=lambda r: (r["step_s"], r["p"] * r["v"], r["m"]))
     top = fitting[: int(opts.get("top", 12))]
-    for r in top[:5]:  # the torchtitan-style even layer split of the same configuration, for comparison
+    for r in top[:5]:
         if r.get("order") is None:
             r["order"] = pm.actions(r["spec"], r["p"], r["m"], r["v"])
-        S = r["p"] * r["v"]
-        costs = cache[r["key"]].costs()
-        even = (
-            evaluate_fitted(costs, even_bounds(n_blocks, S), r, cluster, budget, recompute) if S <= n_blocks else None
-        )
-        if even is not None and recompute is True and r["v"] > 1:  # as the DP's result has it (search_config)
-            even = spend_room(costs, even, r, cluster, budget)
+    evens = _evens(top[:5], cache, n_blocks, cluster, budget, recompute, opts.get("workers"))
+    for r, even in zip(top[:5], evens):
         r["even"] = even
     t0 = top[0]
     top[0] = {
@@ -180,6 +175,42 @@ def _ranked(results, cache, n_blocks: int, mesh, cluster, budget, opts, recomput
         ),
     }
     return top
+
+
+_EVEN: tuple = ()  # what forked workers inherit for _even_split
+
+
+def _even_split(i: int) -> dict | None:
+    """The torchtitan-style even layer split of configuration i, for comparison (its summary: the simulation
+    stays behind)."""
+    top, cache, n_blocks, cluster, budget, recompute = _EVEN
+    r = top[i]
+    S = r["p"] * r["v"]
+    if S > n_blocks:
+        return None
+    costs = cache[r["key"]].costs()
+    even = evaluate_fitted(costs, even_bounds(n_blocks, S), r, cluster, budget, recompute)
+    if even is not None and recompute is True and r["v"] > 1:  # as the DP's result has it (search_config)
+        even = spend_room(costs, even, r, cluster, budget)
+    return None if even is None else {k: v for k, v in even.items() if k != "sim"}
+
+
+def _evens(top, cache, n_blocks, cluster, budget, recompute, workers=None) -> list:
+    """_even_split of each configuration in `top`, over two forked workers where there are several."""
+    import multiprocessing as mp
+    import os
+
+    global _EVEN
+    if workers is None:
+        workers = min(2, os.cpu_count() or 1) if len(top) >= 2 else 1
+    _EVEN = (top, cache, n_blocks, cluster, budget, recompute)  # inherited, not pickled: orders are large
+    try:
+        if workers > 1 and "fork" in mp.get_all_start_methods():
+            with mp.get_context("fork").Pool(workers) as pool:
+                return pool.map(_even_split, range(len(top)), chunksize=1)
+        return [_even_split(i) for i in range(len(top))]
+    finally:
+        _EVEN = ()
 
 
 def _context(request: "StagesRequest", opts: dict) -> dict:
