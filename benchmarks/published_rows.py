@@ -232,9 +232,10 @@ NOTES = [
     "1.07 / 1.41 / 1.46x, B6.15-18 1.09-1.32x, while the same model is within 8% on the 8K-token rows; the step is "
     "all compute (the K/V exchange and the fp32 merge price under 2%): long-sequence attention ran slower than "
     "FA2's fitted rate on the chunk shapes says; not explained here.",
-    "Llama 3's rows: each rank now spends its memory room per stage (passes/stage_search.py spend_room): C2 "
-    "recomputes 69 of 126 blocks, not 114 (0.79x -> 0.83x), C1 0.92x; C3 0.73x still recomputes 103 (one block "
-    "more saved on a rank adds ~30 GB at 128K tokens).",
+    "Llama 3's rows: each rank spends its memory room per stage (passes/stage_search.py spend_room), and "
+    "attention runs on GQA's 8 K/V heads as they are (gqa='native', the paper's all-gathered K/V): C3 at 128K "
+    "tokens recomputes 69 of 126 blocks, not 103 (each block no longer keeps the K/V repeated to 128 heads at the "
+    "full sequence, 1 of its 2.1 GiB per micro-batch): 0.733x -> 0.787x; C1 0.916x -> 0.944x, C2 0.834x -> 0.847x.",
     "Memory still under on the float8 + compile rows with tp (B3.7 54 vs 70 GiB; B4.9 41, B4.10 37 vs 78-80 GiB): "
     "~15 GiB on B3.7 not identified (TP loss temporaries, float8 / compile buffers, NCCL buffers are candidates); "
     "Table 4's published peaks fit selective rather than full AC.",
@@ -243,9 +244,10 @@ NOTES = [
     "fitted figures; the interleaved row's default (32) was the count used already.",
     "pipeline='auto' plans all 31 rows (Table 6 and B3.8 included); on Table 6 it finds layouts predicted "
     "0.48-0.50x of the published step, on Megatron's 0.45-0.79x by dropping the full recomputation. Planning "
-    "times (one row at a time, nothing else on the 2 cores): median 6.0 s, longest 28.5 s (A10), all 31 within "
-    "30 s, after the dominance test, the NCCL option cache and the stage DP's shared range terms (B6.15 133 s "
-    "when measured beside the test suite last session; 45.7 s alone before this change, 25.8 s after).",
+    "times (one row at a time, nothing else on the 2 cores): median 7.2 s, B6.15 30.0 s and A10 30.8 s in this "
+    "run; 25.8 s and 28.5 s in an earlier run of this session with B6.15's code path unchanged (the machine's "
+    "speed varies ~15% between runs): at the 30 s line, not under it with a margin. Before this session's changes, "
+    "alone: B6.15 45.7 s, A10 36-39 s.",
 ]
 
 

@@ -327,7 +327,7 @@ FITTED: dict[str, ClusterSpec] = {
         CLUSTERS["h100"],
         "llama3",
         gemm_eff_max=0.86,  # at its cap
-        mem_eff=_H100.mem_eff * 1.1071,
+        mem_eff=_H100.mem_eff * 1.097,
     ),
     # TorchTitan's 95 GiB power-limited H100 (arXiv 2410.06511), fitted on Tables 1-2's selective-AC rows
     "h100-95g-titan": _fitted(
