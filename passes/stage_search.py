@@ -289,11 +289,45 @@ def search_config(c, order, ops, cluster, budget, hand=None, tol=1e-3, recompute
 
 
 # ---- the search ------------------------------------------------------------------------------------------------
-_FORKED: tuple = ()  # what forked workers inherit: (model, prefix, reps, pos_of, ctx)
+_FORKED: tuple = ()  # what forked workers inherit (forked_map's `shared`)
+
+
+def workers_for(n_jobs: int, at_least: int, workers=None) -> int:
+    """Forked workers for n_jobs jobs: `workers` if given, else one per core (at most 2) from `at_least` jobs on;
+    1 where the platform cannot fork."""
+    import multiprocessing as mp
+    import os
+
+    if "fork" not in mp.get_all_start_methods():
+        return 1
+    if workers is None:
+        return min(2, os.cpu_count() or 1) if n_jobs >= at_least else 1
+    return workers
+
+
+def forked_map(fn, items, shared, workers: int) -> list:
+    """[fn(x) for x in items] over `workers` forked processes, which inherit `shared` (read with `forked()`)
+    instead of receiving it pickled (models, action orders and intra-op plans are large); here when workers <= 1."""
+    import multiprocessing as mp
+
+    global _FORKED
+    _FORKED = shared
+    try:
+        if workers > 1:
+            with mp.get_context("fork").Pool(workers) as pool:
+                return pool.map(fn, items, chunksize=1)
+        return [fn(x) for x in items]
+    finally:
+        _FORKED = ()
+
+
+def forked() -> tuple:
+    """The `shared` of the forked_map running (in a worker: the one it was forked with)."""
+    return _FORKED
 
 
 def _one_stage_plan(job):
-    model, prefix, reps, pos_of, ctx = _FORKED
+    model, prefix, reps, pos_of, ctx = forked()
     smesh, specs, m = job
     mbi = tuple(torch.empty(sh, dtype=dt, device="meta") if sh is not None else x for sh, dt, x in specs)
     return StageOps(model, prefix, reps, pos_of, mbi, smesh, {**ctx, "drop_state": True, "n_microbatches": m})
@@ -302,10 +336,6 @@ def _one_stage_plan(job):
 def stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=None) -> dict:
     """StageOps per (stage submesh, micro-batch size). Several keys are planned in forked worker processes (one per
     core, at most 2 unless `workers` says otherwise): each is an independent capture + intra-op solve."""
-    import multiprocessing as mp
-    import os
-
-    global _FORKED
     jobs = []
     for smesh, mb in keys:
         jobs.append(
@@ -320,24 +350,14 @@ def stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=Non
                 Bsz // mb,
             )
         )
-    if workers is None:
-        workers = min(2, os.cpu_count() or 1) if len(jobs) >= 4 else 1
-    _FORKED = (model, prefix, reps, pos_of, ctx)
-    try:
-        if workers > 1 and "fork" in mp.get_all_start_methods():
-            with mp.get_context("fork").Pool(workers) as pool:
-                out = pool.map(_one_stage_plan, jobs, chunksize=1)
-        else:
-            out = [_one_stage_plan(j) for j in jobs]
-    finally:
-        _FORKED = ()
-    return dict(zip(keys, out))
+    shared = (model, prefix, reps, pos_of, ctx)
+    return dict(zip(keys, forked_map(_one_stage_plan, jobs, shared, workers_for(len(jobs), 4, workers))))
 
 
 def _search_share(share):
     """Configurations share[0]::share[1] in lower-bound order: DP + simulation each, skipping those whose lower
     bound exceeds margin x the best step found so far (here)."""
-    configs, cache, cluster, budget, hand, tol, recompute, margin, best = _FORKED
+    configs, cache, cluster, budget, hand, tol, recompute, margin, best = forked()
     results, pruned, orders = [], 0, {}
     for c in configs[share[0] :: share[1]]:
         if c["lb"] > margin * best or c.get("mem_lb", 0.0) > budget:
@@ -372,21 +392,8 @@ def search(job, workers=None):
     """All configurations, split over forked workers (a worker prunes against its own best, so it evaluates at
     least what one process would). job: (configs, key -> StageOps, cluster, budget, hand layout, dp_tol, recompute,
     prune margin, the best step already found elsewhere (pruning starts from it))."""
-    import multiprocessing as mp
-    import os
-
-    global _FORKED
-    if workers is None:
-        workers = min(2, os.cpu_count() or 1) if len(job[0]) >= 8 else 1
-    _FORKED = job
-    try:
-        if workers > 1 and "fork" in mp.get_all_start_methods():
-            with mp.get_context("fork").Pool(workers) as pool:
-                parts = pool.map(_search_share, [(w, workers) for w in range(workers)])
-        else:
-            parts = [_search_share((0, 1))]
-    finally:
-        _FORKED = ()
+    workers = workers_for(len(job[0]), 8, workers)
+    parts = forked_map(_search_share, [(w, workers) for w in range(workers)], job, workers)
     return [r for part, _ in parts for r in part], sum(n for _, n in parts)
 
 

@@ -22,6 +22,8 @@ from .stage_search import (
     candidate_meshes,
     dp_size,
     evaluate_fitted,
+    forked,
+    forked_map,
     head_counts,
     lower_bound,
     microbatch_counts,
@@ -29,6 +31,7 @@ from .stage_search import (
     spend_room,
     stage_plans,
     state_bound,
+    workers_for,
 )
 from autopar.plan import Plan
 from autopar.solver import InfeasibleMemoryError
@@ -177,13 +180,10 @@ def _ranked(results, cache, n_blocks: int, mesh, cluster, budget, opts, recomput
     return top
 
 
-_EVEN: tuple = ()  # what forked workers inherit for _even_split
-
-
 def _even_split(i: int) -> dict | None:
-    """The torchtitan-style even layer split of configuration i, for comparison (its summary: the simulation
-    stays behind)."""
-    top, cache, n_blocks, cluster, budget, recompute = _EVEN
+    """The torchtitan-style even layer split of configuration i of _evens, for comparison (its summary: the
+    simulation stays behind)."""
+    top, cache, n_blocks, cluster, budget, recompute = forked()
     r = top[i]
     S = r["p"] * r["v"]
     if S > n_blocks:
@@ -197,20 +197,8 @@ def _even_split(i: int) -> dict | None:
 
 def _evens(top, cache, n_blocks, cluster, budget, recompute, workers=None) -> list:
     """_even_split of each configuration in `top`, over two forked workers where there are several."""
-    import multiprocessing as mp
-    import os
-
-    global _EVEN
-    if workers is None:
-        workers = min(2, os.cpu_count() or 1) if len(top) >= 2 else 1
-    _EVEN = (top, cache, n_blocks, cluster, budget, recompute)  # inherited, not pickled: orders are large
-    try:
-        if workers > 1 and "fork" in mp.get_all_start_methods():
-            with mp.get_context("fork").Pool(workers) as pool:
-                return pool.map(_even_split, range(len(top)), chunksize=1)
-        return [_even_split(i) for i in range(len(top))]
-    finally:
-        _EVEN = ()
+    shared = (top, cache, n_blocks, cluster, budget, recompute)
+    return forked_map(_even_split, range(len(top)), shared, workers_for(len(top), 2, workers))
 
 
 def _context(request: "StagesRequest", opts: dict) -> dict:
