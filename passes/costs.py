@@ -2,10 +2,11 @@
 
 Decision groups: a node with one tensor input inside the same layer instance *follows* its producer (views,
 transposes, casts, unary pointwise ops), and a pointwise op follows its one largest input when the others are
-smaller broadcast operands (norm weights, RoPE tables, scalars; Alpa's "follow" merging): it takes the strategy that best matches that producer's output, so it needs no variable of its own;
-its other inputs stay priced edges. This restricts the search to plans where elementwise ops compute in their
-main input's layout; the MILP is exact over that space. Every other node roots a group. Groups of repeated layers are shared (regions
-pass), so the model has one set of variables per distinct node of the representative layer.
+smaller broadcast operands (norm weights, RoPE tables, scalars; Alpa's "follow" merging): it takes the strategy
+that best matches that producer's output, so it needs no variable of its own; its other inputs stay priced
+edges. This restricts the search to plans where elementwise ops compute in their main input's layout; the MILP is
+exact over that space. Every other node roots a group. Groups of repeated layers are shared (regions pass), so
+the model has one set of variables per distinct node of the representative layer.
 
 Per group strategy: compute time of its members (roofline on local shapes), the redistributes the followers
 need, model-state bytes (parameters, grads, optimizer state at the storage placement) and saved-activation

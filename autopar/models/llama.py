@@ -106,9 +106,10 @@ class Attention(nn.Module):
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rope(xq, cos, sin), apply_rope(xk, cos, sin)
-        native = self.gqa == "native" and self.n_heads != self.n_kv_heads
+        n_rep = self.n_heads // self.n_kv_heads
+        native = self.gqa == "native" and n_rep > 1
         if not native:
-            xk, xv = repeat_kv(xk, self.n_heads // self.n_kv_heads), repeat_kv(xv, self.n_heads // self.n_kv_heads)
+            xk, xv = repeat_kv(xk, n_rep), repeat_kv(xv, n_rep)
         q, k, v = xq.transpose(1, 2), xk.transpose(1, 2), xv.transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=native)
         return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
