@@ -1,6 +1,7 @@
 """The front door that runs a model: plan it (or take a finished Plan) and hand it to a backend. The backends are
-imported on first use, so planning never loads them; they only run a plan, never make one: for inputs of new shapes
-they call the planner this module gives them."""
+imported on first use, so planning never loads them; they only run a plan, never make one: the graph parts the torch
+backend asks for are planned here, and for inputs of new shapes the graph backend calls the planner this module
+gives it."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from . import api as _api
 from .execution import finished, from_plan
 from .plan import Plan
 from .strategies.pins import overlay_pins
+from .targets import engine_target
 
 
 def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", plan: Plan | None = None, **kwargs):
@@ -31,13 +33,78 @@ def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", pla
     if backend == "graph":
         return _parallelize_graph(model, mesh, example_inputs, plan, kwargs)
     if backend in ("torch", "mixed", "auto"):
-        from .backends import torch as torch_backend
-
-        planned = kwargs.pop("planned", plan)
-        return torch_backend.parallelize(
-            model, mesh, example_inputs, backend=backend, planned=planned, planner=_api.plan, **kwargs
-        )
+        return _parallelize_torch(model, mesh, example_inputs, backend, plan, kwargs)
     raise ValueError(f"backend must be 'graph', 'torch', 'mixed' or 'auto', got {backend!r}")
+
+
+def _parallelize_torch(model, mesh, example_inputs, backend, plan, kwargs):
+    """Plan for target="torch" (or take the finished plan), let the torch backend say what it does with it, plan
+    the graph parts it asks for (backend "mixed" / "auto"), then hand it all over: the backend never plans."""
+    from .backends import spmd
+    from .backends import torch as torch_backend
+
+    options = {k: kwargs.pop(k) for k in torch_backend.OPTIONS if k in kwargs}
+    args, kw = _split_inputs(example_inputs, kwargs)
+    kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")  # also the parts'
+    planned = kwargs.pop("planned", plan)
+    with torch.random.fork_rng(devices=spmd.rng_devices(mesh)):  # the user's random state is left as it was
+        if planned is None:
+            target = engine_target(kwargs.pop("target", "torch"))
+            extra = {"example_kwargs": kw} if kw else {}
+            planned = _api.plan(model, mesh, args, target=target, return_state=True, **extra, **kwargs)
+        whole, state = planned if isinstance(planned, tuple) else (planned, None)
+        units, styles = options.pop("units", None), options.pop("styles", None)
+        split = torch_backend.split_plan(
+            model,
+            whole,
+            args,
+            backend=backend,
+            state=state,
+            example_kwargs=kw,
+            force=kwargs.get("force"),
+            units=units,
+            styles=styles,
+        )
+        parts = _plan_parts(split.requests, mesh, kwargs)
+    return torch_backend.parallelize(
+        model, mesh, args, split, parts, cluster=kwargs["cluster"], example_kwargs=kw, **options
+    )
+
+
+def _plan_parts(requests: dict, mesh, plan_kwargs: dict) -> dict:
+    """{request key: (plan, state, how)}: each graph part the torch backend asks for (one request per distinct
+    part) planned on `mesh` at the whole plan's placements inside it and its boundary pinned, or, where those do
+    not fit together, with its boundary pinned alone. No overlap: the graph backend runs each collective in place."""
+    opts = {k: v for k, v in plan_kwargs.items() if k not in ("force", "pin", "target")}
+    opts["overlap"] = False
+    out: dict = {}
+    for req in {id(r): r for r in requests.values()}.values():
+
+        def solve(pins, req=req):
+            pin = lambda n: pins.get(n.name)  # noqa: E731
+            return _api.plan(
+                req.module, mesh, req.args, output="activation", force=req.force, return_state=True, pin=pin, **opts
+            )
+
+        try:
+            made, state = solve(req.pins)
+            how = f"the plan's placements on {req.kept} of {req.ops} ops, its boundary pinned"
+        except ValueError as e:
+            made, state = solve(req.boundary_pins)
+            how = f"planned alone (the plan's placements do not fit its boundary: {str(e)[:160]})"
+        out[req.key] = (made, state, how)
+    return out
+
+
+def _split_inputs(example_inputs, plan_kwargs):
+    """(positional inputs, keyword inputs or None). Keyword inputs (autopar/model_io.py) plan like positional
+    ones; the engines run the user's own module, which takes them itself; the graph parts of "mixed" are split by
+    positional calls, so keyword inputs skip them."""
+    kw = plan_kwargs.pop("example_kwargs", None)
+    if isinstance(example_inputs, dict):
+        example_inputs, kw = (), {**example_inputs, **(kw or {})}
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    return args, kw
 
 
 def _parallelize_graph(model, mesh, example_inputs, plan, kwargs):

@@ -251,6 +251,15 @@ def _two_solves(pinned, mesh, declared):
     return result, f"{note or 'the free plan runs on the engines as planned'} [two solves: {why}]"
 
 
+def engine_target(target):
+    """The planner's target for PyTorch's engines: "torch" (the free plan's data dims decide, one or two solves) or
+    a TorchTarget declaring them (one solve, the engines' pins decided up front). Anything else would plan for what
+    the engines do not run, so it is refused before planning."""
+    if target == "torch" or isinstance(target, TorchTarget):
+        return target
+    raise ValueError(f"the torch backend plans for target='torch' or an autopar.TorchTarget, got {target!r}")
+
+
 def plan_for_target(target: str, solve, mesh, **plan_kwargs):
     """The plan for a backend `target` (module docstring); solve(**kwargs) is autopar.plan on the caller's model,
     mesh and example inputs with those planner options."""

@@ -140,10 +140,11 @@ def build(source, cfg, mesh, world_mesh, x):
         keep = lambda: sum(b.nbytes for b in pm.program.flat_bufs.values())  # noqa: E731
         return Run(source, pm, opt, step, {"plan": pm.plan, "persistent_bytes": keep})
     if source == "autopar-torch":  # backend="auto": the engines, with graph parts where they cannot
+        import autopar
         import autopar.backends.torch as engines
         from hand_plans import NotApplicable
 
-        m = engines.parallelize(model, mesh, x, backend="auto", cluster="cpu-gloo")
+        m = autopar.parallelize(model, mesh, x, backend="auto", cluster="cpu-gloo")
         if m is not model:
             raise NotApplicable(
                 f"backend='auto' runs the whole model on the graph backend (the autopar row): {m.autopar_fallback}"

@@ -15,9 +15,13 @@ mesh dim, bytes) must equal the engines' (engine_collectives) plus each part's o
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from _dist import launch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODEL, BATCH, SEQ, STEPS, LR, IGNORED, TOL = "moe-tiny", 8, 16, 3, 0.1, 6, 1e-5
 
@@ -87,7 +91,20 @@ def _run(case):
     x, y = models.example_inputs(MODEL, batch=BATCH, seq=SEQ)
     y[0, :IGNORED] = -100
     force, pin = _pin_and_force(model, case)
-    out_model = autopar.parallelize(model, mesh, (x, y), backend="mixed", force=force, pin=pin)
+    import inspect
+    import autopar.api
+
+    planner, callers = autopar.api.plan, []
+
+    def recording_plan(*a, **k):  # who plans: the front door only, never a backend
+        callers.append(os.path.relpath(inspect.stack()[1].filename, ROOT))
+        return planner(*a, **k)
+
+    autopar.api.plan = recording_plan
+    try:
+        out_model = autopar.parallelize(model, mesh, (x, y), backend="mixed", force=force, pin=pin)
+    finally:
+        autopar.api.plan = planner
     low, plan = model._autopar_lowering, model._autopar_plan
     res = {
         "case": case,
@@ -101,6 +118,7 @@ def _run(case):
         "match": [],
         "diff": [],
         "kinds": None,
+        "planned_by": callers,
     }
     xl, yl = local_inputs(model, mesh, x, y)
     opt, opt_ref = torch.optim.SGD(model.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)
@@ -160,6 +178,12 @@ def _check(results, k):
         assert all(r["match"]), f"{case} rank {rank}: {r['diff']}"
         assert r["error"] and "module 'layers.0.moe.experts'" in r["error"] and "batch shard" in r["error"], r["error"]
     assert "all_to_all" in h["kinds"] and "all_gather" in h["kinds"], h["kinds"]  # expert parallelism ran
+    # the whole model and the parts (the experts' instances share one plan) planned by the front door, no backend
+    by = h["planned_by"]
+    assert by.count(os.path.join("autopar", "parallel.py")) >= 2 and set(by) <= {
+        "autopar/parallel.py",
+        "autopar/api.py",
+    }, by
     dump = h["dump"]
     assert dump.startswith("backend: torch + graph parts")
     assert "-> graph  layers.0.moe.experts, layers.1.moe.experts: the plan's placements on" in dump

@@ -76,11 +76,11 @@ def test_the_torch_backend_refuses_another_target_before_planning(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("planned")
 
-    monkeypatch.setattr(autopar, "plan", refuse)
-    from autopar.backends.torch import entry
+    import autopar.api
 
+    monkeypatch.setattr(autopar.api, "plan", refuse)
     with pytest.raises(ValueError, match="target='torch' or an autopar.TorchTarget, got 'graph'"):
-        entry.parallelize(nn.Linear(2, 2), _CpuMesh(), (), backend="torch", planner=refuse, target="graph")
+        autopar.parallelize(nn.Linear(2, 2), _CpuMesh(), (), backend="torch", target="graph")
 
 
 class _CpuMesh:

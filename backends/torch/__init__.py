@@ -7,17 +7,21 @@ apply_compile, apply_fsdp, then the gradient and loss hooks), source.py (the sam
     print(autopar.backends.torch.render(plan, model))             # the equivalent code, for people
 
 Plan with `autopar.plan(..., target="torch")` (autopar/targets.py) so the plan is one the engines run as planned.
-`parallelize` is what autopar.parallelize(backend="torch" | "mixed" | "auto") calls."""
+autopar.parallelize(backend="torch" | "mixed" | "auto") plans, calls `split_plan` (what the engines run, and the graph
+parts they need planned: the front door plans them), then `parallelize`; neither plans."""
 
 from .lowering import EngineLoweringError, TorchLowering
-from .entry import local_inputs, lower, parallelize, render, train_context
+from .entry import OPTIONS, Split, local_inputs, lower, parallelize, render, split_plan, train_context
 
 __all__ = [
+    "OPTIONS",
     "EngineLoweringError",
+    "Split",
     "TorchLowering",
     "local_inputs",
     "lower",
     "parallelize",
     "render",
+    "split_plan",
     "train_context",
 ]

@@ -6,18 +6,17 @@ same lowering as code for people), and `parallelize`, behind autopar.parallelize
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 
-from autopar.targets import TorchTarget
-
 from .apply import apply
 from .collectives import engine_collectives, engine_step_time
 from .graph_backend import _device, _rng_devices, parallelize_graph, prepare_engine_model
 from .lowering import EngineLoweringError, TorchLowering
-from .mixed import choose_parts, install_parts, plan_parts
+from .mixed import attach_parts, choose_parts, install_parts, part_requests
 from .recognize import recognize
 
 
@@ -65,96 +64,104 @@ def local_inputs(model_or_lowering, mesh, *inputs):
     return tuple(out)
 
 
-def parallelize(
-    model: nn.Module,
-    mesh,
+OPTIONS = ("units", "styles", "compile_blocks", "assume_identical", "check_replicas")  # not the planner's
+
+
+@dataclass
+class Split:
+    """What the torch backend does with a finished plan, decided before anything runs and without planning: the
+    engines alone (`low` expressible), the engines with graph parts (`mixed`, whose parts the front door plans from
+    `requests`: {module FQN: mixed.PartRequest}), or the whole model on the graph backend (`why`)."""
+
+    plan: object
+    state: object
+    low: TorchLowering
+    backend: str  # "torch", "mixed" or "auto"
+    mixed: TorchLowering | None = None
+    chosen: dict = field(default_factory=dict)  # {part FQN: the engines' reasons}
+    requests: dict = field(default_factory=dict)
+    why: str | None = None
+
+
+def split_plan(
+    model,
+    plan,
     example_inputs,
     *,
-    backend: str = "torch",
+    backend="torch",
+    state=None,
+    example_kwargs=None,
+    force=None,
     units=None,
     styles=None,
-    planned=None,
-    planner=None,
-    compile_blocks=None,
-    assume_identical: bool = False,
-    check_replicas: bool = True,
-    **plan_kwargs,
-):
-    """Plan `model` for `mesh` with `planner` (autopar.plan, which the front door autopar.parallelize gives;
-    target="torch"), unless `planned` gives the Plan or (Plan, PlanState), and lower it: backend "torch" (the user's own module, parallelized in place by the engines;
-    EngineLoweringError if the plan does not fit them), "mixed" (the engines for what they express, the graph
-    backend for the modules they cannot, mixed.py; the whole model on the graph backend when no such split exists)
-    or "auto" ("mixed", but a split is kept only when the cost model predicts it no slower than the graph backend
-    running the whole plan). The dump says which part went where and why. compile_blocks: as in `lower`.
-    assume_identical / check_replicas: as autopar.backends.spmd.module.parallelize (rank 0's parameters and buffers are
-    broadcast before the engines shard them, `model.autopar_init_comm`; a replica checksum before the first step).
-    The user's RNG state is left as it was; `model.autopar_rng_seed` is rank 0's torch.initial_seed()."""
+) -> Split:
+    """Recognize `plan` on the user's module and, for backend "mixed" / "auto" when the engines cannot express
+    it, choose the modules to run on the graph backend (mixed.py) and state what each needs planned. Never plans;
+    EngineLoweringError for backend "torch" when the engines cannot express the plan."""
     if backend not in ("torch", "mixed", "auto"):
         raise ValueError(f"backend must be 'torch', 'mixed' or 'auto' here, got {backend!r}")
-    options = dict(units=units, styles=styles, compile_blocks=compile_blocks, planner=planner)
-    options.update(assume_identical=assume_identical, check_replicas=check_replicas)
-    with torch.random.fork_rng(devices=_rng_devices(mesh)):
-        return _parallelize(model, mesh, example_inputs, backend, planned, options, plan_kwargs)
-
-
-def _split_inputs(example_inputs, plan_kwargs):
-    """(positional inputs, keyword inputs or None). Keyword inputs (autopar/model_io.py) plan like positional
-    ones; the engines run the user's own module, which takes them itself; the graph parts of "mixed" are split by
-    positional calls, so keyword inputs skip them."""
-    kw = plan_kwargs.pop("example_kwargs", None)
-    if isinstance(example_inputs, dict):
-        example_inputs, kw = (), {**example_inputs, **(kw or {})}
-    ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    return ex, kw
-
-
-def _engine_target(target):
-    """The planner's target for the engines: "torch" (the free plan's data dims decide, one or two solves) or an
-    autopar.TorchTarget declaring them (one solve with the engines' pins decided up front, autopar/targets.py).
-    Anything else would plan for what the engines do not run, so it is refused here, before planning."""
-    if target == "torch" or isinstance(target, TorchTarget):
-        return target
-    raise ValueError(f"the torch backend plans for target='torch' or an autopar.TorchTarget, got {target!r}")
-
-
-def _parallelize(model, mesh, example_inputs, backend, planned, options, plan_kwargs):
-    ex, kw = _split_inputs(example_inputs, plan_kwargs)
-    plan_kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")  # also the parts'
-    if planned is None:
-        if options["planner"] is None:
-            raise ValueError("the torch backend runs a finished plan: pass planned=, or call autopar.parallelize")
-        extra = {"example_kwargs": kw} if kw else {}
-        target = _engine_target(plan_kwargs.pop("target", "torch"))
-        planned = options["planner"](model, mesh, ex, target=target, return_state=True, **extra, **plan_kwargs)
-    plan, state = planned if isinstance(planned, tuple) else (planned, None)
-    low = recognize(plan, model, units=options["units"], styles=options["styles"])
+    low = recognize(plan, model, units=units, styles=styles)
     if plan.meta.get("engine_replan"):
         low.notes.insert(0, plan.meta["engine_replan"])
+    out = Split(plan, state, low, backend)
     if low.expressible:
-        return _run_on_engines(model, mesh, plan, low, "torch", options)
+        return out
     if backend == "torch":
         raise EngineLoweringError(
             "the plan cannot be lowered to fully_shard / parallelize_module (use "
             "backend='auto', 'mixed' or 'graph'):\n" + "\n".join(f"  {part}: {why}" for part, why in low.reasons)
         )
-    mixed, why = (
-        _mixed(model, mesh, ex, plan, low, options, plan_kwargs)
-        if not kw
-        else (None, "keyword inputs: graph parts are split off positional calls only")
-    )
-    if mixed is not None and backend == "auto":  # the faster of the two by the cost model
-        mixed, why = _faster_than_graph(plan, mixed, plan_kwargs["cluster"])
-    if mixed is not None:
-        return _run_on_engines(model, mesh, plan, mixed, "torch + graph parts", options)
-    pm = parallelize_graph(
-        model,
-        mesh,
-        ex,
-        example_kwargs=kw,
-        planned=(plan, state),
-        assume_identical=options["assume_identical"],
-        check_replicas=options["check_replicas"],
-    )
+    if example_kwargs:
+        out.why = "keyword inputs: graph parts are split off positional calls only"
+        return out
+    ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    out.mixed, out.chosen, calls, out.why = _mixed(model, ex, plan, low, units, styles)
+    if out.mixed is not None:
+        out.requests = part_requests(plan, model, out.mixed, out.chosen, calls, force)
+    return out
+
+
+def parallelize(
+    model,
+    mesh,
+    example_inputs,
+    split: Split,
+    parts=None,
+    *,
+    cluster,
+    example_kwargs=None,
+    compile_blocks=None,
+    assume_identical: bool = False,
+    check_replicas: bool = True,
+):
+    """Run `split` (from `split_plan`) on `model`: the engines, the engines with the graph parts (`parts`: {request
+    key: (plan, state, how)}, the requests planned by the front door), or the whole model on the graph backend.
+    backend "auto" keeps the parts only where the cost model predicts them no slower than the graph backend
+    running the whole plan. Never plans. assume_identical / check_replicas: as autopar.backends.spmd.module.
+    parallelize (rank 0's parameters and buffers are broadcast before the engines shard them,
+    `model.autopar_init_comm`; a replica checksum before the first step). The user's RNG state is left as it
+    was; `model.autopar_rng_seed` is rank 0's torch.initial_seed(). The dump says which part went where and why."""
+    options = dict(compile_blocks=compile_blocks, assume_identical=assume_identical, check_replicas=check_replicas)
+    plan, low, mixed, why = split.plan, split.low, split.mixed, split.why
+    with torch.random.fork_rng(devices=_rng_devices(mesh)):
+        if low.expressible:
+            return _run_on_engines(model, mesh, plan, low, "torch", options)
+        if mixed is not None:
+            attach_parts(mixed, split.chosen, split.requests, parts or {})
+            if split.backend == "auto":  # the faster of the two by the cost model
+                mixed, why = _faster_than_graph(plan, mixed, cluster)
+        if mixed is not None:
+            return _run_on_engines(model, mesh, plan, mixed, "torch + graph parts", options)
+        ex = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+        pm = parallelize_graph(
+            model,
+            mesh,
+            ex,
+            example_kwargs=example_kwargs,
+            planned=(plan, split.state),
+            assume_identical=assume_identical,
+            check_replicas=check_replicas,
+        )
     low.notes.append(f"the whole model runs on the graph backend: {why}")
     pm.autopar_dump, pm.autopar_fallback = _dump(plan, low, "graph"), why
     return pm
@@ -184,25 +191,29 @@ def _faster_than_graph(plan, mixed, cluster):
     )
 
 
-def _mixed(model, mesh, ex, plan, low, options, plan_kwargs):
-    """(the lowering with graph parts, None) when every reason names a module that can run as a part on the
-    graph backend while the engines run the rest (mixed.py); (None, why not) otherwise."""
+def _mixed(model, ex, plan, low, units, styles):
+    """(the lowering with graph parts, {part FQN: reasons}, their calls, None) when every reason names a module that can run as
+    a part on the graph backend while the engines run the rest (mixed.py); (None, {}, {}, why not) otherwise."""
     try:
         chosen, calls = choose_parts(plan, low, model, ex, recognize)
     except Exception as e:  # noqa: BLE001 (e.g. a forward that cannot run on meta tensors: recorded, not fatal)
-        return None, f"the modules the engines cannot express were not split off ({type(e).__name__}: {e})"
+        return None, {}, {}, f"the modules the engines cannot express were not split off ({type(e).__name__}: {e})"
     if chosen is None:
-        return None, calls
-    mixed = recognize(plan, model, units=options["units"], styles=options["styles"], parts=list(chosen))
+        return None, {}, {}, calls
+    mixed = recognize(plan, model, units=units, styles=styles, parts=list(chosen))
     if not mixed.expressible:
-        return None, "with " + ", ".join(
-            chosen
-        ) + " on the graph backend the engines still cannot express " + "; ".join(f"{p}: {w}" for p, w in mixed.reasons)
+        return (
+            None,
+            {},
+            {},
+            "with "
+            + ", ".join(chosen)
+            + " on the graph backend the engines still cannot express "
+            + "; ".join(f"{p}: {w}" for p, w in mixed.reasons),
+        )
     if mixed.tp_dim is not None and any(st.cls == "SequenceParallel" for st in mixed.styles.values()):
-        return None, "a part's inputs would be sequence-sharded on the tensor-parallel dim (SequenceParallel)"
-    kw = {k: v for k, v in plan_kwargs.items() if k != "force"}
-    plan_parts(plan, model, mesh, mixed, chosen, calls, options["planner"], force=plan_kwargs.get("force"), **kw)
-    return mixed, None
+        return None, {}, {}, "a part's inputs would be sequence-sharded on the tensor-parallel dim (SequenceParallel)"
+    return mixed, chosen, calls, None
 
 
 def _compare_collectives(plan, low) -> None:

@@ -9,8 +9,8 @@ leaves the whole model to the graph backend, as before. The engines are then rec
 out (their parameters ignored by FSDP, no ParallelStyle, no gradient hook); anything they still cannot express
 also means the whole model goes to the graph backend.
 
-How a part runs. It is planned as a model of its own (`autopar.plan(part, mesh, its inputs, output=
-"activation")`) keeping the whole plan's placements inside it (its op records matched to the part's graph) and
+How a part runs. The front door plans it as a model of its own (`autopar.plan(part, mesh, its inputs, output=
+"activation")`, from the `PartRequest` this module states; the backend never plans) keeping the whole plan's placements inside it (its op records matched to the part's graph) and
 with its inputs, its output and their gradients pinned where the engines hold them: batch-sharded (Shard(0)) on
 the data-parallel dims and replicated on the others, so each rank's plain local tensor is its piece of the part's
 global view; the placements the user forced on its parameters are kept. Instances with the same graph and the same
@@ -189,57 +189,63 @@ def choose_parts(plan, low, model, example_inputs, recognize):
     return parts, calls
 
 
-def plan_parts(whole, model, mesh, low, chosen: dict, calls: dict, planner, force=None, **plan_kwargs) -> dict:
-    """{signature: Part}: each distinct part planned once on `mesh` by `planner` (autopar.plan, given by the front
-    door), at the whole plan's placements inside it and its boundary pinned (module docstring)."""
-    if planner is None:
-        raise ValueError(
-            "backend='mixed' plans each graph part: call it through autopar.parallelize (it gives the planner)"
-        )
+@dataclass(frozen=True)
+class PartRequest:
+    """One part the planner must plan (the front door does: autopar/parallel.py), shared by its instances (modules
+    with the same graph and the same forced and kept placements): `module` called on `args` with output=
+    "activation", its parameters forced to `force`, and each node pinned to `pins` (the whole plan's placements
+    inside it, its boundary at `boundary`); `boundary_pins` alone when those do not fit the boundary."""
+
+    key: tuple  # the graph's ops and shapes, the forced and the kept placements
+    module: nn.Module
+    args: tuple
+    force: dict
+    pins: dict  # {node name: {(mesh dim, output): placement}}
+    boundary_pins: dict
+    kept: int  # ops of the part's graph pinned to the whole plan's placements
+    ops: int
+
+
+def part_requests(whole, model, low, chosen: dict, calls: dict, force=None) -> dict:
+    """{module FQN: PartRequest} for the parts `chosen`: what each needs planned, its boundary batch-sharded
+    (Shard(0)) on the data-parallel dims and replicated on the others (module docstring). Instances with the same
+    graph and pins share one request object."""
     data = low.replicate_dims + low.shard_dims
     boundary = tuple("S0" if d in data else "R" for d in range(len(low.mesh_shape)))
-    shards = math.prod(low.mesh_shape[d] for d in data)
-    plan_kwargs.pop("pin", None)
-    plan_kwargs["overlap"] = False
-    planned: dict = {}
-    for fqn, why in chosen.items():
+    out, by_key = {}, {}
+    for fqn in chosen:
         mod = model.get_submodule(fqn)
         args = calls[fqn][0][0]
         sub_force = {k[len(fqn) + 1 :]: v for k, v in (force or {}).items() if k.startswith(fqn + ".")}
         g = capture(mod, args, output="activation")
         kept, edge = _plan_pins(whole, fqn, g), _boundary_pins(g, boundary)
-        # instances share a plan (and a Program) when their graphs, forced and kept placements are the same
-        sig = (
+        key = (
             tuple((n.name, tuple(o.shape) if o is not None else None) for n in g.nodes for o in n.outs),
             tuple(sorted(sub_force.items())),
             tuple(sorted((k, tuple(sorted(v.items()))) for k, v in kept.items())),
         )
-        part = planned.get(sig)
+        if key not in by_key:
+            n_kept, n_ops = len(set(kept) - set(edge)), len(list(g.ops()))
+            by_key[key] = PartRequest(key, mod, args, sub_force, {**kept, **edge}, edge, n_kept, n_ops)
+        out[fqn] = by_key[key]
+    return out
+
+
+def attach_parts(low, chosen: dict, requests: dict, planned: dict) -> None:
+    """Set `low.parts` from the planned requests: `planned` maps each request's key to (plan, state, how)."""
+    data = low.replicate_dims + low.shard_dims
+    boundary = tuple("S0" if d in data else "R" for d in range(len(low.mesh_shape)))
+    shards = math.prod(low.mesh_shape[d] for d in data)
+    made: dict = {}
+    for fqn, why in chosen.items():
+        req = requests[fqn]
+        part = made.get(req.key)
         if part is None:
-            solve = lambda pins: planner(
-                mod,
-                mesh,
-                args,
-                output="activation",
-                force=sub_force,  # noqa: E731
-                return_state=True,
-                pin=lambda n: pins.get(n.name),
-                **plan_kwargs,
-            )
-            try:
-                plan, state = solve({**kept, **edge})
-                how = (
-                    f"the plan's placements on {len(set(kept) - set(edge))} of {len(list(g.ops()))} ops, its "
-                    f"boundary pinned"
-                )
-            except ValueError as e:
-                plan, state = solve(edge)
-                how = f"planned alone (the plan's placements do not fit its boundary: {str(e)[:160]})"
-            part = planned[sig] = Part(plan, state, boundary=boundary, shards=shards, args=args, how=how)
+            plan, state, how = planned[req.key]
+            part = made[req.key] = Part(plan, state, boundary=boundary, shards=shards, args=req.args, how=how)
         part.instances.append(fqn)
         part.why += [f"{fqn}: {w}" for w in why]
         low.parts[fqn] = part
-    return planned
 
 
 def _plan_pins(whole, fqn, g) -> dict:
@@ -362,7 +368,7 @@ def report(low) -> list[str]:
     """The dump lines of the parts."""
     L, seen = [], set()
     for fqn, part in low.parts.items():
-        if part is None:  # recognized with parts= but not planned (plan_parts) yet
+        if part is None:  # recognized with parts= but not planned (the front door plans the parts) yet
             L.append(f"  -> graph  {fqn}: left to the graph backend (not planned yet)")
             continue
         if id(part) in seen:
