@@ -110,10 +110,9 @@ def engine_step(order, rank_of, F, B, W, p2p, units: list, opt_s: list, multi: b
         tail = [fsdp_timeline([Unit(0.0, u.bw, 0.0, u.rs, regather=False) for u in us])["exposed_s"] for us in units]
         sim = simulate(order, rank_of, F, B, W, p2p, first_f=first)
     ends, opts = [], []
-    for r, ev in enumerate(sim.events):
+    for r, last in enumerate(sim.rank_ends):  # a rank's actions run one after another: the last ends last
         mine = [k for k in range(len(F)) if rank_of[k] == r]
         opts.append(sum(opt_s[k] for k in mine))
-        last = ev[-1][1] if ev else 0.0  # a rank's actions run one after another: the last ends last
         ends.append(last + max((tail[k] for k in mine), default=0.0) + opts[-1])
     return {"sim": sim, "step_s": max(ends), "first_s": first, "tail_s": tail, "optimizer_s": max(opts)}
 

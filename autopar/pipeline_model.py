@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.pipeline_simulation import Simulation, simulate  # noqa: F401 (the model's simulation)
 from autopar.strategies._torch_adapter import pipeline_actions, pipeline_stage_to_rank
 
 INF = float("inf")
@@ -245,97 +246,7 @@ def live_rows(actions: tuple, stages: list, split_backward: bool) -> np.ndarray:
     return np.unique(np.array(rows, dtype=float), axis=0)
 
 
-# ---- simulation ----------------------------------------------------------------------------------------------
-@dataclass
-class Simulation:
-    step_s: float
-    busy_s: list  # per rank
-    events: list  # per rank: [(start, end, stage, kind, micro-batch)]
-
-    @property
-    def bubble_fraction(self) -> float:
-        p = len(self.busy_s)
-        return 0.0 if self.step_s <= 0 else 1.0 - sum(self.busy_s) / (p * self.step_s)
-
-
-def simulate(
-    order: tuple, rank_of: tuple, F: list, B: list, W: list, p2p: list, first_f=None, ready_f=None
-) -> Simulation:
-    """List-schedule torch's action order. F/B/W: seconds per stage per micro-batch (a full backward "B" costs
-    B+W); p2p[k]: seconds to move one micro-batch's activation (or its gradient) from stage k to k+1 when they sit
-    on different ranks; first_f[k]: seconds stage k's first micro-batch forward adds (its exposed FSDP gathers);
-    ready_f[k]: the earliest start of that forward (its stage's gathers, issued at the step's start, are done)."""
-    S, p = len(F), len(order)
-    M = 1 + max((a[2] for r in order for a in r), default=0)
-    full = [b + w for b, w in zip(B, W)]
-    lat = [p2p[k] if k < S - 1 and rank_of[k] != rank_of[k + 1] else 0.0 for k in range(S)]
-    end_f: dict = {}  # (stage * M + micro-batch) -> end of its forward
-    end_g: dict = {}  # ... -> end of its input-gradient backward (B or I)
-    pos, free = [0] * p, [0.0] * p
-    events = [[] for _ in range(p)]
-    waiting: dict = {}
-    ready = list(range(p))
-    n_done = 0
-    while ready:
-        r = ready.pop()
-        acts, ev, t_free = order[r], events[r], free[r]
-        while pos[r] < len(acts):
-            s, kind, i = acts[pos[r]]
-            key = s * M + i
-            wait = None
-            if kind == "F":
-                start = t_free if ready_f is None or i else max(t_free, ready_f[s])
-                if s:
-                    t = end_f.get(key - M)
-                    if t is None:
-                        wait = (0, key - M)
-                    else:
-                        start = max(start, t + lat[s - 1])
-                dur = F[s] + (first_f[s] if first_f is not None and i == 0 else 0.0)
-            elif kind == "W":
-                t = end_g.get(key)
-                if t is None:
-                    wait = (1, key)
-                else:
-                    start = max(t_free, t)
-                dur = W[s]
-            else:  # "B" (full) or "I" (input gradient)
-                t = end_f.get(key)
-                if t is None:
-                    wait = (0, key)
-                else:
-                    start = max(t_free, t)
-                    if s < S - 1:
-                        t = end_g.get(key + M)
-                        if t is None:
-                            wait = (1, key + M)
-                        else:
-                            start = max(start, t + lat[s])
-                dur = full[s] if kind == "B" else B[s]
-            if wait is not None:
-                waiting.setdefault(wait, []).append(r)
-                break
-            e = start + dur
-            if kind == "F":
-                end_f[key] = e
-            elif kind != "W":
-                end_g[key] = e
-            t_free = e
-            ev.append((start, e, s, kind, i))
-            pos[r] += 1
-            n_done += 1
-            if kind != "W":
-                for w in waiting.pop((0 if kind == "F" else 1, key), ()):
-                    if w != r and w not in ready:
-                        ready.append(w)
-        free[r] = t_free
-    if n_done != sum(len(r) for r in order):
-        stuck = {r: order[r][pos[r]] for r in range(p) if pos[r] < len(order[r])}
-        raise RuntimeError(f"pipeline simulation deadlocked; next actions per rank: {stuck}")
-    busy = [sum(e - s for s, e, *_ in ev) for ev in events]
-    return Simulation(max(free) if free else 0.0, busy, events)
-
-
+# ---- simulation (autopar/pipeline_simulation.py) and its timeline ------------------------------------------
 def timeline(sim: Simulation, width: int = 96) -> list[str]:
     """One text row per pp rank: each character is step_s/width seconds, showing the action occupying most of it:
     F forward, B full backward, I input backward, W weight backward, '.' idle. Lower case marks the rank's second
