@@ -429,22 +429,33 @@ def partition(
 
 def _min_sum_under(by_q: dict, inflight: list[int], n: int, t: float, record: bool = False):
     """min sum f over partitions of n clusters into len(inflight) stages with every stage's c <= t (dynamic
-    program over the stage index), and with record the argmins per stage that _backtrack reads."""
-    cols = np.arange(n + 1)
+    program over the stage index), and with record the argmins per stage that _backtrack reads. Stage k (of S) of
+    a partition into non-empty stages starts at a cluster in [k, n - S + k] and ends in [k + 1, n - S + k + 1]:
+    only that band is computed (a deep pipeline of about one cluster per stage is a few columns wide), the same
+    candidates as over every range, the others being empty ranges or starts no partition reaches."""
+    S = len(inflight)
     D = np.full(n + 1, INF)
     D[0] = 0.0
     arg, masked = [], {}
-    for q in inflight:
-        if q not in masked:
-            C, Fm, _ = by_q[q]
-            cost = np.where(C > t, INF, Fm)
-            masked[q] = (cost.min(axis=0), cost.argmin(axis=0) if record else None)
-        cmin, vbest = masked[q]
-        tot = D[:, None] + cmin
+    for q in dict.fromkeys(inflight):  # a stage's options, masked at t, over the band of every stage holding q
+        ks = [k for k, qk in enumerate(inflight) if qk == q]
+        j0, i1 = ks[0], n - S + ks[-1] + 1
+        C, Fm, _ = by_q[q]
+        cost = np.where(C[:, j0:i1, j0 + 1 : i1 + 1] > t, INF, Fm[:, j0:i1, j0 + 1 : i1 + 1])
+        masked[q] = (j0, cost.min(axis=0), cost.argmin(axis=0) if record else None)
+    for k, q in enumerate(inflight):
+        j0, cmin, vbest = masked[q]
+        lo, hi = k - j0, n - S + k + 1 - j0  # this stage's starts (and ends - 1) within the masked block
+        tot = D[k : n - S + k + 1, None] + cmin[lo:hi, lo:hi]
         jb = tot.argmin(axis=0)
-        D = tot[jb, cols]
+        new = np.full(n + 1, INF)
+        new[k + 1 : n - S + k + 2] = tot[jb, np.arange(hi - lo)]
+        D = new
         if record:
-            arg.append((jb, vbest))
+            full_jb, full_vb = np.zeros(n + 1, dtype=int), np.zeros((n + 1, n + 1), dtype=int)
+            full_jb[k + 1 : n - S + k + 2] = jb + k
+            full_vb[k : n - S + k + 1, k + 1 : n - S + k + 2] = vbest[lo:hi, lo:hi]
+            arg.append((full_jb, full_vb))
     return D[n], arg
 
 
