@@ -150,7 +150,7 @@ def redistribute_time(src, dst, meta: TensorMeta, mesh_shape, cluster) -> float:
 @functools.lru_cache(maxsize=1 << 18)
 def _time(src, dst, nbytes, mesh_shape, cluster):
     route = _route(src, dst, mesh_shape)
-    if len(route) > 1 and _may_flatten(route, dst):
+    if len(route) > 1 and _may_flatten(route, dst):  # the cached route first: flat_reduce lists the collectives
         flat = flat_reduce(src, dst, nbytes, mesh_shape, cluster)
         if flat:
             return collective_time("all_reduce", flat.nbytes, flat.group, link_of(cluster, mesh_shape, flat.mesh_dim))

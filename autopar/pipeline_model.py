@@ -160,6 +160,11 @@ def _memo(fn, order: tuple, S: int, split_backward: bool) -> list[int]:
     return list(hit[1])
 
 
+# The actions after which a micro-batch's saved activations of a stage are freed: its full backward, or, when the
+# schedule splits the backward, its weight-gradient pass (a split schedule may still run some backwards whole).
+_FREES = {False: ("B",), True: ("B", "W")}
+
+
 def rank_stages(order: tuple) -> list:
     """Per rank, its stages in the order it first computes them."""
     return _memo(_rank_stages, order, 0, False)
@@ -176,13 +181,13 @@ def inflight(order: tuple, S: int, split_backward: bool) -> list[int]:
 
 def _inflight(order: tuple, S: int, split_backward: bool) -> list[int]:
     live, peak = [0] * S, [0] * S
-    done = "W" if split_backward else "B"
+    frees = _FREES[split_backward]
     for rank in order:
         for s, kind, _ in rank:
             if kind == "F":
                 live[s] += 1
                 peak[s] = max(peak[s], live[s])
-            elif kind == done or (kind == "B" and split_backward):
+            elif kind in frees:
                 live[s] -= 1
     return peak
 
@@ -196,13 +201,13 @@ def inflight_at_peak(order: tuple, S: int, split_backward: bool) -> list[int]:
 
 def _inflight_at_peak(order: tuple, S: int, split_backward: bool) -> list[int]:
     out = [0] * S
-    done = "W" if split_backward else "B"
+    frees = _FREES[split_backward]
     for rank in order:
         live, best, snap = {}, -1, {}
         for s, kind, _ in rank:
             if kind == "F":
                 live[s] = live.get(s, 0) + 1
-            elif kind == done or (kind == "B" and split_backward):
+            elif kind in frees:
                 live[s] -= 1
             tot = sum(live.values())
             if tot > best:
@@ -215,14 +220,14 @@ def _inflight_at_peak(order: tuple, S: int, split_backward: bool) -> list[int]:
 def rank_act_peak(order: tuple, act: list[float], split_backward: bool) -> list[float]:
     """Per rank, the peak bytes of saved activations over its action order (act: bytes per micro-batch per stage)."""
     out = []
-    done = "W" if split_backward else "B"
+    frees = _FREES[split_backward]
     for rank in order:
         cur = best = 0.0
         for s, kind, _ in rank:
             if kind == "F":
                 cur += act[s]
                 best = max(best, cur)
-            elif kind == done or (kind == "B" and split_backward):
+            elif kind in frees:
                 cur -= act[s]
         out.append(best)
     return out
@@ -234,12 +239,12 @@ def live_rows(actions: tuple, stages: list, split_backward: bool) -> np.ndarray:
     the order (the stage search prices one rank's order under many checkpointing choices)."""
     col = {k: j for j, k in enumerate(stages)}
     live, rows = [0] * len(stages), []
-    done = "W" if split_backward else "B"
+    frees = _FREES[split_backward]
     for s, kind, _ in actions:
         if kind == "F":
             live[col[s]] += 1
             rows.append(tuple(live))
-        elif kind == done or (kind == "B" and split_backward):
+        elif kind in frees:
             live[col[s]] -= 1
     if not rows:
         return np.zeros((0, len(stages)))
