@@ -228,8 +228,10 @@ def _schedule(best, top, n_candidates, prefix, names, layout: dict, times) -> di
 
 
 def _step_collectives(best, costs) -> dict:
-    """Whole-step collectives: activation redistributes once per micro-batch, dp comm once per step, p2p."""
-    p, v, m, smesh, part = best["p"], best["v"], best["m"], best["mesh"], best["part"]
+    """Whole-step collectives: activation redistributes once per micro-batch, dp comm once per step, p2p; each
+    counted once per stage (the stage submesh's ranks issue it together, as an SPMD plan's collective is counted
+    once), summed over the stages: what one rank of each pipeline position issues, not over every rank."""
+    p, v, m, part = best["p"], best["v"], best["m"], best["part"]
     S = p * v
     coll = {}
     for k in range(S):
@@ -238,17 +240,14 @@ def _step_collectives(best, costs) -> dict:
             for cls, mult in (("act", m), ("dp", 1)):
                 for kind, (cnt, nb) in cv.coll[c][cls].items():
                     d = coll.setdefault(kind, {"count": 0, "bytes": 0})
-                    d["count"] += cnt * mult * smesh.size
-                    d["bytes"] += nb * mult * smesh.size
+                    d["count"] += cnt * mult
+                    d["bytes"] += nb * mult
     n_x = sum(1 for k in range(S - 1) if best["rank_of"][k] != best["rank_of"][k + 1])
     if n_x:
         d = coll.setdefault("send_recv", {"count": 0, "bytes": 0})
-        d["count"] += 2 * m * n_x * smesh.size
+        d["count"] += 2 * m * n_x
         d["bytes"] += int(
-            2
-            * m
-            * smesh.size
-            * sum(x[0] for k, x in enumerate(best["xfer"]) if best["rank_of"][k] != best["rank_of"][k + 1])
+            2 * m * sum(x[0] for k, x in enumerate(best["xfer"]) if best["rank_of"][k] != best["rank_of"][k + 1])
         )
     return coll
 

@@ -232,6 +232,16 @@ def test_plan_lists_stages_schedule_and_dump(tiny_plan, tmp_path):
     assert again.stages == plan.stages and again.hash() == plan.hash()
 
 
+def test_pipeline_collectives_count_each_stage_once_not_every_rank(tiny_plan):
+    """A stage's collectives are issued by its submesh's ranks together: counted once per stage as an SPMD plan's
+    are (not once per rank of the submesh), and the activation p2p twice per micro-batch per cross-rank boundary."""
+    plan, _ = tiny_plan
+    sc, coll = plan.schedule, plan.predicted["collectives"]
+    ranks = [st["pp_rank"] for st in plan.stages]
+    crossings = sum(1 for a, b in zip(ranks, ranks[1:]) if a != b)
+    assert crossings >= 1 and coll["send_recv"]["count"] == 2 * sc["n_microbatches"] * crossings, (sc, coll)
+
+
 def test_runtime_rejects_batches_that_break_static_shapes(tiny_plan):
     from autopar.backends.pipelining.runtime import PipelineShapeError, check_batch
 
