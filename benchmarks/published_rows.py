@@ -244,10 +244,10 @@ NOTES = [
     "fitted figures; the interleaved row's default (32) was the count used already.",
     "pipeline='auto' plans all 31 rows (Table 6 and B3.8 included); on Table 6 it finds layouts predicted "
     "0.48-0.50x of the published step, on Megatron's 0.45-0.79x by dropping the full recomputation. Planning "
-    "times (one row at a time, nothing else on the 2 cores): median 7.2 s, B6.15 30.0 s and A10 30.8 s in this "
-    "run; 25.8 s and 28.5 s in an earlier run of this session with B6.15's code path unchanged (the machine's "
-    "speed varies ~15% between runs): at the 30 s line, not under it with a margin. Before this session's changes, "
-    "alone: B6.15 45.7 s, A10 36-39 s.",
+    "times (one row at a time, nothing else on the 2 cores): median 5.3 s, longest B6.15 21.0 s (its six exact "
+    "intra-op stage solves), A10 16.6 s (30.8 s in the previous session's final run: the pipeline simulation is "
+    "one numpy pass per level of the action order's dependency graph, built once per order, and the stage DP "
+    "computes only each stage's band of ranges; same plans and steps).",
 ]
 
 

@@ -1,7 +1,8 @@
 """The torch backend's entry points: `lower` (a finished Plan onto the user's module, no planning), `render` (the
-same lowering as code for people), and `parallelize`, behind autopar.parallelize(backend="torch" | "mixed" |
-"auto"): the plan (planned for target="torch" when none is given), then the engines, the engines with graph parts
-(mixed.py) or the whole model on the graph backend, in that order of preference."""
+same lowering as code for people), and, behind autopar.parallelize(backend="torch" | "mixed" | "auto"), `split_plan`
+(what the engines run of a finished plan, and the graph parts they need planned, which the front door plans) and
+`parallelize` (the engines, the engines with graph parts (mixed.py) or the whole model on the graph backend, in that
+order of preference). None of them plans."""
 
 from __future__ import annotations
 
