@@ -819,6 +819,9 @@ ZOO = {
         torchvision_resnet,
     )
 }
+from zoo_more import MORE  # noqa: E402 (it builds on the helpers above)
+
+ZOO.update(MORE)
 
 
 def preload():
@@ -831,7 +834,8 @@ def preload():
     import transformers
 
     transformers.logging.set_verbosity_error()
-    for cls in set(re.findall(r'"([A-Z]\w+(?:For\w+|Model|Config))"', inspect.getsource(sys.modules[__name__]))):
+    source = inspect.getsource(sys.modules[__name__]) + inspect.getsource(sys.modules["zoo_more"])
+    for cls in set(re.findall(r'"([A-Z]\w+(?:For\w+|Model|Config))"', source)):
         getattr(transformers, cls, None)
     try:
         for m in ("llama3", "qwen3"):
