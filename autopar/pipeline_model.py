@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autopar.pipeline_simulation import Simulation, simulate  # noqa: F401 (the model's simulation)
+from autopar.pipeline_simulation import Simulation, by_order, simulate  # noqa: F401 (the model's simulation)
 from autopar.strategies._torch_adapter import pipeline_actions, pipeline_stage_to_rank
 
 INF = float("inf")
@@ -144,20 +144,13 @@ def proxy_step(spec: ScheduleSpec, p: int, v: int, m: int, c: list, b: list) -> 
 
 
 # ---- in-flight activations ------------------------------------------------------------------------------------
-# The stage search asks the same order (one per (schedule, p, m, v), up to millions of actions) for its in-flight
-# counts once per configuration and DP try; keyed by the order's identity (the entry keeps the order alive, so the
-# id is not reused), a few most recent orders, since hashing the order would cost as much as a pass over it.
+# The stage search asks the same order for its in-flight counts once per configuration and DP try (by_order).
 _MEMO: dict = {}
 
 
 def _memo(fn, order: tuple, S: int, split_backward: bool) -> list[int]:
     key = (fn.__name__, id(order), S, split_backward)
-    hit = _MEMO.get(key)
-    if hit is None or hit[0] is not order:
-        if len(_MEMO) > 64:
-            _MEMO.clear()
-        hit = _MEMO[key] = (order, fn(order, S, split_backward))
-    return list(hit[1])
+    return list(by_order(_MEMO, key, order, lambda: fn(order, S, split_backward), 64))
 
 
 # The actions after which a micro-batch's saved activations of a stage are freed: its full backward, or, when the

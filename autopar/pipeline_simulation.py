@@ -27,7 +27,7 @@ class _Graph:
     `lat_a` / `lat_b` the stage whose p2p transfer the input crosses (S: none)."""
 
     def __init__(self, order: tuple, S: int):
-        self.order, self.S = order, S
+        self.order = order
         flat = [a for r in order for a in r]
         n = self.n = len(flat)
         self.counts = [len(r) for r in order]
@@ -63,6 +63,8 @@ class _Graph:
         self.stage, self.kind, self.micro = stage[perm], kind[perm], micro[perm]
         self.first = (self.kind == _F) & (self.micro == 0)
         self.new_of = new_of[:n]  # original (rank-major) index -> level-order index
+        last = np.cumsum(self.counts) - 1
+        self.last = [int(self.new_of[j]) if c else -1 for j, c in zip(last, self.counts)]  # each rank's last action
 
     def _levels(self, prev, dep_a, dep_b, n) -> np.ndarray:
         """Each action's level (1 + its predecessors' highest), walking the ranks' orders as the engines would; a
@@ -92,19 +94,25 @@ class _Graph:
         return np.array(level[:n], dtype=np.int64)
 
 
-# The stage search simulates the same few orders (one per configuration) many times; keyed by the order's identity
-# (the entry keeps it alive, so the id is not reused), since hashing the order would cost as much as a pass over it.
+def by_order(store: dict, key: tuple, order: tuple, build, limit: int):
+    """build(), kept in `store` under `key` (which includes id(order)) for as long as the key names the same order:
+    the stage search asks the same few orders (one per configuration, up to millions of actions) for the same
+    things many times, and hashing an order would cost as much as a pass over it. The entry keeps the order alive,
+    so its id is not reused; beyond `limit` entries the oldest goes."""
+    hit = store.get(key)
+    if hit is None or hit[0] is not order:
+        if len(store) >= limit:
+            store.pop(next(iter(store)))
+        hit = store[key] = (order, build())
+    return hit[1]
+
+
 _GRAPHS: dict = {}
 
 
 def _graph(order: tuple, S: int) -> _Graph:
-    key = (id(order), S)
-    hit = _GRAPHS.get(key)
-    if hit is None or hit.order is not order:
-        if len(_GRAPHS) >= 16:  # a graph is ~80 bytes per action: keep the most recent few
-            _GRAPHS.pop(next(iter(_GRAPHS)))
-        hit = _GRAPHS[key] = _Graph(order, S)
-    return hit
+    # a graph is ~80 bytes per action: the most recent few
+    return by_order(_GRAPHS, (id(order), S), order, lambda: _Graph(order, S), 16)
 
 
 class Simulation:
@@ -113,8 +121,7 @@ class Simulation:
 
     def __init__(self, graph: _Graph, start: np.ndarray, end: np.ndarray):
         self._g, self._start, self._end = graph, start, end
-        last = np.cumsum(graph.counts) - 1
-        self.rank_ends = [float(end[graph.new_of[j]]) if c else 0.0 for j, c in zip(last, graph.counts)]
+        self.rank_ends = [float(end[j]) if j >= 0 else 0.0 for j in graph.last]
         self.step_s = max(self.rank_ends) if self.rank_ends else 0.0
 
     @cached_property

@@ -10,8 +10,8 @@ out (their parameters ignored by FSDP, no ParallelStyle, no gradient hook); anyt
 also means the whole model goes to the graph backend.
 
 How a part runs. The front door plans it as a model of its own (`autopar.plan(part, mesh, its inputs, output=
-"activation")`, from the `PartRequest` this module states; the backend never plans) keeping the whole plan's placements inside it (its op records matched to the part's graph) and
-with its inputs, its output and their gradients pinned where the engines hold them: batch-sharded (Shard(0)) on
+"activation")`, from the `PartRequest` this module states; the backend never plans) keeping the whole plan's
+placements inside it (its op records matched to the part's graph) and with its inputs, its output and their gradients pinned where the engines hold them: batch-sharded (Shard(0)) on
 the data-parallel dims and replicated on the others, so each rank's plain local tensor is its piece of the part's
 global view; the placements the user forced on its parameters are kept. Instances with the same graph and the same
 forced and kept placements share one plan and one Program (backends/spmd/program.py). Its parameters become DTensors at
@@ -145,7 +145,7 @@ def choose_parts(plan, low, model, example_inputs, recognize):
     go once a part delivers its input batch-sharded, so the engines are recognized again with the parts chosen
     so far until no reason is left."""
     data = low.replicate_dims + low.shard_dims
-    shards = math.prod(plan.mesh_shape[d] for d in data)
+    _, shards = _boundary(low)
     split = [i for i, pl in enumerate(low.input_placements) if data and pl[data[0]] == "S0"]
     split = [
         i for k, i in enumerate(i for i, x in enumerate(example_inputs) if isinstance(x, torch.Tensor)) if k in split
@@ -206,12 +206,20 @@ class PartRequest:
     ops: int
 
 
+def _boundary(low) -> tuple[tuple, int]:
+    """(a part's boundary placement per mesh dim, its batch shards): Shard(0) on the dims the engines feed
+    batch-sharded, Replicate on the others."""
+    data = low.replicate_dims + low.shard_dims
+    return tuple("S0" if d in data else "R" for d in range(len(low.mesh_shape))), math.prod(
+        low.mesh_shape[d] for d in data
+    )
+
+
 def part_requests(whole, model, low, chosen: dict, calls: dict, force=None) -> dict:
     """{module FQN: PartRequest} for the parts `chosen`: what each needs planned, its boundary batch-sharded
     (Shard(0)) on the data-parallel dims and replicated on the others (module docstring). Instances with the same
     graph and pins share one request object."""
-    data = low.replicate_dims + low.shard_dims
-    boundary = tuple("S0" if d in data else "R" for d in range(len(low.mesh_shape)))
+    boundary, _ = _boundary(low)
     out, by_key = {}, {}
     for fqn in chosen:
         mod = model.get_submodule(fqn)
@@ -233,9 +241,7 @@ def part_requests(whole, model, low, chosen: dict, calls: dict, force=None) -> d
 
 def attach_parts(low, chosen: dict, requests: dict, planned: dict) -> None:
     """Set `low.parts` from the planned requests: `planned` maps each request's key to (plan, state, how)."""
-    data = low.replicate_dims + low.shard_dims
-    boundary = tuple("S0" if d in data else "R" for d in range(len(low.mesh_shape)))
-    shards = math.prod(low.mesh_shape[d] for d in data)
+    boundary, shards = _boundary(low)
     made: dict = {}
     for fqn, why in chosen.items():
         req = requests[fqn]
