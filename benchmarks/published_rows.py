@@ -244,8 +244,8 @@ NOTES = [
     "fitted figures; the interleaved row's default (32) was the count used already.",
     "pipeline='auto' plans all 31 rows (Table 6 and B3.8 included); on Table 6 it finds layouts predicted "
     "0.48-0.50x of the published step, on Megatron's 0.45-0.79x by dropping the full recomputation. Planning "
-    "times (one row at a time, nothing else on the 2 cores): median 5.3 s, longest B6.15 21.0 s (its six exact "
-    "intra-op stage solves), A10 16.6 s (30.8 s in the previous session's final run: the pipeline simulation is "
+    "times (one row at a time, nothing else on the 2 cores): median 4.7 s, longest B6.15 20.1 s (its six exact "
+    "intra-op stage solves), A10 14.7 s (30.8 s in the previous session's final run: the pipeline simulation is "
     "one numpy pass per level of the action order's dependency graph, built once per order, and the stage DP "
     "computes only each stage's band of ranges; same plans and steps).",
 ]
