@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-from .cost import collective_time
+from .cost import async_tp, collective_time
 from .cost.cluster import ClusterSpec
 from .cost.memory import TrainingPrecision
 from .cost.overlap import Unit, fsdp_timeline, optimizer_step_time
@@ -35,7 +35,8 @@ def build_plan(state) -> Plan:
     """The Plan of a solved state: its records (placements, redistributes with their collectives, buckets, node
     times) and `pricing`; its prediction is `predict` of those records, so a saved plan predicts the same."""
     g, P, cluster = state.graph, state.placement, state.cluster
-    red_by_node, times = _redistribute_records(state), _node_times(state)
+    times = _node_times(state)
+    red_by_node = _redistribute_records(state, times)
     sol = state.solution
     records = [
         node_record(n, P[n.idx], red_by_node.get(n.idx, []), times[n.idx], state.sources[n.idx]) for n in g.nodes
@@ -129,7 +130,8 @@ def predict(plan: Plan) -> dict:
 def predict_state(state) -> dict:
     """`predict` of the Plan a solved state would give, without building its node records (the solver compares
     candidate plans by it)."""
-    red_by_node, times = _redistribute_records(state), _node_times(state)
+    times = _node_times(state)
+    red_by_node = _redistribute_records(state, times)
     records = [
         {"kind": n.kind, "time_s": times[n.idx], "redistribute": red_by_node.get(n.idx, [])} for n in state.graph.nodes
     ]
@@ -148,6 +150,7 @@ def predict_records(graph, placement, records, buckets, pricing, cluster, mesh_s
     a pricing record on `graph` (the plan's, or one rebuilt from its records) at per-node `placement`."""
     mesh_shape = tuple(mesh_shape)
     comm = {"act": 0.0, "param": 0.0, "grad": 0.0}  # seconds per class: activations, parameter gathers, gradients
+    hidden = 0.0  # of the activation comm: the seconds async TP runs under matmuls
     kinds: dict[str, dict] = {}  # collective kind -> {"count", "bytes"}
     for rec in records:
         for r in rec["redistribute"]:
@@ -158,6 +161,7 @@ def predict_records(graph, placement, records, buckets, pricing, cluster, mesh_s
                     collective_time(c[0], c[2], c[3], link_of(cluster, mesh_shape, _dim(c[1])))
                     for c in r["collectives"]
                 )
+                hidden += r.get("hidden_s", 0.0)
             for c in r["collectives"]:
                 _count(kinds, c[0], c[2])
     for b in buckets:
@@ -172,13 +176,14 @@ def predict_records(graph, placement, records, buckets, pricing, cluster, mesh_s
         recompute_s = recomputed_seconds(graph, recompute, times)
         compute += recompute_s
     overlappable = comm["param"] + comm["grad"]
-    exposed = comm["act"] + (max(0.0, overlappable - compute) if pricing["overlap"] else overlappable)
+    act = comm["act"] - hidden
+    exposed = act + (max(0.0, overlappable - compute) if pricing["overlap"] else overlappable)
     precision = TrainingPrecision(**pricing["precision"])
     optimizer_s = 0.0
     if engine_priced(cluster):
         if pricing["overlap"]:
             units = engine_units(graph, records, buckets, cluster, mesh_shape, times, recompute)
-            exposed = comm["act"] + fsdp_timeline(units)["exposed_s"]
+            exposed = act + fsdp_timeline(units)["exposed_s"]
         optimizer_s = optimizer_seconds(graph, placement, mesh_shape, precision, cluster)
     state_mem = state_bytes(graph, placement, mesh_shape, precision)
     act_peak = liveness_peak(graph, placement, mesh_shape, recompute)
@@ -197,6 +202,8 @@ def predict_records(graph, placement, records, buckets, pricing, cluster, mesh_s
     }
     if engine_priced(cluster):
         out["optimizer_s"] = optimizer_s
+    if hidden:
+        out["async_tp_hidden_s"] = hidden
     return out
 
 
@@ -288,15 +295,19 @@ def _value_of(g, i, j):
     return g.meta(r), "param" if root is not None else "act", root
 
 
-def _redistribute_records(state) -> dict[int, list]:
+def _redistribute_records(state, times) -> dict[int, list]:
     """Per consumer node, a record of each redistribute into it (the Plan's node "redistribute" list): its
     placements, collectives, class and seconds. A bucketed gradient's reduction is carried by its bucket's one
-    collective; a shared or coalesced one costs nothing of its own."""
+    collective; a shared or coalesced one costs nothing of its own. Under async TP, a TP collective fused with its
+    matmuls records the seconds they hide (`hidden_s`, autopar/cost/async_tp.py; `times`: node seconds)."""
     g, nodes, mesh_shape, cluster = state.graph, state.graph.nodes, state.mesh.shape, state.cluster
     bucket_of = {f: k for k, b in enumerate(state.buckets or []) for f in b["params"]}
     coalesced, leads = state.coalesced or {}, {}
     for (i, j), lead in coalesced.items():
         leads.setdefault(lead, []).append((i, j))
+    leads_of: dict = {}  # a shared redistribute's consumer -> the other consumers that share it
+    for sharer, lead in (state.shares or {}).items():
+        leads_of.setdefault(tuple(lead), []).append(sharer)
     red_by_node: dict[int, list] = {}
     for (i, j), (src, dst, cs) in sorted(state.redistributes.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         rec = {"input": j, "src": list(src), "dst": list(dst), "time_s": 0.0, "collectives": [c.to_json() for c in cs]}
@@ -321,7 +332,31 @@ def _redistribute_records(state) -> dict[int, list]:
             rec["shares"] = [nodes[shared[0]].name, shared[1]]
         if cls != "act":  # which parameter this gather / gradient reduction is for (backends group them)
             rec["param"] = root
+        elif not shared and async_tp.enabled(cluster):
+            _async_tp(state, i, j, cs, meta, rec, times, leads_of)
     return red_by_node
+
+
+def _async_tp(state, i, j, cs, meta, rec, times, leads_of) -> None:
+    """Record the seconds async TP hides of the activation redistribute into node i's input j: an all_gather
+    under every matmul that takes the gathered value on its left (this consumer's and those sharing it), a
+    reduce_scatter under the matmul that produced the value."""
+    g, mesh_shape, cluster = state.graph, state.mesh.shape, state.cluster
+    kind = async_tp.fused_kind(cs, cluster, mesh_shape)
+    if kind == "all_gather":
+        gemms = {m for a, b in [(i, j), *leads_of.get((i, j), ())] for m in async_tp.lhs_gemms(g, a, b)}
+    elif kind == "reduce_scatter":
+        m = async_tp.producer_gemm(g, g.nodes[i].inputs()[j].node)
+        gemms = {m} if m is not None else set()
+    else:
+        return
+    if gemms:
+        comm = rec["time_s"]
+        group = cs[0].group
+        shard = meta.nbytes / num_shards(tuple(rec["dst"]), mesh_shape)  # the rank's output (reduce_scatter)
+        hid = async_tp.hidden(kind, comm, sum(times[m] for m in gemms), group, shard, cluster.device)
+        if hid > 0.0:
+            rec["hidden_s"] = hid
 
 
 def graph_of(plan: Plan) -> Graph:

@@ -31,8 +31,9 @@ Assumptions (each also in the results file):
     pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the local batch into
     micro-batches (1, 2, 4, .. of it) where one does not fit its memory model (the chosen count is in the row's
     record); Float8 rows plan with float8=True (per-tensor scaled GEMMs, FSDP float8 all-gather);
-    torch.compile rows price the fused regions of DeviceSpec fusion="inductor"; async TP is not modelled: B3.8 is
-    predicted without it and kept out of the statistics ("not strict"), as are Table 6's rows (run with AsyncTP).
+    torch.compile rows price the fused regions of DeviceSpec fusion="inductor"; AsyncTP rows (B3.8, Table 6) price
+    torch's micro-pipelined TP with DeviceSpec async_tp=True (autopar/cost/async_tp.py: TP all-gathers into a
+    matmul and reduce-scatters of one run in chunks under it, inside a node).
   * Context parallelism (Tables 5-6, Llama 3's 128K row): a (pp, dp, cp[, tp]) mesh, the sequence sharded over
     cp inside the pipeline stages, parameters FSDP-sharded over dp x cp (torchtitan's dp_shard_cp), attention on
     sequence-sharded queries priced by autopar's cp kernel model. Tables 5-6 ran with torch.compile + Float8 and
@@ -42,7 +43,9 @@ Assumptions (each also in the results file):
     of one sequence.
     Llama 3's 128K row: the same interleaved v = 4 layout as its 8K rows, cp 16 inside the stages, attention on
     all-gathered K/V as the paper describes (DeviceSpec cp_attention="allgather"); TorchTitan's cp rows: ring
-    attention as torch's context_parallel runs it (cp_attention="ring").
+    attention as torch's context_parallel runs it (cp_attention="ring": one kernel per ring step on chunk pairs,
+    merged in fp32; torch's default rotater, which torchtitan's context_parallel_rotate_method="allgather" also
+    names, all-gathers the K/V once instead of passing it around the ring, with the same kernels and merges).
   * Llama 3's H100s are the 80 GB 700 W SXM part (preset h100); interleaved 1F1B (section 3.3.2) with 4 stages
     per rank (not published: the deepest interleaving that keeps one fewer block on the first and the last
     stage, as the paper does, with a block in every virtual stage: [1, 2 x 62, 1]), one sequence per
@@ -140,6 +143,8 @@ def row_cluster(row: Row, preset: str | None = None, factors: dict | None = None
         cl = cl.with_device(attention="unfused")
     if row.compile:
         cl = cl.with_device(fusion="inductor")
+    if row.async_tp:
+        cl = cl.with_device(async_tp=True)
     cp_attention = CP_ATTENTION[row.source.split(" Table")[0]] if row.layout[3] > 1 else cl.device.cp_attention
     if cl.device.cp_attention != cp_attention:
         cl = cl.with_device(cp_attention=cp_attention)

@@ -38,6 +38,7 @@ class Row:
     fitted: bool = False
     unfused: bool = False
     compile: bool = False  # torch.compile: priced with DeviceSpec fusion="inductor"
+    async_tp: bool = False  # torch.compile's async TP: priced with DeviceSpec async_tp=True
 
     @property
     def strict(self) -> bool:
@@ -91,11 +92,11 @@ def _megatron(i, r) -> Row:
 
 
 # ---- Table B: TorchTitan (table, model, GPUs, (pp, dp, tp, cp), local batch, seq, techniques, TPS/GPU, GiB)
-_ASYNC = "async TP not modelled"
 # Tables 5-6 (cp): the paper lists full AC and the schedule; torchtitan's docs/performance.md (January 2025, the
 # same figures as its Tables 2 and 6) states how they ran: torch.compile + Float8 with full activation
-# checkpointing, and the 405B rows with AsyncTP as well.
+# checkpointing, and the 405B rows with AsyncTP as well (DeviceSpec async_tp, autopar/cost/async_tp.py).
 _CP_RUN = dict(float8=True, compile=True)
+_ASYNC = dict(float8=True, compile=True, async_tp=True)
 TITAN = [
     (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute="all", ac="op"), (), 6258, 81.9),
     (1, "8b", 8, (1, 8, 1, 1), 2, 8192, dict(recompute="all", ac="op", compile=True), (), 6674, 77.0),
@@ -104,17 +105,17 @@ TITAN = [
     (2, "8b", 128, (1, 128, 1, 1), 2, 8192, dict(recompute="all", ac="op", compile=True), (), 6482, 62.1),
     (2, "8b", 128, (1, 128, 1, 1), 2, 8192, dict(recompute="all", ac="op", float8=True, compile=True), (), 9319, 61.8),
     (3, "70b", 256, (1, 32, 8, 1), 16, 8192, dict(float8=True, compile=True), (), 897, 70.3),
-    (3, "70b", 256, (1, 32, 8, 1), 16, 8192, dict(float8=True, compile=True), (_ASYNC,), 1010, 67.7),
+    (3, "70b", 256, (1, 32, 8, 1), 16, 8192, _ASYNC, (), 1010, 67.7),
     (4, "405b", 512, (16, 4, 8, 1), 32, 8192, dict(float8=True, compile=True), (), 100, 78.0),
     (4, "405b", 512, (16, 4, 8, 1), 32, 8192, dict(float8=True, v=2, compile=True), (), 130, 80.3),
     (5, "8b", 8, (1, 8, 1, 1), 1, 32768, _CP_RUN, (), 3890, 83.9),
     (5, "8b", 8, (1, 4, 1, 2), 1, 65536, _CP_RUN, (), 2540, 84.2),
     (5, "8b", 8, (1, 2, 1, 4), 1, 131072, _CP_RUN, (), 1071, 84.0),
     (5, "8b", 8, (1, 1, 1, 8), 1, 262144, _CP_RUN, (), 548, 84.5),
-    (6, "405b", 512, (8, 8, 8, 1), 8, 32768, _CP_RUN, (_ASYNC,), 76, 75.3),
-    (6, "405b", 512, (8, 4, 8, 2), 8, 65536, _CP_RUN, (_ASYNC,), 47, 75.9),
-    (6, "405b", 512, (8, 2, 8, 4), 8, 131072, _CP_RUN, (_ASYNC,), 31, 77.1),
-    (6, "405b", 512, (8, 1, 8, 8), 8, 262144, _CP_RUN, (_ASYNC,), 16, 84.9),
+    (6, "405b", 512, (8, 8, 8, 1), 8, 32768, _ASYNC, (), 76, 75.3),
+    (6, "405b", 512, (8, 4, 8, 2), 8, 65536, _ASYNC, (), 47, 75.9),
+    (6, "405b", 512, (8, 2, 8, 4), 8, 131072, _ASYNC, (), 31, 77.1),
+    (6, "405b", 512, (8, 1, 8, 8), 8, 262144, _ASYNC, (), 16, 84.9),
 ]
 _BLOCKS = {"8b": 32, "70b": 80, "405b": 126}
 
@@ -136,7 +137,9 @@ def _titan(i, r) -> Row:
     opts = dict(opts)
     v = opts.pop("v", 1)
     sched = ("Interleaved1F1B" if v > 1 else "1F1B") if pp > 1 else "GPipe"
-    used = [name for t, name in (("float8", "float8"), ("compile", "torch.compile")) if opts.get(t)]
+    used = [
+        name for t, name in (("float8", "float8"), ("compile", "torch.compile"), ("async_tp", "async")) if opts.get(t)
+    ]
     techniques = "+".join(used + [u.split()[0] for u in unmod])
     return Row(
         name=f"B{table}.{i + 1} llama3-{size} {g}xH100 pp{pp} dp{dp} tp{tp} cp{cp} seq{seq}"
@@ -161,6 +164,7 @@ def _titan(i, r) -> Row:
         ac=opts.get("ac", "block"),
         float8=opts.get("float8", False),
         compile=opts.get("compile", False),
+        async_tp=opts.get("async_tp", False),
         mem_gib=gib,
         unmodelled=unmod,
         fitted=table in (1, 2) and not unmod and not opts.get("compile") and not opts.get("float8"),

@@ -62,7 +62,7 @@ def node_metrics(state, plan, where, K: int) -> dict:
         if c is None:
             continue
         n = g.nodes[i]
-        t_act = sum(r["time_s"] for r in rec.get("redistribute", []) if r["class"] == "act")
+        t_act = sum(r["time_s"] - r.get("hidden_s", 0.0) for r in rec.get("redistribute", []) if r["class"] == "act")
         dp[c] += sum(r["time_s"] for r in rec.get("redistribute", []) if r["class"] != "act")
         for r in rec.get("redistribute", []):
             d = coll[c]["act" if r["class"] == "act" else "dp"]

@@ -4,7 +4,6 @@ import pytest
 
 from autopar.cost import CLUSTERS, TrainingPrecision
 from autopar.cost.overlap import Unit, ddp_exposed, fsdp_timeline, optimizer_step_bytes, optimizer_step_time
-from autopar.cost.overlap import tp_exposed
 
 
 def test_fsdp2_four_units_against_a_hand_timeline():
@@ -33,11 +32,6 @@ def test_ddp_buckets_under_the_backward():
     """4 buckets ready at 1, 2, 3, 4 s of a 4 s backward, 1.5 s each: they run 1-2.5, 2.5-4, 4-5.5, 5.5-7."""
     assert ddp_exposed([1, 2, 3, 4], [1.5] * 4, 4.0) == pytest.approx(3.0)
     assert ddp_exposed([1, 2, 3, 4], [0.5] * 4, 4.0) == pytest.approx(0.5)
-
-
-def test_tp_exposed_unless_async():
-    assert tp_exposed(2.0, matmul_s=3.0) == 2.0
-    assert tp_exposed(2.0, matmul_s=3.0, async_tp=True) == 0.0 and tp_exposed(4.0, 3.0, async_tp=True) == 1.0
 
 
 def test_optimizer_step_is_memory_bound_and_divided_by_sharding():

@@ -93,10 +93,12 @@ def test_cp_rows_force_a_cp_mesh_dim_inside_the_stages():
     mesh, opts = P._mesh_and_pipeline(b5)
     assert (tuple(mesh.shape), tuple(mesh.names)) == ((1, 1, 8), ("pp", "dp", "cp"))
     assert opts["recompute"] == "all" and opts["schedules"] == ["GPipe"]
-    # compile rows are strict and priced with inductor's fusion; async TP stays out of the statistics
+    # compile rows are strict and priced with inductor's fusion; async TP rows with DeviceSpec async_tp
     b17 = next(r for r in R.ROWS if r.name.startswith("B1.2 "))
     assert b17.strict and not b17.fitted and P.row_cluster(b17).device.fusion == "inductor"
-    assert not next(r for r in R.ROWS if r.name.startswith("B3.8 ")).strict
+    b38 = next(r for r in R.ROWS if r.name.startswith("B3.8 "))
+    assert b38.strict and not b38.fitted and P.row_cluster(b38).device.async_tp
+    assert not P.row_cluster(next(r for r in R.ROWS if r.name.startswith("B3.7 "))).device.async_tp
 
 
 def test_run_jobs_caches_plans_and_kills_overlong_ones(tmp_path, monkeypatch):

@@ -48,6 +48,9 @@ class DeviceSpec:
     # save; unused when eager. 1.0 (the model as built): fitted on TorchTitan Table 1's compile gain it is 0.37,
     # which moves the held-back Table 2 compile row from 1.04x to 0.93x of published, so it is left at 1.0
     fusion_eff: float = 1.0
+    # async TP (torch.compile's micro-pipelined TP on symmetric memory, autopar/cost/async_tp.py): a TP all_gather
+    # into a matmul and a reduce_scatter of a matmul's output run in chunks under that matmul (NCCL clusters only)
+    async_tp: bool = False
 
     def flops_for(self, dtype: torch.dtype, allow_tf32: bool = False) -> float:
         """Peak dense FLOP/s for matmuls in `dtype`. Missing keys fall back (fp8 -> bf16 -> fp32)."""

@@ -10,8 +10,9 @@ collective), in the order the engine issues work; "exposed" is the step's length
   unit before it; the last one is exposed.
 - DDP (`ddp_exposed`): gradient buckets all-reduce in the order they fill during the backward, one at a time;
   what runs past the backward's end is exposed.
-- Tensor parallel (`tp_exposed`): a TP collective sits between the matmuls that produce and consume it, so it
-  is exposed, unless async TP splits it with its matmul (then only the part longer than the matmul shows).
+- Tensor parallel: a TP collective sits between the matmuls that produce and consume it, so it is exposed
+  (autopar/predict.py), unless async TP fuses it with its matmul (autopar/cost/async_tp.py: then only the part
+  longer than the matmul's other chunks shows).
 - The optimizer step (`optimizer_step_time`): memory bound, it reads and writes each rank's shard of the
   parameters, gradients and optimizer states once, so sharding them n ways divides it by n.
 - Pipeline send/recv: passes/stage_costs.py simulates the schedule with each transfer on the critical path
@@ -89,12 +90,6 @@ def ddp_exposed(ready_s: list[float], comm_s: list[float], backward_s: float) ->
     for r, c in zip(ready_s, comm_s):
         end = max(end, r) + c
     return max(0.0, end - backward_s)
-
-
-def tp_exposed(comm_s: float, matmul_s: float = 0.0, async_tp: bool = False) -> float:
-    """Exposed seconds of one TP collective: all of it, or with async TP the part longer than the matmul it is
-    fused with (the collective runs in chunks under the chunks of the matmul)."""
-    return max(0.0, comm_s - matmul_s) if async_tp else comm_s
 
 
 def optimizer_step_bytes(n_params: float, precision, shards: float = 1) -> float:
