@@ -27,13 +27,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from autopar.cost import async_tp, fusion, global_flops, is_view
+from autopar.cost import fusion, global_flops, is_view
 from autopar.cost.kernels import node_time as kernel_node_time
 from autopar.graph import TensorMeta, param_root
 from autopar.collectives import (
     BUCKET_BYTES,
     all_reduced,
-    collectives,
     communicates,
     grad_bucket_latency,
     grad_reduce_time,
@@ -295,7 +294,7 @@ def _edge_matrix(state, meta, us, vs, gradient: bool, price) -> np.ndarray:
     return np.array([[price(a, b, meta) for b in vs] for a in us])
 
 
-def _edge_terms(state, groups: Groups, edge_count, pricing: Pricing, gathers_param, terms: Terms, hide_of) -> Edges:
+def _edge_terms(state, groups: Groups, edge_count, pricing: Pricing, gathers_param, terms: Terms) -> Edges:
     nodes, strategies, mesh_shape, cluster = state.graph.nodes, state.strategies, state.mesh.shape, state.cluster
     edges, matrix_cache = Edges(), {}
     for (p, o, v, j), c in sorted(edge_count.items(), key=lambda kv: tuple(map(str, kv[0]))):
@@ -312,9 +311,6 @@ def _edge_terms(state, groups: Groups, edge_count, pricing: Pricing, gathers_par
         if small is None:
             small = matrix_cache[key] = _edge_matrix(state, meta, us, vs, gradient, price)
         cost = c * small[np.ix_(ui, vi)]
-        hide = hide_of(p, o, v, j) if not gradient else None
-        if hide is not None:
-            cost = cost - c * hide
         if gradient or price is pricing.tail and nodes[v].phase == "fw":
             joins = (_grad_joins if gradient else _tail_joins)(meta, mesh_shape, cluster)
             _bucket_series(
@@ -336,26 +332,6 @@ def _edge_terms(state, groups: Groups, edge_count, pricing: Pricing, gathers_par
     return edges
 
 
-def _hides(state, groups: Groups, pricing: Pricing) -> Callable:
-    """hide_of(p, o, v, j): the seconds async TP hides of the edge's moves (autopar/cost/async_tp.py), or None."""
-    memo: dict = {}
-    mesh_shape, cluster = state.mesh.shape, state.cluster
-    on = async_tp.enabled(cluster)
-
-    def hide_of(p, o, v, j):
-        if not on:
-            return None
-        if (p, o, v, j) not in memo:
-            memo[(p, o, v, j)] = async_tp.hide_matrix(
-                state.graph, state.strategies, groups.choice, p, o, v, j, pricing.of(p, o),
-                lambda a, b, meta: collectives(a, b, meta, mesh_shape, cluster),
-                pricing.node_time, cluster, mesh_shape, lambda m: groups.root.get(m) == groups.root[p],
-            )  # fmt: skip
-        return memo[(p, o, v, j)]
-
-    return hide_of
-
-
 def run(state) -> None:
     graph, strategies, rep = state.graph, state.strategies, state.rep
     pricing = _pricing(state)
@@ -363,13 +339,10 @@ def run(state) -> None:
     gathers_param = _gathers_param(graph)
     terms = _group_terms(state, groups, pricing.node_time, gathers_param)
     edge_count = _edge_counts(graph, rep, groups.follow)
-    hide_of = _hides(state, groups, pricing)
-    edges = _edge_terms(state, groups, edge_count, pricing, gathers_param, terms, hide_of)
+    edges = _edge_terms(state, groups, edge_count, pricing, gathers_param, terms)
     choice, group_id, root = groups.choice, groups.group_id, groups.root
     mesh_shape = state.mesh.shape
-    share_delta, shared = _shared(
-        graph, rep, strategies, choice, group_id, root, pricing.of, mesh_shape, gathers_param, hide_of
-    )
+    share_delta, shared = _shared(graph, rep, strategies, choice, group_id, root, pricing.of, mesh_shape, gathers_param)
     _coalesce(
         edge_count,
         graph.nodes,
@@ -462,7 +435,7 @@ def _tail_joins(meta, mesh_shape, cluster):
     return joins
 
 
-def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted, hide_of):
+def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
     """Redistributes several consumers share (passes/redistribute.py: one value taken to one placement in one phase,
     any phase for a value of at most HELD_NUMEL elements, not rooted in a parameter, runs once). The edges price
     each consumer's; for the exact objective, per value and destination placement d that at least two of its
@@ -470,8 +443,7 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted, hide_of):
     consumers of W[producer choice, consumer choice] = price(src, d) where that consumer takes d (the solver's `shared`,
     (producer nodes with these consumers, [((g1, g2), W)])); `delta` ((g1, g2) -> matrix, added to the edges;
     g1 == g2: its diagonal, to the group) takes it off the edges. A value feeding consumers in several layers (a
-    RoPE table) is counted per producer node. rooted(p): is node p's output rooted in a parameter; hide_of: what
-    async TP hides of a consumer's moves (each consumer's W less it: the charge is what the best-hiding one leaves)."""
+    RoPE table) is counted per producer node. rooted(p): is node p's output rooted in a parameter."""
     nodes = g.nodes
     users: dict = defaultdict(list)  # (producer, output, phase or None) -> [(rep consumer, input)]
     for v, n in enumerate(nodes):
@@ -500,9 +472,9 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted, hide_of):
             dst = [S[v][x].ins[j] for x in choice[v]]
             for x in dst:
                 ids.setdefault(x, len(ids))
-            cons.append((gid[root[v]], np.array([ids[x] for x in dst]), m, hide_of(p, o, v, j)))
+            cons.append((gid[root[v]], np.array([ids[x] for x in dst]), m))
         pls = list(ids)
-        for d in np.unique(np.concatenate([c[1] for c in cons])):
+        for d in np.unique(np.concatenate([di for _, di, _ in cons])):
             price = np.array(
                 [
                     rtime(pls[a], pls[d], meta) if a != d and communicates(pls[a], pls[d], mesh_shape) else 0.0
@@ -512,11 +484,10 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted, hide_of):
             if not price.any():
                 continue
             joined = []
-            for g2, di, m, hide in cons:  # a consumer's charge matrix, where not all zero (in its group: its diagonal)
+            for g2, di, m in cons:  # a consumer's charge matrix, where it is not all zero (in its group: its diagonal)
                 hit = di == d
                 if (price * hit).any() if g2 == g1 else hit.any():
-                    W = np.outer(price, hit)
-                    joined.append((g2, W if hide is None else np.maximum(0.0, W - hide * hit), m))
+                    joined.append((g2, np.outer(price, hit), m))
             if sum(m for _, _, m in joined) < 2:
                 continue
             for g2, W, m in joined:

