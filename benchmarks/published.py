@@ -392,7 +392,7 @@ def report(recs, fitted: dict, argv: list[str], auto_rows) -> list[str]:
     bad = [r for r in recs if "error" in r["at_preset"] and "error" in (r["at_fit"] or r["at_preset"])]
     lines += ["", "## Not planned (the exact error)", ""]
     lines += [f"- {r['name']} ({r['layout']}): `{r['at_preset']['error']}`" for r in bad] or ["- none"]
-    lines += ["", "## Findings of this run (hand-written, 2026-12-03)", ""] + [f"- {n}" for n in NOTES]
+    lines += ["", "## Findings of this run (hand-written, 2026-12-04)", ""] + [f"- {n}" for n in NOTES]
     lines += [""] + (auto_rows or [])
     return lines
 

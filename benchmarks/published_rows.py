@@ -221,7 +221,7 @@ ROWS = (
     + [_llama3(i, r) for i, r in enumerate(LLAMA3)]
 )
 
-# What the 2026-12-03 run on this branch showed beyond the ratios (hand-written: re-check after cost-model changes).
+# What the 2026-12-04 run on this branch showed beyond the ratios (hand-written: re-check after cost-model changes).
 NOTES = [
     "Tensor parallelism is forced as the runs did it (published_plan.tp_force + tp_pin): column-parallel GEMM "
     "outputs feature-sharded, row-parallel ones Partial, the stream Replicate (Megatron 2021) or sequence-sharded "
@@ -231,11 +231,22 @@ NOTES = [
     "selective-AC rows torchtitan's op SAC on every block (pipeline ac='op'); memory is the caching allocator's "
     "reserved peak (TorchTitan logs max reserved) with the loss tail's logits copies counted: 13 of 18 rows within "
     "15% (B1.1 79.9 vs 81.9 GiB, B2.4 65.9 vs 67.0, B5.11-B5.14 within 1.3%).",
-    "TorchTitan's cp rows (Tables 5-6) are planned as torchtitan's docs/performance.md says they ran (torch.compile "
-    "+ Float8, full AC; Table 6 also AsyncTP, so not strict). Every cp row is then optimistic: B5.11-14 1.19 / "
-    "1.07 / 1.41 / 1.46x, B6.15-18 1.09-1.32x, while the same model is within 8% on the 8K-token rows; the step is "
-    "all compute (the K/V exchange and the fp32 merge price under 2%): long-sequence attention ran slower than "
-    "FA2's fitted rate on the chunk shapes says; not explained here.",
+    "AsyncTP is priced (autopar/cost/async_tp.py: a TP all_gather into a matmul's left operand and a reduce_scatter "
+    "of a matmul's output, inside a node, run in chunks under the matmul, as torch's micro_pipeline_tp pass fuses "
+    "them), so B3.8 and Table 6 are strict rows now: B3.8 0.919x at the fitted figures (0.762x unpriced; its "
+    "published gain over B3.7 is 12.6%, the modelled one 20.6%: 21.29 -> 17.65 s), Table 6 1.12 / 1.24 / 1.17 / "
+    "1.29x. The solver does not see async TP (it plans as without it; the prediction prices the fused collectives): "
+    "a per-edge solver pricing, tried, chose plans the prediction priced worse (B3.8 19.1 vs 17.6 s) and ran one "
+    "B6.16 stage MILP past its 60 s limit.",
+    "TorchTitan's cp rows (Tables 5-6) are planned as torchtitan's benchmarks say they ran (torch.compile + Float8, "
+    "full AC, Table 6 with AsyncTP; torch's default rotater all-gathers the K/V once, the per-step kernels and fp32 "
+    "merges as priced). The optimism grows with the sequence, with cp and without it: at the fitted figures 8K rows "
+    "0.93-1.04x, 32K 1.19x (B5.11, no cp) / 1.12x (B6.15), 64K 1.08 / 1.24x, 128K 1.41 / 1.17x, 256K 1.46 / "
+    "1.29x; the step is mostly attention there (B5.14: 36.9 of 40.9 s), so the runs' attention went at about "
+    "0.65-0.75 of FA2's fitted rate (~300 TFLOP/s on the causal blocks) while the 8K rows fit; B5.12 (64K, cp 2) is "
+    "faster per attention FLOP than B5.11 (32K), which no per-FLOP attention rate reproduces. Not explained here "
+    "(power capping under sustained attention, allocator retries at 84 of 95 GiB, eager CP code under compile are "
+    "candidates; a measurement would tell).",
     "Llama 3's rows: each rank spends its memory room per stage (passes/stage_search.py spend_room), and "
     "attention runs on GQA's 8 K/V heads as they are (gqa='native', the paper's all-gathered K/V): C3 at 128K "
     "tokens recomputes 69 of 126 blocks, not 103 (each block no longer keeps the K/V repeated to 128 heads at the "
@@ -246,12 +257,11 @@ NOTES = [
     "Table 4's 1F1B row (B4.9) now splits the local batch into torchtitan's default micro-batch count, one per "
     "stage (16 of 2 sequences; its build_pipeline_schedule, the paper states none): 1.126x -> 0.900x at the "
     "fitted figures; the interleaved row's default (32) was the count used already.",
-    "pipeline='auto' plans all 31 rows (Table 6 and B3.8 included); on Table 6 it finds layouts predicted "
-    "0.48-0.50x of the published step, on Megatron's 0.45-0.79x by dropping the full recomputation. Planning "
-    "times (one row at a time, nothing else on the 2 cores): median 4.7 s, longest B6.15 20.1 s (its six exact "
-    "intra-op stage solves), A10 14.7 s (30.8 s in the previous session's final run: the pipeline simulation is "
-    "one numpy pass per level of the action order's dependency graph, built once per order, and the stage DP "
-    "computes only each stage's band of ranges; same plans and steps).",
+    "pipeline='auto' plans all 31 rows; on Table 6 it finds layouts predicted 0.51-0.53x of the published step, on "
+    "Megatron's 0.45-0.79x by dropping the full recomputation. Planning times (one row at a time, nothing else on "
+    "the 2 cores): median 7.0 s, longest B6.16 29.8 s and B6.15 28.9 s (their six exact intra-op stage solves), "
+    "A10 25.8 s. This machine ran slower today: A10 alone 19.1 s, and 18.0 s with the previous session's code side "
+    "by side (14.7 s in that session's run); B6.15 alone 24.6 s with async TP priced, 26.6 s without.",
 ]
 
 
