@@ -118,6 +118,7 @@ def _rank_main(file, fn_name, rank, world, port, backend, run_dir):
     """One rank: load the test file, join the group, run the function, write its result, barrier, destroy."""
     rank, world, run_dir = int(rank), int(world), Path(run_dir)
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent's "where are you stuck?" on a hang
+    faulthandler.enable(all_threads=True)  # a segfault or abort leaves its Python stacks in the log
     spec = importlib.util.spec_from_file_location(Path(file).stem, file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

@@ -138,6 +138,15 @@ def job_state(tmp):
     # the model trained is not rank 0's
     pm = autopar.parallelize(build(), mesh22, (x, y), planned=planned, assume_identical=True)
     out["control_error"] = _first_step_error(pm, x, y, ReplicaMismatchError)
+    # a complex replica (a RoPE table) that differs only in its imaginary part on one rank is caught too
+    from autopar.backends.spmd.state import check_replicas
+
+    z = torch.complex(torch.ones(4), torch.full((4,), float(rank == 1)))
+    try:
+        check_replicas([("freqs_cis", z, ("R", "R"))], mesh22, torch.device("cpu"))
+        out["complex_error"] = ""
+    except ReplicaMismatchError as e:
+        out["complex_error"] = str(e)
     pm = autopar.parallelize(build(), mesh22, (x, y), planned=planned, assume_identical=True, check_replicas=False)
     out["control"] = _train(pm, copy.deepcopy(ref0), x, y)
 
@@ -189,6 +198,7 @@ def test_world4_every_rank_trains_rank0s_model(tmp_path):
         assert out["seed"] == 100 and out["initial_seed"] == 100 + r  # rank 0's initial_seed, agreed
         assert "layers.1.fc2.bias" in out["changed"] and "replicas" in out["changed"], out["changed"]
         assert "replicas" in out["control_error"], out["control_error"]
+        assert "freqs_cis" in out["complex_error"], out["complex_error"]
         assert max(out["control"].values()) > 1.0, out["control"]  # without the broadcast: another model
         for name in ("torch_fsdp", "torch_replicated"):
             assert out[f"{name}_init"]["broadcast_bytes"] > 0, out[f"{name}_init"]

@@ -175,7 +175,9 @@ def check_replicas(entries, mesh, device, what: str = "") -> int:
             mine = [(name, t) for name, t, pl in entries if pl[d] == "R" and t.numel()]
             if not mine:
                 continue
-            c = torch.stack([torch.stack([t.double().sum(), t.double().abs().sum()]) for _, t in mine])
+            # a complex tensor (a RoPE table as torchtitan keeps it) is checked on its real and imaginary parts
+            real = [torch.view_as_real(t) if t.is_complex() else t for _, t in mine]
+            c = torch.stack([torch.stack([t.double().sum(), t.double().abs().sum()]) for t in real])
             both = torch.cat([c, -c])
             dist.all_reduce(both, op=dist.ReduceOp.MAX, group=mesh.get_group(d))
             n += 1

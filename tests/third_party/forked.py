@@ -124,6 +124,7 @@ def _zygote(run_dir):
                 os.dup2(fd, 1)
                 os.dup2(fd, 2)
                 faulthandler.register(signal.SIGUSR1, all_threads=True)
+                faulthandler.enable(all_threads=True)  # a segfault or abort leaves its Python stacks in the log
                 _rank(r, spec, module, run_dir)
                 code = 0
             except BaseException:

@@ -283,6 +283,21 @@ def segformer():
     )
 
 
+# ---- state-space LMs ---------------------------------------------------------------------------------------------
+def mamba():
+    return _lm(
+        "MambaForCausalLM",
+        "MambaConfig",
+        "selective state-space LM (Mamba): gated depthwise causal conv1d, input-dependent scan (the torch path)",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        state_size=8,
+        num_hidden_layers=2,
+        expand=2,
+        conv_kernel=4,
+    )
+
+
 MORE = {
     f.__name__: f
     for f in (
@@ -309,5 +324,6 @@ MORE = {
         beit,
         regnet,
         segformer,
+        mamba,
     )
 }
