@@ -288,6 +288,11 @@ class Plan:
             lines += _replicated_why(self.meta["replicated_why"])
         if self.meta.get("float8"):
             lines.append(_float8_line(self.meta["float8"]))
+        if p.get("async_tp_hidden_s"):
+            lines.append(
+                f"async TP: {p['async_tp_hidden_s'] * 1e3:.3f} ms of the TP collectives run under their matmuls "
+                "(counted off the exposed comm)"
+            )
         if timings:
             lines.append("pass times " + "  ".join(f"{k} {v:.2f}s" for k, v in self.timings))
         if self.coverage:
