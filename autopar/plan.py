@@ -410,6 +410,7 @@ class Plan:
                         if "coalesced" in r
                         else "  (local)"
                     )
+                    + (f"  async TP hides {r['hidden_s'] * 1e6:.2f}us" if r.get("hidden_s") else "")
                 )
         if self.buckets:
             lines += ["", "gradient buckets (one collective each, issued after the backward in this order)"]

@@ -76,6 +76,7 @@ def test_tp_plan_hides_its_gathers_and_scatters_under_matmuls():
     hid = fused.predicted["async_tp_hidden_s"]
     assert hid > 0 and "async_tp_hidden_s" not in sync.predicted
     assert f"async TP: {hid * 1e3:.3f} ms" in fused.summary() and "async TP" not in sync.summary()
+    assert "async TP hides" in fused.dump() and "async TP" not in sync.dump()
     # the prediction's total is its records' (a shared or bucketed redistribute hides nothing of its own)
     assert hid == pytest.approx(sum(r.get("hidden_s", 0.0) for _, r in _act_records(fused)), rel=1e-12)
     # the MILP does not see async TP; the overlap search picks among its candidates by the prediction, which does
