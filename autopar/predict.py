@@ -305,8 +305,9 @@ def _redistribute_records(state, times) -> dict[int, list]:
     coalesced, leads = state.coalesced or {}, {}
     for (i, j), lead in coalesced.items():
         leads.setdefault(lead, []).append((i, j))
-    leads_of: dict = {}  # a shared redistribute's consumer -> the other consumers that share it
-    for sharer, lead in (state.shares or {}).items():
+    fused = async_tp.enabled(cluster)
+    leads_of: dict = {}  # under async TP, a shared redistribute's consumer -> the other consumers that share it
+    for sharer, lead in (state.shares or {}).items() if fused else ():
         leads_of.setdefault(tuple(lead), []).append(sharer)
     red_by_node: dict[int, list] = {}
     for (i, j), (src, dst, cs) in sorted(state.redistributes.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
@@ -332,7 +333,7 @@ def _redistribute_records(state, times) -> dict[int, list]:
             rec["shares"] = [nodes[shared[0]].name, shared[1]]
         if cls != "act":  # which parameter this gather / gradient reduction is for (backends group them)
             rec["param"] = root
-        elif not shared and async_tp.enabled(cluster):
+        elif not shared and fused:
             _async_tp(state, i, j, cs, meta, rec, times, leads_of)
     return red_by_node
 

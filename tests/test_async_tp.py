@@ -25,8 +25,8 @@ def _chunk_timeline(comm_s: float, gemm_s: float, k: int) -> float:
 def test_all_gather_matmul_against_a_chunk_timeline(comm_s, gemm_s, k):
     """Unfused, the gather then the matmul take comm + gemm; fused, the chunk timeline's end: the difference is
     what `hidden` says runs under the matmul."""
-    cpu = CLUSTERS["h100"].device
-    assert hidden("all_gather", comm_s, gemm_s, k, 0.0, cpu) == pytest.approx(
+    h100 = CLUSTERS["h100"].device
+    assert hidden("all_gather", comm_s, gemm_s, k, 0.0, h100) == pytest.approx(
         comm_s + gemm_s - _chunk_timeline(comm_s, gemm_s, k)
     )
 

@@ -35,7 +35,7 @@ GEMMS = frozenset({aten.mm.default, aten._scaled_mm.default})
 
 def enabled(cluster) -> bool:
     """Async TP is priced: the device says the program runs it and the cluster's GPUs talk over NCCL."""
-    return bool(getattr(cluster.device, "async_tp", False)) and bool(cluster.intra.nccl)
+    return cluster.device.async_tp and bool(cluster.intra.nccl)
 
 
 def fused_kind(collectives, cluster, mesh_shape) -> str | None:
