@@ -164,15 +164,16 @@ def _plan_pipeline(model, example_inputs, example_kwargs, return_state, req, set
     loss_fn, the float8 request: _float8's)."""
     if return_state:
         raise ValueError("return_state=True is not available for pipeline plans (one PlanState per stage plan)")
-    if example_kwargs or isinstance(example_inputs, dict):
-        raise ValueError("pipeline plans take positional example_inputs only (no keyword inputs)")
     pipeline, loss_fn, float8 = req
     if float8 is not None and float8[0] == "auto":
         raise ValueError("float8='auto' is not available for pipeline plans: pass float8=True (or a dict) to force it")
     float8 = float8[1] if float8 else None
     mesh, cl, precision, budget = setup
     kwargs = dict(cluster=cl, precision=precision, budget=budget, loss_fn=loss_fn, options=pipeline or "auto")
-    p = stages.run(stages.StagesRequest(model, mesh, example_inputs, **kwargs, **limits, float8=float8))
+    request = stages.StagesRequest(
+        model, mesh, example_inputs, **kwargs, **limits, float8=float8, kwargs=example_kwargs
+    )
+    p = stages.run(request)
     if float8:
         p.meta["float8"] = {**float8, "pipeline": "priced in every stage's intra-op plans (passes/float8.py)"}
     return p

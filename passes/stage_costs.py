@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from torch import nn
 
 from autopar import pipeline_engine as pe
@@ -39,6 +40,7 @@ from autopar import pipeline_model as pm
 from autopar.capture import capture
 from autopar.cost import collective_time
 from autopar.mesh import MeshSpec
+from autopar.model_io import ModelIO
 from autopar.passes import PASSES, candidates, solve
 from autopar.passmanager import PlanState, run_passes
 from autopar.predict import build_plan, engine_priced
@@ -191,8 +193,10 @@ class StageOps:
         t0 = time.perf_counter()
         layers = model.get_submodule(prefix)
         blocks = [layers[i] if isinstance(layers, nn.ModuleList) else list(layers.values())[i] for i in reps]
+        # keyword inputs: the example's bound call (ctx["io"]) rebuilt around this micro-batch's leaves
+        call = ModelIO(model, *ctx["io"].call_args(list(mb_inputs))) if ctx.get("io") else mb_inputs
         with swap_layers(model, prefix, blocks):
-            g = capture(model, mb_inputs, ctx["loss_fn"])
+            g = capture(model, call, ctx["loss_fn"])
             styled = {
                 f"{k}.{n}"
                 for k, mod in model.named_modules()
@@ -237,7 +241,7 @@ class StageOps:
         run_passes(self.state, PASSES[:kc])
         if ctx["dp_shards_batch"]:
             shard_batch_on_dp(self.state, mb_inputs)
-        keep_data_splits(self.state, batch_dims(stage_mesh) if ctx["dp_shards_batch"] else [], mb_inputs[0].shape[0])
+        keep_data_splits(self.state, batch_dims(stage_mesh) if ctx["dp_shards_batch"] else [], batch_rows(mb_inputs))
         run_passes(self.state, PASSES[kc : self._k])
         amortize_dp_comm(self.state, int(ctx.get("n_microbatches", 1)))
         c = self.state.cost
@@ -374,6 +378,12 @@ def amortize_dp_comm(state, m: int) -> None:
         c["comm"][g] = c["comm"][g] / m
 
 
+def batch_rows(inputs) -> int:
+    """The batch size of a step's input leaves: dim 0 of the first tensor (the leaves of a keyword call may start
+    with a constant)."""
+    return next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
+
+
 def shard_batch_on_dp(state, mb_inputs) -> None:
     """3-D plans: mesh dims named dp* are data parallel, so every batched input is split on dim 0 over them (the
     per-op plan still chooses FSDP or replicated parameters, and everything on the other dims)."""
@@ -383,7 +393,7 @@ def shard_batch_on_dp(state, mb_inputs) -> None:
     g = state.graph
     for pos, i in enumerate(g.inputs):
         n = g.nodes[i]
-        if not n.out.shape or n.out.shape[0] != mb_inputs[0].shape[0]:
+        if not n.out.shape or n.out.shape[0] != batch_rows(mb_inputs):
             continue
         keep = [s for s in state.strategies[i] if all(s.out[0][d] == "S0" for d in dims)]
         if not keep:

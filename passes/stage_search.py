@@ -329,7 +329,9 @@ def forked() -> tuple:
 def _one_stage_plan(job):
     model, prefix, reps, pos_of, ctx = forked()
     smesh, specs, m = job
-    mbi = tuple(torch.empty(sh, dtype=dt, device="meta") if sh is not None else x for sh, dt, x in specs)
+    # a batched input: its real first rows where the example is real (capture specializes data-dependent checks,
+    # an attention mask's `.all()`, on real values), else an empty meta tensor of the micro-batch's shape
+    mbi = tuple(x if sh is None or x is not None else torch.empty(sh, dtype=dt, device="meta") for sh, dt, x in specs)
     return StageOps(model, prefix, reps, pos_of, mbi, smesh, {**ctx, "drop_state": True, "n_microbatches": m})
 
 
@@ -342,7 +344,7 @@ def stage_plans(model, prefix, reps, pos_of, inputs, Bsz, keys, ctx, workers=Non
             (
                 smesh,
                 tuple(
-                    ((mb,) + tuple(x.shape[1:]), x.dtype, None)
+                    ((mb,) + tuple(x.shape[1:]), x.dtype, None if x.is_meta else x[:mb].clone())
                     if isinstance(x, torch.Tensor) and x.dim() and x.shape[0] == Bsz
                     else (None, None, x)
                     for x in inputs

@@ -33,6 +33,7 @@ from .stage_search import (
     state_bound,
     workers_for,
 )
+from autopar.model_io import ModelIO
 from autopar.plan import Plan
 from autopar.solver import InfeasibleMemoryError
 
@@ -71,6 +72,7 @@ class StagesRequest:
     options: object = "auto"
     float8: dict | None = None  # the float8 option every stage's plan is priced with (passes/float8.py)
     pin: object = None  # plan(pin=) on the stage submesh's dims, called on each stage's representative nodes
+    kwargs: dict | None = None  # keyword inputs (a transformers model's input_ids=, labels=): bound with `inputs`
 
 
 def _blocks(model):
@@ -291,7 +293,12 @@ def run(request: StagesRequest) -> Plan:
     t_start = time.perf_counter()
     model, mesh, cluster, budget = request.model, request.mesh, request.cluster, request.budget
     opts = dict(request.options) if isinstance(request.options, dict) else {}
-    inputs = tuple(request.inputs) if isinstance(request.inputs, (tuple, list)) else (request.inputs,)
+    io = None
+    if request.kwargs or isinstance(request.inputs, dict):  # the bound call's leaves, rebuilt per micro-batch
+        io = ModelIO.from_example(model, request.inputs, request.kwargs)
+        inputs = tuple(io.leaves)
+    else:
+        inputs = tuple(request.inputs) if isinstance(request.inputs, (tuple, list)) else (request.inputs,)
     tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
     if not tensors or tensors[0].dim() == 0:
         raise ValueError("pipeline planning needs a batched first input (the batch dim 0 is split into micro-batches)")
@@ -299,7 +306,7 @@ def run(request: StagesRequest) -> Plan:
     prefix, blocks, reps, pos_of = _blocks(model)
     n = len(blocks) + 2
     tied = {a for a, _ in model.named_parameters(remove_duplicate=False)} - {a for a, _ in model.named_parameters()}
-    ctx = _context(request, opts)
+    ctx = {**_context(request, opts), "io": io}
     specs = [pm.get_schedule(k) for k in opts.get("schedules") or pm.SCHEDULES]
     hand = opts.get("layers_per_stage")
     grid = []
@@ -329,6 +336,9 @@ def run(request: StagesRequest) -> Plan:
     top = _ranked(results, cache, len(blocks), mesh, cluster, budget, opts, ctx["recompute"])
     best = top[0]
     stats = _search_stats(configs, cache, pruned + more, t_start, t_keys, t_search, len(keys), rounds)
-    return build_pipeline_plan(
+    plan = build_pipeline_plan(
         best, top, len(results), cache[best["key"]], model, prefix, reps, pos_of, mesh, inputs, cluster, budget, stats
     )
+    if io is not None:  # the runtime feeds the first stage positionally: it checks this (backends/pipelining)
+        plan.meta["keyword_inputs"] = [n for n, x in zip(io.names, io.leaves) if isinstance(x, torch.Tensor)]
+    return plan

@@ -254,6 +254,51 @@ def test_runtime_rejects_batches_that_break_static_shapes(tiny_plan):
         check_batch(plan, (None, torch.zeros((local[0] + 1, local[1]), dtype=torch.long)))
 
 
+def test_keyword_inputs_plan_as_the_positional_call(tiny_plan):
+    """model(tokens=x, labels=y) plans the stages the positional call does (the bound call's leaves are split into
+    micro-batches); the plan says it was made from keyword inputs (the pipelining runtime then runs the model's own
+    forward per stage: tests/test_pipeline_models_dist.py)."""
+    plan, m = tiny_plan
+    tokens, labels = models.example_inputs("llama-tiny", batch=8, device="meta", n_layers=4)
+    mesh, opts = MeshSpec((2, 2), ("pp", "dp")), {"schedules": ["1F1B", "Interleaved1F1B"]}
+    kw = autopar.plan(m, mesh, example_kwargs={"labels": labels, "tokens": tokens}, cluster="h100", pipeline=opts)
+    assert kw.meta["keyword_inputs"] == ["tokens", "labels"] and "keyword_inputs" not in plan.meta
+    assert [st["modules"] for st in kw.stages] == [st["modules"] for st in plan.stages]
+    assert kw.schedule["bounds"] == plan.schedule["bounds"] and kw.params == plan.params
+    assert kw.predicted["step_s"] == pytest.approx(plan.predicted["step_s"], rel=1e-9)
+
+
+def test_transformers_model_plans_pipeline_stages():
+    """A transformers causal LM called as its users call it (input_ids=, labels=: the loss inside the model)
+    plans pipeline stages: its decoder layers split over pp, the embedding (and the rotary table) on the first
+    stage, the final norm and head on the last."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    with torch.device("meta"):
+        m = transformers.LlamaForCausalLM(cfg)
+    ids = torch.zeros(8, 16, dtype=torch.long, device="meta")
+    plan = autopar.plan(
+        m,
+        MeshSpec((2, 2), ("pp", "dp")),
+        example_kwargs={"input_ids": ids, "labels": ids},
+        cluster="h100",
+        pipeline={"schedules": ["1F1B"]},
+    )
+    mods = [st["modules"] for st in plan.stages]
+    assert len(mods) == 2 and mods[0][0] == "model.embed_tokens" and mods[-1][-2:] == ["model.norm", "lm_head"]
+    blocks = [f for st in mods for f in st if f.startswith("model.layers.")]
+    assert blocks == [f"model.layers.{i}" for i in range(4)] and all(any(f in blocks for f in st) for st in mods)
+    assert plan.meta["keyword_inputs"] == ["input_ids", "labels"] and plan.predicted["step_s"] > 0
+
+
 def test_auto_on_flat_ranks_chooses_pp_and_submesh():
     m = models.build_model("llama-tiny", device="meta", n_layers=4)
     x = models.example_inputs("llama-tiny", batch=8, device="meta", n_layers=4)

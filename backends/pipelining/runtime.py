@@ -359,8 +359,6 @@ class PipelineRunner:
 
     def __init__(self, model: nn.Module, plan, mesh=None, loss_fn=None, device=None, copy_model: bool = False):
         from torch.distributed.device_mesh import init_device_mesh
-        import torch.distributed.pipelining as pp_api
-        from autopar.pipeline_model import get_schedule
 
         if not plan.stages or plan.schedule.get("name") in (None, "none"):
             raise ValueError("the plan has no pipeline stages (pp=1): run it with a non-pipeline backend")
@@ -390,24 +388,40 @@ class PipelineRunner:
         self.pp_rank = mesh.get_local_rank("pp")
         model = copy.deepcopy(model) if copy_model else model
         self.loss_fn = loss_fn or _ce_loss
-        S, m = sc["num_stages"], sc["n_microbatches"]
+        S = sc["num_stages"]
         self.local = [k for k in range(S) if plan.stages[k]["pp_rank"] == self.pp_rank]
         self._pos_of = sc["block_positions"]
+        self.is_first = 0 in self.local
+        self.is_last = (S - 1) in self.local
+        self._model, self.schedule = model, None
+        if plan.meta.get("keyword_inputs"):  # the model's own forward per stage, built at the first step
+            from .forward_stage import check_plan
+
+            check_plan(plan)
+            self.loss_fn = lambda loss, _target: loss.sum()  # the model's loss, shape [1] (no view)
+            return
         extras = block_inputs(model, plan)
+        self._build(lambda k: build_stage_module(model, plan, k, extras))
+
+    def _build(self, make) -> None:
+        """Stage modules (make(k)), tensor then data parallel inside each, their PipelineStages and the schedule."""
+        import torch.distributed.pipelining as pp_api
+        from autopar.pipeline_model import get_schedule
+
+        sc, S = self.plan.schedule, self.plan.schedule["num_stages"]
         self.modules, stages, self.tp_styles = [], [], []
         for k in self.local:
-            mod = build_stage_module(model, plan, k, extras).to(self.device)
+            mod = make(k).to(self.device)
             mod = self._tensor_parallel(mod, k)
             mod = self._data_parallel(mod, k)
             self.modules.append(mod)
-            stages.append(pp_api.PipelineStage(mod, k, S, self.device, group=mesh.get_group("pp")))
+            stages.append(pp_api.PipelineStage(mod, k, S, self.device, group=self.mesh.get_group("pp")))
         self.wrappers = [type(mod).__name__ for mod in self.modules]
         self.stages = stages
         spec = get_schedule(sc["name"])
         cls = getattr(pp_api, spec.torch_class)
+        m = sc["n_microbatches"]
         self.schedule = cls(stages if spec.multi else stages[0], n_microbatches=m, loss_fn=self.loss_fn)
-        self.is_first = 0 in self.local
-        self.is_last = (S - 1) in self.local
 
     def _tensor_parallel(self, mod, k):
         """ParallelStyles over the stage's tensor-parallel dim (stage_tp_styles), applied with parallelize_module
@@ -500,16 +514,44 @@ class PipelineRunner:
         sc = self.plan.schedule
         return sc["local_batch_shapes"] if _batch_dp_sharded(self.plan) else sc["batch_shapes"]
 
-    def step(self, x=None, target=None):
-        """One training step (forward + backward, gradients accumulated in the parameters). Pass the batch on the
-        rank holding the first stage and the target on the rank holding the last; returns the mean micro-batch loss
-        there (None elsewhere). The shape check is agreed on by every rank of the mesh first (one int all-reduce
-        per mesh dim), so ranks that hold no input raise too instead of waiting for activations that never come."""
+    def step_model(self, *args, **kwargs):
+        """One training step of a plan made from keyword inputs: every rank passes the model's call as the model
+        takes it (`runner.step_model(**batch)`, its dp rows of the batch); the schedule splits it into micro-batches
+        and every stage runs the model's own forward on them (forward_stage.py). Returns the mean of the
+        micro-batches' losses on the rank holding the last stage (None elsewhere): the step's loss where every
+        micro-batch weighs the same in it (a mean-reduced loss over equal token counts), as the gradients are
+        (torch's schedules scale them by 1 / micro-batches)."""
+        import inspect
+
+        from . import forward_stage
+
+        sig = inspect.signature(self._model.forward)
+        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values()):
+            raise NotImplementedError(f"{type(self._model).__name__}.forward takes *args: pass keyword inputs")
+        call = dict(sig.bind(*args, **kwargs).arguments)
+        leaves = [v for v in call.values() if isinstance(v, torch.Tensor)]
+        self._agree(leaves)
+        m = self.plan.schedule["n_microbatches"]
+        if self.schedule is None:
+            rows = leaves[0].shape[0]
+            first = {n: v.tensor_split(m)[0] if _batched(v, rows) else v for n, v in call.items()}
+            prefix = self.plan.schedule["layer_prefix"]
+            outer = [f for st in self.plan.stages for f in st["modules"] if not f.startswith(prefix + ".")]
+            seen = forward_stage.probe(self._model, prefix, outer, first)
+            self._build(lambda k: forward_stage.build(self._model, self.plan, k, seen, {}))
+        losses = [] if self.is_last else None
+        kw = {"target": torch.zeros(m), "losses": losses} if self.is_last else {}
+        self.schedule.step(**kw, **call)
+        return torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
+
+    def _agree(self, tensors) -> None:
+        """check_batch on this rank, agreed on by every rank of the mesh (one int all-reduce per mesh dim), so
+        ranks that hold no input raise too instead of waiting for activations that never come."""
         import torch.distributed as dist
 
         err = None
         try:
-            self.check_batch(x if self.is_first else None, target if self.is_last else None)
+            check_batch(self.plan, tensors)
         except PipelineShapeError as e:
             err = e
         ok = torch.tensor([0 if err else 1], dtype=torch.int32)
@@ -524,6 +566,18 @@ class PipelineRunner:
                 f"are {self.expected_shapes()} ({sc['n_microbatches']} micro-batches of "
                 f"{sc['microbatch_shapes']} over the stage submesh)"
             )
+
+    def step(self, x=None, target=None):
+        """One training step (forward + backward, gradients accumulated in the parameters). Pass the batch on the
+        rank holding the first stage and the target on the rank holding the last; returns the mean micro-batch loss
+        there (None elsewhere). The shape check is agreed on by every rank of the mesh first (one int all-reduce
+        per mesh dim), so ranks that hold no input raise too instead of waiting for activations that never come."""
+        if self.plan.meta.get("keyword_inputs"):
+            raise TypeError(
+                f"the plan was made from keyword inputs {self.plan.meta['keyword_inputs']}: run a step with "
+                f"runner.step_model(**batch) on every rank (the model's own call)"
+            )
+        self._agree((x if self.is_first else None, target if self.is_last else None))
         losses = [] if self.is_last else None
         args = (x,) if self.is_first else ()
         kw = {"target": target, "losses": losses} if self.is_last else {}
@@ -536,6 +590,10 @@ class PipelineRunner:
         for mod in self.modules:
             inner = mod.module if hasattr(mod, "module") and isinstance(mod.module, nn.Module) else mod
             yield from inner.named_parameters()
+
+
+def _batched(v, rows: int) -> bool:
+    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows
 
 
 def local_batch(plan, tensors, dp_rank: int):

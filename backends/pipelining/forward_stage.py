@@ -1,0 +1,304 @@
+"""Pipeline stages that run the model's own forward: for models called with keyword inputs (a transformers model's
+`input_ids=`, `labels=`, the loss computed inside), whose forward outside the layer list is no chain of modules
+(GPT-2 adds position embeddings, Llama builds RoPE tables and a causal mask, the loss shifts the labels).
+
+Stage k is a skeleton of the model: the same module tree and FQNs, its own modules shared with the model, every
+module of another stage replaced by a parameter-free stand-in, so the stage holds exactly the plan's parameters
+for it (`plan.stages[k]["params"]`):
+  * another stage's block hands the running tensor on in the block's own output structure;
+  * a module before the blocks that holds parameters (the embedding) returns a zero tensor of the shape and dtype
+    it returns, so the forward still builds what the blocks take besides the running tensor (masks, RoPE tables:
+    parameter-free modules stay) and the first block of the stage takes the received activation instead;
+  * a module after the blocks that holds parameters (final norm, head) raises (never run before the last stage:
+    the stage's last block ends the forward there).
+Each stand-in keeps the module's tree and attributes, its parameters as meta tensors that are no parameters
+(`_ghost`): a model's forward may read `self.embeddings.patch_embeddings.projection.weight.dtype`.
+Every stage runs the whole call (each rank gets the model's inputs as keyword arguments, micro-batched by the
+schedule): the first block of a later stage takes the activation received from the previous stage in place of
+its running tensor, the last block of an earlier stage ends the forward and its running tensor is sent on, and
+the last stage runs to the model's own loss (autopar/model_io.py pick_loss). The stand-ins' shapes and each
+block's input and output structure come from one probe forward on the first micro-batch (no gradients, the RNG
+state restored after it). The first `recompute_blocks` blocks of the stage are checkpointed, as the chain stages'.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+import types
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from autopar.model_io import pick_loss
+
+
+class _StageEnd(Exception):
+    """Raised by the stage's last block (before the last stage): the running tensor goes to the next stage."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.hidden = hidden
+
+
+class _ProbeEnd(Exception):
+    """Raised by the last block during the probe forward: everything the stand-ins need is recorded."""
+
+
+def _hidden_of(args, kwargs):
+    """The running tensor a block takes: its first positional argument or `hidden_states=`."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    return kwargs.get("hidden_states")
+
+
+def _skip(tuple_len, holder=None, end=False):
+    """Another stage's block: hands its running tensor on (in a tuple where the block returns one). On a stage
+    that holds no block, the block just before it hands on the received activation (holder) instead, and the block
+    just after it ends the stage's forward with its running tensor (end)."""
+
+    def forward(self, *args, **kwargs):
+        h = holder["recv"] if holder is not None else _hidden_of(args, kwargs)
+        if end:
+            raise _StageEnd(h)
+        return h if tuple_len is None else (h,) + (None,) * (tuple_len - 1)
+
+    return forward
+
+
+def _zeros(meta: torch.Tensor):
+    """Another stage's module before the blocks: a zero tensor of the shape and dtype it returns."""
+
+    def forward(self, *args, **kwargs):
+        dev = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        return torch.zeros(meta.shape, dtype=meta.dtype, device=dev)
+
+    return forward
+
+
+def _unreached(fqn: str):
+    """Another stage's module after the blocks: the stage's last block ends the forward before it."""
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError(f"pipeline stage ran '{fqn}', a module of a later stage, before its last block")
+
+    return forward
+
+
+def _ghost(mod: nn.Module, forward=None) -> nn.Module:
+    """A stand-in for another stage's module: its tree and attributes (a model's forward reads
+    `self.embeddings.patch_embeddings.projection.weight.dtype`, `layer.attention_type`) with its parameters as
+    meta tensors that are no parameters (the stage does not hold them), running `forward` in its place."""
+    c = _shallow(mod)
+    for name, p in mod._parameters.items():
+        del c._parameters[name]
+        if p is not None:
+            object.__setattr__(c, name, p.detach().to("meta"))
+    for name, child in mod._modules.items():
+        if child is not None:
+            c._modules[name] = _ghost(child)
+    if forward is not None:
+        c.forward = types.MethodType(forward, c)
+    return c
+
+
+def check_plan(plan) -> None:
+    """Refuse, naming the block, a plan whose forward graph (the representative sub-model's, plan.nodes) carries
+    more than the running tensor between stages: a block value read after it besides its running tensor (an MoE
+    router's logits for the aux loss), or a value made from parameters before the blocks read elsewhere than by the
+    first block (a later stage would read its zero stand-in)."""
+    prefix = plan.schedule["layer_prefix"]
+    pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(?:\.|$)")
+    fw = [n for n in plan.nodes if n.get("kind") == "op" and n.get("phase") == "fw"]
+    block = {n["idx"]: int(m.group(1)) for n in fw if (m := pat.match(n.get("module") or ""))}
+    if not block:
+        return
+    start, first = min(block), min(block.values())
+    params = {n["idx"] for n in plan.nodes if n.get("kind") == "param"}
+    from_params = set(params)
+    for n in plan.nodes:
+        if any(p in from_params for p, _ in n.get("inputs", [])):
+            from_params.add(n["idx"])
+    sent, pre_read = defaultdict(set), set()
+    for n in fw:
+        mine = block.get(n["idx"])
+        for p, o in n.get("inputs", []):
+            if p in block and block[p] != mine:
+                sent[block[p]].add((p, o))
+            elif p < start and p not in block and p in from_params and p not in params and n["idx"] > start:
+                pre_read.add((p, o) if mine == first else (p, o, "elsewhere"))
+    for b, vals in sent.items():
+        if len(vals) > 1:
+            raise NotImplementedError(
+                f"block '{prefix}.{b}' hands {len(vals)} values to what follows it (its running tensor and e.g. an "
+                f"MoE router's logits for an aux loss): a pipeline stage boundary carries one tensor (plan-only)"
+            )
+    if len({v[:2] for v in pre_read}) > 1 or any(len(v) == 3 for v in pre_read):
+        raise NotImplementedError(
+            f"values made from parameters before '{prefix}' are read beyond the first block's running tensor "
+            f"(e.g. embeddings fed to every block or to the head): later pipeline stages do not have them (plan-only)"
+        )
+
+
+def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
+    """One forward of `model(**call)` (a micro-batch), no gradients, the RNG state kept: per block FQN how its
+    output holds the running tensor (None: it is the output; n: a tuple of n, it first, the rest None), per module
+    of `outer` (the plan's modules outside the blocks) that runs before the first block its output (a meta
+    tensor), stopped after the last block."""
+    layers = model.get_submodule(prefix)
+    blocks = [f"{prefix}.{n}" for n, _ in layers.named_children()]
+    seen: dict = {"blocks": {}, "outputs": {}}
+
+    def block_hook(fqn):
+        def hook(mod, args, kwargs, out):
+            if _hidden_of(args, kwargs) is None:
+                raise NotImplementedError(
+                    f"block '{fqn}' takes no running tensor as its first argument or hidden_states=: the pipeline "
+                    f"runtime cannot hand it a received activation"
+                )
+            if isinstance(out, torch.Tensor):
+                seen["blocks"][fqn] = None
+            elif isinstance(out, tuple) and isinstance(out[0], torch.Tensor) and all(o is None for o in out[1:]):
+                seen["blocks"][fqn] = len(out)
+            else:
+                raise NotImplementedError(
+                    f"block '{fqn}' returns {type(out).__name__} (more than its running tensor): a stage boundary "
+                    f"carries one tensor in the pipeline runtime"
+                )
+            if fqn == blocks[-1]:
+                raise _ProbeEnd
+
+        return hook
+
+    def out_hook(fqn):
+        def hook(mod, args, out):
+            if not seen["blocks"] and isinstance(out, torch.Tensor):  # before the first block only
+                seen["outputs"][fqn] = out.detach().to("meta")
+
+        return hook
+
+    handles = [model.get_submodule(f).register_forward_hook(block_hook(f), with_kwargs=True) for f in blocks]
+    handles += [model.get_submodule(f).register_forward_hook(out_hook(f)) for f in outer]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(**call)
+    except _ProbeEnd:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    if len(seen["blocks"]) != len(blocks):
+        raise ValueError(f"the model's forward ran {len(seen['blocks'])} of the {len(blocks)} blocks of '{prefix}'")
+    return seen
+
+
+def _shallow(mod: nn.Module) -> nn.Module:
+    """A copy of `mod` sharing its parameters, buffers and attributes, with its own child and hook tables."""
+    c = copy.copy(mod)
+    for k, v in list(vars(mod).items()):
+        if k.startswith("_") and isinstance(v, dict):
+            setattr(c, k, type(v)(v))
+    return c
+
+
+def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module:
+    """Stage k's skeleton (see the module docstring); holder["recv"] is where its forward puts the received
+    activation for its first block."""
+    st, prefix = plan.stages[k], plan.schedule["layer_prefix"]
+    mine = list(st["modules"])
+    blocks = [f for f in mine if f.startswith(prefix + ".")]
+    others = {f: j for j, s in enumerate(plan.stages) if j != k for f in s["modules"]}
+    first_stage, last_stage = k == 0, k == len(plan.stages) - 1
+    order = [f"{prefix}.{n}" for n, _ in model.get_submodule(prefix).named_children()]
+    # a stage without blocks: the embedding alone (ends where block 0 starts) or the head alone (takes the
+    # activation where the last block ends)
+    end_at = order[0] if not blocks and not last_stage else None
+    recv_at = order[-1] if not blocks and not first_stage else None
+    root = _shallow(model)
+    for f, j in others.items():
+        if f in mine:
+            continue
+        old = model.get_submodule(f)
+        if f.startswith(prefix + "."):
+            fwd = _skip(seen["blocks"].get(f), holder if f == recv_at else None, f == end_at)
+            new = _ghost(old, fwd)
+        elif not any(True for _ in old.parameters()):
+            continue  # parameter-free (RoPE tables): every stage computes it
+        elif j > k:  # after the blocks (the last stage's)
+            new = _ghost(old, _unreached(f))
+        elif f in seen["outputs"]:  # before the blocks (the first stage's)
+            new = _ghost(old, _zeros(seen["outputs"][f]))
+        else:
+            raise NotImplementedError(
+                f"module '{f}' (stage {j}) runs before the blocks but returns no single tensor: a later stage "
+                f"cannot stand in for it"
+            )
+        _replace(root, f, new)
+    recompute = int(st.get("recompute_blocks", 0))
+    for i, f in enumerate(blocks):
+        inject, end = i == 0 and not first_stage, i == len(blocks) - 1 and not last_stage
+        if inject or end or i < recompute:
+            _replace(root, f, _block(model.get_submodule(f), inject, end, i < recompute, holder))
+    root.forward = types.MethodType(_stage_forward(holder, last_stage), root)
+    have = {n for n, _ in root.named_parameters()}
+    if have != set(st["params"]):
+        raise ValueError(f"stage {k}: skeleton holds parameters {sorted(have ^ set(st['params']))[:6]} unlike the plan")
+    return root
+
+
+def _replace(root: nn.Module, fqn: str, new: nn.Module) -> None:
+    """Put `new` at `fqn` in root's tree, shallow-copying the containers on the way (the model keeps its own)."""
+    parts = fqn.split(".")
+    cur = root
+    for p in parts[:-1]:
+        child = cur._modules[p]
+        if not getattr(child, "_autopar_skeleton", False):
+            child = _shallow(child)
+            child._autopar_skeleton = True
+            cur._modules[p] = child
+        cur = child
+    cur._modules[parts[-1]] = new
+
+
+def _block(block: nn.Module, inject: bool, end: bool, recompute: bool, holder: dict) -> nn.Module:
+    """A shallow copy of `block` whose forward takes the received activation (inject), ends the stage's forward
+    with its running tensor (end), or is checkpointed (recompute)."""
+    c = _shallow(block)
+    run = type(block).forward
+
+    def forward(self, *args, **kwargs):
+        if inject:
+            if args and isinstance(args[0], torch.Tensor):
+                args = (holder["recv"],) + tuple(args[1:])
+            else:
+                kwargs = {**kwargs, "hidden_states": holder["recv"]}
+        if recompute:
+            from torch.utils.checkpoint import checkpoint
+
+            out = checkpoint(run, self, *args, use_reentrant=False, **kwargs)
+        else:
+            out = run(self, *args, **kwargs)
+        if end:
+            raise _StageEnd(out if isinstance(out, torch.Tensor) else out[0])
+        return out
+
+    c.forward = types.MethodType(forward, c)
+    return c
+
+
+def _stage_forward(holder: dict, last: bool):
+    def forward(self, *recv, **call):
+        holder["recv"] = recv[0] if recv else None
+        try:
+            out = type(self).forward(self, **call)
+        except _StageEnd as e:
+            return e.hidden
+        finally:
+            holder["recv"] = None
+        if not last:
+            raise RuntimeError("a pipeline stage before the last ran the model's forward to its end")
+        # shape [1]: the schedule concatenates the last stage's outputs over micro-batches
+        return torch.stack([pick_loss(out, None, type(self).__name__)[0]])  # no view: split backward detaches it
+
+    return forward

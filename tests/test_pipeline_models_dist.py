@@ -1,0 +1,162 @@
+"""Pipeline plans of third-party models called as their users call them (transformers models: keyword inputs, the
+loss inside the model) executed on real gloo process groups equal one device.
+
+The parent plans each case (autopar.plan with a "pp" mesh dim and `example_kwargs`, the schedule pinned; stage
+cuts, micro-batch count and per-stage data parallelism are the planner's) and saves the plans; each rank builds
+the same zoo model (tests/third_party/zoo.py: random weights under a fixed seed, dropout off), loads the plan,
+runs one step with `PipelineRunner.step_model(**its dp rows of the batch)` (backends/pipelining/forward_stage.py:
+every stage runs the model's own forward) and compares with one device: the loss of its rows on the ranks
+holding the last stage, every local parameter's gradient (|diff| <= 1e-6 + 1e-4 max|ref|, FSDP-sharded ones
+gathered), and that every parameter is on some stage. Each case then feeds a batch of another sequence length:
+every rank must raise PipelineShapeError (none may wait for activations that never come). Cases: world 2 (pp=2):
+Llama (1F1B; ZBVZeroBubble: split backward, V placement), GPT-NeoX (Interleaved1F1B: two stages per rank), ViT
+(GPipe: an image classifier); world 4 (pp=2 x dp=2): Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
+them holds no block), Qwen2-MoE 1F1B with DDP stages. Without processes: a Mixtral plan whose blocks hand their
+router logits to the aux loss is refused, naming the block.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from _dist import launch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "third_party"))
+
+TOL_ABS, TOL_REL = 1e-6, 1e-4
+CASES = {
+    2: [("llama", "1F1B", False), ("llama", "ZBVZeroBubble", False), ("gpt_neox", "Interleaved1F1B", False),
+        ("vit", "GPipe", False)],
+    4: [("llama", "Interleaved1F1B", True), ("qwen2_moe", "1F1B", False)],
+}  # fmt: skip
+
+
+def _model(name):
+    import zoo
+
+    model, args, kwargs, _ = zoo.ZOO[name]()
+    zoo.zero_dropout(model)
+    return model, args, kwargs
+
+
+def _plans(tmp_path, world):
+    import autopar
+
+    mesh = autopar.MeshSpec((2,), ("pp",)) if world == 2 else autopar.MeshSpec((2, 2), ("pp", "dp"))
+    cases = []
+    for name, sched, fsdp in CASES[world]:
+        model, args, kwargs = _model(name)
+        force = {n: ("S0",) for n, p in model.named_parameters() if p.shape[0] % 2 == 0} if fsdp else None
+        plan = autopar.plan(
+            model, mesh, args, example_kwargs=kwargs, cluster="h100", force=force, pipeline={"schedules": [sched]}
+        )
+        assert plan.meta["keyword_inputs"] and plan.schedule["name"] == sched, (name, plan.schedule["name"])
+        path = tmp_path / f"plan_{world}_{name}_{sched}.json"
+        plan.save(path)
+        prefix = plan.schedule["layer_prefix"] + "."
+        blockless = any(not any(f.startswith(prefix) for f in st["modules"]) for st in plan.stages)
+        cases.append({"name": name, "schedule": sched, "path": str(path), "fsdp": fsdp, "blockless": blockless})
+    return cases
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 4])
+def test_keyword_pipeline_plans_equal_single_device(tmp_path, world):
+    cases = _plans(tmp_path, world)
+    results = launch(_rank_cases, world, [cases], tmp_path, timeout=420)
+    for ci, case in enumerate(cases):
+        held = [r["cases"][ci] for r in results]
+        assert sum(1 for h in held if h["loss"] is not None) == world // 2, case  # one last-stage rank per dp rank
+        for h in held:
+            assert h["n_params"] > 0 and h["worst"] <= 1.0, (case, h)
+            if h["loss"] is not None:
+                assert abs(h["loss"] - h["loss_ref"]) <= 1e-5 * abs(h["loss_ref"]), (case, h)
+            assert "PipelineShapeError" in h["shape_error"], (case, h)
+            if case["fsdp"]:
+                assert all(w.startswith("FSDP") for w in h["wrappers"]), (case, h)
+            elif world == 4:
+                assert h["wrappers"] == ["DistributedDataParallel"], (case, h)
+        assert set().union(*(set(h["params"]) for h in held)) == set(held[0]["all_params"]), case
+        if case["fsdp"]:  # four interleaved stages of a 2-block model: one holds the embedding or the head only
+            assert case["blockless"], case
+
+
+def test_router_logits_for_an_aux_loss_are_refused():
+    """Mixtral's blocks hand their router logits to the loss after the last block (the load-balancing aux loss):
+    a stage boundary of the runtime carries the running tensor only, so the plan is refused, naming the block."""
+    import autopar
+    from autopar.backends.pipelining.forward_stage import check_plan
+
+    model, args, kwargs = _model("mixtral")
+    plan = autopar.plan(
+        model, autopar.MeshSpec((2,), ("pp",)), args, example_kwargs=kwargs, cluster="h100",
+        pipeline={"schedules": ["GPipe"]},
+    )  # fmt: skip
+    with pytest.raises(NotImplementedError, match=r"block 'model\.layers\.0' hands 2 values.*router"):
+        check_plan(plan)
+    model, args, kwargs = _model("llama")
+    plan = autopar.plan(
+        model, autopar.MeshSpec((2,), ("pp",)), args, example_kwargs=kwargs, cluster="h100",
+        pipeline={"schedules": ["GPipe"]},
+    )  # fmt: skip
+    check_plan(plan)  # one running tensor per boundary
+
+
+# ---- one rank (tests/_dist.py runs it) -------------------------------------------------------------------------
+def _rank_cases(cases):
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import zoo
+    from autopar import Plan
+    from autopar.backends.pipelining.runtime import PipelineRunner, PipelineShapeError, local_batch
+
+    res = []
+    for case in cases:
+        plan = Plan.load(case["path"])
+        model, args, kwargs = _model(case["name"])
+        ref = copy.deepcopy(model)
+        mesh = init_device_mesh("cpu", tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_names))
+        dp = mesh.get_local_rank("dp") if "dp" in plan.mesh_names else 0
+        names = list(kwargs)
+        local = dict(zip(names, local_batch(plan, tuple(kwargs[n] for n in names), dp)))
+        runner = PipelineRunner(model, plan, mesh)
+        loss = runner.step_model(*args, **local)
+        zoo.loss_of(ref(*args, **kwargs)).backward()
+        loss_ref = float(zoo.loss_of(ref(*args, **local)))
+        grads, worst, params = dict(ref.named_parameters()), 0.0, []
+        for n, p in runner.named_parameters():
+            params.append(n)
+            want = grads[n].grad
+            if want is None:
+                worst = max(worst, 0.0 if p.grad is None else 2.0)
+                continue
+            got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            worst = max(worst, float((got - want).abs().max()) / (TOL_ABS + TOL_REL * float(want.abs().max())))
+        wide = lambda v: torch.cat([v, v], 1) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
+        try:  # twice the sequence (or channels): refused on every rank, before any stage waits for activations
+            runner.step_model(*args, **{n: wide(v) for n, v in local.items()})
+            err = "no error"
+        except PipelineShapeError as e:
+            err = f"PipelineShapeError: {e}"
+        res.append(
+            {
+                "loss": None if loss is None else float(loss),
+                "loss_ref": loss_ref,
+                "worst": worst,
+                "params": params,
+                "n_params": len(params),
+                "all_params": [n for n, _ in ref.named_parameters()],
+                "wrappers": runner.wrappers,
+                "shape_error": err,
+            }
+        )
+        dist.barrier()
+    return {"rank": dist.get_rank(), "cases": res}
