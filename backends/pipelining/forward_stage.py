@@ -24,6 +24,7 @@ state restored after it). The first `recompute_blocks` blocks of the stage are c
 from __future__ import annotations
 
 import copy
+import inspect
 import re
 import types
 from collections import defaultdict
@@ -302,3 +303,29 @@ def _stage_forward(holder: dict, last: bool):
         return torch.stack([pick_loss(out, None, type(self).__name__)[0]])  # no view: split backward detaches it
 
     return forward
+
+
+def step(runner, args: tuple, kwargs: dict):
+    """PipelineRunner.step_model: the call bound to the model's signature and passed as keyword arguments to every
+    stage (the schedule splits its batched tensors into micro-batches); the stages are built at the first step, from
+    a probe of its first micro-batch."""
+    sig = inspect.signature(runner._model.forward)
+    if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values()):
+        raise NotImplementedError(f"{type(runner._model).__name__}.forward takes *args: pass keyword inputs")
+    call = dict(sig.bind(*args, **kwargs).arguments)
+    leaves = [v for v in call.values() if isinstance(v, torch.Tensor)]
+    runner._agree(leaves)
+    plan = runner.plan
+    m = plan.schedule["n_microbatches"]
+    if runner.schedule is None:
+        rows = leaves[0].shape[0]
+        batched = lambda v: isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows
+        first = {n: v.tensor_split(m)[0] if batched(v) else v for n, v in call.items()}
+        prefix = plan.schedule["layer_prefix"]
+        outer = [f for st in plan.stages for f in st["modules"] if not f.startswith(prefix + ".")]
+        seen = probe(runner._model, prefix, outer, first)
+        runner._build(lambda k: build(runner._model, plan, k, seen, {}))
+    losses = [] if runner.is_last else None
+    kw = {"target": torch.zeros(m), "losses": losses} if runner.is_last else {}
+    runner.schedule.step(**kw, **call)
+    return torch.stack([loss.detach() for loss in losses]).mean() if runner.is_last else None

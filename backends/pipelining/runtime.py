@@ -521,28 +521,9 @@ class PipelineRunner:
         micro-batches' losses on the rank holding the last stage (None elsewhere): the step's loss where every
         micro-batch weighs the same in it (a mean-reduced loss over equal token counts), as the gradients are
         (torch's schedules scale them by 1 / micro-batches)."""
-        import inspect
-
         from . import forward_stage
 
-        sig = inspect.signature(self._model.forward)
-        if any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in sig.parameters.values()):
-            raise NotImplementedError(f"{type(self._model).__name__}.forward takes *args: pass keyword inputs")
-        call = dict(sig.bind(*args, **kwargs).arguments)
-        leaves = [v for v in call.values() if isinstance(v, torch.Tensor)]
-        self._agree(leaves)
-        m = self.plan.schedule["n_microbatches"]
-        if self.schedule is None:
-            rows = leaves[0].shape[0]
-            first = {n: v.tensor_split(m)[0] if _batched(v, rows) else v for n, v in call.items()}
-            prefix = self.plan.schedule["layer_prefix"]
-            outer = [f for st in self.plan.stages for f in st["modules"] if not f.startswith(prefix + ".")]
-            seen = forward_stage.probe(self._model, prefix, outer, first)
-            self._build(lambda k: forward_stage.build(self._model, self.plan, k, seen, {}))
-        losses = [] if self.is_last else None
-        kw = {"target": torch.zeros(m), "losses": losses} if self.is_last else {}
-        self.schedule.step(**kw, **call)
-        return torch.stack([loss.detach() for loss in losses]).mean() if self.is_last else None
+        return forward_stage.step(self, args, kwargs)
 
     def _agree(self, tensors) -> None:
         """check_batch on this rank, agreed on by every rank of the mesh (one int all-reduce per mesh dim), so
@@ -590,10 +571,6 @@ class PipelineRunner:
         for mod in self.modules:
             inner = mod.module if hasattr(mod, "module") and isinstance(mod.module, nn.Module) else mod
             yield from inner.named_parameters()
-
-
-def _batched(v, rows: int) -> bool:
-    return isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == rows
 
 
 def local_batch(plan, tensors, dp_rank: int):
