@@ -10,8 +10,9 @@ holding the last stage, every local parameter's gradient (|diff| <= 1e-6 + 1e-4 
 gathered), and that every parameter is on some stage. Each case then feeds a batch of another sequence length:
 every rank must raise PipelineShapeError (none may wait for activations that never come). Cases: world 2 (pp=2):
 Llama (1F1B; ZBVZeroBubble: split backward, V placement), GPT-NeoX (Interleaved1F1B: two stages per rank), ViT
-(GPipe: an image classifier); world 4 (pp=2 x dp=2): Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
-them holds no block), Qwen2-MoE 1F1B with DDP stages. Without processes: a Mixtral plan whose blocks hand their
+(GPipe: an image classifier); world 4: pp=2 x dp=2, Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
+them holds no block) and Qwen2-MoE 1F1B with DDP stages; pp=2 x tp=2, Llama Interleaved1F1B with Megatron's
+placements forced (ParallelStyles inside the stages, attention on local heads). Without processes: a Mixtral plan whose blocks hand their
 router logits to the aux loss is refused, naming the block.
 """
 
@@ -28,10 +29,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "thi
 
 TOL_ABS, TOL_REL = 1e-6, 1e-4
 CASES = {
-    2: [("llama", "1F1B", False), ("llama", "ZBVZeroBubble", False), ("gpt_neox", "Interleaved1F1B", False),
-        ("vit", "GPipe", False)],
-    4: [("llama", "Interleaved1F1B", True), ("qwen2_moe", "1F1B", False)],
+    2: [("llama", "1F1B", None), ("llama", "ZBVZeroBubble", None), ("gpt_neox", "Interleaved1F1B", None),
+        ("vit", "GPipe", None)],
+    4: [("llama", "Interleaved1F1B", "fsdp"), ("qwen2_moe", "1F1B", None), ("llama", "Interleaved1F1B", "tp")],
 }  # fmt: skip
+MEGATRON = r"(q_proj|k_proj|v_proj|gate_proj|up_proj|o_proj|down_proj)\.weight$"  # colwise, then rowwise ones
 
 
 def _model(name):
@@ -42,23 +44,45 @@ def _model(name):
     return model, args, kwargs
 
 
+def _layout(model, world, inside):
+    """(mesh, cluster, force, pipeline options) of a case: pp alone, pp x dp (FSDP2-sharded stages where
+    inside == "fsdp"), or pp x tp with Megatron's placements forced (a cost model where TP pays, 2 micro-batches)."""
+    import re
+
+    import autopar
+    from autopar.testing import TP_FRIENDLY
+
+    if world == 2:
+        return autopar.MeshSpec((2,), ("pp",)), "h100", None, {}
+    if inside == "tp":
+        pat = re.compile(MEGATRON)
+        force = {
+            n: ("S1",) if re.search("(o_proj|down_proj)", n) else ("S0",)
+            for n, _ in model.named_parameters()
+            if pat.search(n)
+        }
+        return autopar.MeshSpec((2, 2), ("pp", "tp")), TP_FRIENDLY, force, {"n_microbatches": [2]}
+    force = {n: ("S0",) for n, p in model.named_parameters() if p.shape[0] % 2 == 0} if inside == "fsdp" else None
+    return autopar.MeshSpec((2, 2), ("pp", "dp")), "h100", force, {}
+
+
 def _plans(tmp_path, world):
     import autopar
 
-    mesh = autopar.MeshSpec((2,), ("pp",)) if world == 2 else autopar.MeshSpec((2, 2), ("pp", "dp"))
     cases = []
-    for name, sched, fsdp in CASES[world]:
+    for name, sched, inside in CASES[world]:
         model, args, kwargs = _model(name)
-        force = {n: ("S0",) for n, p in model.named_parameters() if p.shape[0] % 2 == 0} if fsdp else None
+        mesh, cluster, force, opts = _layout(model, world, inside)
         plan = autopar.plan(
-            model, mesh, args, example_kwargs=kwargs, cluster="h100", force=force, pipeline={"schedules": [sched]}
-        )
+            model, mesh, args, example_kwargs=kwargs, cluster=cluster, force=force,
+            pipeline={"schedules": [sched], **opts},
+        )  # fmt: skip
         assert plan.meta["keyword_inputs"] and plan.schedule["name"] == sched, (name, plan.schedule["name"])
-        path = tmp_path / f"plan_{world}_{name}_{sched}.json"
+        path = tmp_path / f"plan_{world}_{name}_{sched}_{inside}.json"
         plan.save(path)
         prefix = plan.schedule["layer_prefix"] + "."
         blockless = any(not any(f.startswith(prefix) for f in st["modules"]) for st in plan.stages)
-        cases.append({"name": name, "schedule": sched, "path": str(path), "fsdp": fsdp, "blockless": blockless})
+        cases.append({"name": name, "schedule": sched, "path": str(path), "inside": inside, "blockless": blockless})
     return cases
 
 
@@ -76,12 +100,17 @@ def test_keyword_pipeline_plans_equal_single_device(tmp_path, world):
             if h["loss"] is not None:
                 assert abs(h["loss"] - h["loss_ref"]) <= 1e-5 * abs(h["loss_ref"]), (case, h)
             assert "PipelineShapeError" in h["shape_error"], (case, h)
-            if case["fsdp"]:
+            if case["inside"] == "fsdp":
                 assert all(w.startswith("FSDP") for w in h["wrappers"]), (case, h)
+            elif case["inside"] == "tp":  # q/k/v colwise (local heads) and o rowwise in the rank's block stages
+                styles = {m.rsplit(".", 1)[1]: c for st in h["tp_styles"] for m, c in st.items()}
+                assert styles.get("q_proj") == "ColwiseParallel()" and styles.get("o_proj") == "RowwiseParallel()", h
             elif world == 4:
                 assert h["wrappers"] == ["DistributedDataParallel"], (case, h)
         assert set().union(*(set(h["params"]) for h in held)) == set(held[0]["all_params"]), case
-        if case["fsdp"]:  # four interleaved stages of a 2-block model: one holds the embedding or the head only
+        if (
+            case["inside"] == "fsdp"
+        ):  # four interleaved stages of a 2-block model: one holds the embedding or the head only
             assert case["blockless"], case
 
 
@@ -155,6 +184,7 @@ def _rank_cases(cases):
                 "n_params": len(params),
                 "all_params": [n for n, _ in ref.named_parameters()],
                 "wrappers": runner.wrappers,
+                "tp_styles": runner.tp_styles,
                 "shape_error": err,
             }
         )
