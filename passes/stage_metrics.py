@@ -10,7 +10,7 @@ import re
 
 import numpy as np
 
-from autopar.cost import is_view
+from autopar.cost import collective_time, is_view
 from autopar.liveness import cluster_idle, cluster_peaks
 from autopar.strategies import num_shards
 
@@ -44,6 +44,12 @@ def _sac_saved(target: str, mm_seen: int) -> bool:
     return target.startswith(SAC_SAVED[1:])
 
 
+def _read_after_blocks(g, where, i: int, K: int) -> bool:
+    """Whether parameter node i is read by a forward op after the blocks (cluster K - 1: the output head of a tied
+    embedding)."""
+    return any(where[u] == K - 1 for u in g.nodes[i].users if g.nodes[u].phase == "fw")
+
+
 def node_metrics(state, plan, where, K: int) -> dict:
     """Per cluster F/B/W seconds (compute + activation redistributes), dp comm seconds, model-state bytes,
     saved-activation bytes, its peak live bytes while it runs (cluster_peaks), and the collectives (kind -> [count,
@@ -72,9 +78,14 @@ def node_metrics(state, plan, where, K: int) -> dict:
                 cnt[1] += nbytes
         t = (rec.get("time_s") or 0.0) + t_act
         if n.kind == "param":
-            st[c] += n.out.numel * bpp / num_shards(P[i].out[0], mesh_shape)
-            if any(P[i].out[0][d][0] == "S" for d in dp_dims):  # FSDP-sharded: scales with the dp size
-                st_dp[c] += n.out.numel * bpp / num_shards(P[i].out[0], mesh_shape)
+            share = num_shards(P[i].out[0], mesh_shape)
+            held = [c] + ([K - 1] if c != K - 1 and _read_after_blocks(g, where, i, K) else [])
+            for h in held:  # a tensor tied across the blocks (embedding and head): a copy on the last stage too
+                st[h] += n.out.numel * bpp / share
+                if any(P[i].out[0][d][0] == "S" for d in dp_dims):  # FSDP-sharded: scales with the dp size
+                    st_dp[h] += n.out.numel * bpp / share
+            if len(held) > 1:  # ... its gradient summed between the two stages once per step (over the network)
+                dp[K - 1] += collective_time("all_reduce", n.out.nbytes / share, 2, state.cluster.inter)
         elif n.phase == "fw":
             F[c] += t
             target = str(n.target)

@@ -22,9 +22,10 @@ def _cluster_names(prefix: str, n_blocks: int) -> list[str]:
     return ["pre"] + [f"{prefix}.{i}" for i in range(n_blocks)] + ["post"]
 
 
-def _placements(best, ops, model, prefix, reps, pos_of, smesh):
+def _placements(best, ops, model, prefix, reps, pos_of, smesh, post=()):
     """Each parameter's placements on the stage submesh (from the intra-op plan of the stage holding it: blocks
-    map to their representative block of the sub-model) and the parameter FQNs of each stage."""
+    map to their representative block of the sub-model) and the parameter FQNs of each stage; a tensor tied to a
+    module of `post` (the output head of a tied embedding) is on the last stage too, under the head's name."""
     part, costs, S = best["part"], ops.costs(), best["p"] * best["v"]
     n_blocks = len(pos_of)
     pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.(.*)$")
@@ -50,6 +51,14 @@ def _placements(best, ops, model, prefix, reps, pos_of, smesh):
         per_stage_params[k].append(fqn)
         plan_k = ops.plans[costs[part.variants[k]].base]
         params[fqn] = list(plan_k.params.get(sub, ["R"] * len(smesh.shape)))
+    first = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        name = first.setdefault(id(p), fqn)
+        owner = fqn.rsplit(".", 1)[0]
+        if name != fqn and any(owner == m or owner.startswith(m + ".") for m in post):  # a tied head: its alias
+            params[fqn] = params[name]  # on the last stage, placed as the tensor it shares
+            if fqn not in per_stage_params[S - 1] and name not in per_stage_params[S - 1]:
+                per_stage_params[S - 1].append(fqn)
     return params, per_stage_params
 
 
@@ -283,10 +292,10 @@ def build_pipeline_plan(
     p, smesh, part = best["p"], best["mesh"], best["part"]
     costs = ops.costs()
     names = _cluster_names(prefix, len(pos_of))
-    params, per_stage_params = _placements(best, ops, model, prefix, reps, pos_of, smesh)
-    numel = {f: p.numel() for f, p in model.named_parameters()}
     main = _main_plan(best, ops)
     pre, post = _outer_modules(main, prefix)
+    params, per_stage_params = _placements(best, ops, model, prefix, reps, pos_of, smesh, post)
+    numel = {f: p.numel() for f, p in model.named_parameters(remove_duplicate=False)}
     stages = []
     for k in range(p * best["v"]):
         held = _stage_modules(names[part.bounds[k] : part.bounds[k + 1]], prefix, pre, post)
@@ -294,6 +303,11 @@ def build_pipeline_plan(
     layout = _batch_layout(main, smesh, inputs, best["m"])
     schedule = _schedule(best, top, n_candidates, prefix, names, layout, times)
     schedule["block_positions"] = list(pos_of)  # per block its block in the representative sub-model
+    first = {}
+    tied = {f: first.setdefault(id(q), f) for f, q in model.named_parameters(remove_duplicate=False)}
+    tied = {f: o for f, o in tied.items() if f != o and f in stages[-1]["params"] and o not in stages[-1]["params"]}
+    if tied:  # the last stage's alias -> the first stage's parameter: gradients summed between them each step
+        schedule["tied"] = tied
     predicted = _predicted(best, _step_collectives(best, costs), budget)
     solver = dict(main.solver)
     solver["seconds"] = sum(pl.solver["seconds"] for pl in ops.plans)

@@ -87,9 +87,19 @@ def _blocks(model):
     return prefix, blocks, reps, pos_of
 
 
+def _tied_in_blocks(model, prefix: str) -> set:
+    """The aliases of tied parameters that a block holds (one tensor in several layers, ALBERT's shared blocks):
+    those keep pp = 1. A tensor tied only outside the blocks (the input embedding and the output head) is held by
+    the first and the last stage, its gradients all-reduced between the two (Megatron's embedding group), priced in
+    passes/stage_metrics.py and run by backends/pipelining/runtime.py."""
+    every = {a: id(p) for a, p in model.named_parameters(remove_duplicate=False)}
+    shared = {i for i in every.values() if list(every.values()).count(i) > 1}
+    return {a for a, i in every.items() if i in shared and a.startswith(prefix + ".")}
+
+
 def _meshes(model, mesh, n: int, cluster, opts, tied, seq=None) -> list:
-    """The (pp, stage submesh) candidates. A model with tied parameters (one tensor used by two layers, e.g. tied
-    embeddings) plans without pipeline stages: the pipeline runtime keeps each parameter on one stage. seq: the
+    """The (pp, stage submesh) candidates. A model whose blocks hold tied parameters (one tensor used by two layers,
+    `_tied_in_blocks`) plans without pipeline stages: the pipeline runtime keeps each block on one stage. seq: the
     step's sequence length (cp candidates where it is long); a model that declares no attention heads gets none
     (a cp dim splits attention's sequence)."""
     if tied and "pp" in mesh.names and mesh.shape[mesh.names.index("pp")] > 1:
@@ -305,7 +315,7 @@ def run(request: StagesRequest) -> Plan:
     Bsz = tensors[0].shape[0]
     prefix, blocks, reps, pos_of = _blocks(model)
     n = len(blocks) + 2
-    tied = {a for a, _ in model.named_parameters(remove_duplicate=False)} - {a for a, _ in model.named_parameters()}
+    tied = _tied_in_blocks(model, prefix)
     ctx = {**_context(request, opts), "io": io}
     specs = [pm.get_schedule(k) for k in opts.get("schedules") or pm.SCHEDULES]
     hand = opts.get("layers_per_stage")

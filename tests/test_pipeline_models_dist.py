@@ -10,7 +10,8 @@ holding the last stage, every local parameter's gradient (|diff| <= 1e-6 + 1e-4 
 gathered), and that every parameter is on some stage. Each case then feeds a batch of another sequence length:
 every rank must raise PipelineShapeError (none may wait for activations that never come). Cases: world 2 (pp=2):
 Llama (1F1B; ZBVZeroBubble: split backward, V placement), GPT-NeoX (Interleaved1F1B: two stages per rank), ViT
-(GPipe: an image classifier); world 4: pp=2 x dp=2, Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
+(GPipe: an image classifier), GPT-2 (1F1B: its tied embedding and head on the first and the last stage, the
+gradient summed between them); world 4: pp=2 x dp=2, Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
 them holds no block) and Qwen2-MoE 1F1B with DDP stages; pp=2 x tp=2, Llama Interleaved1F1B with Megatron's
 placements forced (ParallelStyles inside the stages, attention on local heads). Without processes: a Mixtral plan whose blocks hand their
 router logits to the aux loss is refused, naming the block.
@@ -30,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "thi
 TOL_ABS, TOL_REL = 1e-6, 1e-4
 CASES = {
     2: [("llama", "1F1B", None), ("llama", "ZBVZeroBubble", None), ("gpt_neox", "Interleaved1F1B", None),
-        ("vit", "GPipe", None)],
+        ("vit", "GPipe", None), ("gpt2", "1F1B", None)],
     4: [("llama", "Interleaved1F1B", "fsdp"), ("qwen2_moe", "1F1B", None), ("llama", "Interleaved1F1B", "tp")],
 }  # fmt: skip
 MEGATRON = r"(q_proj|k_proj|v_proj|gate_proj|up_proj|o_proj|down_proj)\.weight$"  # colwise, then rowwise ones
@@ -114,6 +115,19 @@ def test_keyword_pipeline_plans_equal_single_device(tmp_path, world):
             assert case["blockless"], case
 
 
+def test_a_block_run_twice_is_refused():
+    """ALBERT runs its one shared layer group once per layer: a stage cannot hold a block that runs twice, so the
+    probe of the first micro-batch refuses it, naming the block (no silent one-layer model)."""
+    import torch
+
+    from autopar.backends.pipelining.forward_stage import probe
+
+    model, args, kwargs = _model("albert")
+    prefix = "albert.encoder.albert_layer_groups"
+    with pytest.raises(NotImplementedError, match=rf"block '{prefix}\.0' runs more than once"):
+        probe(model, prefix, [], {k: v[:2] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+
+
 def test_router_logits_for_an_aux_loss_are_refused():
     """Mixtral's blocks hand their router logits to the loss after the last block (the load-balancing aux loss):
     a stage boundary of the runtime carries the running tensor only, so the plan is refused, naming the block."""
@@ -160,7 +174,7 @@ def _rank_cases(cases):
         loss = runner.step_model(*args, **local)
         zoo.loss_of(ref(*args, **kwargs)).backward()
         loss_ref = float(zoo.loss_of(ref(*args, **local)))
-        grads, worst, params = dict(ref.named_parameters()), 0.0, []
+        grads, worst, params = dict(ref.named_parameters(remove_duplicate=False)), 0.0, []
         for n, p in runner.named_parameters():
             params.append(n)
             want = grads[n].grad
@@ -182,7 +196,7 @@ def _rank_cases(cases):
                 "worst": worst,
                 "params": params,
                 "n_params": len(params),
-                "all_params": [n for n, _ in ref.named_parameters()],
+                "all_params": [n for n, _ in ref.named_parameters(remove_duplicate=False)],
                 "wrappers": runner.wrappers,
                 "tp_styles": runner.tp_styles,
                 "shape_error": err,

@@ -311,20 +311,36 @@ def test_auto_on_flat_ranks_chooses_pp_and_submesh():
     assert sc["step_s"] == min(c["step_s"] for c in sc["candidates"])
 
 
-def test_tied_parameters_cannot_span_stages():
-    m = models.build_model("llama-tiny", device="meta", tie_embeddings=True)
-    x = models.example_inputs("llama-tiny", device="meta")
-    with pytest.raises(ValueError, match="tied parameters"):
+def test_tied_embedding_and_head_live_on_the_first_and_the_last_stage():
+    """A tied input embedding and output head (one tensor): the first stage holds it as the embedding, the last as
+    the head (its name listed there, placed as the tensor), the last stage's model state counts its copy as the
+    untied model's counts its own head, and the gradient all-reduce between the two stages is priced there."""
+    m = models.build_model("llama-tiny", device="meta", tie_embeddings=True, n_layers=4)
+    untied = models.build_model("llama-tiny", device="meta", n_layers=4)
+    x = models.example_inputs("llama-tiny", batch=8, device="meta", n_layers=4)
+    opts = {"schedules": ["1F1B"], "n_microbatches": [4], "layers_per_stage": [2, 2]}
+    plan = autopar.plan(m, MeshSpec((2,), ("pp",)), x, cluster="h100", pipeline=opts)
+    ref = autopar.plan(untied, MeshSpec((2,), ("pp",)), x, cluster="h100", pipeline=opts)
+    assert plan.schedule["tied"] == {"output.weight": "tok_embeddings.weight"}
+    first, last = plan.stages[0], plan.stages[-1]
+    assert "tok_embeddings.weight" in first["params"] and "output.weight" in last["params"]
+    assert plan.params["output.weight"] == plan.params["tok_embeddings.weight"]
+    assert last["memory"]["state_bytes"] == pytest.approx(ref.stages[-1]["memory"]["state_bytes"], rel=1e-6)
+    assert last["time"]["dp_comm_s"] > ref.stages[-1]["time"]["dp_comm_s"] == first["time"]["dp_comm_s"] == 0
+
+
+def test_tensors_tied_inside_the_blocks_keep_one_stage():
+    """A weight two blocks share (ALBERT-like) cannot be split across pipeline stages: pp = 1 for the automatic
+    search, a clear error for a pp mesh dim."""
+    m = models.build_model("llama-tiny", device="meta", n_layers=4)
+    m.layers[1].attention.wq.weight = m.layers[0].attention.wq.weight
+    x = models.example_inputs("llama-tiny", batch=8, device="meta", n_layers=4)
+    with pytest.raises(
+        ValueError, match=r"tied parameters \['layers.0.attention.wq.weight', 'layers.1.attention.wq.weight'\]"
+    ):
         autopar.plan(m, MeshSpec((2,), ("pp",)), x, cluster="h100")
-
-
-def test_tied_parameters_keep_auto_search_at_one_stage():
-    m = models.build_model("llama-tiny", device="meta", tie_embeddings=True)
-    x = models.example_inputs("llama-tiny", batch=8, device="meta")
     plan = autopar.plan(m, (4,), x, cluster="h100", pipeline={"max_microbatch_options": 1})
     assert plan.schedule["pp"] == 1 and plan.schedule["search"]["pp_degrees"] == [1]
-    with pytest.raises(ValueError, match="tied parameters"):
-        autopar.plan(m, (4,), x, cluster="h100", pipeline={"pp": [2]})
 
 
 def test_tp_degrees_divide_heads_and_stay_in_a_node():

@@ -43,10 +43,6 @@ class _StageEnd(Exception):
         self.hidden = hidden
 
 
-class _ProbeEnd(Exception):
-    """Raised by the last block during the probe forward: everything the stand-ins need is recorded."""
-
-
 def _hidden_of(args, kwargs):
     """The running tensor a block takes: its first positional argument or `hidden_states=`."""
     if args and isinstance(args[0], torch.Tensor):
@@ -146,7 +142,7 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
     """One forward of `model(**call)` (a micro-batch), no gradients, the RNG state kept: per block FQN how its
     output holds the running tensor (None: it is the output; n: a tuple of n, it first, the rest None), per module
     of `outer` (the plan's modules outside the blocks) that runs before the first block its output (a meta
-    tensor), stopped after the last block."""
+    tensor). A block that runs twice (a shared layer) is refused."""
     layers = model.get_submodule(prefix)
     blocks = [f"{prefix}.{n}" for n, _ in layers.named_children()]
     seen: dict = {"blocks": {}, "outputs": {}}
@@ -158,6 +154,11 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
                     f"block '{fqn}' takes no running tensor as its first argument or hidden_states=: the pipeline "
                     f"runtime cannot hand it a received activation"
                 )
+            if fqn in seen["blocks"]:
+                raise NotImplementedError(
+                    f"block '{fqn}' runs more than once in one forward (ALBERT's shared layer): a pipeline stage "
+                    f"holds each block once (plan-only)"
+                )
             if isinstance(out, torch.Tensor):
                 seen["blocks"][fqn] = None
             elif isinstance(out, tuple) and isinstance(out[0], torch.Tensor) and all(o is None for o in out[1:]):
@@ -167,8 +168,6 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
                     f"block '{fqn}' returns {type(out).__name__} (more than its running tensor): a stage boundary "
                     f"carries one tensor in the pipeline runtime"
                 )
-            if fqn == blocks[-1]:
-                raise _ProbeEnd
 
         return hook
 
@@ -181,11 +180,9 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
 
     handles = [model.get_submodule(f).register_forward_hook(block_hook(f), with_kwargs=True) for f in blocks]
     handles += [model.get_submodule(f).register_forward_hook(out_hook(f)) for f in outer]
-    try:
+    try:  # the whole forward: a block it runs twice (a shared layer) must be seen
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(**call)
-    except _ProbeEnd:
-        pass
     finally:
         for h in handles:
             h.remove()
@@ -328,4 +325,5 @@ def step(runner, args: tuple, kwargs: dict):
     losses = [] if runner.is_last else None
     kw = {"target": torch.zeros(m), "losses": losses} if runner.is_last else {}
     runner.schedule.step(**kw, **call)
+    runner.tied.sum(runner.named_parameters())
     return torch.stack([loss.detach() for loss in losses]).mean() if runner.is_last else None

@@ -56,6 +56,7 @@ from torch import nn
 from autopar.strategies.context_parallel import CP_PREFIX
 
 from ..spmd.module import parent_of
+from .tied import TiedGrads
 from ..torch.tp import _kind, param_style
 
 
@@ -418,6 +419,7 @@ class PipelineRunner:
             stages.append(pp_api.PipelineStage(mod, k, S, self.device, group=self.mesh.get_group("pp")))
         self.wrappers = [type(mod).__name__ for mod in self.modules]
         self.stages = stages
+        self.tied = TiedGrads(self.plan, self.mesh, self.local)
         spec = get_schedule(sc["name"])
         cls = getattr(pp_api, spec.torch_class)
         m = sc["n_microbatches"]
@@ -563,6 +565,7 @@ class PipelineRunner:
         args = (x,) if self.is_first else ()
         kw = {"target": target, "losses": losses} if self.is_last else {}
         self.schedule.step(*args, **kw)
+        self.tied.sum(self.named_parameters())
         if self.is_last:
             return torch.stack([loss.detach() for loss in losses]).mean()
         return None
