@@ -9,7 +9,7 @@ stages per rank), and the row records wall and CPU seconds (this process and its
 step time and the chosen layout. The machine is shared: compare CPU seconds across runs, not wall.
 
 Megatron's GPT shapes are autopar's GPT-2 family (learned positions, 4h MLP, vocab 51,200) with untied
-embeddings (a tied model plans without pipeline stages; see passes/stages.py). TorchTitan's H100s are modeled with
+embeddings (as benchmarks/published.py plans them). TorchTitan's H100s are modeled with
 the `h100` preset (80 GB), like Llama 3's. The long-sequence rows plan without context parallelism unless the
 planner offers it: their layout says what the search found.
 

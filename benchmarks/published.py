@@ -16,9 +16,10 @@ allocated peak + the caching allocator's segments idle there), as TorchTitan's m
 
 Assumptions (each also in the results file):
   * Megatron's GPT shapes are autopar's GPT-2 family (learned positions, 4h MLP, vocab 51,200), untied embeddings
-    (a tied model plans without pipeline stages); attention unfused (DeviceSpec attention="unfused", as Megatron-LM
-    ran it in 2021); full activation recomputation (recompute="all"); micro-batch size 1 on the pipelined rows
-    (Megatron's GPT-3 175B and MT-NLG 530B recipes), and for pp = 1 autopar picks the micro-batch count among
+    (Megatron-LM ties them, a copy on the last stage; autopar plans that too, but the fitted set was fixed on the
+    untied shapes; the copy's gradient all-reduce is under 0.1% of a step); attention unfused (DeviceSpec
+    attention="unfused", as Megatron-LM ran it in 2021); full activation recomputation (recompute="all"); micro-batch
+    size 1 on the pipelined rows (Megatron's GPT-3 175B and MT-NLG 530B recipes), and for pp = 1 autopar picks the micro-batch count among
     1, 2, 4, .., 32 per step (not published); interleaved schedule with v = the smallest divisor >= 2 of the blocks per
     rank (v is not published).
   * TorchTitan's H100s are the 95 GiB power-limited part (preset h100-95g); sequence 8192 for Tables 1-4; its
