@@ -30,6 +30,14 @@ def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", pla
     pinned, a second solve where the free plan needs it); target=autopar.TorchTarget(data_dims=("dp",)) declares
     the dims they feed batch-sharded, so the pins are known up front and the model is solved once. The result's
     `.autopar_dump` says which part went where and why. See autopar.backends.torch."""
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "pp" in names or (plan is not None and plan.stages):  # a schedule steps forward and backward together
+        raise ValueError(
+            f"{'mesh dim pp' if 'pp' in names else 'the plan'} makes pipeline stages, which parallelize does not run "
+            f"(a pipeline schedule runs forward and backward in one step): plan = autopar.plan(model, mesh, ...), "
+            f"then runner = autopar.backends.pipelining.PipelineRunner(model, plan, mesh) and runner.step(x, y) (or "
+            f"runner.step_model(**batch) for a plan made from keyword inputs)"
+        )
     if backend == "graph":
         return _parallelize_graph(model, mesh, example_inputs, plan, kwargs)
     if backend in ("torch", "mixed", "auto"):

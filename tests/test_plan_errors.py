@@ -149,3 +149,19 @@ def test_unused_parameter_gets_no_gradient():
 
     p, state = autopar.plan(Unused(), (2,), (torch.randn(2, 4),), return_state=True)
     assert "b.weight" in p.params and "b.weight" not in state.graph.grads and "a.weight" in state.graph.grads
+
+
+def test_parallelize_points_pipeline_plans_to_the_pipeline_runner():
+    """A mesh with a pp dim (or a finished pipeline plan) makes pipeline stages, which parallelize does not run:
+    the error says what does (PipelineRunner), before anything is planned or captured."""
+    import types
+
+    from autopar import models
+
+    m = models.build_model("llama-tiny", device="meta", n_layers=2)
+    x = models.example_inputs("llama-tiny", batch=4, device="meta", n_layers=2)
+    with pytest.raises(ValueError, match=r"mesh dim pp makes pipeline stages.*PipelineRunner\(model, plan, mesh\)"):
+        autopar.parallelize(m, types.SimpleNamespace(mesh_dim_names=("pp", "dp")), x)
+    plan = autopar.plan(m, autopar.MeshSpec((2,), ("pp",)), x, cluster="h100", pipeline={"schedules": ["GPipe"]})
+    with pytest.raises(ValueError, match=r"the plan makes pipeline stages.*step_model"):
+        autopar.parallelize(m, types.SimpleNamespace(mesh_dim_names=("dp",)), x, plan=plan)
