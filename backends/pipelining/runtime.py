@@ -395,10 +395,10 @@ class PipelineRunner:
         self.is_first = 0 in self.local
         self.is_last = (S - 1) in self.local
         self._model, self.schedule = model, None
-        if plan.meta.get("keyword_inputs"):  # the model's own forward per stage, built at the first step
-            from .forward_stage import check_plan
+        from .forward_stage import check_plan
 
-            check_plan(plan)
+        check_plan(plan)  # one running tensor between stages
+        if plan.meta.get("keyword_inputs"):  # the model's own forward per stage, built at the first step
             self.loss_fn = lambda loss, _target: loss.sum()  # the model's loss, shape [1] (no view)
             return
         extras = block_inputs(model, plan)
