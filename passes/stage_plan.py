@@ -51,14 +51,16 @@ def _placements(best, ops, model, prefix, reps, pos_of, smesh, post=()):
         per_stage_params[k].append(fqn)
         plan_k = ops.plans[costs[part.variants[k]].base]
         params[fqn] = list(plan_k.params.get(sub, ["R"] * len(smesh.shape)))
-    first = {}
+    first, on_last = {}, set()
     for fqn, p in model.named_parameters(remove_duplicate=False):
         name = first.setdefault(id(p), fqn)
         owner = fqn.rsplit(".", 1)[0]
         if name != fqn and any(owner == m or owner.startswith(m + ".") for m in post):  # a tied head: its alias
+            if name in per_stage_params[S - 1] or id(p) in on_last:
+                continue  # the last stage holds the tensor already (one name per tensor, its first after the blocks)
+            on_last.add(id(p))
             params[fqn] = params[name]  # on the last stage, placed as the tensor it shares
-            if fqn not in per_stage_params[S - 1] and name not in per_stage_params[S - 1]:
-                per_stage_params[S - 1].append(fqn)
+            per_stage_params[S - 1].append(fqn)
     return params, per_stage_params
 
 

@@ -23,6 +23,7 @@ state restored after it). The first `recompute_blocks` blocks of the stage are c
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import re
@@ -30,7 +31,9 @@ import types
 from collections import defaultdict
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from autopar.model_io import pick_loss
 
@@ -117,12 +120,17 @@ def check_plan(plan) -> None:
     for n in plan.nodes:
         if any(p in from_params for p, _ in n.get("inputs", [])):
             from_params.add(n["idx"])
-    sent, pre_read = defaultdict(set), set()
+    sent, pre_read, end, last = defaultdict(set), set(), max(block), max(block.values())
     for n in fw:
         mine = block.get(n["idx"])
         for p, o in n.get("inputs", []):
             if p in block and block[p] != mine:
                 sent[block[p]].add((p, o))
+                if mine is None and n["idx"] > end and block[p] != last:  # read after the blocks: not the last's
+                    raise NotImplementedError(
+                        f"block '{prefix}.{block[p]}''s output is read after the last block (every block's hidden "
+                        f"state collected, a multi-scale head): later stages do not have it (plan-only)"
+                    )
             elif p < start and p not in block and p in from_params and p not in params and n["idx"] > start:
                 pre_read.add((p, o) if mine == first else (p, o, "elsewhere"))
     for b, vals in sent.items():
@@ -238,11 +246,28 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
         inject, end = i == 0 and not first_stage, i == len(blocks) - 1 and not last_stage
         if inject or end or i < recompute:
             _replace(root, f, _block(model.get_submodule(f), inject, end, i < recompute, holder))
+    _strip_others(root, set(st["params"]), {f for s in plan.stages for f in s["modules"]})
     root.forward = types.MethodType(_stage_forward(holder, last_stage), root)
     have = {n for n, _ in root.named_parameters()}
     if have != set(st["params"]):
         raise ValueError(f"stage {k}: skeleton holds parameters {sorted(have ^ set(st['params']))[:6]} unlike the plan")
     return root
+
+
+def _strip_others(root: nn.Module, want: set, listed: set) -> None:
+    """Parameters under a name the stage does not hold, of a module no stage lists (BART's `shared` embedding,
+    whose tensor its encoder and decoder embeddings use, on the decoder's stage): kept as meta tensors that are no
+    parameters, as in `_ghost`; the stage holds the tensor under its own module's name."""
+    inside = lambda owner: any(owner == m or owner.startswith(m + ".") for m in listed)
+    for n, p in list(root.named_parameters(remove_duplicate=False)):
+        owner, _, attr = n.rpartition(".")
+        if n in want or inside(owner):
+            continue
+        mod = _shallow(root.get_submodule(owner)) if owner else root
+        del mod._parameters[attr]
+        object.__setattr__(mod, attr, p.detach().to("meta"))
+        if owner:
+            _replace(root, owner, mod)
 
 
 def _replace(root: nn.Module, fqn: str, new: nn.Module) -> None:
@@ -285,17 +310,48 @@ def _block(block: nn.Module, inject: bool, end: bool, recompute: bool, holder: d
     return c
 
 
+class _LossCount(TorchFunctionMode):
+    """What a mean-reduced cross_entropy / nll_loss in the last stage's forward divides by (the targets it does not
+    ignore, or their class weights): the micro-batch's loss times it is its sum, and the step divides the sums by
+    the whole batch's count, as one device's mean does. None where the forward makes no such loss or several."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (F.cross_entropy, F.nll_loss):
+            a = inspect.signature(func).bind(*args, **kwargs)
+            a.apply_defaults()
+            a = a.arguments
+            t, w = a["target"], a["weight"]
+            plain = a["reduction"] == "mean" and a["size_average"] is None and a["reduce"] is None
+            if plain and not t.is_floating_point():
+                keep = t != a["ignore_index"]
+                self.found.append((w[t.clamp_min(0)] * keep).sum() if w is not None else keep.sum())
+            else:
+                self.found.append(None)
+        return func(*args, **kwargs)
+
+    def count(self):
+        return self.found[0].detach().double() if len(self.found) == 1 and self.found[0] is not None else None
+
+
 def _stage_forward(holder: dict, last: bool):
     def forward(self, *recv, **call):
         holder["recv"] = recv[0] if recv else None
+        counter = _LossCount()
         try:
-            out = type(self).forward(self, **call)
+            with counter if last else contextlib.nullcontext():
+                out = type(self).forward(self, **call)
         except _StageEnd as e:
-            return e.hidden
+            return e.hidden.contiguous()  # sent as it is (gloo and NCCL send contiguous buffers)
         finally:
             holder["recv"] = None
         if not last:
             raise RuntimeError("a pipeline stage before the last ran the model's forward to its end")
+        holder["counts"].append(counter.count())
         # shape [1]: the schedule concatenates the last stage's outputs over micro-batches
         return torch.stack([pick_loss(out, None, type(self).__name__)[0]])  # no view: split backward detaches it
 
@@ -321,9 +377,52 @@ def step(runner, args: tuple, kwargs: dict):
         prefix = plan.schedule["layer_prefix"]
         outer = [f for st in plan.stages for f in st["modules"] if not f.startswith(prefix + ".")]
         seen = probe(runner._model, prefix, outer, first)
-        runner._build(lambda k: build(runner._model, plan, k, seen, {}))
+        runner._build(lambda k: build(runner._model, plan, k, seen, {"counts": runner.counts}), scale_grads=False)
     losses = [] if runner.is_last else None
     kw = {"target": torch.zeros(m), "losses": losses} if runner.is_last else {}
+    runner.counts.clear()
     runner.schedule.step(**kw, **call)
+    mine = _to_batch_mean(runner)
     runner.tied.sum(runner.named_parameters())
-    return torch.stack([loss.detach() for loss in losses]).mean() if runner.is_last else None
+    return torch.stack([loss.detach() for loss in losses]).sum() / mine if runner.is_last else None
+
+
+def loss_of_microbatch(runner):
+    """The schedule's loss_fn for the model's own loss (shape [1]): its sum over the micro-batch's counted targets
+    (`_LossCount`), or the loss itself where the count is not known (each micro-batch then weighs the same)."""
+
+    def loss_fn(out, _target):
+        c = runner.counts[-1]
+        return out.sum() * (c.to(out.dtype) if c is not None else 1.0)
+
+    return loss_fn
+
+
+def _to_batch_mean(runner) -> torch.Tensor:
+    """Divide every local gradient by the batch's count of targets (over the micro-batches of every data-parallel
+    rank; DDP / FSDP2 averaged them over those ranks already, so times their number), as one device's mean over
+    the batch; returns this rank's count (its rows' mean is the sum of its micro-batch sums over it)."""
+    import torch.distributed as dist
+
+    from .runtime import _batch_dp_sharded
+
+    plan, mesh = runner.plan, runner.mesh
+    m = plan.schedule["n_microbatches"]
+    counts = runner.counts[-m:]  # the step's micro-batches (the first step's shape inference ran a forward before)
+    known = runner.is_last and all(c is not None for c in counts)
+    mine = sum(counts) if known else float(m)
+    total = torch.tensor([float(mine) if runner.is_last else 0.0], dtype=torch.float64)
+    dist.all_reduce(total, group=mesh.get_group("pp"))  # the last stage's count, on every stage of this pipeline
+    mine = float(total)
+    dims = [nm for nm, n in zip(plan.schedule["stage_mesh_names"], plan.schedule["stage_mesh_shape"]) if n > 1]
+    dims = [nm for nm in dims if nm.startswith("dp")] if _batch_dp_sharded(plan) else []
+    ranks = 1
+    for nm in dims:
+        dist.all_reduce(total, group=mesh.get_group(nm))
+        ranks *= mesh.size(mesh.mesh_dim_names.index(nm))
+    scale = ranks / float(total)
+    with torch.no_grad():
+        for _, p in runner.named_parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return torch.tensor(mine)

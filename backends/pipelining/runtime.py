@@ -399,12 +399,15 @@ class PipelineRunner:
 
         check_plan(plan)  # one running tensor between stages
         if plan.meta.get("keyword_inputs"):  # the model's own forward per stage, built at the first step
-            self.loss_fn = lambda loss, _target: loss.sum()  # the model's loss, shape [1] (no view)
+            from .forward_stage import loss_of_microbatch
+
+            self.counts = []  # per micro-batch, what the last stage's loss divides by (forward_stage._LossCount)
+            self.loss_fn = loss_of_microbatch(self)
             return
         extras = block_inputs(model, plan)
         self._build(lambda k: build_stage_module(model, plan, k, extras))
 
-    def _build(self, make) -> None:
+    def _build(self, make, scale_grads: bool = True) -> None:
         """Stage modules (make(k)), tensor then data parallel inside each, their PipelineStages and the schedule."""
         import torch.distributed.pipelining as pp_api
         from autopar.pipeline_model import get_schedule
@@ -423,7 +426,9 @@ class PipelineRunner:
         spec = get_schedule(sc["name"])
         cls = getattr(pp_api, spec.torch_class)
         m = sc["n_microbatches"]
-        self.schedule = cls(stages if spec.multi else stages[0], n_microbatches=m, loss_fn=self.loss_fn)
+        self.schedule = cls(
+            stages if spec.multi else stages[0], n_microbatches=m, loss_fn=self.loss_fn, scale_grads=scale_grads
+        )
 
     def _tensor_parallel(self, mod, k):
         """ParallelStyles over the stage's tensor-parallel dim (stage_tp_styles), applied with parallelize_module
@@ -519,10 +524,10 @@ class PipelineRunner:
     def step_model(self, *args, **kwargs):
         """One training step of a plan made from keyword inputs: every rank passes the model's call as the model
         takes it (`runner.step_model(**batch)`, its dp rows of the batch); the schedule splits it into micro-batches
-        and every stage runs the model's own forward on them (forward_stage.py). Returns the mean of the
-        micro-batches' losses on the rank holding the last stage (None elsewhere): the step's loss where every
-        micro-batch weighs the same in it (a mean-reduced loss over equal token counts), as the gradients are
-        (torch's schedules scale them by 1 / micro-batches)."""
+        and every stage runs the model's own forward on them (forward_stage.py). Returns the loss of this rank's
+        rows on the ranks holding the last stage (None elsewhere); the gradients are the whole batch's: a
+        mean-reduced cross_entropy / nll_loss is divided by the batch's count of targets over the micro-batches and
+        the dp ranks, as on one device (forward_stage._LossCount); another loss weighs each micro-batch the same."""
         from . import forward_stage
 
         return forward_stage.step(self, args, kwargs)
