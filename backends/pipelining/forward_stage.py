@@ -404,8 +404,6 @@ def _to_batch_mean(runner) -> torch.Tensor:
     the batch; returns this rank's count (its rows' mean is the sum of its micro-batch sums over it)."""
     import torch.distributed as dist
 
-    from .runtime import _batch_dp_sharded
-
     plan, mesh = runner.plan, runner.mesh
     m = plan.schedule["n_microbatches"]
     counts = runner.counts[-m:]  # the step's micro-batches (the first step's shape inference ran a forward before)
@@ -414,8 +412,7 @@ def _to_batch_mean(runner) -> torch.Tensor:
     total = torch.tensor([float(mine) if runner.is_last else 0.0], dtype=torch.float64)
     dist.all_reduce(total, group=mesh.get_group("pp"))  # the last stage's count, on every stage of this pipeline
     mine = float(total)
-    dims = [nm for nm, n in zip(plan.schedule["stage_mesh_names"], plan.schedule["stage_mesh_shape"]) if n > 1]
-    dims = [nm for nm in dims if nm.startswith("dp")] if _batch_dp_sharded(plan) else []
+    dims = runner.batch_dims()
     ranks = 1
     for nm in dims:
         dist.all_reduce(total, group=mesh.get_group(nm))

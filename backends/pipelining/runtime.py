@@ -517,6 +517,12 @@ class PipelineRunner:
     def check_batch(self, *tensors) -> None:
         check_batch(self.plan, tensors)
 
+    def batch_dims(self) -> list:
+        """The stage-mesh dims (names) the batch is split over: the data-parallel ones, where it is sharded."""
+        sc = self.plan.schedule
+        dims = [nm for nm, n in zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]) if n > 1 and nm.startswith("dp")]
+        return dims if _batch_dp_sharded(self.plan) else []
+
     def expected_shapes(self) -> list:
         sc = self.plan.schedule
         return sc["local_batch_shapes"] if _batch_dp_sharded(self.plan) else sc["batch_shapes"]
