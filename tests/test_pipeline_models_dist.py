@@ -15,8 +15,8 @@ gradient summed between them), BART (GPipe: encoder and decoder stages, one embe
 whose micro-batches count 2-3 masked tokens a row: the loss and gradients are the batch's token mean, not the mean of
 the micro-batches' means); world 4: pp=2 x dp=2, Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
 them holds no block) and Qwen2-MoE and RoBERTa 1F1B with DDP stages; pp=2 x tp=2, Llama Interleaved1F1B with Megatron's
-placements forced (ParallelStyles inside the stages, attention on local heads). Without processes: a Mixtral plan whose blocks hand their
-router logits to the aux loss is refused, naming the block.
+placements forced (ParallelStyles inside the stages, attention on local heads). Without processes: what a stage
+boundary cannot carry is refused, naming the block (Mixtral, DeBERTa-v2, T5; ALBERT's block run twice).
 """
 
 from __future__ import annotations
@@ -133,25 +133,32 @@ def test_a_block_run_twice_is_refused():
         probe(model, prefix, [], {k: v[:2] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
 
 
-def test_router_logits_for_an_aux_loss_are_refused():
-    """Mixtral's blocks hand their router logits to the loss after the last block (the load-balancing aux loss):
-    a stage boundary of the runtime carries the running tensor only, so the plan is refused, naming the block."""
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("mixtral", r"block 'model\.layers\.0' hands 2 values.*router"),  # its router logits go to the aux loss
+        ("deberta_v2", r"reads parameter 'deberta\.encoder\.rel_embeddings\.weight' of a module outside"),
+        ("t5", r"output is read after the last block"),  # find_layers takes a T5 block's sub-layers
+    ],
+)
+def test_plans_carrying_more_than_the_running_tensor_are_refused(name, why):
+    """What a stage boundary cannot carry (the runtime sends one running tensor): a second value a block hands on
+    (Mixtral's router logits for its load-balancing loss), a parameter outside the blocks that every block reads
+    (DeBERTa's relative position table), a block output read after the last block. Llama passes."""
     import autopar
     from autopar.backends.pipelining.forward_stage import check_plan
 
-    model, args, kwargs = _model("mixtral")
-    plan = autopar.plan(
-        model, autopar.MeshSpec((2,), ("pp",)), args, example_kwargs=kwargs, cluster="h100",
-        pipeline={"schedules": ["GPipe"]},
-    )  # fmt: skip
-    with pytest.raises(NotImplementedError, match=r"block 'model\.layers\.0' hands 2 values.*router"):
-        check_plan(plan)
-    model, args, kwargs = _model("llama")
-    plan = autopar.plan(
-        model, autopar.MeshSpec((2,), ("pp",)), args, example_kwargs=kwargs, cluster="h100",
-        pipeline={"schedules": ["GPipe"]},
-    )  # fmt: skip
-    check_plan(plan)  # one running tensor per boundary
+    def plan_of(model_name):
+        model, args, kwargs = _model(model_name)
+        return autopar.plan(
+            model, autopar.MeshSpec((2,), ("pp",)), args, example_kwargs=kwargs, cluster="h100",
+            pipeline={"schedules": ["GPipe"]},
+        )  # fmt: skip
+
+    with pytest.raises(NotImplementedError, match=why):
+        check_plan(plan_of(name))
+    if name == "mixtral":
+        check_plan(plan_of("llama"))  # one running tensor per boundary
 
 
 # ---- one rank (tests/_dist.py runs it) -------------------------------------------------------------------------

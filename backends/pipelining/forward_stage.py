@@ -121,9 +121,16 @@ def check_plan(plan) -> None:
         if any(p in from_params for p, _ in n.get("inputs", [])):
             from_params.add(n["idx"])
     sent, pre_read, end, last = defaultdict(set), set(), max(block), max(block.values())
+    outside = {n["idx"]: n["target"] for n in plan.nodes if n.get("kind") == "param"}
+    outside = {i: f for i, f in outside.items() if not str(f).startswith(prefix + ".")}
     for n in fw:
         mine = block.get(n["idx"])
         for p, o in n.get("inputs", []):
+            if mine is not None and p in outside:  # DeBERTa's relative position table, read by every layer
+                raise NotImplementedError(
+                    f"block '{prefix}.{mine}' reads parameter '{outside[p]}' of a module outside the blocks: "
+                    f"the stages after the one holding it do not have it (plan-only)"
+                )
             if p in block and block[p] != mine:
                 sent[block[p]].add((p, o))
                 if mine is None and n["idx"] > end and block[p] != last:  # read after the blocks: not the last's
