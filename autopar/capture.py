@@ -31,9 +31,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from .batch_norm import BN_DECOMPOSE
 from .capture_error import CaptureError
 from .capture_modes import SDPA, SDPA_BW, Constants, FusedAttention
+from .capture_rng import RngStream, reentrant_checkpoint_error
 from .functionalize import copy_as_clone, functionalization, mutations, refuse_mutations, to_functional, unwrap
 from .graph import Graph, Node, Ref, TensorMeta, map_refs
 from .guards import NoRealValue, build_guard
+from .strategies._torch_adapter import reparametrize
 from .model_io import ModelIO, pick_loss
 from .strategies import decomposition_for, meta_kernel, restride_decomposition
 
@@ -42,6 +44,11 @@ aten = torch.ops.aten
 _MUTATING_OK = {aten.detach_.default}
 # ops making an uninitialized buffer: a random fill of one (dropout's mask) draws in its layout (_draw_stride)
 _FRESH = {aten.empty_like.default, aten.empty_strided.default, aten.empty.memory_format, aten.empty_permuted.default}
+# random ops that functionalization makes of an in-place fill (`empty_like(x).bernoulli_(p)`, `.exponential_()`)
+_FILLS = {aten.bernoulli.p, aten.exponential.default, aten.geometric.default, aten.log_normal.default}
+_FILLS |= {aten.cauchy.default}
+_VALUE_SHAPED = {aten.nonzero.default, aten.masked_select.default, aten._unique2.default, aten.unique_dim.default}
+_VALUE_SHAPED.add(aten.unique_consecutive.default)
 NLL_LOSSES = (aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 _MEAN, _SUM = 1, 2  # torch's Reduction enum
 _META = torch.device("meta")
@@ -66,6 +73,7 @@ class _Recorder(TorchDispatchMode):
         self.guards: list = []
         self.input_names: list[str] = []  # the model_io leaf names, for messages
         self.decomp_origin = None  # the user-level op whose decomposition is being recorded
+        self.rng = RngStream()  # random ops in eager's order; a restored RNG state repeats them (capture_rng.py)
 
     def where(self) -> str:
         """The user's module and op an aten op runs for (a decomposition's inner op names its outer call; in the
@@ -140,12 +148,7 @@ class _Recorder(TorchDispatchMode):
         functionalization records as bernoulli.p of that fresh buffer (whose output is contiguous), fills the
         buffer's own layout."""
         out = flat[0] if flat and isinstance(flat[0], torch.Tensor) else None
-        if (
-            func is torch.ops.aten.bernoulli.p
-            and ins
-            and isinstance(args[0], torch.Tensor)
-            and self.nodes[ins[0].node].target in _FRESH
-        ):
+        if func in _FILLS and ins and isinstance(args[0], torch.Tensor) and self.nodes[ins[0].node].target in _FRESH:
             out = args[0]
         return None if out is None or out.is_contiguous() else tuple(out.stride())
 
@@ -181,6 +184,13 @@ class _Recorder(TorchDispatchMode):
         except NoRealValue as e:
             kind, name = e.leaf
             name = self.input_names[name] if kind == "input" and self.input_names else name
+            if kind == "random op":
+                raise CaptureError(
+                    f"a random draw ({name}) decides Python control flow in {self.where()}, e.g. LayerDrop "
+                    f"(`if torch.rand([]) < layerdrop: skip the layer`): one plan is one graph, so a branch "
+                    f"taken at random on each step cannot be planned; turn it off in training (layerdrop=0 / "
+                    f"encoder_layerdrop=0 in a transformers config) or plan the model in eval()"
+                ) from None
             raise CaptureError(
                 f"data-dependent control flow or .item() in {self.where()}: a tensor value decides "
                 f"Python control flow and it depends on {kind} '{name}', which has no real value here "
@@ -223,6 +233,8 @@ class _Recorder(TorchDispatchMode):
             kwargs = {**kwargs, "device": _META}
         if func is aten.copy.default:
             func, args, kwargs = copy_as_clone(args, kwargs)
+            if not isinstance(func, torch._ops.OpOverload):  # a clone in dst's layout: its ops recorded
+                return self.decompose(aten.copy.default, func, args, kwargs)
         decomp = BN_DECOMPOSE.get(func)
         if (
             decomp is not None
@@ -243,6 +255,12 @@ class _Recorder(TorchDispatchMode):
         try:
             out = self.run(func, args, kwargs)
         except Exception as e:
+            if func in _VALUE_SHAPED or "nonzero" in str(e):  # boolean-mask indexing runs nonzero inside
+                raise CaptureError(
+                    f"op {func} in {self.where()} makes a tensor whose shape depends on tensor values "
+                    f"(torch.nonzero, x[bool_mask], masked_select, unique): a plan needs every shape before "
+                    f"the step runs; write it with fixed shapes (torch.where, masked_fill, a one-hot product)"
+                ) from e
             raise CaptureError(
                 f"op {func} in {self.where()} failed on meta tensors (data-dependent shape?): {e}"
             ) from e
@@ -261,20 +279,28 @@ class _Recorder(TorchDispatchMode):
                 return t(conv(x) for x in a)  # aten lists are homogeneous: int[] / float[] stay as they are
             return a
 
-        rargs = tuple(conv(a) for a in args)
-        rkwargs = {k: conv(v) for k, v in kwargs.items()}
         flat, _ = tree_flatten(out)
         outs = tuple(TensorMeta(tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None for o in flat)
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        if seeded and (same := self.rng.replay(func, outs, self.where())) is not None:
+            return self._alias(out, flat, same)  # a checkpointed block's recompute: the forward's draw again
+        rargs = tuple(conv(a) for a in args)
+        rkwargs = {k: conv(v) for k, v in kwargs.items()}
         n = Node(
             len(self.nodes), "op", func, rargs, rkwargs, outs, self.phase, self.module_path(), origin=self.decomp_origin
         )
         n._ins, n.user_op = ins, self.user_op()
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if seeded:
             n.stride = self._draw_stride(func, args, flat, ins)
+            self.rng.record(func, outs, [Ref(n.idx, i) for i in range(len(flat))])
         self.nodes.append(n)
-        for i, o in enumerate(flat):
+        return self._alias(out, flat, [Ref(n.idx, i) for i in range(len(flat))])
+
+    def _alias(self, out, flat, refs):
+        """`out` (its tensors `flat`) as the recorded values `refs`."""
+        for o, r in zip(flat, refs):
             if isinstance(o, torch.Tensor):
-                self.ref[id(o)] = Ref(n.idx, i)
+                self.ref[id(o)] = r
                 self.keep.append(o)
         return out
 
@@ -323,7 +349,8 @@ def _label_backward_nodes(module_fqn: dict[nn.Module, str], start_seq: dict[nn.M
 
 
 def _next_seq() -> int:
-    with torch._C._DisableTorchDispatch():
+    # grad mode on: a module may run under no_grad (reentrant activation checkpointing's forward)
+    with torch._C._DisableTorchDispatch(), torch.enable_grad():
         t = torch.empty(0, device="meta", requires_grad=True).view(0)
     return t.grad_fn._sequence_nr()
 
@@ -384,8 +411,11 @@ def capture(
     h1 = nn.modules.module.register_module_forward_pre_hook(pre)
     h2 = nn.modules.module.register_module_forward_hook(post)
     try:
-        with fused, Constants(rec), rec, functionalization():
-            out = torch.func.functional_call(model, {**f_params, **f_buffers}, call_args, call_kwargs)
+        # the meta state stays swapped in through the backward (torch.func.functional_call would restore the
+        # model's own before it): activation checkpointing's recompute runs the module again there
+        state = {**f_params, **f_buffers}
+        with fused, Constants(rec), rec, functionalization(), rec.rng.patched(), reparametrize(model, state):
+            out = model(*call_args, **call_kwargs)
             loss = _loss_of(out, loss_fn, act, model, io)
             updates = mutations(rec, f_buffers, meta_buffers)
             refuse_mutations(rec, f_params, meta_params, "parameter")
@@ -415,7 +445,9 @@ def _graph_of(rec: _Recorder, leaves, loss, grads: dict, in_grads: dict, updates
     grad_refs = {k: rec.ref[id(gr)] for k, gr in grads.items() if gr is not None}
     in_refs = {i: rec.ref[id(gr)] for i, gr in in_grads.items() if gr is not None}
     roots = [loss_ref, *grad_refs.values(), *in_refs.values(), *updates.values()]
-    nodes, fix = _drop_dead(rec.nodes, [r.node for r in roots])
+    live = _live(rec.nodes, [r.node for r in roots])
+    rec.rng.carry_dead_draws(rec.nodes, live)  # eager still draws what the loss does not read
+    nodes, fix = _drop_dead(rec.nodes, live)
     remap = lambda d: {k: fix(Ref(v)).node for k, v in d.items()}
     _check_constants(nodes, rec)
     g = Graph(
@@ -493,11 +525,16 @@ def _backward(rec: _Recorder, loss, wrt: list, f_inputs: list, xs: list[int], ac
     backward nodes, every gradient None."""
     rec.phase = "bw"
     seed = torch.ones_like(loss) if act else None  # the incoming gradient, taken at run time
-    grads = (
-        torch.autograd.grad(loss, wrt + [f_inputs[i] for i in xs], seed, allow_unused=True)
-        if backward
-        else [None] * (len(wrt) + len(xs))
-    )
+    try:
+        grads = (
+            torch.autograd.grad(loss, wrt + [f_inputs[i] for i in xs], seed, allow_unused=True)
+            if backward
+            else [None] * (len(wrt) + len(xs))
+        )
+    except RuntimeError as e:
+        if "use_reentrant=True" not in str(e):
+            raise
+        raise reentrant_checkpoint_error(loss) from None
     loss, grads = unwrap(loss), [unwrap(gr) for gr in grads]
     return loss, grads[: len(wrt)], dict(zip(xs, grads[len(wrt) :]))
 
@@ -529,8 +566,8 @@ def _check_constants(nodes: list[Node], rec: _Recorder):
             )
 
 
-def _drop_dead(nodes: list[Node], roots: list[int]):
-    """Keep nodes that reach a root (leaves always stay), renumbered; returns (nodes, old Ref -> new Ref)."""
+def _live(nodes: list[Node], roots: list[int]) -> set[int]:
+    """The nodes that reach a root, and every leaf."""
     live = {n.idx for n in nodes if n.kind != "op"}
     stack = list(roots)
     while stack:
@@ -539,6 +576,11 @@ def _drop_dead(nodes: list[Node], roots: list[int]):
             continue
         live.add(i)
         stack.extend(r.node for r in nodes[i].inputs())
+    return live
+
+
+def _drop_dead(nodes: list[Node], live: set[int]):
+    """Keep the `live` nodes, renumbered; returns (nodes, old Ref -> new Ref)."""
     if len(live) == len(nodes):
         return nodes, lambda r: r
     remap = {old: new for new, old in enumerate(sorted(live))}

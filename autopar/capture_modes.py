@@ -40,6 +40,10 @@ class FusedAttention(TorchFunctionMode):
     def _call(self, func, args, kwargs):
         if func is F.batch_norm or func is torch.batch_norm:
             return batch_norm_legit(func, args, kwargs)
+        if func is F.embedding_bag:
+            return _embedding_bag(args, kwargs)
+        if func is torch.Tensor.masked_scatter or func is torch.masked_scatter:
+            return _masked_scatter(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             q, k, v = args[:3]
             mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -49,6 +53,40 @@ class FusedAttention(TorchFunctionMode):
             if mask is None and dropout == 0.0 and (_same_heads(q, k, v) or gqa and _groups(q, k, v)):
                 return SDPA(q, k, v, 0.0, causal, scale=kwargs.get("scale"))[0]
         return func(*args, **kwargs)
+
+
+_BAG_ARGS = ("input", "weight", "offsets", "max_norm", "norm_type", "scale_grad_by_freq", "mode", "sparse")
+_BAG_ARGS += ("per_sample_weights", "include_last_offset", "padding_idx")
+
+
+def _embedding_bag(args, kwargs):
+    """F.embedding_bag (nn.EmbeddingBag) of fixed-size bags (a 2-D input, no offsets) in sum or mean mode as what
+    it computes: an embedding lookup reduced over each bag (weighted by per_sample_weights in sum mode). The fused
+    aten._embedding_bag and its backward have no placement rule (NoStrategyError); the lookup has them (row- or
+    column-sharded tables, batch-sharded bags). Bags given by offsets (their sizes are values) stay the fused op."""
+    a = dict(zip(_BAG_ARGS, args)) | kwargs
+    x, w, psw, mode = a["input"], a["weight"], a.get("per_sample_weights"), a.get("mode", "mean")
+    plain = all(a.get(k) is None for k in ("offsets", "max_norm", "padding_idx")) and not a.get("sparse", False)
+    plain = plain and not a.get("scale_grad_by_freq", False) and x.dim() == 2 and mode in ("sum", "mean")
+    if not plain or (psw is not None and (mode != "sum" or psw.shape != x.shape)):
+        return F.embedding_bag(*args, **kwargs)
+    rows = F.embedding(x, w)
+    if psw is not None:
+        rows = rows * psw.unsqueeze(-1).to(rows.dtype)
+    return rows.sum(1) if mode == "sum" else rows.mean(1)
+
+
+def _masked_scatter(x, mask, source):
+    """x.masked_scatter(mask, source) (Llava and other vision-language models put image features at the image
+    tokens' places) as the gather it is: the k-th True place of the mask takes source's k-th element, found by a
+    cumulative count of the mask. Same values and gradients, static shapes: the fused op and its backward have
+    no placement rule, and its backward selects by mask (a shape that depends on values)."""
+    mask = mask.expand_as(x)
+    if source.numel() == 0:  # nothing to place (an all-False mask; masked_scatter checks it)
+        return x.clone()
+    k = (mask.reshape(-1).long().cumsum(0) - 1).clamp(min=0)
+    picked = source.reshape(-1).index_select(0, k).view(x.shape)
+    return torch.where(mask, picked.to(x.dtype), x)
 
 
 def _same_heads(q, k, v) -> bool:
@@ -92,6 +130,8 @@ class Constants(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.tolist and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+            return _tolist(args[0])
         if (
             func in self.INDEXING
             and len(args) >= 2
@@ -115,3 +155,10 @@ class Constants(TorchFunctionMode):
                 self.rec.origin[id(out)] = real.detach()
                 self.rec.keep.append(out)
         return out
+
+
+def _tolist(t: torch.Tensor):
+    """`t.tolist()` of a meta tensor as `.item()` of each element: the C++ tolist reads storage a meta tensor has
+    not got ("unallocated storage"), while each .item() reaches the recorder, which specializes it on the example
+    values and keeps a guard (as for `.item()` itself)."""
+    return t.item() if t.dim() == 0 else [_tolist(r) for r in t.unbind(0)]

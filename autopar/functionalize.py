@@ -94,6 +94,20 @@ def copy_as_clone(args, kwargs):
         if dst.is_contiguous():
             return aten.clone.default, (src,), {"memory_format": torch.contiguous_format}
         # dst a strided view (T5's `shifted[..., 1:] = ids[..., :-1]`, a slice_scatter's source): the value is
-        # src's, only its layout differs, and the plan's values carry no layout (views are re-applied on them)
-        return aten.clone.default, (src,), {}
+        # src's, only its layout differs, and the plan's values carry no layout (views are re-applied on them).
+        # The layout still matters to capture: later views of the result (Longformer's chunked attention, in the
+        # backward of its slice assignments) are legal on dst's layout only, so the clone is made in it
+        target = torch.empty_like(dst).stride()  # copy's own output layout: dense, in dst's dim order
+        if src.stride() == target:
+            return aten.clone.default, (src,), {}
+        order = sorted(range(dst.dim()), key=lambda d: -target[d])
+        return _laid_out_as, (src, order), {}
     return aten.copy.default, args, kwargs
+
+
+def _laid_out_as(src: torch.Tensor, order: list[int]) -> torch.Tensor:
+    """src's values laid out densely with its dims `order` outermost first (a permute, a contiguous clone and the
+    permute back: ops with placement rules)."""
+    inverse = sorted(range(len(order)), key=order.__getitem__)
+    dense = aten.clone.default(aten.permute.default(src, order), memory_format=torch.contiguous_format)
+    return aten.permute.default(dense, inverse)

@@ -77,6 +77,17 @@ def _cpu(a):
     return a
 
 
+def _draws(n: Node) -> bool:
+    """Whether op node `n` draws random numbers: a seeded op, unless its dropout is off (attention kernels are
+    tagged seeded for their dropout_p; an MoE router after attention with dropout_p=0 is deterministic)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(n.target, "tags", ()):
+        return False
+    schema = n.target._schema.arguments  # dispatch leaves out arguments at their defaults
+    named = {a.name: a.default_value for a in schema if a.has_default_value()}
+    named |= dict(zip((a.name for a in schema), n.args)) | dict(n.kwargs)
+    return not (named.get("dropout_p") == 0.0 or named.get("train") is False)
+
+
 def build_guard(nodes: list[Node], ref: Ref, module: str) -> Guard:
     """The cone of `nodes` that produces `ref`, as a Guard (expected value not yet known)."""
     cone, stack = set(), [ref.node]
@@ -94,7 +105,7 @@ def build_guard(nodes: list[Node], ref: Ref, module: str) -> Guard:
             pos[i] = -1 - len(leaves)
             leaves.append((n.kind, n.target))
             continue
-        if torch.Tag.nondeterministic_seeded in getattr(n.target, "tags", ()):
+        if _draws(n):
             raise NoRealValue(("random op", str(n.target)))
         fix = lambda r: Ref(pos[r.node], r.out)
         ops.append((n.target, map_refs(n.args, fix), map_refs(n.kwargs, fix)))

@@ -239,3 +239,181 @@ def test_engines_refuse_batchnorm_on_batch_shards():
     plan_eval = autopar.plan(Net().eval(), (2,), x, cluster=SHAPES, pin=pin)
     assert "state_updates" not in plan_eval.meta
     assert not any(part == "module bn" for part, _ in recognize(plan_eval, Net()).reasons)
+
+
+class CheckpointedDropout(nn.Module):
+    """Blocks with dropout run under torch.utils.checkpoint (non-reentrant; transformers'
+    gradient_checkpointing_enable): the backward runs each block again, with the forward's RNG state restored."""
+
+    def __init__(self, ckpt: bool):
+        super().__init__()
+        self.ckpt = ckpt
+        block = lambda: nn.Sequential(nn.Linear(D, 2 * D), nn.Dropout(0.5), nn.Linear(2 * D, D))
+        self.blocks = nn.ModuleList(block() for _ in "ab")
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for b in self.blocks:
+            x = x + (checkpoint(b, x, use_reentrant=False) if self.ckpt else b(x))
+        return x.pow(2).mean()
+
+
+def test_checkpointed_blocks_replay_the_forwards_dropout():
+    """The recompute ran on the model's own CPU weights (functional_call had restored them: 'Tensor on device cpu
+    is not on the expected device meta'); and a recomputed dropout must reuse the forward's mask, not draw again
+    (the program would draw a second mask: other gradients, silently). Checked against one device on 2 simulated
+    ranks, dropout on."""
+    import copy
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from _simulated import simulated
+    from autopar.testing import fsdp_force, train_and_compare
+
+    torch.manual_seed(0)
+    model, x = CheckpointedDropout(True).train(), (torch.randn(8, D),)
+    seeded = lambda g: sum(torch.Tag.nondeterministic_seeded in n.target.tags for n in g.ops())
+    assert seeded(capture(model, x)) == seeded(capture(CheckpointedDropout(False).train(), x)) == 2
+    before = torch.get_rng_state()
+    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=fsdp_force(model, (2,)), return_state=True)
+    assert torch.equal(torch.get_rng_state(), before)  # capture leaves the user's generator as it was
+    ref = copy.deepcopy(model)
+    with simulated((2,)) as mesh:
+        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
+        torch.manual_seed(7)
+        pm.program.manual_seed(7)
+        # one step: its loss and gradients see both blocks' masks (later steps under LocalTensorMode draw
+        # differently from one device with or without checkpointing, a limit of the simulation, not of this)
+        rep = train_and_compare(pm, ref, x, steps=1, count=False)
+    assert rep.ok, rep.failures[:5]
+
+
+class DeadDropout(nn.Module):
+    """A dropout on a branch the loss does not read (CANINE's final character encoder under a sequence
+    classifier), drawn by eager before the dropout the loss does read."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.unused, self.drop = nn.Linear(D, D), nn.Linear(D, D), nn.Dropout(0.5)
+
+    def forward(self, x):
+        h = self.fc(x)
+        self.drop(self.unused(h))  # dead: dropped from the graph, but one device draws its mask
+        return self.drop(h).pow(2).mean()
+
+
+def test_dropped_random_ops_still_advance_the_generator():
+    """The dead branch's draw left the graph, so the live dropout drew the dead one's place in the stream (another
+    mask than one device's: CANINE's loss was 2e-3 off); the live node now draws past it first."""
+    import copy
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from _simulated import simulated
+    from autopar.testing import fsdp_force, train_and_compare
+
+    torch.manual_seed(0)
+    model, x = DeadDropout().train(), (torch.randn(8, D),)
+    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=fsdp_force(model, (2,)), return_state=True)
+    ref = copy.deepcopy(model)
+    with simulated((2,)) as mesh:
+        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
+        torch.manual_seed(7)
+        pm.program.manual_seed(7)
+        rep = train_and_compare(pm, ref, x, steps=1, count=False)
+    assert rep.ok, rep.failures[:5]
+
+
+class CopyIntoStrided(nn.Module):
+    """A copy into a buffer laid out column-major, then a view legal on that layout only (Longformer's chunked
+    attention does this in the backward of its slice assignments)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x):
+        buf = x.new_zeros(6, 8).t()  # (8, 6), strides (1, 8)
+        buf.copy_(self.lin(x) * 2)
+        return buf.t().view(48).pow(2).mean()
+
+
+def test_copy_into_a_strided_buffer_keeps_its_layout():
+    """copy(dst, src) was recorded as clone(src) in src's layout, so the view failed on meta ('view size is not
+    compatible with input tensor's size and stride'); the value is made in dst's layout and trains as one device."""
+    import copy
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from _simulated import simulated
+    from autopar.testing import fsdp_force, train_and_compare
+
+    torch.manual_seed(0)
+    model, x = CopyIntoStrided(), (torch.randn(8, 6),)
+    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=fsdp_force(model, (2,)), return_state=True)
+    ref = copy.deepcopy(model)
+    with simulated((2,)) as mesh:
+        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
+        rep = train_and_compare(pm, ref, x, steps=2, count=False)
+    assert rep.ok, rep.failures[:5]
+
+
+def test_reentrant_checkpoint_is_refused_naming_its_module():
+    """use_reentrant=True: its forward runs the block under no_grad (capture's module hooks failed there with
+    "'NoneType' object has no attribute '_sequence_nr'") and its backward calls .backward() itself, which
+    torch.autograd.grad refuses; the error says so and names the module."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Outer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = nn.Sequential(nn.Linear(D, D), nn.ReLU())
+
+        def forward(self, x):
+            return checkpoint(self.inner, x, use_reentrant=True).pow(2).mean()
+
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.blk = nn.Linear(D, D), Outer()
+
+        def forward(self, x):
+            return self.blk(self.inp(x))
+
+    with pytest.raises(CaptureError, match=r"use_reentrant=True\) in module 'blk'.*pass use_reentrant=False"):
+        capture(Root(), (torch.randn(4, D),))
+
+
+class ChannelsLastConvDropout(nn.Module):
+    """DPT's neck: tokens reshaped NHWC and permuted to NCHW (a channels-last view), a conv, dropout on its output."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj, self.conv, self.drop = nn.Linear(D, D), nn.Conv2d(D, 8, 3, padding=1), nn.Dropout(0.5)
+
+    def forward(self, x):  # x: (batch, 4 * 4 tokens, D)
+        h = self.proj(x).view(x.shape[0], 4, 4, D).permute(0, 3, 1, 2)
+        return self.drop(self.conv(h)).pow(2).mean()
+
+
+def test_conv_output_layout_is_the_devices_for_its_dropout():
+    """The meta convolution is always contiguous, the CPU / CUDA kernels' output channels-last for a channels-last
+    input: dropout's mask, drawn in its buffer's memory order, was another mask than one device's."""
+    import copy
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0])
+    from _simulated import simulated
+    from autopar.testing import fsdp_force, train_and_compare
+
+    torch.manual_seed(0)
+    model, x = ChannelsLastConvDropout().train(), (torch.randn(8, 16, D),)
+    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=fsdp_force(model, (2,)), return_state=True)
+    ref = copy.deepcopy(model)
+    with simulated((2,)) as mesh:
+        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
+        torch.manual_seed(7)
+        pm.program.manual_seed(7)
+        rep = train_and_compare(pm, ref, x, steps=1, count=False)
+    assert rep.ok, rep.failures[:5]

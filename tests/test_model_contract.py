@@ -149,6 +149,74 @@ def test_data_dependent_check_on_meta_weights_is_refused():
         capture(OnWeight(), (torch.randn(2, 8),))
 
 
+class _Splits(nn.Module):
+    """jetmoe's router: per-expert counts read with .tolist() and used as split sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        counts = torch.tensor([1, 3], device=x.device) + (self.lin(x).sum() * 0).long()  # from the graph
+        a, b = self.lin(x).split(counts.tolist())
+        return a.sum() + b.pow(2).sum()
+
+
+def test_tolist_is_specialized_like_item():
+    """tolist() of a graph tensor failed in C++ ('tolist() shouldn't be called on a tensor with unallocated
+    storage'); it is .item() of each element, specialized with guards."""
+    g = capture(_Splits(), (torch.randn(4, 8),))
+    assert [gd.expected for gd in g.guards] == [1, 3]
+
+
+class _LayerDrop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if torch.rand([]) < 0.1:  # LayerDrop: skip the layer at random
+            return x.sum()
+        return self.lin(x).sum()
+
+
+class _MaskSelect(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h[h > 0].sum()
+
+
+def test_random_branches_and_value_shaped_ops_are_named():
+    with pytest.raises(
+        CaptureError, match=r"a random draw \(aten.rand.default\) decides Python control flow.*LayerDrop"
+    ):
+        capture(_LayerDrop(), (torch.randn(2, 8),))
+    with pytest.raises(CaptureError, match=r"in module '<root>'.*makes a tensor whose shape depends on tensor values"):
+        capture(_MaskSelect(), (torch.randn(2, 8),))
+
+
+class _AttnThenItem(nn.Module):
+    """A check after attention without dropout (dropout_p=0 is deterministic, though the op is tagged seeded)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        q = self.lin(x).view(2, 1, 4, 8)
+        h = F.scaled_dot_product_attention(q, q, q)
+        return h.sum() * 2 if (h.abs().sum() > 0).item() else h.sum()
+
+
+def test_check_after_dropout_free_attention_is_specialized():
+    g = capture(_AttnThenItem(), (torch.randn(8, 8),))
+    assert [gd.expected for gd in g.guards] == [True]
+
+
 class _Made(nn.Module):
     """Tensors made and moved in forward: from data on the input's device (no dispatch sees it on meta), empty,
     factories on the input's device and on the default device, a mask moved with .to(device=...), a .cpu()."""

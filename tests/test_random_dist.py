@@ -82,6 +82,10 @@ def test_every_random_op_draws_one_devices_values():
         aten.randint.low: ((2, 9, [6, 10]), {}, (TensorMeta((6, 10), torch.int64),)),
         aten.randint_like.default: ((x, 7), {"dtype": torch.int64}, (TensorMeta((6, 10), torch.int64),)),
         aten.randint_like.low_dtype: ((x, 2, 9), {"dtype": torch.int64}, (TensorMeta((6, 10), torch.int64),)),
+        aten.exponential.default: ((x, 2.0), {}, meta),
+        aten.geometric.default: ((x, 0.3), {}, meta),
+        aten.log_normal.default: ((x, 0.5, 1.5), {}, meta),
+        aten.cauchy.default: ((x, 0.5, 2.0), {}, meta),
     }
     assert set(cases) == RANDOM
     for op, (args, kwargs, metas) in cases.items():

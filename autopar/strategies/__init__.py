@@ -67,6 +67,14 @@ def _pool_bw(args, kwargs, metas):
     return [("S0",) * n, ("S1",) * n]
 
 
+@rule(aten._weight_norm_interface_backward.default)
+def _weight_norm_bw(args, kwargs, metas):
+    # (grad_w, v, g, norms, dim) -> (grad_v, grad_g): the norms are over every dim of v but `dim` (torch.nn.utils
+    # weight_norm / parametrizations.weight_norm, wav2vec2's positional conv), so a shard of `dim` is local
+    dim = args[4] % len(metas[1].shape)
+    return [(f"S{dim}",) * 6]
+
+
 @rule(
     aten.bernoulli.p,
     aten.bernoulli.default,
@@ -76,6 +84,10 @@ def _pool_bw(args, kwargs, metas):
     aten.normal_functional.default,
     aten.randint_like.default,
     aten.randint_like.low_dtype,
+    aten.exponential.default,
+    aten.geometric.default,
+    aten.log_normal.default,
+    aten.cauchy.default,
 )
 def _random_like(args, kwargs, metas):
     # a random tensor of the input's shape: at whatever placement the input takes, never partial (the executor

@@ -412,3 +412,11 @@ def local_of(dt: DTensor) -> torch.Tensor:
     """The local shard itself. `DTensor.to_local()` returns a fresh view for a Parameter(DTensor) (a view costs
     ~2 ms under LocalTensorMode); the executor reads shards under no_grad and never needs that view."""
     return dt._local_tensor
+
+
+def reparametrize(module, state: dict):
+    """The module with `state` (parameter and buffer FQN -> tensor) swapped in, as torch.func.functional_call
+    does it, for as long as the context lasts (capture keeps it through the backward); tied tensors stay tied."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    return _reparametrize_module(module, state, tie_weights=True)

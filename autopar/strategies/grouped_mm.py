@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from .conv_layout import meta_convolution
 from .registry import rule
 
 aten = torch.ops.aten
@@ -52,11 +53,12 @@ def meta_grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 
 
 META = {aten._grouped_mm.default: meta_grouped_mm}
+META[aten.convolution.default] = meta_convolution  # the device kernels' output layout (conv_layout.py)
 
 
 def meta_kernel(op):
     """The function capture runs in place of `op` on meta tensors, where torch's own meta kernel refuses inputs
-    the device kernels accept; None: the op itself."""
+    the device kernels accept (_grouped_mm) or lays its output out otherwise (convolution); None: the op itself."""
     return META.get(op)
 
 

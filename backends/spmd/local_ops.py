@@ -444,6 +444,11 @@ RANDOM = {
     aten.randint.low,
     aten.randint_like.default,
     aten.randint_like.low_dtype,
+    # the other in-place fills of a fresh buffer (PhiMoE's sparsemixer: empty_like(g).exponential_().log())
+    aten.exponential.default,
+    aten.geometric.default,
+    aten.log_normal.default,
+    aten.cauchy.default,
 }
 RANDOM_LIKE = RANDOM - {aten.rand.default, aten.randn.default, aten.randint.default, aten.randint.low}
 
@@ -457,10 +462,13 @@ def draw_random(fn, node, args, kwargs, gen, device, piece, outside):
         kw[a.name] = v
     m = node.outs[0]
     shape, dtype = tuple(m.shape), m.dtype
+    with outside():  # draws one device made for values the loss does not read (autopar/capture_rng.py)
+        _discard(getattr(node, "rng_skip", ()), device, gen)
     if fn is aten.native_dropout.default and kw.get("train") is False:
         return None
     with outside():
         full = _draw_full(fn, kw, shape, dtype, device, gen, getattr(node, "stride", None))
+        _discard(getattr(node, "rng_after", ()), device, gen)
     if fn is aten.bernoulli.default:  # one uniform per element, compared with its probability
         return [(piece(full, 0) < kw["self"]).to(dtype)]
     if fn is aten.native_dropout.default:
@@ -469,6 +477,13 @@ def draw_random(fn, node, args, kwargs, gen, device, piece, outside):
         out = kw["input"].mul(mask).mul_(0.0 if p == 1 else 1.0 / (1.0 - p))
         return [out, mask.to(node.outs[1].dtype)]
     return [piece(full, 0)]
+
+
+def _discard(specs, device, gen) -> None:
+    """Advance `gen` past the draws `specs` ((op, arguments, shape, dtype, stride) each), as one device draws them."""
+    for fn, kw, shape, dtype, stride in specs:
+        if fn in RANDOM and not (fn is aten.native_dropout.default and kw.get("train") is False):
+            _draw_full(fn, kw, shape, dtype, device, gen, stride)
 
 
 def _draw_full(fn, kw, shape, dtype, device, gen, stride=None):
@@ -492,6 +507,14 @@ def _draw_full(fn, kw, shape, dtype, device, gen, stride=None):
         return new().uniform_(kw.get("from", 0.0), kw.get("to", 1.0), generator=gen)
     if fn is aten.normal_functional.default:
         return new().normal_(kw.get("mean", 0.0), kw.get("std", 1.0), generator=gen)
+    if fn is aten.exponential.default:
+        return new().exponential_(kw.get("lambd", 1.0), generator=gen)
+    if fn is aten.geometric.default:
+        return new().geometric_(kw["p"], generator=gen)
+    if fn is aten.log_normal.default:
+        return new().log_normal_(kw.get("mean", 1.0), kw.get("std", 2.0), generator=gen)
+    if fn is aten.cauchy.default:
+        return new().cauchy_(kw.get("median", 0.0), kw.get("sigma", 1.0), generator=gen)
     if fn in (aten.randint.default, aten.randint.low, aten.randint_like.default, aten.randint_like.low_dtype):
         return new().random_(kw.get("low", 0), kw["high"], generator=gen)
     raise NotImplementedError(f"random op {fn}")
