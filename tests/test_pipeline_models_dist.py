@@ -161,6 +161,26 @@ def test_plans_carrying_more_than_the_running_tensor_are_refused(name, why):
         check_plan(plan_of("llama"))  # one running tensor per boundary
 
 
+def test_batch_norm_over_micro_batches_is_refused():
+    """ResNet's BatchNorms in training mode would normalize each micro-batch by its own statistics (one device uses
+    the batch's): refused, naming the module, unless the stage sees the whole batch (one micro-batch, no dp)."""
+    import autopar
+    from autopar.backends.pipelining.forward_stage import check_batch_norm
+
+    model, args, kwargs = _model("resnet")
+    mesh = autopar.MeshSpec((2,), ("pp",))
+    plans = [
+        autopar.plan(model, mesh, args, example_kwargs=kwargs, cluster="h100", pipeline={"schedules": ["GPipe"], **o})
+        for o in ({}, {"n_microbatches": [1]})
+    ]
+    assert plans[0].schedule["n_microbatches"] > 1 and plans[1].schedule["n_microbatches"] == 1
+    with pytest.raises(NotImplementedError, match=r"module 'resnet\.embedder\.embedder\.normalization' is a BatchNorm"):
+        check_batch_norm(model, plans[0])
+    check_batch_norm(model, plans[1])
+    model.eval()  # running statistics: every micro-batch alike
+    check_batch_norm(model, plans[0])
+
+
 # ---- one rank (tests/_dist.py runs it) -------------------------------------------------------------------------
 def _rank_cases(cases):
     import copy

@@ -153,6 +153,26 @@ def check_plan(plan) -> None:
         )
 
 
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def check_batch_norm(model: nn.Module, plan) -> None:
+    """Refuse a BatchNorm in training mode where a stage sees less than the whole batch at once (micro-batches, dp
+    ranks): it would normalize by each part's statistics, where one device normalizes by the batch's."""
+    sc = plan.schedule
+    split = sc["n_microbatches"] > 1 or (
+        sc.get("batch_placement") is not None and any(p == "S0" for p in sc["batch_placement"])
+    )
+    bn = next((n for n, m in model.named_modules() if isinstance(m, _BATCH_NORMS) and m.training), None)
+    if split and bn is not None:
+        raise NotImplementedError(
+            f"module '{bn}' is a BatchNorm in training mode: each of the plan's {sc['n_microbatches']} micro-batches "
+            f"(on each dp rank) would be normalized by its own statistics, not the batch's as on one device; plan "
+            f"with pipeline=dict(n_microbatches=[1]) and no dp dim, put the norms in eval(), or plan without a pp dim "
+            f"(the graph backend normalizes over the whole batch)"
+        )
+
+
 def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
     """One forward of `model(**call)` (a micro-batch), no gradients, the RNG state kept: per block FQN how its
     output holds the running tensor (None: it is the output; n: a tuple of n, it first, the rest None), per module
@@ -345,9 +365,18 @@ class _LossCount(TorchFunctionMode):
         return self.found[0].detach().double() if len(self.found) == 1 and self.found[0] is not None else None
 
 
+def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
+    """The received activation, its gradient made contiguous (sent back as it is; a channels-last block gives a
+    channels-last gradient, which gloo and NCCL do not send). Once per buffer: torch's stage reuses them."""
+    if x.requires_grad and not getattr(x, "_autopar_contiguous_grad", False):
+        x.register_hook(lambda g: g.contiguous())
+        x._autopar_contiguous_grad = True
+    return x
+
+
 def _stage_forward(holder: dict, last: bool):
     def forward(self, *recv, **call):
-        holder["recv"] = recv[0] if recv else None
+        holder["recv"] = _contiguous_grad(recv[0]) if recv else None
         counter = _LossCount()
         try:
             with counter if last else contextlib.nullcontext():

@@ -395,9 +395,10 @@ class PipelineRunner:
         self.is_first = 0 in self.local
         self.is_last = (S - 1) in self.local
         self._model, self.schedule = model, None
-        from .forward_stage import check_plan
+        from .forward_stage import check_batch_norm, check_plan
 
         check_plan(plan)  # one running tensor between stages
+        check_batch_norm(model, plan)
         if plan.meta.get("keyword_inputs"):  # the model's own forward per stage, built at the first step
             from .forward_stage import loss_of_microbatch
 
