@@ -259,9 +259,8 @@ NOTES = [
     "fitted figures; the interleaved row's default (32) was the count used already.",
     "pipeline='auto' plans all 31 rows; on Table 6 it finds layouts predicted 0.51-0.53x of the published step, on "
     "Megatron's 0.45-0.79x by dropping the full recomputation. Planning times (one row at a time, nothing else on "
-    "the 2 cores): median 7.3 s, longest B6.15 29.7 s and B6.17 26.5 s (their six exact intra-op stage solves), "
-    "A10 24.4 s. This machine ran slower today: A10 alone 19.1 s, and 18.0 s with the previous session's code side "
-    "by side (14.7 s in that session's run); B6.15 alone 24.6 s with async TP priced, 26.6 s without.",
+    "the 2 cores): median 5.9 s, longest B6.15 24.5 s, A10 22.3 s, B6.16 20.5 s, B6.17 19.2 s (the 405B rows: "
+    "their six exact intra-op stage solves), none over 30 s.",
 ]
 
 
