@@ -259,11 +259,9 @@ class CheckpointedDropout(nn.Module):
         return x.pow(2).mean()
 
 
-def test_checkpointed_blocks_replay_the_forwards_dropout():
-    """The recompute ran on the model's own CPU weights (functional_call had restored them: 'Tensor on device cpu
-    is not on the expected device meta'); and a recomputed dropout must reuse the forward's mask, not draw again
-    (the program would draw a second mask: other gradients, silently). Checked against one device on 2 simulated
-    ranks, dropout on."""
+def _fsdp_on_2_simulated_ranks(model, x, steps, seed=None):
+    """Plan `model` FSDP-pinned on 2 simulated ranks (capture must leave the user's generator as it was), train it
+    `steps` steps against a copy on one device (both seeded with `seed` when it is given): the comparison report."""
     import copy
     import sys
 
@@ -271,21 +269,30 @@ def test_checkpointed_blocks_replay_the_forwards_dropout():
     from _simulated import simulated
     from autopar.testing import fsdp_force, train_and_compare
 
+    before = torch.get_rng_state()
+    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=fsdp_force(model, (2,)), return_state=True)
+    assert torch.equal(torch.get_rng_state(), before)
+    ref = copy.deepcopy(model)
+    with simulated((2,)) as mesh:
+        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
+        if seed is not None:
+            torch.manual_seed(seed)
+            pm.program.manual_seed(seed)
+        return train_and_compare(pm, ref, x, steps=steps, count=False)
+
+
+def test_checkpointed_blocks_replay_the_forwards_dropout():
+    """The recompute ran on the model's own CPU weights (functional_call had restored them: 'Tensor on device cpu
+    is not on the expected device meta'); and a recomputed dropout must reuse the forward's mask, not draw again
+    (the program would draw a second mask: other gradients, silently). Checked against one device on 2 simulated
+    ranks, dropout on."""
     torch.manual_seed(0)
     model, x = CheckpointedDropout(True).train(), (torch.randn(8, D),)
     seeded = lambda g: sum(torch.Tag.nondeterministic_seeded in n.target.tags for n in g.ops())
     assert seeded(capture(model, x)) == seeded(capture(CheckpointedDropout(False).train(), x)) == 2
-    before = torch.get_rng_state()
-    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=fsdp_force(model, (2,)), return_state=True)
-    assert torch.equal(torch.get_rng_state(), before)  # capture leaves the user's generator as it was
-    ref = copy.deepcopy(model)
-    with simulated((2,)) as mesh:
-        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
-        torch.manual_seed(7)
-        pm.program.manual_seed(7)
-        # one step: its loss and gradients see both blocks' masks (later steps under LocalTensorMode draw
-        # differently from one device with or without checkpointing, a limit of the simulation, not of this)
-        rep = train_and_compare(pm, ref, x, steps=1, count=False)
+    # one step: its loss and gradients see both blocks' masks (later steps under LocalTensorMode draw differently
+    # from one device with or without checkpointing, a limit of the simulation, not of this)
+    rep = _fsdp_on_2_simulated_ranks(model, x, steps=1, seed=7)
     assert rep.ok, rep.failures[:5]
 
 
@@ -306,22 +313,9 @@ class DeadDropout(nn.Module):
 def test_dropped_random_ops_still_advance_the_generator():
     """The dead branch's draw left the graph, so the live dropout drew the dead one's place in the stream (another
     mask than one device's: CANINE's loss was 2e-3 off); the live node now draws past it first."""
-    import copy
-    import sys
-
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from _simulated import simulated
-    from autopar.testing import fsdp_force, train_and_compare
-
     torch.manual_seed(0)
     model, x = DeadDropout().train(), (torch.randn(8, D),)
-    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=fsdp_force(model, (2,)), return_state=True)
-    ref = copy.deepcopy(model)
-    with simulated((2,)) as mesh:
-        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
-        torch.manual_seed(7)
-        pm.program.manual_seed(7)
-        rep = train_and_compare(pm, ref, x, steps=1, count=False)
+    rep = _fsdp_on_2_simulated_ranks(model, x, steps=1, seed=7)
     assert rep.ok, rep.failures[:5]
 
 
@@ -342,20 +336,9 @@ class CopyIntoStrided(nn.Module):
 def test_copy_into_a_strided_buffer_keeps_its_layout():
     """copy(dst, src) was recorded as clone(src) in src's layout, so the view failed on meta ('view size is not
     compatible with input tensor's size and stride'); the value is made in dst's layout and trains as one device."""
-    import copy
-    import sys
-
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from _simulated import simulated
-    from autopar.testing import fsdp_force, train_and_compare
-
     torch.manual_seed(0)
     model, x = CopyIntoStrided(), (torch.randn(8, 6),)
-    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=fsdp_force(model, (2,)), return_state=True)
-    ref = copy.deepcopy(model)
-    with simulated((2,)) as mesh:
-        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
-        rep = train_and_compare(pm, ref, x, steps=2, count=False)
+    rep = _fsdp_on_2_simulated_ranks(model, x, steps=2)
     assert rep.ok, rep.failures[:5]
 
 
@@ -400,20 +383,7 @@ class ChannelsLastConvDropout(nn.Module):
 def test_conv_output_layout_is_the_devices_for_its_dropout():
     """The meta convolution is always contiguous, the CPU / CUDA kernels' output channels-last for a channels-last
     input: dropout's mask, drawn in its buffer's memory order, was another mask than one device's."""
-    import copy
-    import sys
-
-    sys.path.insert(0, __file__.rsplit("/", 1)[0])
-    from _simulated import simulated
-    from autopar.testing import fsdp_force, train_and_compare
-
     torch.manual_seed(0)
     model, x = ChannelsLastConvDropout().train(), (torch.randn(8, 16, D),)
-    plan, state = autopar.plan(model, (2,), x, cluster="cpu-gloo", force=fsdp_force(model, (2,)), return_state=True)
-    ref = copy.deepcopy(model)
-    with simulated((2,)) as mesh:
-        pm = autopar.parallelize(model, mesh, x, planned=(plan, state))
-        torch.manual_seed(7)
-        pm.program.manual_seed(7)
-        rep = train_and_compare(pm, ref, x, steps=1, count=False)
+    rep = _fsdp_on_2_simulated_ranks(model, x, steps=1, seed=7)
     assert rep.ok, rep.failures[:5]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 
 import pytest
 
@@ -52,11 +53,24 @@ def _params(known: dict):
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory):
+def launch(tmp_path_factory):
+    """(records by model, why): why is '' or the failed launches' logs (zoo_check.run_suite relaunches once)."""
     recs, why = zoo_check.run_suite(list(SUITE), "as-is", tmp_path_factory.mktemp("zoo"), LAUNCH_TIMEOUT_S)
-    if why:  # the models the ranks finished keep their records; the rest fail at stage "launch"
-        print(why[-6000:])
-    return {r["model"]: r for r in recs}
+    return {r["model"]: r for r in recs}, why
+
+
+@pytest.fixture(scope="module")
+def records(launch):
+    return launch[0]
+
+
+def test_launch_ran_every_model(launch):
+    """Every model was run by a launch; a rank lost on the way (and the relaunch that followed) is reported as a
+    warning with the ranks' logs, so that a crash shows in CI's output even when the relaunch passed."""
+    recs, why = launch
+    if why:
+        warnings.warn(f"zoo launch: {why[-6000:]}")
+    assert recs.keys() == SUITE.keys() and not [n for n, r in recs.items() if r["stage"] == "launch"], why[-6000:]
 
 
 def test_zoo_size():
