@@ -13,7 +13,9 @@ Llama (1F1B; ZBVZeroBubble: split backward, V placement), GPT-NeoX (Interleaved1
 (GPipe: an image classifier), GPT-2 (1F1B: its tied embedding and head on the first and the last stage, the
 gradient summed between them), BART (GPipe: encoder and decoder stages, one embedding tensor shared three ways), DistilBERT (1F1B: a masked LM
 whose micro-batches count 2-3 masked tokens a row: the loss and gradients are the batch's token mean, not the mean of
-the micro-batches' means); world 4: pp=2 x dp=2, Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
+the micro-batches' means), BLOOM (1F1B: its blocks return their attention weights after the running tensor, which
+nothing reads; ALiBi), Swin (GPipe: its patch embedding returns the patch grid's (height, width) with the
+tensor, which a later stage's stand-in returns as probed); world 4: pp=2 x dp=2, Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
 them holds no block) and Qwen2-MoE and RoBERTa 1F1B with DDP stages; pp=2 x tp=2, Llama Interleaved1F1B with Megatron's
 placements forced (ParallelStyles inside the stages, attention on local heads). Without processes: what a stage
 boundary cannot carry is refused, naming the block (Mixtral, DeBERTa-v2, T5; ALBERT's block run twice).
@@ -34,7 +36,7 @@ TOL_ABS, TOL_REL = 1e-6, 1e-4
 CASES = {
     2: [("llama", "1F1B", None), ("llama", "ZBVZeroBubble", None), ("gpt_neox", "Interleaved1F1B", None),
         ("vit", "GPipe", None), ("gpt2", "1F1B", None), ("bart", "GPipe", None),
-        ("distilbert", "1F1B", None)],
+        ("distilbert", "1F1B", None), ("bloom", "1F1B", None), ("swin", "GPipe", None)],
     4: [("llama", "Interleaved1F1B", "fsdp"), ("qwen2_moe", "1F1B", None), ("llama", "Interleaved1F1B", "tp"),
         ("roberta", "1F1B", None)],
 }  # fmt: skip
@@ -118,6 +120,25 @@ def test_keyword_pipeline_plans_equal_single_device(tmp_path, world):
             case["inside"] == "fsdp"
         ):  # four interleaved stages of a 2-block model: one holds the embedding or the head only
             assert case["blockless"], case
+
+
+def test_block_outputs_after_the_running_tensor():
+    """GPT-Neo's blocks return (hidden, attention weights): the probe takes the running tensor first and lets the
+    other stages' stand-ins return None for the rest (nothing outside the block reads them: check_plan refuses a
+    plan whose graph does); a block returning an object (a cache the model keeps using) is refused, naming it."""
+    import torch
+
+    from autopar.backends.pipelining.forward_stage import probe
+
+    model, args, kwargs = _model("gpt_neo")
+    call = {k: v[:2] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+    seen = probe(model, "transformer.h", [], call)
+    assert seen["blocks"]["transformer.h.0"] == 2, seen["blocks"]
+    block = model.transformer.h[1]
+    run = type(block).forward
+    block.forward = lambda *a, **k: (run(block, *a, **k)[0], object())
+    with pytest.raises(NotImplementedError, match=r"block 'transformer\.h\.1' returns tuple \(Tensor, object\)"):
+        probe(model, "transformer.h", [], call)
 
 
 def test_a_block_run_twice_is_refused():

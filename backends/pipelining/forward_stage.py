@@ -53,6 +53,13 @@ def _hidden_of(args, kwargs):
     return kwargs.get("hidden_states")
 
 
+def _extra(value) -> bool:
+    """A block output after its running tensor that another stage's stand-in may return as None: None, or a tensor
+    nothing outside the block reads (GPT-Neo's and BLOOM's attention weights, Swin's reshaped states; check_plan
+    refuses a plan whose graph reads one), never a cache or other object the model may keep using."""
+    return value is None or isinstance(value, torch.Tensor)
+
+
 def _skip(tuple_len, holder=None, end=False):
     """Another stage's block: hands its running tensor on (in a tuple where the block returns one). On a stage
     that holds no block, the block just before it hands on the received activation (holder) instead, and the block
@@ -67,14 +74,23 @@ def _skip(tuple_len, holder=None, end=False):
     return forward
 
 
-def _zeros(meta: torch.Tensor):
-    """Another stage's module before the blocks: a zero tensor of the shape and dtype it returns."""
+def _zeros(probed: tuple):
+    """Another stage's module before the blocks: a zero tensor of the shape and dtype it returns, in the tuple of
+    shape values it returns it with (Swin's patch embedding: the patch grid's (height, width))."""
+    meta, rest = probed
 
     def forward(self, *args, **kwargs):
         dev = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        return torch.zeros(meta.shape, dtype=meta.dtype, device=dev)
+        out = torch.zeros(meta.shape, dtype=meta.dtype, device=dev)
+        return out if rest is None else (out,) + rest
 
     return forward
+
+
+def _shape_value(v) -> bool:
+    """An int, None or a tuple / list of them: what a module derives from its input's shape, alike for every
+    micro-batch of one shape (the pipeline refuses other shapes), so a stand-in may return the probed value."""
+    return v is None or type(v) is int or isinstance(v, (tuple, list)) and all(_shape_value(x) for x in v)
 
 
 def _unreached(fqn: str):
@@ -196,12 +212,15 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
                 )
             if isinstance(out, torch.Tensor):
                 seen["blocks"][fqn] = None
-            elif isinstance(out, tuple) and isinstance(out[0], torch.Tensor) and all(o is None for o in out[1:]):
+            elif (
+                isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and all(_extra(o) for o in out[1:])
+            ):
                 seen["blocks"][fqn] = len(out)
             else:
+                kinds = [type(o).__name__ for o in (out if isinstance(out, tuple) else (out,))]
                 raise NotImplementedError(
-                    f"block '{fqn}' returns {type(out).__name__} (more than its running tensor): a stage boundary "
-                    f"carries one tensor in the pipeline runtime"
+                    f"block '{fqn}' returns {type(out).__name__} ({', '.join(kinds)}): the pipeline runtime hands on "
+                    f"a block's running tensor, first in a tuple of tensors or None"
                 )
 
         return hook
@@ -209,7 +228,10 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
     def out_hook(fqn):
         def hook(mod, args, out):
             if not seen["blocks"] and isinstance(out, torch.Tensor):  # before the first block only
-                seen["outputs"][fqn] = out.detach().to("meta")
+                seen["outputs"][fqn] = (out.detach().to("meta"), None)
+            elif not seen["blocks"] and isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+                if all(_shape_value(v) for v in out[1:]):
+                    seen["outputs"][fqn] = (out[0].detach().to("meta"), tuple(out[1:]))
 
         return hook
 
@@ -264,8 +286,8 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
             new = _ghost(old, _zeros(seen["outputs"][f]))
         else:
             raise NotImplementedError(
-                f"module '{f}' (stage {j}) runs before the blocks but returns no single tensor: a later stage "
-                f"cannot stand in for it"
+                f"module '{f}' (stage {j}) runs before the blocks but returns no tensor (alone or first in a tuple "
+                f"of shape values): a later stage cannot stand in for it"
             )
         _replace(root, f, new)
     recompute = int(st.get("recompute_blocks", 0))
