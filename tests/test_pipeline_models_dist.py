@@ -15,7 +15,7 @@ gradient summed between them), BART (GPipe: encoder and decoder stages, one embe
 whose micro-batches count 2-3 masked tokens a row: the loss and gradients are the batch's token mean, not the mean of
 the micro-batches' means), BLOOM (1F1B: its blocks return their attention weights after the running tensor, which
 nothing reads; ALiBi), Swin (GPipe: its patch embedding returns the patch grid's (height, width) with the
-tensor, which a later stage's stand-in returns as probed); world 4: pp=2 x dp=2, Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
+tensor, which a later stage's stand-in returns as probed), FNet (1F1B: its pooler runs though no loss reads it); world 4: pp=2 x dp=2, Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
 them holds no block) and Qwen2-MoE and RoBERTa 1F1B with DDP stages; pp=2 x tp=2, Llama Interleaved1F1B with Megatron's
 placements forced (ParallelStyles inside the stages, attention on local heads). Without processes: what a stage
 boundary cannot carry is refused, naming the block (Mixtral, DeBERTa-v2, T5; ALBERT's block run twice).
@@ -36,7 +36,7 @@ TOL_ABS, TOL_REL = 1e-6, 1e-4
 CASES = {
     2: [("llama", "1F1B", None), ("llama", "ZBVZeroBubble", None), ("gpt_neox", "Interleaved1F1B", None),
         ("vit", "GPipe", None), ("gpt2", "1F1B", None), ("bart", "GPipe", None),
-        ("distilbert", "1F1B", None), ("bloom", "1F1B", None), ("swin", "GPipe", None)],
+        ("distilbert", "1F1B", None), ("bloom", "1F1B", None), ("swin", "GPipe", None), ("fnet", "1F1B", None)],
     4: [("llama", "Interleaved1F1B", "fsdp"), ("qwen2_moe", "1F1B", None), ("llama", "Interleaved1F1B", "tp"),
         ("roberta", "1F1B", None)],
 }  # fmt: skip
@@ -133,12 +133,66 @@ def test_block_outputs_after_the_running_tensor():
     model, args, kwargs = _model("gpt_neo")
     call = {k: v[:2] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     seen = probe(model, "transformer.h", [], call)
-    assert seen["blocks"]["transformer.h.0"] == 2, seen["blocks"]
+    assert seen["blocks"]["transformer.h.0"] == (tuple, (None,)), seen["blocks"]
     block = model.transformer.h[1]
     run = type(block).forward
     block.forward = lambda *a, **k: (run(block, *a, **k)[0], object())
     with pytest.raises(NotImplementedError, match=r"block 'transformer\.h\.1' returns tuple \(Tensor, object\)"):
         probe(model, "transformer.h", [], call)
+    for name, prefix, want in [
+        ("openai_gpt", "transformer.h", (list, ())),  # a list of one
+        ("swinv2", "swinv2.encoder.layers", (tuple, (None, (16, 16, 8, 8)))),  # reshaped states, output dimensions
+    ]:
+        model, _, kwargs = _model(name)
+        call = {k: v[:2] if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        assert probe(model, prefix, [], call)["blocks"][f"{prefix}.0"] == want, name
+
+
+def _pp_plan(name, **kw):
+    import autopar
+
+    model, args, kwargs = _model(name)
+    call = dict(example_kwargs=kwargs) if kwargs else {}
+    plan = autopar.plan(
+        model, autopar.MeshSpec((2,), ("pp",)), args, cluster="h100", pipeline={"schedules": ["GPipe"]}, **call, **kw
+    )
+    return model, plan
+
+
+def test_positional_chain_refuses_ops_between_its_modules():
+    """A positional plan runs as a chain of the stages' modules: the mean pool of torch's TransformerEncoder
+    classifier between the encoder and the head is an op of no module, which the chain would skip (its logits
+    were [B, S, C] where one device's are [B, C]). Refused, naming the op and the module; torchtitan's Llama (a
+    chain but for its loss) passes."""
+    from autopar.backends.pipelining.forward_stage import check_chain
+
+    with pytest.raises(NotImplementedError, match=r"op mean\.dim in module 'model' computes on the running tensor"):
+        check_chain(_pp_plan("nn_transformer_encoder")[1])
+    check_chain(_pp_plan("titan_llama3")[1])
+
+
+def test_modules_whose_output_never_reaches_the_loss_stand_in():
+    """FNetForMaskedLM runs its pooler though the masked-LM loss never reads it: no stage lists it, so every stage
+    but the one holding its parameters runs a stand-in returning zeros (its weights would be meta tensors there)."""
+    from autopar.backends.pipelining.forward_stage import unlisted
+
+    model, plan = _pp_plan("fnet")
+    assert unlisted(model, plan) == ["fnet.pooler"]
+    assert not any(f.startswith("fnet.pooler") for st in plan.stages for f in st["modules"])
+
+
+def test_stage_copies_of_parametrized_modules():
+    """A stage's shallow copy of a weight-normed conv (Wav2Vec2's positional conv) shares its parametrization and
+    weights (copy.copy raises on a parametrized module)."""
+    import torch
+
+    from autopar.backends.pipelining.forward_stage import _shallow
+
+    conv = torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(4, 4, 3))
+    c = _shallow(conv)
+    assert c.parametrizations is conv.parametrizations and torch.equal(c.weight, conv.weight)
+    x = torch.randn(2, 4, 8)
+    assert torch.equal(c(x), conv(x))
 
 
 def test_a_block_run_twice_is_refused():

@@ -24,7 +24,6 @@ state restored after it). The first `recompute_blocks` blocks of the stage are c
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 import re
 import types
@@ -53,23 +52,30 @@ def _hidden_of(args, kwargs):
     return kwargs.get("hidden_states")
 
 
-def _extra(value) -> bool:
-    """A block output after its running tensor that another stage's stand-in may return as None: None, or a tensor
+def _stand_in_value(value):
+    """What another stage's stand-in returns for a block output after its running tensor: None for None or a tensor
     nothing outside the block reads (GPT-Neo's and BLOOM's attention weights, Swin's reshaped states; check_plan
-    refuses a plan whose graph reads one), never a cache or other object the model may keep using."""
-    return value is None or isinstance(value, torch.Tensor)
+    refuses a plan whose graph reads one), the probed value for a shape value (Swin-v2's output dimensions, alike for
+    every micro-batch); _NOT_HANDED for anything else (a cache or other object the model may keep using)."""
+    if value is None or isinstance(value, torch.Tensor):
+        return None
+    return value if _shape_value(value) else _NOT_HANDED
 
 
-def _skip(tuple_len, holder=None, end=False):
-    """Another stage's block: hands its running tensor on (in a tuple where the block returns one). On a stage
-    that holds no block, the block just before it hands on the received activation (holder) instead, and the block
-    just after it ends the stage's forward with its running tensor (end)."""
+_NOT_HANDED = object()
+
+
+def _skip(template, holder=None, end=False):
+    """Another stage's block: hands its running tensor on, in the block's own tuple or list where it returns one
+    (`template`: that type and the values after the running tensor). On a stage that holds no block, the block
+    just before it hands on the received activation (holder) instead, and the block just after it ends the stage's
+    forward with its running tensor (end)."""
 
     def forward(self, *args, **kwargs):
         h = holder["recv"] if holder is not None else _hidden_of(args, kwargs)
         if end:
             raise _StageEnd(h)
-        return h if tuple_len is None else (h,) + (None,) * (tuple_len - 1)
+        return h if template is None else template[0]((h,) + template[1])
 
     return forward
 
@@ -169,6 +175,36 @@ def check_plan(plan) -> None:
         )
 
 
+def check_chain(plan) -> None:
+    """Refuse, naming the op and its module, a positional plan (the runtime chains the stages' modules) whose
+    forward computes on the running tensor outside those modules before the last of them: the chain would skip it
+    (a mean pool between the encoder and the head, a scaling of the embedding). What follows the last module is the
+    loss, which loss_fn computes; values that depend on no input (RoPE tables) are handed to the blocks."""
+    listed = [f for st in plan.stages for f in st["modules"]]
+    inside = lambda m: any(m == f or m.startswith(f + ".") for f in listed)
+    fw = [n for n in plan.nodes if n.get("kind") == "op" and n.get("phase") == "fw"]
+    fed = {n["idx"] for n in plan.nodes if n.get("kind") == "input"}
+    for n in fw:
+        if any(p in fed for p, _ in n.get("inputs", [])):
+            fed.add(n["idx"])
+    feeds, users = set(), defaultdict(list)
+    for n in fw:
+        for p, _ in n.get("inputs", []):
+            users[p].append(n)
+    for n in reversed(fw):
+        if any(inside(u.get("module") or "") or u["idx"] in feeds for u in users[n["idx"]]):
+            feeds.add(n["idx"])
+    for n in fw:
+        if n["idx"] in fed and n["idx"] in feeds and not inside(n.get("module") or ""):
+            where = f"module '{n['module']}'" if n.get("module") else "the model's own forward"
+            raise NotImplementedError(
+                f"op {n['target']} in {where} computes on the running tensor outside the stages' modules "
+                f"{listed[0]} .. {listed[-1]}: the pipeline runtime chains those modules and would skip it; plan with "
+                f"example_kwargs= (the model's inputs by name) and run runner.step_model, which runs the model's "
+                f"own forward"
+            )
+
+
 _BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
 
 
@@ -189,14 +225,32 @@ def check_batch_norm(model: nn.Module, plan) -> None:
         )
 
 
-def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
+def unlisted(model: nn.Module, plan) -> list[str]:
+    """The top-most modules holding parameters that no stage lists, none of them a listed module's tensor: their
+    ops never reach the loss (the plan's graph has none: FNet's and BigBird's poolers under a masked-LM head), so a
+    stage runs them as stand-ins returning zeros (build)."""
+    listed = [f for st in plan.stages for f in st["modules"]]
+    near = lambda f: any(f == m or f.startswith(m + ".") or m.startswith(f + ".") for m in listed)
+    held = {id(p) for f in listed for p in model.get_submodule(f).parameters()}
+    out = []
+    for f, mod in model.named_modules():
+        if not f or near(f) or any(f.startswith(u + ".") for u in out):
+            continue
+        params = list(mod.parameters())
+        if params and not any(id(p) in held for p in params):
+            out.append(f)
+    return out
+
+
+def probe(model: nn.Module, prefix: str, outer: list, call: dict, unused: tuple = ()) -> dict:
     """One forward of `model(**call)` (a micro-batch), no gradients, the RNG state kept: per block FQN how its
     output holds the running tensor (None: it is the output; n: a tuple of n, it first, the rest None), per module
     of `outer` (the plan's modules outside the blocks) that runs before the first block its output (a meta
-    tensor). A block that runs twice (a shared layer) is refused."""
+    tensor), per module of `unused` (see `unlisted`) that runs its output (a meta tensor, or what it returns where
+    that is no tensor). A block that runs twice (a shared layer) is refused."""
     layers = model.get_submodule(prefix)
     blocks = [f"{prefix}.{n}" for n, _ in layers.named_children()]
-    seen: dict = {"blocks": {}, "outputs": {}}
+    seen: dict = {"blocks": {}, "outputs": {}, "unused": {}}
 
     def block_hook(fqn):
         def hook(mod, args, kwargs, out):
@@ -210,17 +264,16 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
                     f"block '{fqn}' runs more than once in one forward (ALBERT's shared layer): a pipeline stage "
                     f"holds each block once (plan-only)"
                 )
+            rest = tuple(_stand_in_value(o) for o in out[1:]) if isinstance(out, (tuple, list)) and out else None
             if isinstance(out, torch.Tensor):
                 seen["blocks"][fqn] = None
-            elif (
-                isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor) and all(_extra(o) for o in out[1:])
-            ):
-                seen["blocks"][fqn] = len(out)
+            elif rest is not None and isinstance(out[0], torch.Tensor) and _NOT_HANDED not in rest:
+                seen["blocks"][fqn] = (type(out), rest)
             else:
                 kinds = [type(o).__name__ for o in (out if isinstance(out, tuple) else (out,))]
                 raise NotImplementedError(
                     f"block '{fqn}' returns {type(out).__name__} ({', '.join(kinds)}): the pipeline runtime hands on "
-                    f"a block's running tensor, first in a tuple of tensors or None"
+                    f"a block's running tensor, first in a tuple or list of tensors, None or shape values"
                 )
 
         return hook
@@ -237,6 +290,14 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
 
     handles = [model.get_submodule(f).register_forward_hook(block_hook(f), with_kwargs=True) for f in blocks]
     handles += [model.get_submodule(f).register_forward_hook(out_hook(f)) for f in outer]
+
+    def unused_hook(fqn):
+        def hook(mod, args, out):
+            seen["unused"][fqn] = out.detach().to("meta") if isinstance(out, torch.Tensor) else type(out).__name__
+
+        return hook
+
+    handles += [model.get_submodule(f).register_forward_hook(unused_hook(f)) for f in unused]
     try:  # the whole forward: a block it runs twice (a shared layer) must be seen
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             model(**call)
@@ -249,8 +310,10 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict) -> dict:
 
 
 def _shallow(mod: nn.Module) -> nn.Module:
-    """A copy of `mod` sharing its parameters, buffers and attributes, with its own child and hook tables."""
-    c = copy.copy(mod)
+    """A copy of `mod` sharing its parameters, buffers and attributes, with its own child and hook tables (made
+    without copy.copy: a parametrized module refuses to be pickled, Wav2Vec2's weight-normed positional conv)."""
+    c = object.__new__(type(mod))
+    c.__dict__.update(vars(mod))
     for k, v in list(vars(mod).items()):
         if k.startswith("_") and isinstance(v, dict):
             setattr(c, k, type(v)(v))
@@ -290,6 +353,15 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
                 f"of shape values): a later stage cannot stand in for it"
             )
         _replace(root, f, new)
+    for f, out in seen["unused"].items():
+        if {f"{f}.{n}" for n, _ in model.get_submodule(f).named_parameters()} <= set(st["params"]):
+            continue  # this stage holds them (the planner puts unused parameters somewhere)
+        if not isinstance(out, torch.Tensor):
+            raise NotImplementedError(
+                f"module '{f}' runs in the forward, its output never reaching the loss, and returns {out}: a "
+                f"stage cannot stand in for it (no stage holds its parameters)"
+            )
+        _replace(root, f, _ghost(model.get_submodule(f), _zeros((out, None))))
     recompute = int(st.get("recompute_blocks", 0))
     for i, f in enumerate(blocks):
         inject, end = i == 0 and not first_stage, i == len(blocks) - 1 and not last_stage
@@ -434,7 +506,7 @@ def step(runner, args: tuple, kwargs: dict):
         first = {n: v.tensor_split(m)[0] if batched(v) else v for n, v in call.items()}
         prefix = plan.schedule["layer_prefix"]
         outer = [f for st in plan.stages for f in st["modules"] if not f.startswith(prefix + ".")]
-        seen = probe(runner._model, prefix, outer, first)
+        seen = probe(runner._model, prefix, outer, first, tuple(unlisted(runner._model, plan)))
         runner._build(lambda k: build(runner._model, plan, k, seen, {"counts": runner.counts}), scale_grads=False)
     losses = [] if runner.is_last else None
     kw = {"target": torch.zeros(m), "losses": losses} if runner.is_last else {}

@@ -64,8 +64,8 @@ class PipelineShapeError(ValueError):
     """A batch whose shape breaks the plan's static micro-batch shapes."""
 
 
-def _ce_loss(logits, target):
-    return F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(0, 1))
+def _ce_loss(logits, target):  # per token ([B, S, V] / [B, S]) or per row ([B, C] / [B]): the class dim last
+    return F.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
 
 
 class _Stage(nn.Module):
@@ -395,7 +395,7 @@ class PipelineRunner:
         self.is_first = 0 in self.local
         self.is_last = (S - 1) in self.local
         self._model, self.schedule = model, None
-        from .forward_stage import check_batch_norm, check_plan
+        from .forward_stage import check_batch_norm, check_chain, check_plan
 
         check_plan(plan)  # one running tensor between stages
         check_batch_norm(model, plan)
@@ -405,6 +405,7 @@ class PipelineRunner:
             self.counts = []  # per micro-batch, what the last stage's loss divides by (forward_stage._LossCount)
             self.loss_fn = loss_of_microbatch(self)
             return
+        check_chain(plan)
         extras = block_inputs(model, plan)
         self._build(lambda k: build_stage_module(model, plan, k, extras))
 
@@ -537,6 +538,8 @@ class PipelineRunner:
         the dp ranks, as on one device (forward_stage._LossCount); another loss weighs each micro-batch the same."""
         from . import forward_stage
 
+        if not self.plan.meta.get("keyword_inputs"):
+            raise TypeError("the plan was made from positional inputs: run a step with runner.step(x, target)")
         return forward_stage.step(self, args, kwargs)
 
     def _agree(self, tensors) -> None:
