@@ -38,6 +38,7 @@ from torch import nn
 from autopar import pipeline_engine as pe
 from autopar import pipeline_model as pm
 from autopar.capture import capture
+from autopar.capture_error import CaptureError
 from autopar.cost import collective_time
 from autopar.mesh import MeshSpec
 from autopar.model_io import ModelIO
@@ -184,6 +185,28 @@ def _with_user_pin(stage_pin, user_pin, graph):
     return overlay_pins(user_pin, stage_pin)
 
 
+def _capture_sub_model(model, call, loss_fn, prefix: str, n: int, total: int):
+    """capture() of the representative sub-model, a failure of the model's own forward on it said as such."""
+    try:
+        return capture(model, call, loss_fn)
+    except CaptureError:
+        raise
+    except Exception as e:  # the model's code raised: say on what it ran, and the likely cause
+        hint = ""
+        if isinstance(e, IndexError):
+            hint = (
+                f" (a forward that loops over its own layer count across parallel module lists, as XLM's "
+                f"attentions / ffns, cannot be cut at '{prefix}')"
+            )
+        elif "more than 1 value per channel" in str(e):
+            hint = " (a BatchNorm of one row: fewer micro-batches, pipeline=dict(n_microbatches=[...]))"
+        raise CaptureError(
+            f"pipeline planning runs {type(model).__name__} with {n} of the {total} blocks of '{prefix}' (the "
+            f"stages' representative sub-model) on one micro-batch, and its forward raised {type(e).__name__}: "
+            f"{e}{hint}"
+        ) from e
+
+
 # ---- intra-op plans of one stage ------------------------------------------------------------------------------
 class StageOps:
     """The intra-op plans of the representative sub-model on one stage submesh at one micro-batch shape (see
@@ -196,7 +219,7 @@ class StageOps:
         # keyword inputs: the example's bound call (ctx["io"]) rebuilt around this micro-batch's leaves
         call = ModelIO(model, *ctx["io"].call_args(list(mb_inputs))) if ctx.get("io") else mb_inputs
         with swap_layers(model, prefix, blocks):
-            g = capture(model, call, ctx["loss_fn"])
+            g = _capture_sub_model(model, call, ctx["loss_fn"], prefix, len(blocks), len(layers))
             styled = {
                 f"{k}.{n}"
                 for k, mod in model.named_modules()

@@ -236,6 +236,19 @@ def test_plans_carrying_more_than_the_running_tensor_are_refused(name, why):
         check_plan(plan_of("llama"))  # one running tensor per boundary
 
 
+def test_a_forward_failing_on_the_sub_model_names_it():
+    """Stage costing runs the model with some of its blocks; XLM's forward loops over its layer count across two
+    parallel module lists (attentions, ffns), so with one of two attentions it raises IndexError. Said as a
+    CaptureError naming the model, the block list and the cause, not a bare IndexError from transformers."""
+    from autopar.capture_error import CaptureError
+
+    with pytest.raises(
+        CaptureError,
+        match=r"XLMWithLMHeadModel with 1 of the 2 blocks of 'transformer\.attentions'.*IndexError.*parallel module lists",
+    ):
+        _pp_plan("xlm")
+
+
 def test_batch_norm_over_micro_batches_is_refused():
     """ResNet's BatchNorms in training mode would normalize each micro-batch by its own statistics (one device uses
     the batch's): refused, naming the module, unless the stage sees the whole batch (one micro-batch, no dp)."""
