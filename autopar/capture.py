@@ -35,7 +35,7 @@ from .capture_rng import RngStream, reentrant_checkpoint_error
 from .functionalize import copy_as_clone, functionalization, mutations, refuse_mutations, to_functional, unwrap
 from .graph import Graph, Node, Ref, TensorMeta, map_refs
 from .guards import NoRealValue, build_guard
-from .strategies._torch_adapter import reparametrize
+from .strategies._torch_adapter import grad_in_modes, reparametrize
 from .model_io import ModelIO, pick_loss
 from .strategies import decomposition_for, meta_kernel, restride_decomposition
 
@@ -527,9 +527,7 @@ def _backward(rec: _Recorder, loss, wrt: list, f_inputs: list, xs: list[int], ac
     seed = torch.ones_like(loss) if act else None  # the incoming gradient, taken at run time
     try:
         grads = (
-            torch.autograd.grad(loss, wrt + [f_inputs[i] for i in xs], seed, allow_unused=True)
-            if backward
-            else [None] * (len(wrt) + len(xs))
+            grad_in_modes(loss, wrt + [f_inputs[i] for i in xs], seed) if backward else [None] * (len(wrt) + len(xs))
         )
     except RuntimeError as e:
         if "use_reentrant=True" not in str(e):

@@ -186,14 +186,14 @@ def _with_user_pin(stage_pin, user_pin, graph):
 
 
 def _capture_sub_model(model, call, loss_fn, prefix: str, n: int, total: int):
-    """capture() of the representative sub-model, a failure of the model's own forward on it said as such."""
+    """capture() of the representative sub-model, a failure of the model's forward on it said as such."""
     try:
         return capture(model, call, loss_fn)
-    except CaptureError:
-        raise
-    except Exception as e:  # the model's code raised: say on what it ran, and the likely cause
+    except Exception as e:  # the whole model captured: say on what this ran, and the likely cause
         hint = ""
-        if isinstance(e, IndexError):
+        if isinstance(e, CaptureError):
+            hint = " (the whole model captures: a module after the blocks reads more than the last block's output?)"
+        elif isinstance(e, IndexError):
             hint = (
                 f" (a forward that loops over its own layer count across parallel module lists, as XLM's "
                 f"attentions / ffns, cannot be cut at '{prefix}')"

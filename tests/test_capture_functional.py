@@ -296,6 +296,55 @@ def test_checkpointed_blocks_replay_the_forwards_dropout():
     assert rep.ok, rep.failures[:5]
 
 
+class CheckpointedAttention(nn.Module):
+    """Causal SDPA blocks under non-reentrant checkpointing, dropout 0 (the default of Llama-like configs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.ModuleList(nn.Linear(D, 3 * D) for _ in "ab")
+        self.out = nn.ModuleList(nn.Linear(D, D) for _ in "ab")
+
+    def block(self, i, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv[i](x).view(b, s, 3, 2, D // 2).permute(2, 0, 3, 1, 4)
+        return self.out[i](F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, D))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for i in range(2):
+            x = x + checkpoint(self.block, i, x, use_reentrant=False)
+        return x.pow(2).mean()
+
+
+def test_checkpointed_attention_recomputes_as_its_forward():
+    """Capture routes a dropout-free SDPA to the fused attention op; torch.autograd.grad used to hand itself to
+    capture's TorchFunctionModes, which ran it with the modes popped, so checkpoint's recompute in the backward
+    ran SDPA unfused and its saved tensors mismatched (CheckpointError: saved [B, H, S, S], recomputed
+    [B*H, S, S]). Every Llama-like transformers model after gradient_checkpointing_enable() failed so. Now the
+    recompute is fused like its forward, and two steps on 2 simulated ranks equal one device."""
+    torch.manual_seed(0)
+    model, x = CheckpointedAttention().train(), (torch.randn(4, 8, D),)
+    fused = [n for n in capture(model, x).ops() if "flash" in str(n.target)]
+    assert len(fused) == 4, fused  # each block's forward and backward
+    rep = _fsdp_on_2_simulated_ranks(model, x, steps=2)
+    assert rep.ok, rep.failures[:5]
+
+
+def test_transformers_llama_plans_after_gradient_checkpointing_enable():
+    """The same through transformers: LlamaForCausalLM (attention dropout 0) after gradient_checkpointing_enable()."""
+    import sys
+
+    sys.path.insert(0, __file__.rsplit("/", 1)[0] + "/third_party")
+    from zoo import ZOO
+
+    model, _, kwargs, _ = ZOO["llama"]()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    plan = autopar.plan(model, autopar.MeshSpec((2,), ("dp",)), example_kwargs=kwargs, cluster="h100")
+    fused = [n for n in plan.nodes if "flash_attention" in str(n["target"])]
+    assert [n["phase"] for n in fused] == ["fw", "fw", "bw", "bw"], fused  # 2 layers
+
+
 class DeadDropout(nn.Module):
     """A dropout on a branch the loss does not read (CANINE's final character encoder under a sequence
     classifier), drawn by eager before the dropout the loss does read."""

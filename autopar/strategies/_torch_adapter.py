@@ -13,6 +13,8 @@ import functools
 import importlib
 
 import torch
+from torch.autograd import _make_grads
+from torch.autograd.graph import _engine_run_backward
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta as DTMeta
@@ -420,3 +422,13 @@ def reparametrize(module, state: dict):
     from torch.nn.utils.stateless import _reparametrize_module
 
     return _reparametrize_module(module, state, tie_weights=True)
+
+
+def grad_in_modes(output: torch.Tensor, inputs: list, seed: torch.Tensor | None) -> tuple:
+    """torch.autograd.grad(output, inputs, seed, allow_unused=True) with the active TorchFunctionModes kept on.
+    Under a mode, grad() hands itself to the mode's __torch_function__, which runs it with the mode popped, so
+    Python that the backward runs (activation checkpointing's recompute, a custom Function's backward) would run
+    outside capture's modes: its recomputed SDPA unfused, unlike the forward it must match. The engine called
+    directly, as grad() calls it, keeps them."""
+    grads = _make_grads((output,), (seed,), is_grads_batched=False)
+    return _engine_run_backward((output,), grads, False, False, tuple(inputs), True, accumulate_grad=False)
