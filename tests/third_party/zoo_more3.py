@@ -553,6 +553,15 @@ def gpt2_grad_ckpt():
     return model, args, kw, notes
 
 
+def llama_grad_ckpt():
+    from zoo import llama
+
+    model, args, kw, notes = llama()  # attention dropout 0: capture fuses its SDPA, and the recompute must match
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    notes["family"] = "Llama after model.gradient_checkpointing_enable() (non-reentrant), attention dropout 0"
+    return model, args, kw, notes
+
+
 MORE3 = {
     f.__name__: f
     for f in (
@@ -575,6 +584,7 @@ MORE3 = {
         custom_function,
         embedding_bag,
         gpt2_grad_ckpt,
+        llama_grad_ckpt,
     )
 }
 # Built here, refused by autopar (or too slow to plan in the suite's launch) with these errors (python
