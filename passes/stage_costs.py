@@ -80,11 +80,14 @@ class Costs:
 
 
 def find_layers(model: nn.Module) -> str:
-    """FQN of the model's layer list: the nn.ModuleList / ModuleDict with the most children (shallowest on ties)."""
+    """FQN of the model's layer list: the nn.ModuleList / ModuleDict with the most children (shallowest on ties),
+    lists of blocks (children with children) before lists of single layers (DPT's per-feature-map neck convs,
+    Speech2Text's conv subsampler are not the stack of blocks)."""
     best = None
     for name, mod in model.named_modules():
         if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and len(mod) > 0 and name:
-            key = (len(mod), -name.count("."))
+            blocks = all(next(c.children(), None) is not None for c in mod.children())
+            key = (blocks, len(mod), -name.count("."))
             if best is None or key > best[0]:
                 best = (key, name)
     if best is None:
@@ -190,10 +193,10 @@ def _capture_sub_model(model, call, loss_fn, prefix: str, n: int, total: int):
     try:
         return capture(model, call, loss_fn)
     except Exception as e:  # the whole model captured: say on what this ran, and the likely cause
-        hint = ""
-        if isinstance(e, CaptureError):
-            hint = " (the whole model captures: a module after the blocks reads more than the last block's output?)"
-        elif isinstance(e, IndexError):
+        hint = (  # the whole model captured, so the forward needs all of the list
+            f" (a forward that reads every block's output, as a multi-scale head, cannot be cut at '{prefix}')"
+        )
+        if isinstance(e, IndexError):
             hint = (
                 f" (a forward that loops over its own layer count across parallel module lists, as XLM's "
                 f"attentions / ffns, cannot be cut at '{prefix}')"

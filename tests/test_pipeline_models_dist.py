@@ -236,6 +236,15 @@ def test_plans_carrying_more_than_the_running_tensor_are_refused(name, why):
         check_plan(plan_of("llama"))  # one running tensor per boundary
 
 
+def test_the_layer_list_is_a_list_of_blocks():
+    """DPT's neck holds one conv per feature map (4) and Speech2Text a conv subsampler, each a longer list than
+    the transformer stack (2 layers here): the stack of blocks is the layer list, not a list of single layers."""
+    from autopar.passes.stage_costs import find_layers
+
+    assert find_layers(_model("dpt")[0]) == "dpt.encoder.layer"
+    assert find_layers(_model("speech2text")[0]) == "model.encoder.layers"
+
+
 def test_a_forward_failing_on_the_sub_model_names_it():
     """Stage costing runs the model with some of its blocks; XLM's forward loops over its layer count across two
     parallel module lists (attentions, ffns), so with one of two attentions it raises IndexError. Said as a
