@@ -23,10 +23,11 @@ Assumptions (each also in the results file):
     1, 2, 4, .., 32 per step (not published); interleaved schedule with v = the smallest divisor >= 2 of the blocks per
     rank (v is not published).
   * TorchTitan's H100s are the 95 GiB power-limited part (preset h100-95g); sequence 8192 for Tables 1-4; its
-    "batch" is per data-parallel rank, split on the pipelined rows into torchtitan's default micro-batch count,
-    pp x stages per rank (build_pipeline_schedule: n_microbatches = num_total_stages when the config sets none;
-    the paper states none): Table 4's 1F1B row 16 micro-batches of 2 sequences, its interleaved row 32 of 1,
-    Table 6 8 of 1; selective AC is torchtitan's op SAC on every block (recompute="all", ac="op": each block keeps
+    "batch" is per data-parallel rank, split on the pipelined rows into torchtitan's default micro-batch count of
+    the time, the pp degree (build_pipeline_schedule: n_microbatches = pipeline_parallel_degree when the config
+    sets none, from before the paper to the January 2025 benchmark commit 9dec370; num_total_stages only from
+    torchtitan#781, 2025-01-07; the paper states none): Table 4's rows 16 micro-batches of 2 sequences (1F1B and
+    interleaved), Table 6 8 of 1; selective AC is torchtitan's op SAC on every block (recompute="all", ac="op": each block keeps
     its matmul outputs but every second one and its attention outputs, and reruns the rest), full AC is
     recompute="all" (whole blocks); without
     pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the local batch into
@@ -103,11 +104,15 @@ from published_rows import CP_ATTENTION, NOTES, ROWS, Row
 FIGURES = {
     "gemm": (("device", "gemm_eff_max"),),
     "attn": (("device", "attn_fwd_eff"), ("device", "attn_bwd_eff")),
+    "compute": (("device", "gemm_eff_max"), ("device", "attn_fwd_eff"), ("device", "attn_bwd_eff")),
     "mem": (("device", "mem_eff"),),
     "net": (("inter", "bus_eff"),),
     "nvlink": (("intra", "bus_eff"),),
 }
-FREE = {"a100": ("gemm", "mem", "net"), "h100-95g": ("gemm", "attn", "net"), "h100": ("gemm", "mem")}
+# TorchTitan's power-limited H100s: one "compute" figure for GEMMs and attention alike (a lower TDP lowers the clock
+# every tensor-core kernel runs at; the fitted rows, at 8K with attention ~10% of their step, cannot tell a separate
+# attention figure from its prior, which left it at the 700 W part's rate while the GEMMs moved).
+FREE = {"a100": ("gemm", "mem", "net"), "h100-95g": ("compute", "net"), "h100": ("gemm", "mem")}
 # The most each fitted field may reach: the best measured shapes (MAMF table, stas00/ml-engineering: A100 bf16
 # 85.9%, H100 SXM 80.1% of peak), FlashAttention-3's 75% on H100 (Shah et al., arXiv 2407.08608), 95% of HBM
 # bandwidth, a link's line rate. A fit that ends at a cap says the model misses the run elsewhere.

@@ -157,8 +157,8 @@ def _titan(i, r) -> Row:
         cluster="h100-95g",
         schedule=sched,
         v=v,
-        # pipelined: torchtitan's default micro-batch count, one per stage (published.py's assumptions)
-        microbatches=(pp * v,) if pp > 1 else tuple(m for m in (1, 2, 4, 8, 16) if local % m == 0),
+        # pipelined: torchtitan's default micro-batch count then, one per pp rank (published.py's assumptions)
+        microbatches=(pp,) if pp > 1 else tuple(m for m in (1, 2, 4, 8, 16) if local % m == 0),
         layers_per_stage=_split(_BLOCKS[size], pp * v),
         recompute=opts.get("recompute", "all"),
         ac=opts.get("ac", "block"),

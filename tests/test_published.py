@@ -167,9 +167,10 @@ def test_qkv_per_head_is_the_same_model_up_to_a_row_permutation():
 
 
 def test_titan_pipelined_rows_take_torchtitans_default_microbatch_count():
-    """torchtitan splits the local batch into pp x stages-per-rank micro-batches when the config names none (its
-    build_pipeline_schedule): Table 4's 1F1B row 16 micro-batches of 2 sequences, the interleaved one 32 of 1."""
+    """torchtitan of the paper's and the January 2025 benchmarks' time split the local batch into pp micro-batches
+    when the config named none (build_pipeline_schedule until torchtitan#781): Table 4's rows, 1F1B and interleaved
+    alike, 16 micro-batches of 2 sequences; Table 6 8 of 1."""
     rows = {r.name.split()[0]: r for r in R.ROWS}
-    for name, m, per_micro in (("B4.9", 16, 2), ("B4.10", 32, 1), ("B6.15", 8, 1)):
+    for name, m, per_micro in (("B4.9", 16, 2), ("B4.10", 16, 2), ("B6.15", 8, 1)):
         _, opts = P._mesh_and_pipeline(rows[name])
         assert opts["n_microbatches"] == [m] and rows[name].batch // rows[name].layout[1] // m == per_micro, name

@@ -38,6 +38,9 @@ class DeviceSpec:
     attn_fwd_eff: float = 0.35  # flash forward: fraction of peak at long sequences, head dim 128
     attn_bwd_eff: float = 0.30  # flash backward, likewise
     attn_seq_overhead: float = 128.0  # a query block's fixed cost in keys: efficiency Sk / (Sk + this)
+    # a causal kernel's per-FLOP rate on the blocks it computes, relative to a non-causal one (its diagonal blocks
+    # are masked and its query blocks do unequal work); 1.0 where the attention figures were measured causal
+    attn_causal_eff: float = 1.0
     # Sequence-sharded (cp) attention: "ring" (torch's context_parallel: per-step kernels on chunk pairs plus
     # merges, autopar/cost/ring_attention.py) or "allgather" (one kernel on the all-gathered K/V, Llama 3's form)
     cp_attention: str = "ring"
@@ -224,10 +227,13 @@ _H100 = DeviceSpec(
 _H200 = DeviceSpec("H200-SXM", dict(_H100.peak_flops), mem_bw=4.8e12, mem_bytes=141 * GB, **_HOPPER_KERNELS)
 # FlashAttention-2 on Hopper: what torch's SDPA ran there before it preferred cuDNN attention on sm90 (torch 2.11's
 # bundled cuDNN >= 9.15; cuDNN had been made opt-in by pytorch/pytorch#138522 after the 2.5 bugs), and what torch's
-# ring attention (context_parallel) calls per chunk: 35% of the bf16 peak ("FlashAttention-2 achieving only 35%
-# utilization on the H100", FlashAttention-3, Shah et al., arXiv 2407.08608; tritonbench on a torch 2.6 nightly,
-# pytorch/pytorch#142132: SDPA 329 TFLOP/s at (1, 24, 4608, 128) = 33% of 989).
-FA2_HOPPER = dict(attn_fwd_eff=0.35, attn_bwd_eff=0.35)
+# ring attention (context_parallel) calls per chunk. Forward: torch's own flash SDPA, head dim 128, non-causal, 33%
+# of the bf16 peak (tritonbench on a torch 2.6 nightly, meta-pytorch/tritonbench#97: 329 TFLOP/s at
+# (1, 24, 4608, 128); pytorch/benchmark#2296, June 2024: 288-304 TFLOP/s at 1K-16K). Backward and causal: the
+# ratios of FlashAttention-2's own H100 SXM figures at head dim 128, 16K (FlashAttention-3, Shah et al., arXiv
+# 2407.08608, figures 5-7): backward 322 vs forward 370 TFLOP/s (0.87), causal forward 335 vs non-causal 370
+# (0.905, causal FLOPs counted as half the square).
+FA2_HOPPER = dict(attn_fwd_eff=0.33, attn_bwd_eff=0.33 * 322 / 370, attn_causal_eff=335 / 370)
 # TorchTitan's H100s (arXiv 2410.06511: 95 GiB): "non-standard ... HBM2e and limited to a lower TDP. The actual peak
 # TFLOPs should be between SXM and NVL" (PyTorch's async-TP post, same team and cluster). Assumed: peaks midway
 # between the SXM part (989 TF bf16) and H100 NVL (835 TF); HBM2e as the H100 PCIe's (2.0 TB/s for 80 GB, five
@@ -332,15 +338,16 @@ FITTED: dict[str, ClusterSpec] = {
         gemm_eff_max=0.86,  # at its cap
         mem_eff=_H100.mem_eff * 1.097,
     ),
-    # TorchTitan's 95 GiB power-limited H100 (arXiv 2410.06511), fitted on Tables 1-2's selective-AC rows
+    # TorchTitan's 95 GiB power-limited H100 (arXiv 2410.06511), fitted on Tables 1-2's selective-AC rows; one
+    # compute factor on GEMMs and attention alike (the part's lower clock)
     "h100-95g-titan": _fitted(
         "h100-95g-titan",
         CLUSTERS["h100-95g"],
         "titan",
-        dict(bus_eff=_NDR_NCCL.bus_eff * 0.9895),
-        gemm_eff_max=_H100_95G.gemm_eff_max * 0.8292,
-        attn_fwd_eff=_H100_95G.attn_fwd_eff * 0.9456,
-        attn_bwd_eff=_H100_95G.attn_bwd_eff * 0.9456,
+        dict(bus_eff=_NDR_NCCL.bus_eff * 0.9903),
+        gemm_eff_max=_H100_95G.gemm_eff_max * 0.913,
+        attn_fwd_eff=_H100_95G.attn_fwd_eff * 0.913,
+        attn_bwd_eff=_H100_95G.attn_bwd_eff * 0.913,
     ),
 }
 CLUSTERS.update(FITTED)

@@ -28,7 +28,8 @@ and the time is the larger of the FLOPs at that rate and the bytes at mem_bw * m
 
 Attention (torch's SDPA ops; FLOPs from torch's formulas: forward 4*B*H*Sq*Sk*D, backward 2.5x that):
   * attention="flash": FlashAttention-2, which torch's flash SDPA backend runs: a causal kernel skips the KV
-    blocks above the diagonal, so it does (n+1)/(2n) of the counted work (n = Sq/128 blocks); the rate is
+    blocks above the diagonal, so it does (n+1)/(2n) of the counted work (n = Sq/128 blocks), at attn_causal_eff
+    of a non-causal kernel's per-FLOP rate; the rate is
     attn_fwd_eff (attn_bwd_eff) of the dense peak, times the wave fill of its B*H*ceil(S/128) blocks, times
     Sk / (Sk + attn_seq_overhead) (the per-block prologue and epilogue) and D/(D+32) normalised at D=128 (a 64-wide
     head does less math per loaded byte). FlashAttention-2 (Dao, arXiv 2307.08691) reaches 50-73% of the A100
@@ -166,6 +167,7 @@ def flash_time(bh, sq, sk, d, device, dtype, causal, backward, flops, nbytes) ->
     """Seconds of one flash attention op (forward or backward), `flops` as torch counts them (the full square)."""
     work = flops * (causal_fraction(sq, sk) if causal else 1.0)
     rate = device.flops_for(dtype) * flash_efficiency(bh, sq, sk, d, device, backward)
+    rate *= device.attn_causal_eff if causal else 1.0
     return max(work / rate, nbytes / (device.mem_bw * device.mem_eff))
 
 
