@@ -822,10 +822,12 @@ ZOO = {
 from zoo_more import MORE  # noqa: E402 (it builds on the helpers above)
 from zoo_more2 import MORE2  # noqa: E402
 from zoo_more3 import MORE3  # noqa: E402
+from zoo_more4 import MORE4  # noqa: E402
 
 ZOO.update(MORE)
 ZOO.update(MORE2)
 ZOO.update(MORE3)
+ZOO.update(MORE4)
 
 
 def preload():
@@ -840,6 +842,7 @@ def preload():
     transformers.logging.set_verbosity_error()
     source = inspect.getsource(sys.modules[__name__]) + inspect.getsource(sys.modules["zoo_more"])
     source += inspect.getsource(sys.modules["zoo_more2"]) + inspect.getsource(sys.modules["zoo_more3"])
+    source += inspect.getsource(sys.modules["zoo_more4"])
     for cls in set(re.findall(r'"([A-Z]\w+(?:For\w+|Model|Config))"', source)):
         getattr(transformers, cls, None)
     try:
