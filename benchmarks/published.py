@@ -70,7 +70,10 @@ time is re-priced as step0 + sum_f (step_f - step0) (1/theta_f - 1/theta0_f) / (
 roofline's memory-vs-compute side stay the same; the final figures are then checked by planning every row
 again with the fitted preset, and those are the numbers reported). The CP rows and the torch.compile rows became
 strict rows after that set was fixed (round two): they are held back, and the fitted set was not re-chosen
-after seeing any result.
+after seeing any result. Round three (2026-12-06) changed the model, not the sets: the 95 GiB part's attention
+figures (torch's flash SDPA as measured, causal kernels slower per FLOP) and one compute figure for its GEMMs and
+attention, after round two showed the long-sequence rows optimistic; the held-back cp rows are therefore not blind
+to that choice (the findings below say so).
 
     python benchmarks/published.py [--only ROW ...] [--fit] [--auto [ROW ...]] [--jobs N] [--cached-only]
         [--timeout S] [--auto-timeout S] [--out benchmarks/results/published]
@@ -398,7 +401,7 @@ def report(recs, fitted: dict, argv: list[str], auto_rows) -> list[str]:
     bad = [r for r in recs if "error" in r["at_preset"] and "error" in (r["at_fit"] or r["at_preset"])]
     lines += ["", "## Not planned (the exact error)", ""]
     lines += [f"- {r['name']} ({r['layout']}): `{r['at_preset']['error']}`" for r in bad] or ["- none"]
-    lines += ["", "## Findings of this run (hand-written, 2026-12-04)", ""] + [f"- {n}" for n in NOTES]
+    lines += ["", "## Findings of this run (hand-written, 2026-12-06)", ""] + [f"- {n}" for n in NOTES]
     lines += [""] + (auto_rows or [])
     return lines
 

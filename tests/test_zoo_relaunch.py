@@ -70,3 +70,12 @@ def test_no_relaunch_without_time(monkeypatch):
     calls = _fake(monkeypatch, [_crash_at("c")])
     recs, _ = zoo_check.run_suite(NAMES, "as-is", "/tmp", zoo_check.RELAUNCH_MIN_S - 1)
     assert len(calls) == 1 and [r["stage"] for r in recs] == ["", "", "launch", "launch"]
+
+
+def test_error_line_keeps_the_op_a_refusal_lists():
+    """The models table's reason column: a NoStrategyError's first line ends in ':' and the op is on the next."""
+    from autopar.strategies import NoStrategyError
+
+    e = NoStrategyError("no placement rule for these ops:\n  aten.as_strided.default: 24 node(s)\npass replicate_ops")
+    assert zoo_check.error_line(e) == "NoStrategyError: no placement rule for these ops: aten.as_strided.default: 24 node(s)"
+    assert zoo_check.error_line(ValueError("one line\nmore")) == "ValueError: one line"

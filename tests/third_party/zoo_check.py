@@ -104,8 +104,10 @@ def cast(model, args, kwargs, dtype):
 
 
 def error_line(e: BaseException) -> str:
-    """The exception's type and first line, and the innermost frame of autopar's own code it passed through."""
-    first = (str(e).strip().splitlines() or [""])[0][:300]
+    """The exception's type and first line (with the next where the first ends in ':', as NoStrategyError's list of
+    ops does), and the innermost frame of autopar's own code it passed through."""
+    lines = str(e).strip().splitlines() or [""]
+    first = (lines[0] + (" " + lines[1].strip() if lines[0].endswith(":") and len(lines) > 1 else ""))[:300]
     where = ""
     for fr in traceback.extract_tb(e.__traceback__):
         parts = fr.filename.replace("\\", "/").split("/")
