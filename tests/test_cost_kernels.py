@@ -152,7 +152,9 @@ def test_fa2_on_hopper_against_its_published_figures():
     assert _tflops(flops, K.flash_time(bh, s, s, d, fa2, BF16, False, False, flops, 0)) == pytest.approx(329, rel=0.12)
     for s, tf in {1024: 287.5, 2048: 293.2, 4096: 298.4, 8192: 287.7, 16384: 304.2}.items():  # pytorch/benchmark#2296
         flops = 4 * 128 * 8 * s * s * d
-        assert _tflops(flops, K.flash_time(1024, s, s, d, fa2, BF16, False, False, flops, 0)) == pytest.approx(tf, rel=0.12)
+        assert _tflops(flops, K.flash_time(1024, s, s, d, fa2, BF16, False, False, flops, 0)) == pytest.approx(
+            tf, rel=0.12
+        )
     s, n = 16384, 16384 // 128
     flops = 4 * 16 * s * s * d
     full = K.flash_time(16, s, s, d, fa2, BF16, False, False, flops, 0)

@@ -77,5 +77,8 @@ def test_error_line_keeps_the_op_a_refusal_lists():
     from autopar.strategies import NoStrategyError
 
     e = NoStrategyError("no placement rule for these ops:\n  aten.as_strided.default: 24 node(s)\npass replicate_ops")
-    assert zoo_check.error_line(e) == "NoStrategyError: no placement rule for these ops: aten.as_strided.default: 24 node(s)"
+    assert (
+        zoo_check.error_line(e)
+        == "NoStrategyError: no placement rule for these ops: aten.as_strided.default: 24 node(s)"
+    )
     assert zoo_check.error_line(ValueError("one line\nmore")) == "ValueError: one line"
