@@ -27,9 +27,9 @@ Assumptions (each also in the results file):
     the time, the pp degree (build_pipeline_schedule: n_microbatches = pipeline_parallel_degree when the config
     sets none, from before the paper to the January 2025 benchmark commit 9dec370; num_total_stages only from
     torchtitan#781, 2025-01-07; the paper states none): Table 4's rows 16 micro-batches of 2 sequences (1F1B and
-    interleaved), Table 6 8 of 1; selective AC is torchtitan's op SAC on every block (recompute="all", ac="op": each block keeps
-    its matmul outputs but every second one and its attention outputs, and reruns the rest), full AC is
-    recompute="all" (whole blocks); without
+    interleaved), Table 6 8 of 1; selective AC is torchtitan's op SAC on every block (recompute="all", ac="op":
+    each block keeps its matmul outputs but every second one and its attention outputs, and reruns the rest), full
+    AC is recompute="all" (whole blocks); without
     pipeline stages TorchTitan ran no gradient accumulation, but autopar may split the local batch into
     micro-batches (1, 2, 4, .. of it) where one does not fit its memory model (the chosen count is in the row's
     record); Float8 rows plan with float8=True (per-tensor scaled GEMMs, FSDP float8 all-gather);
