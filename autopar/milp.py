@@ -89,7 +89,7 @@ class _Model:
             v[y] = v[cols].max()
             v[e] = max(0.0, float(w @ v[cols]) - v[y])
         for y, parts, _ in self.shared:
-            v[y] = max(float(w @ v[c]) for c, w, _ in parts)
+            v[y] = max((float(w @ v[c]) for c, w, _ in parts), default=0.0)  # no parts: a charge nothing joins
         return v
 
 

@@ -554,6 +554,7 @@ MORE2 = {
         focalnet,
         bit,
         vitmae,
+        poolformer,
     )
 }
 # Built here, refused by autopar with these errors (python benchmarks/models.py does not run them).
@@ -566,6 +567,4 @@ NOT_SUPPORTED2 = {
     # plans and trains equal to one device with allow_replicate=True
     "longformer": (longformer, "NoStrategyError: ... aten.as_strided.default: 24 node(s) ... in module "),
     "led": (led, "NoStrategyError: ... aten.as_strided.default ... in module 'led.encoder.layers.0.self_attn..."),
-    # plans on one process in ~20 s; in the 4-rank launch the 2x2 MILP passes its 30 s limit
-    "poolformer": (poolformer, "SolverTimeLimitError: the solver found no plan within time_limit=30 s"),
 }

@@ -250,9 +250,10 @@ _ALL = dict(
     mt5=mt5,
 )
 MORE4 = dict(_ALL)
-# Built here, refused by autopar with this error (python benchmarks/models.py does not run it). Longformer, LED and
-# PoolFormer were drafted for this file too; they are zoo_more2.NOT_SUPPORTED2's (as_strided's overlapping windows
-# have no placement rule; PoolFormer's 2x2 MILP passes its 30 s limit in the 4-rank launch, 16 s alone).
+# Built here, refused by autopar with this error (python benchmarks/models.py does not run it). Longformer and LED
+# were drafted for this file too; they are zoo_more2.NOT_SUPPORTED2's (as_strided's overlapping windows have no
+# placement rule). PoolFormer, drafted here as well, is zoo_more2's (its 2x2 plan: 8 s alone since reduced-cost
+# fixing, autopar/solver_fixing.py; it was 16 s, past the 30 s limit in the 4-rank launch).
 NOT_SUPPORTED4 = {
     # the experts pick their tokens with torch.nonzero / torch.where over the routing mask (a shape that depends on
     # values), as DBRX's do (zoo_more3.NOT_SUPPORTED3)
