@@ -9,13 +9,13 @@ their vocabulary dim).
 
 Assumptions (not in the paper): sequence 8192 (torchtitan's configs); bf16 mixed precision with fp32 master,
 gradient reduction and AdamW states (Float8 and torch.compile are not modelled: their rows are planned in bf16
-eager); micro-batches as torchtitan defaulted then (pipeline_parallel_microbatches unset: one per pp rank, so 16
-of 2 sequences for 1F1B and interleaved alike; benchmarks/published.py says why); layers per stage as even as 126
+eager); micro-batches as torchtitan defaulted then (pipeline_parallel_microbatches unset: one per pp rank, so 16 of
+2 sequences for 1F1B and interleaved alike; benchmarks/published.py says why); layers per stage as even as 126
 allows, one fewer on the first and last; "selective AC" is not expressible (op-level selective recomputation): those
-rows give the two bounds, no recomputation and full. The published figure is torch.cuda.max_memory_reserved (torchtitan's
-memory monitor) on the 95 GiB H100 (the h100-95g preset). Tokens/s/GPU are printed beside them for reference only:
-the T3/T4 rows ran torch.compile + Float8, planned here in bf16 eager (benchmarks/published.py is the step-time
-harness).
+rows give the two bounds, no recomputation and full. The published figure is torch.cuda.max_memory_reserved
+(torchtitan's memory monitor) on the 95 GiB H100 (the h100-95g preset). Tokens/s/GPU are printed beside them for
+reference only: the T3/T4 rows ran torch.compile + Float8, planned here in bf16 eager (benchmarks/published.py is
+the step-time harness).
 """
 
 from __future__ import annotations
