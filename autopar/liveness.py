@@ -12,7 +12,15 @@ from collections import defaultdict
 
 from .cost import is_view
 from .cost.memory import idle_cached_bytes
-from .strategies import num_shards
+from .strategies import num_shards, vocab_parallel
+
+
+def workspace(g, P, n, mesh_shape) -> float:
+    """Bytes op n holds inside itself beyond its inputs and outputs at its placement (a class-sharded loss's
+    temporaries: autopar/strategies/vocab_parallel.py); 0 for every other op."""
+    if n.kind != "op" or n.target not in vocab_parallel.OPS:
+        return 0.0
+    return vocab_parallel.workspace_bytes(n, P[n.idx], [g.meta(r) for r in n.inputs()], mesh_shape)
 
 
 def state_bytes(g, P, mesh_shape, precision) -> float:
@@ -59,7 +67,7 @@ def liveness_peak(g, P, mesh_shape, recompute=None) -> float:
             size[(n.idx, 0)] = b
             live += b
             frees.setdefault(last.get((n.idx, 0), n.idx), []).append((n.idx, 0))
-        peak = max(peak, live)
+        peak = max(peak, live + workspace(g, P, n, mesh_shape))
         for key in frees.pop(n.idx, []):
             live -= size[key]
     return peak
@@ -123,7 +131,7 @@ def liveness_peak_checkpointed(g, P, mesh_shape, recompute) -> float:
             live += size[key]
         for key in adds.pop(n.idx, []):
             live += size[key]
-        peak = max(peak, live)
+        peak = max(peak, live + workspace(g, P, n, mesh_shape))
         for key in frees.pop(n.idx, []):
             live -= size[key]
     return peak
@@ -197,7 +205,7 @@ def cluster_peaks(g, P, mesh_shape, where, K: int) -> list[float]:
                     live_own[owner[s]] += size[s]
         c = where[n.idx]
         if c is not None and n.kind == "op":
-            peak[c] = max(peak[c], live_shared + live_own[c])
+            peak[c] = max(peak[c], live_shared + live_own[c] + workspace(g, P, n, mesh_shape))
         for s in frees.pop(n.idx, []):
             if s in shared:
                 live_shared -= size[s]

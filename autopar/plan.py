@@ -139,6 +139,7 @@ class NodeRecord:
     ins: tuple  # per tensor input: the placement the node takes it in, per mesh dim
     inputs: tuple  # per tensor input: (producer node idx, producer output)
     consts: tuple | None = None  # an op's scalar positional arguments as (position, value); None: not recorded
+    internal: tuple = ()  # collectives inside the op: (kind, mesh dim, bytes, group size) each
 
     @property
     def op(self) -> str:
@@ -165,6 +166,7 @@ class NodeRecord:
             tuple(tuple(p) for p in d["placement"]["ins"]),
             tuple(tuple(e) for e in d.get("inputs", ())),
             tuple(sorted((int(k), v) for k, v in consts.items())) if consts is not None else None,
+            tuple(tuple(c) for c in d.get("internal", ())),
         )
 
 
@@ -197,13 +199,14 @@ class Plan:
         return {k: tuple(to_placement(p) for p in v) for k, v in self.params.items()}
 
     def collectives(self) -> list[tuple[str, int, int]]:
-        """Every planned collective of one step as (kind, mesh_dim, bytes), in graph order, then the gradient
-        buckets in the order they are issued."""
+        """Every planned collective of one step as (kind, mesh_dim, bytes), in graph order (a node's redistributes,
+        then those inside the op), then the gradient buckets in the order they are issued."""
         out = []
         for n in self.nodes:
             for r in n.get("redistribute", []):
                 if "bucket" not in r:  # bucketed gradient reductions: their bucket's collective
                     out += [(c[0], _dim(c[1]), c[2]) for c in r["collectives"]]
+            out += [(c[0], c[1], c[2]) for c in n.get("internal", [])]
         return out + [(b["kind"], _dim(b["mesh_dim"]), b["bytes"]) for b in self.buckets]
 
     def redistribute_records(self) -> tuple[RedistributeRecord, ...]:
@@ -382,7 +385,7 @@ class Plan:
             self.summary(timings=False),
             "",
             "graph (one line per node: op, phase, module, output shapes, placement; "
-            "then the redistributes its inputs need)",
+            "then the redistributes its inputs need, and the collectives inside the op)",
         ]
         f8 = {r[0]: "x".join(r[1:3]) for r in self.meta.get("float8", {}).get("nodes", [])}  # float8 GEMMs
         for n in self.nodes:
@@ -412,6 +415,9 @@ class Plan:
                     )
                     + (f"  async TP hides {r['hidden_s'] * 1e6:.2f}us" if r.get("hidden_s") else "")
                 )
+            if n.get("internal"):  # collectives the op issues itself (a class-sharded loss's row reductions)
+                cs = ", ".join(f"{c[0]}(dim {self._dim_name(c[1])}, {c[2] / 1e6:.3f} MB)" for c in n["internal"])
+                lines.append(f"    inside the op: {cs}")
         if self.buckets:
             lines += ["", "gradient buckets (one collective each, issued after the backward in this order)"]
             names = self._param_mesh_names()
@@ -467,7 +473,9 @@ def _dtype_name(dt) -> str:
     return _DTYPES[dt]
 
 
-def node_record(n, s, red, time_s, source) -> dict:
+def node_record(n, s, red, time_s, source, internal=()) -> dict:
+    """internal: (kind, mesh dim, bytes, group size) of the collectives the op issues inside itself (the row
+    reductions of a class-sharded loss: autopar/strategies/vocab_parallel.py), in its time_s."""
     return {
         "idx": n.idx,
         "name": n.name,
@@ -487,6 +495,7 @@ def node_record(n, s, red, time_s, source) -> dict:
             if n.kind == "op"
             else {}
         ),
+        **({"internal": [list(c) for c in internal]} if internal else {}),
     }  # scalar positional arguments (ignore_index, dims)
 
 

@@ -27,7 +27,7 @@ from .cost.overlap import Unit, fsdp_timeline, optimizer_step_time
 from .graph import Graph, Node, Ref, TensorMeta, param_root
 from .liveness import liveness_peak, recomputed_seconds, state_bytes
 from .plan import Plan, _dim, execution_record, node_record
-from .strategies import Strategy, num_shards
+from .strategies import Strategy, num_shards, vocab_parallel
 from .collectives import grad_reduce_time, link_of, redistribute_time
 
 
@@ -39,7 +39,8 @@ def build_plan(state) -> Plan:
     red_by_node = _redistribute_records(state, times)
     sol = state.solution
     records = [
-        node_record(n, P[n.idx], red_by_node.get(n.idx, []), times[n.idx], state.sources[n.idx]) for n in g.nodes
+        node_record(n, P[n.idx], red_by_node.get(n.idx, []), times[n.idx], state.sources[n.idx], _internal(state, n))
+        for n in g.nodes
     ]
     params = {fqn: list(P[i].out[0]) for fqn, i in g.params.items()}
     for alias, base in g.aliases.items():
@@ -127,6 +128,16 @@ def predict(plan: Plan) -> dict:
     return predict_records(graph, placement, plan.nodes, plan.buckets, pr, cluster, plan.mesh_shape)
 
 
+def _internal(state, n) -> list:
+    """The collectives op n issues inside itself at its placement (kind, mesh dim, bytes, group size)."""
+    if n.kind != "op":
+        return []
+    ins, shape = [state.graph.meta(r) for r in n.inputs()], tuple(state.mesh.shape)
+    return [
+        (k, m, b, shape[m]) for k, m, b in vocab_parallel.internal_collectives(n, state.placement[n.idx], ins, shape)
+    ]
+
+
 def predict_state(state) -> dict:
     """`predict` of the Plan a solved state would give, without building its node records (the solver compares
     candidate plans by it)."""
@@ -164,6 +175,8 @@ def predict_records(graph, placement, records, buckets, pricing, cluster, mesh_s
                 hidden += r.get("hidden_s", 0.0)
             for c in r["collectives"]:
                 _count(kinds, c[0], c[2])
+        for c in rec.get("internal", []):  # inside an op: priced in its time_s
+            _count(kinds, c[0], c[2])
     for b in buckets:
         link = link_of(cluster, mesh_shape, _dim(b["mesh_dim"]))
         comm["grad"] += collective_time(b["kind"], b["bytes"], b["group"], link)

@@ -168,10 +168,12 @@ def memory_section(d: dict) -> str:
 
 def collective_rows(d: dict) -> list:
     """(kind, mesh dim name, count, bytes) of the plan's collectives: the redistributes in the graph (bucketed
-    gradient reductions once, as their bucket) and the gradient buckets, as `Plan.collectives()` counts them."""
+    gradient reductions once, as their bucket), those inside ops and the gradient buckets, as `Plan.collectives()`
+    counts them."""
     names = _param_mesh_names(d)
     acc = defaultdict(lambda: [0, 0])
     calls = [c for n in d["nodes"] for r in n.get("redistribute", []) if "bucket" not in r for c in r["collectives"]]
+    calls += [c for n in d["nodes"] for c in n.get("internal", [])]
     calls = [tuple(c[:3]) for c in calls]  # (kind, mesh dim, bytes[, group size])
     calls += [(b["kind"], b["mesh_dim"], b["bytes"]) for b in d["buckets"]]
     for kind, dim, nbytes in calls:

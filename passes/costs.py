@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from autopar.cost import fusion, global_flops, is_view
+from autopar.cost import collective_time, fusion, global_flops, is_view
 from autopar.cost.kernels import node_time as kernel_node_time
 from autopar.graph import TensorMeta, param_root
 from autopar.collectives import (
@@ -36,10 +36,11 @@ from autopar.collectives import (
     communicates,
     grad_bucket_latency,
     grad_reduce_time,
+    link_of,
     redistribute_time,
 )
 from autopar.loss_tail import HELD_NUMEL, can_be_partial, tail_values
-from autopar.strategies import num_shards
+from autopar.strategies import num_shards, vocab_parallel
 
 from . import float8
 
@@ -121,6 +122,9 @@ def _pricing(state) -> Pricing:
         dtype = next((m.dtype for m in n.outs if m is not None and m.dtype.is_floating_point), torch.float32)
         ins = [graph.meta(r) for r in n.inputs()]  # GEMMs and attention priced by their local shapes
         t = kernel_node_time(n.target, n.args, n.kwargs, ins, s.ins, mesh_shape, flops / work, nbytes, device, dtype)
+        # collectives inside the op (the row reductions of a class-sharded loss): blocking, so part of its time
+        for kind, m, b in vocab_parallel.internal_collectives(n, s, ins, mesh_shape):
+            t += collective_time(kind, b, mesh_shape[m], link_of(cluster, mesh_shape, m))
         return t + device.op_overhead
 
     return Pricing(redistribute, tail_time, float8.priced(state, node_time), tail)

@@ -114,6 +114,19 @@ def launch(fn, world: int, args: list, tmp_path, backend: str = "gloo", timeout:
     return results
 
 
+def launch_equal(fn, world: int, args: list, tmp_path, timeout: float = LAUNCH_TIMEOUT_S) -> list:
+    """`launch`, then what every job built on autopar.testing.train_and_compare checks: the ranks planned alike
+    ("hash"), no step differs from one device ("failures", "losses"), the collectives ran as planned
+    ("collective_diff"). Returns the ranks' results."""
+    results = launch(fn, world, args, tmp_path, timeout=timeout)
+    assert len({r["hash"] for r in results}) == 1, "ranks planned differently"
+    for r in results:
+        assert not r["failures"], r["failures"]
+        assert not r["collective_diff"], r["collective_diff"]
+        assert all(abs(a - b) <= 1e-6 + 1e-5 * abs(b) for a, b in r["losses"]), r["losses"]
+    return results
+
+
 def _rank_main(file, fn_name, rank, world, port, backend, run_dir):
     """One rank: load the test file, join the group, run the function, write its result, barrier, destroy."""
     rank, world, run_dir = int(rank), int(world), Path(run_dir)

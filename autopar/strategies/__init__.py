@@ -21,6 +21,7 @@ from .grouped_mm import meta_kernel  # noqa: F401  (registers aten._grouped_mm's
 from .merged_views import VIEW_OPS, merged_view_strategies
 from .registry import RULES, rule
 from .strided import restride_decomposition  # noqa: F401  (capture imports it from here)
+from . import vocab_parallel
 
 aten = torch.ops.aten
 Placements = tuple[str, ...]  # one placement string per mesh dim
@@ -384,6 +385,8 @@ def node_strategies(node: Node, meta_of, mesh_shape: tuple[int, ...], in_cands: 
         res, source = [rep], "fallback" if source is None else "fallback (" + source + ")"
     elif rep not in res:
         res.insert(0, rep)
+    if op in vocab_parallel.OPS:  # the class-sharded loss (vocab parallelism) beside DTensor's strategies
+        res = vocab_parallel.extend(node, res, in_metas, mesh_shape, divides, Strategy)
     res = list(dict.fromkeys(res))
     _CACHE[key] = (res, source)
     return res, source

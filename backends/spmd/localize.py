@@ -24,7 +24,9 @@ import torch
 from autopar.capture import SDPA, SDPA_BW
 from autopar.graph import Ref
 from autopar.collectives import steps as plan_steps
+from autopar.strategies import Strategy, vocab_parallel
 
+from . import vocab_loss
 from .interpreter import _to_device
 from .local_ops import LOCAL_IMPL, RANDOM, attention_bw_math, attention_fw_math, local_args, local_exact
 
@@ -250,6 +252,8 @@ def _how(g, n, ins, outs, out_replicated, mesh_shape, device, math) -> tuple:
         mode = "random"
     elif not n.inputs():
         mode = "factory"
+    elif vocab_parallel.sharded_dims(n, Strategy(outs, ins)):  # a class-sharded loss op: its own collectives
+        mode, fn = "dtensor", vocab_loss.IMPL[n.target]
     elif n.target in (SDPA, SDPA_BW):
         mode, contiguous = "local", True  # fused kernels want unit inner stride
         if math:
