@@ -10,9 +10,10 @@ apply_fsdp), in autopar's terms, for the side-by-side comparison and for tests:
     tp, the loss input replicated on tp). The rest (attention internals, backward) is left to the solver, which
     fills it in the only consistent way.
 
-autopar has no placement rule for a vocab-sharded cross-entropy (loss_parallel is a DTensor context, not an op
-strategy), so the pinned plan uses torchtitan's `loss_parallel=False` variant (output gathered to Replicate);
-`loss_parallel_delta` prices the difference analytically for the comparison.
+Both of torchtitan's loss variants: `loss_parallel=True` (its default: the logits stay vocab-sharded into a
+class-sharded cross entropy, autopar/strategies/vocab_parallel.py, lowered to torch's loss_parallel()) and
+`loss_parallel=False` (the output gathered to Replicate). `loss_parallel_delta` prices the difference analytically
+on a loss_parallel=False plan.
 """
 
 from __future__ import annotations
@@ -76,12 +77,19 @@ def batch_pin(data_dims, batch_shape=None):
 
 
 def torchtitan_placements(
-    model, mesh_names, dp: str | None = "dp", tp: str | None = "tp", batch_shape=None, sequence_parallel: bool = True
+    model,
+    mesh_names,
+    dp: str | None = "dp",
+    tp: str | None = "tp",
+    batch_shape=None,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
 ):
     """(force, pin) for autopar.plan: torchtitan's FSDP(dp) x TP+SP(tp) plan as planner constraints
     (sequence_parallel=False: Megatron TP without SP, norms and the residual stream replicated on tp).
     batch_shape (batch, seq): with a dp dim, every activation whose leading dim is the batch (or batch*seq) is
-    pinned batch-sharded on dp, as data parallelism computes it."""
+    pinned batch-sharded on dp, as data parallelism computes it. loss_parallel: the cross entropy on the
+    vocab-sharded logits (torchtitan's default), else replicated on tp."""
     dp_pin = batch_pin([mesh_names.index(dp)] if dp in mesh_names else [], batch_shape)
     d_dp = mesh_names.index(dp) if dp in mesh_names else None
     d_tp = mesh_names.index(tp) if tp in mesh_names else None
@@ -111,8 +119,13 @@ def torchtitan_placements(
         mod, op = n.module, str(n.target)
         if mod == "norm" or mod.endswith(_NORMS) or (re.fullmatch(r"layers\.\d+", mod) and op == "aten.add.Tensor"):
             want[d_tp] = "S1" if sequence_parallel else "R"
-        elif op in ("aten._log_softmax.default", "aten.nll_loss_forward.default"):
-            want[d_tp] = "R"  # loss_parallel=False: the loss runs replicated on tp
+        elif op == "aten._log_softmax.default":
+            want[d_tp] = "S1" if loss_parallel else "R"  # loss_parallel=False: the loss runs replicated on tp
+        elif op == "aten.nll_loss_forward.default":
+            if loss_parallel:  # on the vocab-sharded log-probs: a partial loss, the whole count of targets
+                want.update({(d_tp, 0): "P", (d_tp, 1): "R"})
+            else:
+                want[d_tp] = "R"
         elif op == "aten.embedding.default":  # vocab-parallel embedding: masked partial output
             want[d_tp] = "Pm"
         elif mod == "output" and op == "aten.mm.default":  # colwise output projection: vocab-sharded logits

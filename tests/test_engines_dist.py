@@ -167,6 +167,8 @@ def _cases(tmp_path, world):
         add("tp_sp", (2,), ("tp",), force=force, pin=pin)
         force, pin = torchtitan_placements(m, ("tp",), None, "tp", (BATCH, SEQ), sequence_parallel=False)
         add("tp_megatron", (2,), ("tp",), force=force, pin=pin)
+        force, pin = torchtitan_placements(m, ("tp",), None, "tp", (BATCH, SEQ), loss_parallel=True)
+        add("tp_loss_parallel", (2,), ("tp",), force=force, pin=pin)
         cases.append({"name": "auto_fallback", "shape": [2], "names": ["dp"], "plan": None})
         # fsdp2_api's plan, planned here for target="torch" as autopar.parallelize plans it on the ranks, saved, and
         # loaded there with the planner patched to raise: Plan.load runs on the torch backend with no planner call
@@ -240,6 +242,8 @@ def test_world2_fsdp2_bf16_checkpointing_tp_sp_fallback(tmp_path):
     assert (
         "SequenceParallel" in by["tp_sp"]["code"] and "RowwiseParallel(output_layouts=Shard(1))" in by["tp_sp"]["code"]
     )
+    # torchtitan's default loss: the logits vocab-sharded into torch's loss_parallel (its all_reduces as counted)
+    assert "loss_parallel = True" in by["tp_loss_parallel"]["code"], by["tp_loss_parallel"]["code"]
 
 
 def test_world4_fsdp2_fsdp_x_tp_hsdp_flat(tmp_path):

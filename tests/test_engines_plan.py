@@ -5,6 +5,7 @@ passes/checkpointing.py). Execution on real gloo groups is tests/test_engines_di
 from __future__ import annotations
 
 import importlib.util
+import types
 
 import pytest
 import torch
@@ -141,6 +142,45 @@ def test_tp_sp_plan_is_torchtitans(tp):
         assert ours[k].replace(" ", "").replace(",)", ")") == theirs[k].replace(",)", ")"), (k, ours[k], theirs[k])
     assert not low.loss_parallel and not low.units
     assert any("PrepareModuleInput" in n for n in low.notes)  # the plan's per-consumer gathers, deduplicated
+
+
+def _loss_parallel_plan(smoothing=0.0):
+    m, x = _model()
+    if smoothing:  # the same model with label smoothing: its log-probs also feed a sum over the vocab
+        m.forward = types.MethodType(
+            lambda self, t, y: F.cross_entropy(
+                self.logits(t).flatten(0, 1).float(), y.flatten(0, 1), label_smoothing=smoothing
+            ),
+            m,
+        )
+    force, pin = torchtitan_placements(m, ("tp",), None, "tp", (B, S), loss_parallel=True)
+    return autopar.plan(m, autopar.MeshSpec((2,), ("tp",)), x, cluster=CLUSTER, overlap=False, force=force, pin=pin), m
+
+
+def test_tp_sp_loss_parallel_plan_is_torchtitans():
+    """torchtitan's default loss: the class-sharded cross entropy lowers to its output style and loss_parallel();
+    the engines' collectives are torch's handlers' (three row all_reduces in the forward, none in the backward)."""
+    plan, m = _loss_parallel_plan()
+    low = recognize(plan, m)
+    assert low.expressible and low.loss_parallel, low.report()
+    from autopar.backends.torch.source import _fold
+
+    ours = {k: v.code().replace(" ", "").replace(",)", ")") for k, v in _fold(low.styles, low.block_fqns).items()}
+    theirs = {k: v.replace(" ", "").replace(",)", ")") for k, v in torchtitan_styles(loss_parallel=True).items()}
+    assert ours == theirs, set(ours.items()) ^ set(theirs.items())
+    exp, _ = engine_collectives(plan, low)
+    rows = B * S * 4  # one fp32 value per token: the tokens are whole on tp around the loss
+    assert sum(1 for c in exp if c == ("all_reduce", 0, rows)) == 3, exp
+
+
+def test_loss_parallel_refuses_other_uses_of_the_log_probs():
+    """torch's loss_parallel fuses nll_loss's backward with log_softmax's: label smoothing's second use of the
+    log-probs would get a wrong gradient there, so that plan is not lowered (backend="auto" runs it on the graph
+    backend, which computes each op exactly)."""
+    plan, m = _loss_parallel_plan(smoothing=0.1)
+    low = recognize(plan, m)
+    assert not low.expressible and not low.loss_parallel
+    assert "loss_parallel runs a plain cross_entropy only" in low.report(), low.report()
 
 
 def test_tp_without_sequence_parallel_is_megatron():

@@ -60,7 +60,26 @@ def engine_collectives(plan, low) -> tuple[list, list]:
     for part in {id(p): p for p in parts.values()}.values():  # each part's own plan, per instance
         out += part.plan.collectives() * len(part.instances)
     out += _tp_backward_collectives(plan, nodes, low, pnode, local_param)
+    out += _loss_parallel_collectives(nodes, low)
     return out, notes
+
+
+def _loss_parallel_collectives(nodes, low) -> list:
+    """torch's loss_parallel on the tensor-parallel dim: per vocab-sharded log_softmax the all_reduces of the row
+    max and the row sum of exp, then nll_loss's of each row's target log-prob (at the log-probs' dtype); its
+    backward runs nll_loss's and log_softmax's fused, with none (the plan's own backward row sum is not issued,
+    nor its all_reduce of the partial loss: the handler returns it replicated)."""
+    if not low.loss_parallel:
+        return []
+    out, t = [], low.tp_dim
+    for n in nodes:
+        if n.kind != "op" or n.phase != "fw" or not n.target.startswith("_log_softmax"):
+            continue
+        rows = [c for c in n.internal if c[1] == t]
+        out += [(k, t, b) for k, _, b, _ in rows]
+        if rows:
+            out.append(("all_reduce", t, rows[0][2] // 4 * _nb((), n.dtypes[0])))
+    return out
 
 
 def _data_parallel_collectives(plan, low, pnode, local_param, notes) -> list:
@@ -148,6 +167,8 @@ def _redistribute_collectives(plan, nodes, low, notes) -> list:
         if t is None or n.phase != "fw" or not any(c.mesh_dim == t for c in cs):
             continue
         role = low.tp_roles.get((n.idx, r.input))
+        if role == "loss_parallel":  # torch's nll_loss handler reduces the loss itself (_loss_parallel_collectives)
+            continue
         key = (n.inputs[r.input], r.src, r.dst)
         if key in seen:
             notes.append(

@@ -131,6 +131,22 @@ class _TensorParallel:
                     ends.append((u, j, have, want))
         return ends
 
+    def beside_nll(self, lsm) -> list[str]:
+        """Forward consumers of the log_softmax nodes `lsm` other than nll_loss (through views), by name."""
+        out, stack, seen = [], [(u, 0) for u in lsm], set(lsm)
+        while stack:
+            a, ao = stack.pop()
+            for u, _, uo in self.G.users[a]:
+                r = self.G.rec(u)
+                if uo != ao or r.phase != "fw" or u in seen:
+                    continue
+                seen.add(u)
+                if r.op in _PASS_THROUGH and len(r.inputs) == 1:
+                    stack.append((u, 0))
+                elif not r.op.startswith("nll_loss"):
+                    out.append(r.name)
+        return out
+
     def reason(self, M, text):
         self.low.reasons.append((f"module {M or '<root>'}", text))
 
@@ -140,7 +156,16 @@ class _TensorParallel:
         moved = [e for e in ends if e[2] != e[3]]  # consumers that need another placement
         wants = {w for _, _, _, w in moved}
         if not moved:
-            if any(self.G.rec(u).op == "_log_softmax" for u, _, _, _ in ends):
+            lsm = [u for u, _, _, _ in ends if self.G.rec(u).op == "_log_softmax"]
+            if lsm:
+                other = self.beside_nll(lsm)
+                if other:  # torch's loss_parallel fuses nll_loss's backward with log_softmax's: nothing may join
+                    self.reason(
+                        M,
+                        f"its vocab-sharded log-probabilities also feed {other[:3]}: loss_parallel runs "
+                        "a plain cross_entropy only (no label smoothing, no other use of the log-probs)",
+                    )
+                    return "bad", ends
                 self.low.loss_parallel = True
                 return "loss", ends
             return None, ends
@@ -302,7 +327,8 @@ class _TensorParallel:
                 or (producer and (producer == parent or producer.startswith(parent + ".")))
             ):
                 for m in linears:
-                    styles[m].kwargs = {"input_layouts": "Shard(1)", **styles[m].kwargs}
+                    if m in styles:  # (a module whose output no style serves has a reason instead)
+                        styles[m].kwargs = {"input_layouts": "Shard(1)", **styles[m].kwargs}
                 continue
             n_in = _arity(self.modules.get(parent)) if self.modules is not None else 1
             styles[parent] = Style(
@@ -326,6 +352,16 @@ class _TensorParallel:
             if any(not any(self.G.in_module(u, g) for g in gathered_in) for u, _, _, _ in ends):
                 self.styles[M].kwargs["use_local_output"] = "True"
 
+    def loss_parallel_reduces(self, n, r) -> bool:
+        """Under loss_parallel, torch's nll_loss handler all-reduces the loss over t itself (its output is
+        Replicate there): the plan's P -> R on t of an nll_loss_forward output is that all_reduce."""
+        p, _ = n.inputs[r.input]
+        return (
+            self.low.loss_parallel
+            and (r.src[self.t], r.dst[self.t]) == ("P", "R")
+            and self.G.rec(p).op.startswith("nll_loss")
+        )
+
     def unexplained_redistributes(self) -> None:
         """Every forward redistribute on t that no style performs is a reason."""
         t, tn = self.t, self.tn
@@ -337,6 +373,9 @@ class _TensorParallel:
                 or r.src[t] == r.dst[t]
                 or (n.idx, r.input) in self.explained
             ):
+                continue
+            if self.loss_parallel_reduces(n, r):
+                self.explained[(n.idx, r.input)] = "loss_parallel"
                 continue
             move = f"[{','.join(r.src)}] -> [{','.join(r.dst)}]"
             if r.value_class == "param":
