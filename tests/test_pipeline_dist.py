@@ -123,6 +123,7 @@ def _check(results, cases):
             if h["loss_diff"] is not None:
                 assert h["loss_diff"] <= 1e-5 * abs(h["loss_ref"]), f"{case['schedule']}: loss mismatch {h}"
             assert "PipelineShapeError" in h["shape_error"] and "micro-batches" in h["shape_error"], h
+            assert h["kept_outputs"] == 0, f"{case['schedule']}: the last stage kept its micro-batches' logits"
         covered = set().union(*(set(h["params"]) for h in holders))
         assert covered == set(results[0]["cases"][ci]["all_params"]), "some parameter was on no stage"
 
@@ -316,6 +317,8 @@ def _rank_cases(cases):
         ref(x, y).backward()
         loss_local_ref = ref(xl, yl).item()
         loss = runner.step(xl if runner.is_first else None, yl if runner.is_last else None)
+        stages = getattr(runner.schedule, "_stages", None) or [runner.schedule._stage]
+        kept = sum(len(s.output_chunks) for s in stages)  # outputs the schedule holds after the step (the logits)
         rel, names, close, tp_sharded, tp_split = 0.0, [], True, 0, 0
         gref = dict(ref.named_parameters())
         for n, p in runner.named_parameters():
@@ -351,6 +354,7 @@ def _rank_cases(cases):
                 "has_layers": any(".layers." in f".{n}" for n in names),
                 "all_params": [n for n, _ in ref.named_parameters()],
                 "loss_diff": None if loss is None else abs(loss.item() - loss_local_ref),
+                "kept_outputs": kept,
                 "loss_ref": loss_local_ref,
                 "shape_error": err,
                 "local_rows": [

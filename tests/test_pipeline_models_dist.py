@@ -110,7 +110,7 @@ def test_keyword_pipeline_plans_equal_single_device(tmp_path, world):
             if case["inside"] == "fsdp":
                 assert all(w.startswith("FSDP") for w in h["wrappers"]), (case, h)
             elif case["inside"] == "tp":  # q/k/v colwise (local heads) and o rowwise in the rank's block stages
-                styles = {m.rsplit(".", 1)[1]: c for st in h["tp_styles"] for m, c in st.items()}
+                styles = {m.rsplit(".", 1)[-1]: c for st in h["tp_styles"] for m, c in st.items()}
                 assert styles.get("q_proj") == "ColwiseParallel()" and styles.get("o_proj") == "RowwiseParallel()", h
             elif world == 4:
                 assert h["wrappers"] == ["DistributedDataParallel"], (case, h)

@@ -511,10 +511,18 @@ def step(runner, args: tuple, kwargs: dict):
     losses = [] if runner.is_last else None
     kw = {"target": torch.zeros(m), "losses": losses} if runner.is_last else {}
     runner.counts.clear()
-    runner.schedule.step(**kw, **call)
+    runner.schedule.step(**kw, **call, **no_outputs(runner.schedule))
     mine = _to_batch_mean(runner)
     runner.tied.sum(runner.named_parameters())
     return torch.stack([loss.detach() for loss in losses]).sum() / mine if runner.is_last else None
+
+
+def no_outputs(schedule) -> dict:
+    """step()'s option not to keep each micro-batch's output on the last stage: torch's schedules return the
+    merged outputs by default, so the last stage would hold every micro-batch's logits from its forward to the next
+    step (m logits tensors through the backward and the optimizer step); the runner returns the losses only. Older
+    torch (before `return_outputs`) has no such option."""
+    return {"return_outputs": False} if "return_outputs" in inspect.signature(schedule.step).parameters else {}
 
 
 def loss_of_microbatch(runner):

@@ -16,7 +16,6 @@ outputs logits; the loss is `loss_fn(logits, target)`, by default cross entropy 
 zoo's `Transformer.forward` / `MLP.forward` compute), so a step equals `model(x, labels)` on the same batch.
 
 Inside a stage, torchtitan's order: tensor parallelism first, then data parallelism.
-
 Tensor parallelism (a stage-submesh dim of size > 1 not named dp*, "tp"): each module's ParallelStyle comes from its
 parameters' placements on that dim (`stage_tp_styles`, the table of backends/torch/tp.py `param_style`: nn.Linear
 weight Shard(0) -> ColwiseParallel, Shard(1) -> RowwiseParallel, the bias with them; nn.Embedding Shard(0) ->
@@ -56,6 +55,7 @@ from torch import nn
 from autopar.strategies.context_parallel import CP_PREFIX
 
 from ..spmd.module import parent_of
+from .forward_stage import no_outputs
 from .tied import TiedGrads
 from ..torch.tp import _kind, param_style
 
@@ -579,7 +579,7 @@ class PipelineRunner:
         losses = [] if self.is_last else None
         args = (x,) if self.is_first else ()
         kw = {"target": target, "losses": losses} if self.is_last else {}
-        self.schedule.step(*args, **kw)
+        self.schedule.step(*args, **kw, **no_outputs(self.schedule))
         self.tied.sum(self.named_parameters())
         if self.is_last:
             return torch.stack([loss.detach() for loss in losses]).mean()
