@@ -36,6 +36,11 @@ Assumptions (each also in the results file):
     torch.compile rows price the fused regions of DeviceSpec fusion="inductor"; AsyncTP rows (B3.8, Table 6) price
     torch's micro-pipelined TP with DeviceSpec async_tp=True (autopar/cost/async_tp.py: TP all-gathers into a
     matmul and reduce-scatters of one run in chunks under it, inside a node).
+  * TorchTitan's tp rows compute the head's logits vocab-sharded on tp into a class-sharded cross entropy (its
+    loss_parallel: autopar/strategies/vocab_parallel.py prices the row all-reduces and the temporaries); its
+    pipelined rows' last stage kept each micro-batch's logits to the step's end (torch.distributed.pipelining's
+    output_chunks before return_outputs; fp32 logits for Table 4, before torchtitan e10cb9494, bf16 for Table 6):
+    added to the last rank's memory (program_memory_GiB), the reported peak the most of any rank's.
   * Context parallelism (Tables 5-6, Llama 3's 128K row): a (pp, dp, cp[, tp]) mesh, the sequence sharded over
     cp inside the pipeline stages, parameters FSDP-sharded over dp x cp (torchtitan's dp_shard_cp), attention on
     sequence-sharded queries priced by autopar's cp kernel model. Tables 5-6 ran with torch.compile + Float8 and
@@ -73,7 +78,8 @@ strict rows after that set was fixed (round two): they are held back, and the fi
 after seeing any result. Round three (2026-12-06) changed the model, not the sets: the 95 GiB part's attention
 figures (torch's flash SDPA as measured, causal kernels slower per FLOP) and one compute figure for its GEMMs and
 attention, after round two showed the long-sequence rows optimistic; the held-back cp rows are therefore not blind
-to that choice (the findings below say so).
+to that choice (the findings below say so). Round four (2026-12-07) added the class-sharded loss and the published
+program's kept logits (memory), the sets again unchanged.
 
     python benchmarks/published.py [--only ROW ...] [--fit] [--auto [ROW ...]] [--jobs N] [--cached-only]
         [--timeout S] [--auto-timeout S] [--out benchmarks/results/published]
@@ -98,6 +104,7 @@ import torch
 from scipy.optimize import minimize
 
 from autopar.cost import get_cluster
+from autopar.models import model_args
 
 from published_plan import NOT_RUN, _mesh_and_pipeline, plan_row, run_jobs  # noqa: F401 (tests use these)
 from published_rows import CP_ATTENTION, NOTES, ROWS, Row
@@ -261,6 +268,30 @@ def plan_jobs(rows: list[Row], fitted: dict, auto_rows: list[Row]) -> list:
     return at_fit, auto, [(r, row_cluster(r), False) for r in rows]
 
 
+# TorchTitan's pipelined rows ran torch.distributed.pipelining before step() took `return_outputs` (pytorch#159251,
+# late 2025): the last stage appended each micro-batch's output, its vocab-sharded logits, to `output_chunks`, held
+# until the next step. Table 4 (the paper's first version, 2024-10-09) ran before torchtitan e10cb9494
+# (2024-10-22) moved `.float()` from the model's output to the loss: fp32 logits; Table 6's figures are the January
+# 2025 docs' run (torch 1963fc8, torchtitan 9dec370): bf16. autopar's runner passes return_outputs=False.
+KEPT_LOGIT_BYTES = {"TorchTitan Table 4": 4, "TorchTitan Table 6": 2}
+
+
+def program_memory_GiB(row: Row, s: dict) -> float | None:
+    """The published program's memory_reserved where it held more than autopar's engines do: the most of any
+    pipeline rank's (torchtitan's docs/performance.md: "We take the maximum across all GPUs"), the last rank's with
+    m - 1 earlier micro-batches' logits kept (the running one is in its activations). None where nothing is added."""
+    nbytes = KEPT_LOGIT_BYTES.get(row.source)
+    if not nbytes or not s.get("rank_mem_GiB") or not s.get("n_microbatches"):
+        return None
+    pp, dp, tp, cp = row.layout
+    m = s["n_microbatches"]
+    tokens = row.batch // dp // m * row.seq // cp
+    logits = tokens * model_args(row.model, **row.over).vocab_size // tp * nbytes / 2**30
+    ranks = [peak + idle for peak, idle in s["rank_mem_GiB"]]
+    ranks[-1] += (m - 1) * logits
+    return max(ranks)
+
+
 def evaluate(rows: list[Row], fitted: dict, cached_only: bool = False) -> list[dict]:
     """Each row planned at its preset and at the fitted figures."""
     out = []
@@ -276,8 +307,11 @@ def evaluate(rows: list[Row], fitted: dict, cached_only: bool = False) -> list[d
             r = rec[k]
             if r and "metric" in r:
                 r["ratio"] = r["metric"] / row.published
+                program = program_memory_GiB(row, r)
+                if program is not None:
+                    r["program_mem_GiB"] = program
                 if row.mem_gib:
-                    r["mem_ratio"] = r.get("reserved_mem_GiB", r["peak_mem_GiB"]) / row.mem_gib
+                    r["mem_ratio"] = _mem(r)["mem"] / row.mem_gib
         out.append(rec)
         print(json.dumps({"name": row.name, **{k: rec[k] for k in ("at_preset", "at_fit")}}), flush=True)
     return out
@@ -311,8 +345,9 @@ def _pair(a: dict, f: dict, key: str, fmt: str) -> str:
 
 
 def _mem(x: dict) -> dict:
-    """A plan's summary with "mem": its predicted memory_reserved (older summaries: the allocated peak)."""
-    v = x.get("reserved_mem_GiB", x.get("peak_mem_GiB"))
+    """A plan's summary with "mem": its predicted memory_reserved (older summaries: the allocated peak), with the
+    published program's own kept logits where it held them (program_memory_GiB)."""
+    v = x.get("program_mem_GiB", x.get("reserved_mem_GiB", x.get("peak_mem_GiB")))
     return x if v is None else {**x, "mem": v}
 
 
@@ -401,7 +436,7 @@ def report(recs, fitted: dict, argv: list[str], auto_rows) -> list[str]:
     bad = [r for r in recs if "error" in r["at_preset"] and "error" in (r["at_fit"] or r["at_preset"])]
     lines += ["", "## Not planned (the exact error)", ""]
     lines += [f"- {r['name']} ({r['layout']}): `{r['at_preset']['error']}`" for r in bad] or ["- none"]
-    lines += ["", "## Findings of this run (hand-written, 2026-12-06)", ""] + [f"- {n}" for n in NOTES]
+    lines += ["", "## Findings of this run (hand-written, 2026-12-07)", ""] + [f"- {n}" for n in NOTES]
     lines += [""] + (auto_rows or [])
     return lines
 

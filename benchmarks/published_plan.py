@@ -73,6 +73,14 @@ def _summary(plan, wall: float) -> dict:
         out["schedule"] = sc.get("name")
         out["stage_mesh"] = dict(zip(sc.get("stage_mesh_names", []), sc.get("stage_mesh_shape", [])))
         out["pp"] = sc.get("pp")
+        # per pipeline rank: its allocated peak and the allocator's idle bytes there (the most of its stages', as
+        # passes/stage_costs.py prices memory_reserved); published.py adds the published program's own terms per rank
+        ranks: dict = {}
+        for st in plan.stages:
+            mem = st["memory"]
+            r = ranks.setdefault(st["pp_rank"], [mem["rank_peak_bytes"] / 2**30, 0.0])
+            r[1] = max(r[1], mem["allocator_idle_bytes"] / 2**30)
+        out["rank_mem_GiB"] = [ranks[r] for r in sorted(ranks)]
     return out
 
 
@@ -173,6 +181,8 @@ def tp_pin(row: Row, mesh):
             return {tp: "R"}
         if op in _LINEAR and leaf in _ROW:
             return {tp: "P"}
+        if op in _LINEAR and leaf == "output":  # the vocab-parallel head into a vocab-parallel cross entropy
+            return {tp: "S1"}
         if leaf in _NORMS or (re.fullmatch(r"(h|layers)\.\d+", n.module) and op == "aten.add.Tensor"):
             return {tp: stream}
         return None

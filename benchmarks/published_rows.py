@@ -221,7 +221,7 @@ ROWS = (
     + [_llama3(i, r) for i, r in enumerate(LLAMA3)]
 )
 
-# What the 2026-12-06 run on this branch showed beyond the ratios (hand-written: re-check after cost-model changes).
+# What the 2026-12-07 run on this branch showed beyond the ratios (hand-written: re-check after cost-model changes).
 NOTES = [
     "Tensor parallelism is forced as the runs did it (published_plan.tp_force + tp_pin): column-parallel GEMM "
     "outputs feature-sharded, row-parallel ones Partial, the stream Replicate (Megatron 2021) or sequence-sharded "
@@ -240,39 +240,40 @@ NOTES = [
     "(32K) and B5.13-B5.14 slower: 0.92x next to 1.21-1.25x.",
     "AsyncTP is priced (autopar/cost/async_tp.py: a TP all_gather into a matmul's left operand and a reduce_scatter "
     "of a matmul's output, inside a node, run in chunks under the matmul, as torch's micro_pipeline_tp pass fuses "
-    "them): B3.8 0.911x at the fitted figures; its modelled gain over B3.7 is 20.1% (21.37 -> 17.80 s), the "
+    "them): B3.8 0.890x at the fitted figures; its modelled gain over B3.7 is 19.6% (21.81 -> 18.23 s), the "
     "published 12.6%. The solver does not see async TP (it plans as without it; the prediction prices the fused "
     "collectives).",
     "Llama 3's rows (the 700 W part, attention as this project's H200 measured causal SDPA): each rank spends its "
     "memory room per stage (passes/stage_search.py spend_room) and attention runs on GQA's 8 K/V heads as they are "
-    "(gqa='native', the paper's all-gathered K/V): C1 0.944x, C2 0.847x, C3 0.787x, pessimistic; the h100 fit ends "
+    "(gqa='native', the paper's all-gathered K/V): C1 0.946x, C2 0.848x, C3 0.781x, pessimistic; the h100 fit ends "
     "with its GEMM ceiling at its cap (0.86).",
-    "Memory under on the rows with tp (B3.7 54 vs 70 GiB, B3.8 54 vs 68, B6.18 68 vs 85; B6.15-17 0.87-0.89x): one "
-    "identified term is torchtitan's loss_parallel, whose log_softmax on vocab-sharded logits runs decomposed "
-    "(torch/distributed/tensor/parallel/loss.py: the fp32 logits, a shifted copy and its exp live together in the "
-    "forward, the output, its gradient, exp(output) and a product in the backward): 4 N V B more than the fused "
-    "kernel each way, 7.8 GiB on B3.7 (N = 131072 tokens, V / 8 = 16032). autopar's own plan all-to-alls the "
-    "logits to token shards and runs the fused kernel, so it is not counted; the rest (~8 GiB on B3.7, the ~10 GiB "
-    "that cp 8 adds over cp 1 on Table 6) is not identified.",
-    "Table 4 (405B, PP 16 x FSDP 4 x TP 8): the published 78 / 80 GiB are about twice the prediction (40.6 / 41.1 "
-    "GiB: sharded state 12.7 GB, FSDP2's kept unsharded parameters and fp32 gradients, 16 in-flight micro-batches' "
-    "block inputs, a recompute). torchtitan's January 2025 re-run of this table (docs/performance.md) lists FSDP 8 "
-    "x TP 8 x PP 8 and global batch 256 at 100 / 128 TPS and 82.5 / 72.7 GiB; planned so (8 micro-batches of 4, "
-    "AsyncTP) autopar predicts 115 / 148 TPS and 68.2 / 70.2 GiB: that layout's memory fits the published "
-    "figures far better than the paper's, which may list another layout than the one measured. The rows here stay "
-    "the paper's.",
+    "Vocab-parallel cross entropy (autopar/strategies/vocab_parallel.py, 2026-12-07): the loss ops may keep the "
+    "logits class-sharded (log_softmax all-reduces each row's max and sum of exp, as torch's loss_parallel, with "
+    "its temporaries priced: one more fp32 logits copy at the peak each way), and the TorchTitan tp rows pin the "
+    "head's logits vocab-sharded on tp as torchtitan ran them (published_plan.tp_pin). B3.7 / B3.8 went from 54 to "
+    "62 GiB (70.3 / 67.7 published: within 15%); their throughput moved 0.855 / 0.911x -> 0.838 / 0.890x. The rest "
+    "of B3.7's gap (~8 GiB) is not identified.",
+    "TorchTitan's pipelined runs kept every micro-batch's logits on the last stage until the next step: "
+    "torch.distributed.pipelining's stage appended each output to output_chunks for step() to merge and return, "
+    "with no way to opt out before return_outputs (pytorch#159251, late 2025); torchtitan's output was fp32 until "
+    "e10cb9494 (2024-10-22), so Table 4 kept fp32 logits and Table 6 (the January 2025 docs' run) bf16 ones "
+    "(published.py program_memory_GiB: the last rank + (m - 1) micro-batches' logits; the reported peak is the "
+    "most of any rank's, as torchtitan's docs/performance.md takes it). autopar's own PipelineRunner had the same "
+    "behaviour and now passes return_outputs=False. Effect: B4.9 / B4.10 40.6 / 41.1 -> 50.3 / 54.0 GiB (78 / 80.3), "
+    "B6.15-B6.18 68.2 -> 68.7 GiB (75.3-84.9): B4.9, B4.10 and B6.18 stay outside 15%.",
     "Table 4's micro-batches: torchtitan's default of the time, one per pp rank (build_pipeline_schedule until "
     "torchtitan#781, 2025-01-07): 16 of 2 sequences on both rows; the interleaved row was planned with 32 of 1 "
     "before (1.075x, now 0.931x).",
     "pipeline='auto' plans all 31 rows; on Table 6 it finds layouts predicted 0.51-0.53x of the published step, on "
     "Megatron's 0.45-0.79x by dropping the full recomputation. Planning times (one row at a time, nothing else on "
-    "the 2 cores): median 4.9 s, longest B6.15 20.9 s, B6.16 19.5 s, A10 17.8 s, none over 30 s.",
+    "the 2 cores): median 5.4 s, longest B6.16 27.5 s (19.5 s before the class-sharded loss candidates: one "
+    "stage's LP takes 6.4 s instead of 0.9 s), none over 30 s.",
     "TorchTitan's own docs/performance.md (torch 1963fc8, January 2025, the same Grand Teton H100s at 500 W) "
     "measured Tables 1-3's configurations again: 5,762 / 6,667 / 8,532 tokens/s/GPU on 8 GPUs (the paper: "
     "6,258 / 6,674 / 9,409), 5,605 / 6,514 / 8,380 on 128 (5,645 / 6,482 / 9,319), the 70B 829 / 876 (897 / "
     "1,010): one team's two measurements of a configuration differ by up to 13% (the 70B AsyncTP row). The rows "
     "here stay the paper's (../shared/reference/published_runs.md); against the later figures the fitted "
-    "predictions read B1.1-B1.3 1.00 / 1.02 / 0.98x, B2.4-B2.6 1.10 / 1.13 / 1.10x, B3.7 / B3.8 0.93 / 1.05x: a "
+    "predictions read B1.1-B1.3 1.00 / 1.02 / 0.98x, B2.4-B2.6 1.10 / 1.13 / 1.10x, B3.7 / B3.8 0.91 / 1.03x: a "
     "10% median is about the published figures' own spread.",
 ]
 

@@ -327,8 +327,8 @@ FITTED: dict[str, ClusterSpec] = {
         "selene",
         dict(bus_eff=_HDR_NCCL.bus_eff * 0.9914),
         attention="unfused",
-        gemm_eff_max=_A100.gemm_eff_max * 0.9716,
-        mem_eff=_A100.mem_eff * 0.7494,
+        gemm_eff_max=_A100.gemm_eff_max * 0.9687,
+        mem_eff=_A100.mem_eff * 0.7503,
     ),
     # Llama 3's H100 SXM 80 GB 700 W (arXiv 2407.21783 Table 4), fitted on the 8,192-GPU row
     "h100-llama3": _fitted(
@@ -336,7 +336,7 @@ FITTED: dict[str, ClusterSpec] = {
         CLUSTERS["h100"],
         "llama3",
         gemm_eff_max=0.86,  # at its cap
-        mem_eff=_H100.mem_eff * 1.097,
+        mem_eff=_H100.mem_eff * 1.1236,
     ),
     # TorchTitan's 95 GiB power-limited H100 (arXiv 2410.06511), fitted on Tables 1-2's selective-AC rows; one
     # compute factor on GEMMs and attention alike (the part's lower clock)
