@@ -502,14 +502,9 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
 
 
 def _lead_input(g, n, ins):
-    """The input a node follows: its only tensor input, for pointwise ops the largest input (first on ties), for the
-    loss ops after log_softmax its log-probabilities (vocab_parallel.LOG_PROBS_INPUT: where the log-probs are
-    class-sharded the loss computes there; as roots of their own these ops made the LP of an 8B plan fractional,
-    60 s of branch and bound instead of 3)."""
+    """The input a node follows: its only tensor input, or for pointwise ops the largest input (first on ties)."""
     if len(ins) == 1:
         return 0
-    if n.target in vocab_parallel.LOG_PROBS_INPUT and len(ins) > vocab_parallel.LOG_PROBS_INPUT[n.target]:
-        return vocab_parallel.LOG_PROBS_INPUT[n.target]
     if not ins or torch.Tag.pointwise not in getattr(n.target, "tags", ()):
         return None
     sizes = [g.meta(r).numel for r in ins]
