@@ -388,6 +388,10 @@ class Plan:
             "then the redistributes its inputs need, and the collectives inside the op)",
         ]
         f8 = {r[0]: "x".join(r[1:3]) for r in self.meta.get("float8", {}).get("nodes", [])}  # float8 GEMMs
+
+        def calls(cs) -> str:
+            return ", ".join(f"{c[0]}(dim {self._dim_name(c[1])}, {c[2] / 1e6:.3f} MB)" for c in cs)
+
         for n in self.nodes:
             outs = " ".join("x".join(map(str, s)) if s is not None else "-" for s in n["shape"])
             pl = " ".join("[" + ",".join(p) + "]" if p is not None else "-" for p in n["placement"]["out"])
@@ -399,7 +403,7 @@ class Plan:
                 + (f"  float8 {f8[n['idx']]}" if n["idx"] in f8 else "")
             )
             for r in n.get("redistribute", []):
-                cs = ", ".join(f"{c[0]}(dim {self._dim_name(c[1])}, {c[2] / 1e6:.3f} MB)" for c in r["collectives"])
+                cs = calls(r["collectives"])
                 lines.append(
                     f"    input {r['input']}: [{','.join(r['src'])}] -> [{','.join(r['dst'])}]"
                     + (
@@ -416,8 +420,7 @@ class Plan:
                     + (f"  async TP hides {r['hidden_s'] * 1e6:.2f}us" if r.get("hidden_s") else "")
                 )
             if n.get("internal"):  # collectives the op issues itself (a class-sharded loss's row reductions)
-                cs = ", ".join(f"{c[0]}(dim {self._dim_name(c[1])}, {c[2] / 1e6:.3f} MB)" for c in n["internal"])
-                lines.append(f"    inside the op: {cs}")
+                lines.append(f"    inside the op: {calls(n['internal'])}")
         if self.buckets:
             lines += ["", "gradient buckets (one collective each, issued after the backward in this order)"]
             names = self._param_mesh_names()

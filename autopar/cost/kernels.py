@@ -199,7 +199,7 @@ def unfused_time(bh, sq, sk, d, device, dtype, backward: bool, dropout: bool) ->
     return g(sk, d, sq) + g(sq, sk, d) + drop + mem(3 * e * scores) + g(sq, d, sk) + g(sk, d, sq)
 
 
-def _arg(target, args, kwargs, name):
+def op_arg(target, args, kwargs, name):
     """A constant argument of an aten op by its schema name (positional or keyword, else the schema default)."""
     for i, a in enumerate(target._schema.arguments):
         if a.name == name:
@@ -241,14 +241,14 @@ def kernel_time(target, args, kwargs, shapes, flops, nbytes, device: DeviceSpec,
     if len(q) != 4 or len(kv) != 4:
         return None
     bh, sq, d, sk = q[0] * q[1], q[2], q[3], kv[2]
-    causal = bool(_arg(target, args, kwargs, "is_causal"))
+    causal = bool(op_arg(target, args, kwargs, "is_causal"))
     if device.attention == "flash":
         # the ring's chunk pairs need an even count of local rows (torch: the sequence divides by 2 * cp)
         if causal and sk > sq and sk % sq == 0 and sq % 2 == 0 and ring_attention.check(device) == "ring":
             return ring_time(bh, sq, sk, d, device, dtype, backward, flops, nbytes)
         return flash_time(bh, sq, sk, d, device, dtype, causal, backward, flops, nbytes)
     if device.attention == "unfused":
-        dropout = float(_arg(target, args, kwargs, "dropout_p") or 0.0) > 0.0
+        dropout = float(op_arg(target, args, kwargs, "dropout_p") or 0.0) > 0.0
         return unfused_time(bh, sq, sk, d, device, dtype, backward, dropout)
     raise ValueError(f"device {device.name!r}: attention must be one of {ATTENTION_KERNELS}, got {device.attention!r}")
 

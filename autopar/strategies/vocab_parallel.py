@@ -21,6 +21,8 @@ import math
 
 import torch
 
+from ..cost.kernels import op_arg
+
 aten = torch.ops.aten
 LOG_SOFTMAX = aten._log_softmax.default
 LOG_SOFTMAX_BW = aten._log_softmax_backward_data.default
@@ -29,8 +31,8 @@ NLL_BW = aten.nll_loss_backward.default
 OPS = (LOG_SOFTMAX, LOG_SOFTMAX_BW, NLL, NLL_BW)
 
 
-def _arg(node, k: int, name: str, default):
-    return node.args[k] if len(node.args) > k else node.kwargs.get(name, default)
+def _arg(node, name: str):
+    return op_arg(node.target, node.args, node.kwargs, name)
 
 
 def class_dim(node, in_metas) -> int | None:
@@ -40,12 +42,14 @@ def class_dim(node, in_metas) -> int | None:
         x = in_metas[0]
         if not x.dtype.is_floating_point or not x.shape:
             return None
-        return _arg(node, 1 if op is LOG_SOFTMAX else 2, "dim", -1) % len(x.shape)
+        return _arg(node, "dim") % len(x.shape)
     if op is NLL or op is NLL_BW:
         j = 0 if op is NLL else 1
-        weight = _arg(node, j + 2, "weight", None)
-        reduction = _arg(node, j + 3, "reduction", 1)
-        if len(in_metas[j].shape) != 2 or weight is not None or (op is NLL and reduction == 1):
+        if (
+            len(in_metas[j].shape) != 2
+            or _arg(node, "weight") is not None
+            or (op is NLL and _arg(node, "reduction") == 1)
+        ):
             return None
         return 1
     return None
@@ -100,14 +104,14 @@ def sharded_dims(node, strategy) -> tuple[int, ...]:
     x = ins[0 if node.target in (LOG_SOFTMAX, LOG_SOFTMAX_BW, NLL) else 1]
     if node.target is NLL or node.target is NLL_BW:
         return tuple(m for m, p in enumerate(x) if p == "S1")
-    d = _arg(node, 1 if node.target is LOG_SOFTMAX else 2, "dim", -1)
+    d = _arg(node, "dim")
     nd = len(node.outs[0].shape)
     return tuple(m for m, p in enumerate(x) if p == f"S{d % nd}")
 
 
 def _rows_bytes(node, strategy, in_meta, mesh_shape, itemsize: int) -> float:
     """Bytes of one value per row of the op's local logits (what each all_reduce carries)."""
-    d = _arg(node, 1 if node.target is LOG_SOFTMAX else 2, "dim", -1) % len(in_meta.shape)
+    d = _arg(node, "dim") % len(in_meta.shape)
     local = list(in_meta.shape)
     for p, n in zip(strategy.ins[0], mesh_shape):
         if p[0] == "S":
@@ -116,7 +120,7 @@ def _rows_bytes(node, strategy, in_meta, mesh_shape, itemsize: int) -> float:
     return math.prod(local) * itemsize
 
 
-def _compute_itemsize(dtype) -> int:
+def compute_itemsize(dtype) -> int:
     return 8 if dtype == torch.float64 else 4  # torch's _log_softmax decomposition computes in fp32 at least
 
 
@@ -129,7 +133,7 @@ def internal_collectives(node, strategy, in_metas, mesh_shape) -> list[tuple[str
         return []
     x = in_metas[0]
     if node.target is LOG_SOFTMAX:
-        b = _rows_bytes(node, strategy, x, mesh_shape, _compute_itemsize(x.dtype))
+        b = _rows_bytes(node, strategy, x, mesh_shape, compute_itemsize(x.dtype))
         return [("all_reduce", m, b) for m in dims] * 2
     b = _rows_bytes(node, strategy, x, mesh_shape, x.dtype.itemsize)
     return [("all_reduce", m, b) for m in dims]
@@ -146,5 +150,5 @@ def workspace_bytes(node, strategy, in_metas, mesh_shape) -> float:
     local = x.numel / math.prod(n for p, n in zip(strategy.ins[0], mesh_shape) if p[0] == "S")
     if node.target is LOG_SOFTMAX_BW:
         return local * x.dtype.itemsize
-    size = _compute_itemsize(x.dtype)
+    size = compute_itemsize(x.dtype)
     return local * size * (1 if x.dtype.itemsize == size else 2)

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from autopar.strategies._torch_adapter import local_of, make_dtensor, per_rank
 
 from .comm import _fn, _wait, group_name, redistribute_local
+from .interpreter import _global_stride
 
 aten = torch.ops.aten
 
@@ -33,10 +34,8 @@ def _all_reduce(t: torch.Tensor, op: str, mesh, dims) -> torch.Tensor:
 
 def _like(x: DTensor, local: torch.Tensor, placements=None, shape=None) -> DTensor:
     shape = tuple(x.shape) if shape is None else shape
-    stride = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        stride[i] = stride[i + 1] * max(shape[i + 1], 1)
-    return make_dtensor(local, x.device_mesh, x.placements if placements is None else placements, shape, stride)
+    pls = x.placements if placements is None else placements
+    return make_dtensor(local, x.device_mesh, pls, shape, _global_stride(local, shape))
 
 
 def log_softmax(x: DTensor, dim: int, half_to_float: bool) -> DTensor:
@@ -72,8 +71,8 @@ def _own_targets(x: DTensor, target: torch.Tensor, ignore_index: int):
     return torch.where(mine, target - first, 0), mine, counts
 
 
-def _target_local(target) -> torch.Tensor:
-    return local_of(target) if isinstance(target, DTensor) else target
+def _local(v) -> torch.Tensor:
+    return local_of(v) if isinstance(v, DTensor) else v
 
 
 def _row_placements(x: DTensor, summed: bool) -> tuple:
@@ -89,7 +88,7 @@ def _row_placements(x: DTensor, summed: bool) -> tuple:
 
 
 def nll_loss_forward(x: DTensor, target, weight, reduction: int, ignore_index: int):
-    loc, t = local_of(x), _target_local(target)
+    loc, t = local_of(x), _local(target)
     col, mine, counts = _own_targets(x, t, ignore_index)
     picked = torch.gather(loc, 1, col.unsqueeze(1)).squeeze(1)
     loss = torch.where(mine, -picked, torch.zeros((), dtype=loc.dtype, device=loc.device))
@@ -101,11 +100,10 @@ def nll_loss_forward(x: DTensor, target, weight, reduction: int, ignore_index: i
 
 
 def nll_loss_backward(grad_out, x: DTensor, target, weight, reduction: int, ignore_index: int, total_weight):
-    loc, t = local_of(x), _target_local(target)
-    g = local_of(grad_out) if isinstance(grad_out, DTensor) else grad_out
+    loc, t = local_of(x), _local(target)
+    g = _local(grad_out)
     if reduction == 1:
-        tw = local_of(total_weight) if isinstance(total_weight, DTensor) else total_weight
-        g = g / tw
+        g = g / _local(total_weight)
     col, mine, _ = _own_targets(x, t, ignore_index)
     value = torch.where(mine, -g.expand(mine.shape) if g.dim() == 0 else -g, torch.zeros((), dtype=loc.dtype))
     res = torch.zeros_like(loc).scatter_(1, col.unsqueeze(1), value.to(loc.dtype).unsqueeze(1))

@@ -11,6 +11,7 @@ import torch
 from autopar.cost import get_cluster
 from autopar.cost.comm import collective_time
 from autopar.collectives import dims_of, link_of
+from autopar.strategies.vocab_parallel import compute_itemsize
 
 from .mixed import within
 
@@ -78,7 +79,8 @@ def _loss_parallel_collectives(nodes, low) -> list:
         rows = [c for c in n.internal if c[1] == t]
         out += [(k, t, b) for k, _, b, _ in rows]
         if rows:
-            out.append(("all_reduce", t, rows[0][2] // 4 * _nb((), n.dtypes[0])))
+            dtype = getattr(torch, n.dtypes[0])  # the row count at the compute dtype's size, at the log-probs' size
+            out.append(("all_reduce", t, rows[0][2] // compute_itemsize(dtype) * dtype.itemsize))
     return out
 
 

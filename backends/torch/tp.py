@@ -133,19 +133,8 @@ class _TensorParallel:
 
     def beside_nll(self, lsm) -> list[str]:
         """Forward consumers of the log_softmax nodes `lsm` other than nll_loss (through views), by name."""
-        out, stack, seen = [], [(u, 0) for u in lsm], set(lsm)
-        while stack:
-            a, ao = stack.pop()
-            for u, _, uo in self.G.users[a]:
-                r = self.G.rec(u)
-                if uo != ao or r.phase != "fw" or u in seen:
-                    continue
-                seen.add(u)
-                if r.op in _PASS_THROUGH and len(r.inputs) == 1:
-                    stack.append((u, 0))
-                elif not r.op.startswith("nll_loss"):
-                    out.append(r.name)
-        return out
+        ends = [e for u in lsm for e in self.downstream(u, 0, set())]
+        return [self.G.rec(u).name for u, _, _, _ in ends if not self.G.rec(u).op.startswith("nll_loss")]
 
     def reason(self, M, text):
         self.low.reasons.append((f"module {M or '<root>'}", text))
