@@ -225,23 +225,28 @@ def layout_pin(row: Row, mesh):
 
 def _plan_forced(row: Row, m, x, cluster):
     """The row's published layout planned at autopar's default budget, or where no plan fits it but one fits the
-    whole device, at the whole device's memory (the published run ran in it): (plan, the budget used or None)."""
+    whole device, at the whole device's memory (the published run ran in it): (plan, the budget used or None).
+    TorchTitan's rows without pipeline stages ran one micro-batch (no gradient accumulation): that is planned
+    first, the row's other micro-batch counts only where it fits no budget."""
     mesh, opts = _mesh_and_pipeline(row)
-    kw = dict(
-        cluster=cluster,
-        pipeline=opts,
-        float8=row.float8 or None,
-        force=tp_force(row, m, mesh),
-        pin=layout_pin(row, mesh),
-    )
+    kw = dict(float8=row.float8 or None, force=tp_force(row, m, mesh), pin=layout_pin(row, mesh))
+    if row.metric == "titan_tps" and row.layout[0] == 1 and len(row.microbatches) > 1:
+        try:
+            return _fitting(m, mesh, x, cluster, {**opts, "n_microbatches": [1]}, kw)
+        except autopar.InfeasibleMemoryError:
+            pass
+    return _fitting(m, mesh, x, cluster, opts, kw)
+
+
+def _fitting(m, mesh, x, cluster, opts, kw):
     try:
-        return autopar.plan(m, mesh, x, **kw), None
+        return autopar.plan(m, mesh, x, cluster=cluster, pipeline=opts, **kw), None
     except autopar.InfeasibleMemoryError as e:
         whole = cluster.device.mem_bytes
         if e.smallest_bytes and e.smallest_bytes > whole:
             raise
         try:
-            return autopar.plan(m, mesh, x, memory_budget=whole, **kw), whole
+            return autopar.plan(m, mesh, x, cluster=cluster, pipeline=opts, memory_budget=whole, **kw), whole
         except autopar.InfeasibleMemoryError:
             raise e from None
 

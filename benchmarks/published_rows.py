@@ -266,9 +266,9 @@ NOTES = [
     "before (1.075x, now 0.931x).",
     "pipeline='auto' plans all 31 rows; on Table 6 it finds layouts predicted 0.51-0.53x of the published step, on "
     "Megatron's 0.45-0.79x by dropping the full recomputation. Planning times (one row at a time, nothing else on "
-    "the 2 cores): median 6.3 s, longest B6.16 32.0 s in this run, 26.2 s in the run before it on the same code "
-    "(19.5 s before the class-sharded loss candidates, whose loss ops make one stage's LP take 6.4 s instead of "
-    "0.9 s): around the issue's 30 s bar.",
+    "the 2 cores): median 6.2 s, longest B6.15 23.1 s (B6.16 21.7 s); 26-32 s while the class-sharded loss "
+    "ops were decisions of their own (their LP relaxations ran long in dual simplex), 19.5 s before those "
+    "candidates existed: none over the issue's 30 s.",
     "TorchTitan's own docs/performance.md (torch 1963fc8, January 2025, the same Grand Teton H100s at 500 W) "
     "measured Tables 1-3's configurations again: 5,762 / 6,667 / 8,532 tokens/s/GPU on 8 GPUs (the paper: "
     "6,258 / 6,674 / 9,409), 5,605 / 6,514 / 8,380 on 128 (5,645 / 6,482 / 9,319), the 70B 829 / 876 (897 / "

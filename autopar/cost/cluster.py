@@ -336,7 +336,7 @@ FITTED: dict[str, ClusterSpec] = {
         CLUSTERS["h100"],
         "llama3",
         gemm_eff_max=0.86,  # at its cap
-        mem_eff=_H100.mem_eff * 1.1236,
+        mem_eff=_H100.mem_eff * 1.0971,
     ),
     # TorchTitan's 95 GiB power-limited H100 (arXiv 2410.06511), fitted on Tables 1-2's selective-AC rows; one
     # compute factor on GEMMs and attention alike (the part's lower clock)

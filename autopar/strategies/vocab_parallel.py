@@ -70,9 +70,9 @@ def _per_dim(op, d: int) -> tuple:
 def extend(node, strategies: list, in_metas, mesh_shape, divides, make) -> list:
     """`strategies` plus, for each of them and each mesh dim on which it replicates every tensor, the
     class-sharded form on that dim (`make(outs, ins)` builds a Strategy; `divides(meta, pl, mesh_shape)` keeps even
-    shards). One dim at a time: nesting the class dim over several dims adds candidates no plan here used, and
-    made pipeline="auto" for a 405B on (dp, cp, tp) stage meshes take 46 s instead of 27 s (benchmarks/published.py
-    --auto, B6.16; 20 s without these candidates, whose LP of one stage then solves in 0.9 s instead of 6.4 s)."""
+    shards). One dim at a time: nesting the class dim over several dims adds candidates no plan here used, at a
+    large cost in solve time (B6.16's pipeline="auto", measured before the loss ops followed the log-probs in
+    passes/costs.py: 46 s against 27 s)."""
     d = class_dim(node, in_metas)
     if d is None:
         return strategies
@@ -94,6 +94,11 @@ def extend(node, strategies: list, in_metas, mesh_shape, divides, make) -> list:
                     outs[i] = new[j]
                 out.append(make(tuple(outs), tuple(new[len(tensor_outs) :])))
     return out
+
+
+# The input holding the log-probabilities (the saved output of log_softmax), per op that reads them: the loss's
+# other ops follow its placement (passes/costs.py `_lead_input`) instead of each taking a decision of its own
+LOG_PROBS_INPUT = {NLL: 0, NLL_BW: 1, LOG_SOFTMAX_BW: 1}
 
 
 def sharded_dims(node, strategy) -> tuple[int, ...]:
