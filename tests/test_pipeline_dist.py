@@ -162,7 +162,10 @@ def test_pipeline_equals_single_device(tmp_path, world):
 @pytest.mark.timeout(300)
 def test_pipeline_tensor_parallel_stages_equal_single_device(tmp_path):
     """pp=2 x tp=2 on 4 gloo ranks: ParallelStyles inside each stage (parallelize_module over the stage's tp
-    submesh), loss and every gradient (DTensor gradients gathered with full_tensor) equal to single device."""
+    submesh), the loss on class-sharded logits under torch's loss_parallel() as planned, loss and every gradient
+    (DTensor gradients gathered with full_tensor) equal to single device."""
+    from autopar.backends.pipelining.runtime import LOSS_STYLE
+
     cases = _tp_plans(tmp_path)
     results = launch(_rank_cases, 4, [cases], tmp_path)
     _check(results, cases)
@@ -174,6 +177,10 @@ def test_pipeline_tensor_parallel_stages_equal_single_device(tmp_path):
             assert {"ColwiseParallel", "RowwiseParallel"} <= styles, (c["schedule"], h["tp_styles"])
             # the styles really ran: parameters are DTensors sharded over the tp mesh, holding 1/2 of that dim
             assert h["tp_sharded"] >= 8 and h["tp_sharded"] == h["tp_local_split"], (c["schedule"], h)
+            # every plan here reads the logits class-sharded (the planner's choice; torchtitan's loss_parallel):
+            # the last stage's head keeps them sharded and its rank steps under loss_parallel(), equal to one device
+            heads = [st["output"] for st in h["tp_styles"] if "output" in st]
+            assert h["loss_parallel"] == h["is_last"] and heads == ([LOSS_STYLE] if h["is_last"] else []), h
         if c["schedule"] == "1F1B":  # torchtitan's layout: vocab-parallel embedding, Megatron feed-forward
             first = [st for r in results for st in r["cases"][i]["tp_styles"][:1] if "tok_embeddings" in st]
             assert first and all(
@@ -238,7 +245,7 @@ def test_pipeline_tp_refuses_inexpressible_stage_placement():
     ColwiseParallel shards both); a norm weight sharded on tp (no style shards an RMSNorm) likewise."""
     import autopar
     from autopar import models
-    from autopar.backends.pipelining.runtime import build_stage_module, stage_tp_styles
+    from autopar.backends.pipelining.runtime import LOSS_STYLE, build_stage_module, loss_head, stage_tp_styles
 
     mesh = autopar.MeshSpec((2, 2), ("pp", "tp"))
     m = models.build_model("mlp-tiny", device="meta", n_layers=LAYERS)
@@ -266,15 +273,16 @@ def test_pipeline_tp_refuses_inexpressible_stage_placement():
     # layouts from the plan's graph: Megatron pairs keep the activation between them sharded, other styles hand
     # over whole tensors (wk/wv rowwise read the attention input itself: no pair, q/k/v/wo all replicated outside)
     styles = stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, plan.schedule["block_positions"])
-    want_out = {
-        "S0": "ColwiseParallel(output_layouts=Replicate())",  # the output projection as planned
-        "S1": "RowwiseParallel(input_layouts=Replicate())",
-    }[plan.params["output.weight"][0]]
+    # the output projection as planned: colwise with the loss reading the logits class-sharded (loss_parallel),
+    # handed over whole to a loss function of the user's own
+    assert plan.params["output.weight"] == ["S0"] and loss_head(plan, 0) == "output", plan.params["output.weight"]
     assert (
         styles["layers.3.attention.wq"] == "ColwiseParallel()"
         and styles["layers.3.attention.wo"] == "RowwiseParallel()"
-        and styles["output"] == want_out
+        and styles["output"] == LOSS_STYLE
     ), styles
+    own = stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, plan.schedule["block_positions"], False)
+    assert own["output"] == "ColwiseParallel(output_layouts=Replicate())", own
     for f in ("wk", "wv"):
         plan.params[f"layers.3.attention.{f}.weight"] = ["S1"]
     styles = stage_tp_styles(plan, k, build_stage_module(m, plan, k), 0, plan.schedule["block_positions"])
@@ -355,6 +363,8 @@ def _rank_cases(cases):
                 "all_params": [n for n, _ in ref.named_parameters()],
                 "loss_diff": None if loss is None else abs(loss.item() - loss_local_ref),
                 "kept_outputs": kept,
+                "loss_parallel": runner.loss_parallel,
+                "is_last": runner.is_last,
                 "loss_ref": loss_local_ref,
                 "shape_error": err,
                 "local_rows": [

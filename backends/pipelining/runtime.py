@@ -23,8 +23,9 @@ RowwiseParallel, Shard(1) -> ColwiseParallel), applied with `parallelize_module`
 parameters become DTensors sharded there. Layouts are Megatron's: a colwise and a rowwise Linear that form a pair in
 the plan's forward graph (attention q/k/v -> o with local heads, feed-forward w1/w3 -> w2, MLP fc1 -> fc2) keep
 the activation between them sharded; every other style takes and returns whole (replicated) plain tensors, so the
-residual stream, the tensors PipelineStage sends between stages and the logits the loss reads are whole on every
-tp rank. Where the per-op plan places activations otherwise on tp (sequence-parallel norms, a weight gathered
+residual stream and the tensors PipelineStage sends between stages are whole on every tp rank; the logits the loss
+reads are too, except where the plan's cross entropy reads them class-sharded (torchtitan's loss_parallel layout:
+the head keeps them sharded and the step runs under torch's loss_parallel(), with the default loss). Where the per-op plan places activations otherwise on tp (sequence-parallel norms, a weight gathered
 before use), the styles run it with their own collectives (same values). A placement no style expresses (a
 sharded norm weight, a colwise weight with a replicated bias, ...) raises NotImplementedError naming the stage,
 the parameter and its placement; so does a plan that splits the batch over a non-dp dim, shards activations over
@@ -62,6 +63,11 @@ from ..torch.tp import _kind, param_style
 
 class PipelineShapeError(ValueError):
     """A batch whose shape breaks the plan's static micro-batch shapes."""
+
+
+def _local(t):
+    """A replicated DTensor's local tensor (loss_parallel's loss); any other tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _ce_loss(logits, target):  # per token ([B, S, V] / [B, S]) or per row ([B, C] / [B]): the class dim last
@@ -182,7 +188,7 @@ def _tp_dims(plan) -> list:
     ]
 
 
-def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
+def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None, loss_parallel: bool = True) -> dict:
     """{module FQN in `mod`: ParallelStyle source} for stage k on the tensor-parallel stage-mesh dim t: the style of
     each module from its parameters' placements there (backends/torch/tp.py `param_style`: Linear Shard(0) ->
     ColwiseParallel, Shard(1) -> RowwiseParallel; Embedding Shard(0) -> RowwiseParallel, Shard(1) ->
@@ -190,10 +196,13 @@ def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
     rowwise Linear children that form Megatron pairs in the plan's forward graph (_megatron_pair: attention
     wq/wk/wv -> wo, feed-forward w1/w3 -> w2, MLP fc1 -> fc2), the activation between them stays sharded (local
     heads / hidden units); every other style input and output is a plain replicated tensor, so the residual
-    stream, the stage boundaries (PipelineStage sends plain tensors) and the logits the loss reads are whole on
-    every tp rank. pos_of: per block of the model, its block in the plan's representative sub-model
-    (plan.schedule["block_positions"]; default: all blocks alike). Raises NotImplementedError, naming the stage, the parameter and
-    its placement, for a placement no style expresses (never runs it replicated)."""
+    stream and the stage boundaries (PipelineStage sends plain tensors) are whole on every tp rank. pos_of: per
+    block of the model, its block in the plan's representative sub-model (plan.schedule["block_positions"];
+    default: all blocks alike). loss_parallel: where the plan's cross entropy
+    reads the head's logits class-sharded on this dim (`loss_head`), the head keeps them sharded (LOSS_STYLE,
+    torchtitan's output style) for torch's loss_parallel(), which the runner then runs the step under; False (a
+    loss function of the user's own) hands the logits over whole. Raises NotImplementedError, naming the stage, the
+    parameter and its placement, for a placement no style expresses (never runs it replicated)."""
 
     sc = plan.schedule
     tn, size = sc["stage_mesh_names"][t], sc["stage_mesh_shape"][t]
@@ -229,8 +238,12 @@ def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
             _check_heads(modules[P], size, k, P, tn)
             paired.add(P)
     styles = {}
+    head = loss_head(plan, t) if loss_parallel else None
     for m, c in cls.items():
         inside = m and parent(m) in paired
+        if m == head and c == "ColwiseParallel" and not inside and isinstance(modules[m], nn.Linear):
+            styles[m] = LOSS_STYLE
+            continue
         if isinstance(modules[m], nn.Embedding):
             styles[m] = (
                 "RowwiseParallel(input_layouts=Replicate())"
@@ -242,6 +255,39 @@ def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None) -> dict:
         else:
             styles[m] = "RowwiseParallel()" if inside else "RowwiseParallel(input_layouts=Replicate())"
     return styles
+
+
+# The head's style under a class-sharded loss: logits stay a DTensor sharded on the class (last) dim, as
+# torchtitan's output projection with loss_parallel, so the loss reads them there
+LOSS_STYLE = "ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)"
+
+
+def loss_head(plan, t: int) -> str | None:
+    """The module whose output the plan's cross entropy reads class-sharded on stage-mesh dim t: the nearest op of
+    a module before a forward log_softmax whose log-probs are sharded on their last dim there and read by
+    nll_loss only (torch's loss_parallel computes exactly that loss; label smoothing's second use of the log-probs
+    it would get wrong). None where the plan keeps the loss whole on t."""
+    nodes = plan.nodes
+    if not nodes or "inputs" not in nodes[-1]:
+        return None
+    fw_users = defaultdict(list)
+    for n in nodes:
+        if n.get("phase") == "fw":
+            for q, _ in n.get("inputs", []):
+                fw_users[q].append(str(n.get("target", "")))
+    for n in nodes:
+        if n.get("phase") != "fw" or not str(n.get("target", "")).startswith("_log_softmax"):
+            continue
+        out, shape = n["placement"]["out"][0], n["shape"][0]
+        if out is None or out[t] != f"S{len(shape) - 1}":
+            continue
+        if not all(u.startswith("nll_loss") for u in fw_users[n["idx"]]):
+            return None
+        q = n["inputs"][0][0]
+        while nodes[q]["kind"] == "op" and not nodes[q]["module"] and nodes[q].get("inputs"):
+            q = nodes[q]["inputs"][0][0]  # views and casts of the root's forward, back to the head
+        return nodes[q]["module"] or None
+    return None
 
 
 def _megatron_pair(plan, P: str, col: list, row: list) -> bool:
@@ -313,10 +359,11 @@ def _check_heads(mod, tp: int, k: int, fqn: str, tn: str) -> None:
 
 def _styles(codes: dict) -> dict:
     """The ParallelStyle objects of stage_tp_styles' source strings."""
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     make = {
+        LOSS_STYLE: lambda: ColwiseParallel(output_layouts=Shard(-1), use_local_output=False),
         "ColwiseParallel()": lambda: ColwiseParallel(),
         "ColwiseParallel(output_layouts=Replicate())": lambda: ColwiseParallel(output_layouts=Replicate()),
         "ColwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())": lambda: ColwiseParallel(
@@ -395,6 +442,7 @@ class PipelineRunner:
         self.is_first = 0 in self.local
         self.is_last = (S - 1) in self.local
         self._model, self.schedule = model, None
+        self.loss_parallel = False  # the head's logits class-sharded: the step runs under torch's loss_parallel()
         from .forward_stage import check_batch_norm, check_chain, check_plan
 
         check_plan(plan)  # one running tensor between stages
@@ -472,8 +520,9 @@ class PipelineRunner:
         if not used:
             return mod
         d, nm = used[0]
-        codes = stage_tp_styles(self.plan, k, mod, d, self._pos_of)
+        codes = stage_tp_styles(self.plan, k, mod, d, self._pos_of, loss_parallel=self.loss_fn is _ce_loss)
         self.tp_styles[-1] = codes
+        self.loss_parallel = self.loss_parallel or LOSS_STYLE in codes.values()
         if codes:
             from torch.distributed.tensor.parallel import parallelize_module
 
@@ -579,11 +628,21 @@ class PipelineRunner:
         losses = [] if self.is_last else None
         args = (x,) if self.is_first else ()
         kw = {"target": target, "losses": losses} if self.is_last else {}
-        self.schedule.step(*args, **kw, **no_outputs(self.schedule))
+        with self._loss_context():
+            self.schedule.step(*args, **kw, **no_outputs(self.schedule))
         self.tied.sum(self.named_parameters())
         if self.is_last:
-            return torch.stack([loss.detach() for loss in losses]).mean()
+            return torch.stack([_local(loss.detach()) for loss in losses]).mean()
         return None
+
+    def _loss_context(self):
+        """torch's loss_parallel() around forward and backward where the head keeps the logits class-sharded
+        (its handlers compute log_softmax, nll_loss and their backward on the shards); else nothing."""
+        import contextlib
+
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
 
     def named_parameters(self):
         for mod in self.modules:
