@@ -266,7 +266,7 @@ NOTES = [
     "before (1.075x, now 0.931x).",
     "pipeline='auto' plans all 31 rows; on Table 6 it finds layouts predicted 0.51-0.53x of the published step, on "
     "Megatron's 0.45-0.79x by dropping the full recomputation. Planning times (one row at a time, nothing else on "
-    "the 2 cores): median 6.2 s, longest B6.15 23.1 s (B6.16 21.7 s); 26-32 s while the class-sharded loss "
+    "the 2 cores): median 6.1 s, longest B6.15 22.4 s (B6.16 20.6 s); 26-32 s while the class-sharded loss "
     "ops were decisions of their own (their LP relaxations ran long in dual simplex), 19.5 s before those "
     "candidates existed: none over the issue's 30 s.",
     "TorchTitan's own docs/performance.md (torch 1963fc8, January 2025, the same Grand Teton H100s at 500 W) "

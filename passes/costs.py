@@ -146,8 +146,7 @@ class Groups:
     extra: dict
 
 
-def _groups(state, pricing) -> Groups:
-    redistribute = pricing.redistribute
+def _groups(state, redistribute) -> Groups:
     nodes, strategies, rep, region_of = state.graph.nodes, state.strategies, state.rep, state.region_of
     reps = [i for i in range(len(nodes)) if rep[i] == i]
     follow: dict[int, tuple[int, int, int]] = {}
@@ -179,25 +178,23 @@ def _groups(state, pricing) -> Groups:
         for j, s in enumerate(strategies[i]):
             first.setdefault(s.ins[lead], j)
         meta = nodes[producer].outs[out]
-        ahead = _settle(i, nodes[i], strategies[i], pricing)
         best: dict = {}
-        first_key = (tuple(first.items()), meta.nbytes, ahead and tuple(ahead[j] for j in first.values()))
+        first_key = (tuple(first.items()), meta.nbytes)
         for s_p in strategies[producer]:
             placement = s_p.out[out]
             if placement not in best:
                 hit = best_memo.get((placement, first_key))
                 if hit is None:
                     hit = best_memo[(placement, first_key)] = min(
-                        (redistribute(placement, d, meta) + (ahead[j] if ahead else 0.0), j) for d, j in first.items()
+                        (redistribute(placement, d, meta), j) for d, j in first.items()
                     )
                 best[placement] = hit
         producer_choice = choice[producer]
         chosen = np.empty(len(producer_choice), dtype=np.int64)
         seconds = np.empty(len(producer_choice))
         for k, pk in enumerate(producer_choice):
-            _, j = best[strategies[producer][pk].out[out]]
-            chosen[k] = j
-            seconds[k] = redistribute(strategies[producer][pk].out[out], strategies[i][j].ins[lead], meta)
+            t, j = best[strategies[producer][pk].out[out]]
+            chosen[k], seconds[k] = j, t
         choice[i], extra[i] = chosen, seconds
     return Groups(reps, follow, root, roots, group_id, choice, extra)
 
@@ -342,7 +339,7 @@ def _edge_terms(state, groups: Groups, edge_count, pricing: Pricing, gathers_par
 def run(state) -> None:
     graph, strategies, rep = state.graph, state.strategies, state.rep
     pricing = _pricing(state)
-    groups = _groups(state, pricing)
+    groups = _groups(state, pricing.redistribute)
     gathers_param = _gathers_param(graph)
     terms = _group_terms(state, groups, pricing.node_time, gathers_param)
     edge_count = _edge_counts(graph, rep, groups.follow)
@@ -504,27 +501,11 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
     return delta, charges
 
 
-def _settle(i, n, strategies, pricing) -> dict | None:
-    """Per strategy index of a loss op that follows its log-probs (nll_loss_forward), the time to bring its outputs
-    (the loss's sum and count of targets) to Replicate, as the loss tail that divides them needs: a follower takes
-    its input placement by the redistribute into it plus this, so that it weighs a gather of the log-probs here
-    against a reduction of a partial loss after (on a latency-bound cluster the gather is the cheaper). Only the
-    choice weighs it (at the loss tail's price); the edges after pay the reduction itself. None for any other op."""
-    if n.target is not vocab_parallel.NLL:
-        return None
-    rep = lambda pl: tuple("R" for _ in pl)  # noqa: E731
-    return {
-        j: sum(pricing.of(i, k)(pl, rep(pl), meta) for k, (pl, meta) in enumerate(zip(s.out, n.outs)) if pl is not None)
-        for j, s in enumerate(strategies)
-    }
-
-
 def _lead_input(g, n, ins):
     """The input a node follows: its only tensor input, for pointwise ops the largest input (first on ties), for the
     loss ops after log_softmax its log-probabilities (vocab_parallel.LOG_PROBS_INPUT: where the log-probs are
     class-sharded the loss computes there; as decisions of their own these ops made the LP relaxation of an 8B
-    plan on an (8, 8) mesh take 60 s of dual simplex instead of 1; nll_loss_forward weighs the loss's reduction
-    after it, `_settle`)."""
+    plan on an (8, 8) mesh take 60 s of dual simplex instead of 1)."""
     if len(ins) == 1:
         return 0
     if n.target in vocab_parallel.LOG_PROBS_INPUT and len(ins) > vocab_parallel.LOG_PROBS_INPUT[n.target]:

@@ -35,8 +35,10 @@ BF16_TOL = 3e-2
 
 def _dp_cases(tmp_path):
     """Data parallel with every parameter replicated, planned freely with a CPU cost model of latency per ring step
-    (GLOO_PER_STEP, tests/_clusters.py: no per-call cost, so a tiny bucket chains): on (4,) the plan gathers the log-softmax and runs the loss replicated (labels fed replicated);
-    on (2,2) it reduces the gradients in a chain of buckets (dp, then tp); the third case is that plan with each
+    (GLOO_PER_STEP, tests/_clusters.py: no per-call cost, so a tiny bucket chains), a batch of 32 (at 16 the free
+    plans gather the head's input for the loss, which FSDP/DDP ranks cannot run: tests/test_engines_plan.py's
+    re-planning covers that): on (4,) one bucket; on (2,2) it reduces the gradients in a chain of buckets (dp, then
+    tp); the third case is that plan with each
     chain flattened into one bucket over the flattened dp+tp group (the form passes/buckets.py takes for larger
     buckets), so both bucket forms run; the fourth leaves the embedding's gradient out of the buckets; the last
     combines replicated data parallelism with tensor parallelism."""
@@ -46,8 +48,7 @@ def _dp_cases(tmp_path):
 
     m = models.build_model(MODEL, device="meta")
     cases = []
-    # a batch of 16 (test_engines_plan.GATHER_BATCH): with 8 GLOO_PER_STEP computes the batch again on every rank
-    for name, shape, names, batch in (("dp4", (4,), ("dp",), 16), ("dp2x2_chain", (2, 2), ("dp", "tp"), 16)):
+    for name, shape, names, batch in (("dp4", (4,), ("dp",), 32), ("dp2x2_chain", (2, 2), ("dp", "tp"), 32)):
         x = models.example_inputs(MODEL, batch=batch, seq=SEQ, device="meta")
         p = autopar.plan(m, autopar.MeshSpec(shape, names), x, cluster=GLOO_PER_STEP)
         assert p.buckets and all(set(v) == {"R"} for v in p.params.values()), (name, p.buckets, p.params)
@@ -79,7 +80,7 @@ def _dp_cases(tmp_path):
             "names": ["dp", "tp"],
             "plan": str(tmp_path / "dp2x2_flat.json"),
             "plan_buckets": True,
-            "batch": 16,
+            "batch": 32,
         }
     )
     # as llama3-debug's plan on (2,2) does: the embedding's gradient is not in a bucket (the plan computes it from
@@ -100,7 +101,7 @@ def _dp_cases(tmp_path):
             "shape": [2, 2],
             "names": ["dp", "tp"],
             "plan": str(tmp_path / "dp2x2_extra.json"),
-            "batch": 16,
+            "batch": 32,
         }
     )
     # data parallel (replicated) over dp x torchtitan's TP+SP over tp: the hook averages the tensor-parallel local

@@ -164,7 +164,7 @@ def test_pipeline_tensor_parallel_stages_equal_single_device(tmp_path):
     """pp=2 x tp=2 on 4 gloo ranks: ParallelStyles inside each stage (parallelize_module over the stage's tp
     submesh), the loss on class-sharded logits under torch's loss_parallel() as planned, loss and every gradient
     (DTensor gradients gathered with full_tensor) equal to single device."""
-    from autopar.backends.pipelining.runtime import LOSS_STYLE
+    from autopar.backends.pipelining.tp_styles import LOSS_STYLE
 
     cases = _tp_plans(tmp_path)
     results = launch(_rank_cases, 4, [cases], tmp_path)
@@ -245,7 +245,8 @@ def test_pipeline_tp_refuses_inexpressible_stage_placement():
     ColwiseParallel shards both); a norm weight sharded on tp (no style shards an RMSNorm) likewise."""
     import autopar
     from autopar import models
-    from autopar.backends.pipelining.runtime import LOSS_STYLE, build_stage_module, loss_head, stage_tp_styles
+    from autopar.backends.pipelining.runtime import build_stage_module
+    from autopar.backends.pipelining.tp_styles import LOSS_STYLE, loss_head, stage_tp_styles
 
     mesh = autopar.MeshSpec((2, 2), ("pp", "tp"))
     m = models.build_model("mlp-tiny", device="meta", n_layers=LAYERS)
