@@ -130,7 +130,7 @@ def predict(plan: Plan) -> dict:
 
 def _internal(state, n) -> list:
     """The collectives op n issues inside itself at its placement (kind, mesh dim, bytes, group size)."""
-    if n.kind != "op":
+    if n.kind != "op" or n.target not in vocab_parallel.OPS:
         return []
     ins, shape = [state.graph.meta(r) for r in n.inputs()], tuple(state.mesh.shape)
     return [

@@ -16,17 +16,19 @@ outputs logits; the loss is `loss_fn(logits, target)`, by default cross entropy 
 zoo's `Transformer.forward` / `MLP.forward` compute), so a step equals `model(x, labels)` on the same batch.
 
 Inside a stage, torchtitan's order: tensor parallelism first, then data parallelism.
+
 Tensor parallelism (a stage-submesh dim of size > 1 not named dp*, "tp"): each module's ParallelStyle comes from its
-parameters' placements on that dim (`stage_tp_styles`, the table of backends/torch/tp.py `param_style`: nn.Linear
-weight Shard(0) -> ColwiseParallel, Shard(1) -> RowwiseParallel, the bias with them; nn.Embedding Shard(0) ->
+parameters' placements on that dim (tp_styles.py `stage_tp_styles`, the table of backends/torch/tp.py `param_style`:
+nn.Linear weight Shard(0) -> ColwiseParallel, Shard(1) -> RowwiseParallel, the bias with them; nn.Embedding Shard(0) ->
 RowwiseParallel, Shard(1) -> ColwiseParallel), applied with `parallelize_module` on the dim's 1-D submesh, so those
 parameters become DTensors sharded there. Layouts are Megatron's: a colwise and a rowwise Linear that form a pair in
 the plan's forward graph (attention q/k/v -> o with local heads, feed-forward w1/w3 -> w2, MLP fc1 -> fc2) keep
 the activation between them sharded; every other style takes and returns whole (replicated) plain tensors, so the
 residual stream and the tensors PipelineStage sends between stages are whole on every tp rank; the logits the loss
 reads are too, except where the plan's cross entropy reads them class-sharded (torchtitan's loss_parallel layout:
-the head keeps them sharded and the step runs under torch's loss_parallel(), with the default loss). Where the per-op plan places activations otherwise on tp (sequence-parallel norms, a weight gathered
-before use), the styles run it with their own collectives (same values). A placement no style expresses (a
+the head keeps them sharded and the step runs under torch's loss_parallel(), with the default loss). Where the
+per-op plan places activations otherwise on tp (sequence-parallel norms, a weight gathered before use), the styles
+run it with their own collectives (same values). A placement no style expresses (a
 sharded norm weight, a colwise weight with a replicated bias, ...) raises NotImplementedError naming the stage,
 the parameter and its placement; so does a plan that splits the batch over a non-dp dim, shards activations over
 one on which every parameter is replicated, or uses two such dims. A non-dp dim the plan leaves idle (every
@@ -44,6 +46,7 @@ collectives).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -449,8 +452,6 @@ class PipelineRunner:
     def _loss_context(self):
         """torch's loss_parallel() around forward and backward where the head keeps the logits class-sharded
         (its handlers compute log_softmax, nll_loss and their backward on the shards); else nothing."""
-        import contextlib
-
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel() if self.loss_parallel else contextlib.nullcontext()
