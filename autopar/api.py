@@ -14,7 +14,7 @@ from .capture import capture
 from .cost import ClusterSpec, TrainingPrecision, get_cluster
 from .mesh import MeshSpec, as_mesh_spec
 from .model_io import ModelIO
-from .passes import PASSES, regions, stages
+from .passes import PASSES, candidates, regions, stages
 from .passes.alternatives import runner_ups
 from .passes import float8 as f8
 from .passes.precision import MIXED_BF16, choose
@@ -24,6 +24,7 @@ from .plan import Plan
 from .predict import build_plan
 from .solver import InfeasibleMemoryError
 from .strategies._torch_adapter import outside_local_tensor_mode
+from .strategies.context_parallel import cp_dims, cp_pin, keep_data_splits, pin_takes_dims
 
 
 def _gc_paused(fn):
@@ -77,7 +78,9 @@ def plan(
         example_inputs may be a dict of keyword inputs instead. Tensors are the step's inputs; other values
         (use_cache=False, None, ints) are constants of the plan. The loss is the output when it is a tensor, else
         `out.loss` (a ModelOutput), `out["loss"]` (a dict), `out[0]` (a tuple), or `loss_fn(out)` (autopar/model_io.py).
-    mesh: a DeviceMesh, a MeshSpec, 'AxB', or a shape tuple (meshes you do not have are fine).
+    mesh: a DeviceMesh, a MeshSpec, 'AxB', or a shape tuple (meshes you do not have are fine). A dim named cp*
+        (cp, cp2, ...) is context parallel: every sequence of the step is split over it, each attention gathering
+        its keys and values there, unless `pin` places something on it (autopar/strategies/context_parallel.py).
     cluster: a name from autopar.cost.CLUSTERS or a path to a calibrated cluster JSON.
     memory_budget: bytes per rank (default: 90% of the device's memory); one that no plan can meet fails before the
         solve with InfeasibleMemoryError, naming what would fit (autopar/feasibility.py).
@@ -264,12 +267,22 @@ def _plan_one(model, io, setup, options, step, allow_bf16, dump_after) -> PlanSt
         )
     if hasattr(options["pin"], "for_graph"):  # a pin that needs the captured graph (autopar/targets.EnginePins)
         options = {**options, "pin": options["pin"].for_graph(graph)}
+    names, shape = setup.mesh.names, setup.mesh.shape
+    dims = cp_dims(names, shape)
+    cp = bool(dims) and not pin_takes_dims(options["pin"], graph, dims)
+    if cp:  # a dim named cp* splits every sequence, as in a pipeline stage, unless the user's pin places it
+        options = {**options, "pin": cp_pin(graph, names, shape, options["pin"])}
     state = PlanState(graph, *setup, options)
     run_passes(state, _BEFORE_BOUND, dump_after=dump_after)
     bound = feasibility.memory_bound(state, allow_bf16)
     feasibility.check(bound, setup.mesh)
+    rest = [n for n in PASSES if n not in _BEFORE_BOUND]
+    k = rest.index(candidates) + 1
     try:
-        run_passes(state, [n for n in PASSES if n not in _BEFORE_BOUND], dump_after=dump_after)
+        run_passes(state, rest[:k], dump_after=dump_after)
+        if cp:  # on a cp dim every activation is a sequence shard (or replicated / partial), not a head split
+            keep_data_splits(state, [], 1)
+        run_passes(state, rest[k:], dump_after=dump_after)
     except InfeasibleMemoryError as e:
         feasibility.add_fixes(e, bound, setup.mesh, e.smallest_bytes)
         raise

@@ -46,11 +46,11 @@ def _attention_placements(plan) -> list:
 
 @pytest.mark.timeout(300)
 def test_planner_shards_the_sequence_where_sequences_are_long():
-    """The same tokens per step (64K) on 2 x 4 H100 (dp x cp): 2 sequences of 32K cannot be split over 8 ranks by
-    batch, and head-parallel attention moves more than the all-gathered K/V of grouped-query attention (8 of 32
-    heads), so the attention shards the sequence on cp; 64 sequences of 1K split by batch on both dims, no seq.
-    (The planner's free choice: this plan is not a pipeline plan, so the dim's name "cp" forces nothing. It
-    chose head-parallel attention while a causal kernel on sequence-sharded queries was priced as the full
+    """The same tokens per step (64K) on 2 x 4 H100: 2 sequences of 32K cannot be split over 8 ranks by batch,
+    and head-parallel attention moves more than the all-gathered K/V of grouped-query attention (8 of 32 heads),
+    so the attention shards the sequence on the second dim; 64 sequences of 1K split by batch on both dims, no
+    seq. (The planner's free choice: the second dim is named "x", not cp*, so nothing is pinned. It chose
+    head-parallel attention while a causal kernel on sequence-sharded queries was priced as the full
     Sq x Sk rectangle, twice the causal share head-parallel attention got: autopar/cost/kernels.py
     causal_fraction.) Priced as the all-gathered form the graph backend executes (cp_attention="allgather"): under
     the default ring pricing (torch's context_parallel: per-step kernels on 4K chunks plus merges) this 8K-row
@@ -58,7 +58,7 @@ def test_planner_shards_the_sequence_where_sequences_are_long():
     import autopar
     from autopar.models import build_model, example_inputs
 
-    mesh = autopar.MeshSpec((2, 4), ("dp", "cp"))
+    mesh = autopar.MeshSpec((2, 4), ("dp", "x"))
     cluster = CLUSTERS["h100"].with_device(cp_attention="allgather")
     seen = {}
     for batch, seq in ((2, 32768), (64, 1024)):
@@ -67,6 +67,34 @@ def test_planner_shards_the_sequence_where_sequences_are_long():
         seen[seq] = _attention_placements(autopar.plan(model, mesh, x, cluster=cluster))
     assert seen[32768] and all(p["out"][0][1] == "S2" and p["ins"][1][1] == "R" for p in seen[32768]), seen[32768]
     assert seen[1024] and not any("S2" in p["out"][0] for p in seen[1024]), seen[1024]
+
+
+@pytest.mark.timeout(300)
+def test_a_cp_mesh_dim_splits_the_sequence_without_a_pin():
+    """A dim named cp is the user's request for context parallelism: 64 sequences of 1K on the same 2 x 4 H100,
+    which the free choice above splits by batch, now split the sequence on cp (the token inputs Shard(1) there, every
+    attention's queries Shard(2) with K/V all-gathered there) while the batch stays on dp."""
+    import autopar
+    from autopar.models import build_model, example_inputs
+
+    model = build_model("llama3-8b", n_layers=2, max_seq_len=1024)
+    x = example_inputs("llama3-8b", batch=64, seq=1024, device="meta")
+    p = autopar.plan(model, autopar.MeshSpec((2, 4), ("dp", "cp")), x, cluster="h100")
+    att = _attention_placements(p)
+    assert att and all(a["out"][0] == ["S0", "S2"] and a["ins"][1] == ["S0", "R"] for a in att), att
+    inputs = [n["placement"]["out"][0] for n in p.nodes if n["kind"] == "input"]
+    assert len(inputs) == 2 and all(pl[1] == "S1" for pl in inputs), inputs  # tokens and labels
+    gathers = _cp_collectives(p, 1, "fw", "all_gather")
+    assert gathers, "no K/V all-gather on cp"
+
+
+def test_a_cp_mesh_dim_on_a_model_without_a_sequence_names_the_dim():
+    import autopar
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    x = (torch.randn(8, 16),)
+    with pytest.raises(ValueError, match=r"context-parallel mesh dim \(named cp\*\).*name the dim otherwise"):
+        autopar.plan(model, autopar.MeshSpec((2, 2), ("dp", "cp")), x, loss_fn=lambda y: y.sum())
 
 
 # ---- cp inside pipeline / stage plans (passes/stage_costs.py, autopar/strategies/context_parallel.py) -----------
@@ -234,6 +262,62 @@ def test_cp_world4_gloo_equals_one_device(tmp_path):
     gathers = [c for c in res["measured"] if c[0] == "all_gather" and c[1] == 1]
     assert len(gathers) >= 4, res["measured"]
     assert any(c[0] == "reduce_scatter" and c[1] == 1 for c in res["measured"]), res["measured"]
+
+
+def job_hf_cp(tmp, name):
+    """A transformers decoder from the zoo on a (dp, cp) mesh, no pin: 3 AdamW steps against one device
+    (tests/third_party/zoo_check.py), every collective of the first step kept."""
+    import os
+    import sys
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import autopar
+    from autopar.backends.counter import CollectiveCounter, compare
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "third_party"))
+    import zoo_check as zc
+
+    steps = []  # one counter per step, entered for the forward-backward and again for the optimizer step
+
+    class Kept(CollectiveCounter):
+        def __exit__(self, *exc):
+            if self not in steps:
+                steps.append(self)
+            return super().__exit__(*exc)
+
+    model, args, kwargs, _ = zc.build(name)
+    ref = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    pm = autopar.parallelize(model, mesh, args, cluster="h100", **zc.call_kwargs(kwargs))
+    chk, rec = zc.Checker(), {}
+    zc._train(pm, ref, args, kwargs, chk, rec, Kept)
+    inputs = [n["placement"]["out"][0] for n in pm.plan.nodes if n["kind"] == "input"]
+    first = list(steps[0].collectives())
+    return {
+        "failures": chk.failures[:5],
+        "collective_diff": compare(first, pm.plan.collectives()),
+        "losses": rec["losses"],
+        "hash": pm.plan.hash(),
+        "inputs": inputs,
+        "measured": [list(c) for c in first],
+        "threads": torch.get_num_threads(),
+    }
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_cp_mesh_dim_on_transformers_models_equals_one_device(tmp_path, name):
+    """transformers' Llama (SDPA attention) and GPT-2 (attention decomposed under its dropout on CPU) on
+    ("dp", "cp") with no pin: the sequence (16 tokens) split on cp, 3 AdamW steps equal to one device, the first
+    step's collectives as planned, activations gathered on cp among them."""
+    from _dist import launch_equal
+
+    res = launch_equal(job_hf_cp, 4, [str(tmp_path), name], tmp_path, timeout=250)[0]
+    assert res["inputs"] and all(pl[1] == "S1" for pl in res["inputs"]), res["inputs"]
+    assert any(c[0] == "all_gather" and c[1] == 1 for c in res["measured"]), res["measured"]
 
 
 # ---- ring attention pricing (autopar/cost/ring_attention.py) -------------------------------------------------------

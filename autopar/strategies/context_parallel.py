@@ -1,10 +1,11 @@
-"""Context parallelism as a mesh dim's meaning: a dim named cp* (cp, cp2, ...) splits every sequence of the step
-over its ranks (torchtitan's and Llama 3's CP). Pipeline stage plans read the name the way they read dp* as batch
-parallel (passes/stage_costs.py): on a cp dim the step's token inputs are Shard(1) (the sequence), every attention
-keeps its queries' sequence sharded (Shard(2) of (batch, heads, seq, head_dim)) with K and V whole there, so the
-per-op plan prices their all-gather before each attention and the reduce-scatter of dK / dV after its backward as
-redistributes (the all-gathered-KV form of torch's context_parallel; autopar/strategies/__init__.py `_attention_fw`).
-Everything between is the solver's choice on that dim (in practice the sequence shard is kept: it moves nothing).
+"""Context parallelism as a mesh dim's meaning: a dim named cp* (cp, cp2, ...) splits every sequence of the step over
+its ranks (torchtitan's and Llama 3's CP). Plans read the name (autopar/api.py; pipeline stage plans too, the way
+they read dp* as batch parallel: passes/stage_costs.py): on a cp dim the step's token inputs are Shard(1) (the
+sequence), every attention keeps its queries' sequence sharded (Shard(2) of (batch, heads, seq, head_dim)) with K and
+V whole there, so the per-op plan prices their all-gather before each attention and the reduce-scatter of dK / dV
+after its backward as redistributes (the all-gathered-KV form of torch's context_parallel;
+autopar/strategies/__init__.py `_attention_fw`). Everything between is the solver's choice on that dim (in practice
+the sequence shard is kept: it moves nothing).
 """
 
 from __future__ import annotations
@@ -20,14 +21,31 @@ def cp_dims(names, shape) -> list[int]:
     return [d for d, (nm, n) in enumerate(zip(names, shape)) if nm.startswith(CP_PREFIX) and n > 1]
 
 
+def pin_takes_dims(pin, graph, dims) -> bool:
+    """Whether the user's pin places any node on one of `dims` (the dim is then theirs: no sequence split added)."""
+    if pin is None or not dims:
+        return False
+    for n in graph.nodes:
+        for k in pin(n) or {}:
+            if (k[0] if isinstance(k, tuple) else k) in dims:
+                return True
+    return False
+
+
 def sequence_length(graph) -> int:
-    """The query sequence length of the graph's attention (dim 2 of the first forward attention's output)."""
+    """The sequence length the cp dims split: the query length of the graph's first forward attention (dim 2 of
+    its output), else (attention decomposed into matmuls and a softmax, as capture on CPU leaves it under an
+    explicit mask) dim 1 of the first (batch, seq) integer input, the token ids."""
     for n in graph.nodes:
         if n.kind == "op" and n.target is SDPA:
             return int(n.outs[0].shape[2])
+    for n in graph.nodes:
+        o = n.outs[0] if n.kind == "input" and n.outs else None
+        if o is not None and len(o.shape) == 2 and not (o.dtype.is_floating_point or o.dtype.is_complex):
+            return int(o.shape[1])
     raise ValueError(
-        "a context-parallel mesh dim (named cp*) splits attention's sequence, but the model's graph has no "
-        "scaled_dot_product_attention: name the dim otherwise, or plan a model with attention"
+        "a context-parallel mesh dim (named cp*) splits the sequence, but the model's graph has neither a "
+        "scaled_dot_product_attention nor a (batch, seq) token input: name the dim otherwise"
     )
 
 
