@@ -78,9 +78,8 @@ def plan(
         example_inputs may be a dict of keyword inputs instead. Tensors are the step's inputs; other values
         (use_cache=False, None, ints) are constants of the plan. The loss is the output when it is a tensor, else
         `out.loss` (a ModelOutput), `out["loss"]` (a dict), `out[0]` (a tuple), or `loss_fn(out)` (autopar/model_io.py).
-    mesh: a DeviceMesh, a MeshSpec, 'AxB', or a shape tuple (meshes you do not have are fine). A dim named cp*
-        (cp, cp2, ...) is context parallel: every sequence of the step is split over it, each attention gathering
-        its keys and values there, unless `pin` places something on it (autopar/strategies/context_parallel.py).
+    mesh: a DeviceMesh, a MeshSpec, 'AxB', or a shape tuple (meshes you do not have are fine). A dim named cp* splits
+        the sequences (context parallel) unless `pin` places it (autopar/strategies/context_parallel.py).
     cluster: a name from autopar.cost.CLUSTERS or a path to a calibrated cluster JSON.
     memory_budget: bytes per rank (default: 90% of the device's memory); one that no plan can meet fails before the
         solve with InfeasibleMemoryError, naming what would fit (autopar/feasibility.py).
@@ -94,13 +93,12 @@ def plan(
     pin: callable(graph node) -> {mesh dim: placement} or {(mesh dim, output index): placement} or None (or an
         object with for_graph(graph) returning one): fixes nodes' outputs to price a hand plan (benchmarks/
         torchtitan_plan.py); with pipeline stages, on each stage's nodes (blocks numbered as in `force`).
-    overlap: False (default): every collective is paid in full, step = compute + all comm (autopar's graph
-        executor runs them in program order), and the MILP is exact. True: parameter gathers and gradient
-        reductions overlap compute (FSDP2's prefetch, DDP's bucketed all-reduce under the backward): step =
-        compute + activation comm + what the compute cannot hide; the solver minimizes that with a Lagrangian
-        search and local search (exact by branch and bound on small models, else reported with its gap).
-    mip_rel_gap: the MILP stops when its plan is within this relative gap of the proven bound (default 0.1%;
-        plan.solver reports objective, bound and gap); 0 proves optimality, which can take seconds longer.
+    overlap: False (default): every collective is paid in full, step = compute + all comm (the graph executor runs
+        them in program order), the MILP exact. True: parameter gathers and gradient reductions overlap compute
+        (FSDP2's prefetch, DDP's buckets): step = compute + activation comm + what compute cannot hide, minimized by
+        a Lagrangian and local search (exact by branch and bound on small models, else reported with its gap).
+    mip_rel_gap: the MILP stops within this relative gap of the proven bound (default 0.1%; plan.solver reports
+        objective, bound and gap); 0 proves optimality, which can take seconds longer.
     output: "loss" (default: the model returns its scalar loss) or "activation": the model is a part of a model,
         returning one tensor whose gradient comes from outside; its input gradients are outputs of the step
         (how backend="auto" runs the modules the engines cannot express, backends/torch/mixed.py).
