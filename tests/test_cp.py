@@ -264,9 +264,9 @@ def test_cp_world4_gloo_equals_one_device(tmp_path):
     assert any(c[0] == "reduce_scatter" and c[1] == 1 for c in res["measured"]), res["measured"]
 
 
-def job_hf_cp(tmp, name):
-    """A transformers decoder from the zoo on a (dp, cp) mesh, no pin: 3 AdamW steps against one device
-    (tests/third_party/zoo_check.py), every collective of the first step kept."""
+def job_hf_cp(tmp, names):
+    """Third-party models from the zoo on a (dp, cp) mesh, no pin, one after another in one launch: 3 AdamW steps
+    each against one device (tests/third_party/zoo_check.py), every collective of the first step kept."""
     import os
     import sys
 
@@ -279,45 +279,51 @@ def job_hf_cp(tmp, name):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "third_party"))
     import zoo_check as zc
 
-    steps = []  # one counter per step, entered for the forward-backward and again for the optimizer step
-
-    class Kept(CollectiveCounter):
-        def __exit__(self, *exc):
-            if self not in steps:
-                steps.append(self)
-            return super().__exit__(*exc)
-
-    model, args, kwargs, _ = zc.build(name)
-    ref = copy.deepcopy(model)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
-    pm = autopar.parallelize(model, mesh, args, cluster="h100", **zc.call_kwargs(kwargs))
-    chk, rec = zc.Checker(), {}
-    zc._train(pm, ref, args, kwargs, chk, rec, Kept)
-    inputs = [n["placement"]["out"][0] for n in pm.plan.nodes if n["kind"] == "input"]
-    first = list(steps[0].collectives())
-    return {
-        "failures": chk.failures[:5],
-        "collective_diff": compare(first, pm.plan.collectives()),
-        "losses": rec["losses"],
-        "hash": pm.plan.hash(),
-        "inputs": inputs,
-        "measured": [list(c) for c in first],
-        "threads": torch.get_num_threads(),
-    }
+    out = {"failures": [], "collective_diff": [], "losses": [], "hash": "", "models": {}}
+    for name in names:
+        steps = []  # one counter per step, entered for the forward-backward and again for the optimizer step
+
+        class Kept(CollectiveCounter):
+            def __exit__(self, *exc):
+                if self not in steps:
+                    steps.append(self)
+                return super().__exit__(*exc)
+
+        model, args, kwargs, _ = zc.build(name)
+        ref = copy.deepcopy(model)
+        pm = autopar.parallelize(model, mesh, args, cluster="h100", **zc.call_kwargs(kwargs))
+        chk, rec = zc.Checker(), {}
+        zc._train(pm, ref, args, kwargs, chk, rec, Kept)
+        first = list(steps[0].collectives())
+        out["failures"] += [f"{name}: {f}" for f in chk.failures[:5]]
+        diff = compare(first, pm.plan.collectives())
+        out["collective_diff"] += [f"{name}: {diff}"] if diff else []
+        out["losses"] += rec["losses"]
+        out["hash"] += pm.plan.hash()
+        out["models"][name] = {
+            "inputs": [n["placement"]["out"][0] for n in pm.plan.nodes if n["kind"] == "input"],
+            "measured": [list(c) for c in first],
+        }
+    out["threads"] = torch.get_num_threads()
+    return out
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_cp_mesh_dim_on_transformers_models_equals_one_device(tmp_path, name):
-    """transformers' Llama (SDPA attention) and GPT-2 (attention decomposed under its dropout on CPU) on
-    ("dp", "cp") with no pin: the sequence (16 tokens) split on cp, 3 AdamW steps equal to one device, the first
-    step's collectives as planned, activations gathered on cp among them."""
+@pytest.mark.timeout(400)
+def test_cp_mesh_dim_on_third_party_models_equals_one_device(tmp_path):
+    """transformers' Llama (SDPA attention), GPT-2 (attention decomposed under its dropout on CPU), T5 (encoder and
+    decoder sequences, relative position bias) and Mamba (no attention: a scan along the sequence) on ("dp", "cp")
+    with no pin: every token input split on cp, 3 AdamW steps equal to one device, the first step's collectives
+    as planned, activations gathered on cp among them."""
     from _dist import launch_equal
 
-    res = launch_equal(job_hf_cp, 4, [str(tmp_path), name], tmp_path, timeout=250)[0]
-    assert res["inputs"] and all(pl[1] == "S1" for pl in res["inputs"]), res["inputs"]
-    assert any(c[0] == "all_gather" and c[1] == 1 for c in res["measured"]), res["measured"]
+    names = ["llama", "gpt2", "t5", "mamba"]
+    res = launch_equal(job_hf_cp, 4, [str(tmp_path), names], tmp_path, timeout=350)[0]
+    for name in names:
+        r = res["models"][name]
+        assert r["inputs"] and all(pl[1] == "S1" for pl in r["inputs"]), (name, r["inputs"])
+        assert any(c[0] == "all_gather" and c[1] == 1 for c in r["measured"]), (name, r["measured"])
 
 
 # ---- ring attention pricing (autopar/cost/ring_attention.py) -------------------------------------------------------
