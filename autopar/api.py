@@ -22,7 +22,7 @@ from .passmanager import PlanState, run_passes
 from .targets import plan_for_target
 from .plan import Plan
 from .predict import build_plan
-from .solver import InfeasibleMemoryError
+from .solver import InfeasibleMemoryError, SolverTimeLimitError
 from .strategies._torch_adapter import outside_local_tensor_mode
 from .strategies.context_parallel import cp_dims, cp_pin, keep_data_splits, pin_takes_dims
 
@@ -253,6 +253,18 @@ def _plan_variants(model, io, setup, options, step, precisions, dump_after):
 _BEFORE_BOUND = PASSES[: PASSES.index(regions) + 1]
 
 
+def _many_dims_hint(names, shape) -> str:
+    """What to try when a per-op plan over 3+ mesh dims runs out of time: its candidates multiply per dim (a 4-D
+    activation has ~200 placements on 3 dims), where a pipeline stage reads dp* as batch and cp* as sequence."""
+    big = [f"{nm}={n}" for nm, n in zip(names, shape) if n > 1]
+    if len(big) < 3:
+        return ""
+    return (
+        f"; a plan over {len(big)} mesh dims ({', '.join(big)}) is a large search: pipeline='auto' on the flat ranks, "
+        "or a 'pp' dim of size 1 in front with dims named dp* (batch) and cp* (sequence), plans in seconds"
+    )
+
+
 def _plan_one(model, io, setup, options, step, allow_bf16, dump_after) -> PlanState:
     """Capture one precision variant, check the memory lower bound (autopar/feasibility.py: no plan can fit fails
     here, in seconds, naming what would fit), then run the remaining passes; the solver's InfeasibleMemoryError gets
@@ -284,4 +296,6 @@ def _plan_one(model, io, setup, options, step, allow_bf16, dump_after) -> PlanSt
     except InfeasibleMemoryError as e:
         feasibility.add_fixes(e, bound, setup.mesh, e.smallest_bytes)
         raise
+    except SolverTimeLimitError as e:
+        raise SolverTimeLimitError(f"{e}{_many_dims_hint(names, shape)}") from e
     return state

@@ -165,3 +165,16 @@ def test_parallelize_points_pipeline_plans_to_the_pipeline_runner():
     plan = autopar.plan(m, autopar.MeshSpec((2,), ("pp",)), x, cluster="h100", pipeline={"schedules": ["GPipe"]})
     with pytest.raises(ValueError, match=r"the plan makes pipeline stages.*step_model"):
         autopar.parallelize(m, types.SimpleNamespace(mesh_dim_names=("dp",)), x, plan=plan)
+
+
+def test_a_timed_out_plan_on_three_mesh_dims_points_to_the_pipeline_search():
+    """A per-op plan over 3 mesh dims is a large search (llama-tiny on (2, 2, 2): a 1.1M-column LP, a minute or two
+    in all, where pipeline='auto' on 8 flat ranks takes ~6 s): its time-out says so, naming the dims; a 2-dim one
+    only says to raise the limit. (An MLP under a 1 us limit stands in for the slow solve.)"""
+    m = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    x, loss = torch.randn(32, 64), lambda y: y.sum()
+    with pytest.raises(autopar.SolverTimeLimitError, match=r"3 mesh dims \(dp=2, x=2, tp=2\).*pipeline='auto'"):
+        autopar.plan(m, autopar.MeshSpec((2, 2, 2), ("dp", "x", "tp")), (x,), time_limit=1e-6, loss_fn=loss)
+    with pytest.raises(autopar.SolverTimeLimitError) as e:
+        autopar.plan(m, autopar.MeshSpec((2, 4), ("dp", "tp")), (x,), time_limit=1e-6, loss_fn=loss)
+    assert "pipeline" not in str(e.value) and "time_limit=" in str(e.value)
