@@ -297,5 +297,8 @@ def _plan_one(model, io, setup, options, step, allow_bf16, dump_after) -> PlanSt
         feasibility.add_fixes(e, bound, setup.mesh, e.smallest_bytes)
         raise
     except SolverTimeLimitError as e:
-        raise SolverTimeLimitError(f"{e}{_many_dims_hint(names, shape)}") from e
+        hint = _many_dims_hint(names, shape)
+        if not hint:
+            raise
+        raise SolverTimeLimitError(f"{e}{hint}") from e
     return state
