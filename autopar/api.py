@@ -23,8 +23,10 @@ from .targets import plan_for_target
 from .plan import Plan
 from .predict import build_plan
 from .solver import InfeasibleMemoryError, SolverTimeLimitError
+from .strategies import data_parallel as dp
 from .strategies._torch_adapter import outside_local_tensor_mode
 from .strategies.context_parallel import cp_dims, cp_pin, keep_data_splits, pin_takes_dims
+from .strategies.pins import overlay_pins
 
 
 def _gc_paused(fn):
@@ -254,15 +256,34 @@ _BEFORE_BOUND = PASSES[: PASSES.index(regions) + 1]
 
 
 def _many_dims_hint(names, shape) -> str:
-    """What to try when a per-op plan over 3+ mesh dims runs out of time: its candidates multiply per dim (a 4-D
-    activation has ~200 placements on 3 dims), where a pipeline stage reads dp* as batch and cp* as sequence."""
+    """What to try when a per-op plan over 3+ mesh dims runs out of time: its candidates multiply per free dim (a
+    4-D activation has ~200 placements on 3 dims), where dims named dp* (batch) and cp* (sequence) are fixed for
+    activations (_named_dims)."""
     big = [f"{nm}={n}" for nm, n in zip(names, shape) if n > 1]
     if len(big) < 3:
         return ""
     return (
-        f"; a plan over {len(big)} mesh dims ({', '.join(big)}) is a large search: pipeline='auto' on the flat ranks, "
-        "or a 'pp' dim of size 1 in front with dims named dp* (batch) and cp* (sequence), plans in seconds"
+        f"; a plan over {len(big)} mesh dims ({', '.join(big)}) is a large search: name the data-parallel dims dp* "
+        "(activations split by batch there) and the context-parallel ones cp* (by sequence), which plans in "
+        "seconds, or use pipeline='auto' on the flat ranks"
     )
+
+
+def _named_dims(graph, names, shape, pin):
+    """The mesh dims whose names give them a meaning where the user's pin places nothing on them: cp* splits the
+    sequence (autopar/strategies/context_parallel.py) and, on a mesh of 3+ dims of size > 1, dp* the batch
+    (autopar/strategies/data_parallel.py: free placements on every dim are too large a search there, _many_dims_hint).
+    Returns (the pin with their input splits added, whether the cp dims are split, the data dims)."""
+    dims = cp_dims(names, shape)
+    cp = bool(dims) and not pin_takes_dims(pin, graph, dims)
+    if cp:
+        pin = cp_pin(graph, names, shape, pin)
+    big = [d for d, n in enumerate(shape) if n > 1]
+    data = [d for d in big if names[d].startswith("dp")] if len(big) >= 3 else []
+    data = [d for d in data if not pin_takes_dims(pin, graph, [d])]
+    if data:
+        pin = overlay_pins(dp.batch_pin(graph, names, shape, data), pin)
+    return pin, cp, data
 
 
 def _plan_one(model, io, setup, options, step, allow_bf16, dump_after) -> PlanState:
@@ -278,10 +299,8 @@ def _plan_one(model, io, setup, options, step, allow_bf16, dump_after) -> PlanSt
     if hasattr(options["pin"], "for_graph"):  # a pin that needs the captured graph (autopar/targets.EnginePins)
         options = {**options, "pin": options["pin"].for_graph(graph)}
     names, shape = setup.mesh.names, setup.mesh.shape
-    dims = cp_dims(names, shape)
-    cp = bool(dims) and not pin_takes_dims(options["pin"], graph, dims)
-    if cp:  # a dim named cp* splits every sequence, as in a pipeline stage, unless the user's pin places it
-        options = {**options, "pin": cp_pin(graph, names, shape, options["pin"])}
+    pin, cp, data = _named_dims(graph, names, shape, options["pin"])
+    options = {**options, "pin": pin}
     state = PlanState(graph, *setup, options)
     run_passes(state, _BEFORE_BOUND, dump_after=dump_after)
     bound = feasibility.memory_bound(state, allow_bf16)
@@ -290,11 +309,14 @@ def _plan_one(model, io, setup, options, step, allow_bf16, dump_after) -> PlanSt
     k = rest.index(candidates) + 1
     try:
         run_passes(state, rest[:k], dump_after=dump_after)
+        dp.keep_batch_splits(state, data)  # activations stay batch shards on the data dims
         if cp:  # on a cp dim every activation is a sequence shard (or replicated / partial), not a head split
             keep_data_splits(state, [], 1)
         run_passes(state, rest[k:], dump_after=dump_after)
     except InfeasibleMemoryError as e:
         feasibility.add_fixes(e, bound, setup.mesh, e.smallest_bytes)
+        if data:
+            e.args = (f"{e}\n{dp.searched_as_data(names, data)}",) + e.args[1:]
         raise
     except SolverTimeLimitError as e:
         hint = _many_dims_hint(names, shape)

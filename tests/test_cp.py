@@ -264,9 +264,10 @@ def test_cp_world4_gloo_equals_one_device(tmp_path):
     assert any(c[0] == "reduce_scatter" and c[1] == 1 for c in res["measured"]), res["measured"]
 
 
-def job_hf_cp(tmp, names):
-    """Third-party models from the zoo on a (dp, cp) mesh, no pin, one after another in one launch: 3 AdamW steps
-    each against one device (tests/third_party/zoo_check.py), every collective of the first step kept."""
+def job_hf_cp(tmp, names, shape=(2, 2), dims=("dp", "cp"), cluster="h100"):
+    """Third-party models from the zoo on a mesh (default (dp, cp) 2 x 2), no pin, one after another in one launch:
+    3 AdamW steps each against one device (tests/third_party/zoo_check.py), every collective of the first step
+    kept."""
     import os
     import sys
 
@@ -274,12 +275,14 @@ def job_hf_cp(tmp, names):
     from torch.distributed.device_mesh import init_device_mesh
 
     import autopar
+    import autopar.testing
     from autopar.backends.counter import CollectiveCounter, compare
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "third_party"))
     import zoo_check as zc
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    mesh = init_device_mesh("cpu", tuple(shape), mesh_dim_names=tuple(dims))
+    cluster = getattr(autopar.testing, cluster[1:]) if cluster.startswith(":") else cluster  # ":TP_FRIENDLY"
     out = {"failures": [], "collective_diff": [], "losses": [], "hash": "", "models": {}}
     for name in names:
         steps = []  # one counter per step, entered for the forward-backward and again for the optimizer step
@@ -292,7 +295,7 @@ def job_hf_cp(tmp, names):
 
         model, args, kwargs, _ = zc.build(name)
         ref = copy.deepcopy(model)
-        pm = autopar.parallelize(model, mesh, args, cluster="h100", **zc.call_kwargs(kwargs))
+        pm = autopar.parallelize(model, mesh, args, cluster=cluster, **zc.call_kwargs(kwargs))
         chk, rec = zc.Checker(), {}
         zc._train(pm, ref, args, kwargs, chk, rec, Kept)
         first = list(steps[0].collectives())
@@ -304,6 +307,7 @@ def job_hf_cp(tmp, names):
         out["models"][name] = {
             "inputs": [n["placement"]["out"][0] for n in pm.plan.nodes if n["kind"] == "input"],
             "measured": [list(c) for c in first],
+            "params": {f: list(pl) for f, pl in pm.plan.params.items()},
         }
     out["threads"] = torch.get_num_threads()
     return out

@@ -268,6 +268,8 @@ def _core_aten() -> dict:
 def divides(meta: TensorMeta, pl: Placements, mesh_shape) -> bool:
     if meta is None:
         return True
+    if sum(p == "Pm" for p in pl) > 1:  # DTensor's MaskPartial keeps one mask per op: two mesh dims masking the
+        return False  # same lookup fail at run time ("MaskBuffer has been materialized with conflicting data")
     split = [1] * len(meta.shape)
     for p, n in zip(pl, mesh_shape):
         if p[0] == "S":
