@@ -39,8 +39,9 @@ def batch_pin(graph, names, shape, dims):
     does not divide over them is refused here, naming them."""
     rows, ranks = batch_rows(graph), math.prod(shape[d] for d in dims)
     if rows % ranks:
+        sizes = {names[d]: shape[d] for d in dims}
         raise ValueError(
-            f"batch {rows} does not divide over the data-parallel mesh dims {({names[d]: shape[d] for d in dims})} "
+            f"batch {rows} does not divide over the data-parallel mesh dims {sizes} "
             f"({ranks} ranks): on a mesh of 3+ dims a dim named dp* splits the batch; pass a batch divisible by "
             f"{ranks}, or name the dim otherwise to let the planner place everything on it"
         )
