@@ -25,7 +25,7 @@ from .predict import build_plan
 from .solver import InfeasibleMemoryError, SolverTimeLimitError
 from .strategies import data_parallel as dp
 from .strategies._torch_adapter import outside_local_tensor_mode
-from .strategies.context_parallel import cp_dims, cp_pin, keep_data_splits, pin_takes_dims
+from .strategies.context_parallel import CP_PREFIX, cp_dims, cp_pin, keep_data_splits, pin_takes_dims
 from .strategies.pins import overlay_pins
 
 
@@ -259,13 +259,15 @@ def _many_dims_hint(names, shape) -> str:
     """What to try when a per-op plan over 3+ mesh dims runs out of time: its candidates multiply per free dim (a
     4-D activation has ~200 placements on 3 dims), where dims named dp* (batch) and cp* (sequence) are fixed for
     activations (_named_dims)."""
-    big = [f"{nm}={n}" for nm, n in zip(names, shape) if n > 1]
+    big = [(nm, n) for nm, n in zip(names, shape) if n > 1]
     if len(big) < 3:
         return ""
+    free = [nm for nm, _ in big if not nm.startswith(("dp", CP_PREFIX))]
     return (
-        f"; a plan over {len(big)} mesh dims ({', '.join(big)}) is a large search: name the data-parallel dims dp* "
-        "(activations split by batch there) and the context-parallel ones cp* (by sequence), which plans in "
-        "seconds, or use pipeline='auto' on the flat ranks"
+        f"; a plan over {len(big)} mesh dims ({', '.join(f'{nm}={n}' for nm, n in big)}) with {len(free)} free of "
+        f"them ({', '.join(free)}) is a large search: name data-parallel dims dp* (activations split by batch "
+        "there) and context-parallel ones cp* (by sequence) to leave one free, which plans in seconds, or use "
+        "pipeline='auto' on the flat ranks"
     )
 
 

@@ -88,3 +88,19 @@ def test_3d_mesh_with_dp_cp_tp_on_third_party_models_equals_one_device(tmp_path)
         assert any(pl[2] != "R" for pl in r["params"].values()), (name, r["params"])
         dims = {d for c in r["measured"] for d in (c[1] if isinstance(c[1], list) else [c[1]])}
         assert {0, 1, 2} <= dims, (name, r["measured"])
+
+
+def test_batch_norm_statistics_are_reduced_over_the_dp_dims():
+    """BatchNorm in training reads its batch mean as a partial sum over the dp dims; no strategy reads it partial, so
+    the plan reduces it there (synchronized statistics, equal to one device) and the activations stay batch splits:
+    the LP stays small."""
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 64, 10)
+    )
+    x, loss = torch.randn(8, 3, 8, 8), lambda y: y.square().mean()
+    plan = autopar.plan(net, autopar.MeshSpec((2, 2, 2), ("dp", "dp2", "tp")), (x,), loss_fn=loss, cluster=TP_FRIENDLY)
+    assert plan.solver["n_vars"] < 20_000, plan.solver
+    conv = next(n for n in plan.nodes if n["phase"] == "fw" and "convolution" in n["name"])
+    assert conv["placement"]["out"][0][:2] == ["S0", "S0"], conv["placement"]
+    fw = [c for n in plan.nodes if n["phase"] == "fw" for r in n.get("redistribute", []) for c in r["collectives"]]
+    assert any(c[0] == "all_reduce" for c in fw), fw  # the statistics, reduced in the forward

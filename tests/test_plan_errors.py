@@ -168,12 +168,16 @@ def test_parallelize_points_pipeline_plans_to_the_pipeline_runner():
 
 
 def test_a_timed_out_plan_on_three_mesh_dims_points_to_the_pipeline_search():
-    """A per-op plan over 3 mesh dims is a large search (llama-tiny on (2, 2, 2): a 1.1M-column LP, a minute or two
-    in all, where pipeline='auto' on 8 flat ranks takes ~6 s): its time-out says so, naming the dims; a 2-dim one
-    only says to raise the limit. (An MLP under a 1 us limit stands in for the slow solve.)"""
+    """A per-op plan over 3 mesh dims with two free of them is a large search (llama-tiny on (2, 2, 2) with no dim
+    named dp* / cp*: a 1.1M-column LP, a minute or two in all; T5 on (dp, x, tp) past 60 s): its time-out says so,
+    naming the free dims; a 2-dim one only says to raise the limit. (An MLP under a 1 us limit stands in for the
+    slow solve.)"""
     m = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
     x, loss = torch.randn(32, 64), lambda y: y.sum()
-    with pytest.raises(autopar.SolverTimeLimitError, match=r"3 mesh dims \(dp=2, x=2, tp=2\).*pipeline='auto'"):
+    with pytest.raises(
+        autopar.SolverTimeLimitError,
+        match=r"3 mesh dims \(dp=2, x=2, tp=2\) with 2 free of them \(x, tp\).*pipeline='auto'",
+    ):
         autopar.plan(m, autopar.MeshSpec((2, 2, 2), ("dp", "x", "tp")), (x,), time_limit=1e-6, loss_fn=loss)
     with pytest.raises(autopar.SolverTimeLimitError) as e:
         autopar.plan(m, autopar.MeshSpec((2, 4), ("dp", "tp")), (x,), time_limit=1e-6, loss_fn=loss)

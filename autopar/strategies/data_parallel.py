@@ -55,7 +55,7 @@ def batch_pin(graph, names, shape, dims):
 
 def keep_batch_splits(state, dims) -> dict:
     """Keep, for every op reading a batch split or a partial sum over the batch on the data dims `dims`, the
-    strategies that read it as it is; an output carries on what those strategies agree on for it (a split, or a
+    strategies that read it as it is (where none does, those that reduce the partial sums first); an output carries on what those strategies agree on for it (a split, or a
     partial sum: a weight's gradient moves on these dims only into its reduction). An op with no such strategy keeps
     all of its own (the solver moves the value there) and its outputs carry nothing. An op that reads only values
     made from no input, parameter or buffer (RoPE tables, masks, positions: every data rank computes them whole)
@@ -80,7 +80,7 @@ def keep_batch_splits(state, dims) -> dict:
             state.strategies[n.idx] = whole or strats
             continue
         read = [(k, carry[(r.node, r.out)]) for k, r in enumerate(refs) if (r.node, r.out) in carry]
-        kept = [s for s in strats if all(tuple(s.ins[k][d] for d in dims) == pl for k, pl in read)] if read else []
+        kept = _reading(strats, read, dims, False) or _reading(strats, read, dims, True) if read else []
         if not kept:
             continue
         state.strategies[n.idx] = kept
@@ -89,6 +89,16 @@ def keep_batch_splits(state, dims) -> dict:
             if len(pls) == 1 and next(iter(pls)) and all(p[0] in "SP" for p in next(iter(pls))):
                 carry[(n.idx, j)] = next(iter(pls))
     return carry
+
+
+def _reading(strats, read, dims, reduced: bool) -> list:
+    """The strategies reading each carried input (k, its placements on `dims`) as it is, or with `reduced` a partial
+    sum reduced first (a batch norm's mean, the loss's token count: what an op needs whole)."""
+
+    def ok(want, got):
+        return got == want or (reduced and want[0] == "P" and got == "R")
+
+    return [s for s in strats if all(ok(pl[j], s.ins[k][d]) for k, pl in read for j, d in enumerate(dims))]
 
 
 def searched_as_data(names, dims) -> str:
