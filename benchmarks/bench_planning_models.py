@@ -6,11 +6,15 @@ this process (the median is reported), with the per-pass times of the median run
 
     python benchmarks/bench_planning_models.py [--only NAME ...] [--repeat 3] [--json out.json] [--md out.md]
     python benchmarks/bench_planning_models.py --zoo [NAME ...] [--json out.json]
+    python benchmarks/bench_planning_models.py --zoo3d [NAME ...] [--json out.json]
 
 --zoo: the third-party suite (tests/third_party/zoo.py), each model in a process of its own (a lone run, imports
 paid before the clock starts): its (8, 8) "h100" plan and its 2x2 SHAPES plan with the FSDP pins of
 tests/third_party/zoo_check.py (overlap=False), as the suite plans them; wall and CPU seconds, the passes, the MILP's
 size, objective and status. Written as the section "Third-party suite" of --md (the rest of the file is kept).
+--zoo3d: the same models on a 3-D mesh, (dp_replicate, dp_shard, tp) = 2x2x2 under autopar.testing.TP_FRIENDLY (a
+cost model on which tensor parallelism pays), no pins: dims named dp* are data parallel there
+(autopar/strategies/data_parallel.py); written to results/planning_3d.md.
 
 Cases:
 - llama-tiny 2x2 as `python -m autopar.examples.train` plans it (cpu-gloo cluster, fsdp+tp pinned), and with
@@ -200,22 +204,29 @@ def markdown(rows, cmd) -> str:
 
 
 ZOO_SECTION = "## Third-party suite"
+DP3 = ("dp_replicate", "dp_shard", "tp")
 
 
-def zoo_child(name) -> dict:
-    """In a fresh process: model `name`'s 8x8 h100 plan and 2x2 SHAPES plan (fsdp pins), each timed."""
+MESHES = {"8x8": ((8, 8), ("dp", "tp")), "2x2": ((2, 2), ("dp", "tp")), "2x2x2": ((2, 2, 2), DP3)}
+
+
+def zoo_child(name, meshes=("8x8", "2x2")) -> dict:
+    """In a fresh process: model `name`'s 8x8 h100 plan and 2x2 SHAPES plan (fsdp pins), or its 2x2x2 TP_FRIENDLY
+    plan, each timed."""
     sys.path.insert(0, os.path.join(ROOT, "tests", "third_party"))
     import autopar
     import zoo_check
-    from _clusters import SHAPES
+    from _clusters import SHAPES, TP_FRIENDLY
 
     out = {}
-    for which in ("8x8", "2x2"):
+    for which in meshes:
         model, args, kwargs, _ = zoo_check.build(name)
+        mesh = autopar.MeshSpec(*MESHES[which])
         if which == "8x8":
-            mesh, kw = autopar.MeshSpec((8, 8), ("dp", "tp")), dict(cluster="h100")
+            kw = dict(cluster="h100")
+        elif which == "2x2x2":
+            kw = dict(cluster=TP_FRIENDLY, overlap=False)
         else:
-            mesh = autopar.MeshSpec((2, 2), ("dp", "tp"))
             kw = dict(cluster=SHAPES, overlap=False, force=zoo_check.fsdp_pins(model, (2, 2)))
         t, c = time.perf_counter(), time.process_time()
         try:
@@ -247,11 +258,11 @@ def zoo_child(name) -> dict:
     return out
 
 
-def run_zoo(names, timeout=900) -> dict:
+def run_zoo(names, timeout=900, meshes=("8x8", "2x2")) -> dict:
     """Each model's zoo_child in a process of its own; {name: {"8x8": ..., "2x2": ...}}."""
     rows = {}
     for name in names:
-        cmd = [sys.executable, os.path.abspath(__file__), "--zoo-child", name]
+        cmd = [sys.executable, os.path.abspath(__file__), "--zoo-child", name, *meshes]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
             line = [x for x in p.stdout.splitlines() if x.startswith("{")]
@@ -308,6 +319,37 @@ def zoo_markdown(rows, cmd) -> str:
     return "\n".join(lines) + "\n"
 
 
+def zoo3d_markdown(rows, cmd) -> str:
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    ok = sorted(r["2x2x2"]["plan_s"] for r in rows.values() if "plan_s" in r.get("2x2x2", {}))
+    lines = [
+        "# Planning the third-party suite on a 3-D mesh",
+        "",
+        f"command: `{cmd}`  commit: `{commit}`  machine: {os.cpu_count()} cores shared with other jobs. Each model "
+        f"of tests/third_party/zoo.py in a process of its own, planned on {DP3} = 2x2x2 under TP_FRIENDLY "
+        "(autopar/testing.py), no pins: the dp* dims are data parallel (autopar/strategies/data_parallel.py), tp "
+        "is the solver's. plan: wall seconds, capture included; solve: the solve pass.",
+        "",
+        f"{len(ok)} of {len(rows)} planned; median {ok[len(ok) // 2] if ok else 0:.1f} s, longest "
+        f"{ok[-1] if ok else 0:.1f} s.",
+        "",
+        "| model | plan (s) | CPU (s) | solve (s) | vars | objective (s) | solver |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, r in rows.items():
+        x = r.get("2x2x2", r)
+        if "error" in x:
+            lines.append(f"| {name} | error: {x['error'][:160]} ||||||")
+            continue
+        lines.append(
+            f"| {name} | {x['plan_s']:.2f} | {x['cpu_s']:.2f} | {x['passes'].get('solve', 0):.2f} | {x['vars']} | "
+            f"{x['objective']:.6g} | {x['status']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _write_zoo_section(path, text) -> None:
     old = open(path).read() if os.path.exists(path) else ""
     keep = old.split(ZOO_SECTION)[0].rstrip()
@@ -317,7 +359,7 @@ def _write_zoo_section(path, text) -> None:
 
 def main(argv=None):
     if argv is None and sys.argv[1:2] == ["--zoo-child"]:
-        print(json.dumps(zoo_child(sys.argv[2])), flush=True)
+        print(json.dumps(zoo_child(sys.argv[2], tuple(sys.argv[3:]) or ("8x8", "2x2"))), flush=True)
         return 0
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", help="substrings of case names")
@@ -325,7 +367,21 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--md", default=os.path.join(HERE, "results", "planning_models.md"))
     ap.add_argument("--zoo", nargs="*", default=None, help="the third-party suite (all models, or these)")
+    ap.add_argument("--zoo3d", nargs="*", default=None, help="the third-party suite on a 2x2x2 mesh")
     args = ap.parse_args(argv)
+    cmd = "python benchmarks/bench_planning_models.py " + " ".join(argv or sys.argv[1:])
+    if args.zoo3d is not None:
+        sys.path.insert(0, os.path.join(ROOT, "tests", "third_party"))
+        from zoo import ZOO
+
+        rows = run_zoo(args.zoo3d or list(ZOO), timeout=300, meshes=("2x2x2",))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        if not args.zoo3d:
+            with open(os.path.join(HERE, "results", "planning_3d.md"), "w") as f:
+                f.write(zoo3d_markdown(rows, cmd))
+        return 0
     if args.zoo is not None:
         sys.path.insert(0, os.path.join(ROOT, "tests", "third_party"))
         from zoo import ZOO
