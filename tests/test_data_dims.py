@@ -104,3 +104,22 @@ def test_batch_norm_statistics_are_reduced_over_the_dp_dims():
     assert conv["placement"]["out"][0][:2] == ["S0", "S0"], conv["placement"]
     fw = [c for n in plan.nodes if n["phase"] == "fw" for r in n.get("redistribute", []) for c in r["collectives"]]
     assert any(c[0] == "all_reduce" for c in fw), fw  # the statistics, reduced in the forward
+
+
+class _RNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.head = nn.Embedding(32, 16), nn.LSTM(16, 16, batch_first=True), nn.Linear(16, 32)
+
+    def forward(self, tokens):
+        return self.head(self.rnn(self.emb(tokens))[0])
+
+
+def test_an_lstm_keeps_its_per_step_outputs_batch_split():
+    """nn.LSTM's steps are stacked (aten.stack): autopar's stack rule keeps the per-step outputs' batch split on the dp
+    dims (DTensor's, given several candidates, offered none), so the restriction reaches the head."""
+    x = torch.randint(0, 32, (8, 6))
+    plan = autopar.plan(_RNN(), autopar.MeshSpec((2, 2, 2), ("dp", "dp2", "tp")), (x,), loss_fn=lambda y: y.mean())
+    stacks = [n for n in plan.nodes if n["phase"] == "fw" and n["name"].endswith(":stack.default")]
+    assert stacks and all(n["placement"]["out"][0][:2] == ["S1", "S1"] for n in stacks), stacks
+    assert plan.solver["n_vars"] < 50_000, plan.solver
