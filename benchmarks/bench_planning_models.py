@@ -370,31 +370,22 @@ def main(argv=None):
     ap.add_argument("--zoo3d", nargs="*", default=None, help="the third-party suite on a 2x2x2 mesh")
     args = ap.parse_args(argv)
     cmd = "python benchmarks/bench_planning_models.py " + " ".join(argv or sys.argv[1:])
-    if args.zoo3d is not None:
+    picked = args.zoo3d if args.zoo3d is not None else args.zoo
+    if picked is not None:  # the third-party suite: on (8, 8) and 2x2, or (--zoo3d) on 2x2x2
         sys.path.insert(0, os.path.join(ROOT, "tests", "third_party"))
         from zoo import ZOO
 
-        rows = run_zoo(args.zoo3d or list(ZOO), timeout=300, meshes=("2x2x2",))
+        three = args.zoo3d is not None
+        kw = dict(timeout=300, meshes=("2x2x2",)) if three else {}
+        rows = run_zoo(picked or list(ZOO), **kw)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
-        if not args.zoo3d:
+        if three and not picked:
             with open(os.path.join(HERE, "results", "planning_3d.md"), "w") as f:
                 f.write(zoo3d_markdown(rows, cmd))
-        return 0
-    if args.zoo is not None:
-        sys.path.insert(0, os.path.join(ROOT, "tests", "third_party"))
-        from zoo import ZOO
-
-        rows = run_zoo(args.zoo or list(ZOO))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
-        if args.md and not args.zoo:
-            _write_zoo_section(
-                args.md,
-                zoo_markdown(rows, "python benchmarks/bench_planning_models.py " + " ".join(argv or sys.argv[1:])),
-            )
+        elif args.md and not picked:
+            _write_zoo_section(args.md, zoo_markdown(rows, cmd))
         return 0
     rows = {}
     for name, build in cases().items():

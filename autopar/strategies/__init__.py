@@ -188,11 +188,11 @@ def _pad_bw(args, kwargs, metas):
 def _stack(args, kwargs, metas):
     # stack(tensors, dim): every input placed alike; input dim d is output dim d before `dim`, d + 1 from it on.
     # (DTensor's rule, offered several candidates per input, keeps only the replicated one and a non-batch split:
-    # an LSTM's per-step outputs lost their batch split there.) Stacking is linear: partial inputs stay partial.
+    # an LSTM's per-step outputs lost their batch split there.) Stacking is linear: partial inputs stay partial
+    # (`divides` drops that for integer tensors).
     nd, n = len(metas[0].shape), len(metas)
     dim = (args[1] if len(args) > 1 else kwargs.get("dim", 0)) % (nd + 1)
-    rules = [(f"S{d if d < dim else d + 1}",) + (f"S{d}",) * n for d in range(nd)]
-    return rules + ([("P",) * (n + 1)] if metas[0].dtype.is_floating_point else [])
+    return [(f"S{d if d < dim else d + 1}",) + (f"S{d}",) * n for d in range(nd)] + [("P",) * (n + 1)]
 
 
 @rule(aten._cdist_forward.default)

@@ -15,23 +15,17 @@ from __future__ import annotations
 import math
 
 
-def batch_inputs(graph, rows: int) -> list[int]:
-    """The input nodes carrying the batch: a tensor whose dim 0 is `rows` (the first input's)."""
-    out = []
+def _tensor_inputs(graph):
+    """(node index, first output's meta) of the step's inputs with at least one dim, in order."""
     for n in graph.nodes:
         o = n.outs[0] if n.kind == "input" and n.outs else None
-        if o is not None and len(o.shape) and o.shape[0] == rows:
-            out.append(n.idx)
-    return out
+        if o is not None and len(o.shape):
+            yield n.idx, o
 
 
 def batch_rows(graph) -> int:
     """The step's batch size: dim 0 of its first tensor input (1 where no input has a dim)."""
-    for n in graph.nodes:
-        o = n.outs[0] if n.kind == "input" and n.outs else None
-        if o is not None and len(o.shape):
-            return int(o.shape[0])
-    return 1
+    return next((int(o.shape[0]) for _, o in _tensor_inputs(graph)), 1)
 
 
 def batch_pin(graph, names, shape, dims):
@@ -45,7 +39,7 @@ def batch_pin(graph, names, shape, dims):
             f"({ranks} ranks): on a mesh of 3+ dims a dim named dp* splits the batch; pass a batch divisible by "
             f"{ranks}, or name the dim otherwise to let the planner place everything on it"
         )
-    carriers = set(batch_inputs(graph, rows))
+    carriers = {i for i, o in _tensor_inputs(graph) if o.shape[0] == rows}
 
     def pin(n):
         return {d: "S0" for d in dims} if n.idx in carriers else None
@@ -55,17 +49,18 @@ def batch_pin(graph, names, shape, dims):
 
 def keep_batch_splits(state, dims) -> dict:
     """Keep, for every op reading a batch split or a partial sum over the batch on the data dims `dims`, the
-    strategies that read it as it is (where none does, those that reduce the partial sums first); an output carries on what those strategies agree on for it (a split, or a
-    partial sum: a weight's gradient moves on these dims only into its reduction). An op with no such strategy keeps
-    all of its own (the solver moves the value there) and its outputs carry nothing. An op that reads only values
-    made from no input, parameter or buffer (RoPE tables, masks, positions: every data rank computes them whole)
-    keeps its replicated strategies there. Returns {(node, output): its placements on `dims`}; `state.strategies` is
-    narrowed in place."""
+    strategies that read it as it is (where none does, those that reduce the partial sums first); an output carries
+    on what those strategies agree on for it (a split, or a partial sum: a weight's gradient moves on these dims only
+    into its reduction). An op with no such strategy keeps all of its own (the solver moves the value there) and its
+    outputs carry nothing. An op that reads only values made from no input, parameter or buffer (RoPE tables, masks,
+    positions: every data rank computes them whole) keeps its replicated strategies there. The batch enters at the
+    inputs that every strategy splits on `dims` (batch_pin's). Returns {(node, output): its placements on `dims`};
+    `state.strategies` is narrowed in place."""
     g, carry = state.graph, {}
     if not dims:
         return carry
-    for i in batch_inputs(g, batch_rows(g)):
-        pls = {s.out[0] and tuple(s.out[0][d] for d in dims) for s in state.strategies[i]}
+    for i, _ in _tensor_inputs(g):
+        pls = {tuple(s.out[0][d] for d in dims) for s in state.strategies[i]}
         if len(pls) == 1 and all(p.startswith("S") for p in next(iter(pls))):
             carry[(i, 0)] = next(iter(pls))
     made = {n.idx for n in g.nodes if n.kind == "constant"}  # values the step makes from nothing
@@ -85,9 +80,10 @@ def keep_batch_splits(state, dims) -> dict:
             continue
         state.strategies[n.idx] = kept
         for j, meta in enumerate(n.outs):
-            pls = {s.out[j] and tuple(s.out[j][d] for d in dims) for s in kept} if meta is not None else ()
-            if len(pls) == 1 and next(iter(pls)) and all(p[0] in "SP" for p in next(iter(pls))):
-                carry[(n.idx, j)] = next(iter(pls))
+            pls = {s.out[j] and tuple(s.out[j][d] for d in dims) for s in kept} if meta is not None else set()
+            (pl,) = pls if len(pls) == 1 else (None,)
+            if pl and all(p[0] in "SP" for p in pl):
+                carry[(n.idx, j)] = pl
     return carry
 
 
