@@ -313,7 +313,7 @@ def _plan_one(model, io, setup, options, step, allow_bf16, dump_after) -> PlanSt
         run_passes(state, rest[:k], dump_after=dump_after)
         dp.keep_batch_splits(state, data)  # activations stay batch shards on the data dims
         if cp:  # on a cp dim every activation is a sequence shard (or replicated / partial), not a head split
-            keep_data_splits(state, [], 1)
+            keep_data_splits(state, [], dp.batch_rows(state.graph))
         run_passes(state, rest[k:], dump_after=dump_after)
     except InfeasibleMemoryError as e:
         feasibility.add_fixes(e, bound, setup.mesh, e.smallest_bytes)

@@ -6,7 +6,7 @@ this process (the median is reported), with the per-pass times of the median run
 
     python benchmarks/bench_planning_models.py [--only NAME ...] [--repeat 3] [--json out.json] [--md out.md]
     python benchmarks/bench_planning_models.py --zoo [NAME ...] [--json out.json]
-    python benchmarks/bench_planning_models.py --zoo3d [NAME ...] [--json out.json]
+    python benchmarks/bench_planning_models.py --zoo3d [NAME ...] [--json out.json] [--dims3d dp,cp,tp]
 
 --zoo: the third-party suite (tests/third_party/zoo.py), each model in a process of its own (a lone run, imports
 paid before the clock starts): its (8, 8) "h100" plan and its 2x2 SHAPES plan with the FSDP pins of
@@ -14,7 +14,9 @@ tests/third_party/zoo_check.py (overlap=False), as the suite plans them; wall an
 size, objective and status. Written as the section "Third-party suite" of --md (the rest of the file is kept).
 --zoo3d: the same models on a 3-D mesh, (dp_replicate, dp_shard, tp) = 2x2x2 under autopar.testing.TP_FRIENDLY (a
 cost model on which tensor parallelism pays), no pins: dims named dp* are data parallel there
-(autopar/strategies/data_parallel.py); written to results/planning_3d.md.
+(autopar/strategies/data_parallel.py); written to results/planning_3d.md. With --dims3d dp,cp,tp: the mesh
+(dp, cp, tp), the sequence split on cp by its name (autopar/strategies/context_parallel.py); written to
+results/planning_3d_dp_cp.md.
 
 Cases:
 - llama-tiny 2x2 as `python -m autopar.examples.train` plans it (cpu-gloo cluster, fsdp+tp pinned), and with
@@ -210,6 +212,14 @@ DP3 = ("dp_replicate", "dp_shard", "tp")
 MESHES = {"8x8": ((8, 8), ("dp", "tp")), "2x2": ((2, 2), ("dp", "tp")), "2x2x2": ((2, 2, 2), DP3)}
 
 
+def mesh_of(which: str) -> tuple:
+    """(shape, names) of a mesh key: one of MESHES, or "2x2x2:<names>" (a 2x2x2 mesh with those dim names)."""
+    if which in MESHES:
+        return MESHES[which]
+    key, names = which.split(":")
+    return MESHES[key][0], tuple(names.split(","))
+
+
 def zoo_child(name, meshes=("8x8", "2x2")) -> dict:
     """In a fresh process: model `name`'s 8x8 h100 plan and 2x2 SHAPES plan (fsdp pins), or its 2x2x2 TP_FRIENDLY
     plan, each timed."""
@@ -221,10 +231,10 @@ def zoo_child(name, meshes=("8x8", "2x2")) -> dict:
     out = {}
     for which in meshes:
         model, args, kwargs, _ = zoo_check.build(name)
-        mesh = autopar.MeshSpec(*MESHES[which])
+        mesh = autopar.MeshSpec(*mesh_of(which))
         if which == "8x8":
             kw = dict(cluster="h100")
-        elif which == "2x2x2":
+        elif which.startswith("2x2x2"):
             kw = dict(cluster=TP_FRIENDLY, overlap=False)
         else:
             kw = dict(cluster=SHAPES, overlap=False, force=zoo_check.fsdp_pins(model, (2, 2)))
@@ -319,18 +329,24 @@ def zoo_markdown(rows, cmd) -> str:
     return "\n".join(lines) + "\n"
 
 
-def zoo3d_markdown(rows, cmd) -> str:
+def zoo3d_markdown(rows, cmd, which="2x2x2") -> str:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
     ).stdout.strip()
-    ok = sorted(r["2x2x2"]["plan_s"] for r in rows.values() if "plan_s" in r.get("2x2x2", {}))
+    names = mesh_of(which)[1]
+    meaning = (
+        "the dp* dims are data parallel (autopar/strategies/data_parallel.py), the cp* dims split the sequence "
+        "(autopar/strategies/context_parallel.py), tp is the solver's"
+        if any(n.startswith("cp") for n in names)
+        else "the dp* dims are data parallel (autopar/strategies/data_parallel.py), tp is the solver's"
+    )
+    ok = sorted(r[which]["plan_s"] for r in rows.values() if "plan_s" in r.get(which, {}))
     lines = [
         "# Planning the third-party suite on a 3-D mesh",
         "",
         f"command: `{cmd}`  commit: `{commit}`  machine: {os.cpu_count()} cores shared with other jobs. Each model "
-        f"of tests/third_party/zoo.py in a process of its own, planned on {DP3} = 2x2x2 under TP_FRIENDLY "
-        "(autopar/testing.py), no pins: the dp* dims are data parallel (autopar/strategies/data_parallel.py), tp "
-        "is the solver's. plan: wall seconds, capture included; solve: the solve pass.",
+        f"of tests/third_party/zoo.py in a process of its own, planned on {names} = 2x2x2 under TP_FRIENDLY "
+        f"(autopar/testing.py), no pins: {meaning}. plan: wall seconds, capture included; solve: the solve pass.",
         "",
         f"{len(ok)} of {len(rows)} planned; median {ok[len(ok) // 2] if ok else 0:.1f} s, longest "
         f"{ok[-1] if ok else 0:.1f} s.",
@@ -339,7 +355,7 @@ def zoo3d_markdown(rows, cmd) -> str:
         "|---|---|---|---|---|---|---|",
     ]
     for name, r in rows.items():
-        x = r.get("2x2x2", r)
+        x = r.get(which, r)
         if "error" in x:
             lines.append(f"| {name} | error: {x['error'][:160]} ||||||")
             continue
@@ -368,6 +384,7 @@ def main(argv=None):
     ap.add_argument("--md", default=os.path.join(HERE, "results", "planning_models.md"))
     ap.add_argument("--zoo", nargs="*", default=None, help="the third-party suite (all models, or these)")
     ap.add_argument("--zoo3d", nargs="*", default=None, help="the third-party suite on a 2x2x2 mesh")
+    ap.add_argument("--dims3d", default=",".join(DP3), help="--zoo3d's mesh dim names (default %(default)s)")
     args = ap.parse_args(argv)
     cmd = "python benchmarks/bench_planning_models.py " + " ".join(argv or sys.argv[1:])
     picked = args.zoo3d if args.zoo3d is not None else args.zoo
@@ -376,14 +393,16 @@ def main(argv=None):
         from zoo import ZOO
 
         three = args.zoo3d is not None
-        kw = dict(timeout=300, meshes=("2x2x2",)) if three else {}
+        which = "2x2x2" if tuple(args.dims3d.split(",")) == DP3 else f"2x2x2:{args.dims3d}"
+        kw = dict(timeout=300, meshes=(which,)) if three else {}
         rows = run_zoo(picked or list(ZOO), **kw)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         if three and not picked:
-            with open(os.path.join(HERE, "results", "planning_3d.md"), "w") as f:
-                f.write(zoo3d_markdown(rows, cmd))
+            suffix = "" if which == "2x2x2" else "_" + "_".join(n for n in args.dims3d.split(",") if n != "tp")
+            with open(os.path.join(HERE, "results", f"planning_3d{suffix}.md"), "w") as f:
+                f.write(zoo3d_markdown(rows, cmd, which))
         elif args.md and not picked:
             _write_zoo_section(args.md, zoo_markdown(rows, cmd))
         return 0

@@ -32,7 +32,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 from torch import nn
 
 from autopar import pipeline_engine as pe
@@ -46,6 +45,7 @@ from autopar.passes import PASSES, candidates, solve
 from autopar.passmanager import PlanState, run_passes
 from autopar.predict import build_plan, engine_priced
 from autopar.solver import InfeasibleMemoryError, min_memory
+from autopar.strategies import data_parallel as dp
 from autopar.strategies.context_parallel import CP_PREFIX, cp_pin, keep_data_splits
 from autopar.strategies.pins import overlay_pins
 
@@ -237,6 +237,9 @@ class StageOps:
         where = cluster_of_nodes(g, prefix, len(reps))
         pre = {n.idx for n in g.ops() if where[n.idx] == 0 and n.phase == "fw"}
         pin = _with_user_pin(cp_pin(g, stage_mesh.names, stage_mesh.shape, pin, pre), ctx.get("pin"), g)
+        data = batch_dims(stage_mesh) if ctx["dp_shards_batch"] else []
+        if data:  # the stage's dp* dims split every batched input on dim 0, whatever else is pinned
+            pin = overlay_pins(pin, dp.batch_pin(g, stage_mesh.names, stage_mesh.shape, data))
         sub_force = {}
         for fqn, pl in ctx["force"].items():
             m = re.match(rf"^{re.escape(prefix)}\.(\d+)\.(.*)$", fqn)
@@ -265,9 +268,7 @@ class StageOps:
         self._k = PASSES.index(solve)
         kc = PASSES.index(candidates) + 1
         run_passes(self.state, PASSES[:kc])
-        if ctx["dp_shards_batch"]:
-            shard_batch_on_dp(self.state, mb_inputs)
-        keep_data_splits(self.state, batch_dims(stage_mesh) if ctx["dp_shards_batch"] else [], batch_rows(mb_inputs))
+        keep_data_splits(self.state, data, dp.batch_rows(g))
         run_passes(self.state, PASSES[kc : self._k])
         amortize_dp_comm(self.state, int(ctx.get("n_microbatches", 1)))
         c = self.state.cost
@@ -402,32 +403,6 @@ def amortize_dp_comm(state, m: int) -> None:
             c["edges"][key] = mat / m
     for g in pg:
         c["comm"][g] = c["comm"][g] / m
-
-
-def batch_rows(inputs) -> int:
-    """The batch size of a step's input leaves: dim 0 of the first tensor (the leaves of a keyword call may start
-    with a constant)."""
-    return next(x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim())
-
-
-def shard_batch_on_dp(state, mb_inputs) -> None:
-    """3-D plans: mesh dims named dp* are data parallel, so every batched input is split on dim 0 over them (the
-    per-op plan still chooses FSDP or replicated parameters, and everything on the other dims)."""
-    dims = [d for d, nm in enumerate(state.mesh.names) if nm.startswith("dp") and state.mesh.shape[d] > 1]
-    if not dims:
-        return
-    g = state.graph
-    for pos, i in enumerate(g.inputs):
-        n = g.nodes[i]
-        if not n.out.shape or n.out.shape[0] != batch_rows(mb_inputs):
-            continue
-        keep = [s for s in state.strategies[i] if all(s.out[0][d] == "S0" for d in dims)]
-        if not keep:
-            raise ValueError(
-                f"input {pos} of shape {n.out.shape} cannot be split on dim 0 over mesh dims "
-                f"{[state.mesh.names[d] for d in dims]} {state.mesh.shape}: batch not divisible"
-            )
-        state.strategies[i] = keep
 
 
 def p2p_link(cluster, stage_size: int, a: int, b: int):

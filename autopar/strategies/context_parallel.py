@@ -97,7 +97,7 @@ def _data_split(strategy, outs, dims, batch_dims, tokens: int, seq: int, ones) -
             return False
         for d in dims:
             p = pls[d]
-            if p[0] == "S" and meta.shape[int(p[1:])] % seq:
+            if p[0] == "S" and not _sequence_long(meta.shape[int(p[1:])], seq, tokens):
                 return False
         for d in batch_dims:
             p = pls[d]
@@ -106,14 +106,22 @@ def _data_split(strategy, outs, dims, batch_dims, tokens: int, seq: int, ones) -
     return True
 
 
+def _sequence_long(n: int, seq: int, tokens: int) -> bool:
+    """Whether a dim of n elements can hold the sequence: n == seq, or a multiple of all the tokens (batch x seq
+    rows, or those rows repeated: an MoE's top-k dispatch). Not merely a multiple of seq: a recurrence's hidden
+    units (192 of a GRU over 16 steps) are not a sequence."""
+    return n == seq or n % tokens == 0
+
+
 def keep_data_splits(state, batch_dims, batch: int) -> None:
-    """On a stage mesh with a cp* dim: drop the strategies that split an output along anything but the sequence
+    """On a mesh (or stage mesh) with a cp* dim: drop the strategies that split an output along anything but the sequence
     on a cp dim, or anything but the batch (dim 0, or the batch x seq rows) on the batch dims `batch_dims` (heads,
     hidden units: tensor parallelism on a data dim), or that are not replicated on a dim of size 1 (CP 1 of a
     published layout), where a node keeps at least one. A rank then holds its batch and sequence shard of every
     activation (or a replicated / partial copy: the K/V it gathers, dK/dV before their reduce-scatter), as
     torchtitan's and Llama 3's CP do, and a 3-D (dp, cp, tp) stage plan keeps a handful of candidates per node
-    on the data dims instead of every split: small enough for the solver. batch: the micro-batch's sequences."""
+    on the data dims instead of every split: small enough for the solver. batch: the sequences of the step
+    (per-op plans) or of the micro-batch (stage plans)."""
     names, shape = state.mesh.names, state.mesh.shape
     if not any(nm.startswith(CP_PREFIX) for nm in names):
         return

@@ -29,15 +29,16 @@ def batch_rows(graph) -> int:
 
 
 def batch_pin(graph, names, shape, dims):
-    """A pin (passes/candidates.py) splitting every batched input on dim 0 over the data dims `dims`; a batch that
-    does not divide over them is refused here, naming them."""
+    """A pin (passes/candidates.py) splitting every batched input on dim 0 over the data dims `dims` (plans of 3+
+    dims, autopar/api.py; pipeline stage plans, passes/stage_costs.py); a batch that does not divide over them is
+    refused here, naming them."""
     rows, ranks = batch_rows(graph), math.prod(shape[d] for d in dims)
     if rows % ranks:
         sizes = {names[d]: shape[d] for d in dims}
         raise ValueError(
             f"batch {rows} does not divide over the data-parallel mesh dims {sizes} "
-            f"({ranks} ranks): on a mesh of 3+ dims a dim named dp* splits the batch; pass a batch divisible by "
-            f"{ranks}, or name the dim otherwise to let the planner place everything on it"
+            f"({ranks} ranks): on a pipeline stage or a mesh of 3+ dims a dim named dp* splits the batch; pass a "
+            f"batch divisible by {ranks}, or name the dim otherwise to let the planner place everything on it"
         )
     carriers = {i for i, o in _tensor_inputs(graph) if o.shape[0] == rows}
 

@@ -1,7 +1,8 @@
 """The third-party suite's rank job: every zoo model (zoo.py) checked in one 4-rank gloo launch, and the records
 benchmarks/models.py tabulates and tests/test_third_party_models.py asserts on. A plain module, no tests.
 
-`job(names, variant)` runs on each rank of a 2x2 mesh (tests/_dist.py's launch). Per model, all ranks together:
+`job(names, variant, work, dims)` runs on each rank of a 2x2 mesh named `dims` (default ("dp", "tp"); ("dp", "cp")
+runs the same checks with every sequence split on cp) (tests/_dist.py's launch). Per model, all ranks together:
   capture / plan   autopar.plan on the 2x2 mesh with tests/_clusters.SHAPES (sharding pays), on every rank;
   parallelize      autopar.parallelize with that plan (the ranks check they hold the same plan);
   step             3 AdamW steps of the parallel module next to a single-device copy, each step's collectives
@@ -133,7 +134,10 @@ def call_kwargs(kwargs):
     return {"example_kwargs": kwargs} if kwargs else {}
 
 
-def placements_summary(params: dict, names=("dp", "tp")) -> dict:
+DIMS = ("dp", "tp")  # the suite's mesh dim names; ("dp", "cp"): the same checks with the sequence split on cp
+
+
+def placements_summary(params: dict, names=DIMS) -> dict:
     """How many parameters the plan shards on each mesh dim, of how many."""
     out = {"params": len(params)}
     for d, n in enumerate(names):
@@ -239,7 +243,8 @@ def check_model(name, variant, mesh, cluster) -> dict:
     if len(set(hashes)) > 1:  # found under the time limit on some ranks only: parallelize would not agree
         rec["stage"], rec["error"] = "plan", f"the ranks planned differently (plan hashes {hashes})"
         return rec
-    rec["placements_2x2"] = placements_summary(planned[0].params)
+    rec["placements_2x2"] = placements_summary(planned[0].params, tuple(mesh.mesh_dim_names))
+    rec["inputs_2x2"] = [n["placement"]["out"][0] for n in planned[0].nodes if n["kind"] == "input"]
     ok, pm = _run_stage(
         rec, "parallelize", lambda: autopar.parallelize(model, mesh, args, planned=planned, **call_kwargs(kwargs))
     )
@@ -330,6 +335,10 @@ def _train(pm, ref, args, kwargs, chk, rec, CollectiveCounter):
             opt.step()
         ref_opt.step()
         rec["collectives"].append(len(counter.collectives()))
+        if s == 0:  # the first step's collectives per mesh dim (kind, dim, bytes): what each dim moved
+            names = pm.program.mesh.mesh_dim_names or ()
+            by = [names[d] if isinstance(d, int) else str(d) for _, d, _ in counter.collectives()]
+            rec["by_dim"] = {d: by.count(d) for d in sorted(set(by))}
     for k, p in ref_named.items():
         chk.check(f"param {k} after {STEPS} steps", named[k], p)
     pm_buffers = dict(pm.named_buffers())
@@ -341,8 +350,14 @@ def _train(pm, ref, args, kwargs, chk, rec, CollectiveCounter):
                 chk.check(f"buffer {k} after {STEPS} steps", pm_buffers[k].to(b.dtype), b)
 
 
-def plan_8x8(name, variant="as-is") -> dict:
-    """autopar.plan of the model as built (dropout on) on a simulated (8, 8) h100 mesh, timed."""
+def big_mesh(dims=DIMS) -> tuple:
+    """The simulated mesh of the timed plan: (8, 8) with a tensor-parallel second dim; (8, 2) with a cp one (the
+    zoo's short sequences divide over 2 ranks, as on the 2x2 check, not all over 8)."""
+    return (8, 2) if dims[1].startswith("cp") else (8, 8)
+
+
+def plan_8x8(name, variant="as-is", dims=DIMS) -> dict:
+    """autopar.plan of the model as built (dropout on) on a simulated big_mesh(dims) h100 mesh, timed."""
     import autopar
 
     rec = {"model": name}
@@ -351,14 +366,14 @@ def plan_8x8(name, variant="as-is") -> dict:
         t = time.perf_counter()
         plan = autopar.plan(
             model,
-            autopar.MeshSpec((8, 8), ("dp", "tp")),
+            autopar.MeshSpec(big_mesh(dims), tuple(dims)),
             example_inputs=args,
             cluster="h100",
             time_limit=PLAN_TIME_LIMIT_S,
             **call_kwargs(kwargs),
         )
         rec["plan_s"] = round(time.perf_counter() - t, 2)
-        rec["placements"] = placements_summary(plan.params)
+        rec["placements"] = placements_summary(plan.params, dims)
         rec["ok"] = True
     except Exception as e:
         rec.update(ok=False, stage=plan_stage(e), error=error_line(e))
@@ -393,17 +408,18 @@ def _save(work: str, rank: int, out: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def job(names, variant="as-is", work=None):
-    """One rank of the suite's launch: the 2x2 check of every model in turn, then (8, 8) plans taken from a
-    shared queue of files in `work` (a folder all ranks see; each plan once, on whichever rank is free).
-    Returns {"checks": [...], "plans": [...]}."""
+def job(names, variant="as-is", work=None, dims=DIMS):
+    """One rank of the suite's launch: the 2x2 check of every model in turn on a mesh named `dims`, then the
+    big_mesh plans taken from a shared queue of files in `work` (a folder all ranks see; each plan once, on
+    whichever rank is free). Returns {"checks": [...], "plans": [...]}."""
     from datetime import timedelta
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from _clusters import SHAPES
 
     _STATUS["group"] = dist.new_group(backend="gloo", timeout=timedelta(seconds=STATUS_TIMEOUT_S))
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dims = tuple(dims)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)
     rank, world = dist.get_rank(), dist.get_world_size()
     work = work or os.environ.get("TMPDIR", "/tmp")
     out, broken = {"rank": rank, "checks": [], "plans": []}, None
@@ -414,14 +430,14 @@ def job(names, variant="as-is", work=None):
         try:
             out["checks"].append(check_model(name, variant, mesh, SHAPES))
             if out["checks"][-1]["stage"] in ("parallelize", "step"):  # a collective may have timed out:
-                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))  # fresh groups
+                mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)  # fresh groups
         except GroupBroken as e:
             broken = f"the ranks stopped agreeing at an earlier model: {e}"
             out["checks"].append({"model": name, "variant": variant, "ok": False, "stage": "agree", "error": str(e)})
         _save(work, rank, out)
     for i, n in enumerate(names):
         if _claim(work, i):
-            out["plans"].append(plan_8x8(n, variant))
+            out["plans"].append(plan_8x8(n, variant, dims))
             _save(work, rank, out)
     _wait_for_all(work, rank, world)
     return out
@@ -442,7 +458,7 @@ def preload():
     zoo.preload()
 
 
-def _launch(names, variant, tmp, timeout) -> tuple[list[dict], str]:
+def _launch(names, variant, tmp, timeout, dims=DIMS) -> tuple[list[dict], str]:
     """One 4-rank launch of `job` over `names` (forked.py: imports once, 4 forked ranks): (the ranks' results,
     '' or why the launch failed). A launch that fails part-way still gives the records the ranks saved."""
     import tempfile
@@ -453,7 +469,7 @@ def _launch(names, variant, tmp, timeout) -> tuple[list[dict], str]:
         os.path.abspath(__file__),
         "job",
         4,
-        [list(names), variant, work],
+        [list(names), variant, work, list(dims)],
         tempfile.mkdtemp(prefix="ranks_", dir=tmp),
         timeout,
     )
@@ -473,7 +489,7 @@ def _finished(results) -> list[dict]:
 RELAUNCH_MIN_S = 120  # a relaunch needs at least this much of the launch's time budget left
 
 
-def run_suite(names, variant, tmp, timeout) -> tuple[list[dict], str]:
+def run_suite(names, variant, tmp, timeout, dims=DIMS) -> tuple[list[dict], str]:
     """The launch of `job` over `names`: (merged records, '' or why a launch failed).
 
     A rank that dies mid-model (a native crash: CI lost a rank so at llama, and at pegasus once before, neither
@@ -482,12 +498,12 @@ def run_suite(names, variant, tmp, timeout) -> tuple[list[dict], str]:
     and passes only on its own merits; `why` keeps the first launch's logs (test_launch_ran_every_model reports
     them). A model whose rank crashes in the relaunch too fails, at stage "launch"."""
     t0 = time.monotonic()
-    results, why = _launch(names, variant, tmp, timeout)
+    results, why = _launch(names, variant, tmp, timeout, dims)
     done = _finished(results)
     rest = [n for n in names if n not in {c["model"] for c in done}]
     left = timeout - (time.monotonic() - t0)
     if why and rest and left >= RELAUNCH_MIN_S:
-        again, why2 = _launch(rest, variant, tmp, left)
+        again, why2 = _launch(rest, variant, tmp, left, dims)
         why = f"{why}\n==== relaunched for {len(rest)} models from {rest[0]} ====\n{why2}"
         plans = [p for r in results for p in r["plans"]]
         results = [{**a, "checks": (done if k == 0 else []) + a["checks"]} for k, a in enumerate(again)]
