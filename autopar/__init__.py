@@ -27,6 +27,7 @@ _EXPORTS = {
     "TorchTarget": ".targets",
     "parallelize": ".parallel",
     "graph_planner": ".parallel",
+    "PlanningFailedError": ".parallel",
 }
 
 
@@ -74,6 +75,7 @@ __all__ = [
     "CaptureError",
     "InfeasibleMemoryError",
     "NoStrategyError",
+    "PlanningFailedError",
     "SolverTimeLimitError",
     "TorchTarget",
     "parallelize",

@@ -5,6 +5,8 @@ gives it."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from . import api as _api
@@ -59,7 +61,8 @@ def _parallelize_torch(model, mesh, example_inputs, backend, plan, kwargs):
         if planned is None:
             target = engine_target(kwargs.pop("target", "torch"))
             extra = {"example_kwargs": kw} if kw else {}
-            planned = _api.plan(model, mesh, args, target=target, return_state=True, **extra, **kwargs)
+            with planned_on_every_rank(mesh):
+                planned = _api.plan(model, mesh, args, target=target, return_state=True, **extra, **kwargs)
         whole, state = planned if isinstance(planned, tuple) else (planned, None)
         units, styles = options.pop("units", None), options.pop("styles", None)
         split = torch_backend.split_plan(
@@ -127,15 +130,62 @@ def _parallelize_graph(model, mesh, example_inputs, plan, kwargs):
         replan = None  # a loaded plan runs as it is: no planner for new shapes
         if plan is None and planned is None:
             opts = _graph_defaults(mesh, kwargs)
-            planned, kwargs = (
-                _api.plan(model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True, **opts),
-                {},
-            )
+            with planned_on_every_rank(mesh):
+                planned = _api.plan(
+                    model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True, **opts
+                )
+            kwargs = {}
             replan = graph_planner(model, mesh, opts)
         elif planned is not None and planned[1] is not None:
             replan = graph_planner(model, mesh, _graph_defaults(mesh, {}))
         executable = finished(model, example_inputs, example_kwargs, plan=plan, planned=planned, **kwargs)
     return spmd.lower(model, mesh, executable, replan=replan, **options)
+
+
+class PlanningFailedError(RuntimeError):
+    """Planning raised on another rank: this rank's plan is not run (its collectives would wait for that rank)."""
+
+
+@contextlib.contextmanager
+def planned_on_every_rank(mesh):
+    """Each rank plans on its own, and the solver's time limit is wall-clock: under load one rank may time out (or
+    fail otherwise) where the others find a plan and go on into the first collective, waiting there for it until
+    the process group's timeout. So after planning every rank says whether it succeeded (one all_reduce over the
+    world); where some rank failed, the failed ranks raise their own error and every other rank raises
+    PlanningFailedError naming them, at once. Nothing is exchanged without a process group of several ranks, or
+    under the fake one (LocalTensorMode: one process plans for all)."""
+    import torch.distributed as dist
+
+    if (
+        not dist.is_available()
+        or not dist.is_initialized()
+        or dist.get_world_size() == 1
+        or dist.get_backend() == "fake"
+    ):
+        yield
+        return
+    failed = None
+    try:
+        yield
+    except Exception as e:  # every rank must reach the exchange below, this one too
+        failed = e
+    device = (
+        torch.device("cpu")
+        if mesh.device_type == "cpu"
+        else torch.device(mesh.device_type, torch.cuda.current_device())
+    )
+    status = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
+    status[dist.get_rank()] = int(failed is not None)
+    dist.all_reduce(status)
+    bad = [r for r, v in enumerate(status.tolist()) if v]
+    if failed is not None:
+        raise failed
+    if bad:
+        raise PlanningFailedError(
+            f"planning failed on ranks {bad} (their error says why; a solver time limit can run out on a loaded "
+            f"rank and not on others: raise time_limit=, or plan once with autopar.plan and pass plan= / planned= "
+            f"on every rank); rank {dist.get_rank()} found a plan but does not run it alone"
+        )
 
 
 def _graph_defaults(mesh, plan_kwargs: dict) -> dict:

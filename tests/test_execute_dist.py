@@ -170,6 +170,16 @@ def job_extras(cases, tmp, device):
         mismatch = "no error"
     except PlanMismatchError as e:
         mismatch = str(e)
+    # planning that fails on one rank only (here a forced placement rank 1 cannot take): every rank raises at once,
+    # none waits in the first collective for it
+    bad = dict(force)
+    if dist.get_rank() == 1:
+        bad[next(iter(bad))] = tuple("S7" for _ in shape)
+    try:
+        autopar.parallelize(model, mesh, x, force=bad)
+        failed = "no error"
+    except (ValueError, autopar.PlanningFailedError) as e:
+        failed = f"{type(e).__name__}: {e}"
     # gradient buckets: the flat buffer is filled again when nothing else holds it (autograd copies the gradients
     # into .grad); gradients accumulate over steps without zero_grad
     dp = autopar.parallelize(
@@ -234,6 +244,7 @@ def job_extras(cases, tmp, device):
         "local_shapes": local_shapes,
         "input_placements": in_pl,
         "mismatch": mismatch,
+        "failed": failed,
         "bucket": bucket,
         "attached": attached,
     }
@@ -308,6 +319,9 @@ def test_world2_gloo_train_dcp_sharded_inputs_and_plan_mismatch(tmp_path):
             and "ranks [0]" in res["mismatch"]
             and "ranks [1]" in res["mismatch"]
         ), res["mismatch"]
+    # planning failed on rank 1 only: rank 1 raises its own error, rank 0 says so instead of waiting for it
+    assert results[1]["failed"].startswith("ValueError") and "forced on parameter" in results[1]["failed"]
+    assert results[0]["failed"].startswith("PlanningFailedError") and "ranks [1]" in results[0]["failed"]
     # inputs the plan shards arrive as this rank's slice (batch 32 over 2 ranks) without communication
     pl, shapes = results[0]["input_placements"], results[0]["local_shapes"]
     for p, s in zip(pl, shapes):
