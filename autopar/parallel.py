@@ -150,8 +150,8 @@ class PlanningFailedError(RuntimeError):
 def planned_on_every_rank(mesh):
     """Each rank plans on its own, and the solver's time limit is wall-clock: under load one rank may time out (or
     fail otherwise) where the others find a plan and go on into the first collective, waiting there for it until
-    the process group's timeout. So after planning every rank says whether it succeeded (one all_reduce over the
-    world); where some rank failed, the failed ranks raise their own error and every other rank raises
+    the process group's timeout. So after planning every rank says whether it succeeded (an all_reduce per dim of the
+    mesh); where some rank failed, the failed ranks raise their own error and every other rank raises
     PlanningFailedError naming them, at once. Nothing is exchanged without a process group of several ranks, or
     under the fake one (LocalTensorMode: one process plans for all)."""
     import torch.distributed as dist
@@ -176,7 +176,8 @@ def planned_on_every_rank(mesh):
     )
     status = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
     status[dist.get_rank()] = int(failed is not None)
-    dist.all_reduce(status)
+    for d in range(mesh.ndim):  # over the mesh's ranks only (dim by dim: the sum reaches every rank of the mesh)
+        dist.all_reduce(status, group=mesh.get_group(d))
     bad = [r for r, v in enumerate(status.tolist()) if v]
     if failed is not None:
         raise failed
