@@ -27,7 +27,7 @@ def _results(checks, plans=()):
 def _fake(monkeypatch, outcomes):
     calls = []
 
-    def launch(names, variant, tmp, timeout):
+    def launch(names, variant, tmp, timeout, dims=zoo_check.DIMS):
         calls.append((list(names), timeout))
         return outcomes[len(calls) - 1](names)
 
