@@ -289,7 +289,13 @@ NOTES = [
     "pp 8 x dp 8, yet both measured 73-83 GiB: no accounting in which those terms are real fits both. Not the "
     "pipeline's receive buffers (torchtitan's stage inputs of the time are local (batch, seq / tp, dim) shards), nor "
     "reshard_after_forward (False under pp, modelled), nor fragmentation (a replay of one 1F1B stage's allocations "
-    "through autopar/cost/memory.py's caching-allocator model leaves ~2.6 GiB idle).",
+    "through autopar/cost/memory.py's caching-allocator model leaves ~2.6 GiB idle). B4.9's predicted ranks "
+    "(2026-12-07): a middle rank holds 11.9 GiB of sharded state, 17.8 GiB of FSDP2's gathered bf16 parameters and "
+    "fp32 gradients accumulated over the micro-batches, 15 in-flight micro-batches of 0.5 GiB, 2.1 GiB of "
+    "transients and 1.2 GiB idle in the allocator (40.5 GiB); the last rank 35.6 GiB plus 15 kept fp32 "
+    "vocab-sharded logits of 0.98 GiB (50.3 GiB). torchtitan at 205983a09 (2024-10-10, the paper's time) gives "
+    "PipelineStage local (mb, seq / tp, dim) activations and the last stage's (mb, seq, vocab) fp32 output as shape "
+    "metadata only, and keeps loss_parallel on under PP: no further term.",
 ]
 
 
