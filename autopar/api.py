@@ -281,7 +281,7 @@ def _named_dims(graph, names, shape, pin):
     if cp:
         pin = cp_pin(graph, names, shape, pin)
     big = [d for d, n in enumerate(shape) if n > 1]
-    data = [d for d in big if names[d].startswith("dp")] if len(big) >= 3 else []
+    data = dp.dp_dims(names, shape) if len(big) >= 3 else []
     data = [d for d in data if not pin_takes_dims(pin, graph, [d])]
     if data:
         pin = overlay_pins(dp.batch_pin(graph, names, shape, data), pin)

@@ -26,6 +26,7 @@ from autopar.cost.overlap import Unit, fsdp_timeline, optimizer_step_time
 from autopar.pipeline_model import rank_stages, simulate
 from autopar.strategies import num_shards
 from autopar.strategies.context_parallel import CP_PREFIX
+from autopar.strategies.data_parallel import dp_dims
 
 
 def engine_terms(g, P, where, K: int, mesh, precision, cluster) -> dict:
@@ -37,7 +38,7 @@ def engine_terms(g, P, where, K: int, mesh, precision, cluster) -> dict:
     parameters and accumulated gradients, unsharded on the cp* dims too), and the optimizer step's seconds over the
     rank's shard (opt_s)."""
     ag, rs, kept, opt_s = (np.zeros(K) for _ in range(4))
-    dp = tuple(d for d, nm in enumerate(mesh.names) if nm.startswith("dp") and mesh.shape[d] > 1)
+    dp = tuple(dp_dims(mesh.names, mesh.shape))
     # a cp* dim shards parameters too (torchtitan's dp_shard_cp): their gathers there are the per-op plan's
     # redistributes (priced with it), but the unit computes on them unsharded, so the kept bytes count them
     held = dp + tuple(d for d, nm in enumerate(mesh.names) if nm.startswith(CP_PREFIX) and mesh.shape[d] > 1)

@@ -334,11 +334,11 @@ def zoo3d_markdown(rows, cmd, which="2x2x2") -> str:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
     ).stdout.strip()
     names = mesh_of(which)[1]
+    cp = ", the cp* dims split the sequence (autopar/strategies/context_parallel.py)"
     meaning = (
-        "the dp* dims are data parallel (autopar/strategies/data_parallel.py), the cp* dims split the sequence "
-        "(autopar/strategies/context_parallel.py), tp is the solver's"
-        if any(n.startswith("cp") for n in names)
-        else "the dp* dims are data parallel (autopar/strategies/data_parallel.py), tp is the solver's"
+        "the dp* dims are data parallel (autopar/strategies/data_parallel.py)"
+        + (cp if any(n.startswith("cp") for n in names) else "")
+        + ", tp is the solver's"
     )
     ok = sorted(r[which]["plan_s"] for r in rows.values() if "plan_s" in r.get(which, {}))
     lines = [

@@ -237,7 +237,7 @@ class StageOps:
         where = cluster_of_nodes(g, prefix, len(reps))
         pre = {n.idx for n in g.ops() if where[n.idx] == 0 and n.phase == "fw"}
         pin = _with_user_pin(cp_pin(g, stage_mesh.names, stage_mesh.shape, pin, pre), ctx.get("pin"), g)
-        data = batch_dims(stage_mesh) if ctx["dp_shards_batch"] else []
+        data = dp.dp_dims(stage_mesh.names, stage_mesh.shape) if ctx["dp_shards_batch"] else []
         if data:  # the stage's dp* dims split every batched input on dim 0, whatever else is pinned
             pin = overlay_pins(pin, dp.batch_pin(g, stage_mesh.names, stage_mesh.shape, data))
         sub_force = {}
@@ -372,11 +372,6 @@ def model_dims(mesh: MeshSpec) -> list[int]:
         for d, (nm, n) in enumerate(zip(mesh.names, mesh.shape))
         if n > 1 and not nm.startswith("dp") and not nm.startswith(CP_PREFIX)
     ]
-
-
-def batch_dims(mesh: MeshSpec) -> list[int]:
-    """The dims named dp*, of size > 1 (the batch is split over them)."""
-    return [d for d, (nm, n) in enumerate(zip(mesh.names, mesh.shape)) if n > 1 and nm.startswith("dp")]
 
 
 def sharding_dims(mesh: MeshSpec) -> list[int]:

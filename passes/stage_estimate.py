@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.cost import collective_time
+from autopar.strategies.data_parallel import dp_dims
 
 from .stage_search import dp_size
 
@@ -83,7 +84,7 @@ class EstimatedOps:
 
 
 def _dp_link(cluster, smesh):
-    d = next((i for i, nm in enumerate(smesh.names) if nm.startswith("dp") and smesh.shape[i] > 1), None)
+    d = next(iter(dp_dims(smesh.names, smesh.shape)), None)
     return d, (cluster.link_for(smesh.shape, d) if d is not None else None)
 
 

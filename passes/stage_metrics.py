@@ -12,7 +12,7 @@ import numpy as np
 
 from autopar.cost import collective_time, is_view
 from autopar.liveness import cluster_idle, cluster_peaks
-from autopar.strategies import num_shards
+from autopar.strategies import data_parallel, num_shards
 
 INF = float("inf")
 
@@ -57,7 +57,7 @@ def node_metrics(state, plan, where, K: int) -> dict:
     g, P, mesh_shape = state.graph, state.placement, state.mesh.shape
     F, B, W, dp, st, act, st_dp = (np.zeros(K) for _ in range(7))
     bpp = state.precision.bytes_per_param
-    dp_dims = [d for d, nm in enumerate(state.mesh.names) if nm.startswith("dp") and mesh_shape[d] > 1]
+    dp_dims = data_parallel.dp_dims(state.mesh.names, mesh_shape)
     feeds = _feeds_earlier(g, where)
     coll = [{"act": {}, "dp": {}} for _ in range(K)]
     saved, saved_in = {}, {}  # alias root -> per-rank bytes kept for backward, and the cluster that holds them

@@ -15,6 +15,11 @@ from __future__ import annotations
 import math
 
 
+def dp_dims(names, shape) -> list[int]:
+    """The data-parallel mesh dims (named dp*, of size > 1)."""
+    return [d for d, (nm, n) in enumerate(zip(names, shape)) if nm.startswith("dp") and n > 1]
+
+
 def _tensor_inputs(graph):
     """(node index, first output's meta) of the step's inputs with at least one dim, in order."""
     for n in graph.nodes:

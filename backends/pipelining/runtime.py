@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.strategies.context_parallel import CP_PREFIX
+from autopar.strategies.data_parallel import dp_dims
 
 from ..spmd.module import parent_of
 from .forward_stage import no_outputs
@@ -190,8 +191,7 @@ def _tp_dims(plan) -> list:
 
 
 def _batch_dp_sharded(plan) -> bool:
-    names = plan.schedule["stage_mesh_names"]
-    dp = [d for d, nm in enumerate(names) if nm.startswith("dp") and plan.schedule["stage_mesh_shape"][d] > 1]
+    dp = dp_dims(plan.schedule["stage_mesh_names"], plan.schedule["stage_mesh_shape"])
     pl = plan.schedule.get("batch_placement")
     return bool(dp) and pl is not None and all(pl[d] == "S0" for d in dp)
 
@@ -385,8 +385,8 @@ class PipelineRunner:
     def batch_dims(self) -> list:
         """The stage-mesh dims (names) the batch is split over: the data-parallel ones, where it is sharded."""
         sc = self.plan.schedule
-        dims = [nm for nm, n in zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]) if n > 1 and nm.startswith("dp")]
-        return dims if _batch_dp_sharded(self.plan) else []
+        names = sc["stage_mesh_names"]
+        return [names[d] for d in dp_dims(names, sc["stage_mesh_shape"])] if _batch_dp_sharded(self.plan) else []
 
     def expected_shapes(self) -> list:
         sc = self.plan.schedule
