@@ -27,7 +27,7 @@ _EXPORTS = {
     "TorchTarget": ".targets",
     "parallelize": ".parallel",
     "graph_planner": ".parallel",
-    "PlanningFailedError": ".parallel",
+    "PlanningFailedError": ".across_ranks",
 }
 
 

@@ -5,11 +5,10 @@ gives it."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from . import api as _api
+from .across_ranks import decided_once, plan_of, plan_text, planned_on_every_rank, planned_once
 from .execution import finished, from_plan
 from .plan import Plan
 from .strategies.pins import overlay_pins
@@ -19,8 +18,10 @@ from .targets import engine_target
 def parallelize(model, mesh, example_inputs=None, *, backend: str = "graph", plan: Plan | None = None, **kwargs):
     """A module that runs each training step of `model` SPMD on this rank of the DeviceMesh `mesh`: planned now
     (autopar.plan's options: cluster, memory_budget, force, ...), or `plan=autopar.Plan.load(path)`, a finished plan
-    run as it is (no planning; the model is captured again and must give the plan's graph). The backends are
-    imported on first use, so planning never loads them; they only run a plan, never make one.
+    run as it is (no planning; the model is captured again and must give the plan's graph). Under a process group
+    the mesh's first rank plans and the other ranks run its plan, their own options unused (autopar/across_ranks.py);
+    a failure on any rank raises on every rank. The backends are imported on first use, so planning never loads
+    them; they only run a plan, never make one.
 
     backend: "graph" (autopar's SPMD executor, backends/spmd: any plan; options attention, assume_identical,
     check_replicas, compile, see autopar.backends.spmd.lower; `planned=(plan, state)` runs a plan made with
@@ -57,14 +58,18 @@ def _parallelize_torch(model, mesh, example_inputs, backend, plan, kwargs):
     args, kw = _split_inputs(example_inputs, kwargs)
     kwargs.setdefault("cluster", "cpu-gloo" if mesh.device_type == "cpu" else "h100")  # also the parts'
     planned = kwargs.pop("planned", plan)
-    with torch.random.fork_rng(devices=spmd.rng_devices(mesh)):  # the user's random state is left as it was
+    units, styles = options.pop("units", None), options.pop("styles", None)
+    # the user's random state is left as it was; planned on the mesh's first rank (autopar/across_ranks.py)
+    with torch.random.fork_rng(devices=spmd.rng_devices(mesh)), planned_on_every_rank(mesh):
         if planned is None:
             target = engine_target(kwargs.pop("target", "torch"))
             extra = {"example_kwargs": kw} if kw else {}
-            with planned_on_every_rank(mesh):
-                planned = _api.plan(model, mesh, args, target=target, return_state=True, **extra, **kwargs)
+            planned = planned_once(
+                mesh,
+                lambda: _api.plan(model, mesh, args, target=target, return_state=True, **extra, **kwargs),
+                lambda made: finished(model, args, kw, plan=made, loss_fn=kwargs.get("loss_fn")),
+            )
         whole, state = planned if isinstance(planned, tuple) else (planned, None)
-        units, styles = options.pop("units", None), options.pop("styles", None)
         split = torch_backend.split_plan(
             model,
             whole,
@@ -85,11 +90,29 @@ def _parallelize_torch(model, mesh, example_inputs, backend, plan, kwargs):
 def _plan_parts(requests: dict, mesh, plan_kwargs: dict) -> dict:
     """{request key: (plan, state, how)}: each graph part the torch backend asks for (one request per distinct
     part) planned on `mesh` at the whole plan's placements inside it and its boundary pinned, or, where those do
-    not fit together, with its boundary pinned alone. No overlap: the graph backend runs each collective in place."""
+    not fit together, with its boundary pinned alone. No overlap: the graph backend runs each collective in place.
+    Planned on the mesh's first rank; the other ranks capture each part and run its plan (the state is then the
+    part's Executable)."""
+    reqs = {r.key: r for r in requests.values()}
+    if not reqs:
+        return {}
+
+    def receive(sent: dict) -> dict:
+        out = {}
+        for key, (text, how) in sent.items():
+            made = plan_of(text)
+            out[key] = (made, finished(reqs[key].module, reqs[key].args, plan=made), how)
+        return out
+
+    send = lambda made: {k: (plan_text(p), how) for k, (p, _, how) in made.items()}  # noqa: E731
+    return decided_once(mesh, lambda: _solve_parts(reqs.values(), mesh, plan_kwargs), send, receive)
+
+
+def _solve_parts(requests, mesh, plan_kwargs: dict) -> dict:
     opts = {k: v for k, v in plan_kwargs.items() if k not in ("force", "pin", "target")}
     opts["overlap"] = False
     out: dict = {}
-    for req in {id(r): r for r in requests.values()}.values():
+    for req in requests:
 
         def solve(pins, req=req):
             pin = lambda n: pins.get(n.name)  # noqa: E731
@@ -127,66 +150,27 @@ def _parallelize_graph(model, mesh, example_inputs, plan, kwargs):
     example_kwargs, planned = kwargs.pop("example_kwargs", None), kwargs.pop("planned", None)
     spmd.check_call(model, mesh, example_inputs, example_kwargs, options.get("compile", False))
     with torch.random.fork_rng(devices=spmd.rng_devices(mesh)):  # the user's random state is left as it was
-        replan = None  # a loaded plan runs as it is: no planner for new shapes
-        if plan is None and planned is None:
+        if plan is None and planned is None:  # planned on the mesh's first rank (autopar/across_ranks.py)
             opts = _graph_defaults(mesh, kwargs)
+            loss_fn = opts.get("loss_fn")
             with planned_on_every_rank(mesh):
-                planned = _api.plan(
-                    model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True, **opts
+                planned = planned_once(
+                    mesh,
+                    lambda: _api.plan(
+                        model, mesh, example_inputs, example_kwargs=example_kwargs, return_state=True, **opts
+                    ),
+                    lambda made: finished(model, example_inputs, example_kwargs, plan=made, loss_fn=loss_fn),
                 )
-            kwargs = {}
+                executable = finished(model, example_inputs, example_kwargs, planned=planned)
             replan = graph_planner(model, mesh, opts)
-        elif planned is not None and planned[1] is not None:
-            replan = graph_planner(model, mesh, _graph_defaults(mesh, {}))
-        executable = finished(model, example_inputs, example_kwargs, plan=plan, planned=planned, **kwargs)
+        else:  # a loaded plan runs as it is: no planner for new shapes
+            replan = (
+                graph_planner(model, mesh, _graph_defaults(mesh, {}))
+                if planned is not None and planned[1] is not None
+                else None
+            )
+            executable = finished(model, example_inputs, example_kwargs, plan=plan, planned=planned, **kwargs)
     return spmd.lower(model, mesh, executable, replan=replan, **options)
-
-
-class PlanningFailedError(RuntimeError):
-    """Planning raised on another rank: this rank's plan is not run (its collectives would wait for that rank)."""
-
-
-@contextlib.contextmanager
-def planned_on_every_rank(mesh):
-    """Each rank plans on its own, and the solver's time limit is wall-clock: under load one rank may time out (or
-    fail otherwise) where the others find a plan and go on into the first collective, waiting there for it until
-    the process group's timeout. So after planning every rank says whether it succeeded (an all_reduce per dim of the
-    mesh); where some rank failed, the failed ranks raise their own error and every other rank raises
-    PlanningFailedError naming them, at once. Nothing is exchanged without a process group of several ranks, or
-    under the fake one (LocalTensorMode: one process plans for all)."""
-    import torch.distributed as dist
-
-    if (
-        not dist.is_available()
-        or not dist.is_initialized()
-        or dist.get_world_size() == 1
-        or dist.get_backend() == "fake"
-    ):
-        yield
-        return
-    failed = None
-    try:
-        yield
-    except Exception as e:  # every rank must reach the exchange below, this one too
-        failed = e
-    device = (
-        torch.device("cpu")
-        if mesh.device_type == "cpu"
-        else torch.device(mesh.device_type, torch.cuda.current_device())
-    )
-    status = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=device)
-    status[dist.get_rank()] = int(failed is not None)
-    for d in range(mesh.ndim):  # over the mesh's ranks only (dim by dim: the sum reaches every rank of the mesh)
-        dist.all_reduce(status, group=mesh.get_group(d))
-    bad = [r for r, v in enumerate(status.tolist()) if v]
-    if failed is not None:
-        raise failed
-    if bad:
-        raise PlanningFailedError(
-            f"planning failed on ranks {bad} (their error says why; a solver time limit can run out on a loaded "
-            f"rank and not on others: raise time_limit=, or plan once with autopar.plan and pass plan= / planned= "
-            f"on every rank); rank {dist.get_rank()} found a plan but does not run it alone"
-        )
 
 
 def _graph_defaults(mesh, plan_kwargs: dict) -> dict:
@@ -201,7 +185,8 @@ def graph_planner(model, mesh, plan_kwargs: dict):
     """The callback the graph backend calls for inputs of new shapes (or a new mode): `replan(args, kwargs, *,
     backward, params, buffers)` plans them with each parameter forced to `params[fqn]` and each buffer pinned to
     `buffers[fqn]` (the first plan's placements: the optimizer state and state_dict never move), the user's own pin
-    kept for the other nodes; returns the new autopar.execution.Executable."""
+    kept for the other nodes, on the mesh's first rank alone (the others capture and run its plan, as at the first
+    shapes); returns the new autopar.execution.Executable."""
     user_pin = plan_kwargs.get("pin")
     opts = {k: v for k, v in plan_kwargs.items() if k not in ("force", "pin")}
 
@@ -209,16 +194,20 @@ def graph_planner(model, mesh, plan_kwargs: dict):
         def buffer_pin(n):
             return dict(enumerate(buffers[n.target])) if n.kind == "buffer" and n.target in buffers else None
 
-        made, state = _api.plan(
-            model,
+        made, state = planned_once(  # inside a step: every rank has agreed on the new shapes (backends/spmd/shapes.py)
             mesh,
-            args,
-            example_kwargs=kwargs,
-            return_state=True,
-            force=params,
-            pin=overlay_pins(user_pin, buffer_pin),
-            backward=backward,
-            **opts,
+            lambda: _api.plan(
+                model,
+                mesh,
+                args,
+                example_kwargs=kwargs,
+                return_state=True,
+                force=params,
+                pin=overlay_pins(user_pin, buffer_pin),
+                backward=backward,
+                **opts,
+            ),
+            lambda made: finished(model, args, kwargs, plan=made, loss_fn=opts.get("loss_fn")),
         )
         return from_plan(made, state.graph)
 

@@ -252,12 +252,15 @@ class Plan:
     @classmethod
     def load(cls, path) -> "Plan":
         with open(path) as f:
-            d = json.load(f)
-        d["mesh_shape"], d["mesh_names"] = tuple(d["mesh_shape"]), tuple(d["mesh_names"])
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(d) - known)
+            return cls.from_json(json.load(f), source=str(path))
+
+    @classmethod
+    def from_json(cls, d: dict, source: str = "the record") -> "Plan":
+        """The Plan of `to_json()`'s record once through JSON (lists for tuples), as `save` wrote it."""
+        d = dict(d, mesh_shape=tuple(d["mesh_shape"]), mesh_names=tuple(d["mesh_names"]))
+        unknown = sorted(set(d) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(f"{path} is not an autopar plan of this version: unknown fields {unknown}")
+            raise ValueError(f"{source} is not an autopar plan of this version: unknown fields {unknown}")
         return cls(**d)
 
     # ---- text -----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ dict, pre-sharded inputs, and a rank holding a different plan (a clear error on 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -128,6 +129,23 @@ def _fw_reduces(plan) -> list:
     ]
 
 
+@contextlib.contextmanager
+def _planner_refused(refuse: bool):
+    """autopar.plan raises inside the block (on the ranks that must not plan)."""
+    import autopar.api
+
+    def refused(*a, **k):
+        raise AssertionError("this rank planned")
+
+    real = autopar.api.plan
+    if refuse:
+        autopar.api.plan = refused
+    try:
+        yield
+    finally:
+        autopar.api.plan = real
+
+
 def job_extras(cases, tmp, device):
     """DCP round trip of the parallel state dict, pre-sharded inputs, then a rank with a different plan."""
     import torch.distributed.checkpoint as dcp
@@ -160,26 +178,35 @@ def job_extras(cases, tmp, device):
     same_loss = torch.equal(pm(*sharded).detach(), pm(*x).detach())
     local_shapes = [list(t.shape) for t in local_batch(pm, *x)]
     in_pl = [n["placement"]["out"][0] for n in pm.plan.nodes if n["kind"] == "input"]
-    # a rank holding a different plan: rank 1 pins another placement
+    # one rank plans for the mesh (autopar/across_ranks.py): rank 1, called with other options and with no planner
+    # at all, runs rank 0's plan
     alt = dict(force)
     if dist.get_rank() == 1:
         k = next(iter(alt))
         alt[k] = tuple("R" for _ in shape)
+    with _planner_refused(dist.get_rank() == 1):
+        pm1 = autopar.parallelize(model, mesh, x, force=alt)
+        pm1(*(t[: t.shape[0] // 2] for t in x))  # new shapes: re-planned on rank 0 alone too
+        once = [pm1.plan.hash(), len(pm1.programs)]
+    # ranks handed different finished plans: refused on every rank before any step
     try:
-        autopar.parallelize(model, mesh, x, force=alt)
+        autopar.parallelize(model, mesh, x, planned=autopar.plan(model, mesh, x, force=alt, return_state=True))
         mismatch = "no error"
     except PlanMismatchError as e:
         mismatch = str(e)
-    # planning that fails on one rank only (here a forced placement rank 1 cannot take): every rank raises at once,
-    # none waits in the first collective for it
-    bad = dict(force)
-    if dist.get_rank() == 1:
-        bad[next(iter(bad))] = tuple("S7" for _ in shape)
-    try:
-        autopar.parallelize(model, mesh, x, force=bad)
-        failed = "no error"
-    except (ValueError, autopar.PlanningFailedError) as e:
-        failed = f"{type(e).__name__}: {e}"
+    # planning that fails (here a forced placement the mesh's first rank cannot take) or a capture that differs on
+    # another rank (rank 1's batch is another size): every rank raises at once, none waits in a collective for it
+    failed = {}
+    for case in ("plan", "capture"):
+        bad = dict(force)
+        if case == "plan" and dist.get_rank() == 0:
+            bad[next(iter(bad))] = tuple("S7" for _ in shape)
+        xs = x if case == "plan" or dist.get_rank() == 0 else tuple(t[: t.shape[0] // 2] for t in x)
+        try:
+            autopar.parallelize(model, mesh, xs, force=bad)
+            failed[case] = "no error"
+        except (ValueError, autopar.PlanningFailedError) as e:
+            failed[case] = f"{type(e).__name__}: {e}"
     # gradient buckets: the flat buffer is filled again when nothing else holds it (autograd copies the gradients
     # into .grad); gradients accumulate over steps without zero_grad
     dp = autopar.parallelize(
@@ -245,6 +272,7 @@ def job_extras(cases, tmp, device):
         "input_placements": in_pl,
         "mismatch": mismatch,
         "failed": failed,
+        "plan_hashes": [pm.plan.hash(), *once],
         "bucket": bucket,
         "attached": attached,
     }
@@ -319,9 +347,17 @@ def test_world2_gloo_train_dcp_sharded_inputs_and_plan_mismatch(tmp_path):
             and "ranks [0]" in res["mismatch"]
             and "ranks [1]" in res["mismatch"]
         ), res["mismatch"]
-    # planning failed on rank 1 only: rank 1 raises its own error, rank 0 says so instead of waiting for it
-    assert results[1]["failed"].startswith("ValueError") and "forced on parameter" in results[1]["failed"]
-    assert results[0]["failed"].startswith("PlanningFailedError") and "ranks [1]" in results[0]["failed"]
+    # rank 1 planned nothing (its planner raised) and ran rank 0's plan, not the one its own options give
+    assert results[0]["plan_hashes"][1] == results[1]["plan_hashes"][1] == results[0]["plan_hashes"][0], results
+    assert results[0]["plan_hashes"][2] == results[1]["plan_hashes"][2] == 2, results  # and at the new shapes
+    # planning failed on rank 0: rank 0 raises its own error, rank 1 says so instead of waiting for it
+    fail0, fail1 = results[0]["failed"], results[1]["failed"]
+    assert fail0["plan"].startswith("ValueError") and "forced on parameter" in fail0["plan"], fail0
+    assert fail1["plan"].startswith("PlanningFailedError") and "rank 0" in fail1["plan"], fail1
+    assert "forced on parameter" in fail1["plan"], fail1  # rank 0's reason, on rank 1
+    # rank 1 captured another graph than rank 0 planned: its own error names the difference, rank 0 names rank 1
+    assert fail1["capture"].startswith("PlanLoadError") and "differs from the plan's" in fail1["capture"], fail1
+    assert fail0["capture"].startswith("PlanningFailedError") and "ranks [1]" in fail0["capture"], fail0
     # inputs the plan shards arrive as this rank's slice (batch 32 over 2 ranks) without communication
     pl, shapes = results[0]["input_placements"], results[0]["local_shapes"]
     for p, s in zip(pl, shapes):
