@@ -21,7 +21,7 @@ import torch
 
 from .capture import capture
 from .graph import Graph
-from .mixed_precision import cast_gradients
+from .mixed_precision import cast_gradients, retype_float8
 from .model_io import ModelIO
 from .plan import Plan, graph_signature
 from .strategies import Strategy
@@ -107,6 +107,14 @@ def capture_for(plan: Plan, model, example_inputs, example_kwargs=None, loss_fn=
         g = capture(model, io, loss_fn, param_dtype=param_dtype, output=cap["output"], backward=cap["backward"])
     if reduce_dtype is not None:
         cast_gradients(g, reduce_dtype)  # the planner's precision pass rewrote its graph so too
+    f8 = plan.meta.get("float8") or {}
+    if f8.get("weight_casts"):  # and its float8 pass retyped the weights it gathers in float8
+        if "gathered_views" not in f8:
+            raise PlanLoadError(
+                "the plan gathers weights in float8 but records no gathered views (saved by an older autopar): plan "
+                "again and save it to run it"
+            )
+        retype_float8(g, f8["gathered_views"])
     return g
 
 

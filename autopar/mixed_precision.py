@@ -4,7 +4,8 @@ gradient to `reduce_dtype` before its reduce-scatter).
 
 The planner's precision pass (passes/precision.py) applies it to the graph captured with bf16 parameters; a saved
 mixed-precision plan's graph, captured again to run it (autopar/execution.py), gets the same rewrite, so both graphs
-repeat each other node for node.
+repeat each other node for node. The same holds for the float8 pass's retyping of the weights FSDP gathers in
+float8 (`retype_float8`).
 """
 
 from __future__ import annotations
@@ -65,3 +66,11 @@ def _renumber(g: Graph, out: list[Node], new_idx: dict[int, int], grad_node: dic
     g.state_updates = {k: fix(r) for k, r in g.state_updates.items()}
     g.grads = {k: Ref(grad_node[k]) if k in grad_node else fix(r) for k, r in g.grads.items()}
     g.__post_init__()  # users lists
+
+
+def retype_float8(g: Graph, views) -> None:
+    """e4m3 on the output of each node in `views`: the transposes / views between a weight FSDP gathers in float8
+    and its GEMMs (passes/float8.py prices the gather at one byte an element from it)."""
+    for v in views:
+        n = g.nodes[v]
+        n.outs = (TensorMeta(n.outs[0].shape, torch.float8_e4m3fn),)

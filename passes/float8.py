@@ -64,6 +64,7 @@ import torch
 from autopar.collectives import redistribute_time
 from autopar.cost import fusion, global_flops, kernels, roofline_time
 from autopar.graph import TensorMeta
+from autopar.mixed_precision import retype_float8
 from autopar.strategies import num_shards
 
 aten = torch.ops.aten
@@ -187,7 +188,7 @@ def mark(state) -> None:
         if row[1:] == ["e5m2", "e5m2"]:  # _scaled_mm takes no e5m2 x e5m2
             continue
         nodes.append(row + casts)
-    casts, kept = _gathered_in_float8(g, converted, nodes) if cfg.fsdp_float8_all_gather else ({}, {})
+    casts, kept, views = _gathered_in_float8(g, converted, nodes) if cfg.fsdp_float8_all_gather else ({}, {}, [])
     state.extras["float8"] = {
         **cfg.option(),
         "scaling": "tensorwise per rank (each rank's amax of the shard its GEMM reads; priced with the TP amax all-reduce)",
@@ -196,6 +197,7 @@ def mark(state) -> None:
         "gemms": len(nodes),
         "nodes": nodes,
         "weight_casts": sorted(casts.items()),
+        "gathered_views": views,  # retyped e4m3 on the graph: a loaded plan's capture repeats it (retype_gathered)
         "gathered_high_precision": dict(sorted(kept.items())),
     }
 
@@ -216,9 +218,10 @@ def _weight_views(g, param_idx, gemms) -> list | None:
     return sorted(set(views))
 
 
-def _gathered_in_float8(g, converted, nodes) -> tuple[dict, dict]:
+def _gathered_in_float8(g, converted, nodes) -> tuple[dict, dict, list]:
     """FSDP float8 all-gather (module docstring): writes e4m3 on the views between each converted weight and its
-    GEMMs and drops the weight operand's casts at them. ({cast view idx: weight FQN}, {weight FQN: why kept})."""
+    GEMMs and drops the weight operand's casts at them. ({cast view idx: weight FQN}, {weight FQN: why kept}, the
+    retyped views)."""
     gemms = {row[0] for row in nodes}
     casts, kept, weight_of = {}, {}, {}
     for fqn in converted.values():
@@ -231,16 +234,14 @@ def _gathered_in_float8(g, converted, nodes) -> tuple[dict, dict]:
                 else "read by its GEMMs without a transpose or view to carry the float8 dtype"
             )
             continue
-        for v in views:
-            n = g.nodes[v]
-            n.outs = (TensorMeta(n.outs[0].shape, DTYPES["e4m3"]),)
-            weight_of[v] = fqn
+        retype_float8(g, views)
+        weight_of.update({v: fqn for v in views})
         casts.update({v: fqn for v in views if g.nodes[v].inputs()[0].node == p})
     for row in nodes:
         for k, pos in enumerate(GEMMS[g.nodes[row[0]].target]):
             if g.nodes[row[0]].args[pos].node in weight_of:
                 row[3 + k] = NONE  # cast on the shard, before the gather
-    return casts, kept
+    return casts, kept, sorted(weight_of)
 
 
 def gemm_roles(extras: dict) -> dict:

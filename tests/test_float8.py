@@ -266,6 +266,32 @@ def job_float8_dp(fsdp=False):
     return out
 
 
+def test_a_saved_plan_gathering_weights_in_float8_runs_on_a_fresh_capture(tmp_path):
+    """The float8 pass retypes the views between a weight FSDP gathers in float8 and its GEMMs (e4m3: priced at one
+    byte an element); a saved plan's fresh capture (autopar/execution.py: Plan.load, and every rank but the mesh's
+    first under parallelize) repeats it, so the graphs agree node for node and dtype for dtype."""
+    from autopar.execution import finished
+
+    model, (x, y) = Net(), _net_inputs()
+    force = {k: ("S0",) if k in ("up.weight", "down.weight") else ("R",) for k, _ in model.named_parameters()}
+    plan, state = autopar.plan(
+        model,
+        (2,),
+        (x, y),
+        cluster="h100",
+        float8={"fsdp_float8_all_gather": True},
+        force=force,
+        pin=lambda n: {0: "S0"} if n.kind == "input" else None,
+        return_state=True,
+    )
+    views = plan.meta["float8"]["gathered_views"]
+    assert views and all(state.graph.nodes[v].outs[0].dtype == torch.float8_e4m3fn for v in views)
+    plan.save(tmp_path / "plan.json")
+    ex = finished(model, (x, y), plan=autopar.Plan.load(tmp_path / "plan.json"))
+    assert [n.outs for n in ex.graph.nodes] == [n.outs for n in state.graph.nodes]
+    assert ex.placement == tuple(state.placement)
+
+
 @pytest.mark.dist
 @pytest.mark.parametrize("fsdp", [False, True])
 def test_float8_plan_runs_on_two_gloo_ranks_as_the_per_rank_float8_reference(tmp_path, fsdp):
