@@ -170,6 +170,26 @@ class NodeRecord:
         )
 
 
+# the fields of a pipeline plan's stages and schedule that say what runs where (Plan.hash)
+_STAGE_RUN = ("index", "modules", "params", "pp_rank", "recompute_blocks", "submesh")
+_SCHEDULE_RUN = (
+    "name",
+    "torch_class",
+    "num_stages",
+    "stages_per_rank",
+    "n_microbatches",
+    "bounds",
+    "block_positions",
+    "layer_prefix",
+    "stage_mesh_names",
+    "stage_mesh_shape",
+    "batch_placement",
+    "batch_shapes",
+    "local_batch_shapes",
+    "microbatch_shapes",
+)
+
+
 @dataclass
 class Plan:
     mesh_shape: tuple
@@ -230,16 +250,18 @@ class Plan:
         ]
 
     def hash(self) -> str:
-        body = json.dumps(
-            {
-                "mesh": self.mesh_shape,
-                "params": self.params,
-                "buckets": self.buckets,
-                "nodes": [[n["placement"], n.get("redistribute", [])] for n in self.nodes],
-            },
-            sort_keys=True,
-        )
-        return hashlib.sha256(body.encode()).hexdigest()[:16]
+        """What the ranks run, as 16 hex digits: placements, redistributes, buckets and, for a pipeline plan, its
+        stages and schedule (not the figures the search recorded on the way, which vary run to run)."""
+        body = {
+            "mesh": self.mesh_shape,
+            "params": self.params,
+            "buckets": self.buckets,
+            "nodes": [[n["placement"], n.get("redistribute", [])] for n in self.nodes],
+        }
+        if self.stages:
+            body["stages"] = [{k: st.get(k) for k in _STAGE_RUN} for st in self.stages]
+            body["schedule"] = {k: self.schedule.get(k) for k in _SCHEDULE_RUN}
+        return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:16]
 
     # ---- persistence ----------------------------------------------------------------------------------------
     def to_json(self) -> dict:

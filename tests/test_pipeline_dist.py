@@ -13,7 +13,8 @@ TP pays, 2 micro-batches to keep it short): GPipe and Interleaved1F1B with the p
 torchtitan's, ParallelStyles inside the stages, DTensor gradients gathered with full_tensor and also compared
 elementwise (rtol 1e-5, atol 1e-6); world 8 (pp=2 x dp=2 x tp=2, FSDP2 / replicate over tensor-parallel stages;
 skipped on machines with fewer than 8 cores unless AUTOPAR_TEST_WORLD8 is set). Each case also feeds a batch of the
-wrong shape: every rank must raise PipelineShapeError (none may hang waiting for activations). Without processes:
+wrong shape: every rank must raise PipelineShapeError (none may hang waiting for activations); on world 2 each rank
+then brings another plan (GPipe, 1F1B): PlanMismatchError on both. Without processes:
 the layouts stage_tp_styles derives, and its error for a stage placement no ParallelStyle expresses.
 """
 
@@ -139,6 +140,9 @@ def test_pipeline_equals_single_device(tmp_path, world):
         assert any(cases[-1]["recompute"]), f"the tight budget did not make the planner checkpoint: {cases[-1]}"
     results = launch(_rank_cases, world, [cases], tmp_path)
     _check(results, cases)
+    if world == 2:  # ranks holding different pipeline plans are told so on every rank, before any stage runs
+        for r in results:
+            assert "ranks hold different plans" in r["mismatch"] and "ranks [0]" in r["mismatch"], r["mismatch"]
     if world == 4:  # the dp dim really ran data parallel (different rows per dp rank), DDP or FSDP2
         for i, c in enumerate(cases):
             assert {tuple(r["cases"][i]["local_rows"]) for r in results} == {(0, 4), (4, 8)}
@@ -375,4 +379,15 @@ def _rank_cases(cases):
             }
         )
         dist.barrier()
-    return {"rank": dist.get_rank(), "cases": res}
+    mismatch = None
+    if dist.get_world_size() == 2:  # each rank a plan of its own (GPipe on rank 0, 1F1B on rank 1): refused on both
+        from autopar.backends.spmd.comm import PlanMismatchError
+
+        mine = Plan.load(cases[dist.get_rank()]["path"])
+        mesh = init_device_mesh("cpu", tuple(mine.mesh_shape), mesh_dim_names=tuple(mine.mesh_names))
+        try:
+            PipelineRunner(models.build_model(MODEL, device="cpu", n_layers=LAYERS, seed=0), mine, mesh)
+            mismatch = "no error"
+        except PlanMismatchError as e:
+            mismatch = str(e)
+    return {"rank": dist.get_rank(), "cases": res, "mismatch": mismatch}

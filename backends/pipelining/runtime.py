@@ -57,6 +57,7 @@ from torch import nn
 from autopar.strategies.context_parallel import CP_PREFIX
 from autopar.strategies.data_parallel import dp_dims
 
+from ..spmd.comm import agree_on_plan
 from ..spmd.module import parent_of
 from .forward_stage import no_outputs
 from .tied import TiedGrads
@@ -217,7 +218,9 @@ def check_batch(plan, tensors) -> None:
 
 class PipelineRunner:
     """Executes `plan` on this rank. mesh: a DeviceMesh whose dim names are plan.mesh_names (a "pp" dim and the
-    stage submesh dims); built with init_device_mesh from the plan when None (process group already initialized)."""
+    stage submesh dims); built with init_device_mesh from the plan when None (process group already initialized).
+    Every rank must hold the same plan (its hash, stages and schedule included): else PlanMismatchError on every
+    rank, before any stage is built."""
 
     def __init__(self, model: nn.Module, plan, mesh=None, loss_fn=None, device=None, copy_model: bool = False):
         from torch.distributed.device_mesh import init_device_mesh
@@ -247,6 +250,9 @@ class PipelineRunner:
                 f"{tuple(plan.mesh_shape)}{tuple(plan.mesh_names)}"
             )
         self.mesh = mesh
+        # each rank brings its own plan (autopar.plan on every rank, or a loaded one): stages cut elsewhere on another
+        # rank would leave sends without receives, so every rank checks first that all hold this one
+        agree_on_plan(mesh, plan.hash(), self.device)
         self.pp_rank = mesh.get_local_rank("pp")
         model = copy.deepcopy(model) if copy_model else model
         self.loss_fn = loss_fn or _ce_loss

@@ -293,6 +293,6 @@ def agree_on_plan(mesh, plan_hash: str, device) -> None:
         detail = "; ".join(f"plan {h} on ranks {rs}" for h, rs in sorted(by.items()))
         raise PlanMismatchError(
             f"ranks hold different plans ({detail}); this rank ({dist.get_rank()}) has "
-            f"{plan_hash}. Every rank must call parallelize with the same model config, "
-            f"example input shapes, mesh and plan options."
+            f"{plan_hash}. Every rank must run the same plan: made with the same model config, example input "
+            f"shapes, mesh and plan options, or made once and shared (Plan.save / Plan.load)."
         )
