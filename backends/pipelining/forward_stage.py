@@ -129,7 +129,7 @@ def check_plan(plan) -> None:
     """Refuse, naming the block, a plan whose forward graph (the representative sub-model's, plan.nodes) carries
     more than the running tensor between stages: a block value read after it besides its running tensor (an MoE
     router's logits for the aux loss), or a value made from parameters before the blocks read elsewhere than by the
-    first block (a later stage would read its zero stand-in)."""
+    first block (a later stage would read its zero stand-in), or a module with parameters run between two blocks."""
     prefix = plan.schedule["layer_prefix"]
     pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(?:\.|$)")
     fw = [n for n in plan.nodes if n.get("kind") == "op" and n.get("phase") == "fw"]
@@ -147,6 +147,13 @@ def check_plan(plan) -> None:
     outside = {i: f for i, f in outside.items() if not str(f).startswith(prefix + ".")}
     for n in fw:
         mine = block.get(n["idx"])
+        between = mine is None and start < n["idx"] < max(block)  # after the first block's ops, before the last's
+        if between and any(p in outside for p, _ in n.get("inputs", [])):  # PoolFormer's downsampling embeddings
+            raise NotImplementedError(
+                f"module '{n.get('module') or '<root>'}' holds parameters and runs between the blocks of '{prefix}' "
+                f"(a layer list interleaved with other modules): the stages hold blocks and the modules before and "
+                f"after them only (plan-only)"
+            )
         for p, o in n.get("inputs", []):
             if mine is not None and p in outside:  # DeBERTa's relative position table, read by every layer
                 raise NotImplementedError(
