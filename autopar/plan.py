@@ -172,21 +172,9 @@ class NodeRecord:
 
 # the fields of a pipeline plan's stages and schedule that say what runs where (Plan.hash)
 _STAGE_RUN = ("index", "modules", "params", "pp_rank", "recompute_blocks", "submesh")
-_SCHEDULE_RUN = (
-    "name",
-    "torch_class",
-    "num_stages",
-    "stages_per_rank",
-    "n_microbatches",
-    "bounds",
-    "block_positions",
-    "layer_prefix",
-    "stage_mesh_names",
-    "stage_mesh_shape",
-    "batch_placement",
-    "batch_shapes",
-    "local_batch_shapes",
-    "microbatch_shapes",
+_SCHEDULE_RUN = tuple(
+    "name torch_class num_stages stages_per_rank n_microbatches bounds block_positions layer_prefix stage_mesh_names "
+    "stage_mesh_shape batch_placement batch_shapes local_batch_shapes microbatch_shapes".split()
 )
 
 
