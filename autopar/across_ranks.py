@@ -4,9 +4,9 @@ waiting in a collective for a rank that failed.
 Each rank planning on its own spends a node's CPUs once per rank, and the solver's limits are wall-clock (the
 MILP's time_limit, the overlap search's budget): under load, ranks can find different plans (the graph backend
 then refuses them, PlanMismatchError) or some none at all. So the mesh's first rank plans alone and sends its plan,
-as Plan.save writes it, to the other ranks of the mesh (one broadcast per mesh dim); they capture the model again
-and take the plan's placements from the record (autopar/execution.py, as for a loaded plan), which checks node for
-node that they captured the plan's graph. The first rank's options decide: a rank called with other model code or
+as Plan.save writes it, to the other ranks of the mesh (one broadcast on a gloo group of the mesh's ranks, made once
+per mesh: _planning_group); they capture the model again and take the plan's placements from the record
+(autopar/execution.py, as for a loaded plan), which checks node for node that they captured the plan's graph. The first rank's options decide: a rank called with other model code or
 shapes fails at that check, one called with other planning options runs the first rank's plan.
 
 After planning every rank says whether it succeeded (`planned_on_every_rank`); where one failed, the failed ranks
@@ -35,16 +35,26 @@ def _several_ranks() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake"
 
 
-def _device(mesh) -> torch.device:
-    """Where the mesh's collectives take their tensors (NCCL: this rank's GPU)."""
-    if mesh.device_type == "cpu":
-        return torch.device("cpu")
-    return torch.device(mesh.device_type, torch.cuda.current_device())
+_GROUPS: dict = {}  # mesh ranks -> (the default group it was made under, the planning group)
+
+
+def _planning_group(mesh):
+    """A gloo group over the mesh's ranks for planning's exchanges, made once per mesh: on the CPU (a pickled plan;
+    an NCCL mesh's GPUs stay out of it) and with gloo's default timeout (30 minutes), since the other ranks wait in
+    it while the first rank plans (a process group made with a short collective timeout would cut that wait)."""
+    import torch.distributed as dist
+
+    ranks = tuple(sorted(int(r) for r in mesh.mesh.reshape(-1).tolist()))
+    world = dist.group.WORLD
+    made = _GROUPS.get(ranks)
+    if made is None or made[0] is not world:  # none yet, or made under a process group since destroyed
+        made = _GROUPS[ranks] = (world, dist.new_group(list(ranks), backend="gloo", use_local_synchronization=True))
+    return made[1]
 
 
 @contextlib.contextmanager
 def planned_on_every_rank(mesh):
-    """Run the block on every rank, then exchange one status per rank (an all_reduce per mesh dim): where the block
+    """Run the block on every rank, then exchange one status per rank (one all_reduce): where the block
     raised on some rank, it raises there and PlanningFailedError on every other rank, naming the failed ranks."""
     import torch.distributed as dist
 
@@ -56,10 +66,9 @@ def planned_on_every_rank(mesh):
         yield
     except Exception as e:  # every rank must reach the exchange below, this one too
         failed = e
-    status = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=_device(mesh))
+    status = torch.zeros(dist.get_world_size(), dtype=torch.int32)
     status[dist.get_rank()] = int(failed is not None)
-    for d in range(mesh.ndim):  # over the mesh's ranks only (dim by dim: the sum reaches every rank of the mesh)
-        dist.all_reduce(status, group=mesh.get_group(d))
+    dist.all_reduce(status, group=_planning_group(mesh))
     bad = [r for r, v in enumerate(status.tolist()) if v]
     if failed is not None:
         raise failed
@@ -83,6 +92,7 @@ def decided_once(mesh, make, send, receive):
     if not _several_ranks():
         return make()
     first, mine = first_rank(mesh), dist.get_rank() == first_rank(mesh)
+    group = _planning_group(mesh)  # made by every rank of the mesh together, before the first rank plans
     box, made, failed = [None], None, None
     if mine:
         try:
@@ -91,7 +101,7 @@ def decided_once(mesh, make, send, receive):
         except Exception as e:  # the other ranks wait in the broadcast: tell them
             failed = e
             box[0] = ("error", (type(e).__module__, type(e).__qualname__, f"{type(e).__name__}: {e}"))
-    _broadcast_from_origin(mesh, box)
+    dist.broadcast_object_list(box, src=first, group=group)
     if failed is not None:
         raise failed
     if mine:
@@ -115,19 +125,6 @@ def _failed_like(module: str, qualname: str) -> type:
         return type("PlanningFailedError", (PlanningFailedError, cls), {"__module__": __name__})
     except TypeError:  # an exception class whose layout does not mix with RuntimeError's
         return PlanningFailedError
-
-
-def _broadcast_from_origin(mesh, box: list) -> None:
-    """box[0] of the mesh's origin onto every rank of the mesh: along dim 0 from coordinate 0, then dim 1, ...
-    (after dim d every rank whose coordinates past d are 0 holds it, so after the last dim every rank does; what the
-    other groups pass on before then is overwritten)."""
-    import torch.distributed as dist
-
-    coord, device = mesh.get_coordinate(), _device(mesh)
-    for d in range(mesh.ndim):
-        src = list(coord)
-        src[d] = 0
-        dist.broadcast_object_list(box, src=int(mesh.mesh[tuple(src)]), group=mesh.get_group(d), device=device)
 
 
 def plan_text(plan: Plan) -> str:
