@@ -17,8 +17,8 @@ cost model, 2-layer transformers Llama/GPT-2), the modeled scale configurations 
 torchtitan's own Llama-3 8B (bench_titan_plan.py, 32 layers), and pipeline plans (tests/test_stages.py and
 test_pipeline_dist.py's tiny cases, bench_scale.py's 405B search and published layouts). A configuration that
 fails to plan is a line with the error's type (compared) and message (not compared); `plan_s` (wall seconds) is
-not compared either. Plan.hash() covers placements only, not a pipeline plan's stages or schedule: the `stages`
-record does. Every plan runs with time_limit=TIME_LIMIT_S, so a loaded machine cannot change a plan by cutting a
+not compared either. Plan.hash() covers a pipeline plan's stages and schedule too (since 2026-12-07: a pipeline
+plan's hash differs from older files' for that reason alone; the `stages` record compares the rest). Every plan runs with time_limit=TIME_LIMIT_S, so a loaded machine cannot change a plan by cutting a
 solve short. The whole set plans in about 5 minutes on one idle core.
 """
 

@@ -346,7 +346,11 @@ def run(state) -> None:
     edges = _edge_terms(state, groups, edge_count, pricing, gathers_param, terms)
     choice, group_id, root = groups.choice, groups.group_id, groups.root
     mesh_shape = state.mesh.shape
-    share_delta, shared = _shared(graph, rep, strategies, choice, group_id, root, pricing.of, mesh_shape, gathers_param)
+    share_delta, shared, unshared = _shared(
+        graph, rep, strategies, choice, group_id, root, pricing.of, mesh_shape, gathers_param
+    )
+    if unshared:  # Plan.meta: the values whose shared moves are priced once per consumer
+        state.extras["shared_moves_priced_per_consumer"] = unshared
     _coalesce(
         edge_count,
         graph.nodes,
@@ -439,6 +443,13 @@ def _tail_joins(meta, mesh_shape, cluster):
     return joins
 
 
+# The dense charge-matrix elements (producer choices x consumer choices x destination placements) one shared value
+# may take: 2e7 float64 is 160 MB. An MoE's dispatch on a mesh of 4 dims of 2 has 625 x 2401 choices per edge and
+# hundreds of destinations, tens of GB in all (the planner died of memory); beyond the cap the value's consumers
+# each pay their own move, the edges' price, which bounds the shared one from above.
+SHARED_MAX_ELEMENTS = 2e7
+
+
 def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
     """Redistributes several consumers share (passes/redistribute.py: one value taken to one placement in one phase,
     any phase for a value of at most HELD_NUMEL elements, not rooted in a parameter, runs once). The edges price
@@ -447,7 +458,8 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
     consumers of W[producer choice, consumer choice] = price(src, d) where that consumer takes d (the solver's `shared`,
     (producer nodes with these consumers, [((g1, g2), W)])); `delta` ((g1, g2) -> matrix, added to the edges;
     g1 == g2: its diagonal, to the group) takes it off the edges. A value feeding consumers in several layers (a
-    RoPE table) is counted per producer node. rooted(p): is node p's output rooted in a parameter."""
+    RoPE table) is counted per producer node. rooted(p): is node p's output rooted in a parameter. Also returns the
+    values left to the edges' prices (SHARED_MAX_ELEMENTS)."""
     nodes = g.nodes
     users: dict = defaultdict(list)  # (producer, output, phase or None) -> [(rep consumer, input)]
     for v, n in enumerate(nodes):
@@ -462,7 +474,7 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
     for (p, o, _), us in users.items():
         if len(us) > 1:
             sigs[(rep[p], o, tuple(sorted(us)))] += 1
-    delta, charges = {}, []
+    delta, charges, skipped = {}, [], []
     for (p, o, us), c in sorted(sigs.items(), key=lambda kv: str(kv[0])):
         meta, g1, rtime = nodes[p].outs[o], gid[root[p]], pricing(p, o)
         pls, si = _uniq([S[p][x].out[o] for x in choice[p]])
@@ -478,7 +490,11 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
                 ids.setdefault(x, len(ids))
             cons.append((gid[root[v]], np.array([ids[x] for x in dst]), m))
         pls = list(ids)
-        for d in np.unique(np.concatenate([di for _, di, _ in cons])):
+        dests = np.unique(np.concatenate([di for _, di, _ in cons]))
+        if len(si) * sum(len(di) for _, di, _ in cons) * len(dests) > SHARED_MAX_ELEMENTS:
+            skipped.append(nodes[p].name)  # each consumer pays its own move (the edges' price): a bound from above
+            continue
+        for d in dests:
             price = np.array(
                 [
                     rtime(pls[a], pls[d], meta) if a != d and communicates(pls[a], pls[d], mesh_shape) else 0.0
@@ -498,7 +514,7 @@ def _shared(g, rep, S, choice, gid, root, pricing, mesh_shape, rooted):
                 key = (g1, g2)
                 delta[key] = delta[key] - c * m * W if key in delta else -c * m * W
             charges.append((float(c), [((g1, g2), W) for g2, W, _ in joined]))
-    return delta, charges
+    return delta, charges, skipped
 
 
 def _lead_input(g, n, ins):

@@ -252,3 +252,21 @@ def test_moe_aux_loss_reductions_take_one_all_reduce(mesh):
     assert not low.expressible and any(
         part == f"op {leads[0][0]}" and "sums over the batch ranks" in why for part, why in low.reasons
     ), low.report()
+
+
+def test_shared_moves_too_large_to_price_once_are_priced_per_consumer(monkeypatch):
+    """A value whose consumers share one redistribute is priced once by dense charge matrices (producer choices x
+    consumer choices x destinations); past SHARED_MAX_ELEMENTS (an MoE's dispatch on a 4-dim mesh took tens of GB)
+    its consumers each pay their own move, the edges' price, and the plan names the values so priced. With the cap
+    at 0 every shared value is so priced and the plan still comes out, predicted no faster than with the charges."""
+    from autopar.passes import costs
+    from autopar.testing import SHAPES
+
+    m = M.build_model("llama-tiny", n_layers=1)
+    x = M.example_inputs("llama-tiny", batch=4, seq=16)
+    full = autopar.plan(m, (2, 2), x, cluster=SHAPES)
+    assert "shared_moves_priced_per_consumer" not in full.meta
+    monkeypatch.setattr(costs, "SHARED_MAX_ELEMENTS", 0)
+    capped = autopar.plan(m, (2, 2), x, cluster=SHAPES)
+    assert capped.meta["shared_moves_priced_per_consumer"], capped.meta.keys()
+    assert capped.solver["objective"] >= full.solver["objective"] * (1 - 1e-9)
