@@ -6,8 +6,9 @@ MILP's time_limit, the overlap search's budget): under load, ranks can find diff
 then refuses them, PlanMismatchError) or some none at all. So the mesh's first rank plans alone and sends its plan,
 as Plan.save writes it, to the other ranks of the mesh (one broadcast on a gloo group of the mesh's ranks, made once
 per mesh: _planning_group); they capture the model again and take the plan's placements from the record
-(autopar/execution.py, as for a loaded plan), which checks node for node that they captured the plan's graph. The first rank's options decide: a rank called with other model code or
-shapes fails at that check, one called with other planning options runs the first rank's plan.
+(autopar/execution.py, as for a loaded plan), which checks node for node that they captured the plan's graph. The
+first rank's options decide: a rank called with other model code or shapes fails at that check, one called with
+other planning options runs the first rank's plan.
 
 After planning every rank says whether it succeeded (`planned_on_every_rank`); where one failed, the failed ranks
 raise their own error and the others PlanningFailedError naming them, at once. Without a process group of several
@@ -91,7 +92,8 @@ def decided_once(mesh, make, send, receive):
 
     if not _several_ranks():
         return make()
-    first, mine = first_rank(mesh), dist.get_rank() == first_rank(mesh)
+    first = first_rank(mesh)
+    mine = dist.get_rank() == first
     group = _planning_group(mesh)  # made by every rank of the mesh together, before the first rank plans
     box, made, failed = [None], None, None
     if mine:

@@ -197,7 +197,7 @@ def mark(state) -> None:
         "gemms": len(nodes),
         "nodes": nodes,
         "weight_casts": sorted(casts.items()),
-        "gathered_views": views,  # retyped e4m3 on the graph: a loaded plan's capture repeats it (retype_gathered)
+        "gathered_views": views,  # retyped e4m3 here; a loaded plan's capture repeats it (execution.capture_for)
         "gathered_high_precision": dict(sorted(kept.items())),
     }
 

@@ -147,7 +147,7 @@ def check_plan(plan) -> None:
     outside = {i: f for i, f in outside.items() if not str(f).startswith(prefix + ".")}
     for n in fw:
         mine = block.get(n["idx"])
-        between = mine is None and start < n["idx"] < max(block)  # after the first block's ops, before the last's
+        between = mine is None and start < n["idx"] < end  # after the first block's ops, before the last's
         if between and any(p in outside for p, _ in n.get("inputs", [])):  # PoolFormer's downsampling embeddings
             raise NotImplementedError(
                 f"module '{n.get('module') or '<root>'}' holds parameters and runs between the blocks of '{prefix}' "
