@@ -178,7 +178,8 @@ def _plan_pipeline(model, example_inputs, example_kwargs, return_state, req, set
     )
     p = stages.run(request)
     if float8:
-        p.meta["float8"] = {**float8, "pipeline": "priced in every stage's intra-op plans (passes/float8.py)"}
+        note = "priced in every stage's intra-op plans (passes/float8.py)"
+        p.meta["float8"] = {**float8, "pipeline": note, **p.meta.get("float8", {})}
     return p
 
 

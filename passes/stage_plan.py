@@ -288,6 +288,29 @@ def _predicted(best, coll, budget) -> dict:
     }
 
 
+def _model_linears(names, prefix: str, pos_of: list) -> list:
+    """Module paths of the representative sub-model (its block j at `<prefix>.j`) named in the model: a block's
+    module for every block it represents."""
+    pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.(.*)$")
+    out = []
+    for n in names:
+        mt = pat.match(n)
+        out += [f"{prefix}.{i}.{mt.group(2)}" for i, j in enumerate(pos_of) if j == int(mt.group(1))] if mt else [n]
+    return sorted(out)
+
+
+def _float8_meta(main, prefix, pos_of) -> dict:
+    """The float8 linears (converted and skipped) of the whole model, from the main plan's sub-model ones: what the
+    pipelining runtime converts (backends/pipelining/float8.py)."""
+    f8 = main.meta.get("float8")
+    if not f8:
+        return {}
+    skipped = f8["skipped"]
+    named = {m: skipped[n] for n in skipped for m in _model_linears([n], prefix, pos_of)}
+    linears = _model_linears(f8["linears"], prefix, pos_of)
+    return {"float8": {"linears": linears, "skipped": dict(sorted(named.items()))}}
+
+
 def build_pipeline_plan(
     best, top, n_candidates, ops, model, prefix, reps, pos_of, mesh, inputs, cluster, budget, times
 ) -> Plan:
@@ -329,6 +352,7 @@ def build_pipeline_plan(
         main.coverage,
         {
             **main.meta,
+            **_float8_meta(main, prefix, pos_of),
             "pipeline": True,
             "nodes": "the per-op plan of the representative sub-model (one "
             "block per distinct block) of the stage plan most stages use",

@@ -34,6 +34,9 @@ the parameter and its placement; so does a plan that splits the batch over a non
 one on which every parameter is replicated, or uses two such dims. A non-dp dim the plan leaves idle (every
 parameter and activation replicated) runs replicated, as planned.
 
+Float8 (a plan made with float8=True): the nn.Linear modules the plan names compute their GEMMs in float8, as the
+stages were priced (float8.py), before the styles and wrappers below.
+
 Data parallelism (the dp dims), as the plan's per-op plan says: parameters sharded on dp -> FSDP2 `fully_shard`
 over the dp submesh (shard dim from the plan, `reshard_after_forward=False`: gathered once per step, as the plan's
 cost model assumes; FSDP2 shards every parameter of the module it wraps, so ones the plan keeps replicated are
@@ -59,6 +62,7 @@ from autopar.strategies.data_parallel import dp_dims
 
 from ..spmd.comm import agree_on_plan
 from ..spmd.module import parent_of
+from . import float8
 from .forward_stage import no_outputs
 from .tied import TiedGrads
 from .tp_styles import LOSS_STYLE, _styles, stage_tp_styles
@@ -227,10 +231,6 @@ class PipelineRunner:
 
         if not plan.stages or plan.schedule.get("name") in (None, "none"):
             raise ValueError("the plan has no pipeline stages (pp=1): run it with a non-pipeline backend")
-        if plan.meta.get("float8"):  # priced with float8 linears (passes/float8.py); the stages would run bf16
-            raise NotImplementedError(
-                "the plan prices float8 linears, which the pipelining runtime does not execute: plan without float8"
-            )
         cp = [nm for nm, n in zip(plan.schedule["stage_mesh_names"], plan.schedule["stage_mesh_shape"]) if n > 1]
         cp = [nm for nm in cp if nm.startswith(CP_PREFIX)]
         if cp:  # planned and priced (passes/stage_costs.py); the stages here run whole sequences
@@ -266,6 +266,7 @@ class PipelineRunner:
         from .forward_stage import check_batch_norm, check_chain, check_plan
 
         check_plan(plan)  # one running tensor between stages
+        float8.check(model, plan, self.device)
         check_batch_norm(model, plan)
         if plan.meta.get("keyword_inputs"):  # the model's own forward per stage, built at the first step
             from .forward_stage import loss_of_microbatch
@@ -283,9 +284,10 @@ class PipelineRunner:
         from autopar.pipeline_model import get_schedule
 
         sc, S = self.plan.schedule, self.plan.schedule["num_stages"]
-        self.modules, stages, self.tp_styles = [], [], []
+        self.modules, stages, self.tp_styles, self.float8 = [], [], [], []
         for k in self.local:
             mod = make(k).to(self.device)
+            self.float8 += float8.convert(mod, self.plan, k)  # TP styles hook around it
             mod = self._tensor_parallel(mod, k)
             mod = self._data_parallel(mod, k)
             self.modules.append(mod)

@@ -24,11 +24,21 @@ class Float8LoweringError(RuntimeError):
 
 
 def scaled(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t in float8 `dtype`, the inverse scale): one scale for the whole tensor, from its amax."""
+    """(t in float8 `dtype`, the inverse scale): one scale for the whole tensor, from its amax. A DTensor's amax is
+    the whole logical tensor's (all-reduced where t is sharded; the pipelining runtime's tensor-parallel stages)."""
     top = torch.finfo(dtype).max
-    amax = t.detach().abs().amax().float()
+    amax = _replicated(t.detach().abs().amax().float())
     scale = top / amax.clamp(min=1e-12)
     return (t.float() * scale).clamp(-top, top).to(dtype), scale.reciprocal()
+
+
+def _replicated(t):
+    """t as a Replicate DTensor where it is a DTensor, else t."""
+    if not hasattr(t, "device_mesh"):
+        return t
+    from torch.distributed.tensor import Replicate
+
+    return t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
 
 
 def _gemm(a_dtype, b_dtype, bias_first: bool):
@@ -46,7 +56,7 @@ def _gemm(a_dtype, b_dtype, bias_first: bool):
     return run
 
 
-def _probe(device) -> None:
+def probe(device) -> None:
     """Run one tiny scaled GEMM on `device`; Float8LoweringError naming the device and torch's reason if it fails."""
     try:
         a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
@@ -64,7 +74,7 @@ def lower(local, plan, device):
     rows = (plan.meta or {}).get("float8", {}).get("nodes", []) if plan is not None else []
     if not rows:
         return local
-    _probe(device)
+    probe(device)
     roles = {r[0]: (_DTYPES[r[1]], _DTYPES[r[2]]) for r in rows}
 
     def swap(op):
