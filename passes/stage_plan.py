@@ -301,7 +301,7 @@ def _model_linears(names, prefix: str, pos_of: list) -> list:
 
 def _float8_meta(main, prefix, pos_of) -> dict:
     """The float8 linears (converted and skipped) of the whole model, from the main plan's sub-model ones: what the
-    pipelining runtime converts (backends/pipelining/float8.py)."""
+    pipelining runtime converts (backends/float8_linear.py)."""
     f8 = main.meta.get("float8")
     if not f8:
         return {}

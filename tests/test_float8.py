@@ -145,12 +145,29 @@ def test_float8_needs_a_device_with_float8_matmuls():
         autopar.plan(m, (2,), x, cluster="h100", float8={"recipe": "rowwise"})
 
 
-def test_the_torch_engines_do_not_claim_float8_plans():
+def test_the_torch_engines_convert_the_float8_nn_linears_and_refuse_other_modules():
+    from autopar.backends import torch as torch_backend
     from autopar.backends.torch.recognize import recognize
 
     m, x = Net(), _net_inputs(256)
     p = autopar.plan(m, (2,), x, cluster="h100", float8=True)
-    assert any(r[0] == "float8" for r in recognize(p, m).reasons)
+    low = recognize(p, m)
+    assert low.float8 == ["down", "up"] and not any(r[0] == "float8" for r in low.reasons), low.reasons
+    code = torch_backend.render(p, m)
+    assert "convert_float8_linears(model, float8_linears)" in code and "float8_linears = [" in code
+
+    class MyLinear(nn.Module):  # the GEMM of its own weight the planner converts; no nn.Linear
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(64, 32))
+
+        def forward(self, x):
+            return x @ self.weight.t()
+
+    m.up = MyLinear()
+    p = autopar.plan(m, (2,), x, cluster="h100", float8=True)
+    why = dict(recognize(p, m).reasons)["float8"]
+    assert "module 'up' (MyLinear)" in why and "['output', 'up']" in why, why
 
 
 def test_a_forced_pipeline_layout_prices_every_stage_in_float8():
@@ -213,7 +230,7 @@ def _reference(model, x, y):
     return loss.detach(), {k: p.grad for k, p in ref.named_parameters()}
 
 
-def job_float8_dp(fsdp=False):
+def job_float8_dp(fsdp=False, backend="graph"):
     """Rank job: the float8 plan data-parallel on 2 ranks (batch sharded), one step: parameters replicated, or with
     fsdp the converted weights sharded and gathered as float8 is priced (fsdp_float8_all_gather; executed as
     high-precision gathers, the same numerics: the gathered weight's scale is the whole weight's)."""
@@ -225,19 +242,23 @@ def job_float8_dp(fsdp=False):
     x, y = _net_inputs()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     force = {k: ("S0",) if fsdp and k in ("up.weight", "down.weight") else ("R",) for k, _ in model.named_parameters()}
-    pm = autopar.parallelize(
-        copy.deepcopy(model),
-        mesh,
-        (x, y),
+    opts = dict(
         cluster="h100",
         float8={"fsdp_float8_all_gather": True} if fsdp else True,
         force=force,
         pin=lambda n: {0: "S0"} if n.kind == "input" else None,
     )
-    loss = pm(x, y)
+    if backend == "graph":
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x, y), **opts)
+        loss, plan = pm(x, y), pm.plan
+    else:  # the user's module parallelized in place by the engines; each rank feeds its half of the batch
+        plan = autopar.plan(model, (2,), (x, y), target="torch", **opts)
+        pm = autopar.parallelize(copy.deepcopy(model), mesh, (x, y), backend="torch", plan=plan, cluster="h100")
+        half = slice(dist.get_rank() * 1024, (dist.get_rank() + 1) * 1024)
+        loss = pm(x[half], y[half])
     loss.backward()
-    grads = {k: p.grad.full_tensor() for k, p in pm.named_parameters()}
-    plan = pm.plan
+    full = lambda g: g.full_tensor() if hasattr(g, "full_tensor") else g
+    grads = {k: full(p.grad) for k, p in pm.named_parameters()}
     # the reference: each rank's half of the batch in float8 on one device (per-rank scales), averaged
     halves = [_reference(model, x[i * 1024 : (i + 1) * 1024], y[i * 1024 : (i + 1) * 1024]) for i in range(2)]
     ref_loss = (halves[0][0] + halves[1][0]) / 2
@@ -254,7 +275,9 @@ def job_float8_dp(fsdp=False):
             if n["idx"] in {r[0] for r in plan.meta["float8"]["nodes"]}
         ),
         "loss": float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss),
-        "ref_loss": float(ref_loss),
+        # the graph backend returns the batch's loss, the engines this rank's half's
+        "ref_loss": float(ref_loss if backend == "graph" else halves[dist.get_rank()][0]),
+        "converted": sorted(pm._autopar_lowering.float8) if backend == "torch" else None,
         "fp32_loss": float(fp32_loss),
         "grad_err": {},
         "fp32_grad_err": {},
@@ -294,8 +317,12 @@ def test_a_saved_plan_gathering_weights_in_float8_runs_on_a_fresh_capture(tmp_pa
 
 @pytest.mark.dist
 @pytest.mark.parametrize("fsdp", [False, True])
-def test_float8_plan_runs_on_two_gloo_ranks_as_the_per_rank_float8_reference(tmp_path, fsdp):
-    for r in launch(job_float8_dp, 2, [fsdp], tmp_path):
+@pytest.mark.parametrize("backend", ["graph", "torch"])
+def test_float8_plan_runs_on_two_gloo_ranks_as_the_per_rank_float8_reference(tmp_path, fsdp, backend):
+    """The graph backend (its float8 GEMMs, backends/spmd/float8.py) and the torch engines (FSDP2 or replicated
+    parameters with the plan's gradient hooks, the linears converted: backends/float8_linear.py)."""
+    for r in launch(job_float8_dp, 2, [fsdp, backend], tmp_path):
+        assert r["converted"] in (None, ["down", "up"]), r["converted"]
         assert r["gemms"] == 5 and r["sharded_gemms"] == 5  # every float8 GEMM reads this rank's batch shard
         assert r["weight_casts"] == (2 if fsdp else 0)
         assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5, abs=1e-6)

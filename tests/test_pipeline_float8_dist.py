@@ -3,7 +3,7 @@
 The parent plans llama-tiny with float8 forced and pipeline stages (pp=2 x tp=2 under a cost model where tensor
 parallelism pays, ParallelStyles inside the stages; pp=2 x dp=2, the batch split over dp) and launches one process
 per rank. Each rank runs one step with backends/pipelining/runtime.py, whose stages compute the plan's float8 linears
-(backends/pipelining/float8.py), and compares with the model on one device whose same linears run the same math on
+(backends/float8_linear.py), and compares with the model on one device whose same linears run the same math on
 plain tensors: every micro-batch (of every dp rank's rows) alone, since each GEMM scales the tensor it reads. The
 tp ranks' scales are the whole tensors' (the amax all-reduced over tp), so the one-device reference needs no
 per-shard scaling there. Also checked: the stages really ran float8 (the step is 1-10% of the largest gradient off
@@ -46,7 +46,7 @@ def _reference(model, linears, pieces):
     """(mean loss, gradients) of `model` on one device with `linears` in float8, each piece of the batch alone."""
     import copy
 
-    from autopar.backends.pipelining.float8 import _forward
+    from autopar.backends.float8_linear import _forward
 
     ref = copy.deepcopy(model)
     for f in linears:
@@ -137,7 +137,7 @@ def test_a_float8_linear_that_is_no_nn_linear_is_refused_naming_it():
 
     import autopar
     from autopar import models
-    from autopar.backends.pipelining import float8
+    from autopar.backends import float8_linear as float8
 
     class MyLinear(nn.Module):  # a GEMM on its own weight, priced in float8, not an nn.Linear
         def __init__(self, lin):

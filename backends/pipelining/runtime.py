@@ -35,7 +35,7 @@ one on which every parameter is replicated, or uses two such dims. A non-dp dim 
 parameter and activation replicated) runs replicated, as planned.
 
 Float8 (a plan made with float8=True): the nn.Linear modules the plan names compute their GEMMs in float8, as the
-stages were priced (float8.py), before the styles and wrappers below.
+stages were priced (backends/float8_linear.py), before the styles and wrappers below.
 
 Data parallelism (the dp dims), as the plan's per-op plan says: parameters sharded on dp -> FSDP2 `fully_shard`
 over the dp submesh (shard dim from the plan, `reshard_after_forward=False`: gathered once per step, as the plan's
@@ -60,9 +60,9 @@ from torch import nn
 from autopar.strategies.context_parallel import CP_PREFIX
 from autopar.strategies.data_parallel import dp_dims
 
+from .. import float8_linear
 from ..spmd.comm import agree_on_plan
 from ..spmd.module import parent_of
-from . import float8
 from .forward_stage import no_outputs
 from .tied import TiedGrads
 from .tp_styles import LOSS_STYLE, _styles, stage_tp_styles
@@ -266,7 +266,7 @@ class PipelineRunner:
         from .forward_stage import check_batch_norm, check_chain, check_plan
 
         check_plan(plan)  # one running tensor between stages
-        float8.check(model, plan, self.device)
+        float8_linear.check(model, plan, self.device)
         check_batch_norm(model, plan)
         if plan.meta.get("keyword_inputs"):  # the model's own forward per stage, built at the first step
             from .forward_stage import loss_of_microbatch
@@ -287,7 +287,7 @@ class PipelineRunner:
         self.modules, stages, self.tp_styles, self.float8 = [], [], [], []
         for k in self.local:
             mod = make(k).to(self.device)
-            self.float8 += float8.convert(mod, self.plan, k)  # TP styles hook around it
+            self.float8 += float8_linear.convert(mod, self._float8_linears(k))  # TP styles hook around it
             mod = self._tensor_parallel(mod, k)
             mod = self._data_parallel(mod, k)
             self.modules.append(mod)
@@ -301,6 +301,11 @@ class PipelineRunner:
         self.schedule = cls(
             stages if spec.multi else stages[0], n_microbatches=m, loss_fn=self.loss_fn, scale_grads=scale_grads
         )
+
+    def _float8_linears(self, k) -> list:
+        """The float8 linears (Plan.meta float8) stage k holds."""
+        held = set(self.plan.stages[k]["params"])
+        return [f for f in (self.plan.meta.get("float8") or {}).get("linears", []) if f"{f}.weight" in held]
 
     def _tensor_parallel(self, mod, k):
         """ParallelStyles over the stage's tensor-parallel dim (stage_tp_styles), applied with parallelize_module

@@ -1,7 +1,7 @@
 """The torch backend: a finished Plan lowered onto the user's own eager module with PyTorch's engines (FSDP2
 fully_shard, tensor parallelism by parallelize_module, activation checkpointing, torch.compile), in torchtitan's
-order: recognize.py (Plan -> TorchLowering, or the reasons it cannot be), apply.py (apply_tp, apply_ac,
-apply_compile, apply_fsdp, then the gradient and loss hooks), source.py (the same steps printed as code).
+order: recognize.py (Plan -> TorchLowering, or the reasons it cannot be), apply.py (apply_float8, apply_tp,
+apply_ac, apply_compile, apply_fsdp, then the gradient and loss hooks), source.py (the same steps printed as code).
 
     model = autopar.backends.torch.lower(model, plan, mesh)      # the one lowering entry; never plans
     print(autopar.backends.torch.render(plan, model))             # the equivalent code, for people

@@ -1,7 +1,8 @@
-"""A recognized TorchLowering applied to the user's module with PyTorch's own calls, in torchtitan's order
-(parallelize_llama): tensor parallelism, activation checkpointing, torch.compile of each block, FSDP2, then the
-hooks the plan needs beside them (gradient buckets for replicated parameters, the whole batch's mean loss).
-render.py prints the same steps as code for people; nothing here is generated or executed from text."""
+"""A recognized TorchLowering applied to the user's module with PyTorch's own calls, in torchtitan's order (its
+float8 converter, then parallelize_llama): float8 linears, tensor parallelism, activation checkpointing,
+torch.compile of each block, FSDP2, then the hooks the plan needs beside them (gradient buckets for replicated
+parameters, the whole batch's mean loss). render.py prints the same steps as code for people; nothing here is
+generated or executed from text."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from autopar.strategies._torch_adapter import flatten_mesh
 
+from .. import float8_linear
 from .hooks import checkpoint_block, reduce_grads_in_buckets, weigh_mean_loss
 from .lowering import EngineLoweringError, TorchLowering
 
@@ -23,6 +25,13 @@ def check_mesh(mesh, low: TorchLowering) -> None:
     names = tuple(mesh.mesh_dim_names or ())
     if names != tuple(low.mesh_names):
         raise EngineLoweringError(f"the plan names mesh dims {low.mesh_names} but the DeviceMesh has {names}")
+
+
+def apply_float8(model: nn.Module, mesh, low: TorchLowering) -> None:
+    """The plan's float8 linears converted (torchao's tensorwise Float8Linear math), before the styles wrap them."""
+    if low.float8:
+        float8_linear.probe(mesh.device_type)
+        float8_linear.convert(model, low.float8)
 
 
 def apply_tp(model: nn.Module, mesh, low: TorchLowering) -> None:
@@ -102,6 +111,7 @@ def apply_hooks(model: nn.Module, mesh, low: TorchLowering) -> None:
 def apply(model: nn.Module, mesh, low: TorchLowering, compile_blocks: dict | None = None) -> nn.Module:
     """Parallelize `model` in place as `low` says, in the visible order of the steps above."""
     check_mesh(mesh, low)
+    apply_float8(model, mesh, low)
     apply_tp(model, mesh, low)
     apply_ac(model, low)
     apply_compile(model, low, compile_blocks)

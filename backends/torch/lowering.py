@@ -87,6 +87,7 @@ class TorchLowering:
     grad_buckets: list = field(default_factory=list)  # GradBucket: how the hook reduces replicated_grads
     batch_shards: int = 1  # ranks that split the batch (product of the data dims)
     mixed_precision: dict | None = None
+    float8: list = field(default_factory=list)  # nn.Linear FQNs computing in float8 (backends/float8_linear.py)
     checkpoint: list = field(default_factory=list)  # block FQNs
     loss_parallel: bool = False
     input_placements: list = field(default_factory=list)

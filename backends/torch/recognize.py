@@ -43,6 +43,7 @@ from autopar.collectives import BUCKET_BYTES, dims_of
 
 from autopar.targets import _fed
 
+from ..float8_linear import unconvertible
 from .batch import _check_batch_shards
 from .fsdp import blocks, recognize_fsdp
 from .lowering import EngineLoweringError, GradBucket, TorchLowering, _Graph
@@ -102,6 +103,7 @@ def recognize(plan, model: nn.Module | None = None, *, units=None, styles=None, 
             f"(mesh {dict(zip(low.mesh_names, low.mesh_shape))}, inputs {low.input_placements})"
         )
     _check_shared(low, plan, model)
+    _float8(low, plan, model, in_part)
     _mixed_precision(low, plan)
     low.checkpoint = list(plan.meta.get("checkpointing", {}).get("blocks", []))
     if parts:
@@ -158,11 +160,18 @@ def _model_dims(low, G, own, model_dims, in_part) -> None:
             )
 
 
+def _float8(low, plan, model, in_part) -> None:
+    """The float8 linears the engines convert (backends/float8_linear.py; those of graph-backend parts are the
+    graph backend's), or the reason they cannot (a converted module that is no nn.Linear)."""
+    f8 = plan.meta.get("float8") or {}
+    why = unconvertible(model, plan) if model is not None else None
+    if why:
+        low.reasons.append(("float8", why))
+    elif f8.get("gemms"):
+        low.float8 = [f for f in f8["linears"] if not in_part(f)]
+
+
 def _mixed_precision(low, plan) -> None:
-    if plan.meta.get("float8", {}).get("gemms"):  # torchao's Float8Linear is not among the engines autopar applies
-        low.reasons.append(
-            ("float8", "the plan runs float8 linears (passes/float8.py), which only the graph backend executes")
-        )
     mp = plan.meta.get("mixed_precision")
     if not mp:
         return

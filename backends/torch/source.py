@@ -59,6 +59,7 @@ def _wrap(items, indent, width=116) -> list:
 def _header(low) -> list:
     names = low.mesh_names
     mesh_desc = " x ".join(f"{n}={s}" for n, s in zip(names, low.mesh_shape))
+    f8 = ["from autopar.backends.float8_linear import convert as convert_float8_linears"] if low.float8 else []
     return [
         f"# autopar plan {low.plan_hash} on mesh [{mesh_desc}], lowered to PyTorch's engines.",
         "# Printed by autopar.backends.torch.render(plan): the steps autopar.backends.torch.lower applies, as code to read,",
@@ -72,6 +73,7 @@ def _header(low) -> list:
         "                                               SequenceParallel, parallelize_module)",
         "",
         "from autopar.backends.torch.hooks import checkpoint_block, reduce_grads_in_buckets, weigh_mean_loss",
+        *f8,
         "",
     ]
 
@@ -129,6 +131,8 @@ def _fsdp_section(low) -> list:
     )
     L += _list("part_params", low.part_params, what)
     L.append(f"checkpoint_blocks = {low.checkpoint!r}   # activation checkpointing (recomputed in the backward)")
+    if low.float8:
+        L += _list("float8_linears", low.float8, "nn.Linear modules computing in float8 (tensorwise scales)")
     return L
 
 
@@ -203,6 +207,8 @@ def _apply_section(low) -> list:
         '    """compile_blocks: None, or torch.compile keyword arguments to compile each block in place after TP and',
         '    checkpointing and before FSDP (torchtitan\'s order)."""',
     ]
+    if low.float8:  # torchao's tensorwise Float8Linear math, before the styles wrap the linears
+        L.append("    convert_float8_linears(model, float8_linears)")
     if low.tp_dim is not None:
         L.append(f'    parallelize_module(model, mesh["{names[low.tp_dim]}"], parallelize_plan)')
     L.append("    for fqn in checkpoint_blocks:")
@@ -279,6 +285,9 @@ def report(low) -> str:
             f"over {'+'.join(names[d] for d in data)} ({low.mean_loss['nbytes']} B)  because the plan's mean is "
             f"the loss sum over the batch's counted targets"
         )
+    if low.float8:
+        n = len(low.float8)
+        L.append(f"  -> torch  {n} nn.Linear modules in float8 (tensorwise, torch._scaled_mm; planner decision)")
     if low.mixed_precision:
         L.append(f"  -> torch  MixedPrecisionPolicy({low.mixed_precision}) on every FSDP unit (planner decision)")
     if low.checkpoint:
