@@ -243,6 +243,88 @@ def test_pipeline_fsdp_x_tp_stages_equal_single_device(tmp_path):
             assert h["tp_sharded"] >= (8, 8, 1)[i] and h["tp_sharded"] == h["tp_local_split"], (c, h)
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_pipeline_context_parallel_stages_equal_single_device(tmp_path):
+    """pp=2 x cp=2 on 4 gloo ranks: each cp rank runs its half of every sequence (the RoPE tables cut to its
+    positions), attention against K and V gathered along the sequence with the causal mask of its query positions
+    (backends/context_parallel.py), gradients averaged over cp by DDP (torchtitan's dp x cp), the loss the whole
+    sequence's mean; GPipe and 1F1B, the second with K/V at the KV heads (SDPA's enable_gqa)."""
+    import autopar
+    from autopar import models
+
+    mesh = autopar.MeshSpec((2, 2), ("pp", "cp"))
+    cases = []
+    for sched, gqa in (("GPipe", "repeat"), ("1F1B", "native")):
+        m = models.build_model(MODEL, device="meta", n_layers=LAYERS, gqa=gqa)
+        x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta", n_layers=LAYERS)
+        plan = autopar.plan(m, mesh, x, cluster="h100", pipeline={"schedules": [sched], "n_microbatches": [2]})
+        assert plan.schedule["batch_placement"] == ["S1"], plan.schedule["batch_placement"]
+        cases.append({**_case(plan, tmp_path, f"cp_{sched}", sched), "gqa": gqa})
+    results = launch(_rank_cases, 4, [cases], tmp_path)
+    _check(results, cases)
+    for i, c in enumerate(cases):
+        for r in results:
+            h = r["cases"][i]
+            assert h["allclose"] and all(w.startswith("DistributedDataParallel") for w in h["wrappers"]), (c, h)
+            assert h["cp_gathers"] > 0, h  # K and V really gathered along the sequence
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(
+    (os.cpu_count() or 1) < 8 and not os.environ.get("AUTOPAR_TEST_WORLD8"),
+    reason="8 gloo ranks: 1-2 min on a 2-core machine (set AUTOPAR_TEST_WORLD8=1 to run it there)",
+)
+def test_pipeline_context_x_tensor_parallel_stages_equal_single_device(tmp_path):
+    """pp=2 x cp=2 x tp=2 on 8 gloo ranks (1F1B, torchtitan's tp placements): ParallelStyles over tp, attention
+    on local heads gathered over cp, FSDP2's replicate (DDP for DTensor parameters) over cp."""
+    import autopar
+    from autopar import models
+    from _bench import torchtitan_placements
+
+    m = models.build_model(MODEL, device="meta", n_layers=LAYERS)
+    x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta", n_layers=LAYERS)
+    mesh = autopar.MeshSpec((2, 2, 2), ("pp", "cp", "tp"))
+    force = {k: ("R", v[1]) for k, v in torchtitan_placements(m, ("cp", "tp"), None, "tp")[0].items()}
+    pipeline = {"schedules": ["1F1B"], "n_microbatches": [2]}
+    plan = autopar.plan(m, mesh, x, cluster=_tp_cluster(), force=force, pipeline=pipeline)
+    cases = [_case(plan, tmp_path, "cp_tp", "1F1B")]
+    results = launch(_rank_cases, 8, [cases], tmp_path)
+    _check(results, cases)
+    for r in results:
+        h = r["cases"][0]
+        assert h["allclose"] and h["cp_gathers"] > 0 and h["tp_sharded"] >= 8, h
+        assert all(w.startswith("Replicate") for w in h["wrappers"]), h["wrappers"]
+
+
+def test_pipeline_context_parallel_refuses_blocks_that_make_positions():
+    """A block computing its RoPE positions itself (an arange inside it) would start every cp rank's chunk at 0:
+    refused from the plan, naming the module, before any stage is built."""
+    import torch
+
+    import autopar
+    from autopar import models
+    from autopar.backends.pipelining import PipelineRunner
+
+    m = models.build_model(MODEL, device="cpu", n_layers=LAYERS)
+    x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, n_layers=LAYERS)
+
+    class OwnRope(torch.nn.Module):  # the block makes cos / sin from its own input's length
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, h, cos, sin):
+            pos = torch.arange(h.shape[1], dtype=h.dtype)
+            return self.block(h, cos + 0 * pos[:, None], sin)
+
+    m.layers = torch.nn.ModuleList(OwnRope(b) for b in m.layers)
+    plan = autopar.plan(m, autopar.MeshSpec((2, 2), ("pp", "cp")), x, cluster="h100", pipeline={"schedules": ["GPipe"]})
+    with pytest.raises(NotImplementedError, match=r"module 'layers\.\d' makes positions itself \(arange"):
+        PipelineRunner(m, plan, mesh=object())
+
+
 def test_pipeline_tp_refuses_inexpressible_stage_placement():
     """A stage placement no ParallelStyle expresses is refused with the stage, the parameter and its placement:
     a tp plan of the MLP model that shards fc1's weight (Shard(0)) but keeps its bias replicated (forced;
@@ -320,7 +402,7 @@ def _rank_cases(cases):
     res = []
     for case in cases:
         plan = Plan.load(case["path"])
-        model = models.build_model(MODEL, device="cpu", n_layers=LAYERS, seed=0)
+        model = models.build_model(MODEL, device="cpu", n_layers=LAYERS, seed=0, gqa=case.get("gqa", "repeat"))
         ref = copy.deepcopy(model)
         x, y = models.example_inputs(MODEL, batch=BATCH, seq=case.get("seq", SEQ), n_layers=LAYERS, seed=1)
         mesh = init_device_mesh("cpu", tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_names))
@@ -368,6 +450,7 @@ def _rank_cases(cases):
                 "all_params": [n for n, _ in ref.named_parameters()],
                 "loss_diff": None if loss is None else abs(loss.item() - loss_local_ref),
                 "kept_outputs": kept,
+                "cp_gathers": runner.cp_attention.calls if runner.cp_attention else 0,
                 "loss_parallel": runner.loss_parallel,
                 "is_last": runner.is_last,
                 "loss_ref": loss_local_ref,

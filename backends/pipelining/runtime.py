@@ -34,6 +34,9 @@ the parameter and its placement; so does a plan that splits the batch over a non
 one on which every parameter is replicated, or uses two such dims. A non-dp dim the plan leaves idle (every
 parameter and activation replicated) runs replicated, as planned.
 
+Context parallelism (a cp* stage dim): each rank runs its contiguous chunk of every sequence, attention against K
+and V gathered along it (backends/context_parallel.py); its ranks sum gradients with the dp ranks (below).
+
 Float8 (a plan made with float8=True): the nn.Linear modules the plan names compute their GEMMs in float8, as the
 stages were priced (backends/float8_linear.py), before the styles and wrappers below.
 
@@ -60,7 +63,7 @@ from torch import nn
 from autopar.strategies.context_parallel import CP_PREFIX
 from autopar.strategies.data_parallel import dp_dims
 
-from .. import float8_linear
+from .. import context_parallel, float8_linear
 from ..spmd.comm import agree_on_plan
 from ..spmd.module import parent_of
 from .forward_stage import no_outputs
@@ -186,13 +189,35 @@ def build_stage_module(model: nn.Module, plan, k: int, block_args=None) -> nn.Mo
 
 
 def _tp_dims(plan) -> list:
-    """Stage-submesh dims (index, name) of size > 1 that are not data-parallel (name not starting with "dp")."""
+    """Stage-submesh dims (index, name) of size > 1 that are neither data- nor context-parallel (dp*, cp*)."""
     sc = plan.schedule
     return [
         (d, nm)
         for d, (nm, size) in enumerate(zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]))
-        if size > 1 and not nm.startswith("dp")
+        if size > 1 and not nm.startswith("dp") and not _is_cp(nm, size)
     ]
+
+
+def _is_cp(name: str, size: int) -> bool:
+    return size > 1 and name.startswith(CP_PREFIX)
+
+
+def _check_cp(plan) -> None:
+    """Refuse, before any rank builds a stage, a cp* stage dim the runtime cannot split the sequence over."""
+    sc = plan.schedule
+    cp = [nm for nm, n in zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]) if _is_cp(nm, n)]
+    why = None
+    if len(cp) > 1:
+        why = f"several context-parallel stage mesh dims {cp}: the runtime splits the sequence over one"
+    elif cp and plan.meta.get("keyword_inputs"):
+        why = "a plan made from keyword inputs runs the model's own forward per stage, whose masks span the sequence"
+    elif cp:
+        why = context_parallel.unsplittable(plan, sc["layer_prefix"])
+    if why:
+        raise NotImplementedError(
+            f"the plan splits the sequence over context-parallel stage mesh dims {cp}, which the pipelining runtime "
+            f"cannot run here: {why}; plan the stage mesh without a cp* dim to run it"
+        )
 
 
 def _batch_dp_sharded(plan) -> bool:
@@ -231,13 +256,7 @@ class PipelineRunner:
 
         if not plan.stages or plan.schedule.get("name") in (None, "none"):
             raise ValueError("the plan has no pipeline stages (pp=1): run it with a non-pipeline backend")
-        cp = [nm for nm, n in zip(plan.schedule["stage_mesh_names"], plan.schedule["stage_mesh_shape"]) if n > 1]
-        cp = [nm for nm in cp if nm.startswith(CP_PREFIX)]
-        if cp:  # planned and priced (passes/stage_costs.py); the stages here run whole sequences
-            raise NotImplementedError(
-                f"the plan splits the sequence over context-parallel stage mesh dims {cp}, which the pipelining "
-                f"runtime does not execute: plan the stage mesh without a cp* dim to run it"
-            )
+        _check_cp(plan)
         self.plan = plan
         sc = plan.schedule
         self.device = torch.device(device or "cpu")
@@ -263,6 +282,8 @@ class PipelineRunner:
         self.is_last = (S - 1) in self.local
         self._model, self.schedule = model, None
         self.loss_parallel = False  # the head's logits class-sharded: the step runs under torch's loss_parallel()
+        self.cp = None  # (group, rank, size) of a cp* stage dim: each rank runs its chunk of every sequence
+        self.cp_attention = None  # the attention over the gathered sequence, around every step
         from .forward_stage import check_batch_norm, check_chain, check_plan
 
         check_plan(plan)  # one running tensor between stages
@@ -276,7 +297,19 @@ class PipelineRunner:
             return
         check_chain(plan)
         extras = block_inputs(model, plan)
+        self.cp = self._cp_group()
+        if self.cp:  # the RoPE tables (what spans the sequence) cut to this rank's positions
+            self.cp_attention = context_parallel.Attention(*self.cp)
+            extras = context_parallel.shard_block_inputs(*extras, _rank_microbatch_shapes(plan)[0][1], *self.cp[1:])
         self._build(lambda k: build_stage_module(model, plan, k, extras))
+
+    def _cp_group(self):
+        """(group, rank, size) of the stage mesh's cp* dim, or None."""
+        sc = self.plan.schedule
+        nm = next((n for n, k in zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]) if _is_cp(n, k)), None)
+        if nm is None:
+            return None
+        return self.mesh.get_group(nm), self.mesh.get_local_rank(nm), self.mesh[nm].size()
 
     def _build(self, make, scale_grads: bool = True) -> None:
         """Stage modules (make(k)), tensor then data parallel inside each, their PipelineStages and the schedule."""
@@ -357,24 +390,30 @@ class PipelineRunner:
         return mod
 
     def _data_parallel(self, mod, k):
+        """DDP / FSDP2 over the dims whose ranks sum gradients: the dp dim where it splits the batch, and the cp dim
+        (each of its ranks computes the loss of its sequence chunk: torchtitan's dp x cp flattened)."""
         sc = self.plan.schedule
         tp = {d for d, _ in _tp_dims(self.plan)}
         dims = list(zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]))
-        dp = [(d, nm) for d, (nm, size) in enumerate(dims) if size > 1 and d not in tp]
-        if not dp:
-            return mod
-        if len(dp) != 1:
+        data = [(d, nm) for d, (nm, size) in enumerate(dims) if size > 1 and d not in tp]
+        dp = [(d, nm) for d, nm in data if not _is_cp(nm, dims[d][1])]
+        if len(dp) > 1:
             raise NotImplementedError(f"stage {k}: one data-parallel dim supported, plan has {[n for _, n in dp]}")
-        d, nm = dp[0]
-        pls = {f: self.plan.params[f][d] for f in self.plan.stages[k]["params"]}
-        if not _batch_dp_sharded(self.plan):
-            if any(p != "R" for p in pls.values()):
+        if dp and not _batch_dp_sharded(self.plan):
+            d, nm = dp[0]
+            if any(self.plan.params[f][d] != "R" for f in self.plan.stages[k]["params"]):
                 raise NotImplementedError(
                     f"stage {k}: the plan keeps the batch whole on '{nm}' but shards "
                     f"parameters there; only data-parallel dp dims are supported"
                 )
-            return mod  # every dp rank computes the same micro-batches: nothing to wrap
-        sub = self.mesh[nm]
+            data.remove(dp[0])  # every dp rank computes the same micro-batches: nothing to sum there
+        if not data:
+            return mod
+        first = lambda pl: next((pl[d] for d, _ in data if pl[d] != "R"), "R")  # noqa: E731
+        pls = {f: first(self.plan.params[f]) for f in self.plan.stages[k]["params"]}
+        from autopar.strategies._torch_adapter import flatten_mesh
+
+        sub = flatten_mesh(self.mesh, tuple(nm for _, nm in data))
         tp_params = any(hasattr(p, "device_mesh") for p in mod.parameters())  # DTensors on the tp submesh
         if all(p == "R" for p in pls.values()):
             if tp_params:  # DDP takes no DTensor parameters: FSDP2's replicate (its DDP) does
@@ -452,15 +491,21 @@ class PipelineRunner:
                 f"runner.step_model(**batch) on every rank (the model's own call)"
             )
         self._agree((x if self.is_first else None, target if self.is_last else None))
+        if self.cp:  # this rank's chunk of every sequence (dim 1 of the tokens and of the targets)
+            x, target = (None if t is None else context_parallel.local_chunk(t, 1, *self.cp[1:]) for t in (x, target))
         losses = [] if self.is_last else None
         args = (x,) if self.is_first else ()
         kw = {"target": target, "losses": losses} if self.is_last else {}
-        with self._loss_context():
+        with self._loss_context(), self.cp_attention or contextlib.nullcontext():
             self.schedule.step(*args, **kw, **no_outputs(self.schedule))
         self.tied.sum(self.named_parameters())
-        if self.is_last:
-            return torch.stack([_local(loss.detach()) for loss in losses]).mean()
-        return None
+        if not self.is_last:
+            return None
+        loss = torch.stack([_local(loss.detach()) for loss in losses]).mean()
+        if self.cp:  # the mean over the sequence: its chunks' means, alike in size
+            torch.distributed.all_reduce(loss, group=self.cp[0])
+            loss /= self.cp[2]
+        return loss
 
     def _loss_context(self):
         """torch's loss_parallel() around forward and backward where the head keeps the logits class-sharded
