@@ -28,6 +28,10 @@ from _dist import launch
 
 MODEL, LAYERS, BATCH, SEQ = "llama-tiny", 4, 8, 32
 TP_SEQ = 8  # the tensor-parallel cases (_tp_cluster)
+WORLD8 = pytest.mark.skipif(
+    (os.cpu_count() or 1) < 8 and not os.environ.get("AUTOPAR_TEST_WORLD8"),
+    reason="8 gloo ranks: 1-2 min on a 2-core machine (set AUTOPAR_TEST_WORLD8=1 to run it there)",
+)
 
 
 def _tp_cluster():
@@ -205,10 +209,7 @@ def test_pipeline_tensor_parallel_stages_equal_single_device(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(
-    (os.cpu_count() or 1) < 8 and not os.environ.get("AUTOPAR_TEST_WORLD8"),
-    reason="8 gloo ranks: 1-2 min on a 2-core machine (set AUTOPAR_TEST_WORLD8=1 to run it there)",
-)
+@WORLD8
 def test_pipeline_fsdp_x_tp_stages_equal_single_device(tmp_path):
     """pp=2 x dp=2 x tp=2 on 8 gloo ranks (1F1B): TP styles first, then FSDP2 over the dp submesh on the
     tp-sharded DTensor parameters (torchtitan's composition) where the stage plan shards on dp (torchtitan's
@@ -272,10 +273,7 @@ def test_pipeline_context_parallel_stages_equal_single_device(tmp_path):
 
 @pytest.mark.dist
 @pytest.mark.timeout(600)
-@pytest.mark.skipif(
-    (os.cpu_count() or 1) < 8 and not os.environ.get("AUTOPAR_TEST_WORLD8"),
-    reason="8 gloo ranks: 1-2 min on a 2-core machine (set AUTOPAR_TEST_WORLD8=1 to run it there)",
-)
+@WORLD8
 def test_pipeline_context_x_tensor_parallel_stages_equal_single_device(tmp_path):
     """pp=2 x cp=2 x tp=2 on 8 gloo ranks (1F1B, torchtitan's tp placements): ParallelStyles over tp, attention
     on local heads gathered over cp, FSDP2's replicate (DDP for DTensor parameters) over cp."""
