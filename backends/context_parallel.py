@@ -7,9 +7,10 @@ torch's context_parallel; its backward reduce-scatters dK / dV).
 gathered (`gather_sequence`, differentiable: the backward reduce-scatters the gradient) and a causal attention gets
 the mask of this rank's query positions `rank * L + i` against the whole sequence. What a block reads besides the
 running tensor that spans the sequence (RoPE tables) is sliced to this rank's positions (`shard_block_inputs`). A
-model whose blocks make positions themselves (an `arange` in a block) or attend without scaled_dot_product_attention
-(an explicit mask, which the CPU capture decomposes) cannot be split so: `unsplittable` says why, from the plan's
-graph, before any rank runs.
+model whose blocks make positions themselves (an `arange` in a block, or a table made outside them cut to the
+sequence's length inside one: torchtitan's freqs_cis longer than the sequence) or attend without
+scaled_dot_product_attention (an explicit mask, which the CPU capture decomposes) cannot be split so: `unsplittable`
+says why, from the plan's graph, before any rank runs.
 """
 
 from __future__ import annotations
@@ -103,13 +104,23 @@ def shard_block_inputs(args: tuple, kwargs: dict, seq: int, rank: int, size: int
 
 def unsplittable(plan, prefix: str) -> str | None:
     """Why the plan's blocks cannot run on sequence chunks (None: they can), from its graph's forward ops."""
-    inside = [n for n in plan.nodes if n["kind"] == "op" and (n["module"] or "").startswith(prefix + ".")]
+    in_blocks = lambda n: n["kind"] == "op" and (n["module"] or "").startswith(prefix + ".")  # noqa: E731
+    inside = [n for n in plan.nodes if in_blocks(n)]
     made = next((n for n in inside if n["target"].startswith("arange")), None)
     if made is not None:
         return (
             f"module '{made['module']}' makes positions itself ({made['target']}): on a sequence chunk they would "
             f"start at 0 on every context-parallel rank"
         )
+    by_idx = {n["idx"]: n for n in plan.nodes}
+    for n in inside:  # a table made outside the blocks, cut inside one from position 0 to the sequence's length
+        src = by_idx[n["inputs"][0][0]] if n["target"].startswith("slice") and n["inputs"] else None
+        if src is not None and not in_blocks(src) and n["shape"][0] != src["shape"][0]:
+            return (
+                f"module '{n['module']}' cuts {src['kind']} '{src['target']}' {src['shape'][0]} to {n['shape'][0]} "
+                f"itself (positions from 0, as torchtitan's freqs_cis longer than the sequence): build the model "
+                f"with the table as long as the sequence (torchtitan sets max_seq_len = seq_len)"
+            )
     if not any(n["target"] == _SDPA for n in inside):
         return (
             f"the blocks of '{prefix}' attend without scaled_dot_product_attention (or with an explicit mask, "

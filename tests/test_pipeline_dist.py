@@ -97,6 +97,34 @@ def _tp_plans(tmp_path):
     return cases
 
 
+def _titan(max_seq_len: int, device="cpu"):
+    """torchtitan's Llama 3 debug model (4 layers, its RoPE table `freqs_cis` a buffer of max_seq_len rows) with its
+    trainer's cross entropy, and a (tokens, labels) batch of BATCH x SEQ."""
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+    from torchtitan.models.llama3 import Transformer, llama3_args
+
+    class TitanLoss(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, tokens, labels):
+            return F.cross_entropy(self.model(tokens).flatten(0, 1).float(), labels.flatten(0, 1))
+
+    args = dataclasses.replace(llama3_args["debugmodel"], max_seq_len=max_seq_len, n_layers=LAYERS)
+    torch.manual_seed(0)
+    with torch.device(device):
+        m = Transformer(args)
+    if device == "cpu":
+        with torch.no_grad():
+            m.init_weights(buffer_device=torch.device("cpu"))
+    tok = torch.randint(0, args.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return TitanLoss(m), (tok, torch.roll(tok, -1, 1))
+
+
 def _case(plan, tmp_path, name, sched, seq=SEQ):
     path = tmp_path / f"plan_{name}.json"
     plan.save(path)
@@ -250,18 +278,20 @@ def test_pipeline_context_parallel_stages_equal_single_device(tmp_path):
     """pp=2 x cp=2 on 4 gloo ranks: each cp rank runs its half of every sequence (the RoPE tables cut to its
     positions), attention against K and V gathered along the sequence with the causal mask of its query positions
     (backends/context_parallel.py), gradients averaged over cp by DDP (torchtitan's dp x cp), the loss the whole
-    sequence's mean; GPipe and 1F1B, the second with K/V at the KV heads (SDPA's enable_gqa)."""
+    sequence's mean; GPipe and 1F1B, the second with K/V at the KV heads (SDPA's enable_gqa), and torchtitan's
+    Llama 3 (its RoPE table a buffer the blocks take)."""
     import autopar
     from autopar import models
 
     mesh = autopar.MeshSpec((2, 2), ("pp", "cp"))
     cases = []
-    for sched, gqa in (("GPipe", "repeat"), ("1F1B", "native")):
-        m = models.build_model(MODEL, device="meta", n_layers=LAYERS, gqa=gqa)
+    for sched, gqa in (("GPipe", "repeat"), ("1F1B", "native"), ("1F1B", "titan")):
+        m = models.build_model(MODEL, device="meta", n_layers=LAYERS, gqa=gqa) if gqa != "titan" else None
         x = models.example_inputs(MODEL, batch=BATCH, seq=SEQ, device="meta", n_layers=LAYERS)
+        m, x = (m, x) if m is not None else _titan(SEQ)  # its freqs_cis as long as the sequence, cut per rank
         plan = autopar.plan(m, mesh, x, cluster="h100", pipeline={"schedules": [sched], "n_microbatches": [2]})
         assert plan.schedule["batch_placement"] == ["S1"], plan.schedule["batch_placement"]
-        cases.append({**_case(plan, tmp_path, f"cp_{sched}", sched), "gqa": gqa})
+        cases.append({**_case(plan, tmp_path, f"cp_{sched}_{gqa}", sched), "gqa": gqa})
     results = launch(_rank_cases, 4, [cases], tmp_path)
     _check(results, cases)
     for i, c in enumerate(cases):
@@ -318,8 +348,15 @@ def test_pipeline_context_parallel_refuses_blocks_that_make_positions():
             return self.block(h, cos + 0 * pos[:, None], sin)
 
     m.layers = torch.nn.ModuleList(OwnRope(b) for b in m.layers)
-    plan = autopar.plan(m, autopar.MeshSpec((2, 2), ("pp", "cp")), x, cluster="h100", pipeline={"schedules": ["GPipe"]})
+    mesh = autopar.MeshSpec((2, 2), ("pp", "cp"))
+    plan = autopar.plan(m, mesh, x, cluster="h100", pipeline={"schedules": ["GPipe"]})
     with pytest.raises(NotImplementedError, match=r"module 'layers\.\d' makes positions itself \(arange"):
+        PipelineRunner(m, plan, mesh=object())
+    # torchtitan's freqs_cis longer than the sequence, cut to it from row 0 inside the attention: every cp rank
+    # would read positions 0..L-1 (measured: gradients 85% off one device before this refusal)
+    m, x = _titan(4 * SEQ, device="meta")
+    plan = autopar.plan(m, mesh, x, cluster="h100", pipeline={"schedules": ["GPipe"]})
+    with pytest.raises(NotImplementedError, match=r"cuts buffer 'model.freqs_cis' \[128, 8\] to \[32, 8\]"):
         PipelineRunner(m, plan, mesh=object())
 
 
@@ -400,9 +437,12 @@ def _rank_cases(cases):
     res = []
     for case in cases:
         plan = Plan.load(case["path"])
-        model = models.build_model(MODEL, device="cpu", n_layers=LAYERS, seed=0, gqa=case.get("gqa", "repeat"))
+        if case.get("gqa") == "titan":
+            model, (x, y) = _titan(SEQ)
+        else:
+            model = models.build_model(MODEL, device="cpu", n_layers=LAYERS, seed=0, gqa=case.get("gqa", "repeat"))
+            x, y = models.example_inputs(MODEL, batch=BATCH, seq=case.get("seq", SEQ), n_layers=LAYERS, seed=1)
         ref = copy.deepcopy(model)
-        x, y = models.example_inputs(MODEL, batch=BATCH, seq=case.get("seq", SEQ), n_layers=LAYERS, seed=1)
         mesh = init_device_mesh("cpu", tuple(plan.mesh_shape), mesh_dim_names=tuple(plan.mesh_names))
         dp_rank = mesh.get_local_rank("dp") if "dp" in plan.mesh_names else 0
         runner = PipelineRunner(model, plan, mesh)
