@@ -1,9 +1,10 @@
 """Float8 linears as torchao's tensorwise Float8Linear computes them, for the engines that run the user's modules
-(backends/torch: FSDP2 / parallelize_module; backends/pipelining: pipeline stages): each nn.Linear a float8 plan
-converts (`Plan.meta["float8"]["linears"]`, read off the plan's graph by passes/float8.py) computes its three GEMMs
-as the plan priced them: the input and the weight cast to e4m3, the output gradient to e5m2, each scaled by
-`max(dtype) / amax(|t|)`, multiplied by `torch._scaled_mm` with the inverse scales, the output in the input's
-dtype; the high-precision input and weight are saved for the backward and cast again there.
+(backends/torch: FSDP2 / parallelize_module; backends/pipelining: pipeline stages): each nn.Linear (or transformers'
+Conv1D, GPT-2's linears: the same GEMM on its (in, out) weight) a float8 plan converts (`Plan.meta["float8"]
+["linears"]`, read off the plan's graph by passes/float8.py) computes its three GEMMs as the plan priced them: the
+input and the weight cast to e4m3, the output gradient to e5m2, each scaled by `max(dtype) / amax(|t|)`, multiplied
+by `torch._scaled_mm` with the inverse scales, the output in the input's dtype; the high-precision input and weight
+are saved for the backward and cast again there.
 
 Under tensor parallelism the operands are DTensors (parallelize_module's styles run around the linear): the amax of
 a sharded operand is all-reduced over the tp group before its cast, as torchao's Float8ColwiseParallel /
@@ -48,12 +49,23 @@ class _Float8Linear(torch.autograd.Function):
         return gi, gw
 
 
-def _forward(linear: nn.Linear):
+def _conv1d(mod: nn.Module) -> bool:
+    """transformers' Conv1D (GPT-2's linears): x @ weight + bias, its weight stored (in, out)."""
+    return type(mod).__name__ == "Conv1D" and type(mod).__module__ == "transformers.pytorch_utils"
+
+
+def _forward(linear: nn.Module):
+    """The float8 forward of an nn.Linear or a transformers Conv1D (the same GEMM on the transposed weight)."""
+
     def forward(x):
-        out = _Float8Linear.apply(x, linear.weight)
+        out = _Float8Linear.apply(x, linear.weight.t() if _conv1d(linear) else linear.weight)
         return out if linear.bias is None else out + linear.bias
 
     return forward
+
+
+def _convertible(mod: nn.Module) -> bool:
+    return isinstance(mod, nn.Linear) or _conv1d(mod)
 
 
 def unconvertible(model: nn.Module, plan) -> str | None:
@@ -65,11 +77,11 @@ def unconvertible(model: nn.Module, plan) -> str | None:
         return "the plan prices float8 linears but does not name them (a plan from an older autopar): plan it again"
     for f in f8.get("linears", []):
         mod = model.get_submodule(f)
-        if not isinstance(mod, nn.Linear):
+        if not _convertible(mod):
             leaf = f.rsplit(".")[-1]
             return (
                 f"the plan computes module '{f}' ({type(mod).__name__}) in float8; the engines run float8 GEMMs in "
-                f"nn.Linear modules only (the graph backend runs any): plan with "
+                f"nn.Linear and transformers' Conv1D modules only (the graph backend runs any): plan with "
                 f"float8={{'filter_fqns': ['output', '{leaf}']}}"
             )
     return None
@@ -87,11 +99,11 @@ def check(model: nn.Module, plan, device) -> None:
 
 
 def convert(model: nn.Module, fqns) -> list[str]:
-    """Give each of these nn.Linear modules of `model` the float8 forward; returns their FQNs."""
+    """Give each of these nn.Linear (or Conv1D) modules of `model` the float8 forward; returns their FQNs."""
     mods = [model.get_submodule(f) for f in fqns]
-    bad = [f"{f} ({type(m).__name__})" for f, m in zip(fqns, mods) if not isinstance(m, nn.Linear)]
+    bad = [f"{f} ({type(m).__name__})" for f, m in zip(fqns, mods) if not _convertible(m)]
     if bad:
-        raise NotImplementedError(f"float8 conversion takes nn.Linear modules only, not {bad}")
+        raise NotImplementedError(f"float8 conversion takes nn.Linear and Conv1D modules only, not {bad}")
     for mod in mods:
         mod.forward = _forward(mod)
     return list(fqns)

@@ -157,3 +157,31 @@ def test_a_float8_linear_that_is_no_nn_linear_is_refused_naming_it():
     del plan.meta["float8"]["linears"]
     with pytest.raises(NotImplementedError, match="does not name them"):
         float8.check(m, plan, torch.device("cpu"))
+
+
+def test_transformers_conv1d_runs_the_float8_gemm_of_its_transposed_weight():
+    """GPT-2's linears (transformers' Conv1D: x @ W + b, W stored (in, out)) convert like an nn.Linear holding W^T:
+    the same forward and gradients, float8 (off the fp32 ones by a few %)."""
+    import copy
+
+    import torch
+    from transformers.pytorch_utils import Conv1D
+
+    from autopar.backends import float8_linear
+
+    torch.manual_seed(0)
+    conv = Conv1D(48, 64)
+    torch.nn.init.normal_(conv.bias)
+    lin = torch.nn.Linear(64, 48)
+    with torch.no_grad():
+        lin.weight.copy_(conv.weight.t())
+        lin.bias.copy_(conv.bias)
+    fp32 = copy.deepcopy(conv)
+    assert float8_linear.convert(torch.nn.ModuleDict({"c": conv, "l": lin}), ["c", "l"]) == ["c", "l"]
+    x = torch.randn(4, 16, 64)
+    outs = [m(x) for m in (conv, lin, fp32)]
+    for o in outs:
+        o.square().sum().backward()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(conv.weight.grad.t(), lin.weight.grad)
+    err = (outs[0] - outs[2]).abs().max() / outs[2].abs().max()
+    assert 1e-3 < err < 0.1, err
