@@ -32,20 +32,18 @@ def _mm(a, a_dtype, b, b_dtype, out_dtype):
 
 
 class _Float8Linear(torch.autograd.Function):
-    """x @ w^T with x, w in e4m3; grad_input = g @ w and grad_weight = g^T @ x with g in e5m2."""
+    """x @ w^T (x 2-D) with x, w in e4m3; grad_input = g @ w and grad_weight = g^T @ x with g in e5m2."""
 
     @staticmethod
     def forward(ctx, x, w):
         ctx.save_for_backward(x, w)
-        x2 = x.reshape(-1, x.shape[-1])
-        return _mm(x2, E4M3, w.t(), E4M3, x.dtype).reshape(*x.shape[:-1], w.shape[0])
+        return _mm(x, E4M3, w.t(), E4M3, x.dtype)
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        g2 = g.reshape(-1, g.shape[-1])
-        gi = _mm(g2, E5M2, w, E4M3, g.dtype).reshape(x.shape) if ctx.needs_input_grad[0] else None
-        gw = _mm(g2.t(), E5M2, x.reshape(-1, x.shape[-1]), E4M3, w.dtype) if ctx.needs_input_grad[1] else None
+        gi = _mm(g, E5M2, w, E4M3, g.dtype) if ctx.needs_input_grad[0] else None
+        gw = _mm(g.t(), E5M2, x, E4M3, w.dtype) if ctx.needs_input_grad[1] else None
         return gi, gw
 
 
@@ -58,7 +56,10 @@ def _forward(linear: nn.Module):
     """The float8 forward of an nn.Linear or a transformers Conv1D (the same GEMM on the transposed weight)."""
 
     def forward(x):
-        out = _Float8Linear.apply(x, linear.weight.t() if _conv1d(linear) else linear.weight)
+        # the GEMM on 2-D operands, its output reshaped out here: a view made inside a custom Function cannot be
+        # modified in place (OLMo clamps its q/k/v projections in place)
+        w = linear.weight.t() if _conv1d(linear) else linear.weight
+        out = _Float8Linear.apply(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[0])
         return out if linear.bias is None else out + linear.bias
 
     return forward

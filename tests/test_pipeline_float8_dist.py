@@ -185,3 +185,20 @@ def test_transformers_conv1d_runs_the_float8_gemm_of_its_transposed_weight():
     assert torch.equal(outs[0], outs[1]) and torch.equal(conv.weight.grad.t(), lin.weight.grad)
     err = (outs[0] - outs[2]).abs().max() / outs[2].abs().max()
     assert 1e-3 < err < 0.1, err
+
+
+def test_a_converted_linear_output_can_be_modified_in_place():
+    """OLMo clamps its q/k/v projections in place (clip_qkv): the float8 output must be an ordinary tensor, not a
+    view made inside the custom autograd Function (which autograd forbids modifying in place)."""
+    import torch
+
+    from autopar.backends import float8_linear
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 32, bias=False)
+    float8_linear.convert(torch.nn.ModuleDict({"q": lin}), ["q"])
+    x = torch.randn(2, 8, 64, requires_grad=True)
+    out = lin(x)
+    out.clamp_(min=-0.5, max=0.5)
+    out.sum().backward()
+    assert out.shape == (2, 8, 32) and out.abs().max() <= 0.5 and x.grad.abs().max() > 0
