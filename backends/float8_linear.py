@@ -19,16 +19,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .spmd.float8 import probe, scaled
+from .spmd.float8 import probe, scaled_gemm as _mm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-
-
-def _mm(a, a_dtype, b, b_dtype, out_dtype):
-    """a @ b with both operands cast to float8 (a row-major, b column-major, as _scaled_mm takes them)."""
-    qa, ia = scaled(a, a_dtype)
-    qb, ib = scaled(b, b_dtype)
-    return torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=ia, scale_b=ib, out_dtype=out_dtype)
 
 
 class _Float8Linear(torch.autograd.Function):

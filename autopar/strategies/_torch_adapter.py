@@ -1,4 +1,5 @@
-"""The one place autopar touches torch's private DTensor modules (`torch.distributed.tensor._*`).
+"""The one place autopar touches torch's private DTensor modules (`torch.distributed.tensor._*`) and private ops
+(`torch._scaled_mm`, the float8 GEMM).
 
 It asks DTensor's own strategy registry which placements an op accepts and turns the answer into autopar's
 placement strings ("R", "S<d>", "P", "Pm": the masked partial of a vocab-sharded embedding). Both registry
@@ -432,3 +433,8 @@ def grad_in_modes(output: torch.Tensor, inputs: list, seed: torch.Tensor | None)
     directly, as grad() calls it, keeps them."""
     grads = _make_grads((output,), (seed,), is_grads_batched=False)
     return _engine_run_backward((output,), grads, False, False, tuple(inputs), True, accumulate_grad=False)
+
+
+def scaled_mm(a, b, scale_a, scale_b, out_dtype):
+    """torch._scaled_mm: a (row-major) @ b (column-major) in float8, times the inverse scales, in out_dtype."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)

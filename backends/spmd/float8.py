@@ -14,6 +14,8 @@ import dataclasses
 
 import torch
 
+from autopar.strategies._torch_adapter import scaled_mm
+
 aten = torch.ops.aten
 
 _DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -41,15 +43,20 @@ def _replicated(t):
     return t.redistribute(t.device_mesh, [Replicate()] * t.device_mesh.ndim)
 
 
+def scaled_gemm(a, a_dtype, b, b_dtype, out_dtype):
+    """a @ b with each operand cast to its float8 dtype with its own tensorwise scale, in out_dtype."""
+    qa, ia = scaled(a, a_dtype)
+    qb, ib = scaled(b, b_dtype)
+    # _scaled_mm takes its first operand row-major and its second column-major
+    return scaled_mm(qa.contiguous(), qb.t().contiguous().t(), ia, ib, out_dtype)
+
+
 def _gemm(a_dtype, b_dtype, bias_first: bool):
     """The kernel replacing mm(a, b) (or addmm(bias, a, b)) with float8 operands of these dtypes."""
 
     def run(*args):
         bias, a, b = args if bias_first else (None, *args)
-        qa, ia = scaled(a, a_dtype)
-        qb, ib = scaled(b, b_dtype)
-        # _scaled_mm takes its first operand row-major and its second column-major
-        out = torch._scaled_mm(qa.contiguous(), qb.t().contiguous().t(), scale_a=ia, scale_b=ib, out_dtype=a.dtype)
+        out = scaled_gemm(a, a_dtype, b, b_dtype, a.dtype)
         return out if bias is None else out + bias
 
     run.__name__ = f"float8_{a_dtype}_{b_dtype}".replace("torch.float8_", "")
@@ -61,7 +68,7 @@ def probe(device) -> None:
     try:
         a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
         one = torch.ones((), device=device)
-        torch._scaled_mm(a, a.t().contiguous().t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+        scaled_mm(a, a.t().contiguous().t(), one, one, torch.float32)
     except Exception as e:
         raise Float8LoweringError(
             f"the plan computes its linears in float8 (Plan.meta['float8']), but torch._scaled_mm does not run on "
