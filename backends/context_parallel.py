@@ -20,7 +20,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-_SDPA = "_scaled_dot_product_flash_attention_for_cpu.default"  # autopar/capture_modes.py SDPA, as plans name it
+from autopar.capture_modes import SDPA
+from autopar.graph import op_name
+
+_SDPA = op_name(SDPA)  # as plan nodes name their targets
 
 
 class _GatherSequence(torch.autograd.Function):

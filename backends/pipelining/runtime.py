@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.strategies.context_parallel import CP_PREFIX
+from autopar.strategies.context_parallel import cp_dims
 from autopar.strategies.data_parallel import dp_dims
 
 from .. import context_parallel, float8_linear
@@ -191,28 +191,30 @@ def build_stage_module(model: nn.Module, plan, k: int, block_args=None) -> nn.Mo
 def _tp_dims(plan) -> list:
     """Stage-submesh dims (index, name) of size > 1 that are neither data- nor context-parallel (dp*, cp*)."""
     sc = plan.schedule
+    cp = _cp_names(plan)
     return [
         (d, nm)
         for d, (nm, size) in enumerate(zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]))
-        if size > 1 and not nm.startswith("dp") and not _is_cp(nm, size)
+        if size > 1 and not nm.startswith("dp") and nm not in cp
     ]
 
 
-def _is_cp(name: str, size: int) -> bool:
-    return size > 1 and name.startswith(CP_PREFIX)
+def _cp_names(plan) -> list:
+    """The stage mesh's context-parallel dims (cp*, of size > 1), by name."""
+    names = plan.schedule["stage_mesh_names"]
+    return [names[d] for d in cp_dims(names, plan.schedule["stage_mesh_shape"])]
 
 
 def _check_cp(plan) -> None:
     """Refuse, before any rank builds a stage, a cp* stage dim the runtime cannot split the sequence over."""
-    sc = plan.schedule
-    cp = [nm for nm, n in zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]) if _is_cp(nm, n)]
+    cp = _cp_names(plan)
     why = None
     if len(cp) > 1:
         why = f"several context-parallel stage mesh dims {cp}: the runtime splits the sequence over one"
     elif cp and plan.meta.get("keyword_inputs"):
         why = "a plan made from keyword inputs runs the model's own forward per stage, whose masks span the sequence"
     elif cp:
-        why = context_parallel.unsplittable(plan, sc["layer_prefix"])
+        why = context_parallel.unsplittable(plan, plan.schedule["layer_prefix"])
     if why:
         raise NotImplementedError(
             f"the plan splits the sequence over context-parallel stage mesh dims {cp}, which the pipelining runtime "
@@ -282,8 +284,8 @@ class PipelineRunner:
         self.is_last = (S - 1) in self.local
         self._model, self.schedule = model, None
         self.loss_parallel = False  # the head's logits class-sharded: the step runs under torch's loss_parallel()
-        self.cp = None  # (group, rank, size) of a cp* stage dim: each rank runs its chunk of every sequence
-        self.cp_attention = None  # the attention over the gathered sequence, around every step
+        # a cp* stage dim: each rank runs its chunk of every sequence, attention over the gathered one (every step)
+        self.cp_attention = None
         from .forward_stage import check_batch_norm, check_chain, check_plan
 
         check_plan(plan)  # one running tensor between stages
@@ -297,19 +299,13 @@ class PipelineRunner:
             return
         check_chain(plan)
         extras = block_inputs(model, plan)
-        self.cp = self._cp_group()
-        if self.cp:  # the RoPE tables (what spans the sequence) cut to this rank's positions
-            self.cp_attention = context_parallel.Attention(*self.cp)
-            extras = context_parallel.shard_block_inputs(*extras, _rank_microbatch_shapes(plan)[0][1], *self.cp[1:])
+        cp = _cp_names(plan)
+        if cp:  # the RoPE tables (what spans the sequence) cut to this rank's positions
+            at = self.cp_attention = context_parallel.Attention(
+                self.mesh.get_group(cp[0]), self.mesh.get_local_rank(cp[0]), self.mesh[cp[0]].size()
+            )
+            extras = context_parallel.shard_block_inputs(*extras, _rank_microbatch_shapes(plan)[0][1], at.rank, at.size)
         self._build(lambda k: build_stage_module(model, plan, k, extras))
-
-    def _cp_group(self):
-        """(group, rank, size) of the stage mesh's cp* dim, or None."""
-        sc = self.plan.schedule
-        nm = next((n for n, k in zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]) if _is_cp(n, k)), None)
-        if nm is None:
-            return None
-        return self.mesh.get_group(nm), self.mesh.get_local_rank(nm), self.mesh[nm].size()
 
     def _build(self, make, scale_grads: bool = True) -> None:
         """Stage modules (make(k)), tensor then data parallel inside each, their PipelineStages and the schedule."""
@@ -396,7 +392,8 @@ class PipelineRunner:
         tp = {d for d, _ in _tp_dims(self.plan)}
         dims = list(zip(sc["stage_mesh_names"], sc["stage_mesh_shape"]))
         data = [(d, nm) for d, (nm, size) in enumerate(dims) if size > 1 and d not in tp]
-        dp = [(d, nm) for d, nm in data if not _is_cp(nm, dims[d][1])]
+        cp = _cp_names(self.plan)
+        dp = [(d, nm) for d, nm in data if nm not in cp]
         if len(dp) > 1:
             raise NotImplementedError(f"stage {k}: one data-parallel dim supported, plan has {[n for _, n in dp]}")
         if dp and not _batch_dp_sharded(self.plan):
@@ -491,20 +488,23 @@ class PipelineRunner:
                 f"runner.step_model(**batch) on every rank (the model's own call)"
             )
         self._agree((x if self.is_first else None, target if self.is_last else None))
-        if self.cp:  # this rank's chunk of every sequence (dim 1 of the tokens and of the targets)
-            x, target = (None if t is None else context_parallel.local_chunk(t, 1, *self.cp[1:]) for t in (x, target))
+        at = self.cp_attention
+        if at:  # this rank's chunk of every sequence (dim 1 of the tokens and of the targets)
+            x, target = (
+                None if t is None else context_parallel.local_chunk(t, 1, at.rank, at.size) for t in (x, target)
+            )
         losses = [] if self.is_last else None
         args = (x,) if self.is_first else ()
         kw = {"target": target, "losses": losses} if self.is_last else {}
-        with self._loss_context(), self.cp_attention or contextlib.nullcontext():
+        with self._loss_context(), at or contextlib.nullcontext():
             self.schedule.step(*args, **kw, **no_outputs(self.schedule))
         self.tied.sum(self.named_parameters())
         if not self.is_last:
             return None
         loss = torch.stack([_local(loss.detach()) for loss in losses]).mean()
-        if self.cp:  # the mean over the sequence: its chunks' means, alike in size
-            torch.distributed.all_reduce(loss, group=self.cp[0])
-            loss /= self.cp[2]
+        if at:  # the mean over the sequence: its chunks' means, alike in size
+            torch.distributed.all_reduce(loss, group=at.group)
+            loss /= at.size
         return loss
 
     def _loss_context(self):
