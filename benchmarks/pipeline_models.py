@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -244,6 +245,12 @@ def verdict(rec: dict, ranks: list | None) -> None:
         rec["ok"] = True
 
 
+def _commit() -> str:
+    return subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+
+
 def render(recs: list, command: str, wall: float) -> str:
     passed = sum(1 for r in recs if r.get("ok"))
     refused = sum(1 for r in recs if r.get("stage") == "refused")
@@ -254,7 +261,7 @@ def render(recs: list, command: str, wall: float) -> str:
     )
     lines = [
         "# Pipeline parallelism on the third-party zoo" + (", float8 linears" if FLOAT8 else "") + "\n",
-        f"Made by `{command}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {wall:.0f} s).\n",
+        f"Made by `{command}` at {_commit()} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {wall:.0f} s).\n",
         "Each model of `tests/third_party/zoo.py` (built small, random weights, dropout off) planned by "
         "`autopar.plan` on a (2,) mesh named pp (cluster h100, keyword inputs, the schedule pinned; stage cuts and "
         "micro-batches the planner's) and run by `PipelineRunner.step_model` on 2 gloo ranks against one device: "
