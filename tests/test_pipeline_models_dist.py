@@ -15,7 +15,9 @@ gradient summed between them), BART (GPipe: encoder and decoder stages, one embe
 whose micro-batches count 2-3 masked tokens a row: the loss and gradients are the batch's token mean, not the mean of
 the micro-batches' means), BLOOM (1F1B: its blocks return their attention weights after the running tensor, which
 nothing reads; ALiBi), Swin (GPipe: its patch embedding returns the patch grid's (height, width) with the
-tensor, which a later stage's stand-in returns as probed), FNet (1F1B: its pooler runs though no loss reads it); world 4: pp=2 x dp=2, Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
+tensor, which a later stage's stand-in returns as probed), FNet (1F1B: its pooler runs though no loss reads it), MPNet
+(Interleaved1F1B: its relative position bias, made from a trainable table before the blocks, sent with the running
+tensor through every stage, side_values.py), mT5 (1F1B: the encoder's output, sent to the decoder's stage); world 4: pp=2 x dp=2, Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
 them holds no block) and Qwen2-MoE and RoBERTa 1F1B with DDP stages; pp=2 x tp=2, Llama Interleaved1F1B with Megatron's
 placements forced (ParallelStyles inside the stages, attention on local heads). Without processes: what a stage
 boundary cannot carry is refused, naming the block (Mixtral, DeBERTa-v2, T5; ALBERT's block run twice).
@@ -36,7 +38,8 @@ TOL_ABS, TOL_REL = 1e-6, 1e-4
 CASES = {
     2: [("llama", "1F1B", None), ("llama", "ZBVZeroBubble", None), ("gpt_neox", "Interleaved1F1B", None),
         ("vit", "GPipe", None), ("gpt2", "1F1B", None), ("bart", "GPipe", None),
-        ("distilbert", "1F1B", None), ("bloom", "1F1B", None), ("swin", "GPipe", None), ("fnet", "1F1B", None)],
+        ("distilbert", "1F1B", None), ("bloom", "1F1B", None), ("swin", "GPipe", None), ("fnet", "1F1B", None),
+        ("mpnet", "Interleaved1F1B", None), ("mt5", "1F1B", None)],
     4: [("llama", "Interleaved1F1B", "fsdp"), ("qwen2_moe", "1F1B", None), ("llama", "Interleaved1F1B", "tp"),
         ("roberta", "1F1B", None)],
 }  # fmt: skip
@@ -266,7 +269,7 @@ def test_batch_norm_over_micro_batches_is_refused():
     """ResNet's BatchNorms in training mode would normalize each micro-batch by its own statistics (one device uses
     the batch's): refused, naming the module, unless the stage sees the whole batch (one micro-batch, no dp)."""
     import autopar
-    from autopar.backends.pipelining.forward_stage import check_batch_norm
+    from autopar.backends.pipelining.batch_split import check_batch_norm
 
     model, args, kwargs = _model("resnet")
     mesh = autopar.MeshSpec((2,), ("pp",))

@@ -6,9 +6,11 @@ Stage k is a skeleton of the model: the same module tree and FQNs, its own modul
 module of another stage replaced by a parameter-free stand-in, so the stage holds exactly the plan's parameters
 for it (`plan.stages[k]["params"]`):
   * another stage's block hands the running tensor on in the block's own output structure;
-  * a module before the blocks that holds parameters (the embedding) returns a zero tensor of the shape and dtype
-    it returns, so the forward still builds what the blocks take besides the running tensor (masks, RoPE tables:
-    parameter-free modules stay) and the first block of the stage takes the received activation instead;
+  * a module before the blocks that holds parameters (the embedding) returns its output as probed, each tensor
+    zero, so the forward still builds what the blocks take besides the running tensor (masks, RoPE tables:
+    parameter-free modules stay) and the first block of the stage takes the received activation instead; where
+    later blocks or the head read its output (a position bias, an encoder's output), it returns the tensors the
+    first stage sent with the running tensor (side_values.py);
   * a module after the blocks that holds parameters (final norm, head) raises (never run before the last stage:
     the stage's last block ends the forward there).
 Each stand-in keeps the module's tree and attributes, its parameters as meta tensors that are no parameters
@@ -31,10 +33,13 @@ from collections import defaultdict
 
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from autopar.model_io import pick_loss
+
+from . import batch_split, side_values
 
 
 class _StageEnd(Exception):
@@ -80,15 +85,16 @@ def _skip(template, holder=None, end=False):
     return forward
 
 
-def _zeros(probed: tuple):
-    """Another stage's module before the blocks: a zero tensor of the shape and dtype it returns, in the tuple of
-    shape values it returns it with (Swin's patch embedding: the patch grid's (height, width))."""
-    meta, rest = probed
+def _zeros(made: tuple):
+    """Another stage's module before the blocks: its output as probed (side_values.Tracker.made: a tree of tensors
+    and shape values, e.g. Swin's patch embedding and the patch grid's (height, width), CLIP's vision tower output),
+    each tensor a zero tensor of its shape and dtype."""
+    spec, leaves = made
 
     def forward(self, *args, **kwargs):
         dev = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)), None)
-        out = torch.zeros(meta.shape, dtype=meta.dtype, device=dev)
-        return out if rest is None else (out,) + rest
+        zero = lambda v: torch.zeros(v.shape, dtype=v.dtype, device=dev) if isinstance(v, torch.Tensor) else v
+        return pytree.tree_unflatten([zero(v) for v in leaves], spec)
 
     return forward
 
@@ -97,6 +103,14 @@ def _shape_value(v) -> bool:
     """An int, None or a tuple / list of them: what a module derives from its input's shape, alike for every
     micro-batch of one shape (the pipeline refuses other shapes), so a stand-in may return the probed value."""
     return v is None or type(v) is int or isinstance(v, (tuple, list)) and all(_shape_value(x) for x in v)
+
+
+def _tensor_or_shape(v) -> bool:
+    return isinstance(v, torch.Tensor) or _shape_value(v)
+
+
+def _kinds(leaves) -> str:
+    return ", ".join(sorted({type(v).__name__ for v in leaves if not _tensor_or_shape(v)}))
 
 
 def _unreached(fqn: str):
@@ -128,8 +142,9 @@ def _ghost(mod: nn.Module, forward=None) -> nn.Module:
 def check_plan(plan) -> None:
     """Refuse, naming the block, a plan whose forward graph (the representative sub-model's, plan.nodes) carries
     more than the running tensor between stages: a block value read after it besides its running tensor (an MoE
-    router's logits for the aux loss), or a value made from parameters before the blocks read elsewhere than by the
-    first block (a later stage would read its zero stand-in), or a module with parameters run between two blocks."""
+    router's logits for the aux loss), a module with parameters run between two blocks, or, in a plan of chained
+    modules (positional inputs), a value made from parameters before the blocks read elsewhere than by the first
+    block (stages running the model's own forward send those on: side_values.py)."""
     prefix = plan.schedule["layer_prefix"]
     pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(?:\.|$)")
     fw = [n for n in plan.nodes if n.get("kind") == "op" and n.get("phase") == "fw"]
@@ -175,10 +190,12 @@ def check_plan(plan) -> None:
                 f"block '{prefix}.{b}' hands {len(vals)} values to what follows it (its running tensor and e.g. an "
                 f"MoE router's logits for an aux loss): a pipeline stage boundary carries one tensor (plan-only)"
             )
-    if len({v[:2] for v in pre_read}) > 1 or any(len(v) == 3 for v in pre_read):
+    sends_sides = plan.meta.get("keyword_inputs")
+    if not sends_sides and (len({v[:2] for v in pre_read}) > 1 or any(len(v) == 3 for v in pre_read)):
         raise NotImplementedError(
             f"values made from parameters before '{prefix}' are read beyond the first block's running tensor "
-            f"(e.g. embeddings fed to every block or to the head): later pipeline stages do not have them (plan-only)"
+            f"(e.g. embeddings fed to every block or to the head): the chained stages do not have them; plan with "
+            f"example_kwargs= (the model's inputs by name) and run runner.step_model, whose stages send them on"
         )
 
 
@@ -212,26 +229,6 @@ def check_chain(plan) -> None:
             )
 
 
-_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
-
-
-def check_batch_norm(model: nn.Module, plan) -> None:
-    """Refuse a BatchNorm in training mode where a stage sees less than the whole batch at once (micro-batches, dp
-    ranks): it would normalize by each part's statistics, where one device normalizes by the batch's."""
-    sc = plan.schedule
-    split = sc["n_microbatches"] > 1 or (
-        sc.get("batch_placement") is not None and any(p == "S0" for p in sc["batch_placement"])
-    )
-    bn = next((n for n, m in model.named_modules() if isinstance(m, _BATCH_NORMS) and m.training), None)
-    if split and bn is not None:
-        raise NotImplementedError(
-            f"module '{bn}' is a BatchNorm in training mode: each of the plan's {sc['n_microbatches']} micro-batches "
-            f"(on each dp rank) would be normalized by its own statistics, not the batch's as on one device; plan "
-            f"with pipeline=dict(n_microbatches=[1]) and no dp dim, put the norms in eval(), or plan without a pp dim "
-            f"(the graph backend normalizes over the whole batch)"
-        )
-
-
 def unlisted(model: nn.Module, plan) -> list[str]:
     """The top-most modules holding parameters that no stage lists, none of them a listed module's tensor: their
     ops never reach the loss (the plan's graph has none: FNet's and BigBird's poolers under a masked-LM head), so a
@@ -254,7 +251,8 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict, unused: tuple 
     output holds the running tensor (None: it is the output; n: a tuple of n, it first, the rest None), per module
     of `outer` (the plan's modules outside the blocks) that runs before the first block its output (a meta
     tensor), per module of `unused` (see `unlisted`) that runs its output (a meta tensor, or what it returns where
-    that is no tensor). A block that runs twice (a shared layer) is refused."""
+    that is no tensor), and per module of `outer` whose output later stages read (side_values.Tracker) that
+    output's tree spec and leaves. A block that runs twice (a shared layer) is refused."""
     layers = model.get_submodule(prefix)
     blocks = [f"{prefix}.{n}" for n, _ in layers.named_children()]
     seen: dict = {"blocks": {}, "outputs": {}, "unused": {}}
@@ -285,32 +283,28 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict, unused: tuple 
 
         return hook
 
-    def out_hook(fqn):
-        def hook(mod, args, out):
-            if not seen["blocks"] and isinstance(out, torch.Tensor):  # before the first block only
-                seen["outputs"][fqn] = (out.detach().to("meta"), None)
-            elif not seen["blocks"] and isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-                if all(_shape_value(v) for v in out[1:]):
-                    seen["outputs"][fqn] = (out[0].detach().to("meta"), tuple(out[1:]))
-
-        return hook
-
-    handles = [model.get_submodule(f).register_forward_hook(block_hook(f), with_kwargs=True) for f in blocks]
-    handles += [model.get_submodule(f).register_forward_hook(out_hook(f)) for f in outer]
-
     def unused_hook(fqn):
         def hook(mod, args, out):
             seen["unused"][fqn] = out.detach().to("meta") if isinstance(out, torch.Tensor) else type(out).__name__
 
         return hook
 
+    handles = [model.get_submodule(f).register_forward_hook(block_hook(f), with_kwargs=True) for f in blocks]
     handles += [model.get_submodule(f).register_forward_hook(unused_hook(f)) for f in unused]
+    tracker = side_values.Tracker(model, outer, blocks, _hidden_of)
     try:  # the whole forward: a block it runs twice (a shared layer) must be seen
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad(), torch.random.fork_rng(devices=[]), tracker:
             model(**call)
     finally:
+        tracker.close()
         for h in handles:
             h.remove()
+    seen["outputs"], seen["sides"] = tracker.made, tracker.sides
+    if tracker.between:
+        raise NotImplementedError(
+            f"the forward computes on block '{tracker.between}''s output before the next block takes it (e.g. a "
+            f"residual added outside the blocks of '{prefix}'): a pipeline stage hands a block's output on as it is"
+        )
     if len(seen["blocks"]) != len(blocks):
         raise ValueError(f"the model's forward ran {len(seen['blocks'])} of the {len(blocks)} blocks of '{prefix}'")
     return seen
@@ -341,23 +335,31 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
     end_at = order[0] if not blocks and not last_stage else None
     recv_at = order[-1] if not blocks and not first_stage else None
     root = _shallow(model)
+    side_values.check(seen["sides"], others, _shape_value)
+    for f in seen["sides"] if first_stage else ():  # its output is sent on with the running tensor
+        mod = _shallow(model.get_submodule(f))
+        mod.forward = types.MethodType(side_values.capture(type(mod).forward, f, holder), mod)
+        _replace(root, f, mod)
     for f, j in others.items():
         if f in mine:
             continue
         old = model.get_submodule(f)
-        if f.startswith(prefix + "."):
+        if f in seen["sides"]:  # made on the first stage, received
+            new = _ghost(old, side_values.stand_in(seen["sides"][f], f, holder))
+        elif f.startswith(prefix + "."):
             fwd = _skip(seen["blocks"].get(f), holder if f == recv_at else None, f == end_at)
             new = _ghost(old, fwd)
         elif not any(True for _ in old.parameters()):
             continue  # parameter-free (RoPE tables): every stage computes it
         elif j > k:  # after the blocks (the last stage's)
             new = _ghost(old, _unreached(f))
-        elif f in seen["outputs"]:  # before the blocks (the first stage's)
+        elif f in seen["outputs"] and all(_tensor_or_shape(v) for v in seen["outputs"][f][1]):  # before the blocks
             new = _ghost(old, _zeros(seen["outputs"][f]))
         else:
             raise NotImplementedError(
-                f"module '{f}' (stage {j}) runs before the blocks but returns no tensor (alone or first in a tuple "
-                f"of shape values): a later stage cannot stand in for it"
+                f"module '{f}' (stage {j}) runs before the blocks and returns "
+                f"{_kinds(seen['outputs'][f][1]) if f in seen['outputs'] else 'nothing the probe saw'}, not only "
+                f"tensors and shape values: a later stage cannot stand in for it"
             )
         _replace(root, f, new)
     for f, out in seen["unused"].items():
@@ -368,14 +370,14 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
                 f"module '{f}' runs in the forward, its output never reaching the loss, and returns {out}: a "
                 f"stage cannot stand in for it (no stage holds its parameters)"
             )
-        _replace(root, f, _ghost(model.get_submodule(f), _zeros((out, None))))
+        _replace(root, f, _ghost(model.get_submodule(f), _zeros(pytree.tree_flatten(out)[::-1])))
     recompute = int(st.get("recompute_blocks", 0))
     for i, f in enumerate(blocks):
         inject, end = i == 0 and not first_stage, i == len(blocks) - 1 and not last_stage
         if inject or end or i < recompute:
             _replace(root, f, _block(model.get_submodule(f), inject, end, i < recompute, holder))
     _strip_others(root, set(st["params"]), {f for s in plan.stages for f in s["modules"]})
-    root.forward = types.MethodType(_stage_forward(holder, last_stage), root)
+    root.forward = types.MethodType(_stage_forward(holder, seen["sides"], first_stage, last_stage), root)
     have = {n for n, _ in root.named_parameters()}
     if have != set(st["params"]):
         raise ValueError(f"stage {k}: skeleton holds parameters {sorted(have ^ set(st['params']))[:6]} unlike the plan")
@@ -466,6 +468,14 @@ class _LossCount(TorchFunctionMode):
         return self.found[0].detach().double() if len(self.found) == 1 and self.found[0] is not None else None
 
 
+def _loss_and_count(model: nn.Module, call: dict) -> tuple:
+    """The model's loss on `call` and what its mean divides by (`_LossCount`; None where not known)."""
+    counter = _LossCount()
+    with counter:
+        out = model(**call)
+    return pick_loss(out, None, type(model).__name__)[0], counter.count()
+
+
 def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
     """The received activation, its gradient made contiguous (sent back as it is; a channels-last block gives a
     channels-last gradient, which gloo and NCCL do not send). Once per buffer: torch's stage reuses them."""
@@ -475,17 +485,20 @@ def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _stage_forward(holder: dict, last: bool):
+def _stage_forward(holder: dict, sides: dict, first: bool, last: bool):
     def forward(self, *recv, **call):
         holder["recv"] = _contiguous_grad(recv[0]) if recv else None
+        holder["got"] = {} if first else side_values.receive(sides, recv[1:], _contiguous_grad)
+        holder["made"] = {}
         counter = _LossCount()
         try:
             with counter if last else contextlib.nullcontext():
                 out = type(self).forward(self, **call)
         except _StageEnd as e:
-            return e.hidden.contiguous()  # sent as it is (gloo and NCCL send contiguous buffers)
+            hidden = e.hidden.contiguous()  # sent as it is (gloo and NCCL send contiguous buffers)
+            return (hidden, *side_values.outgoing(sides, holder, first)) if sides else hidden
         finally:
-            holder["recv"] = None
+            holder["recv"] = holder["got"] = holder["made"] = None
         if not last:
             raise RuntimeError("a pipeline stage before the last ran the model's forward to its end")
         holder["counts"].append(counter.count())
@@ -514,6 +527,14 @@ def step(runner, args: tuple, kwargs: dict):
         prefix = plan.schedule["layer_prefix"]
         outer = [f for st in plan.stages for f in st["modules"] if not f.startswith(prefix + ".")]
         seen = probe(runner._model, prefix, outer, first, tuple(unlisted(runner._model, plan)))
+        if batch_split.is_split(plan):
+            why = batch_split.loss_rows_error(runner._model, call, m, lambda c: _loss_and_count(runner._model, c))
+            runner.refuse_together(
+                NotImplementedError(why) if why else None,
+                lambda: NotImplementedError(
+                    "the model's loss does not split over micro-batches (said on another rank)"
+                ),
+            )
         runner._build(lambda k: build(runner._model, plan, k, seen, {"counts": runner.counts}), scale_grads=False)
     losses = [] if runner.is_last else None
     kw = {"target": torch.zeros(m), "losses": losses} if runner.is_last else {}

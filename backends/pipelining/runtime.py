@@ -286,7 +286,8 @@ class PipelineRunner:
         self.loss_parallel = False  # the head's logits class-sharded: the step runs under torch's loss_parallel()
         # a cp* stage dim: each rank runs its chunk of every sequence, attention over the gathered one (every step)
         self.cp_attention = None
-        from .forward_stage import check_batch_norm, check_chain, check_plan
+        from .batch_split import check_batch_norm
+        from .forward_stage import check_chain, check_plan
 
         check_plan(plan)  # one running tensor between stages
         float8_linear.check(model, plan, self.device)
@@ -455,27 +456,35 @@ class PipelineRunner:
         return forward_stage.step(self, args, kwargs)
 
     def _agree(self, tensors) -> None:
-        """check_batch on this rank, agreed on by every rank of the mesh (one int all-reduce per mesh dim), so
-        ranks that hold no input raise too instead of waiting for activations that never come."""
-        import torch.distributed as dist
-
+        """check_batch on this rank, agreed on by every rank of the mesh, so ranks that hold no input raise too
+        instead of waiting for activations that never come."""
         err = None
         try:
             check_batch(self.plan, tensors)
         except PipelineShapeError as e:
             err = e
+        sc = self.plan.schedule
+        self.refuse_together(
+            err,
+            lambda: PipelineShapeError(
+                f"pipeline batch rejected on another rank: the plan's static shapes per rank "
+                f"are {self.expected_shapes()} ({sc['n_microbatches']} micro-batches of "
+                f"{sc['microbatch_shapes']} over the stage submesh)"
+            ),
+        )
+
+    def refuse_together(self, err: Exception | None, elsewhere) -> None:
+        """Raise `err` on this rank, or `elsewhere()` where another rank of the mesh has one (one int all-reduce
+        per mesh dim), so every rank refuses and none waits for a collective the others never join."""
+        import torch.distributed as dist
+
         ok = torch.tensor([0 if err else 1], dtype=torch.int32)
         for d in range(self.mesh.ndim):
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.mesh.get_group(d))
         if err is not None:
             raise err
         if not int(ok.item()):
-            sc = self.plan.schedule
-            raise PipelineShapeError(
-                f"pipeline batch rejected on another rank: the plan's static shapes per rank "
-                f"are {self.expected_shapes()} ({sc['n_microbatches']} micro-batches of "
-                f"{sc['microbatch_shapes']} over the stage submesh)"
-            )
+            raise elsewhere()
 
     def step(self, x=None, target=None):
         """One training step (forward + backward, gradients accumulated in the parameters). Pass the batch on the
