@@ -18,7 +18,8 @@ nothing reads; ALiBi), Swin (GPipe: its patch embedding returns the patch grid's
 tensor, which a later stage's stand-in returns as probed), FNet (1F1B: its pooler runs though no loss reads it), MPNet
 (Interleaved1F1B: its relative position bias, made from a trainable table before the blocks, sent with the running
 tensor through every stage, side_values.py), mT5 (1F1B: the encoder's output, sent to the decoder's stage); world 4: pp=2 x dp=2, Llama Interleaved1F1B with FSDP2-sharded stages (one stage of
-them holds no block) and Qwen2-MoE and RoBERTa 1F1B with DDP stages; pp=2 x tp=2, Llama Interleaved1F1B with Megatron's
+them holds no block), mT5 Interleaved1F1B with FSDP2 (the encoder output passed through stages that do not read
+it, which get no gradient for it) and Qwen2-MoE and RoBERTa 1F1B with DDP stages; pp=2 x tp=2, Llama Interleaved1F1B with Megatron's
 placements forced (ParallelStyles inside the stages, attention on local heads). Without processes: what a stage
 boundary cannot carry is refused, naming the block (Mixtral, DeBERTa-v2, T5; ALBERT's block run twice).
 """
@@ -41,7 +42,7 @@ CASES = {
         ("distilbert", "1F1B", None), ("bloom", "1F1B", None), ("swin", "GPipe", None), ("fnet", "1F1B", None),
         ("mpnet", "Interleaved1F1B", None), ("mt5", "1F1B", None)],
     4: [("llama", "Interleaved1F1B", "fsdp"), ("qwen2_moe", "1F1B", None), ("llama", "Interleaved1F1B", "tp"),
-        ("roberta", "1F1B", None)],
+        ("roberta", "1F1B", None), ("mt5", "Interleaved1F1B", "fsdp")],
 }  # fmt: skip
 MEGATRON = r"(q_proj|k_proj|v_proj|gate_proj|up_proj|o_proj|down_proj)\.weight$"  # colwise, then rowwise ones
 

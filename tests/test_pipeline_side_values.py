@@ -45,6 +45,25 @@ def test_values_made_before_the_blocks_and_read_later_are_found():
     assert _probe("llama", "model.layers", ["model.embed_tokens"])["sides"] == {}
 
 
+def test_a_module_output_read_by_every_block_is_a_side_value():
+    """DeBERTa-v2/v3 checkpoints layer-norm their relative position table before the blocks (norm_rel_ebd=
+    "layer_norm") and hand it to every block: the LayerNorm's output is the side value. (Read raw, the table is a
+    parameter every block reads, which check_plan refuses: the zoo's deberta_v2.)"""
+    import zoo
+
+    model, args, kwargs, _ = zoo._mlm(
+        "DebertaV2ForMaskedLM", "DebertaV2Config", "DeBERTa-v3 style", relative_attention=True,
+        pos_att_type=["p2c", "c2p"], position_buckets=8, max_relative_positions=16, norm_rel_ebd="layer_norm",
+        **zoo._ENC,
+    )  # fmt: skip
+    zoo.ZOO["deberta_v3"] = lambda: (model, args, kwargs, {})
+    try:
+        seen = _probe("deberta_v3", "deberta.encoder.layer", ["deberta.embeddings", "deberta.encoder.LayerNorm"])
+    finally:
+        del zoo.ZOO["deberta_v3"]
+    assert list(seen["sides"]) == ["deberta.encoder.LayerNorm"], seen["sides"]
+
+
 def test_a_residual_outside_the_blocks_is_refused():
     """The zoo's checkpointed MLP adds each block's output to its input in the model's forward (h = h + block(h)):
     a stage would hand on the block's output without the residual. Refused, naming the block."""

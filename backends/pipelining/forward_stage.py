@@ -248,11 +248,11 @@ def unlisted(model: nn.Module, plan) -> list[str]:
 
 def probe(model: nn.Module, prefix: str, outer: list, call: dict, unused: tuple = ()) -> dict:
     """One forward of `model(**call)` (a micro-batch), no gradients, the RNG state kept: per block FQN how its
-    output holds the running tensor (None: it is the output; n: a tuple of n, it first, the rest None), per module
-    of `outer` (the plan's modules outside the blocks) that runs before the first block its output (a meta
-    tensor), per module of `unused` (see `unlisted`) that runs its output (a meta tensor, or what it returns where
-    that is no tensor), and per module of `outer` whose output later stages read (side_values.Tracker) that
-    output's tree spec and leaves. A block that runs twice (a shared layer) is refused."""
+    output holds the running tensor (None: it is the output; n: a tuple of n, it first, the rest None); per module
+    of `outer` (the plan's modules outside the blocks) holding parameters that runs before the first block
+    ("outputs"), per module of `unused` (see `unlisted`) that runs, and per module of `outer` whose output later
+    stages read ("sides", side_values.Tracker), its output as side_values.probed gives it (tree spec, leaves). A
+    block that runs twice (a shared layer) or a block output the forward edits before the next block is refused."""
     layers = model.get_submodule(prefix)
     blocks = [f"{prefix}.{n}" for n, _ in layers.named_children()]
     seen: dict = {"blocks": {}, "outputs": {}, "unused": {}}
@@ -285,7 +285,7 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict, unused: tuple 
 
     def unused_hook(fqn):
         def hook(mod, args, out):
-            seen["unused"][fqn] = out.detach().to("meta") if isinstance(out, torch.Tensor) else type(out).__name__
+            seen["unused"][fqn] = side_values.probed(out)
 
         return hook
 
@@ -365,12 +365,13 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
     for f, out in seen["unused"].items():
         if {f"{f}.{n}" for n, _ in model.get_submodule(f).named_parameters()} <= set(st["params"]):
             continue  # this stage holds them (the planner puts unused parameters somewhere)
-        if not isinstance(out, torch.Tensor):
+        if not all(_tensor_or_shape(v) for v in out[1]):
             raise NotImplementedError(
-                f"module '{f}' runs in the forward, its output never reaching the loss, and returns {out}: a "
-                f"stage cannot stand in for it (no stage holds its parameters)"
+                f"module '{f}' runs in the forward, its output never reaching the loss, and returns "
+                f"{_kinds(out[1])} besides tensors and shape values: a stage cannot stand in for it (no stage holds "
+                f"its parameters)"
             )
-        _replace(root, f, _ghost(model.get_submodule(f), _zeros(pytree.tree_flatten(out)[::-1])))
+        _replace(root, f, _ghost(model.get_submodule(f), _zeros(out)))
     recompute = int(st.get("recompute_blocks", 0))
     for i, f in enumerate(blocks):
         inject, end = i == 0 and not first_stage, i == len(blocks) - 1 and not last_stage
@@ -480,7 +481,7 @@ def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
     """The received activation, its gradient made contiguous (sent back as it is; a channels-last block gives a
     channels-last gradient, which gloo and NCCL do not send). Once per buffer: torch's stage reuses them."""
     if x.requires_grad and not getattr(x, "_autopar_contiguous_grad", False):
-        x.register_hook(lambda g: g.contiguous())
+        x.register_hook(lambda g: None if g is None else g.contiguous())
         x._autopar_contiguous_grad = True
     return x
 

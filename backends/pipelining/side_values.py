@@ -25,6 +25,12 @@ def _tensors(tree) -> list:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def probed(out) -> tuple:
+    """A module's output as a stand-in returns it: its tree spec and leaves, the tensors as meta tensors."""
+    leaves, spec = pytree.tree_flatten(out)
+    return spec, [t.detach().to("meta") if isinstance(t, torch.Tensor) else t for t in leaves]
+
+
 class Tracker(TorchFunctionMode):
     """During the probe forward: `sides` (after it) maps each module before the blocks whose output a block reads
     besides its running tensor, or the forward after the last block, to that output's tree spec and leaves (meta
@@ -55,11 +61,9 @@ class Tracker(TorchFunctionMode):
         def hook(mod, args, out):
             if self.started or not any(True for _ in mod.parameters()):
                 return
-            leaves, spec = pytree.tree_flatten(out)
-            for t in leaves:
-                if isinstance(t, torch.Tensor):
-                    self.marks[t] = {fqn}
-            self.made[fqn] = (spec, [t.detach().to("meta") if isinstance(t, torch.Tensor) else t for t in leaves])
+            for t in _tensors(out):
+                self.marks[t] = {fqn}
+            self.made[fqn] = probed(out)
 
         return hook
 
