@@ -15,6 +15,8 @@ import os
 import subprocess
 import sys
 
+import provenance
+
 CHILD = r"""
 import json, resource, sys, time
 import torch, autopar
@@ -54,7 +56,7 @@ def main():
             f"{r['nodes']} nodes, {r['vars']} vars, peak RSS {r['peak_rss_mb']:.0f} MB",
             flush=True,
         )
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     cmd = "python benchmarks/bench_planning.py " + " ".join(sys.argv[1:])
     by = {r["layers"]: r for r in rows}
     lines = [

@@ -44,6 +44,8 @@ sys.path[:0] = [HERE, os.path.join(ROOT, "tests")]
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
+import provenance  # noqa: E402
+
 
 class LossOf(nn.Module):
     """(input_ids, labels) -> out.loss of a transformers causal LM, with a 4-D additive causal mask."""
@@ -177,9 +179,7 @@ def run_case(build, repeat):
 
 
 def markdown(rows, cmd) -> str:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    commit = provenance.commit()
     lines = [
         "# Planning time of small models and the benchmark configurations",
         "",
@@ -296,9 +296,7 @@ def run_zoo(names, timeout=900, meshes=("8x8", "2x2")) -> dict:
 
 
 def zoo_markdown(rows, cmd) -> str:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    commit = provenance.commit()
     lines = [
         ZOO_SECTION,
         "",
@@ -330,9 +328,7 @@ def zoo_markdown(rows, cmd) -> str:
 
 
 def zoo3d_markdown(rows, cmd, which="2x2x2") -> str:
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
+    commit = provenance.commit()
     names = mesh_of(which)[1]
     cp = ", the cp* dims split the sequence (autopar/strategies/context_parallel.py)"
     meaning = (

@@ -29,6 +29,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import provenance
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -134,7 +136,7 @@ def main(argv=None) -> int:
         "# autopar vs torchtitan's hand plan: Llama-3 debug model (dim 256, 6 layers, 16 heads, vocab 2048)",
         "",
         f"command: `python benchmarks/compare_torchtitan.py --mesh {args.mesh} --batch {args.batch} --seq {args.seq} "
-        f"--cluster {args.cluster}{' --compile' if args.compile else ''}`  commit: `{_commit()}`  machine: "
+        f"--cluster {args.cluster}{' --compile' if args.compile else ''}`  commit: `{provenance.commit()}`  machine: "
         f"{os.cpu_count()} cores, torch {torch.__version__}",
         "",
         f"Mesh (dp={shape[0]}, tp={shape[1]}), cluster model `{args.cluster}`, global batch {args.batch} x seq "
@@ -253,13 +255,6 @@ def main(argv=None) -> int:
     Path(args.out).write_text("\n".join(L) + "\n")
     print("\n".join(L))
     return 0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True).strip()
-    except Exception:
-        return "?"
 
 
 # ---- torch.compile check ----------------------------------------------------------------------------------------

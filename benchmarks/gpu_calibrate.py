@@ -28,12 +28,13 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
 import torch.nn.functional as F
+
+import provenance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -429,8 +430,7 @@ def main(argv=None):
     if dev.type == "cpu" and args.device is None:
         print("gpu_calibrate: no GPU found; calibrating the CPU instead (pass --device cpu to silence this)")
     spec = calibrate(dev, args.quick, args.base)
-    rc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    spec["calibration"]["commit"] = rc.stdout.strip() or "unknown (no git on this machine)"
+    spec["calibration"]["commit"] = provenance.commit()
     spec["calibration"]["command"] = "python benchmarks/gpu_calibrate.py " + " ".join(
         argv if argv is not None else sys.argv[1:]
     )

@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import argparse
 import math
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "third_party")]
+sys.path[:0] = [
+    str(ROOT / "tests"),
+    str(ROOT / "tests" / "third_party"),
+    str(ROOT / "benchmarks"),
+]  # ranks run tests/_dist.py
 
 from _dist import launch  # noqa: E402
+
+import provenance  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "many_ranks.md"
 ATOL, RTOL = 1e-6, 1e-4
@@ -98,13 +103,12 @@ def main(argv=None):
     with tempfile.TemporaryDirectory(prefix="many_ranks_") as tmp:
         res = launch(rank_job, math.prod(shape), [names, shape, dims], Path(tmp), timeout=1800)
     wall = time.time() - t0
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     mesh = " x ".join(f"{d}={n}" for d, n in zip(dims, shape))
     lines = [
         f"## {mesh} ({math.prod(shape)} gloo ranks)",
         "",
         f"`python benchmarks/many_ranks.py --models {a.models} --mesh {a.mesh} --dims {a.dims}` at "
-        f"{commit.stdout.strip()} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; the launch took "
+        f"{provenance.commit()} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; the launch took "
         f"{wall:.0f} s, every rank sharing this machine's cores).",
         "",
         "| model | parallelize s (rank 0) | loss parallel / one device | worst / tolerance | params sharded | "

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,6 +26,8 @@ sys.path.insert(0, str(ROOT / "tests" / "third_party"))
 
 import zoo_check as suite  # noqa: E402
 from zoo import ZOO  # noqa: E402
+
+import provenance  # noqa: E402
 
 LAUNCH_TIMEOUT_S = 3000
 
@@ -107,32 +108,6 @@ def header(dims=suite.DIMS) -> str:
     return "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols)
 
 
-def commit() -> str:
-    try:
-        sha = subprocess.run(
-            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            [
-                "git",
-                "-C",
-                str(ROOT),
-                "status",
-                "--porcelain",
-                "--",
-                "autopar",
-                "passes",
-                "backends",
-                "tests/third_party",
-            ],
-            capture_output=True,
-            text=True,
-        ).stdout.strip()
-        return sha + (" + uncommitted changes" if dirty else "")
-    except OSError:
-        return "unknown"
-
-
 def render(command, sections, commit_id, dims=suite.DIMS) -> str:
     out = [
         "# Third-party model suite\n",
@@ -200,7 +175,7 @@ def main(argv=None):
             ("Diagnostic: keyword-input models wrapped by hand (positional tensors in, .loss out)", recs, wall)
         )
     command = "python benchmarks/models.py" + "".join(f" {x}" for x in (argv if argv is not None else sys.argv[1:]))
-    text = render(command, sections, commit(), dims)
+    text = render(command, sections, provenance.commit(), dims)
     Path(a.out).write_text(text)
     Path(a.out).with_suffix(".json").write_text(
         json.dumps([{"title": t, "records": r, "wall_s": w} for t, r, w in sections], indent=1, default=str)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -30,10 +29,16 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "third_party")]
+sys.path[:0] = [
+    str(ROOT / "tests"),
+    str(ROOT / "tests" / "third_party"),
+    str(ROOT / "benchmarks"),
+]  # ranks run tests/_dist.py
 
 import test_pipeline_models_dist as T  # noqa: E402
 from _dist import launch  # noqa: E402
+
+import provenance  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "pipeline_models.md"
 LAUNCH_TIMEOUT_S = 1800
@@ -249,12 +254,6 @@ def verdict(rec: dict, ranks: list | None) -> None:
         rec["ok"] = True
 
 
-def _commit() -> str:
-    return subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-
-
 def render(recs: list, command: str, wall: float) -> str:
     passed = sum(1 for r in recs if r.get("ok"))
     refused = sum(1 for r in recs if r.get("stage") == "refused")
@@ -265,7 +264,7 @@ def render(recs: list, command: str, wall: float) -> str:
     )
     lines = [
         "# Pipeline parallelism on the third-party zoo" + (", float8 linears" if FLOAT8 else "") + "\n",
-        f"Made by `{command}` at {_commit()} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {wall:.0f} s).\n",
+        f"Made by `{command}` at {provenance.commit()} ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {wall:.0f} s).\n",
         "Each model of `tests/third_party/zoo.py` (built small, random weights, dropout off) planned by "
         "`autopar.plan` on a (2,) mesh named pp (cluster h100, keyword inputs, the schedule pinned; stage cuts and "
         "micro-batches the planner's) and run by `PipelineRunner.step_model` on 2 gloo ranks against one device: "

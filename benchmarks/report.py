@@ -8,8 +8,9 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
+
+import provenance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
@@ -46,25 +47,7 @@ COLUMNS = [
 ]
 
 
-def commit() -> str:
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=HERE)
-    dirty = subprocess.run(
-        [
-            "git",
-            "status",
-            "--porcelain",
-            "--",
-            "autopar",
-            "passes",
-            "backends",
-            "benchmarks",
-            ":(exclude)benchmarks/results",
-        ],  # paths from the repository root, not from here
-        capture_output=True,
-        text=True,
-        cwd=os.path.dirname(HERE),
-    ).stdout.strip()
-    return r.stdout.strip() + ("+uncommitted changes" if dirty else "")
+commit = provenance.commit
 
 
 def _ok(r, key):
