@@ -64,6 +64,27 @@ def test_a_module_output_read_by_every_block_is_a_side_value():
     assert list(seen["sides"]) == ["deberta.encoder.LayerNorm"], seen["sides"]
 
 
+def test_block_outputs_read_later_are_side_values():
+    """T5's first block computes the relative position bias and hands it to the blocks after it, which hand it
+    back as they took it: one side value (`<block>:<index>`), the later blocks' outputs aliases of it (a 4-layer
+    T5, its encoder blocks the layer list). Mixtral's router logits leave its blocks through transformers' output
+    recorders (forward hooks), not their outputs: a stage standing in for a block would not make them. Refused."""
+    import zoo
+
+    zoo.ZOO["t5_4"] = lambda: zoo._seq2seq(
+        "T5ForConditionalGeneration", "T5Config", "T5, 4 layers", vocab_size=zoo.VOCAB, d_model=zoo.HIDDEN, d_kv=16,
+        d_ff=128, num_layers=4, num_heads=4, decoder_start_token_id=0,
+    )  # fmt: skip
+    try:
+        t5 = _probe("t5_4", "encoder.block", ["encoder.embed_tokens", "encoder.final_layer_norm", "decoder", "lm_head"])
+    finally:
+        del zoo.ZOO["t5_4"]
+    assert list(t5["sides"]) == ["encoder.block.0:1"], t5["sides"]
+    assert t5["aliases"] == {f"encoder.block.{i}:1": "encoder.block.0:1" for i in (1, 2, 3)}, t5["aliases"]
+    with pytest.raises(NotImplementedError, match=r"a value made inside block 'model\.layers\.0' is read after it"):
+        _probe("mixtral", "model.layers", ["model.embed_tokens", "model.norm", "lm_head"])
+
+
 def test_a_residual_outside_the_blocks_is_refused():
     """The zoo's checkpointed MLP adds each block's output to its input in the model's forward (h = h + block(h)):
     a stage would hand on the block's output without the residual. Refused, naming the block."""
@@ -80,18 +101,18 @@ def test_index_side_values_are_refused():
     seen = _probe("vitmae", "vit.layers", ["vit.embeddings", "vit.layernorm", "decoder"])
     assert list(seen["sides"]) == ["vit.embeddings"]
     with pytest.raises(NotImplementedError, match=r"module 'vit\.embeddings' makes a torch\.int64 tensor"):
-        side_values.check(seen["sides"], {}, lambda v: True)
+        side_values.check(seen["sides"], lambda v: True)
 
 
 def _loss_error(name, m):
     import inspect
 
     from autopar.backends.pipelining import batch_split
-    from autopar.backends.pipelining.forward_stage import _loss_and_count
+    from autopar.backends.pipelining.batch_split import loss_and_count
 
     model, args, kwargs = _model(name)
     call = dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
-    return batch_split.loss_rows_error(model, call, m, lambda c: _loss_and_count(model, c))
+    return batch_split.loss_rows_error(model, call, m, lambda c: loss_and_count(model, c))
 
 
 def test_a_loss_coupling_the_rows_is_refused():
@@ -102,6 +123,7 @@ def test_a_loss_coupling_the_rows_is_refused():
     assert why is not None and "CLIPModel's loss on 2 rows" in why and "couples the batch's rows" in why, why
     assert _loss_error("llama", 8) is None
     assert _loss_error("llama", 1) is None  # one micro-batch: the local batch's halves (a dp split) are checked
+    assert "output holds an aux_loss" in _loss_error("mixtral", 8)  # its routers' load balancing
 
 
 def test_a_summed_loss_is_refused():
@@ -123,6 +145,6 @@ def test_a_summed_loss_is_refused():
     call = {"x": torch.randn(8, 4), "y": torch.randint(0, 3, (8,))}
     for reduction, refused in (("sum", True), ("mean", False)):
         model = Sum(reduction)
-        loss_of = lambda c: (model(**c), None)
+        loss_of = lambda c: (model(**c), None, False)
         why = batch_split.loss_rows_error(model, call, 4, loss_of)
         assert (why is not None) == refused, (reduction, why)

@@ -32,10 +32,8 @@ import types
 from collections import defaultdict
 
 import torch
-import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from autopar.model_io import pick_loss
 
@@ -70,17 +68,19 @@ def _stand_in_value(value):
 _NOT_HANDED = object()
 
 
-def _skip(template, holder=None, end=False):
+def _skip(fqn, template, holder, seen, recv=False, end=False):
     """Another stage's block: hands its running tensor on, in the block's own tuple or list where it returns one
-    (`template`: that type and the values after the running tensor). On a stage that holds no block, the block
-    just before it hands on the received activation (holder) instead, and the block just after it ends the stage's
-    forward with its running tensor (end)."""
+    (`template`: that type and the values after the running tensor, its side outputs the received ones). On a
+    stage that holds no block, the block just before it hands on the received activation (recv) instead, and the
+    block just after it ends the stage's forward with its running tensor (end)."""
 
     def forward(self, *args, **kwargs):
-        h = holder["recv"] if holder is not None else _hidden_of(args, kwargs)
+        h = holder["recv"] if recv else _hidden_of(args, kwargs)
         if end:
             raise _StageEnd(h)
-        return h if template is None else template[0]((h,) + template[1])
+        if template is None:
+            return h
+        return template[0]((h,) + side_values.received(fqn, template[1], seen["sides"], seen["aliases"], holder))
 
     return forward
 
@@ -141,10 +141,11 @@ def _ghost(mod: nn.Module, forward=None) -> nn.Module:
 
 def check_plan(plan) -> None:
     """Refuse, naming the block, a plan whose forward graph (the representative sub-model's, plan.nodes) carries
-    more than the running tensor between stages: a block value read after it besides its running tensor (an MoE
-    router's logits for the aux loss), a module with parameters run between two blocks, or, in a plan of chained
-    modules (positional inputs), a value made from parameters before the blocks read elsewhere than by the first
-    block (stages running the model's own forward send those on: side_values.py)."""
+    what the stages cannot: a module with parameters run between two blocks, a block's running tensor read after
+    the last block (every hidden state collected), or, in a plan of chained modules (positional inputs), a block
+    value read after it besides its running tensor (an MoE router's logits for the aux loss) or a value made from
+    parameters before the blocks read elsewhere than by the first block (stages running the model's own forward
+    send those on: side_values.py)."""
     prefix = plan.schedule["layer_prefix"]
     pat = re.compile(rf"^{re.escape(prefix)}\.(\d+)(?:\.|$)")
     fw = [n for n in plan.nodes if n.get("kind") == "op" and n.get("phase") == "fw"]
@@ -158,6 +159,7 @@ def check_plan(plan) -> None:
         if any(p in from_params for p, _ in n.get("inputs", [])):
             from_params.add(n["idx"])
     sent, pre_read, end, last = defaultdict(set), set(), max(block), max(block.values())
+    running, after = defaultdict(set), set()
     outside = {n["idx"]: n["target"] for n in plan.nodes if n.get("kind") == "param"}
     outside = {i: f for i, f in outside.items() if not str(f).startswith(prefix + ".")}
     for n in fw:
@@ -178,19 +180,24 @@ def check_plan(plan) -> None:
             if p in block and block[p] != mine:
                 sent[block[p]].add((p, o))
                 if mine is None and n["idx"] > end and block[p] != last:  # read after the blocks: not the last's
-                    raise NotImplementedError(
-                        f"block '{prefix}.{block[p]}''s output is read after the last block (every block's hidden "
-                        f"state collected, a multi-scale head): later stages do not have it (plan-only)"
-                    )
+                    after.add((block[p], (p, o)))
+                elif mine == block[p] + 1:
+                    running[block[p]].add((p, o))
             elif p < start and p not in block and p in from_params and p not in params and n["idx"] > start:
                 pre_read.add((p, o) if mine == first else (p, o, "elsewhere"))
+    sends_sides = plan.meta.get("keyword_inputs")  # side_values.py
+    for b, v in after:  # a running tensor, or (chained stages) any block output, read after the last block
+        if not sends_sides or v in running[b]:
+            raise NotImplementedError(
+                f"block '{prefix}.{b}''s output is read after the last block (every block's hidden state "
+                f"collected, a multi-scale head): later stages do not have it (plan-only)"
+            )
     for b, vals in sent.items():
-        if len(vals) > 1:
+        if len(vals) > 1 and not sends_sides:
             raise NotImplementedError(
                 f"block '{prefix}.{b}' hands {len(vals)} values to what follows it (its running tensor and e.g. an "
                 f"MoE router's logits for an aux loss): a pipeline stage boundary carries one tensor (plan-only)"
             )
-    sends_sides = plan.meta.get("keyword_inputs")
     if not sends_sides and (len({v[:2] for v in pre_read}) > 1 or any(len(v) == 3 for v in pre_read)):
         raise NotImplementedError(
             f"values made from parameters before '{prefix}' are read beyond the first block's running tensor "
@@ -299,11 +306,17 @@ def probe(model: nn.Module, prefix: str, outer: list, call: dict, unused: tuple 
         tracker.close()
         for h in handles:
             h.remove()
-    seen["outputs"], seen["sides"] = tracker.made, tracker.sides
+    seen["outputs"], seen["sides"], seen["aliases"] = tracker.made, tracker.sides, tracker.aliases
     if tracker.between:
         raise NotImplementedError(
             f"the forward computes on block '{tracker.between}''s output before the next block takes it (e.g. a "
             f"residual added outside the blocks of '{prefix}'): a pipeline stage hands a block's output on as it is"
+        )
+    if tracker.escaped:
+        raise NotImplementedError(
+            f"a value made inside block '{tracker.escaped}' is read after it other than through the block's output "
+            f"(a forward hook keeping it, as transformers' output recorders keep MoE router logits): a stage "
+            f"standing in for the block does not make it"
         )
     if len(seen["blocks"]) != len(blocks):
         raise ValueError(f"the model's forward ran {len(seen['blocks'])} of the {len(blocks)} blocks of '{prefix}'")
@@ -334,9 +347,9 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
     # activation where the last block ends)
     end_at = order[0] if not blocks and not last_stage else None
     recv_at = order[-1] if not blocks and not first_stage else None
-    root = _shallow(model)
-    side_values.check(seen["sides"], others, _shape_value)
-    for f in seen["sides"] if first_stage else ():  # its output is sent on with the running tensor
+    root, sides = _shallow(model), seen["sides"]
+    side_values.check(sides, _shape_value)
+    for f in (f for f in sides if f in mine):  # a module's output sent on with the running tensor
         mod = _shallow(model.get_submodule(f))
         mod.forward = types.MethodType(side_values.capture(type(mod).forward, f, holder), mod)
         _replace(root, f, mod)
@@ -344,10 +357,10 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
         if f in mine:
             continue
         old = model.get_submodule(f)
-        if f in seen["sides"]:  # made on the first stage, received
-            new = _ghost(old, side_values.stand_in(seen["sides"][f], f, holder))
+        if f in sides:  # made on the first stage, received
+            new = _ghost(old, side_values.stand_in(sides[f], f, holder))
         elif f.startswith(prefix + "."):
-            fwd = _skip(seen["blocks"].get(f), holder if f == recv_at else None, f == end_at)
+            fwd = _skip(f, seen["blocks"].get(f), holder, seen, f == recv_at, f == end_at)
             new = _ghost(old, fwd)
         elif not any(True for _ in old.parameters()):
             continue  # parameter-free (RoPE tables): every stage computes it
@@ -373,12 +386,15 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
             )
         _replace(root, f, _ghost(model.get_submodule(f), _zeros(out)))
     recompute = int(st.get("recompute_blocks", 0))
+    makes = {key.rpartition(":")[0] for key in sides}
     for i, f in enumerate(blocks):
         inject, end = i == 0 and not first_stage, i == len(blocks) - 1 and not last_stage
-        if inject or end or i < recompute:
-            _replace(root, f, _block(model.get_submodule(f), inject, end, i < recompute, holder))
+        if inject or end or i < recompute or f in makes:
+            _replace(root, f, _block(model.get_submodule(f), f, inject, end, i < recompute, holder, sides))
     _strip_others(root, set(st["params"]), {f for s in plan.stages for f in s["modules"]})
-    root.forward = types.MethodType(_stage_forward(holder, seen["sides"], first_stage, last_stage), root)
+    owner = {f: j for j, s in enumerate(plan.stages) for f in s["modules"]}
+    route = side_values.routes(sides, owner, k, last_stage)
+    root.forward = types.MethodType(_stage_forward(holder, sides, route, last_stage), root)
     have = {n for n, _ in root.named_parameters()}
     if have != set(st["params"]):
         raise ValueError(f"stage {k}: skeleton holds parameters {sorted(have ^ set(st['params']))[:6]} unlike the plan")
@@ -415,9 +431,9 @@ def _replace(root: nn.Module, fqn: str, new: nn.Module) -> None:
     cur._modules[parts[-1]] = new
 
 
-def _block(block: nn.Module, inject: bool, end: bool, recompute: bool, holder: dict) -> nn.Module:
+def _block(block: nn.Module, fqn: str, inject: bool, end: bool, recompute: bool, holder: dict, sides) -> nn.Module:
     """A shallow copy of `block` whose forward takes the received activation (inject), ends the stage's forward
-    with its running tensor (end), or is checkpointed (recompute)."""
+    with its running tensor (end), or is checkpointed (recompute), keeping its side outputs to send."""
     c = _shallow(block)
     run = type(block).forward
 
@@ -433,48 +449,13 @@ def _block(block: nn.Module, inject: bool, end: bool, recompute: bool, holder: d
             out = checkpoint(run, self, *args, use_reentrant=False, **kwargs)
         else:
             out = run(self, *args, **kwargs)
+        side_values.keep(fqn, out, sides, holder)
         if end:
             raise _StageEnd(out if isinstance(out, torch.Tensor) else out[0])
         return out
 
     c.forward = types.MethodType(forward, c)
     return c
-
-
-class _LossCount(TorchFunctionMode):
-    """What a mean-reduced cross_entropy / nll_loss in the last stage's forward divides by (the targets it does not
-    ignore, or their class weights): the micro-batch's loss times it is its sum, and the step divides the sums by
-    the whole batch's count, as one device's mean does. None where the forward makes no such loss or several."""
-
-    def __init__(self):
-        super().__init__()
-        self.found = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (F.cross_entropy, F.nll_loss):
-            a = inspect.signature(func).bind(*args, **kwargs)
-            a.apply_defaults()
-            a = a.arguments
-            t, w = a["target"], a["weight"]
-            plain = a["reduction"] == "mean" and a["size_average"] is None and a["reduce"] is None
-            if plain and not t.is_floating_point():
-                keep = t != a["ignore_index"]
-                self.found.append((w[t.clamp_min(0)] * keep).sum() if w is not None else keep.sum())
-            else:
-                self.found.append(None)
-        return func(*args, **kwargs)
-
-    def count(self):
-        return self.found[0].detach().double() if len(self.found) == 1 and self.found[0] is not None else None
-
-
-def _loss_and_count(model: nn.Module, call: dict) -> tuple:
-    """The model's loss on `call` and what its mean divides by (`_LossCount`; None where not known)."""
-    counter = _LossCount()
-    with counter:
-        out = model(**call)
-    return pick_loss(out, None, type(model).__name__)[0], counter.count()
 
 
 def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
@@ -486,18 +467,18 @@ def _contiguous_grad(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _stage_forward(holder: dict, sides: dict, first: bool, last: bool):
+def _stage_forward(holder: dict, sides: dict, route: tuple, last: bool):
     def forward(self, *recv, **call):
         holder["recv"] = _contiguous_grad(recv[0]) if recv else None
-        holder["got"] = {} if first else side_values.receive(sides, recv[1:], _contiguous_grad)
+        holder["got"] = side_values.receive(sides, route[0], recv[1:], _contiguous_grad)
         holder["made"] = {}
-        counter = _LossCount()
+        counter = batch_split.LossCount()
         try:
             with counter if last else contextlib.nullcontext():
                 out = type(self).forward(self, **call)
         except _StageEnd as e:
             hidden = e.hidden.contiguous()  # sent as it is (gloo and NCCL send contiguous buffers)
-            return (hidden, *side_values.outgoing(sides, holder, first)) if sides else hidden
+            return (hidden, *side_values.outgoing(route[1], holder)) if route[1] else hidden
         finally:
             holder["recv"] = holder["got"] = holder["made"] = None
         if not last:
@@ -529,7 +510,9 @@ def step(runner, args: tuple, kwargs: dict):
         outer = [f for st in plan.stages for f in st["modules"] if not f.startswith(prefix + ".")]
         seen = probe(runner._model, prefix, outer, first, tuple(unlisted(runner._model, plan)))
         if batch_split.is_split(plan):
-            why = batch_split.loss_rows_error(runner._model, call, m, lambda c: _loss_and_count(runner._model, c))
+            why = batch_split.loss_rows_error(
+                runner._model, call, m, lambda c: batch_split.loss_and_count(runner._model, c)
+            )
             runner.refuse_together(
                 NotImplementedError(why) if why else None,
                 lambda: NotImplementedError(
@@ -556,7 +539,7 @@ def no_outputs(schedule) -> dict:
 
 def loss_of_microbatch(runner):
     """The schedule's loss_fn for the model's own loss (shape [1]): its sum over the micro-batch's counted targets
-    (`_LossCount`), or the loss itself where the count is not known (each micro-batch then weighs the same)."""
+    (`batch_split.LossCount`), or the loss itself where the count is not known (each micro-batch then weighs the same)."""
 
     def loss_fn(out, _target):
         c = runner.counts[-1]

@@ -295,7 +295,7 @@ class PipelineRunner:
         if plan.meta.get("keyword_inputs"):  # the model's own forward per stage, built at the first step
             from .forward_stage import loss_of_microbatch
 
-            self.counts = []  # per micro-batch, what the last stage's loss divides by (forward_stage._LossCount)
+            self.counts = []  # per micro-batch, what the last stage's loss divides by (batch_split.LossCount)
             self.loss_fn = loss_of_microbatch(self)
             return
         check_chain(plan)
@@ -448,7 +448,7 @@ class PipelineRunner:
         and every stage runs the model's own forward on them (forward_stage.py). Returns the loss of this rank's
         rows on the ranks holding the last stage (None elsewhere); the gradients are the whole batch's: a
         mean-reduced cross_entropy / nll_loss is divided by the batch's count of targets over the micro-batches and
-        the dp ranks, as on one device (forward_stage._LossCount); another loss weighs each micro-batch the same."""
+        the dp ranks, as on one device (batch_split.LossCount); another loss weighs each micro-batch the same."""
         from . import forward_stage
 
         if not self.plan.meta.get("keyword_inputs"):
