@@ -1,8 +1,8 @@
 """Values a pipeline stage makes from its parameters that later stages read besides the running tensor: before
 the blocks, RoFormer's sinusoidal positions and MPNet's relative position bias handed to every block, the encoder
 output every decoder block of T5 or nn.Transformer cross-attends to, CLIP's image embeddings the loss reads after
-the text blocks; in the blocks, the position bias T5's first block computes and hands to the blocks after it, an
-MoE block's router logits the loss reads. Later stages do not hold those parameters, so such a value travels with
+the text blocks; in the blocks, the position bias T5's first block computes and hands to the blocks after it, or
+router logits an MoE block returns for the loss. Later stages do not hold those parameters, so such a value travels with
 the running tensor: the stage that makes it sends (running tensor, side values...), each later stage receives them,
 its stand-in for the module or block that made them returns them, and it sends them on. The copy it sends on
 carries the next stage's gradient back into the received tensor, where the stage's own reads add theirs, so
