@@ -71,6 +71,24 @@ from .tied import TiedGrads
 from .tp_styles import LOSS_STYLE, _styles, stage_tp_styles
 
 
+def _ties(mod: nn.Module) -> list:
+    """The names of each parameter held under several (MPNet's head bias is its decoder Linear's bias)."""
+    names: dict = {}
+    for n, p in mod.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+    return [ns for ns in names.values() if len(ns) > 1]
+
+
+def _retie(mod: nn.Module, ties: list) -> None:
+    """After parallelize_module: a ParallelStyle replaced a tied parameter under one of its names with a DTensor;
+    the other names get that one too, or their copy would be left out of the forward and get no gradient."""
+    for names in ties:
+        new = next((p for p in map(mod.get_parameter, names) if hasattr(p, "device_mesh")), None)
+        for n in names if new is not None else ():
+            parent, leaf = parent_of(mod, n)
+            parent.register_parameter(leaf, new)
+
+
 class PipelineShapeError(ValueError):
     """A batch whose shape breaks the plan's static micro-batch shapes."""
 
@@ -383,7 +401,9 @@ class PipelineRunner:
         if codes:
             from torch.distributed.tensor.parallel import parallelize_module
 
+            ties = _ties(mod)
             parallelize_module(mod, self.mesh[nm], _styles(codes))
+            _retie(mod, ties)
         return mod
 
     def _data_parallel(self, mod, k):

@@ -43,8 +43,11 @@ class TiedGrads:
             self.names = [back[o] for o in sorted(back)]  # the same tensors in the same order as the first stage
 
     def sum(self, named_parameters) -> None:
-        """All-reduce each tied gradient between the first and the last stage (after the step's backward)."""
+        """All-reduce each tied gradient between the first and the last stage (after the step's backward). A
+        gradient sharded over the stage submesh (tensor parallel: the embedding row-wise on one stage, the head
+        column-wise on the other, local pieces of other shapes) is summed whole and cut back to its placements."""
         import torch.distributed as dist
+        from torch.distributed.tensor import DTensor, Replicate
 
         if self.group is None or not self.names:
             return
@@ -54,4 +57,10 @@ class TiedGrads:
                 g = params[name].grad
                 if g is None:
                     raise RuntimeError(f"tied parameter '{name}' got no gradient on its stage")
-                dist.all_reduce(g.to_local() if hasattr(g, "to_local") else g, group=self.group)
+                if not isinstance(g, DTensor):
+                    dist.all_reduce(g, group=self.group)
+                    continue
+                whole = g.full_tensor()
+                dist.all_reduce(whole, group=self.group)
+                mine = DTensor.from_local(whole, g.device_mesh, [Replicate()] * g.device_mesh.ndim, run_check=False)
+                g.to_local().copy_(mine.redistribute(g.device_mesh, g.placements).to_local())
