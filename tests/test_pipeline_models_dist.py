@@ -22,7 +22,9 @@ them holds no block), mT5 Interleaved1F1B with FSDP2 (the encoder output passed 
 it, which get no gradient for it) and Qwen2-MoE and RoBERTa 1F1B with DDP stages; pp=2 x tp=2, Llama Interleaved1F1B with Megatron's
 placements forced (ParallelStyles inside the stages, attention on local heads), MPNet 1F1B with the planner's own
 tp placements (its head column-wise: the head's tied bias kept tied through parallelize_module, the word embedding
-tied to the first stage's summed whole; side values). Without processes: what a stage
+tied to the first stage's summed whole; side values), Falcon 1F1B (it adds into a row-wise Linear's output in
+place: the styled modules' outputs are the model's own copies) and OPT 1F1B (q/k/v weights Shard(0) with replicated
+biases: column-wise, the biases sharded too). Without processes: what a stage
 boundary cannot carry is refused, naming the block (DeBERTa-v2, PoolFormer; ALBERT's block run twice).
 """
 
@@ -44,7 +46,8 @@ CASES = {
         ("distilbert", "1F1B", None), ("bloom", "1F1B", None), ("swin", "GPipe", None), ("fnet", "1F1B", None),
         ("mpnet", "Interleaved1F1B", None), ("mt5", "1F1B", None)],
     4: [("llama", "Interleaved1F1B", "fsdp"), ("qwen2_moe", "1F1B", None), ("llama", "Interleaved1F1B", "tp"),
-        ("roberta", "1F1B", None), ("mt5", "Interleaved1F1B", "fsdp"), ("mpnet", "1F1B", "tp")],
+        ("roberta", "1F1B", None), ("mt5", "Interleaved1F1B", "fsdp"), ("mpnet", "1F1B", "tp"),
+        ("falcon", "1F1B", "tp"), ("opt", "1F1B", "tp")],
 }  # fmt: skip
 MEGATRON = r"(q_proj|k_proj|v_proj|gate_proj|up_proj|o_proj|down_proj)\.weight$"  # colwise, then rowwise ones
 

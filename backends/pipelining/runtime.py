@@ -28,9 +28,10 @@ residual stream and the tensors PipelineStage sends between stages are whole on 
 reads are too, except where the plan's cross entropy reads them class-sharded (torchtitan's loss_parallel layout:
 the head keeps them sharded and the step runs under torch's loss_parallel(), with the default loss). Where the
 per-op plan places activations otherwise on tp (sequence-parallel norms, a weight gathered before use), the styles
-run it with their own collectives (same values). A placement no style expresses (a
-sharded norm weight, a colwise weight with a replicated bias, ...) raises NotImplementedError naming the stage,
-the parameter and its placement; so does a plan that splits the batch over a non-dp dim, shards activations over
+run it with their own collectives (same values); a colwise weight's replicated bias is sharded with it (same
+values). Each styled module's output is a copy the model owns (models add into it in place). A placement no style
+expresses (a sharded norm weight, a rowwise weight with a sharded bias, ...) raises NotImplementedError naming the
+stage, the parameter and its placement; so does a plan that splits the batch over a non-dp dim, shards activations over
 one on which every parameter is replicated, or uses two such dims. A non-dp dim the plan leaves idle (every
 parameter and activation replicated) runs replicated, as planned.
 
@@ -87,6 +88,13 @@ def _retie(mod: nn.Module, ties: list) -> None:
         for n in names if new is not None else ():
             parent, leaf = parent_of(mod, n)
             parent.register_parameter(leaf, new)
+
+
+def _own_output(mod, args, out):
+    """A ParallelStyle's local output is a view DTensor.to_local() made inside a custom autograd Function, which
+    autograd forbids editing in place; models do (Falcon adds the attention output into the MLP's with +=). A copy
+    the model owns (one activation-size copy per styled module)."""
+    return out.clone() if isinstance(out, torch.Tensor) else out
 
 
 class PipelineShapeError(ValueError):
@@ -404,6 +412,9 @@ class PipelineRunner:
             ties = _ties(mod)
             parallelize_module(mod, self.mesh[nm], _styles(codes))
             _retie(mod, ties)
+            for m, code in codes.items():
+                if code != LOSS_STYLE:
+                    mod.get_submodule(m).register_forward_hook(_own_output)
         return mod
 
     def _data_parallel(self, mod, k):

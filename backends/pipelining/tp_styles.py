@@ -37,7 +37,12 @@ def stage_tp_styles(plan, k: int, mod: nn.Module, t: int, pos_of=None, loss_para
         pls[m][pn] = plan.params[fqn][t]
     cls = {}
     for m, pl in pls.items():
-        c, why = param_style(_kind(m, modules, None, ()), pl, tn, type(modules[m]).__name__)
+        kind = _kind(m, modules, None, ())
+        if kind == "linear" and pl.get("weight") == "S0" and pl.get("bias") == "R":
+            # the replicated bias is added to the sharded output as its local slice: ColwiseParallel shards it
+            # instead, the same values (OPT's and Swin's q/k/v as the stage planner places them)
+            pl = {**pl, "bias": "S0"}
+        c, why = param_style(kind, pl, tn, type(modules[m]).__name__)
         if c is None and why:
             bad = next(n for n, v in pl.items() if v != "R")
             raise NotImplementedError(
