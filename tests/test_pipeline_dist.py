@@ -361,9 +361,10 @@ def test_pipeline_context_parallel_refuses_blocks_that_make_positions():
 
 
 def test_pipeline_tp_refuses_inexpressible_stage_placement():
-    """A stage placement no ParallelStyle expresses is refused with the stage, the parameter and its placement:
-    a tp plan of the MLP model that shards fc1's weight (Shard(0)) but keeps its bias replicated (forced;
-    ColwiseParallel shards both); a norm weight sharded on tp (no style shards an RMSNorm) likewise."""
+    """A stage placement no ParallelStyle expresses is refused with the stage, the parameter and its placement: a
+    tp plan of the MLP model with fc1's weight Shard(1) (rowwise, its bias replicated) and its bias sharded; a norm
+    weight sharded on tp (no style shards an RMSNorm) likewise. fc1's weight Shard(0) with its bias replicated
+    (forced) runs ColwiseParallel, the bias sharded with it: the same values."""
     import autopar
     from autopar import models
     from autopar.backends.pipelining.runtime import build_stage_module
@@ -381,11 +382,15 @@ def test_pipeline_tp_refuses_inexpressible_stage_placement():
         force={"layers.0.fc1.weight": ("S0",), "layers.0.fc1.bias": ("R",)},
     )
     fc1 = next(f for f in plan.stages[0]["params"] if f.endswith("fc1.weight"))
-    assert plan.params[fc1] == ["S0"] and plan.params[fc1[: -len("weight")] + "bias"] == ["R"], plan.params
+    bias = fc1[: -len("weight")] + "bias"
+    assert plan.params[fc1] == ["S0"] and plan.params[bias] == ["R"], plan.params
+    styles = stage_tp_styles(plan, 0, build_stage_module(m, plan, 0), 0, plan.schedule["block_positions"])
+    assert styles[fc1[: -len(".weight")]].startswith("ColwiseParallel("), styles
+    plan.params[fc1], plan.params[bias] = ["S1"], ["S0"]
     with pytest.raises(
         NotImplementedError,
-        match=rf"stage 0: parameter '{fc1}' is placed S0 on the "
-        rf"tensor-parallel stage-mesh dim 'tp'.*bias R",
+        match=rf"stage 0: parameter '{fc1}' is placed S1 on the "
+        rf"tensor-parallel stage-mesh dim 'tp'.*weight S1 but bias S0",
     ):
         stage_tp_styles(plan, 0, build_stage_module(m, plan, 0), 0, plan.schedule["block_positions"])
     m = models.build_model(MODEL, device="meta", n_layers=LAYERS)

@@ -479,6 +479,11 @@ def _stage_forward(holder: dict, sides: dict, route: tuple, last: bool):
         except _StageEnd as e:
             hidden = e.hidden.contiguous()  # sent as it is (gloo and NCCL send contiguous buffers)
             return (hidden, *side_values.outgoing(route[1], holder)) if route[1] else hidden
+        except StopIteration as e:  # next() over an empty iterator, which would end the schedule's own loops
+            raise RuntimeError(
+                f"{type(self).__name__}'s forward on a pipeline stage raised StopIteration, as `next(m.parameters())`"
+                f" does (transformers' `self.dtype`) on a module whose parameters are all on other stages"
+            ) from e
         finally:
             holder["recv"] = holder["got"] = holder["made"] = None
         if not last:
