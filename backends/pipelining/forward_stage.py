@@ -354,27 +354,9 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
         mod.forward = types.MethodType(side_values.capture(type(mod).forward, f, holder), mod)
         _replace(root, f, mod)
     for f, j in others.items():
-        if f in mine:
-            continue
-        old = model.get_submodule(f)
-        if f in sides:  # made on the first stage, received
-            new = _ghost(old, side_values.stand_in(sides[f], f, holder))
-        elif f.startswith(prefix + "."):
-            fwd = _skip(f, seen["blocks"].get(f), holder, seen, f == recv_at, f == end_at)
-            new = _ghost(old, fwd)
-        elif not any(True for _ in old.parameters()):
-            continue  # parameter-free (RoPE tables): every stage computes it
-        elif j > k:  # after the blocks (the last stage's)
-            new = _ghost(old, _unreached(f))
-        elif f in seen["outputs"] and all(_tensor_or_shape(v) for v in seen["outputs"][f][1]):  # before the blocks
-            new = _ghost(old, _zeros(seen["outputs"][f]))
-        else:
-            raise NotImplementedError(
-                f"module '{f}' (stage {j}) runs before the blocks and returns "
-                f"{_kinds(seen['outputs'][f][1]) if f in seen['outputs'] else 'nothing the probe saw'}, not only "
-                f"tensors and shape values: a later stage cannot stand in for it"
-            )
-        _replace(root, f, new)
+        new = None if f in mine else _stand_in(model, f, j > k, prefix, seen, holder, (f == recv_at, f == end_at))
+        if new is not None:
+            _replace(root, f, new)
     for f, out in seen["unused"].items():
         if {f"{f}.{n}" for n, _ in model.get_submodule(f).named_parameters()} <= set(st["params"]):
             continue  # this stage holds them (the planner puts unused parameters somewhere)
@@ -399,6 +381,29 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
     if have != set(st["params"]):
         raise ValueError(f"stage {k}: skeleton holds parameters {sorted(have ^ set(st['params']))[:6]} unlike the plan")
     return root
+
+
+def _stand_in(model, f: str, later: bool, prefix: str, seen: dict, holder: dict, ends: tuple):
+    """The stand-in for module `f` of another stage (`later`: of a stage after this one), or None where this
+    stage runs it as it is (parameter-free: RoPE tables). ends: (f takes the received activation, f ends the
+    stage's forward), for a stage that holds no block."""
+    old = model.get_submodule(f)
+    if f in seen["sides"]:  # made on an earlier stage, received
+        return _ghost(old, side_values.stand_in(seen["sides"][f], f, holder))
+    if f.startswith(prefix + "."):
+        return _ghost(old, _skip(f, seen["blocks"].get(f), holder, seen, *ends))
+    if not any(True for _ in old.parameters()):
+        return None
+    if later:  # after the blocks (the last stage's)
+        return _ghost(old, _unreached(f))
+    made = seen["outputs"].get(f)
+    if made is not None and all(_tensor_or_shape(v) for v in made[1]):  # before the blocks
+        return _ghost(old, _zeros(made))
+    raise NotImplementedError(
+        f"module '{f}' runs before the blocks on another stage and returns "
+        f"{_kinds(made[1]) if made is not None else 'nothing the probe saw'}, not only tensors and shape values: "
+        f"a later stage cannot stand in for it"
+    )
 
 
 def _strip_others(root: nn.Module, want: set, listed: set) -> None:
