@@ -101,18 +101,17 @@ def test_index_side_values_are_refused():
     seen = _probe("vitmae", "vit.layers", ["vit.embeddings", "vit.layernorm", "decoder"])
     assert list(seen["sides"]) == ["vit.embeddings"]
     with pytest.raises(NotImplementedError, match=r"module 'vit\.embeddings' makes a torch\.int64 tensor"):
-        side_values.check(seen["sides"], lambda v: True)
+        side_values.check(seen["sides"])
 
 
 def _loss_error(name, m):
     import inspect
 
     from autopar.backends.pipelining import batch_split
-    from autopar.backends.pipelining.batch_split import loss_and_count
 
     model, args, kwargs = _model(name)
     call = dict(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
-    return batch_split.loss_rows_error(model, call, m, lambda c: loss_and_count(model, c))
+    return batch_split.loss_rows_error(model, call, m)
 
 
 def test_a_loss_coupling_the_rows_is_refused():
@@ -145,6 +144,5 @@ def test_a_summed_loss_is_refused():
     call = {"x": torch.randn(8, 4), "y": torch.randint(0, 3, (8,))}
     for reduction, refused in (("sum", True), ("mean", False)):
         model = Sum(reduction)
-        loss_of = lambda c: (model(**c), None, False)
-        why = batch_split.loss_rows_error(model, call, 4, loss_of)
+        why = batch_split.loss_rows_error(model, call, 4)
         assert (why is not None) == refused, (reduction, why)

@@ -43,9 +43,9 @@ def check_batch_norm(model: nn.Module, plan) -> None:
         )
 
 
-def loss_rows_error(model: nn.Module, call: dict, m: int, loss_of) -> str | None:
+def loss_rows_error(model: nn.Module, call: dict, m: int) -> str | None:
     """Why the loss of the first two micro-batches' rows (the local batch's two halves where m == 1) is not the
-    runtime's combination of each half's loss (`loss_of(call) -> (loss, count or None, holds an aux loss)`), or
+    runtime's combination of each half's loss (`loss_and_count`: weighed by its count of targets), or
     None where it is. A model whose output holds an auxiliary loss (an MoE router's load balancing: products of
     the batch's per-expert means) is refused outright: its share of the loss is far below the tolerance, its
     share of the router's gradient is not.
@@ -63,9 +63,9 @@ def loss_rows_error(model: nn.Module, call: dict, m: int, loss_of) -> str | None
         model.eval()
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            whole, _, aux = loss_of(cut(slice(0, n)))
+            whole, _, aux = loss_and_count(model, cut(slice(0, n)))
             torch.manual_seed(0)
-            parts = [loss_of(cut(slice(0, half))), loss_of(cut(slice(half, n)))]
+            parts = [loss_and_count(model, cut(slice(0, half))), loss_and_count(model, cut(slice(half, n)))]
     finally:
         for mod, training in modes.items():
             mod.training = training

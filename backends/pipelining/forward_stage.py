@@ -62,7 +62,7 @@ def _stand_in_value(value):
     every micro-batch); _NOT_HANDED for anything else (a cache or other object the model may keep using)."""
     if value is None or isinstance(value, torch.Tensor):
         return None
-    return value if _shape_value(value) else _NOT_HANDED
+    return value if side_values.shape_value(value) else _NOT_HANDED
 
 
 _NOT_HANDED = object()
@@ -99,14 +99,8 @@ def _zeros(made: tuple):
     return forward
 
 
-def _shape_value(v) -> bool:
-    """An int, None or a tuple / list of them: what a module derives from its input's shape, alike for every
-    micro-batch of one shape (the pipeline refuses other shapes), so a stand-in may return the probed value."""
-    return v is None or type(v) is int or isinstance(v, (tuple, list)) and all(_shape_value(x) for x in v)
-
-
 def _tensor_or_shape(v) -> bool:
-    return isinstance(v, torch.Tensor) or _shape_value(v)
+    return isinstance(v, torch.Tensor) or side_values.shape_value(v)
 
 
 def _kinds(leaves) -> str:
@@ -348,7 +342,7 @@ def build(model: nn.Module, plan, k: int, seen: dict, holder: dict) -> nn.Module
     end_at = order[0] if not blocks and not last_stage else None
     recv_at = order[-1] if not blocks and not first_stage else None
     root, sides = _shallow(model), seen["sides"]
-    side_values.check(sides, _shape_value)
+    side_values.check(sides)
     for f in (f for f in sides if f in mine):  # a module's output sent on with the running tensor
         mod = _shallow(model.get_submodule(f))
         mod.forward = types.MethodType(side_values.capture(type(mod).forward, f, holder), mod)
@@ -520,9 +514,7 @@ def step(runner, args: tuple, kwargs: dict):
         outer = [f for st in plan.stages for f in st["modules"] if not f.startswith(prefix + ".")]
         seen = probe(runner._model, prefix, outer, first, tuple(unlisted(runner._model, plan)))
         if batch_split.is_split(plan):
-            why = batch_split.loss_rows_error(
-                runner._model, call, m, lambda c: batch_split.loss_and_count(runner._model, c)
-            )
+            why = batch_split.loss_rows_error(runner._model, call, m)
             runner.refuse_together(
                 NotImplementedError(why) if why else None,
                 lambda: NotImplementedError(

@@ -28,6 +28,12 @@ def _tensors(tree) -> list:
     return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def shape_value(v) -> bool:
+    """An int, None or a tuple / list of them: what a module derives from its input's shape, alike for every
+    micro-batch of one shape (the pipeline refuses other shapes), so a stand-in may return the probed value."""
+    return v is None or type(v) is int or isinstance(v, (tuple, list)) and all(shape_value(x) for x in v)
+
+
 def probed(out) -> tuple:
     """A module's output as a stand-in returns it: its tree spec and leaves, the tensors as meta tensors."""
     leaves, spec = pytree.tree_flatten(out)
@@ -151,9 +157,9 @@ def routes(sides: dict, owner: dict, k: int, last: bool) -> tuple[list, list]:
     return [key for key in sides if made[key] < k], [] if last else [key for key in sides if made[key] <= k]
 
 
-def check(sides: dict, is_value) -> None:
+def check(sides: dict) -> None:
     """Refuse a side value the stages cannot send: an integer tensor, or an output holding something other than
-    tensors and shape values (`is_value`)."""
+    tensors and shape values."""
     for key, (_, leaves) in sides.items():
         what = f"block '{key.rpartition(':')[0]}'" if ":" in key else f"module '{key}'"
         index = next((v for v in leaves if isinstance(v, torch.Tensor) and not v.is_floating_point()), None)
@@ -163,7 +169,7 @@ def check(sides: dict, is_value) -> None:
                 f"masking's restore order) that later stages read: torch's pipeline stages infer their shapes by "
                 f"running on uninitialized inputs, out-of-range indices there"
             )
-        odd = next((v for v in leaves if not isinstance(v, torch.Tensor) and not is_value(v)), None)
+        odd = next((v for v in leaves if not isinstance(v, torch.Tensor) and not shape_value(v)), None)
         if odd is not None:
             raise NotImplementedError(
                 f"{what} returns {type(odd).__name__} besides tensors, and later stages read its output: a "
